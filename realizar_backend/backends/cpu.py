@@ -1,0 +1,212 @@
+"""NumPy reference backend: the oracle every GPU kernel is checked against.
+
+Weights are dequantized once at load (through `gguf.quants`, the llama.cpp team's reference) to
+float32, and the forward pass is the textbook transformer, written to be read top to bottom.
+It also serves small models where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..formats import ModelFile
+from ..formats.quants import dequantize
+from ..model.config import ModelConfig
+from .base import PrefillItem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
+
+
+# ---------------------------------------------------------------- math shared with the GPU tests
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + eps)).astype(np.float32) * w
+
+
+def rope_angles(positions: np.ndarray, rope_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    inv = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """x: [T, heads, head_dim]; cos/sin: [T, rope_dim/2]. "normal" rotates adjacent pairs
+    (GGUF llama after llama.cpp's q/k permutation), "neox" rotates the two halves."""
+    half = cos.shape[1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = x.copy()
+    if style == "normal":
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2] = a * c - b * s
+        out[..., 1:2 * half:2] = a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+        out[..., :half] = a * c - b * s
+        out[..., half:2 * half] = a * s + b * c
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,
+              window: int = 0) -> np.ndarray:
+    """q: [T, H, D] at absolute positions q_pos; k, v: [S, KVH, D] for positions 0..S-1.
+    Causal (and sliding-window when window > 0) softmax attention with grouped KV heads."""
+    T, H, D = q.shape
+    kvh = k.shape[1]
+    group = H // kvh
+    qg = q.reshape(T, kvh, group, D)
+    scores = np.einsum("tkgd,skd->kgts", qg, k) * scale            # [KVH, G, T, S]
+    kpos = np.arange(k.shape[0])
+    mask = kpos[None, :] > q_pos[:, None]
+    if window:
+        mask |= kpos[None, :] <= q_pos[:, None] - window
+    scores = np.where(mask[None, None], -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = np.einsum("kgts,skd->tkgd", p, v)
+    return out.reshape(T, H * D).astype(np.float32)
+
+
+# ---------------------------------------------------------------- the backend
+
+class CPUBackend:
+    name = "cpu"
+
+    def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048):
+        self.config: ModelConfig = model.config
+        self.max_slots = max_slots
+        self.max_context = min(max_context, self.config.context_length) if self.config.context_length else max_context
+        c = self.config
+
+        def w(name: str) -> np.ndarray:
+            t = model.tensor(name)
+            return np.ascontiguousarray(dequantize(t.data, t.qtype, t.shape))
+
+        def opt(name: str) -> np.ndarray | None:
+            return w(name) if model.get(name) is not None else None
+
+        self.tok_embd = w("token_embd.weight")
+        self.output = self.tok_embd if c.tie_embeddings else w("output.weight")
+        self.output_norm = w("output_norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(c.n_layers):
+            b = f"blk.{i}."
+            self.layers.append(LayerWeights(
+                attn_norm=w(b + "attn_norm.weight"), wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"),
+                wv=w(b + "attn_v.weight"), wo=w(b + "attn_output.weight"), ffn_norm=w(b + "ffn_norm.weight"),
+                w_gate=w(b + "ffn_gate.weight"), w_up=w(b + "ffn_up.weight"), w_down=w(b + "ffn_down.weight"),
+                bq=opt(b + "attn_q.bias"), bk=opt(b + "attn_k.bias"), bv=opt(b + "attn_v.bias"),
+                q_norm=opt(b + "attn_q_norm.weight"), k_norm=opt(b + "attn_k_norm.weight"),
+                post_attn_norm=opt(b + "post_attention_norm.weight"),
+                post_ffn_norm=opt(b + "post_ffw_norm.weight"),
+            ))
+        self.act = gelu_tanh if c.activation == "gelu_tanh" else silu
+        # KV cache: per slot [layers, context, kv_heads, head_dim]; np.zeros pages in lazily
+        shape = (c.n_layers, self.max_context, c.n_kv_heads, c.head_dim)
+        self.k_cache = [np.zeros(shape, np.float32) for _ in range(max_slots)]
+        self.v_cache = [np.zeros(shape, np.float32) for _ in range(max_slots)]
+        self.lengths = [0] * max_slots
+        log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights",
+                 c.arch, c.n_layers, c.hidden, self.weight_bytes() / 1e6)
+
+    def weight_bytes(self) -> int:
+        total = self.tok_embd.nbytes + (0 if self.output is self.tok_embd else self.output.nbytes)
+        for lw in self.layers:
+            total += sum(a.nbytes for a in vars(lw).values() if isinstance(a, np.ndarray))
+        return total
+
+    # One forward over a batch of segments: segment j is `tokens[j]` for slot `slots[j]`
+    # starting at `starts[j]`. Matmuls run over all tokens at once; attention per segment.
+    def _forward(self, slots: Sequence[int], tokens: Sequence[np.ndarray], starts: Sequence[int]) -> np.ndarray:
+        c = self.config
+        lens = [len(t) for t in tokens]
+        for slot, n, s in zip(slots, lens, starts):
+            if s + n > self.max_context:
+                raise ValueError(f"slot {slot}: position {s + n - 1} is past the context ({self.max_context})")
+        ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
+        pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+        bounds = np.cumsum([0] + lens)
+        x = self.tok_embd[ids] * np.float32(c.embed_scale)
+        T = len(ids)
+        for li, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.attn_norm, c.rms_eps)
+            q, k, v = h @ lw.wq.T, h @ lw.wk.T, h @ lw.wv.T
+            if lw.bq is not None:
+                q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+            q = q.reshape(T, c.n_heads, c.head_dim)
+            k = k.reshape(T, c.n_kv_heads, c.head_dim)
+            v = v.reshape(T, c.n_kv_heads, c.head_dim)
+            if lw.q_norm is not None:
+                q, k = rms_norm(q, lw.q_norm, c.rms_eps), rms_norm(k, lw.k_norm, c.rms_eps)
+            cos, sin = rope_angles(pos, c.rope_dim, c.layer_rope_theta(li))
+            q, k = apply_rope(q, cos, sin, c.rope_style), apply_rope(k, cos, sin, c.rope_style)
+            window = c.sliding_window if c.is_sliding(li) else 0
+            attn = np.empty((T, c.q_dim), np.float32)
+            for j, slot in enumerate(slots):
+                a, b, s = bounds[j], bounds[j + 1], starts[j]
+                kc, vc = self.k_cache[slot][li], self.v_cache[slot][li]
+                kc[s:s + b - a], vc[s:s + b - a] = k[a:b], v[a:b]
+                attn[a:b] = attention(q[a:b], kc[:s + b - a], vc[:s + b - a], pos[a:b], c.scale, window)
+            o = attn @ lw.wo.T
+            if lw.post_attn_norm is not None:
+                o = rms_norm(o, lw.post_attn_norm, c.rms_eps)
+            x = x + o
+            h = rms_norm(x, lw.ffn_norm, c.rms_eps)
+            d = (self.act(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T
+            if lw.post_ffn_norm is not None:
+                d = rms_norm(d, lw.post_ffn_norm, c.rms_eps)
+            x = x + d
+        last = x[bounds[1:] - 1]
+        for slot, n, s in zip(slots, lens, starts):
+            self.lengths[slot] = s + n
+        return (rms_norm(last, self.output_norm, c.rms_eps) @ self.output.T).astype(np.float32)
+
+    def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
+        return self._forward([it.slot for it in items], [it.tokens for it in items],
+                             [it.start_pos for it in items])
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        return self._forward(list(slots), [np.array([t]) for t in tokens], list(positions))
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"graph_status": {}, "pool_bytes": 0, "device_memory_bytes": 0}
+
+    def close(self) -> None:
+        self.k_cache.clear()
+        self.v_cache.clear()

@@ -1,0 +1,59 @@
+"""Typed errors. Every failure a user can cause maps to one of these, never to a bare
+IndexError or KeyError from deep inside a parser."""
+
+from __future__ import annotations
+
+
+class RealizarError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ModelFormatError(RealizarError):
+    """A model file is corrupt, truncated or self-contradictory. Always names the file."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class UnsupportedModelError(RealizarError):
+    """A well-formed model that this package cannot run (architecture, tensor type, layout)."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class RequestError(RealizarError):
+    """A bad request. `status` is the HTTP status the server answers with; `param` names the
+    offending field where there is one (OpenAI's error shape)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+        super().__init__(message)
+
+
+class ContextOverflowError(RequestError):
+    """Prompt plus requested tokens do not fit in the model's context window."""
+
+    def __init__(self, message: str, param: str | None = "max_tokens"):
+        super().__init__(message, status=400, param=param, code="context_length_exceeded")
+
+
+class CapacityError(RealizarError):
+    """The server is full (KV cache or queue); the client should retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class BackendError(RealizarError):
+    """A backend could not be created or failed its self-check."""

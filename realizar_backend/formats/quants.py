@@ -1,0 +1,33 @@
+"""The GGML storage types this package runs, and dequantization through the `gguf` package
+(the llama.cpp team's own reference implementation)."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import quants as gq
+
+# Every type present in the real models of the design, plus the neighbours the design names.
+SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def block_size(qtype: Q) -> int:
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+def type_size(qtype: Q) -> int:
+    return GGML_QUANT_SIZES[qtype][1]
+
+
+def row_bytes(qtype: Q, n_cols: int) -> int:
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    return n_cols // bs * ts
+
+
+def dequantize(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored bytes -> float32 array of `shape`."""
+    if qtype == Q.F32:
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    if qtype == Q.F16:
+        return np.asarray(data).astype(np.float32).reshape(shape)
+    return gq.dequantize(np.asarray(data), qtype).astype(np.float32, copy=False).reshape(shape)

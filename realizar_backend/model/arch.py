@@ -1,0 +1,76 @@
+"""Per-architecture facts: which tensors a block has, which are required, how GGUF lays out
+RoPE pairs. Canonical tensor names are GGUF's (`blk.N.attn_q.weight`); safetensors names are
+mapped onto them at load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    gguf_rope_style: str                 # llama.cpp permutes llama q/k to adjacent pairs
+    block_required: tuple[str, ...]
+    block_optional: tuple[str, ...] = ()
+
+
+_LLAMA_BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                "ffn_down.weight")
+_BIAS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+_QKNORM = ("attn_q_norm.weight", "attn_k_norm.weight")
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", "normal", _LLAMA_BLOCK, _BIAS),
+    "qwen2": ArchSpec("qwen2", "neox", _LLAMA_BLOCK + _BIAS),
+    "qwen3": ArchSpec("qwen3", "neox", _LLAMA_BLOCK + _QKNORM, _BIAS),
+    "gemma3": ArchSpec("gemma3", "neox", _LLAMA_BLOCK + _QKNORM + (
+        "post_attention_norm.weight", "post_ffw_norm.weight")),
+}
+
+# transformers' `architectures` entries -> canonical arch
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
+
+GLOBAL_REQUIRED = ("token_embd.weight", "output_norm.weight")
+GLOBAL_OPTIONAL = ("output.weight",)
+
+
+def supported_list() -> str:
+    return ", ".join(sorted(ARCHITECTURES))
+
+
+def required_tensors(arch: str, n_layers: int) -> list[str]:
+    spec = ARCHITECTURES[arch]
+    names = list(GLOBAL_REQUIRED)
+    for i in range(n_layers):
+        names += [f"blk.{i}.{t}" for t in spec.block_required]
+    return names
+
+
+# Hugging Face parameter names -> canonical (GGUF) names; `{i}` is the layer.
+HF_TO_CANONICAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}

@@ -1,0 +1,76 @@
+"""One Settings object. Nothing else in the package reads the environment: every knob is a
+field here, filled from `REALIZAR_<FIELD>` environment variables or set by the caller."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _parse(kind: Any, raw: str):
+    if kind in (bool, "bool"):
+        v = raw.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    if kind in (int, "int"):
+        return int(raw)
+    if kind in (float, "float"):
+        return float(raw)
+    if kind in ("str | None", "Optional[str]"):
+        return raw or None
+    return raw
+
+
+@dataclass
+class Settings:
+    # model: a path to a .gguf file or a safetensors directory; None = the embedded default
+    model: str | None = None
+    # name reported by /v1/models; default derived from the model file
+    model_name: str | None = None
+    backend: str = "auto"              # auto | cuda | cpu
+    device: int = 0                    # CUDA device ordinal
+    context_length: int = 2048         # per-sequence context (capped by the model's own)
+    max_num_seqs: int = 16             # concurrent sequences (KV-cache slots)
+    kv_cache_tokens: int = 0           # total KV budget in tokens; 0 = max_num_seqs * context_length
+    max_waiting: int = 256             # queued requests beyond which the server answers 503
+    api_key: str | None = None         # when set, requests must carry `Authorization: Bearer <key>`
+    cuda_graphs: bool = True
+    self_check: bool = True            # run kernel self-check at CUDA start-up
+    log_level: str = "INFO"
+    model_cache: str = field(default_factory=lambda: os.path.join(
+        os.path.expanduser("~"), ".cache", "realizar-backend"))
+
+    ENV_PREFIX = "REALIZAR_"
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Settings":
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = cls.ENV_PREFIX + f.name.upper()
+            if key in env:
+                try:
+                    values[f.name] = _parse(f.type, env[key])
+                except ValueError as e:
+                    raise ValueError(f"{key}: {e}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        s = cls(**values)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.backend not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"backend must be auto, cuda or cpu, not {self.backend!r}")
+        for name in ("context_length", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_cache_tokens < 0:
+            raise ValueError("kv_cache_tokens must be >= 0")
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
