@@ -36,6 +36,9 @@ class Backend(Protocol):
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One step for a batch: token i goes to slot i at position i. float32 logits [n, vocab]."""
 
+    def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Greedy step: like decode, but only the argmax ids (int32 [n]) come back."""
+
     def release(self, slot: int) -> None:
         """The slot's sequence is gone; its KV cache may be reused."""
 

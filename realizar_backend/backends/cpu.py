@@ -201,6 +201,9 @@ class CPUBackend:
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         return self._forward(list(slots), [np.array([t]) for t in tokens], list(positions))
 
+    def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        return np.argmax(self.decode(slots, tokens, positions), axis=-1).astype(np.int32)
+
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
 

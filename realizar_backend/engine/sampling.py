@@ -20,7 +20,7 @@ MAX_STOP = 16
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16     # None: up to the end of the context (chat default)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                  # 0 or -1: off
@@ -50,7 +50,8 @@ class SamplingParams:
             if not math.isfinite(v) or not (lo <= v <= hi):
                 bad(param, f"must be between {lo} and {hi}, got {v!r}")
 
-        num("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
+        if self.max_tokens is not None:
+            num("max_tokens", self.max_tokens, 1, 1 << 30, integer=True)
         num("temperature", self.temperature, 0.0, 2.0)
         num("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:

@@ -1,0 +1,107 @@
+"""`realizar bench`: llama-bench-like prefill (pp) and decode (tg) speed on any backend.
+
+Random token ids, so a shape twin measures the same as the real model. Each repetition
+prefills `prompt_tokens` into a fresh slot, then decodes `gen_tokens` greedy steps for `batch`
+sequences at once. Prints a table and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from .backends import PrefillItem, create_backend
+from .formats import open_model
+
+
+def _device_info(backend_name: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor() or platform.machine()}
+    if backend_name == "cuda":
+        import cupy
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        info.update(gpu=props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+                    driver=cupy.cuda.runtime.driverGetVersion(), runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                    cupy=cupy.__version__)
+    return info
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+            "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+
+
+def run_bench(args) -> int:
+    from .model.default import default_model_path
+    from .settings import Settings
+
+    path = args.model or str(default_model_path())
+    mf = open_model(path)
+    batch = max(1, args.batch)
+    ctx = args.prompt_tokens + args.gen_tokens + 1
+    settings = Settings.from_env(model=path, backend=args.backend, max_num_seqs=batch + 1, context_length=ctx)
+    t0 = time.perf_counter()
+    backend = create_backend(mf, settings)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    vocab = mf.config.vocab_size
+
+    def prefill_once(n: int, slot: int) -> float:
+        ids = rng.integers(0, vocab, size=n, dtype=np.int32)
+        t = time.perf_counter()
+        backend.prefill([PrefillItem(slot, ids, 0)])
+        return time.perf_counter() - t
+
+    def decode_once(steps: int) -> float:
+        slots = list(range(batch))
+        for s in slots:                      # a short context to decode after
+            backend.prefill([PrefillItem(s, rng.integers(0, vocab, size=8, dtype=np.int32), 0)])
+        toks = rng.integers(0, vocab, size=batch).tolist()
+        t = time.perf_counter()
+        for i in range(steps):
+            toks = backend.decode_argmax(slots, toks, [8 + i] * batch).tolist()
+        dt = time.perf_counter() - t
+        for s in slots:
+            backend.release(s)
+        return dt
+
+    prefill_once(min(32, args.prompt_tokens), 0)   # warm-up: compilation, graphs, pools
+    backend.release(0)
+    decode_once(min(4, args.gen_tokens))
+    pp, tg = [], []
+    for _ in range(args.repetitions):
+        if args.prompt_tokens:
+            pp.append(args.prompt_tokens / prefill_once(args.prompt_tokens, 0))
+            backend.release(0)
+        if args.gen_tokens:
+            tg.append(batch * args.gen_tokens / decode_once(args.gen_tokens))
+    stats = backend.stats()
+    result = {
+        "model": str(mf.path), "name": mf.name, "arch": mf.config.arch, "quant_mix": mf.quant_mix(),
+        "backend": backend.name, **_device_info(backend.name),
+        "graph_status": stats.get("graph_status", {}),
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "batch": batch,
+        "repetitions": args.repetitions, "load_s": load_s,
+        "pp_tok_s": _summary(pp) if pp else None,
+        "tg_tok_s": _summary(tg) if tg else None,
+        "ms_per_token": (1000.0 * batch / statistics.median(tg)) if tg else None,
+        "peak_device_memory_bytes": stats.get("peak_device_memory_bytes", stats.get("device_memory_bytes", 0)),
+    }
+    backend.close()
+    print(f"| model | backend | batch | test | tok/s (median) | min | max |")
+    print(f"|---|---|---|---|---|---|---|")
+    for name, key, n in (("pp", "pp_tok_s", args.prompt_tokens), ("tg", "tg_tok_s", args.gen_tokens)):
+        r = result[key]
+        if r:
+            print(f"| {mf.name} | {backend.name} | {batch} | {name}{n} | {r['median']:.1f} | "
+                  f"{r['min']:.1f} | {r['max']:.1f} |")
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -1,0 +1,181 @@
+"""`realizar`: serve, generate, bench, inspect, check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .errors import RealizarError
+
+
+def _settings(args, **extra):
+    from .settings import Settings
+    return Settings.from_env(model=getattr(args, "model", None), backend=getattr(args, "backend", None),
+                             context_length=getattr(args, "context_length", None), **extra)
+
+
+def cmd_generate(args) -> int:
+    from .engine.engine import Engine
+    from .engine.sampling import SamplingParams
+
+    engine = Engine.from_settings(_settings(args, max_num_seqs=1))
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
+                                repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+        if args.chat:
+            ids = engine.prepare(None, params, messages=[{"role": "user", "content": args.prompt}])
+        else:
+            ids = engine.prepare(args.prompt, params)
+        out = sys.stdout
+        for piece in engine.generate_sync(ids, params):
+            if piece.text:
+                out.write(piece.text)
+                out.flush()
+        out.write("\n")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _model_path(args) -> Path:
+    from .model.default import default_model_path
+    return Path(args.model) if args.model else default_model_path()
+
+
+def cmd_inspect(args) -> int:
+    from .formats import open_model
+    mf = open_model(_model_path(args))
+    c = mf.config
+    info = {
+        "path": str(mf.path), "format": mf.format, "name": mf.name, "architecture": c.arch,
+        "layers": c.n_layers, "hidden": c.hidden, "heads": c.n_heads, "kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "ffn": c.ffn_dim, "vocab": c.vocab_size, "context_length": c.context_length,
+        "rope": f"{c.rope_style}, theta {c.rope_theta:g}", "tied_embeddings": c.tie_embeddings,
+        "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm,
+        "tokenizer": mf.metadata.get("tokenizer.ggml.model", "tokenizer.json" if mf.tokenizer_json else "?"),
+        "tokenizer_pre": mf.metadata.get("tokenizer.ggml.pre"),
+        "chat_template": bool(mf.metadata.get("tokenizer.chat_template") or mf.tokenizer_config.get("chat_template")),
+        "tensors": len(mf.tensors), "tensor_bytes": mf.total_bytes, "quant_mix": mf.quant_mix(),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            if k == "tensor_bytes":
+                v = f"{v:,} ({v / 2**20:.1f} MiB)"
+            elif k == "quant_mix":
+                v = ", ".join(f"{t} x{n}" for t, n in v.items())
+            print(f"{k:16} {v}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    """Open the model, build the chosen backend (which runs its self-check) and run one step."""
+    import numpy as np
+    from .backends import PrefillItem, create_backend
+    from .formats import open_model
+    mf = open_model(_model_path(args))
+    backend = create_backend(mf, _settings(args, max_num_seqs=1).replace(context_length=64))
+    logits = backend.prefill([PrefillItem(0, np.array([1, 2, 3], dtype=np.int32), 0)])
+    ok = bool(np.isfinite(logits).all())
+    print(f"{mf.path}: {mf.config.arch}, {backend.name} backend, logits finite: {ok}")
+    backend.close()
+    return 0 if ok else 1
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    return run_bench(args)
+
+
+def cmd_serve(args) -> int:
+    """`bentoml serve` of the packaged service, with this command's options as settings."""
+    env = dict(os.environ)
+    if args.model:
+        env["REALIZAR_MODEL"] = str(Path(args.model).resolve())
+    if args.backend:
+        env["REALIZAR_BACKEND"] = args.backend
+    if args.context_length:
+        env["REALIZAR_CONTEXT_LENGTH"] = str(args.context_length)
+    cmd = [sys.executable, "-m", "bentoml", "serve", "realizar_backend.serving.service:Realizar",
+           "--host", args.host, "--port", str(args.port)]
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="realizar", description=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO (default: warnings only)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def model_opts(p, positional=False):
+        if positional:
+            p.add_argument("model", nargs="?", help="a .gguf file or safetensors directory (default: embedded SmolLM2)")
+        else:
+            p.add_argument("--model", help="a .gguf file or safetensors directory (default: embedded SmolLM2)")
+        p.add_argument("--backend", choices=["auto", "cuda", "cpu"])
+        p.add_argument("--context-length", type=int)
+
+    g = sub.add_parser("generate", help="stream a completion to stdout")
+    g.add_argument("prompt")
+    model_opts(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="architecture, dims, tokenizer and quant mix of a model")
+    model_opts(i, positional=True)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("check", help="load a model on a backend and run one step")
+    model_opts(c, positional=True)
+    c.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="prefill and decode speed (llama-bench-like)")
+    model_opts(b)
+    b.add_argument("--prompt-tokens", type=int, default=512)
+    b.add_argument("--gen-tokens", type=int, default=128)
+    b.add_argument("--repetitions", type=int, default=5)
+    b.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
+    b.add_argument("--json", help="write the results as JSON to this file")
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API with BentoML")
+    model_opts(s, positional=True)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=3000)
+    s.set_defaults(func=cmd_serve)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (RealizarError, ValueError) as e:
+        print(f"realizar: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
