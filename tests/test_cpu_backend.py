@@ -1,0 +1,75 @@
+"""The NumPy backend's batching: several sequences in one step give what each gives alone."""
+
+import numpy as np
+import pytest
+
+from realizar_backend.backends.base import PrefillItem
+from realizar_backend.backends.cpu import CPUBackend, apply_rope, attention, rope_angles
+
+
+@pytest.fixture(scope="module")
+def backend(smol_model):
+    return CPUBackend(smol_model, max_slots=9, max_context=128)
+
+
+def test_eight_sequences_decode_in_one_batch_like_alone(backend):
+    rng = np.random.default_rng()
+    vocab = backend.config.vocab_size
+    prompts = [rng.integers(0, vocab, size=int(n), dtype=np.int32) for n in rng.integers(3, 20, size=8)]
+    steps = 6
+    # batched: prefill all eight together, then decode all eight per step
+    first = backend.prefill([PrefillItem(i, p, 0) for i, p in enumerate(prompts)])
+    toks = list(np.argmax(first, axis=-1))
+    batched = []
+    for s in range(steps):
+        logits = backend.decode(list(range(8)), toks, [len(p) + s for p in prompts])
+        batched.append(logits)
+        toks = list(np.argmax(logits, axis=-1))
+    # alone: slot 8, one sequence at a time
+    for i, p in enumerate(prompts):
+        backend.release(8)
+        alone_first = backend.prefill([PrefillItem(8, p, 0)])
+        np.testing.assert_allclose(alone_first[0], first[i], rtol=1e-4, atol=1e-4)
+        tok = int(np.argmax(alone_first[0]))
+        for s in range(steps):
+            logits = backend.decode([8], [tok], [len(p) + s])
+            np.testing.assert_allclose(logits[0], batched[s][i], rtol=1e-4, atol=1e-4)
+            tok = int(np.argmax(logits[0]))
+
+
+def test_prefill_in_two_chunks_equals_one(backend):
+    rng = np.random.default_rng()
+    ids = rng.integers(0, backend.config.vocab_size, size=30, dtype=np.int32)
+    whole = backend.prefill([PrefillItem(0, ids, 0)])
+    backend.release(0)
+    backend.prefill([PrefillItem(0, ids[:17], 0)])
+    chunked = backend.prefill([PrefillItem(0, ids[17:], 17)])
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_styles_rotate_the_pairs_they_name():
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 3, 8)).astype(np.float32)
+    cos, sin = rope_angles(np.arange(5), 8, 10000.0)
+    normal = apply_rope(x, cos, sin, "normal")
+    neox = apply_rope(x, cos, sin, "neox")
+    # a rotation keeps each pair's length: (0,1) for normal, (0,4) for neox
+    np.testing.assert_allclose(np.hypot(normal[..., 0], normal[..., 1]), np.hypot(x[..., 0], x[..., 1]), rtol=1e-5)
+    np.testing.assert_allclose(np.hypot(neox[..., 0], neox[..., 4]), np.hypot(x[..., 0], x[..., 4]), rtol=1e-5)
+    # position 0 is the identity
+    np.testing.assert_allclose(normal[0], x[0])
+    assert not np.allclose(normal[1:], neox[1:])
+
+
+def test_attention_is_causal_and_windowed():
+    rng = np.random.default_rng()
+    q = rng.standard_normal((4, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    out = attention(q, k, v, np.arange(4), 8 ** -0.5)
+    # the first query sees only the first key: its output is that key's value (per KV group)
+    np.testing.assert_allclose(out[0].reshape(4, 8)[0], v[0, 0], rtol=1e-5)
+    np.testing.assert_allclose(out[0].reshape(4, 8)[3], v[0, 1], rtol=1e-5)
+    # window 1: every query sees only itself
+    w1 = attention(q, k, v, np.arange(4), 8 ** -0.5, window=1)
+    np.testing.assert_allclose(w1[3].reshape(4, 8)[0], v[3, 0], rtol=1e-5)
