@@ -1,0 +1,176 @@
+"""The engine on the real SmolLM2 (NumPy backend): batching, sampling, stops, cancel, errors."""
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from realizar_backend.backends.base import PrefillItem
+from realizar_backend.engine.engine import Engine
+from realizar_backend.engine.sampling import SamplingParams
+from realizar_backend.errors import CapacityError, ContextOverflowError, RequestError
+from realizar_backend.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine.from_settings(Settings(backend="cpu", max_num_seqs=4, context_length=256))
+    yield eng
+    eng.shutdown()
+
+
+def run(engine, prompt, **kw):
+    params = SamplingParams(**kw)
+    ids = engine.prepare(prompt, params)
+    outs = list(engine.generate_sync(ids, params))
+    return "".join(o.text for o in outs), outs
+
+
+def test_greedy_engine_equals_plain_backend_loop(engine):
+    text, outs = run(engine, "The capital of France is", max_tokens=10, temperature=0)
+    ids = engine.tokenizer.encode("The capital of France is")
+    be = engine.backend
+    slot = be.max_slots - 1   # the engine is idle: any slot is free
+    logits = be.prefill([PrefillItem(slot, np.array(ids, dtype=np.int32), 0)])[0]
+    want = []
+    for i in range(10):
+        want.append(int(np.argmax(logits)))
+        logits = be.decode([slot], [want[-1]], [len(ids) + i])[0]
+    be.release(slot)
+    assert [t for o in outs for t in o.token_ids] == want
+    assert text == engine.tokenizer.decode(want)
+    assert "Paris" in text
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 10
+
+
+def test_concurrent_requests_match_their_solo_runs(engine):
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(6)]
+    solo = [run(engine, p, max_tokens=8, temperature=0)[0] for p in prompts]
+
+    async def one(p):
+        params = SamplingParams(max_tokens=8, temperature=0)
+        ids = engine.prepare(p, params)
+        return "".join([o.text async for o in engine.generate(ids, params)])
+
+    async def many():
+        sampled = [one(p) for p in prompts]
+        noisy = engine.generate(engine.prepare("Tell me a joke", sp := SamplingParams(
+            max_tokens=8, temperature=1.0, top_p=0.9, seed=3)), sp)
+        return await asyncio.gather(*sampled, _drain(noisy))
+
+    together = asyncio.run(many())
+    assert together[:6] == solo
+
+
+async def _drain(agen):
+    return "".join([o.text async for o in agen])
+
+
+def test_seed_makes_sampling_reproducible(engine):
+    a = run(engine, "Once upon a time", max_tokens=12, temperature=1.0, seed=1234)[0]
+    b = run(engine, "Once upon a time", max_tokens=12, temperature=1.0, seed=1234)[0]
+    others = {run(engine, "Once upon a time", max_tokens=12, temperature=1.0, seed=s)[0] for s in range(4)}
+    assert a == b
+    assert len(others) > 1
+
+
+def test_stop_string_cuts_output_and_finishes(engine):
+    full = run(engine, "The capital of France is", max_tokens=12, temperature=0)[0]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    text, outs = run(engine, "The capital of France is", max_tokens=12, temperature=0, stop=[stop])
+    assert text == full[: full.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_stop_token_id_finishes_without_its_text(engine):
+    _, outs = run(engine, "The capital of France is", max_tokens=10, temperature=0)
+    ids = [t for o in outs for t in o.token_ids]
+    first = ids.index(ids[3])          # the token may already occur earlier
+    text, outs2 = run(engine, "The capital of France is", max_tokens=10, temperature=0, stop_token_ids=[ids[3]])
+    assert outs2[-1].finish_reason == "stop"
+    assert text == engine.tokenizer.decode(ids[:first])
+
+
+def test_logprobs_are_the_models_distribution(engine):
+    _, outs = run(engine, "The capital of France is", max_tokens=3, temperature=0, logprobs=3)
+    for o in outs:
+        (tok_text, lp, top), = o.logprobs
+        assert lp <= 0 and len(top) == 3
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0][1] == pytest.approx(lp)          # greedy: the chosen token is the most likely
+        assert tok_text == top[0][0]
+
+
+def test_cancel_frees_the_slot_at_once(engine):
+    async def go():
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        agen = engine.generate(engine.prepare("Write a long story about a dragon.", params), params)
+        async for _ in agen:
+            break
+        assert engine.stats()["running"] == 1
+        await agen.aclose()
+        for _ in range(100):
+            if engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        return engine.stats()
+    stats = asyncio.run(go())
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.backend.max_slots))
+
+
+def test_more_requests_than_slots_all_complete(engine):
+    async def go():
+        async def one(i):
+            p = SamplingParams(max_tokens=4, temperature=0)
+            outs = [o async for o in engine.generate(engine.prepare(f"Item {i}:", p), p)]
+            return outs[-1].finish_reason, outs[-1].completion_tokens
+        return await asyncio.gather(*[one(i) for i in range(10)])   # 4 slots, 10 requests
+    assert asyncio.run(go()) == [("length", 4)] * 10
+
+
+def test_request_errors_are_typed(engine):
+    with pytest.raises(ContextOverflowError):
+        engine.prepare("hello", SamplingParams(max_tokens=1000))
+    with pytest.raises(ContextOverflowError):
+        engine.prepare("word " * 400, SamplingParams(max_tokens=1))
+    with pytest.raises(RequestError) as e:
+        engine.prepare("hello", SamplingParams(temperature=-1))
+    assert e.value.param == "temperature" and e.value.status == 400
+    with pytest.raises(RequestError):
+        engine.prepare([1, 2, 10**9], SamplingParams())
+    with pytest.raises(RequestError):
+        engine.prepare("", SamplingParams())
+    params = SamplingParams(max_tokens=None)
+    ids = engine.prepare("hello", params)
+    assert params.max_tokens == engine.max_context - len(ids)
+
+
+def test_full_queue_is_a_capacity_error(engine):
+    old = engine.scheduler.max_waiting
+    engine.scheduler.max_waiting = 0
+    try:
+        with pytest.raises(CapacityError):
+            list(engine.generate_sync([1, 2, 3], SamplingParams(max_tokens=1)))
+    finally:
+        engine.scheduler.max_waiting = old
+
+
+def test_cli_generate_streams_only_the_completion():
+    r = subprocess.run([sys.executable, "-m", "realizar_backend.cli", "generate", "The capital of France is",
+                        "--max-tokens", "6", "--backend", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "The capital" not in r.stdout
+
+
+def test_cli_reports_a_bad_model_file_cleanly(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all, just text" * 4)
+    r = subprocess.run([sys.executable, "-m", "realizar_backend.cli", "inspect", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "bad.gguf" in r.stderr and "Traceback" not in r.stderr
