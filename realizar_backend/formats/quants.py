@@ -25,7 +25,8 @@ def row_bytes(qtype: Q, n_cols: int) -> int:
 
 
 def dequantize(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
-    """Stored bytes -> float32 array of `shape`."""
+    """Stored bytes -> float32 array of `shape`. F32/F16 arrive as float arrays; BF16 (from GGUF
+    or safetensors alike) and block quants as uint8 (rows, bytes_per_row), decoded by gguf.quants."""
     if qtype == Q.F32:
         return np.asarray(data, dtype=np.float32).reshape(shape)
     if qtype == Q.F16:
