@@ -72,7 +72,8 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):   # exp(-x) -> inf for very negative x gives the right 0
+        return x / (1.0 + np.exp(-x))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,181 @@
+"""CUDABackend: the Backend protocol on one NVIDIA GPU (CuPy RawKernels, CUDA graphs)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import cupy
+import numpy as np
+
+from ...formats import ModelFile
+from ...settings import Settings
+from ..base import PrefillItem
+from .forward import Forward
+from .kv_cache import KVCache
+from .modules import get_kernels
+from .weights import DeviceWeights
+from .workspace import Workspace, next_pow2
+
+log = logging.getLogger(__name__)
+
+PREFILL_TOKENS = 512   # initial prefill capacity per step; the workspace grows past it on demand
+
+
+class CUDABackend:
+    name = "cuda"
+
+    def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
+                 settings: Settings | None = None):
+        self.settings = settings or Settings()
+        c = self.config = model.config
+        self.max_slots = max_slots
+        self.max_context = min(max_context, c.context_length) if c.context_length else max_context
+        self.device = cupy.cuda.Device(self.settings.device)
+        self.device.use()
+        self.kernels = get_kernels(self.settings.device)
+        if self.settings.self_check:
+            from .selfcheck import run_self_check
+            run_self_check(self.kernels, {w.qtype for w in self._matrix_types(model)}, c)
+        self.weights = DeviceWeights(model)
+        self.kv = KVCache(c, max_slots, self.max_context)
+        self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
+        self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
+        self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.graphs: dict[int, Any] = {}
+        self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")
+                                             for b in self.buckets}
+        self._warned_fallback = False
+        self.ws.listeners.append(self._drop_graphs)
+        self.lengths = [0] * max_slots
+        if not self.settings.cuda_graphs:
+            log.info("cuda graphs disabled by settings: decode runs eager")
+        log.info("cuda backend ready: %s on %s, %d slots x %d context, buckets %s",
+                 c.arch, cupy.cuda.runtime.getDeviceProperties(self.settings.device)["name"].decode(),
+                 max_slots, self.max_context, self.buckets)
+
+    @staticmethod
+    def _matrix_types(model: ModelFile):
+        return [t for n, t in model.tensors.items() if len(t.shape) == 2]
+
+    # ------------------------------------------------------------ graphs
+    def _drop_graphs(self) -> None:
+        self.graphs.clear()
+        for b, s in self.graph_status.items():
+            if s == "captured":
+                self.graph_status[b] = "pending"
+
+    def _run_decode(self, b: int) -> None:
+        status = self.graph_status[b]
+        if status == "captured":
+            self.graphs[b].launch(self.stream)
+            return
+        if status == "pending":
+            # run once eagerly (its results are this step's), then capture for the next steps;
+            # replaying the capture needs nothing from this step but the buffers it reads
+            self.fwd.decode_step(b)
+            try:
+                self.stream.begin_capture()
+                try:
+                    self.fwd.decode_step(b)
+                finally:
+                    graph = self.stream.end_capture()
+                self.graphs[b] = graph
+                self.graph_status[b] = "captured"
+                log.info("cuda graph captured for decode bucket %d", b)
+            except Exception as e:  # capture unsupported here: eager from now on, said once
+                self.graph_status[b] = "eager-fallback"
+                if not self._warned_fallback:
+                    log.warning("cuda graph capture failed (bucket %d): %s; decode runs eager", b, e)
+                    self._warned_fallback = True
+            return
+        self.fwd.decode_step(b)
+
+    # ------------------------------------------------------------ protocol
+    def _check(self, slot: int, last_pos: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
+        if last_pos >= self.max_context or last_pos < 0:
+            raise ValueError(f"slot {slot}: position {last_pos} is past the context ({self.max_context})")
+
+    def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
+        if not items:
+            return np.zeros((0, self.config.vocab_size), np.float32)
+        if len(items) > self.ws.max_rows:
+            out = [self.prefill(items[i:i + self.ws.max_rows]) for i in range(0, len(items), self.ws.max_rows)]
+            return np.concatenate(out)
+        toks, pos, slots, last = [], [], [], []
+        for it in items:
+            t = np.asarray(it.tokens, dtype=np.int32).reshape(-1)
+            if t.size == 0:
+                raise ValueError(f"slot {it.slot}: empty prompt")
+            self._check(it.slot, it.start_pos + t.size - 1)
+            toks.append(t)
+            pos.append(np.arange(it.start_pos, it.start_pos + t.size, dtype=np.int32))
+            slots.append(np.full(t.size, it.slot, np.int32))
+            last.append(sum(x.size for x in toks) - 1)
+        T = sum(t.size for t in toks)
+        with self.device, self.stream:
+            self.ws.ensure(T)
+            self.ws.tokens[:T].set(np.concatenate(toks))
+            self.ws.positions[:T].set(np.concatenate(pos))
+            self.ws.slots[:T].set(np.concatenate(slots))
+            self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
+            self.fwd.prefill_step(T, len(items))
+            logits = self.ws.logits[:len(items)].get()
+        for it, t in zip(items, toks):
+            self.lengths[it.slot] = it.start_pos + t.size
+        return logits
+
+    def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> int:
+        n = len(slots)
+        if not (n == len(tokens) == len(positions)):
+            raise ValueError("slots, tokens and positions must have the same length")
+        if n > self.buckets[-1]:
+            raise ValueError(f"decode batch {n} exceeds max_slots {self.max_slots}")
+        for s, p in zip(slots, positions):
+            self._check(int(s), int(p))
+        b = next(x for x in self.buckets if x >= n)
+        # pad to the bucket with the scratch slot so the captured launch sequence fits
+        sl = np.full(b, self.kv.scratch_slot, np.int32)
+        tk = np.zeros(b, np.int32)
+        ps = np.zeros(b, np.int32)
+        sl[:n], tk[:n], ps[:n] = slots, tokens, positions
+        self.ws.tokens[:b].set(tk)
+        self.ws.positions[:b].set(ps)
+        self.ws.slots[:b].set(sl)
+        self._run_decode(b)
+        for s, p in zip(slots, positions):
+            self.lengths[int(s)] = int(p) + 1
+        return n
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        with self.device, self.stream:
+            n = self._decode(slots, tokens, positions)
+            return self.ws.logits[:n].get()
+
+    def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Greedy step: the argmax is taken on the GPU, only 4 bytes per sequence come back."""
+        with self.device, self.stream:
+            n = self._decode(slots, tokens, positions)
+            return self.ws.argmax[:n].get()
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def stats(self) -> dict[str, Any]:
+        free, total = cupy.cuda.runtime.memGetInfo()
+        # buckets not yet run report nothing; the rest: captured | eager-fallback | disabled
+        return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
+                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes),
+                "device_memory_bytes": int(total - free)}
+
+    def close(self) -> None:
+        with self.device:
+            self.stream.synchronize()
+            self.graphs.clear()
+            self.weights.close()
+            self.kv.close()
+            cupy.get_default_memory_pool().free_all_blocks()
+

@@ -1,0 +1,88 @@
+"""Kernel loading: every kernels/*.cu compiled once per process and device with cupy.RawModule,
+and one dispatch table per quant type (GGML type -> RawKernel) for each templated family."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import cupy
+from gguf import GGMLQuantizationType as Q
+
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+FILES = ("gemv.cu", "dequant.cu", "norm.cu", "rope.cu", "attention.cu", "elementwise.cu")
+
+
+@dataclass(frozen=True)
+class QInfo:
+    suffix: str          # kernel name suffix: gemv_<suffix>
+    block: int           # weights per block
+    block_bytes: int
+
+
+# The GPU's quant table: every type in the four real models plus the neighbours the design names.
+QTYPES: dict[Q, QInfo] = {
+    Q.F32: QInfo("f32", 1, 4),
+    Q.F16: QInfo("f16", 1, 2),
+    Q.BF16: QInfo("bf16", 1, 2),
+    Q.Q4_0: QInfo("q4_0", 32, 18),
+    Q.Q4_1: QInfo("q4_1", 32, 20),
+    Q.Q5_0: QInfo("q5_0", 32, 22),
+    Q.Q5_1: QInfo("q5_1", 32, 24),
+    Q.Q8_0: QInfo("q8_0", 32, 34),
+    Q.Q4_K: QInfo("q4_k", 256, 144),
+    Q.Q5_K: QInfo("q5_k", 256, 176),
+    Q.Q6_K: QInfo("q6_k", 256, 210),
+}
+
+
+def _source(name: str) -> str:
+    # common.cuh is pasted in rather than #included: CuPy's on-disk kernel cache is keyed by the
+    # source text, so an edit to the header must change the key of every file that uses it.
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    return (KERNEL_DIR / name).read_text().replace('#include "common.cuh"', common)
+
+
+class Kernels:
+    """All RawKernels of one device. Attributes are plain functions; per-type families are dicts
+    keyed by GGML type, looked up once at weight-index time, never in the hot loop."""
+
+    def __init__(self, device_id: int):
+        dev = cupy.cuda.Device(device_id)
+        cc = dev.compute_capability
+        opts = ("-std=c++17", f"-DREALIZAR_CC={cc}")
+        with dev:
+            mods = {f: cupy.RawModule(code=_source(f), options=opts) for f in FILES}
+            self.gemv = {q: mods["gemv.cu"].get_function("gemv_" + i.suffix) for q, i in QTYPES.items()}
+            self.ffn_gate_up = {q: mods["gemv.cu"].get_function("ffn_gate_up_" + i.suffix) for q, i in QTYPES.items()}
+            self.dequant = {q: mods["dequant.cu"].get_function("dequant_" + i.suffix) for q, i in QTYPES.items()}
+            self.embed = {q: mods["dequant.cu"].get_function("embed_" + i.suffix) for q, i in QTYPES.items()}
+            self.rms_norm = mods["norm.cu"].get_function("rms_norm")
+            self.rope_kv = mods["rope.cu"].get_function("rope_kv")
+            self.attn_decode = mods["attention.cu"].get_function("attn_decode")
+            self.epilogue = mods["elementwise.cu"].get_function("epilogue")
+            self.act_mul = mods["elementwise.cu"].get_function("act_mul")
+            self.gather_rows = mods["elementwise.cu"].get_function("gather_rows")
+            self.argmax_rows = mods["elementwise.cu"].get_function("argmax_rows")
+            # force compilation and module load now, so capture never loads a module
+            for fn in (self.rms_norm, self.rope_kv, self.attn_decode, self.epilogue, self.act_mul,
+                       self.gather_rows, self.argmax_rows, *self.gemv.values(),
+                       *self.ffn_gate_up.values(), *self.dequant.values(), *self.embed.values()):
+                _ = fn.attributes
+        log.info("cuda kernels: %d files compiled for compute capability %s", len(FILES), cc)
+
+
+_cache: dict[int, Kernels] = {}
+_lock = threading.Lock()
+
+
+def get_kernels(device_id: int = 0) -> Kernels:
+    with _lock:
+        k = _cache.get(device_id)
+        if k is None:
+            k = _cache[device_id] = Kernels(device_id)
+        return k

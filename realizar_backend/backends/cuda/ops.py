@@ -1,0 +1,99 @@
+"""Launch helpers: one function per kernel, typed arguments (pointers as uint64, ints as int32),
+shared by the forward pass, the start-up self-check and the GPU tests, so the tests exercise the
+exact launches the model runs. Arrays are passed as device pointers (int); shapes and strides
+are in elements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .modules import QTYPES, Kernels
+
+_U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
+GEMV_WARPS, GEMV_MAXB, ATT_WARPS, ATT_MAXD = 4, 8, 8, 256   # must match the .cu defines
+
+
+@dataclass
+class WeightRef:
+    """A matrix in raw GGUF blocks on the GPU: rows x cols, `row_bytes` per row."""
+    name: str
+    qtype: object
+    ptr: int
+    rows: int
+    cols: int
+    row_bytes: int
+
+
+def row_bytes(qtype, cols: int) -> int:
+    info = QTYPES[qtype]
+    return cols // info.block * info.block_bytes
+
+
+def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
+         bias: int = 0, accumulate: bool = False) -> None:
+    grid = ((w.rows + GEMV_WARPS - 1) // GEMV_WARPS, (nb + GEMV_MAXB - 1) // GEMV_MAXB)
+    k.gemv[w.qtype](grid, (GEMV_WARPS * 32,),
+                    (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(x), _I32(xs),
+                     _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate))))
+
+
+def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int,
+                nb: int, act: int) -> None:
+    grid = ((wg.rows + GEMV_WARPS - 1) // GEMV_WARPS, (nb + GEMV_MAXB - 1) // GEMV_MAXB)
+    k.ffn_gate_up[wg.qtype](grid, (GEMV_WARPS * 32,),
+                            (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(wg.cols),
+                             _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(nb), _I32(act)))
+
+
+def dequant(k: Kernels, w: WeightRef, out: int, os: int) -> None:
+    total = w.rows * ((w.cols + 31) // 32)
+    k.dequant[w.qtype](((total + 255) // 256,), (256,),
+                       (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(out), _I64(os)))
+
+
+def embed(k: Kernels, w: WeightRef, tokens: int, n: int, scale: float, out: int, os: int) -> None:
+    nu = (w.cols + 31) // 32
+    k.embed[w.qtype](((nu + 127) // 128, n), (128,),
+                     (_U64(w.ptr), _I64(w.row_bytes), _I32(w.cols), _U64(tokens), _I32(n), _F32(scale),
+                      _U64(out), _I32(os)))
+
+
+def rms_norm(k: Kernels, x: int, xs: int, w: int, out: int, os: int, rows: int, width: int,
+             eps: float, add: bool = False) -> None:
+    threads = 256 if width >= 256 else max(32, (width + 31) // 32 * 32)
+    k.rms_norm((rows,), (threads,), (_U64(x), _I32(xs), _U64(w), _U64(out), _I32(os), _I32(rows),
+                                     _I32(width), _F32(eps), _I32(int(add))))
+
+
+def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kcache: int, vcache: int,
+            ctx: int, H: int, KVH: int, D: int, rope_dim: int, theta: float, neox: bool, n: int) -> None:
+    k.rope_kv((n, H + KVH), (128,),
+              (_U64(q), _U64(kk), _U64(v), _U64(positions), _U64(slots), _U64(kcache), _U64(vcache),
+               _I32(ctx), _I32(H), _I32(KVH), _I32(D), _I32(rope_dim), _F32(theta), _I32(int(neox)), _I32(n)))
+
+
+def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int, positions: int,
+              ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int) -> None:
+    k.attn_decode((n, H), (ATT_WARPS * 32,),
+                  (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
+                   _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n)))
+
+
+def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:
+    total = rows * cols
+    k.epilogue(((total + 255) // 256,), (256,),
+               (_U64(y), _U64(t), _U64(bias), _I32(rows), _I32(cols), _I32(int(accumulate))))
+
+
+def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
+    k.act_mul(((n + 255) // 256,), (256,), (_U64(g), _U64(u), _U64(a), _I64(n), _I32(act)))
+
+
+def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) -> None:
+    k.gather_rows(((width + 255) // 256, n), (256,), (_U64(src), _U64(idx), _U64(dst), _I32(n), _I32(width)))
+
+
+def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int) -> None:
+    k.argmax_rows((rows,), (1024,), (_U64(x), _I32(xs), _I32(cols), _U64(out), _I32(rows)))

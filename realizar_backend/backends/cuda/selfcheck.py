@@ -1,0 +1,241 @@
+"""NumPy twins of every kernel, and checks that run a kernel on fresh random inputs (outputs
+poisoned with NaN first) and return its relative error against the twin in float64.
+
+Used three ways: the start-up self-check (settings.self_check; refuse to start on any
+disagreement), the GPU tests (many shapes, odd ones included), and by hand on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import cupy
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from ...errors import BackendError
+from ...formats.quants import dequantize
+from ...model.config import ModelConfig
+from ..cpu import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
+from . import ops
+from .modules import QTYPES, Kernels
+from .ops import WeightRef
+
+log = logging.getLogger(__name__)
+
+TOL = 1e-3
+# byte offsets of the f16 scale fields inside each block (kept finite and small, as in real files)
+_SCALE_OFFSETS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
+                  Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# ------------------------------------------------------------------ random inputs
+def random_weight(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """A random matrix as a GGUF file stores it (what Tensor.data holds)."""
+    if qtype == Q.F32:
+        return rng.standard_normal((rows, cols)).astype(np.float32)
+    if qtype == Q.F16:
+        return rng.standard_normal((rows, cols)).astype(np.float16)
+    if qtype == Q.BF16:
+        f = rng.standard_normal((rows, cols)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, cols * 2)
+    info = QTYPES[qtype]
+    nblk = rows * cols // info.block
+    blocks = rng.integers(0, 256, size=(nblk, info.block_bytes), dtype=np.uint8)
+    for o in _SCALE_OFFSETS[qtype]:
+        sc = (rng.random(nblk) * 0.02 + 0.005).astype(np.float16)
+        blocks[:, o:o + 2] = sc.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, ops.row_bytes(qtype, cols))
+
+
+def upload_weight(qtype, host: np.ndarray, name: str = "w") -> tuple[WeightRef, cupy.ndarray]:
+    dev = cupy.asarray(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    rows = host.shape[0]
+    cols = host.shape[1] if qtype in (Q.F32, Q.F16) else host.shape[1] // QTYPES[qtype].block_bytes * QTYPES[qtype].block
+    return WeightRef(name, qtype, dev.data.ptr, rows, cols, ops.row_bytes(qtype, cols)), dev
+
+
+def _nan(shape, dtype=np.float32) -> cupy.ndarray:
+    return cupy.full(shape, np.nan, dtype)
+
+
+def _dev(a: np.ndarray) -> cupy.ndarray:
+    return cupy.asarray(np.ascontiguousarray(a))
+
+
+def _ptr(a: cupy.ndarray | None) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+# ------------------------------------------------------------------ checks (return rel. error)
+def check_gemv(k: Kernels, qtype, N: int, K: int, nb: int, rng, bias: bool = False, accumulate: bool = False) -> float:
+    host = random_weight(qtype, N, K, rng)
+    w, keep = upload_weight(qtype, host)
+    x = rng.standard_normal((nb, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32) if bias else None
+    y0 = rng.standard_normal((nb, N)).astype(np.float32)
+    y = _dev(y0) if accumulate else _nan((nb, N))
+    bd, xd = (_dev(b) if bias else None), _dev(x)
+    ops.gemv(k, w, xd.data.ptr, K, y.data.ptr, N, nb, _ptr(bd), accumulate)
+    ref = x.astype(np.float64) @ dequantize(host, qtype, (N, K)).astype(np.float64).T
+    if bias:
+        ref += b
+    if accumulate:
+        ref += y0
+    return rel_err(y.get(), ref)
+
+
+def check_ffn(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> float:
+    hg, hu = random_weight(qtype, N, K, rng), random_weight(qtype, N, K, rng)
+    (wg, kg), (wu, ku) = upload_weight(qtype, hg), upload_weight(qtype, hu)
+    x = rng.standard_normal((nb, K)).astype(np.float32)
+    xd, a = _dev(x), _nan((nb, N))
+    ops.ffn_gate_up(k, wg, wu, xd.data.ptr, K, a.data.ptr, N, nb, act)
+    x64 = x.astype(np.float64)
+    g = x64 @ dequantize(hg, qtype, (N, K)).astype(np.float64).T
+    u = x64 @ dequantize(hu, qtype, (N, K)).astype(np.float64).T
+    return rel_err(a.get(), (gelu_tanh(g) if act else silu(g)) * u)
+
+
+def check_dequant(k: Kernels, qtype, N: int, K: int, rng) -> float:
+    host = random_weight(qtype, N, K, rng)
+    w, keep = upload_weight(qtype, host)
+    out = _nan((N, K))
+    ops.dequant(k, w, out.data.ptr, K)
+    return rel_err(out.get(), dequantize(host, qtype, (N, K)))
+
+
+def check_embed(k: Kernels, qtype, V: int, K: int, n: int, scale: float, rng) -> float:
+    host = random_weight(qtype, V, K, rng)
+    w, keep = upload_weight(qtype, host)
+    tok = rng.integers(0, V, n).astype(np.int32)
+    td, out = _dev(tok), _nan((n, K))
+    ops.embed(k, w, td.data.ptr, n, scale, out.data.ptr, K)
+    return rel_err(out.get(), dequantize(host, qtype, (V, K))[tok].astype(np.float64) * scale)
+
+
+def check_rms_norm(k: Kernels, rows: int, width: int, add: bool, rng, eps: float = 1e-6) -> float:
+    x = rng.standard_normal((rows, width)).astype(np.float32) * 3
+    w = (1 + 0.1 * rng.standard_normal(width)).astype(np.float32)
+    y0 = rng.standard_normal((rows, width)).astype(np.float32)
+    xd, wd = _dev(x), _dev(w)
+    out = _dev(y0) if add else _nan((rows, width))
+    ops.rms_norm(k, xd.data.ptr, width, wd.data.ptr, out.data.ptr, width, rows, width, eps, add)
+    ref = rms_norm(x, w, eps).astype(np.float64) + (y0 if add else 0)
+    return rel_err(out.get(), ref)
+
+
+def check_rope_kv(k: Kernels, n: int, H: int, KVH: int, D: int, neox: bool, theta: float, rng,
+                  ctx: int = 64, n_slots: int = 3) -> float:
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    kk = rng.standard_normal((n, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((n, KVH, D)).astype(np.float32)
+    # distinct (slot, position) per row so no two rows write one cache row
+    cells = rng.choice(n_slots * ctx, size=n, replace=False)
+    slots, pos = (cells // ctx).astype(np.int32), (cells % ctx).astype(np.int32)
+    qd, kd, vd = _dev(q), _dev(kk), _dev(v)
+    kc, vc = _nan((n_slots, ctx, KVH, D), np.float16), _nan((n_slots, ctx, KVH, D), np.float16)
+    pd, sd = _dev(pos), _dev(slots)
+    ops.rope_kv(k, qd.data.ptr, kd.data.ptr, vd.data.ptr, pd.data.ptr, sd.data.ptr, kc.data.ptr, vc.data.ptr,
+                ctx, H, KVH, D, D, theta, neox, n)
+    cos, sin = rope_angles(pos, D, theta)
+    style = "neox" if neox else "normal"
+    rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
+    kc_h, vc_h = kc.get(), vc.get()
+    errs = [rel_err(qd.get(), rq), rel_err(kd.get(), rk),
+            rel_err(kc_h[slots, pos], rk.astype(np.float16)), rel_err(vc_h[slots, pos], v.astype(np.float16))]
+    return max(errs)
+
+
+def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, rng,
+                    n_slots: int = 3) -> float:
+    kc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    vc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    slots = rng.integers(0, n_slots, n).astype(np.int32)
+    pos = rng.integers(0, ctx, n).astype(np.int32)
+    pos[0] = ctx - 1                       # the longest row always present
+    scale = D ** -0.5
+    qd, kd, vd, sd, pd = _dev(q), _dev(kc), _dev(vc), _dev(slots), _dev(pos)
+    out = _nan((n, H * D))
+    ops.attention(k, qd.data.ptr, out.data.ptr, kd.data.ptr, vd.data.ptr, sd.data.ptr, pd.data.ptr,
+                  ctx, H, KVH, D, scale, window, n)
+    ref = np.concatenate([
+        attention(q[t:t + 1].astype(np.float64), kc[slots[t], :pos[t] + 1].astype(np.float64),
+                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
+        for t in range(n)])
+    return rel_err(out.get(), ref)
+
+
+def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
+    """Fraction of rows whose GPU argmax differs from np.argmax (ties included: first wins)."""
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[0, :] = 1.0                          # a row of ties: index 0 must win
+    if cols > 7:
+        x[-1, [3, cols - 1]] = 50.0        # a tie at the top between two far-apart indices
+    xd, out = _dev(x), cupy.full(rows, -1, cupy.int32)
+    ops.argmax_rows(k, xd.data.ptr, cols, cols, out.data.ptr, rows)
+    return float(np.mean(out.get() != np.argmax(x, axis=1)))
+
+
+def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
+    """epilogue (bias + residual), act_mul (both activations), gather_rows."""
+    t = rng.standard_normal((rows, cols)).astype(np.float32)
+    b = rng.standard_normal(cols).astype(np.float32)
+    y0 = rng.standard_normal((rows, cols)).astype(np.float32)
+    td, bd, y = _dev(t), _dev(b), _dev(y0)
+    ops.epilogue(k, y.data.ptr, td.data.ptr, bd.data.ptr, rows, cols, True)
+    errs = [rel_err(y.get(), y0.astype(np.float64) + t + b)]
+    y2 = _nan((rows, cols))
+    ops.epilogue(k, y2.data.ptr, td.data.ptr, 0, rows, cols, False)
+    errs.append(rel_err(y2.get(), t))
+    u = rng.standard_normal((rows, cols)).astype(np.float32)
+    ud = _dev(u)
+    for act in (0, 1):
+        a = _nan((rows, cols))
+        ops.act_mul(k, td.data.ptr, ud.data.ptr, a.data.ptr, rows * cols, act)
+        g = t.astype(np.float64)
+        errs.append(rel_err(a.get(), (gelu_tanh(g) if act else silu(g)) * u))
+    idx = rng.integers(0, rows, max(1, rows // 2)).astype(np.int32)
+    dst, idd = _nan((idx.size, cols)), _dev(idx)
+    ops.gather_rows(k, td.data.ptr, idd.data.ptr, dst.data.ptr, idx.size, cols)
+    errs.append(rel_err(dst.get(), t[idx]))
+    return max(errs)
+
+
+# ------------------------------------------------------------------ start-up self-check
+def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None) -> dict[str, float]:
+    """Every kernel the model uses once on small random data; BackendError on any disagreement."""
+    rng = np.random.default_rng(seed)
+    errs: dict[str, float] = {}
+    for qt in sorted(qtypes, key=int):
+        if qt not in QTYPES:
+            continue  # DeviceWeights names the unsupported tensor
+        K = 2 * max(QTYPES[qt].block, 32) + (3 if QTYPES[qt].block == 1 else 0)
+        errs[f"gemv_{qt.name}"] = check_gemv(k, qt, 37, K, 3, rng, bias=True)
+        errs[f"ffn_gate_up_{qt.name}"] = check_ffn(k, qt, 37, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
+        errs[f"dequant_{qt.name}"] = check_dequant(k, qt, 5, K, rng)
+        errs[f"embed_{qt.name}"] = check_embed(k, qt, 11, K, 4, 1.5, rng)
+    D = cfg.head_dim
+    errs["rms_norm"] = check_rms_norm(k, 3, cfg.hidden, False, rng)
+    errs["rms_norm_add"] = check_rms_norm(k, 3, D, True, rng)
+    errs["rope_kv"] = check_rope_kv(k, 3, cfg.n_heads, cfg.n_kv_heads, D, cfg.rope_style == "neox",
+                                    cfg.rope_theta, rng)
+    errs["attention"] = check_attention(k, 3, cfg.n_heads, cfg.n_kv_heads, D, 40, 0, rng)
+    errs["argmax"] = check_argmax(k, 3, 1000, rng)
+    errs["glue"] = check_glue(k, 4, 70, rng)
+    cupy.cuda.Device().synchronize()
+    bad = {n: e for n, e in errs.items() if not e <= TOL}
+    if bad:
+        raise BackendError("cuda self-check failed, refusing to start: " +
+                           ", ".join(f"{n} rel.err {e:.3g}" for n, e in bad.items()))
+    log.info("cuda self-check passed: %d kernels, worst rel.err %.2e", len(errs), max(errs.values()))
+    return errs

@@ -1,0 +1,154 @@
+"""GPU-resident weights: every matrix's raw GGUF blocks uploaded once into one arena, and an
+index per layer (device pointers, types, shapes) so the forward pass never formats a name or
+looks a tensor up in a dict. Norm weights and biases (tiny) are stored as float32 vectors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from ...errors import UnsupportedModelError
+from ...formats import ModelFile, Tensor
+from ...formats.quants import dequantize
+from .modules import QTYPES
+from .ops import ATT_MAXD, WeightRef, row_bytes
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 256   # every tensor starts 256-byte aligned: the decoders rely on 16-byte loads
+
+
+@dataclass
+class LayerIndex:
+    attn_norm: int
+    wq: WeightRef
+    wk: WeightRef
+    wv: WeightRef
+    wo: WeightRef
+    ffn_norm: int
+    w_gate: WeightRef
+    w_up: WeightRef
+    w_down: WeightRef
+    bq: int = 0            # 0 = none (a null pointer for the kernels)
+    bk: int = 0
+    bv: int = 0
+    q_norm: int = 0
+    k_norm: int = 0
+    post_attn_norm: int = 0
+    post_ffn_norm: int = 0
+    fused_ffn: bool = True  # gate and up share type and shape: one fused launch
+    theta: float = 0.0
+    window: int = 0
+
+
+class DeviceWeights:
+    def __init__(self, model: ModelFile):
+        self.model = model
+        self.config = model.config
+        self.arena: cupy.ndarray | None = None
+        self.vectors: list[cupy.ndarray] = []
+        self.layers: list[LayerIndex] = []
+        self.total_bytes = 0
+        self.max_matrix_elems = 0   # largest layer matrix, for the prefill dequantize buffer
+        self._plan: list[tuple[Tensor, int]] = []
+        self._check_and_plan()
+        self.upload()
+
+    # ------------------------------------------------------------ validation and layout
+    def _check_and_plan(self) -> None:
+        c, m = self.config, self.model
+        if c.head_dim % 32 or c.head_dim > ATT_MAXD:
+            raise UnsupportedModelError(m.path, f"head_dim {c.head_dim}: the GPU attention kernel needs a "
+                                                f"multiple of 32 up to {ATT_MAXD}")
+        if c.rope_dim > c.head_dim or c.rope_dim % 2:
+            raise UnsupportedModelError(m.path, f"rope dimension {c.rope_dim} with head_dim {c.head_dim}")
+        off = 0
+        for name in self._matrix_names():
+            t = m.tensor(name)
+            info = QTYPES.get(t.qtype)
+            if info is None:
+                raise UnsupportedModelError(m.path, f"tensor {name}: type {t.type_name} has no GPU kernel")
+            if len(t.shape) != 2 or t.shape[1] % info.block:
+                raise UnsupportedModelError(m.path, f"tensor {name}: shape {t.shape} is not a matrix of "
+                                                    f"whole {t.type_name} blocks")
+            if t.nbytes != t.shape[0] * row_bytes(t.qtype, t.shape[1]):
+                raise UnsupportedModelError(m.path, f"tensor {name}: {t.nbytes} bytes for shape {t.shape}")
+            self._plan.append((t, off))
+            off += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            if name.startswith("blk."):
+                self.max_matrix_elems = max(self.max_matrix_elems, t.shape[0] * t.shape[1])
+        self.total_bytes = off
+
+    def _matrix_names(self) -> list[str]:
+        names = ["token_embd.weight"]
+        if not self.config.tie_embeddings:
+            names.append("output.weight")
+        for i in range(self.config.n_layers):
+            names += [f"blk.{i}.{s}.weight" for s in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                       "ffn_gate", "ffn_up", "ffn_down")]
+        return names
+
+    # ------------------------------------------------------------ upload (idempotent)
+    def upload(self) -> None:
+        if self.arena is not None:
+            return
+        t0 = time.perf_counter()
+        log.info("cuda: uploading %.1f MB of quantized weights (%d matrices)", self.total_bytes / 1e6, len(self._plan))
+        self.arena = cupy.empty(self.total_bytes, dtype=cupy.uint8)
+        refs: dict[str, WeightRef] = {}
+        done, next_report = 0, 0.25
+        for t, off in self._plan:
+            host = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+            self.arena[off:off + host.size].set(host)
+            refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, t.shape[0], t.shape[1],
+                                     row_bytes(t.qtype, t.shape[1]))
+            done += host.size
+            if done >= next_report * self.total_bytes:
+                log.info("cuda: upload %d%%", int(100 * done / self.total_bytes))
+                next_report += 0.25
+        self._build_index(refs)
+        cupy.cuda.Device().synchronize()
+        log.info("cuda: weights resident: %.1f MB in %.2f s", self.total_bytes / 1e6, time.perf_counter() - t0)
+
+    def _vec(self, name: str, required: bool = True) -> int:
+        t = self.model.get(name)
+        if t is None:
+            if required:
+                self.model.tensor(name)  # raises ModelFormatError naming the tensor
+            return 0
+        arr = cupy.asarray(dequantize(t.data, t.qtype, (int(np.prod(t.shape)),)).astype(np.float32))
+        self.vectors.append(arr)
+        self.total_bytes += arr.nbytes
+        return arr.data.ptr
+
+    def _build_index(self, refs: dict[str, WeightRef]) -> None:
+        c = self.config
+        self.tok_embd = refs["token_embd.weight"]
+        self.output = self.tok_embd if c.tie_embeddings else refs["output.weight"]
+        self.output_norm = self._vec("output_norm.weight")
+        for i in range(c.n_layers):
+            b = f"blk.{i}."
+            lw = LayerIndex(
+                attn_norm=self._vec(b + "attn_norm.weight"), wq=refs[b + "attn_q.weight"],
+                wk=refs[b + "attn_k.weight"], wv=refs[b + "attn_v.weight"], wo=refs[b + "attn_output.weight"],
+                ffn_norm=self._vec(b + "ffn_norm.weight"), w_gate=refs[b + "ffn_gate.weight"],
+                w_up=refs[b + "ffn_up.weight"], w_down=refs[b + "ffn_down.weight"],
+                bq=self._vec(b + "attn_q.bias", False), bk=self._vec(b + "attn_k.bias", False),
+                bv=self._vec(b + "attn_v.bias", False),
+                q_norm=self._vec(b + "attn_q_norm.weight", False), k_norm=self._vec(b + "attn_k_norm.weight", False),
+                post_attn_norm=self._vec(b + "post_attention_norm.weight", False),
+                post_ffn_norm=self._vec(b + "post_ffw_norm.weight", False),
+                theta=c.layer_rope_theta(i), window=c.sliding_window if c.is_sliding(i) else 0,
+            )
+            lw.fused_ffn = (lw.w_gate.qtype == lw.w_up.qtype and lw.w_gate.rows == lw.w_up.rows
+                            and lw.w_gate.cols == lw.w_up.cols)
+            self.layers.append(lw)
+
+    def close(self) -> None:
+        self.arena = None
+        self.vectors.clear()
+        self.layers.clear()

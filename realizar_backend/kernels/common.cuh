@@ -1,0 +1,257 @@
+// Shared by every kernel family: integer types (NVRTC has no <cstdint>), fp16 conversion
+// without <cuda_fp16.h> (so NVRTC needs no toolkit headers), warp reductions, and the
+// GGUF block decoders.
+//
+// Decoding unit: 32 consecutive weights of one row ("unit" u covers columns 32u .. 32u+31).
+// Every GGUF block type is a whole number of units (32-element blocks: one unit; 256-element
+// K-quant super-blocks: eight), so GEMV, dequantize and embedding kernels are one template over
+// the type, and any row length the format allows works (hidden 896 = 28 units).
+#pragma once
+
+#ifndef INFINITY  // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// ggml type numbers (gguf.GGMLQuantizationType)
+#define QT_F32 0
+#define QT_F16 1
+#define QT_Q4_0 2
+#define QT_Q4_1 3
+#define QT_Q5_0 6
+#define QT_Q5_1 7
+#define QT_Q8_0 8
+#define QT_Q4_K 12
+#define QT_Q5_K 13
+#define QT_Q6_K 14
+#define QT_BF16 30
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// Blocks of 18/22/34/210 bytes are only 2-byte aligned: read them 16 bits at a time.
+__device__ __forceinline__ u32 ld16(const u8* p) { return *(const u16*)p; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ float gelu_tanh_f(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+__device__ __forceinline__ float act_f(float g, int act) { return act ? gelu_tanh_f(g) : silu_f(g); }
+
+// ------------------------------------------------------------------ block decoders
+// load_unit<QT>(row, u, K, w): w[0..31] = columns 32u..32u+31 of `row` (raw GGUF bytes).
+// K only matters for the float types, whose rows may end inside a unit (tail reads as 0).
+
+template <int QT> __device__ __forceinline__ void load_unit(const u8* __restrict__ row, int u, int K, float (&w)[32]);
+
+template <> __device__ __forceinline__ void load_unit<QT_F32>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {
+    const float* r = (const float*)row + 32 * u;
+    int nv = K - 32 * u;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i] = i < nv ? r[i] : 0.0f;
+}
+
+template <> __device__ __forceinline__ void load_unit<QT_F16>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {
+    const u16* r = (const u16*)row + 32 * u;
+    int nv = K - 32 * u;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i] = i < nv ? h2f(r[i]) : 0.0f;
+}
+
+template <> __device__ __forceinline__ void load_unit<QT_BF16>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {
+    const u16* r = (const u16*)row + 32 * u;
+    int nv = K - 32 * u;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) w[i] = i < nv ? bf2f(r[i]) : 0.0f;
+}
+
+// Q4_0: {f16 d; u8 qs[16]} ; w = (q - 8) * d, low nibbles first then high nibbles
+template <> __device__ __forceinline__ void load_unit<QT_Q4_0>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + u * 18;
+    float d = h2f(ld16(b));
+#pragma unroll
+    for (int j = 0; j < 16; j += 2) {
+        u32 q2 = ld16(b + 2 + j);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            u32 q = (q2 >> (8 * k)) & 0xFF;
+            w[j + k] = ((int)(q & 15) - 8) * d;
+            w[j + k + 16] = ((int)(q >> 4) - 8) * d;
+        }
+    }
+}
+
+// Q4_1: {f16 d, m; u8 qs[16]} ; w = q * d + m
+template <> __device__ __forceinline__ void load_unit<QT_Q4_1>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + u * 20;
+    float d = h2f(ld16(b)), m = h2f(ld16(b + 2));
+    const u32* qs = (const u32*)(b + 4);  // 20-byte blocks keep 4-byte alignment
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 q4 = qs[i];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            u32 q = (q4 >> (8 * k)) & 0xFF;
+            w[4 * i + k] = (q & 15) * d + m;
+            w[4 * i + k + 16] = (q >> 4) * d + m;
+        }
+    }
+}
+
+// Q5_0: {f16 d; u8 qh[4]; u8 qs[16]} ; fifth bit j from qh bit j (low half) / j+16 (high half)
+template <> __device__ __forceinline__ void load_unit<QT_Q5_0>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + u * 22;
+    float d = h2f(ld16(b));
+    u32 qh = ld16(b + 2) | (ld16(b + 4) << 16);
+#pragma unroll
+    for (int j = 0; j < 16; j += 2) {
+        u32 q2 = ld16(b + 6 + j);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            int jj = j + k;
+            u32 q = (q2 >> (8 * k)) & 0xFF;
+            u32 h0 = ((qh >> jj) << 4) & 0x10, h1 = (qh >> (jj + 12)) & 0x10;
+            w[jj] = ((int)((q & 15) | h0) - 16) * d;
+            w[jj + 16] = ((int)((q >> 4) | h1) - 16) * d;
+        }
+    }
+}
+
+// Q5_1: {f16 d, m; u8 qh[4]; u8 qs[16]}
+template <> __device__ __forceinline__ void load_unit<QT_Q5_1>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + u * 24;
+    float d = h2f(ld16(b)), m = h2f(ld16(b + 2));
+    u32 qh = *(const u32*)(b + 4);
+    const u32* qs = (const u32*)(b + 8);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 q4 = qs[i];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            int jj = 4 * i + k;
+            u32 q = (q4 >> (8 * k)) & 0xFF;
+            u32 h0 = ((qh >> jj) << 4) & 0x10, h1 = (qh >> (jj + 12)) & 0x10;
+            w[jj] = ((q & 15) | h0) * d + m;
+            w[jj + 16] = ((q >> 4) | h1) * d + m;
+        }
+    }
+}
+
+// Q8_0: {f16 d; i8 qs[32]}
+template <> __device__ __forceinline__ void load_unit<QT_Q8_0>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + u * 34;
+    float d = h2f(ld16(b));
+#pragma unroll
+    for (int j = 0; j < 32; j += 2) {
+        u32 q2 = ld16(b + 2 + j);
+        w[j] = (float)(i8)(q2 & 0xFF) * d;
+        w[j + 1] = (float)(i8)(q2 >> 8) * d;
+    }
+}
+
+// K-quant 6-bit scale/min pair j of 8, packed in 12 bytes (llama.cpp get_scale_min_k4)
+__device__ __forceinline__ void scale_min_k4(int j, const u8* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q4_K: {f16 d, dmin; u8 scales[12]; u8 qs[128]} (144 bytes, 16-byte aligned blocks).
+// Sub-block j uses qs[32*(j/2) ..] low nibbles (j even) or high nibbles (j odd).
+template <> __device__ __forceinline__ void load_unit<QT_Q4_K>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + (u >> 3) * 144;
+    int j = u & 7;
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    int sc, m;
+    scale_min_k4(j, b + 4, sc, m);
+    float d1 = d * sc, m1 = dmin * m;
+    const uint4* q = (const uint4*)(b + 16 + 32 * (j >> 1));
+    uint4 a = q[0], c = q[1];
+    u32 words[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    int sh = (j & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[4 * i + k] = ((words[i] >> (8 * k + sh)) & 15) * d1 - m1;
+}
+
+// Q5_K: {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} (176 bytes); fifth bit j of qh[l]
+template <> __device__ __forceinline__ void load_unit<QT_Q5_K>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + (u >> 3) * 176;
+    int j = u & 7;
+    float d = h2f(ld16(b)), dmin = h2f(ld16(b + 2));
+    int sc, m;
+    scale_min_k4(j, b + 4, sc, m);
+    float d1 = d * sc, m1 = dmin * m;
+    const uint4* q = (const uint4*)(b + 48 + 32 * (j >> 1));
+    const uint4* h = (const uint4*)(b + 16);
+    uint4 a = q[0], c = q[1], ha = h[0], hc = h[1];
+    u32 words[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    u32 hw[8] = {ha.x, ha.y, ha.z, ha.w, hc.x, hc.y, hc.z, hc.w};
+    int sh = (j & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            u32 ql = (words[i] >> (8 * k + sh)) & 15;
+            u32 qh = (hw[i] >> (8 * k + j)) & 1;
+            w[4 * i + k] = (ql | (qh << 4)) * d1 - m1;
+        }
+}
+
+// Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} (210 bytes, 2-byte aligned).
+// Unit j: half h = j/4 and quarter k = j%4 of llama.cpp's dequantize_row_q6_K loop.
+template <> __device__ __forceinline__ void load_unit<QT_Q6_K>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
+    const u8* b = row + (u >> 3) * 210;
+    int j = u & 7, h = j >> 2, k = j & 3;
+    float d = h2f(ld16(b + 208));
+    const u8* ql = b + 64 * h + (k & 1) * 32;
+    const u8* qh = b + 128 + 32 * h;
+    const i8* sc = (const i8*)(b + 192) + 8 * h + 2 * k;
+    int nsh = (k >> 1) * 4, hsh = 2 * k;
+    float d0 = d * sc[0], d1 = d * sc[1];
+#pragma unroll
+    for (int l = 0; l < 32; l += 2) {
+        u32 q2 = ld16(ql + l), h2 = ld16(qh + l);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            int lo = ((q2 >> (8 * e)) >> nsh) & 15;
+            int hi = ((h2 >> (8 * e)) >> hsh) & 3;
+            w[l + e] = (float)((lo | (hi << 4)) - 32) * (l < 16 ? d0 : d1);
+        }
+    }
+}

@@ -1,0 +1,64 @@
+// Small glue kernels: the GEMM-path epilogue (bias / residual), activation * up for the
+// prefill FFN, row gather (each prefill item's last hidden state), and greedy argmax.
+#include "common.cuh"
+
+// y[r, c] = (accumulate ? y[r, c] : 0) + t[r, c] + (bias ? bias[c] : 0)
+extern "C" __global__ void epilogue(float* y, const float* __restrict__ t, const float* __restrict__ bias,
+                                    int rows, int cols, int accumulate) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    int c = (int)(i % cols);
+    float v = t[i] + (bias ? bias[c] : 0.0f);
+    y[i] = accumulate ? y[i] + v : v;
+}
+
+// a = act(g) * u, elementwise over n values (act 0 = SiLU, 1 = GELU-tanh)
+extern "C" __global__ void act_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ a,
+                                   long long n, int act) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) a[i] = act_f(g[i], act) * u[i];
+}
+
+// dst[b, :] = src[idx[b], :]
+extern "C" __global__ void gather_rows(const float* __restrict__ src, const int* __restrict__ idx,
+                                       float* __restrict__ dst, int n, int width) {
+    int b = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < n && c < width) dst[(long long)b * width + c] = src[(long long)idx[b] * width + c];
+}
+
+// out[r] = first index of the maximum of row r (NaN never wins); one block of 1024 per row.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int cols, int* __restrict__ out, int rows) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (long long)r * xs;
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xr[i];
+        if (v > best) { best = v; bi = i; }  // strided walk: first hit per thread is its lowest index
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+    }
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) { sv[wid] = best; si[wid] = bi; }
+    __syncthreads();
+    if (wid == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        best = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+        }
+        if (lane == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
+    }
+}

@@ -1,0 +1,106 @@
+"""Every CUDA kernel against its NumPy twin (backends/cuda/selfcheck.py) on fresh random inputs
+at several shapes, odd ones included, with outputs poisoned with NaN before the launch."""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-3
+BLOCK32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+KQUANT = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FLOATS = [Q.F32, Q.F16, Q.BF16]
+# (N rows, K cols): hidden 896 (28 units), 576, 1536, and a 7-unit row; K-quants at 1, 6, 9, 35
+# super-blocks; float types at row lengths no block size divides
+SHAPES = {**{q: [(1, 896), (33, 576), (151, 1536), (896, 224)] for q in BLOCK32},
+          **{q: [(1, 256), (33, 1536), (151, 2304), (64, 8960)] for q in KQUANT},
+          **{q: [(1, 1), (33, 37), (151, 896), (7, 1000)] for q in FLOATS}}
+CASES = [(q, n, k) for q, shapes in SHAPES.items() for n, k in shapes]
+
+
+def _id(c):
+    return f"{c[0].name}-{c[1]}x{c[2]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("nb", [1, 3, 11])
+def test_gemv(kernels, rng, case, nb):
+    from realizar_backend.backends.cuda.selfcheck import check_gemv
+    q, n, k = case
+    err = check_gemv(kernels, q, n, k, nb, rng)
+    print(f"gemv {q.name} {n}x{k} batch {nb}: rel.err {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("q", BLOCK32 + KQUANT + FLOATS, ids=lambda q: q.name)
+def test_gemv_bias_and_residual(kernels, rng, q):
+    from realizar_backend.backends.cuda.selfcheck import check_gemv
+    k = 512 if q in KQUANT else 96
+    assert check_gemv(kernels, q, 45, k, 5, rng, bias=True) <= TOL
+    assert check_gemv(kernels, q, 45, k, 9, rng, accumulate=True) <= TOL
+
+
+@pytest.mark.parametrize("q", BLOCK32 + KQUANT + FLOATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
+def test_ffn_gate_up(kernels, rng, q, act):
+    from realizar_backend.backends.cuda.selfcheck import check_ffn
+    k = 1536 if q in KQUANT else 896
+    for nb in (1, 9):
+        assert check_ffn(kernels, q, 131, k, nb, act, rng) <= TOL
+
+
+@pytest.mark.parametrize("q", BLOCK32 + KQUANT + FLOATS, ids=lambda q: q.name)
+def test_dequant_and_embed(kernels, rng, q):
+    from realizar_backend.backends.cuda.selfcheck import check_dequant, check_embed
+    k = 2304 if q in KQUANT else (896 if q in BLOCK32 else 37)
+    assert check_dequant(kernels, q, 19, k, rng) <= 1e-6
+    assert check_embed(kernels, q, 50, k, 7, 25.3, rng) <= 1e-6
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (5, 896), (3, 1536), (28, 64), (9, 256), (4, 1000)])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm(kernels, rng, rows, width, add):
+    from realizar_backend.backends.cuda.selfcheck import check_rms_norm
+    assert check_rms_norm(kernels, rows, width, add, rng) <= TOL
+
+
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+def test_rope_kv(kernels, rng, H, KVH, D, neox):
+    from realizar_backend.backends.cuda.selfcheck import check_rope_kv
+    for theta in (10000.0, 1000000.0):
+        assert check_rope_kv(kernels, 7, H, KVH, D, neox, theta, rng, ctx=600) <= TOL
+
+
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("ctx,window", [(1, 0), (77, 0), (300, 0), (700, 512)])
+def test_attention(kernels, rng, H, KVH, D, ctx, window):
+    from realizar_backend.backends.cuda.selfcheck import check_attention
+    err = check_attention(kernels, 5, H, KVH, D, ctx, window, rng)
+    print(f"attention H{H}/{KVH} D{D} ctx {ctx} window {window}: rel.err {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (3, 151936), (5, 1000), (2, 7)])
+def test_argmax(kernels, rng, rows, cols):
+    from realizar_backend.backends.cuda.selfcheck import check_argmax
+    assert check_argmax(kernels, rows, cols, rng) == 0.0
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (4, 70), (33, 8960)])
+def test_glue_kernels(kernels, rng, rows, cols):
+    from realizar_backend.backends.cuda.selfcheck import check_glue
+    assert check_glue(kernels, rows, cols, rng) <= TOL
+
+
+def test_self_check_runs_for_every_model_type(kernels):
+    from realizar_backend.backends.cuda.selfcheck import run_self_check
+    from realizar_backend.model.config import ModelConfig
+    cfg = ModelConfig(arch="gemma3", n_layers=1, hidden=640, n_heads=4, n_kv_heads=1, head_dim=256,
+                      ffn_dim=2048, vocab_size=1000, context_length=512, rms_eps=1e-6, rope_theta=1e6,
+                      rope_style="neox", rope_dim=256, tie_embeddings=True, qkv_bias=False, qk_norm=True,
+                      activation="gelu_tanh")
+    errs = run_self_check(kernels, set(BLOCK32 + KQUANT + FLOATS), cfg)
+    assert max(errs.values()) <= TOL
