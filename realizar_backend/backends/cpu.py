@@ -209,7 +209,7 @@ class CPUBackend:
         self.lengths[slot] = 0
 
     def stats(self) -> dict[str, Any]:
-        return {"graph_status": {}, "pool_bytes": 0, "device_memory_bytes": 0}
+        return {"graph_status": {"all": "disabled"}, "pool_bytes": 0, "device_memory_bytes": 0}
 
     def close(self) -> None:
         self.k_cache.clear()

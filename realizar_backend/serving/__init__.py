@@ -1,0 +1,1 @@
+"""HTTP serving: OpenAI-compatible routes and Prometheus metrics."""

@@ -1,0 +1,164 @@
+"""Every Prometheus metric of the server, in one place.
+
+The metrics are plain `prometheus_client` objects. BentoML runs its workers in Prometheus
+multiprocess mode (it sets PROMETHEUS_MULTIPROC_DIR before a worker imports the service) and
+its own /metrics endpoint aggregates every metric written to that directory, so ours appear on
+BentoML's /metrics next to its `bentoml_*` ones without a second endpoint. That is also why
+nothing here imports prometheus_client at module level: the import must happen after BentoML
+has set the directory, i.e. when the service instance is created (`get_metrics()`).
+
+`Metrics` is the engine's observer (see engine.EngineObserver): the engine calls it when a
+sequence finishes, per output token and after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PREFIX = "realizar_"
+
+# Buckets sized for LLM serving: sub-10 ms GPU token intervals up to minute-long CPU requests.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+PROMPT_BUCKETS = tuple(float(2 ** i) for i in range(0, 18))      # 1 .. 131072 tokens
+
+GRAPH_STATUSES = ("captured", "eager-fallback", "disabled")
+
+# (name, documentation): the public list, also used by the docs and the tests
+COUNTERS = {
+    "requests_total": "Finished sequences by finish reason (stop, length, abort, error)",
+    "request_errors_total": "Requests answered with an HTTP error, by status code",
+    "prompt_tokens_total": "Prompt tokens prefilled",
+    "generation_tokens_total": "Tokens generated",
+    "graph_replays_total": "CUDA graph replays of the decode step",
+    "graph_captures_total": "CUDA graph captures of the decode step",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": "Time from arrival to the first generated token",
+    "time_per_output_token_seconds": "Time between consecutive output tokens of one sequence",
+    "e2e_request_latency_seconds": "Time from arrival to the end of a sequence",
+    "prompt_length_tokens": "Prompt length of finished sequences",
+}
+GAUGES = {
+    "requests_running": "Sequences in the running batch",
+    "requests_waiting": "Sequences queued for a KV-cache slot",
+    "kv_cache_usage_ratio": "Fraction of the KV-cache budget in use (0..1)",
+    "decode_tokens_per_second": "Recent decode throughput over all running sequences",
+    "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
+    "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
+    "gpu_memory_used_bytes": "Device memory in use by this process",
+}
+
+
+class Metrics:
+    """The server's metrics; implements the engine's observer protocol."""
+
+    def __init__(self, registry=None):
+        import prometheus_client as pc
+
+        kw: dict[str, Any] = {} if registry is None else {"registry": registry}
+        p = PREFIX
+        # Counters and histograms sum naturally over worker processes.
+        self.requests = pc.Counter(p + "requests", COUNTERS["requests_total"], ["finish_reason"], **kw)
+        self.request_errors = pc.Counter(p + "request_errors", COUNTERS["request_errors_total"],
+                                         ["status_code"], **kw)
+        self.prompt_tokens = pc.Counter(p + "prompt_tokens", COUNTERS["prompt_tokens_total"], **kw)
+        self.generation_tokens = pc.Counter(p + "generation_tokens", COUNTERS["generation_tokens_total"], **kw)
+        self.graph_replays = pc.Counter(p + "graph_replays", COUNTERS["graph_replays_total"], **kw)
+        self.graph_captures = pc.Counter(p + "graph_captures", COUNTERS["graph_captures_total"], **kw)
+        self.ttft = pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
+                                 buckets=TTFT_BUCKETS, **kw)
+        self.tpot = pc.Histogram(p + "time_per_output_token_seconds",
+                                 HISTOGRAMS["time_per_output_token_seconds"], buckets=TPOT_BUCKETS, **kw)
+        self.e2e = pc.Histogram(p + "e2e_request_latency_seconds", HISTOGRAMS["e2e_request_latency_seconds"],
+                                buckets=E2E_BUCKETS, **kw)
+        self.prompt_length = pc.Histogram(p + "prompt_length_tokens", HISTOGRAMS["prompt_length_tokens"],
+                                          buckets=PROMPT_BUCKETS, **kw)
+        # Gauges: in multiprocess mode each needs an aggregation over live workers (one worker per
+        # GPU): counts and bytes add up, a usage ratio takes the worst worker.
+        self.running = pc.Gauge(p + "requests_running", GAUGES["requests_running"],
+                                multiprocess_mode="livesum", **kw)
+        self.waiting = pc.Gauge(p + "requests_waiting", GAUGES["requests_waiting"],
+                                multiprocess_mode="livesum", **kw)
+        self.kv_usage = pc.Gauge(p + "kv_cache_usage_ratio", GAUGES["kv_cache_usage_ratio"],
+                                 multiprocess_mode="livemax", **kw)
+        self.decode_rate = pc.Gauge(p + "decode_tokens_per_second", GAUGES["decode_tokens_per_second"],
+                                    multiprocess_mode="livesum", **kw)
+        self.graph_status = pc.Gauge(p + "graph_status", GAUGES["graph_status"], ["bucket", "status"],
+                                     multiprocess_mode="livemax", **kw)
+        self.pool_bytes = pc.Gauge(p + "buffer_pool_bytes", GAUGES["buffer_pool_bytes"],
+                                   multiprocess_mode="livesum", **kw)
+        self.gpu_memory = pc.Gauge(p + "gpu_memory_used_bytes", GAUGES["gpu_memory_used_bytes"],
+                                   multiprocess_mode="livesum", **kw)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)          # present at 0 before the first request
+        for status in ("400", "401", "404", "503"):
+            self.request_errors.labels(status)
+        self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
+        self._last_replays = 0
+        self._last_captures = 0
+
+    # ---------------------------------------------------------------- EngineObserver
+
+    def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                            e2e_s: float, ttft_s: float | None) -> None:
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.prompt_length.observe(prompt_tokens)
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+
+    def on_token_interval(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+
+    def on_step(self, stats: dict[str, Any]) -> None:
+        with self._lock:
+            self.running.set(stats.get("running", 0))
+            self.waiting.set(stats.get("waiting", 0))
+            self.kv_usage.set(stats.get("kv_usage", 0.0))
+            self.decode_rate.set(stats.get("decode_tokens_per_s", 0.0))
+            self.pool_bytes.set(stats.get("pool_bytes", 0))
+            self.gpu_memory.set(stats.get("device_memory_bytes", 0))
+            graphs = stats.get("graph_status") or {}
+            for bucket, status in graphs.items():
+                for known in {*GRAPH_STATUSES, status}:
+                    self.graph_status.labels(str(bucket), known).set(1.0 if known == status else 0.0)
+            # the backend reports cumulative totals; counters only move forward by the delta
+            replays, captures = int(stats.get("graph_replays", 0)), int(stats.get("graph_captures", 0))
+            if replays > self._last_replays:
+                self.graph_replays.inc(replays - self._last_replays)
+                self._last_replays = replays
+            if captures > self._last_captures:
+                self.graph_captures.inc(captures - self._last_captures)
+                self._last_captures = captures
+
+    # ---------------------------------------------------------------- serving side
+
+    def on_http_error(self, status: int) -> None:
+        self.request_errors.labels(str(status)).inc()
+
+
+_metrics: Metrics | None = None
+_metrics_lock = threading.Lock()
+
+
+def get_metrics() -> Metrics:
+    """The process-wide Metrics (created on first use; registering twice would raise)."""
+    global _metrics
+    with _metrics_lock:
+        if _metrics is None:
+            _metrics = Metrics()
+        return _metrics
+
+
+def metric_names() -> list[str]:
+    """Every family name as the Prometheus text parser reports it (counters without _total)."""
+    return ([PREFIX + n.removesuffix("_total") for n in COUNTERS]
+            + [PREFIX + n for n in HISTOGRAMS] + [PREFIX + n for n in GAUGES])

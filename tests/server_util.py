@@ -1,0 +1,139 @@
+"""A real `bentoml serve` process for the server tests.
+
+`shared_server()` starts one server per test process (CPU backend, the embedded SmolLM2 model,
+an API key) on a free local port and waits for /readyz; every server test module uses it, so
+the model loads once per pytest run. The process is stopped at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key-123"
+MAX_NUM_SEQS = 16
+MAX_WAITING = 16        # a burst of 16 clients all wait before the engine's next step admits them
+CONTEXT = 512
+
+SERVER_ENV = {
+    "REALIZAR_BACKEND": "cpu",
+    "REALIZAR_MAX_NUM_SEQS": str(MAX_NUM_SEQS),
+    "REALIZAR_MAX_WAITING": str(MAX_WAITING),
+    "REALIZAR_CONTEXT_LENGTH": str(CONTEXT),
+    "REALIZAR_API_KEY": API_KEY,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    api_key: str | None
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def openai(self, **kw):
+        import openai
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 300)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", **kw)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics as {(sample name, sorted labels): value}, through prometheus_client's parser."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def families(self) -> dict:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        # the server runs in its own session: signal its group (arbiter and workers) by id
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def start_server(env: dict[str, str] | None = None, timeout: float = 240.0) -> Server:
+    port = free_port()
+    home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
+    full_env = {**os.environ, **SERVER_ENV, **(env or {}),
+                "BENTOML_HOME": str(home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
+    log_path = home / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
+             "--port", str(port)],
+            cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, full_env.get("REALIZAR_API_KEY"))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"bentoml serve exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(server.url + "/readyz", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass            # not listening yet
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+_shared: Server | None = None
+
+
+def shared_server() -> Server:
+    """The one server of this test process (started on first use, stopped at exit)."""
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = start_server()
+        atexit.register(_shared.stop)
+    return _shared
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
+    """Poll until predicate() is truthy; returns its last value (falsy on timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def sample(metrics: dict, name: str, **labels) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)

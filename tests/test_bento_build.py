@@ -1,0 +1,82 @@
+"""`bentoml build` from a clean copy of the checkout (in a throwaway BENTOML_HOME) makes a Bento
+that carries the service, the package and its kernels, and whose generated Dockerfile starts
+from a CUDA base and installs the package with its `cuda12` extra."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _clean_copy(dest: Path) -> Path:
+    """The files a fresh clone would have (tracked, or new and not ignored): no caches, no
+    egg-info, no build outputs."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                           cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def bento(tmp_path_factory) -> Path:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs a git checkout to make a clean copy from")
+    ctx = _clean_copy(tmp_path_factory.mktemp("checkout"))
+    home = tmp_path_factory.mktemp("bentoml-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REALIZAR_")}
+    env.update(BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="true")
+    out = subprocess.run([sys.executable, "-m", "bentoml", "build", str(ctx), "--output", "tag"],
+                         cwd=ctx, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    tag = re.search(r"__tag__:(\S+)", out.stdout).group(1)
+    name, version = tag.split(":")
+    assert name == "realizar"
+    return home / "bentos" / name / version
+
+
+def test_bento_carries_service_package_and_kernels(bento):
+    src = bento / "src"
+    for rel in ("service.py", "pyproject.toml", "README.md", "bentofile.yaml",
+                "realizar_backend/__init__.py", "realizar_backend/serving/openai.py",
+                "realizar_backend/serving/metrics.py", "realizar_backend/engine/engine.py"):
+        assert (src / rel).is_file(), f"{rel} missing from the Bento"
+    kernels = sorted(p.name for p in (REPO / "realizar_backend" / "kernels").glob("*.cu*"))
+    assert kernels, "the repo has no kernels to check"
+    assert sorted(p.name for p in (src / "realizar_backend" / "kernels").glob("*.cu*")) == kernels
+    assert not (src / "tests").exists()
+    assert not list(src.rglob("__pycache__"))
+    meta = yaml.safe_load((bento / "bento.yaml").read_text())
+    assert meta["service"] == "service:Realizar"
+
+
+def test_dockerfile_uses_cuda_base_and_installs_the_cuda12_extra(bento):
+    dockerfile = (bento / "env" / "docker" / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", dockerfile, re.M).group(1)
+    assert base.startswith("nvidia/cuda:12."), base
+
+    reqs = (bento / "env" / "python" / "requirements.txt").read_text().splitlines()
+    pkg = [r for r in reqs if r.replace(" ", "").startswith("realizar-backend[cuda12]@")]
+    assert len(pkg) == 1, reqs
+    # the requirement points at the Bento's own src/ inside the image ...
+    bento_path = re.search(r"^ARG BENTO_PATH=(\S+)", dockerfile, re.M).group(1)
+    assert pkg[0].split("@", 1)[1].strip() == f"file://{bento_path}/src"
+    # ... which holds the package's build inputs before the install step runs
+    install = dockerfile.index("pip install -r $BENTO_PATH/env/python/requirements.txt")
+    for rel in ("pyproject.toml", "README.md", "realizar_backend"):
+        assert dockerfile.index(f"COPY --chown=bentoml:bentoml ./src/{rel} ./src/{rel}") < install
+    assert any(r.startswith("bentoml==") for r in reqs)
+    # the base image has no Python: pip (for uv) is installed before uv is needed
+    assert dockerfile.index("python3-pip") < dockerfile.index("pip install uv")

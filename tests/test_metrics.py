@@ -1,0 +1,117 @@
+"""/metrics of a real server, read with prometheus_client's parser: every realizar_ metric is
+there next to BentoML's own, and after traffic each moved the right way (the token counters
+by exactly the usage the clients were told)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server_util import sample, shared_server, wait_for
+
+from realizar_backend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, metric_names
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    return shared_server()
+
+
+def delta(after, before, name, **labels) -> float:
+    return sample(after, name, **labels) - sample(before, name, **labels)
+
+
+def test_every_metric_is_exposed_with_prometheus_names(server):
+    families = server.families()
+    for name in metric_names():
+        assert name in families, f"{name} missing from /metrics"
+    assert any(n.startswith("bentoml_") for n in families), "BentoML's own metrics are missing"
+    types = {n: families[n].type for n in metric_names()}
+    assert all(types["realizar_" + n.removesuffix("_total")] == "counter" for n in COUNTERS)
+    assert all(types["realizar_" + n] == "histogram" for n in HISTOGRAMS)
+    assert all(types["realizar_" + n] == "gauge" for n in GAUGES)
+    # units in names: seconds / tokens / bytes / ratio / per_second where a unit exists
+    for n in HISTOGRAMS:
+        assert n.endswith(("_seconds", "_tokens"))
+    assert sample(server.metrics(), "realizar_graph_status", bucket="all", status="disabled") == 1.0
+
+
+def test_metrics_move_with_traffic(server):
+    client = server.openai()
+    before = server.metrics()
+    usages = []
+    r = client.completions.create(model=MODEL, prompt="Water boils at", max_tokens=6, temperature=0)
+    usages.append(r.usage)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
+                                       max_tokens=5, temperature=0)
+    usages.append(r.usage)
+    chunks = list(client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    usages.append(chunks[-1].usage)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
+                                                 max_tokens=3, temperature=0.9, seed=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    usages.append(chunks[-1].usage)
+    bad = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1},
+                     headers=server.auth, timeout=30)
+    assert bad.status_code == 400
+
+    # the engine reports a finished sequence before the last chunk reaches the client, but let
+    # the refresh of the gauges catch up
+    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 10)
+    after = server.metrics()
+    prompt = sum(u.prompt_tokens for u in usages)
+    gen = sum(u.completion_tokens for u in usages)
+    k = len(usages)
+
+    assert delta(after, before, "realizar_prompt_tokens_total") == prompt
+    assert delta(after, before, "realizar_generation_tokens_total") == gen
+    finished = sum(delta(after, before, "realizar_requests_total", finish_reason=r) for r in ("stop", "length"))
+    assert finished == k
+    assert delta(after, before, "realizar_requests_total", finish_reason="abort") == 0
+    assert delta(after, before, "realizar_request_errors_total", status_code="400") == 1
+
+    for h in ("realizar_time_to_first_token_seconds", "realizar_e2e_request_latency_seconds",
+              "realizar_prompt_length_tokens"):
+        assert delta(after, before, h + "_count") == k
+        assert delta(after, before, h + "_sum") > 0
+        assert delta(after, before, h + "_bucket", le="+Inf") == k
+    assert delta(after, before, "realizar_prompt_length_tokens_sum") == prompt
+    # one interval per output token after a sequence's first
+    assert delta(after, before, "realizar_time_per_output_token_seconds_count") == gen - k
+    # end-to-end covers first-token time
+    assert (delta(after, before, "realizar_e2e_request_latency_seconds_sum")
+            >= delta(after, before, "realizar_time_to_first_token_seconds_sum"))
+
+    assert sample(after, "realizar_requests_waiting") == 0
+    assert 0.0 <= sample(after, "realizar_kv_cache_usage_ratio") <= 1.0
+    assert sample(after, "realizar_buffer_pool_bytes") == 0          # the CPU backend has no pools
+    assert sample(after, "realizar_gpu_memory_used_bytes") == 0
+    assert sample(after, "realizar_graph_status", bucket="all", status="disabled") == 1.0
+    assert sample(after, "realizar_graph_replays_total") == 0
+
+
+def test_gauges_during_and_after_decoding(server):
+    """Running, KV usage and decode tokens/s rise while a sequence decodes and fall after it."""
+    client = server.openai()
+    stream = client.completions.create(model=MODEL, prompt="List the numbers: 1, 2, 3,", max_tokens=300,
+                                       temperature=0, stream=True)
+    it = iter(stream)
+    for _ in range(4):
+        next(it)
+    during = server.metrics()
+    stream.close()
+    assert sample(during, "realizar_requests_running") == 1
+    assert sample(during, "realizar_kv_cache_usage_ratio") > 0.0
+    assert sample(during, "realizar_decode_tokens_per_second") > 0.0
+
+    def idle():
+        m = server.metrics()
+        return (sample(m, "realizar_requests_running") == 0 and sample(m, "realizar_kv_cache_usage_ratio") == 0
+                and sample(m, "realizar_decode_tokens_per_second") == 0)
+    # decode tokens/s decays to 0 once the engine has been idle (refreshed every 2 s)
+    assert wait_for(idle, 15)
