@@ -76,6 +76,8 @@ class Engine:
         self.scheduler = Scheduler(backend.max_slots, backend.max_context, self.settings.max_waiting)
         self._stop = False
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
+        self._last_shape: tuple[int, int] = (-1, -1)
+        self._last_report = 0.0
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
         self._thread.start()
 
@@ -220,7 +222,13 @@ class Engine:
                     self.backend.release(seq.slot)
                     sch.remove(seq)
                     seq.sink(e)
-            self.observer.on_step(self.stats())
+            # gauges: on every change of the batch's make-up, else at most every 50 ms, so that a
+            # fast GPU step does not pay for a stats() call per token
+            shape = (len(sch.running), len(sch.waiting))
+            now = time.perf_counter()
+            if shape != self._last_shape or now - self._last_report >= 0.05:
+                self._last_shape, self._last_report = shape, now
+                self.observer.on_step(self.stats())
 
     def _step(self) -> None:
         sch = self.scheduler
