@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
+from realizar_backend.model.tokenizer import _bytes_to_unicode as bytes_to_unicode
 
 QK_K = 256
 
@@ -141,20 +142,6 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
                  "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def tiny_tokenizer(n_merges: int = 40) -> tuple[list[str], list[str], list[int]]:
