@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
-from realizar_backend.model.tokenizer import _bytes_to_unicode as bytes_to_unicode
+from realizar_backend.model.tokenizer import bytes_to_unicode
 
 QK_K = 256
 

@@ -67,7 +67,7 @@ _EOG_TEXTS = {
 _SPM_SPACE = "\u2581"
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet byte-level vocabularies are written in."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -183,7 +183,7 @@ class Tokenizer:
 
     @staticmethod
     def _gguf_byte_level(path, md, tokens: list[str], types: list[int]) -> HFTokenizer:
-        alphabet = _bytes_to_unicode()
+        alphabet = bytes_to_unicode()
         spelled = set(alphabet.values())
         # A token outside the byte alphabet (rare: some added tokens) is respelled byte by byte,
         # so the vocabulary the BPE model sees is all in one alphabet.
