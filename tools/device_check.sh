@@ -4,13 +4,15 @@
 #   2. expands the shape twins (.twins/NAME.head + NAME.json + twin_expand.py) into /tmp/twins
 #   3. assembles the real SmolLM2 from parts carried in earlier calls (.device/smol.part*,
 #      staged in /tmp/stage while the machine stays warm); `device_check.sh stage` only stages
-#   4. runs `pytest -m gpu` (no -x: the full report), then a decode/prefill timing of each twin,
-#      then `realizar bench` on the twins when the CLI has it
-# Output: $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json, $OUT/summary.json
+#   4. runs `pytest -m gpu` (no -x: the full report), then `realizar bench` (pp512, tg128, 5 reps)
+#      on each twin and the per-kernel decode profile of qwen15
+# Output (6 files: a call returns at most 8): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log,
+#         $OUT/bench.json (every twin's `realizar bench --json`), $OUT/profile_qwen15.json, $OUT/summary.json
+# Env: PYTEST_ARGS (extra pytest arguments), BENCH_TWINS / PROFILE_TWINS (which twins), SKIP_TESTS=1
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
-mkdir -p "$OUT" /tmp/stage /tmp/twins
+mkdir -p "$OUT" /tmp/stage /tmp/twins /tmp/bench; rm -f /tmp/bench/*.json
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/log") 2>&1
 cd "$REPO"
@@ -50,49 +52,30 @@ done
 
 # 4. tests
 t0=$(date +%s)
+[ -n "${SKIP_TESTS:-}" ] && PYTEST_ARGS="$PYTEST_ARGS --co"
 python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q -s --durations=15 \
   --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
 rc=$?
 echo "pytest rc=$rc in $(( $(date +%s) - t0 )) s"
 
-# timing: batch-1 greedy decode (graph replay, 4 bytes back per token) and a 512-token prefill
-python3 - "$OUT/bench.json" <<'PY' || echo "bench failed"
-import json, sys, time, logging
-from pathlib import Path
-import numpy as np
-from realizar_backend.backends.base import PrefillItem
-from realizar_backend.backends.cuda import CUDABackend
-from realizar_backend.formats import open_model
-from realizar_backend.settings import Settings
-logging.basicConfig(level=logging.WARNING)
-res = {}
-for name in ("smol135", "qwen05", "gemma270", "qwen15"):
-    p = Path("/tmp/twins") / f"{name}.gguf"
-    if not p.exists():
-        continue
-    m = open_model(p)
-    be = CUDABackend(m, max_slots=1, max_context=1024, settings=Settings(self_check=False))
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, m.config.vocab_size, 512).astype(np.int32)
-    be.prefill([PrefillItem(0, prompt)])
-    t = time.perf_counter(); be.prefill([PrefillItem(0, prompt)]); pp = 512 / (time.perf_counter() - t)
-    tok = 1
-    for i in range(16):
-        tok = int(be.decode_argmax([0], [tok], [512 + i])[0])
-    t = time.perf_counter()
-    for i in range(128):
-        tok = int(be.decode_argmax([0], [tok], [528 + i])[0])
-    tg = 128 / (time.perf_counter() - t)
-    res[name] = {"pp512_tok_s": round(pp, 1), "tg128_tok_s": round(tg, 1), "graphs": be.stats()["graph_status"]}
-    print(f"{name:9s} pp512 {pp:9.1f} tok/s   tg128 {tg:8.1f} tok/s   {res[name]['graphs']}")
-    be.close()
-json.dump(res, open(sys.argv[1], "w"), indent=1)
-PY
-
-if python3 -c "import realizar_backend.cli" 2>/dev/null && python3 -m realizar_backend.cli bench --help >/dev/null 2>&1; then
-  for n in smol135 qwen05 gemma270 qwen15; do
-    [ -f /tmp/twins/$n.gguf ] && python3 -m realizar_backend.cli bench --model /tmp/twins/$n.gguf --backend cuda 2>&1 | tail -20
-  done
+# timing: `realizar bench` on every twin (the numbers that count), then the per-kernel profile
+# of one decode step of qwen15 (time and GB/s per kernel, graph replay per token)
+for n in ${BENCH_TWINS:-smol135 qwen05 gemma270 qwen15}; do
+  [ -f /tmp/twins/$n.gguf ] || continue
+  python3 -m realizar_backend.cli bench --model /tmp/twins/$n.gguf --backend cuda --prompt-tokens 512 \
+    --gen-tokens 128 --repetitions 5 --json "/tmp/bench/bench_$n.json" 2>&1 | grep -v '^{' || echo "bench $n failed"
+done
+for n in ${PROFILE_TWINS:-qwen15}; do
+  [ -f /tmp/twins/$n.gguf ] && python3 -m realizar_backend.backends.cuda.profile /tmp/twins/$n.gguf \
+    --json "$OUT/profile_$n.json" || echo "profile $n failed"
+done
+# exact per-kernel times and DRAM bytes of one eager qwen15 decode step (Nsight Compute, clocks as found)
+if [ -f /tmp/twins/qwen15.gguf ] && command -v ncu >/dev/null; then
+  timeout 240 ncu --clock-control none --csv --print-units base \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+    python3 -m realizar_backend.backends.cuda.profile /tmp/twins/qwen15.gguf --ncu > "$OUT/ncu_qwen15.csv" 2>/dev/null \
+    || echo "ncu failed or timed out"
+  python3 tools/ncu_table.py "$OUT/ncu_qwen15.csv" || true
 fi
 
 python3 - "$OUT" "$rc" <<'PY'
@@ -107,8 +90,20 @@ try:
                    if c.find("failure") is not None or c.find("error") is not None]
 except Exception as e:
     s["junit_error"] = str(e)
+s["bench"], full = {}, {}
+for n in ("smol135", "qwen05", "gemma270", "qwen15"):
+    try:
+        r = json.load(open(f"/tmp/bench/bench_{n}.json"))
+        full[n] = r
+        s["bench"][n] = {"pp512_tok_s": round(r["pp_tok_s"]["median"], 1), "tg128_tok_s": round(r["tg_tok_s"]["median"], 1),
+                         "load_s": round(r["load_s"], 2), "graphs": r["graph_status"]}
+    except Exception:
+        pass
+json.dump(full, open(f"{out}/bench.json", "w"), indent=1)
 try:
-    s["bench"] = json.load(open(f"{out}/bench.json"))
+    p = json.load(open(f"{out}/profile_qwen15.json"))
+    s["profile_qwen15"] = {"graph_replay_us_per_token": round(p["graph_replay_us_per_token"], 1),
+                           "kernels": {k: [round(v["us_per_step"], 1), round(v["gb_per_s"] or 0)] for k, v in p["kernels"].items()}}
 except Exception:
     pass
 json.dump(s, open(f"{out}/summary.json", "w"), indent=1)

@@ -1,4 +1,4 @@
-// Attention over the fp16 KV cache, one block (8 warps) per (query row, head). Each warp walks
+// Attention over the fp16 KV cache, one block (16 warps) per (query row, head). Each warp walks
 // its share of the keys with an online softmax (running max m, sum l, weighted V in registers;
 // lane owns dims lane + 32 i), then the warps merge through shared memory. GQA: head h reads KV
 // head h / (H / KVH). The same kernel serves decode (one row per sequence) and prefill (one row
@@ -6,14 +6,14 @@
 // [start, positions[t]] of slot slots[t], which is exactly causal (and sliding-window) masking.
 #include "common.cuh"
 
-#define ATT_WARPS 8
+#define ATT_WARPS 16
 #define ATT_MAXD 256
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* __restrict__ q, float* __restrict__ out, const u16* __restrict__ kcache,
                 const u16* __restrict__ vcache, const int* __restrict__ slots,
                 const int* __restrict__ positions, int ctx, int H, int KVH, int D, float scale,
-                int window, int n) {
+                int window, int n, i8* oq, float2* od, u16* o16) {
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS], sm_acc[ATT_WARPS][ATT_MAXD];
     int t = blockIdx.x, h = blockIdx.y;
     if (t >= n) return;
@@ -31,23 +31,34 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     }
     float m = -INFINITY, l = 0.0f;
     long long base = (long long)slots[t] * ctx;
-    for (int s = start + wid; s <= pos; s += ATT_WARPS) {
-        long long off = ((base + s) * KVH + kh) * D;
-        float dot = 0.0f;
+    // two keys per pass: both rows' loads are in flight together (a pass is one memory latency)
+    for (int s = start + wid; s <= pos; s += 2 * ATT_WARPS) {
+        int s1 = s + ATT_WARPS;
+        bool two = s1 <= pos;
+        long long off0 = ((base + s) * KVH + kh) * D, off1 = ((base + (two ? s1 : s)) * KVH + kh) * D;
+        float k0[ATT_MAXD / 32], k1[ATT_MAXD / 32], v0[ATT_MAXD / 32], v1[ATT_MAXD / 32];
 #pragma unroll
         for (int i = 0; i < ATT_MAXD / 32; ++i) {
             int d = lane + 32 * i;
-            if (d < D) dot += qv[i] * h2f(kcache[off + d]);
+            bool in = d < D;
+            k0[i] = in ? h2f(kcache[off0 + d]) : 0.0f;
+            k1[i] = in ? h2f(kcache[off1 + d]) : 0.0f;
+            v0[i] = in ? h2f(vcache[off0 + d]) : 0.0f;
+            v1[i] = in ? h2f(vcache[off1 + d]) : 0.0f;
         }
-        dot = warp_sum(dot);
-        float mn = fmaxf(m, dot);
-        float c = expf(m - mn), p = expf(dot - mn);
-        l = l * c + p;
+        float dot0 = 0.0f, dot1 = 0.0f;
 #pragma unroll
         for (int i = 0; i < ATT_MAXD / 32; ++i) {
-            int d = lane + 32 * i;
-            if (d < D) acc[i] = acc[i] * c + p * h2f(vcache[off + d]);
+            dot0 += qv[i] * k0[i];
+            dot1 += qv[i] * k1[i];
         }
+        dot0 = warp_sum(dot0);
+        dot1 = two ? warp_sum(dot1) : -INFINITY;
+        float mn = fmaxf(m, fmaxf(dot0, dot1));
+        float c = expf(m - mn), p0 = expf(dot0 - mn), p1 = two ? expf(dot1 - mn) : 0.0f;
+        l = l * c + p0 + p1;
+#pragma unroll
+        for (int i = 0; i < ATT_MAXD / 32; ++i) acc[i] = acc[i] * c + p0 * v0[i] + p1 * v1[i];
         m = mn;
     }
     if (lane == 0) {
@@ -69,11 +80,17 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         f[w] = sm_l[w] > 0.0f ? expf(sm_m[w] - M) : 0.0f;  // a warp with no keys has m = -inf
         L += sm_l[w] * f[w];
     }
-    float* o = out + ((long long)t * H + h) * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    // D is a multiple of 32 and at most ATT_MAXD <= 32 * ATT_WARPS: warp w finishes dims 32w..32w+31 and,
+    // if asked, writes them as one 8-bit block (the o-projection input) and/or fp16 (prefill GEMM)
+    long long ob = ((long long)t * H + h) * D;
+    if (32 * wid < D) {
+        int d = 32 * wid + lane;
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) s += sm_acc[w][d] * f[w];
-        o[d] = s / L;
+        s /= L;
+        out[ob + d] = s;
+        if (o16) o16[ob + d] = f2h(s);
+        if (oq) quant_q8_lane(s, oq + ob + 32 * wid, od + (ob >> 5) + wid, lane);
     }
 }

@@ -45,6 +45,16 @@ __device__ __forceinline__ u16 f2h(float f) {
 
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
+// fp32 -> bf16, round to nearest even (finite inputs)
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 b = __float_as_uint(f);
+    return (u16)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// 16-bit float of either kind: bf != 0 -> bf16 (fp32 range: the FFN activations of the prefill
+// GEMM can pass fp16's 65504), else fp16 (more mantissa)
+__device__ __forceinline__ u16 f2x(float f, int bf) { return bf ? f2bf(f) : f2h(f); }
+
 // Blocks of 18/22/34/210 bytes are only 2-byte aligned: read them 16 bits at a time.
 __device__ __forceinline__ u32 ld16(const u8* p) { return *(const u16*)p; }
 
@@ -254,4 +264,181 @@ template <> __device__ __forceinline__ void load_unit<QT_Q6_K>(const u8* __restr
             w[l + e] = (float)((lo | (hi << 4)) - 32) * (l < 16 ? d0 : d1);
         }
     }
+}
+
+// ------------------------------------------------------------------ 8-bit activations (Q8_1-like)
+// An activation row of K values (K a multiple of 32) is stored as int8 q[K] plus one float2 per
+// 32 values: (d, d * sum(q)), value ~= q * d. The sum lets offset/min terms of the weight formats
+// fold into one multiply (sum_k (a q_k + c) x_k = a dx sum(q_k xq_k) + c sx).
+
+// 4 bytes at a 2-byte aligned address (blocks of 18/22/34/210 bytes)
+__device__ __forceinline__ int ld32_a2(const u8* p) {
+    return (int)(ld16(p) | (ld16(p + 2) << 16));
+}
+
+// bits 0..3 of x -> bit 4 of bytes 0..3 (the fifth bit of Q5_0/Q5_1 values)
+__device__ __forceinline__ int bits_to_b4(u32 x) {
+    return (int)(((x & 1u) << 4) | ((x & 2u) << 11) | ((x & 4u) << 18) | ((x & 8u) << 25));
+}
+
+// Quantize 32 values held one per lane (all 32 lanes call): lane's int8 goes to q[lane],
+// lane 0 writes (d, d*sum). Round half to even, as np.rint in the NumPy twin.
+__device__ __forceinline__ void quant_q8_lane(float v, i8* q, float2* ds, int lane) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int qi = (int)rintf(v * id);
+    q[lane] = (i8)qi;
+    float s = warp_sum((float)qi);  // |sum| <= 32*127: exact in float
+    if (lane == 0) *ds = make_float2(d, d * s);
+}
+
+// One 32-weight unit decoded for integer dot products: v[i] holds the weights of columns
+// 4i..4i+3 (int8 lanes); the unit's dot with an 8-bit activation unit (xq, (dx, sx)) is
+// A * dx * (s0 * sum_{i<4} dp4a(v[i], x[i]) + s1 * sum_{i>=4} ...) + C * sx.
+struct QUnit {
+    int v[8];
+    float A, C;
+    int s0, s1;
+};
+
+template <int QT> __device__ __forceinline__ void load_qunit(const u8* __restrict__ row, int u, QUnit& w);
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q4_0>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + u * 18;
+    float d = h2f(ld16(b));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int q = ld32_a2(b + 2 + 4 * i);
+        w.v[i] = q & 0x0F0F0F0F;
+        w.v[i + 4] = (q >> 4) & 0x0F0F0F0F;
+    }
+    w.A = d; w.C = -8.0f * d; w.s0 = w.s1 = 1;
+}
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q4_1>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + u * 20;
+    u32 dm = *(const u32*)b;
+    const int* qs = (const int*)(b + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int q = qs[i];
+        w.v[i] = q & 0x0F0F0F0F;
+        w.v[i + 4] = (q >> 4) & 0x0F0F0F0F;
+    }
+    w.A = h2f((u16)(dm & 0xFFFF)); w.C = h2f((u16)(dm >> 16)); w.s0 = w.s1 = 1;
+}
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q5_0>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + u * 22;
+    float d = h2f(ld16(b));
+    u32 qh = (u32)ld32_a2(b + 2);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int q = ld32_a2(b + 6 + 4 * i);
+        w.v[i] = (q & 0x0F0F0F0F) | bits_to_b4(qh >> (4 * i));
+        w.v[i + 4] = ((q >> 4) & 0x0F0F0F0F) | bits_to_b4(qh >> (16 + 4 * i));
+    }
+    w.A = d; w.C = -16.0f * d; w.s0 = w.s1 = 1;
+}
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q5_1>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + u * 24;
+    u32 dm = *(const u32*)b;
+    u32 qh = *(const u32*)(b + 4);
+    const int* qs = (const int*)(b + 8);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int q = qs[i];
+        w.v[i] = (q & 0x0F0F0F0F) | bits_to_b4(qh >> (4 * i));
+        w.v[i + 4] = ((q >> 4) & 0x0F0F0F0F) | bits_to_b4(qh >> (16 + 4 * i));
+    }
+    w.A = h2f((u16)(dm & 0xFFFF)); w.C = h2f((u16)(dm >> 16)); w.s0 = w.s1 = 1;
+}
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q8_0>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + u * 34;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.v[i] = ld32_a2(b + 2 + 4 * i);
+    w.A = h2f(ld16(b)); w.C = 0.0f; w.s0 = w.s1 = 1;
+}
+
+// K-quant scale/min pair j (run-time j) from the 12 scale bytes held as three words s0 s1 s2
+__device__ __forceinline__ void scale_min_k4w(int j, u32 s0, u32 s1, u32 s2, int& sc, int& m) {
+    int sh = 8 * (j & 3);
+    u32 a = (s0 >> sh) & 255, b = (s1 >> sh) & 255;   // q[j&3], q[4 + (j&3)]
+    if (j < 4) {
+        sc = a & 63;
+        m = b & 63;
+    } else {
+        u32 c = (s2 >> sh) & 255;                    // q[j + 4]
+        sc = (c & 0xF) | ((a >> 6) << 4);
+        m = (c >> 4) | ((b >> 6) << 4);
+    }
+}
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q4_K>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + (u >> 3) * 144;   // 144-byte blocks in 256-aligned rows: 16-byte loads
+    int j = u & 7;
+    uint4 hd = *(const uint4*)b;          // d, dmin, scales[12]
+    int sc, m;
+    scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
+    const uint4* q = (const uint4*)(b + 16 + 32 * (j >> 1));
+    uint4 x0 = q[0], x1 = q[1];
+    int sh = (j & 1) * 4;
+    u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.v[i] = (int)((words[i] >> sh) & 0x0F0F0F0Fu);
+    w.A = h2f((u16)(hd.x & 0xFFFF)) * sc;
+    w.C = -h2f((u16)(hd.x >> 16)) * m;
+    w.s0 = w.s1 = 1;
+}
+
+template <> __device__ __forceinline__ void load_qunit<QT_Q5_K>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + (u >> 3) * 176;
+    int j = u & 7;
+    uint4 hd = *(const uint4*)b;
+    int sc, m;
+    scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
+    const uint4* q = (const uint4*)(b + 48 + 32 * (j >> 1));
+    const uint4* h = (const uint4*)(b + 16);
+    uint4 x0 = q[0], x1 = q[1], h0 = h[0], h1 = h[1];
+    int sh = (j & 1) * 4;
+    u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    u32 hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        w.v[i] = (int)(((words[i] >> sh) & 0x0F0F0F0Fu) | (((hw[i] >> j) & 0x01010101u) << 4));
+    w.A = h2f((u16)(hd.x & 0xFFFF)) * sc;
+    w.C = -h2f((u16)(hd.x >> 16)) * m;
+    w.s0 = w.s1 = 1;
+}
+
+// Q6_K: values 0..63 minus 32 with a per-byte saturating subtract (no saturation occurs),
+// two int8 scales per unit (columns 0..15 and 16..31)
+template <> __device__ __forceinline__ void load_qunit<QT_Q6_K>(const u8* __restrict__ row, int u, QUnit& w) {
+    const u8* b = row + (u >> 3) * 210;
+    int j = u & 7, h = j >> 2, k = j & 3;
+    const u8* ql = b + 64 * h + (k & 1) * 32;
+    const u8* qh = b + 128 + 32 * h;
+    int nsh = (k >> 1) * 4, hsh = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        u32 lo = ((u32)ld32_a2(ql + 4 * i) >> nsh) & 0x0F0F0F0Fu;
+        u32 hi = (((u32)ld32_a2(qh + 4 * i) >> hsh) & 0x03030303u) << 4;
+        w.v[i] = (int)__vsubss4(lo | hi, 0x20202020u);
+    }
+    u32 scw = ld16(b + 192 + 8 * h + 2 * k);
+    w.s0 = (int)(i8)(scw & 255);
+    w.s1 = (int)(i8)(scw >> 8);
+    w.A = h2f(ld16(b + 208));
+    w.C = 0.0f;
+}
+
+// partial dot of a decoded unit with one 8-bit activation unit (x: 8 ints, 16-byte aligned)
+__device__ __forceinline__ float qunit_dot(const QUnit& w, const int* __restrict__ x, float2 xds) {
+    int4 a = *(const int4*)x, c = *(const int4*)(x + 4);
+    int lo = __dp4a(w.v[0], a.x, __dp4a(w.v[1], a.y, __dp4a(w.v[2], a.z, __dp4a(w.v[3], a.w, 0))));
+    int hi = __dp4a(w.v[4], c.x, __dp4a(w.v[5], c.y, __dp4a(w.v[6], c.z, __dp4a(w.v[7], c.w, 0))));
+    return w.A * xds.x * (float)(w.s0 * lo + w.s1 * hi) + w.C * xds.y;
 }

@@ -38,20 +38,20 @@ def _open(path: Path):
     return open_model(path)
 
 
-def _backends(model, slots=2, ctx=256):
+def _backends(model, slots=2, ctx=256, **gpu_kw):
     from realizar_backend.backends.cpu import CPUBackend
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     cpu = CPUBackend(model, max_slots=slots, max_context=ctx)
-    gpu = CUDABackend(model, max_slots=slots, max_context=ctx, settings=Settings(self_check=True))
+    gpu = CUDABackend(model, max_slots=slots, max_context=ctx, settings=Settings(self_check=True), **gpu_kw)
     return cpu, gpu
 
 
-def _parity(model, rng, steps=64):
+def _parity(model, rng, steps=64, **gpu_kw):
     """64-token prompt (plus a 17-token one in a second slot), then `steps` decode steps of both
     sequences together, each backend fed the CPU's greedy tokens. Returns (prefill cos, decode cos)."""
     from realizar_backend.backends.base import PrefillItem
-    cpu, gpu = _backends(model)
+    cpu, gpu = _backends(model, **gpu_kw)
     V = model.config.vocab_size
     items = [PrefillItem(0, rng.integers(0, V, 64).astype(np.int32)),
              PrefillItem(1, rng.integers(0, V, 17).astype(np.int32))]
@@ -82,6 +82,21 @@ def test_twin_parity(name, rng):
     assert pre.min() >= COS_MIN
     assert dec.min() >= COS_MIN
     assert st["graph_status"]
+
+
+@pytest.mark.parametrize("name", ["smol135", "gemma270"])
+@pytest.mark.parametrize("variant", ["fp32-activations", "int8-but-down"])
+def test_twin_parity_activation_variants(name, variant, rng):
+    """The decode path on fp32 activations (the reference the 8-bit path approximates) and with
+    only the FFN down projection on fp32 activations."""
+    path = TWINS / f"{name}.gguf"
+    if not path.exists():
+        pytest.skip(f"twin {path} not expanded")
+    kw = {"int8_activations": False} if variant == "fp32-activations" else {"int8_down": False}
+    pre, dec, st = _parity(_open(path), rng, **kw)
+    print(f"{name} [{variant}]: prefill cos {pre.min():.6f}; decode cos min {dec.min():.6f} "
+          f"(after 64: {dec[-1].min():.6f})")
+    assert pre.min() >= COS_MIN and dec.min() >= COS_MIN
 
 
 def test_real_smollm2_parity_and_greedy(rng):

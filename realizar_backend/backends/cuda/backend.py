@@ -26,7 +26,7 @@ class CUDABackend:
     name = "cuda"
 
     def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, int8_activations: bool = True, int8_down: bool = True):
         self.settings = settings or Settings()
         c = self.config = model.config
         self.max_slots = max_slots
@@ -41,7 +41,7 @@ class CUDABackend:
         self.kv = KVCache(c, max_slots, self.max_context)
         self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
-        self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv)
+        self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv, int8_activations, int8_down)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs: dict[int, Any] = {}
         self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")
@@ -49,6 +49,11 @@ class CUDABackend:
         self._warned_fallback = False
         self.ws.listeners.append(self._drop_graphs)
         self.lengths = [0] * max_slots
+        # pinned host buffers: the per-step copies in and out are true async copies
+        self._io_mem = cupy.cuda.alloc_pinned_memory(self.ws.dec_io.nbytes)
+        self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
+        self._am_mem = cupy.cuda.alloc_pinned_memory(self.ws.argmax.nbytes)
+        self._am_host = np.frombuffer(self._am_mem, np.int32, self.ws.argmax.size)
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
         log.info("cuda backend ready: %s on %s, %d slots x %d context, buckets %s",
@@ -137,14 +142,14 @@ class CUDABackend:
         for s, p in zip(slots, positions):
             self._check(int(s), int(p))
         b = next(x for x in self.buckets if x >= n)
-        # pad to the bucket with the scratch slot so the captured launch sequence fits
-        sl = np.full(b, self.kv.scratch_slot, np.int32)
-        tk = np.zeros(b, np.int32)
-        ps = np.zeros(b, np.int32)
-        sl[:n], tk[:n], ps[:n] = slots, tokens, positions
-        self.ws.tokens[:b].set(tk)
-        self.ws.positions[:b].set(ps)
-        self.ws.slots[:b].set(sl)
+        # tokens / positions / slots in one host->device copy; rows past n are padding on the
+        # scratch slot so the captured launch sequence fits
+        io = self._io_host
+        io[0, :] = 0
+        io[1, :] = 0
+        io[2, :] = self.kv.scratch_slot
+        io[0, :n], io[1, :n], io[2, :n] = tokens, positions, slots
+        self.ws.dec_io.set(io, stream=self.stream)
         self._run_decode(b)
         for s, p in zip(slots, positions):
             self.lengths[int(s)] = int(p) + 1
@@ -159,7 +164,24 @@ class CUDABackend:
         """Greedy step: the argmax is taken on the GPU, only 4 bytes per sequence come back."""
         with self.device, self.stream:
             n = self._decode(slots, tokens, positions)
-            return self.ws.argmax[:n].get()
+            self.ws.argmax[:n].get(stream=self.stream, out=self._am_host[:n])
+            return self._am_host[:n].copy()
+
+    def graph_ab_check(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step run eagerly and the same step replayed from its graph (the step rewrites
+        the same KV-cache rows with the same values): returns (eager logits, replayed logits),
+        which must be identical. Captures the bucket's graph first if needed."""
+        with self.device, self.stream:
+            n = self._decode(slots, tokens, positions)          # captures if pending
+            b = next(x for x in self.buckets if x >= n)
+            self.fwd.decode_step(b)
+            eager = self.ws.logits[:n].get()
+            if self.graph_status[b] != "captured":
+                raise RuntimeError(f"bucket {b} has no captured graph ({self.graph_status[b]})")
+            self.ws.logits.fill(float("nan"))
+            self.graphs[b].launch(self.stream)
+            replay = self.ws.logits[:n].get()
+        return eager, replay
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0

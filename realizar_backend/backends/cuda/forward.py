@@ -1,10 +1,19 @@
 """The transformer forward pass as a sequence of kernel launches over the workspace.
 
-Everything a step reads that changes per step (token ids, positions, slots) is already in the
-workspace's device buffers, so a decode step is a fixed launch sequence per batch bucket that a
-CUDA graph can capture and replay. Decode projections are quantized GEMVs on the raw blocks;
-prefill projections over many tokens dequantize one matrix at a time into the workspace and run
-cuBLAS (cupy.matmul), then a small epilogue adds bias / residual.
+Everything a step reads that changes per step (token ids, positions, slots) is already in
+device buffers, so a decode step is a fixed launch sequence per batch bucket that a CUDA graph
+can capture and replay.
+
+Decode (and prefill of a few tokens): projections are integer-dot GEMVs (mmvq.cu) on 8-bit
+activation blocks produced by the kernel before them: RMSNorm quantizes its output, attention
+quantizes its output, the fused gate/up/activation quantizes its output. Q, K and V are one
+launch; the residual adds happen inside the output and down projections. Per layer: norm,
+QKV, RoPE + KV write, attention, output projection, norm, gate/up, down (8 launches).
+Matrices whose type has no integer-dot kernel (float types) use the fp32-activation GEMVs.
+
+Prefill of many tokens: each matrix is dequantized to fp16 into the workspace and multiplied on
+the tensor cores (cuBLAS, fp32 accumulate and output straight into the destination, beta = 1
+for the residual adds).
 """
 
 from __future__ import annotations
@@ -14,92 +23,189 @@ import cupy
 from . import ops
 from .kv_cache import KVCache
 from .modules import Kernels
-from .weights import DeviceWeights, WeightRef
+from .weights import DeviceWeights, LayerIndex, WeightRef
 from .workspace import Workspace
 
-# prefill steps with more tokens than this use dequantize + cuBLAS; fewer use the GEMV kernels
+# prefill steps with more tokens than this use dequantize + tensor-core GEMM; fewer use the GEMVs
 GEMM_MIN_TOKENS = 16
 
 
+class _LayerPlan:
+    """Which projections of a layer take the 8-bit path (decided once, at load)."""
+
+    def __init__(self, lw: LayerIndex, c, int8_down: bool = True):
+        norm_ok = c.hidden % 32 == 0 and c.hidden <= ops.NQ_MAXK * 1024
+        self.qkv = all(ops.q8_ok(w) for w in (lw.wq, lw.wk, lw.wv)) and norm_ok
+        self.wo = ops.q8_ok(lw.wo) and c.q_dim % 32 == 0
+        self.ffn = lw.fused_ffn and ops.q8_ok(lw.w_gate) and norm_ok and c.ffn_dim % 32 == 0
+        self.down = self.ffn and ops.q8_ok(lw.w_down) and int8_down
+
+
 class Forward:
-    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, kv: KVCache):
+    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, kv: KVCache, int8_activations: bool = True,
+                 int8_down: bool = True):
+        """int8_activations=False: every decode projection on fp32 activations (the reference path);
+        int8_down=False: all but the FFN down projection on 8-bit activations."""
         self.k, self.w, self.ws, self.kv = k, w, ws, kv
         self.c = w.config
         self.act = 1 if self.c.activation == "gelu_tanh" else 0
+        self.int8 = int8_activations
+        self.plans = [_LayerPlan(lw, self.c, int8_down) for lw in w.layers]
+        if not int8_activations:
+            for p in self.plans:
+                p.qkv = p.wo = p.ffn = p.down = False
+        self.norm16 = self.c.hidden % 32 == 0 and self.c.hidden <= ops.NQ_MAXK * 1024
+        self.head_q8 = ops.q8_ok(w.output) and self.norm16 and int8_activations
 
     # ------------------------------------------------------------ building blocks
-    def linear(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
-               accumulate: bool = False, gemm: bool = False) -> None:
-        """y[:T] (+)= x[:T] @ w.T (+ bias). x, y: 2-D workspace pools with rows of their width."""
-        if not gemm:
-            ops.gemv(self.k, w, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T, bias, accumulate)
-            return
-        n, kdim = w.rows, w.cols
-        ops.dequant(self.k, w, self.ws.deq.data.ptr, kdim)
-        wf = self.ws.deq[:n * kdim].reshape(n, kdim)
-        out = self.ws.gemm[:T * n].reshape(T, n)
-        cupy.matmul(x[:T, :kdim], wf.T, out=out)
-        ops.epilogue(self.k, y.data.ptr, out.data.ptr, bias, T, n, accumulate)
+    def _gemv(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
+              accumulate: bool = False) -> None:
+        ops.gemv(self.k, w, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T, bias, accumulate)
+
+    def _gemm(self, w: WeightRef, x16: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
+              accumulate: bool = False, bf16: bool = False) -> None:
+        """y[:T] (+)= x16[:T] @ w.T (+ bias): dequantize to fp16 (bf16), tensor-core GEMM, fp32 out."""
+        ops.dequant16(self.k, w, self.ws.deq.data.ptr, w.cols, bf16)
+        ops.gemm16(self.ws.deq.data.ptr, w.rows, w.cols, x16.data.ptr, x16.shape[1], y.data.ptr, y.shape[1], T,
+                   accumulate, cupy.cuda.get_current_stream().ptr, bf16)
+        if bias:
+            ops.epilogue(self.k, y.data.ptr, y.data.ptr, bias, T, w.rows, False)
 
     def _norm(self, x: cupy.ndarray, w: int, out: cupy.ndarray, T: int, add: bool = False) -> None:
         ops.rms_norm(self.k, x.data.ptr, x.shape[1], w, out.data.ptr, out.shape[1], T, x.shape[1],
                      self.c.rms_eps, add)
 
-    # ------------------------------------------------------------ the layers
-    def layers(self, T: int, gemm: bool) -> None:
-        """Embed ws.tokens[:T] and run every layer; the residual stream ends in ws.x[:T]."""
+    def _norm_q8(self, x: cupy.ndarray, w: int, T: int, out32: cupy.ndarray | None,
+                 q: cupy.ndarray | None = None, d: cupy.ndarray | None = None, out16: cupy.ndarray | None = None) -> None:
+        ops.rms_norm_q8(self.k, x.data.ptr, x.shape[1], w, 0 if out32 is None else out32.data.ptr,
+                        0 if out16 is None else out16.data.ptr, 0 if q is None else q.data.ptr,
+                        0 if d is None else d.data.ptr, T, self.c.hidden, self.c.rms_eps)
+
+    def _qk_norm_rope(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
         c, k, ws, kv = self.c, self.k, self.ws, self.kv
-        ops.embed(k, self.w.tok_embd, ws.tokens.data.ptr, T, c.embed_scale, ws.x.data.ptr, c.hidden)
-        for li, lw in enumerate(self.w.layers):
+        if lw.q_norm:
+            D = c.head_dim
+            ops.rms_norm(k, ws.q.data.ptr, D, lw.q_norm, ws.q.data.ptr, D, T * c.n_heads, D, c.rms_eps)
+            ops.rms_norm(k, ws.k.data.ptr, D, lw.k_norm, ws.k.data.ptr, D, T * c.n_kv_heads, D, c.rms_eps)
+        ops.rope_kv(k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv.k_ptrs[li], kv.v_ptrs[li],
+                    kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, lw.theta, c.rope_style == "neox", T)
+
+    def _attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, oq: int = 0, od: int = 0,
+                   o16: int = 0) -> None:
+        c, ws, kv = self.c, self.ws, self.kv
+        ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li], slots, pos,
+                      kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16)
+
+    # ------------------------------------------------------------ one layer, two ways
+    def _layer_gemv(self, li: int, lw: LayerIndex, p: _LayerPlan, T: int, pos: int, slots: int) -> None:
+        c, k, ws = self.c, self.k, self.ws
+        if p.qkv:
+            self._norm_q8(ws.x, lw.attn_norm, T, ws.h, ws.hq, ws.hd)
+            ops.mmv_q8(k, [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
+                           (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, ws.hq.data.ptr, ws.hd.data.ptr, T)
+        else:
             self._norm(ws.x, lw.attn_norm, ws.h, T)
-            self.linear(lw.wq, ws.h, T, ws.q, lw.bq, gemm=gemm)
-            self.linear(lw.wk, ws.h, T, ws.k, lw.bk, gemm=gemm)
-            self.linear(lw.wv, ws.h, T, ws.v, lw.bv, gemm=gemm)
-            if lw.q_norm:
-                D = c.head_dim
-                ops.rms_norm(k, ws.q.data.ptr, D, lw.q_norm, ws.q.data.ptr, D, T * c.n_heads, D, c.rms_eps)
-                ops.rms_norm(k, ws.k.data.ptr, D, lw.k_norm, ws.k.data.ptr, D, T * c.n_kv_heads, D, c.rms_eps)
-            ops.rope_kv(k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, ws.positions.data.ptr,
-                        ws.slots.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li], kv.context, c.n_heads,
-                        c.n_kv_heads, c.head_dim, c.rope_dim, lw.theta, c.rope_style == "neox", T)
-            ops.attention(k, ws.q.data.ptr, ws.attn.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li],
-                          ws.slots.data.ptr, ws.positions.data.ptr, kv.context, c.n_heads, c.n_kv_heads,
-                          c.head_dim, c.scale, lw.window, T)
-            if lw.post_attn_norm:
-                self.linear(lw.wo, ws.attn, T, ws.tmp, gemm=gemm)
-                self._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
-            else:
-                self.linear(lw.wo, ws.attn, T, ws.x, accumulate=True, gemm=gemm)
+            self._gemv(lw.wq, ws.h, T, ws.q, lw.bq)
+            self._gemv(lw.wk, ws.h, T, ws.k, lw.bk)
+            self._gemv(lw.wv, ws.h, T, ws.v, lw.bv)
+        self._qk_norm_rope(li, lw, T, pos, slots)
+        if p.wo:
+            self._attention(li, lw, T, pos, slots, ws.aq.data.ptr, ws.ad.data.ptr)
+            dst = ws.tmp if lw.post_attn_norm else ws.x
+            ops.mmv_q8(k, [(lw.wo, 0, dst.data.ptr, c.hidden)], c.q_dim, ws.aq.data.ptr, ws.ad.data.ptr, T,
+                       accumulate=not lw.post_attn_norm)
+        else:
+            self._attention(li, lw, T, pos, slots)
+            self._gemv(lw.wo, ws.attn, T, ws.tmp if lw.post_attn_norm else ws.x, accumulate=not lw.post_attn_norm)
+        if lw.post_attn_norm:
+            self._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
+        if p.ffn:
+            self._norm_q8(ws.x, lw.ffn_norm, T, None, ws.hq, ws.hd)
+            ops.ffn_q8(k, lw.w_gate, lw.w_up, ws.hq.data.ptr, ws.hd.data.ptr, T, self.act, ws.fq.data.ptr,
+                       ws.fd.data.ptr, 0 if p.down else ws.a.data.ptr)
+        else:
             self._norm(ws.x, lw.ffn_norm, ws.h, T)
-            if lw.fused_ffn and not gemm:
-                ops.ffn_gate_up(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim,
-                                T, self.act)
+            if lw.fused_ffn:
+                ops.ffn_gate_up(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, self.act)
             else:
-                self.linear(lw.w_gate, ws.h, T, ws.g, gemm=gemm)
-                self.linear(lw.w_up, ws.h, T, ws.u, gemm=gemm)
+                self._gemv(lw.w_gate, ws.h, T, ws.g)
+                self._gemv(lw.w_up, ws.h, T, ws.u)
                 ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
-            if lw.post_ffn_norm:
-                self.linear(lw.w_down, ws.a, T, ws.tmp, gemm=gemm)
-                self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
+        dst = ws.tmp if lw.post_ffn_norm else ws.x
+        if p.down:
+            ops.mmv_q8(k, [(lw.w_down, 0, dst.data.ptr, c.hidden)], c.ffn_dim, ws.fq.data.ptr, ws.fd.data.ptr, T,
+                       accumulate=not lw.post_ffn_norm)
+        else:
+            self._gemv(lw.w_down, ws.a, T, dst, accumulate=not lw.post_ffn_norm)
+        if lw.post_ffn_norm:
+            self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
+
+    def _norm_to16(self, x: cupy.ndarray, w: int, T: int) -> None:
+        ws = self.ws
+        if self.norm16:
+            self._norm_q8(x, w, T, None, out16=ws.h16)
+        else:
+            self._norm(x, w, ws.h, T)
+            ops.f32_to_f16(self.k, ws.h.data.ptr, ws.h16.data.ptr, T * self.c.hidden)
+
+    def _layer_gemm(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
+        c, k, ws = self.c, self.k, self.ws
+        self._norm_to16(ws.x, lw.attn_norm, T)
+        self._gemm(lw.wq, ws.h16, T, ws.q, lw.bq)
+        self._gemm(lw.wk, ws.h16, T, ws.k, lw.bk)
+        self._gemm(lw.wv, ws.h16, T, ws.v, lw.bv)
+        self._qk_norm_rope(li, lw, T, pos, slots)
+        self._attention(li, lw, T, pos, slots, o16=ws.attn16.data.ptr)
+        if lw.post_attn_norm:
+            self._gemm(lw.wo, ws.attn16, T, ws.tmp)
+            self._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
+        else:
+            self._gemm(lw.wo, ws.attn16, T, ws.x, accumulate=True)
+        self._norm_to16(ws.x, lw.ffn_norm, T)
+        self._gemm(lw.w_gate, ws.h16, T, ws.g)
+        self._gemm(lw.w_up, ws.h16, T, ws.u)
+        ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
+        # act(g) * u has no bound fp16 can hold (random twins overflow it): bf16 for this GEMM
+        ops.f32_to_f16(k, ws.a.data.ptr, ws.a16.data.ptr, T * c.ffn_dim, bf16=True)
+        if lw.post_ffn_norm:
+            self._gemm(lw.w_down, ws.a16, T, ws.tmp, bf16=True)
+            self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
+        else:
+            self._gemm(lw.w_down, ws.a16, T, ws.x, accumulate=True, bf16=True)
+
+    # ------------------------------------------------------------ the layers
+    def layers(self, T: int, gemm: bool, tok: int, pos: int, slots: int) -> None:
+        """Embed token ids (device pointer tok) and run every layer; the residual stream ends in ws.x[:T]."""
+        c, ws = self.c, self.ws
+        ops.embed(self.k, self.w.tok_embd, tok, T, c.embed_scale, ws.x.data.ptr, c.hidden)
+        for li, lw in enumerate(self.w.layers):
+            if gemm:
+                self._layer_gemm(li, lw, T, pos, slots)
             else:
-                self.linear(lw.w_down, ws.a, T, ws.x, accumulate=True, gemm=gemm)
+                self._layer_gemv(li, lw, self.plans[li], T, pos, slots)
 
     def head(self, rows: cupy.ndarray, n: int) -> None:
         """Final norm + LM head (GEMV) + greedy argmax for rows[:n] -> ws.logits, ws.argmax."""
         c, ws = self.c, self.ws
-        self._norm(rows, self.w.output_norm, ws.last_norm, n)
-        ops.gemv(self.k, self.w.output, ws.last_norm.data.ptr, c.hidden, ws.logits.data.ptr, c.vocab_size, n)
+        if self.head_q8:
+            self._norm_q8(rows, self.w.output_norm, n, None, ws.head_q, ws.head_d)
+            ops.mmv_q8(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden,
+                       ws.head_q.data.ptr, ws.head_d.data.ptr, n)
+        else:
+            self._norm(rows, self.w.output_norm, ws.last_norm, n)
+            self._gemv(self.w.output, ws.last_norm, n, ws.logits)
         ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n)
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int) -> None:
-        """One decode step for b rows (a bucket); inputs in ws.tokens/positions/slots[:b]."""
-        self.layers(b, gemm=False)
+        """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots)."""
+        io = self.ws.dec_io
+        self.layers(b, False, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr)
         self.head(self.ws.x, b)
 
     def prefill_step(self, T: int, n_items: int) -> None:
         """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row."""
-        self.layers(T, gemm=T > GEMM_MIN_TOKENS)
-        ops.gather_rows(self.k, self.ws.x.data.ptr, self.ws.last_idx.data.ptr, self.ws.last.data.ptr,
-                        n_items, self.c.hidden)
-        self.head(self.ws.last, n_items)
+        ws = self.ws
+        self.layers(T, T > GEMM_MIN_TOKENS, ws.tokens.data.ptr, ws.positions.data.ptr, ws.slots.data.ptr)
+        ops.gather_rows(self.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n_items, self.c.hidden)
+        self.head(ws.last, n_items)

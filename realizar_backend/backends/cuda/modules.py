@@ -14,7 +14,10 @@ from gguf import GGMLQuantizationType as Q
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
-FILES = ("gemv.cu", "dequant.cu", "norm.cu", "rope.cu", "attention.cu", "elementwise.cu")
+FILES = ("gemv.cu", "mmvq.cu", "dequant.cu", "norm.cu", "rope.cu", "attention.cu", "elementwise.cu")
+
+
+MMV_NB = (1, 2, 4, 8)   # activation rows per mmvq launch column (template instances)
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class QInfo:
     suffix: str          # kernel name suffix: gemv_<suffix>
     block: int           # weights per block
     block_bytes: int
+    q8: bool = False     # has an integer-dot (8-bit activation) GEMV in mmvq.cu
 
 
 # The GPU's quant table: every type in the four real models plus the neighbours the design names.
@@ -29,14 +33,14 @@ QTYPES: dict[Q, QInfo] = {
     Q.F32: QInfo("f32", 1, 4),
     Q.F16: QInfo("f16", 1, 2),
     Q.BF16: QInfo("bf16", 1, 2),
-    Q.Q4_0: QInfo("q4_0", 32, 18),
-    Q.Q4_1: QInfo("q4_1", 32, 20),
-    Q.Q5_0: QInfo("q5_0", 32, 22),
-    Q.Q5_1: QInfo("q5_1", 32, 24),
-    Q.Q8_0: QInfo("q8_0", 32, 34),
-    Q.Q4_K: QInfo("q4_k", 256, 144),
-    Q.Q5_K: QInfo("q5_k", 256, 176),
-    Q.Q6_K: QInfo("q6_k", 256, 210),
+    Q.Q4_0: QInfo("q4_0", 32, 18, True),
+    Q.Q4_1: QInfo("q4_1", 32, 20, True),
+    Q.Q5_0: QInfo("q5_0", 32, 22, True),
+    Q.Q5_1: QInfo("q5_1", 32, 24, True),
+    Q.Q8_0: QInfo("q8_0", 32, 34, True),
+    Q.Q4_K: QInfo("q4_k", 256, 144, True),
+    Q.Q5_K: QInfo("q5_k", 256, 176, True),
+    Q.Q6_K: QInfo("q6_k", 256, 210, True),
 }
 
 
@@ -59,9 +63,15 @@ class Kernels:
             mods = {f: cupy.RawModule(code=_source(f), options=opts) for f in FILES}
             self.gemv = {q: mods["gemv.cu"].get_function("gemv_" + i.suffix) for q, i in QTYPES.items()}
             self.ffn_gate_up = {q: mods["gemv.cu"].get_function("ffn_gate_up_" + i.suffix) for q, i in QTYPES.items()}
+            self.mmv_q8 = {nb: mods["mmvq.cu"].get_function(f"mmv_q8_nb{nb}") for nb in MMV_NB}
+            self.ffn_q8 = {nb: mods["mmvq.cu"].get_function(f"ffn_q8_nb{nb}") for nb in MMV_NB}
+            self.dequant16 = {q: mods["dequant.cu"].get_function("dequant16_" + i.suffix) for q, i in QTYPES.items()}
             self.dequant = {q: mods["dequant.cu"].get_function("dequant_" + i.suffix) for q, i in QTYPES.items()}
             self.embed = {q: mods["dequant.cu"].get_function("embed_" + i.suffix) for q, i in QTYPES.items()}
             self.rms_norm = mods["norm.cu"].get_function("rms_norm")
+            self.rms_norm_q8 = mods["norm.cu"].get_function("rms_norm_q8")
+            self.f32_to_f16 = mods["elementwise.cu"].get_function("f32_to_f16")
+            self.spin_ns = mods["elementwise.cu"].get_function("spin_ns")
             self.rope_kv = mods["rope.cu"].get_function("rope_kv")
             self.attn_decode = mods["attention.cu"].get_function("attn_decode")
             self.epilogue = mods["elementwise.cu"].get_function("epilogue")
@@ -70,7 +80,8 @@ class Kernels:
             self.argmax_rows = mods["elementwise.cu"].get_function("argmax_rows")
             # force compilation and module load now, so capture never loads a module
             for fn in (self.rms_norm, self.rope_kv, self.attn_decode, self.epilogue, self.act_mul,
-                       self.gather_rows, self.argmax_rows, *self.gemv.values(),
+                       self.gather_rows, self.argmax_rows, self.rms_norm_q8, self.f32_to_f16,
+                       *self.mmv_q8.values(), *self.ffn_q8.values(), *self.dequant16.values(), *self.gemv.values(),
                        *self.ffn_gate_up.values(), *self.dequant.values(), *self.embed.values()):
                 _ = fn.attributes
         log.info("cuda kernels: %d files compiled for compute capability %s", len(FILES), cc)

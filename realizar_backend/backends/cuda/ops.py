@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .modules import QTYPES, Kernels
+from .modules import MMV_NB, QTYPES, Kernels
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
-GEMV_WARPS, GEMV_MAXB, ATT_WARPS, ATT_MAXD = 4, 8, 8, 256   # must match the .cu defines
+GEMV_WARPS, GEMV_MAXB, ATT_WARPS, ATT_MAXD = 4, 8, 16, 256   # must match the .cu defines
+MMV_WARPS, FFN_WARPS = 4, 8                                    # mmvq.cu
+NQ_MAXK = 8                                                    # norm.cu: rms_norm_q8 width <= 8 * 1024
 
 
 @dataclass
@@ -37,6 +39,82 @@ def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
     k.gemv[w.qtype](grid, (GEMV_WARPS * 32,),
                     (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(x), _I32(xs),
                      _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate))))
+
+
+def q8_ok(w: WeightRef) -> bool:
+    """The matrix has an integer-dot GEMV (its rows are whole 32-value blocks)."""
+    return QTYPES[w.qtype].q8 and w.cols % 32 == 0
+
+
+def _nb_variant(nb: int) -> int:
+    return next((v for v in MMV_NB if v >= nb), MMV_NB[-1])
+
+
+def warps_per_row(K: int) -> int:
+    """Warps sharing one row: enough 32-unit strides that long rows finish in ~2-3 passes."""
+    nu = K // 32
+    return 1 if nu <= 64 else (2 if nu <= 128 else 4)
+
+
+def mmv_q8(k: Kernels, segs, K: int, xq: int, xd: int, nb: int, accumulate: bool = False) -> None:
+    """y_s[b] (+)= W_s @ x[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
+    sharing one 8-bit activation input (xq int8 [nb, K], xd float2 [nb, K/32])."""
+    args = []
+    rows = 0
+    for w, bias, y, ys in segs:
+        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
+        rows += w.rows
+    for _ in range(3 - len(segs)):
+        args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
+    wpr = warps_per_row(K)
+    v = _nb_variant(nb)
+    rpb = MMV_WARPS // wpr
+    grid = ((rows + rpb - 1) // rpb, (nb + v - 1) // v)
+    k.mmv_q8[v](grid, (MMV_WARPS * 32,),
+                (*args, _I32(K), _U64(xq), _U64(xd), _I32(nb), _I32(wpr), _I32(int(accumulate))))
+
+
+def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, act: int,
+           aq: int, ad: int, af: int = 0) -> None:
+    """a = act(gate @ x) * (up @ x) as 8-bit blocks (aq, ad) and optionally fp32 (af); rows % 32 == 0."""
+    v = _nb_variant(nb)
+    grid = (wg.rows // 32, (nb + v - 1) // v)
+    k.ffn_q8[v](grid, (FFN_WARPS * 32,),
+                (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(wg.cols),
+                 _I32(int(wg.qtype)), _U64(xq), _U64(xd), _I32(nb), _I32(act), _U64(aq), _U64(ad), _U64(af)))
+
+
+def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
+                rows: int, width: int, eps: float) -> None:
+    threads = next(t for t in (256, 512, 1024) if width <= NQ_MAXK * t)
+    k.rms_norm_q8((rows,), (threads,), (_U64(x), _I32(xs), _U64(w), _U64(out32), _U64(out16), _U64(xq), _U64(xd),
+                                    _I32(rows), _I32(width), _F32(eps)))
+
+
+def dequant16(k: Kernels, w: WeightRef, out: int, os: int, bf16: bool = False) -> None:
+    total = w.rows * ((w.cols + 31) // 32)
+    k.dequant16[w.qtype](((total + 255) // 256,), (256,),
+                         (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(out), _I64(os),
+                          _I32(int(bf16))))
+
+
+def f32_to_f16(k: Kernels, x: int, y: int, n: int, bf16: bool = False) -> None:
+    k.f32_to_f16(((n + 255) // 256,), (256,), (_U64(x), _U64(y), _I64(n), _I32(int(bf16))))
+
+
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+
+def gemm16(w16: int, N: int, K: int, x16: int, xs: int, y: int, ys: int, T: int, accumulate: bool,
+           stream_ptr: int, bf16: bool = False) -> None:
+    """y[:T, :N] (+)= x16[:T, :K] @ w16[:N, :K].T on the tensor cores: fp16 (or bf16) inputs, fp32
+    compute and output (cuBLAS column-major view: C[N x T] = W^T' . X)."""
+    from cupy.cuda import cublas, device, runtime
+    h = device.get_cublas_handle()
+    cublas.setStream(h, stream_ptr)
+    dt = 14 if bf16 else runtime.CUDA_R_16F            # 14 = CUDA_R_16BF
+    cublas.gemmEx(h, 1, 0, N, T, K, _ONE.ctypes.data, w16, dt, K, x16, dt, xs,
+                  (_ONE if accumulate else _ZERO).ctypes.data, y, runtime.CUDA_R_32F, ys, 68, -1)
 
 
 def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int,
@@ -75,10 +153,13 @@ def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kca
 
 
 def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int, positions: int,
-              ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int) -> None:
+              ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int,
+              oq: int = 0, od: int = 0, o16: int = 0) -> None:
+    """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16)."""
     k.attn_decode((n, H), (ATT_WARPS * 32,),
                   (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
-                   _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n)))
+                   _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
+                   _U64(oq), _U64(od), _U64(o16)))
 
 
 def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:

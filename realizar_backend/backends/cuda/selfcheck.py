@@ -224,7 +224,23 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
         errs[f"ffn_gate_up_{qt.name}"] = check_ffn(k, qt, 37, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
         errs[f"dequant_{qt.name}"] = check_dequant(k, qt, 5, K, rng)
         errs[f"embed_{qt.name}"] = check_embed(k, qt, 11, K, 4, 1.5, rng)
+    from .selfcheck_q8 import (check_attention_outputs, check_dequant16, check_ffn_q8, check_gemm16,
+                               check_mmv_q8, check_rms_norm_q8)
+    for qt in sorted(qtypes, key=int):
+        if qt in QTYPES:
+            K = 2 * max(QTYPES[qt].block, 32)
+            errs[f"dequant16_{qt.name}"] = check_dequant16(k, qt, 5, K, rng)
+        if qt in QTYPES and QTYPES[qt].q8:
+            errs[f"mmv_q8_{qt.name}"] = check_mmv_q8(k, [(qt, 37), (qt, 5)], K, 3, rng, bias=True)
+            fe, fv = check_ffn_q8(k, qt, 64, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
+            errs[f"ffn_q8_{qt.name}"] = max(fe, TOL * (fv > 1.0) * 2)
+    errs["gemm16"] = check_gemm16(5, 33, 64, rng, True)
     D = cfg.head_dim
+    if cfg.hidden % 32 == 0:
+        n32, n16, nv = check_rms_norm_q8(k, 3, cfg.hidden, rng)
+        errs["rms_norm_q8"] = max(n32, n16, TOL * (nv > 1.0) * 2)
+    a16, av = check_attention_outputs(k, 3, cfg.n_heads, cfg.n_kv_heads, D, 20, rng)
+    errs["attention_q8_f16"] = max(a16, TOL * (av > 1.0) * 2)
     errs["rms_norm"] = check_rms_norm(k, 3, cfg.hidden, False, rng)
     errs["rms_norm_add"] = check_rms_norm(k, 3, D, True, rng)
     errs["rope_kv"] = check_rope_kv(k, 3, cfg.n_heads, cfg.n_kv_heads, D, cfg.rope_style == "neox",

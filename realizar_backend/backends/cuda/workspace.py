@@ -35,8 +35,14 @@ class Workspace:
         self.last = cupy.empty((max_rows, c.hidden), f32)
         self.last_norm = cupy.empty((max_rows, c.hidden), f32)
         self.last_idx = cupy.empty(max_rows, cupy.int32)
-        self.deq = cupy.empty(dequant_elems, f32)
-        self._fixed = [self.logits, self.argmax, self.last, self.last_norm, self.last_idx, self.deq]
+        self.deq = cupy.empty(dequant_elems, cupy.float16)   # one matrix in fp16 for the prefill GEMM
+        # decode inputs (token ids, positions, slots) in one fixed buffer: one host copy per step,
+        # and addresses that no pool growth moves (the captured graphs read them)
+        self.dec_io = cupy.zeros((3, max_rows), cupy.int32)
+        self.head_q = cupy.empty((max_rows, c.hidden), cupy.int8)      # final norm as 8-bit blocks
+        self.head_d = cupy.empty((max_rows, c.hidden // 32 * 2), f32)
+        self._fixed = [self.logits, self.argmax, self.last, self.last_norm, self.last_idx, self.deq,
+                       self.dec_io, self.head_q, self.head_d]
         self.ensure(max(tokens, max_rows))
 
     def ensure(self, tokens: int) -> None:
@@ -45,7 +51,6 @@ class Workspace:
             return
         cap = next_pow2(tokens)
         c, f32 = self.cfg, cupy.float32
-        wide = max(c.ffn_dim, c.q_dim, c.hidden, c.kv_dim)
         self.x = cupy.empty((cap, c.hidden), f32)        # residual stream
         self.h = cupy.empty((cap, c.hidden), f32)        # normed input of a projection
         self.tmp = cupy.empty((cap, c.hidden), f32)      # projection output before a post-norm
@@ -56,7 +61,16 @@ class Workspace:
         self.g = cupy.empty((cap, c.ffn_dim), f32)
         self.u = cupy.empty((cap, c.ffn_dim), f32)
         self.a = cupy.empty((cap, c.ffn_dim), f32)
-        self.gemm = cupy.empty(cap * wide, f32)          # cuBLAS output before the epilogue
+        # 8-bit activation blocks (int8 values + float2 (d, d*sum) per 32) of the three GEMV inputs
+        i8 = cupy.int8
+        self.hq, self.hd = cupy.empty((cap, c.hidden), i8), cupy.empty((cap, c.hidden // 32 * 2), f32)
+        self.aq, self.ad = cupy.empty((cap, c.q_dim), i8), cupy.empty((cap, c.q_dim // 32 * 2), f32)
+        self.fq, self.fd = cupy.empty((cap, c.ffn_dim), i8), cupy.empty((cap, c.ffn_dim // 32 * 2), f32)
+        # fp16 GEMM inputs for prefill: normed hidden, attention output, FFN activation
+        f16 = cupy.float16
+        self.h16 = cupy.empty((cap, c.hidden), f16)
+        self.attn16 = cupy.empty((cap, c.q_dim), f16)
+        self.a16 = cupy.empty((cap, c.ffn_dim), f16)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
         self.slots = cupy.empty(cap, cupy.int32)
@@ -72,5 +86,6 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.g, self.u, self.a,
-                self.gemm, self.tokens, self.positions, self.slots)
+                self.hq, self.hd, self.aq, self.ad, self.fq, self.fd, self.h16, self.attn16, self.a16,
+                self.tokens, self.positions, self.slots)
         return sum(a.nbytes for a in grow) + sum(a.nbytes for a in self._fixed)
