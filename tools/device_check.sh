@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE device script: everything the GPU machine checks, in one call, with a report under $OUT.
 #   1. installs the carried wheels (.whl/, from /work/shared/tools/device_wheels.sh) into /tmp/site
-#   2. expands the shape twins (.twins/NAME.head + NAME.json + twin_expand.py) into /tmp/twins
+#   2. expands the shape twins (.twins/NAME.head.gz (gzip: the heads are mostly vocabulary) +
+#      NAME.json + twin_expand.py) into /tmp/twins
 #   3. assembles the real SmolLM2 from parts carried in earlier calls (.device/smol.part*,
 #      staged in /tmp/stage while the machine stays warm); `device_check.sh stage` only stages
 #   4. runs `pytest -m gpu` (no -x: the full report), then `realizar bench` (pp512, tg128, 5 reps)
@@ -44,8 +45,9 @@ python3 -c "import cupy, gguf, numpy; print('cupy', cupy.__version__, 'numpy', n
 # 2. twins
 export REALIZAR_TWINS=/tmp/twins
 for n in smol135 qwen05 gemma270 qwen15; do
-  if [ -f .twins/$n.head ] && [ ! -f /tmp/twins/$n.gguf ]; then
-    python3 .twins/twin_expand.py .twins/$n /tmp/twins/$n.gguf || echo "twin $n failed"
+  if [ -f .twins/$n.head.gz ] && [ ! -f /tmp/twins/$n.gguf ]; then
+    gunzip -c .twins/$n.head.gz > /tmp/twins/$n.head && cp .twins/$n.json /tmp/twins/
+    python3 .twins/twin_expand.py /tmp/twins/$n /tmp/twins/$n.gguf || echo "twin $n failed"
   fi
 done
 [ -f "$SMOL" ] && export REALIZAR_REAL_SMOL=$SMOL
@@ -78,6 +80,53 @@ if [ -f /tmp/twins/qwen15.gguf ] && command -v ncu >/dev/null; then
   python3 tools/ncu_table.py "$OUT/ncu_qwen15.csv" || true
 fi
 
+# the precision settings' price: decode and prefill speed of each non-default setting
+for v in "int8 fp16" "int8-fp32-down fp16" "fp32 fp16" "int8 fp32"; do
+  set -- $v
+  for n in ${VARIANT_TWINS:-qwen15 smol135}; do
+    [ -f /tmp/twins/$n.gguf ] || continue
+    REALIZAR_DECODE_ACTIVATIONS=$1 REALIZAR_PREFILL_PRECISION=$2 python3 -m realizar_backend.cli bench \
+      --model /tmp/twins/$n.gguf --backend cuda --prompt-tokens 512 --gen-tokens 128 --repetitions 3 \
+      --json "/tmp/bench/variant_${n}_$1_$2.json" 2>&1 | grep '^| .*cuda' | sed "s/^/[$1 \/ $2] /"
+  done
+done
+
+# the engine and the service on the GPU: `realizar generate` and a real `bentoml serve` give the
+# CPU backend's greedy text on the real SmolLM2; streaming speed through the service (qwen15 twin)
+serve_up() {  # model port: start bentoml serve on the GPU in the background, wait for /readyz
+  REALIZAR_MODEL=$1 REALIZAR_MODEL_NAME=smol REALIZAR_BACKEND=cuda REALIZAR_MAX_NUM_SEQS=4 REALIZAR_CONTEXT_LENGTH=1024 \
+    setsid python3 -m bentoml serve service:Realizar --host 127.0.0.1 --port $2 > "$OUT/serve_$2.log" 2>&1 &
+  for i in $(seq 1 120); do curl -sf 127.0.0.1:$2/readyz >/dev/null && return 0; sleep 0.5; done
+  echo "server on port $2 never became ready"; tail -20 "$OUT/serve_$2.log"; return 1
+}
+serve_down() { pkill -f "port $1" ; sleep 1; }
+gen() { python3 -m realizar_backend.cli generate "$@" --max-tokens 32 2>>"$OUT/generate.err"; }
+if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
+  gen "The capital of France is" --model $SMOL --backend cpu > /tmp/g_cpu.txt
+  gen "The capital of France is" --model $SMOL --backend cuda > /tmp/g_cuda.txt
+  gen "What is the capital of France?" --chat --model $SMOL --backend cpu > /tmp/c_cpu.txt
+  echo "generate cpu : $(head -c 200 /tmp/g_cpu.txt | tr '\n' ' ')"
+  echo "generate cuda: $(head -c 200 /tmp/g_cuda.txt | tr '\n' ' ')"
+  cmp -s /tmp/g_cpu.txt /tmp/g_cuda.txt && echo "GENERATE_GPU_EQUALS_CPU yes" || echo "GENERATE_GPU_EQUALS_CPU no"
+  if serve_up $SMOL 3901; then
+    curl -s 127.0.0.1:3901/v1/chat/completions -H 'content-type: application/json' -d '{"model": "smol",
+      "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' \
+      > "$OUT/serve_chat.json"
+    python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['choices'][0]['message']['content'])" \
+      "$OUT/serve_chat.json" > /tmp/c_srv.txt
+    echo "service chat (cuda): $(head -c 200 /tmp/c_srv.txt | tr '\n' ' ')"
+    echo "generate chat (cpu): $(head -c 200 /tmp/c_cpu.txt | tr '\n' ' ')"
+    cmp -s /tmp/c_cpu.txt /tmp/c_srv.txt && echo "SERVICE_GPU_EQUALS_CPU yes" || echo "SERVICE_GPU_EQUALS_CPU no"
+    curl -s 127.0.0.1:3901/metrics | grep -E '^realizar_(graph_status|generation_tokens_total|gpu_memory)' | head -8
+    serve_down 3901
+  fi
+  if [ -f /tmp/twins/qwen15.gguf ] && serve_up /tmp/twins/qwen15.gguf 3902; then
+    python3 tools/serve_bench.py --url http://127.0.0.1:3902 --prompt-tokens 128 --gen-tokens 128 \
+      --repetitions 5 --json "$OUT/serve_bench_qwen15.json" | grep -v '^{'
+    serve_down 3902
+  fi
+fi
+
 python3 - "$OUT" "$rc" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
 out, rc = sys.argv[1], int(sys.argv[2])
@@ -99,6 +148,16 @@ for n in ("smol135", "qwen05", "gemma270", "qwen15"):
                          "load_s": round(r["load_s"], 2), "graphs": r["graph_status"]}
     except Exception:
         pass
+import glob, os
+for f in sorted(glob.glob("/tmp/bench/variant_*.json")):
+    r = json.load(open(f))
+    s.setdefault("variants", {})[os.path.basename(f)[8:-5]] = {
+        "pp512_tok_s": round(r["pp_tok_s"]["median"], 1), "tg128_tok_s": round(r["tg_tok_s"]["median"], 1)}
+    full[os.path.basename(f)[:-5]] = r
+try:
+    s["serve_bench_qwen15"] = {k: v for k, v in json.load(open(f"{out}/serve_bench_qwen15.json")).items() if k != "runs"}
+except Exception:
+    pass
 json.dump(full, open(f"{out}/bench.json", "w"), indent=1)
 try:
     p = json.load(open(f"{out}/profile_qwen15.json"))

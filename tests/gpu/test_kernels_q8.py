@@ -93,7 +93,7 @@ def test_dequant16(kernels, rng, q):
 
 @pytest.mark.parametrize("T,N,K", [(17, 896, 896), (512, 256, 1536), (33, 1000, 64)])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
-def test_gemm16(kernels, rng, T, N, K, accumulate, bf16):
-    from realizar_backend.backends.cuda.selfcheck_q8 import check_gemm16
-    assert check_gemm16(T, N, K, rng, accumulate, bf16) <= TOL
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_gemm(kernels, rng, T, N, K, accumulate, dtype):
+    from realizar_backend.backends.cuda.selfcheck_q8 import check_gemm
+    assert check_gemm(T, N, K, rng, accumulate, dtype) <= TOL

@@ -43,7 +43,7 @@ def _backends(model, slots=2, ctx=256, **gpu_kw):
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     cpu = CPUBackend(model, max_slots=slots, max_context=ctx)
-    gpu = CUDABackend(model, max_slots=slots, max_context=ctx, settings=Settings(self_check=True), **gpu_kw)
+    gpu = CUDABackend(model, max_slots=slots, max_context=ctx, settings=Settings(self_check=True, **gpu_kw))
     return cpu, gpu
 
 
@@ -84,19 +84,25 @@ def test_twin_parity(name, rng):
     assert st["graph_status"]
 
 
-@pytest.mark.parametrize("name", ["smol135", "gemma270"])
-@pytest.mark.parametrize("variant", ["fp32-activations", "int8-but-down"])
-def test_twin_parity_activation_variants(name, variant, rng):
-    """The decode path on fp32 activations (the reference the 8-bit path approximates) and with
-    only the FFN down projection on fp32 activations."""
-    path = TWINS / f"{name}.gguf"
-    if not path.exists():
-        pytest.skip(f"twin {path} not expanded")
-    kw = {"int8_activations": False} if variant == "fp32-activations" else {"int8_down": False}
-    pre, dec, st = _parity(_open(path), rng, **kw)
-    print(f"{name} [{variant}]: prefill cos {pre.min():.6f}; decode cos min {dec.min():.6f} "
+# the faster precision settings against the oracle (the default, fp32/fp32, is above). 8-bit
+# activations and fp16 GEMM inputs cost accuracy by design (measured on the H100: decode cosine
+# 0.99-0.9995 on the real SmolLM2), so they answer to a looser floor that still catches a
+# broken kernel (which lands near 0), and the figures are printed for the notes.
+LOSSY_MIN = 0.98
+
+VARIANTS = [("int8", "fp16"), ("int8-fp32-down", "fp16"), ("fp32", "fp16"), ("int8", "fp32")]
+
+
+@pytest.mark.parametrize("name", ["smol135", "gemma270", "real"])
+@pytest.mark.parametrize("decode,prefill", VARIANTS, ids=["/".join(v) for v in VARIANTS])
+def test_parity_precision_variants(name, decode, prefill, rng):
+    path = _real_smol() if name == "real" else TWINS / f"{name}.gguf"
+    if path is None or not path.exists():
+        pytest.skip(f"{name} not on this machine")
+    pre, dec, st = _parity(_open(path), rng, decode_activations=decode, prefill_precision=prefill)
+    print(f"{name} [{decode}/{prefill}]: prefill cos {pre.min():.6f}; decode cos min {dec.min():.6f} "
           f"(after 64: {dec[-1].min():.6f})")
-    assert pre.min() >= COS_MIN and dec.min() >= COS_MIN
+    assert pre.min() >= LOSSY_MIN and dec.min() >= LOSSY_MIN
 
 
 def test_real_smollm2_parity_and_greedy(rng):

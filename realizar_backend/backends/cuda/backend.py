@@ -26,7 +26,7 @@ class CUDABackend:
     name = "cuda"
 
     def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
-                 settings: Settings | None = None, int8_activations: bool = True, int8_down: bool = True):
+                 settings: Settings | None = None):
         self.settings = settings or Settings()
         c = self.config = model.config
         self.max_slots = max_slots
@@ -41,7 +41,8 @@ class CUDABackend:
         self.kv = KVCache(c, max_slots, self.max_context)
         self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
-        self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv, int8_activations, int8_down)
+        self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv, self.settings.decode_activations,
+                           self.settings.prefill_precision)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs: dict[int, Any] = {}
         self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")

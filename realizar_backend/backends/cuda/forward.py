@@ -11,9 +11,10 @@ launch; the residual adds happen inside the output and down projections. Per lay
 QKV, RoPE + KV write, attention, output projection, norm, gate/up, down (8 launches).
 Matrices whose type has no integer-dot kernel (float types) use the fp32-activation GEMVs.
 
-Prefill of many tokens: each matrix is dequantized to fp16 into the workspace and multiplied on
-the tensor cores (cuBLAS, fp32 accumulate and output straight into the destination, beta = 1
-for the residual adds).
+Prefill of many tokens: each matrix is dequantized into the workspace and multiplied on the
+tensor cores (cuBLAS, fp32 accumulate and output straight into the destination, beta = 1 for
+the residual adds). Settings.prefill_precision picks the inputs: fp32 (plain SGEMM: the
+reference) or fp16 tensor cores (bf16 for the down projection, whose input fp16 cannot hold).
 """
 
 from __future__ import annotations
@@ -42,10 +43,14 @@ class _LayerPlan:
 
 
 class Forward:
-    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, kv: KVCache, int8_activations: bool = True,
-                 int8_down: bool = True):
-        """int8_activations=False: every decode projection on fp32 activations (the reference path);
-        int8_down=False: all but the FFN down projection on 8-bit activations."""
+    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, kv: KVCache,
+                 decode_activations: str = "int8", prefill_precision: str = "fp16"):
+        """decode_activations: "int8" (8-bit activation blocks everywhere they apply),
+        "int8-fp32-down" (all but the FFN down projection, whose input has the widest range),
+        "fp32" (every projection on fp32 activations: the reference the others approximate)."""
+        int8_activations = decode_activations != "fp32"
+        int8_down = decode_activations == "int8"
+        self.prefill = prefill_precision
         self.k, self.w, self.ws, self.kv = k, w, ws, kv
         self.c = w.config
         self.act = 1 if self.c.activation == "gelu_tanh" else 0
@@ -62,12 +67,16 @@ class Forward:
               accumulate: bool = False) -> None:
         ops.gemv(self.k, w, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T, bias, accumulate)
 
-    def _gemm(self, w: WeightRef, x16: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
-              accumulate: bool = False, bf16: bool = False) -> None:
-        """y[:T] (+)= x16[:T] @ w.T (+ bias): dequantize to fp16 (bf16), tensor-core GEMM, fp32 out."""
-        ops.dequant16(self.k, w, self.ws.deq.data.ptr, w.cols, bf16)
-        ops.gemm16(self.ws.deq.data.ptr, w.rows, w.cols, x16.data.ptr, x16.shape[1], y.data.ptr, y.shape[1], T,
-                   accumulate, cupy.cuda.get_current_stream().ptr, bf16)
+    def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
+              accumulate: bool = False, dtype: str = "fp16") -> None:
+        """y[:T] (+)= x[:T] @ w.T (+ bias): dequantize w into the workspace in the GEMM's input type,
+        cuBLAS GEMM, fp32 out."""
+        if dtype == "fp32":
+            ops.dequant(self.k, w, self.ws.deq.data.ptr, w.cols)
+        else:
+            ops.dequant16(self.k, w, self.ws.deq.data.ptr, w.cols, dtype == "bf16")
+        ops.gemm(self.ws.deq.data.ptr, w.rows, w.cols, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T,
+                 accumulate, cupy.cuda.get_current_stream().ptr, dtype)
         if bias:
             ops.epilogue(self.k, y.data.ptr, y.data.ptr, bias, T, w.rows, False)
 
@@ -150,28 +159,45 @@ class Forward:
 
     def _layer_gemm(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
         c, k, ws = self.c, self.k, self.ws
-        self._norm_to16(ws.x, lw.attn_norm, T)
-        self._gemm(lw.wq, ws.h16, T, ws.q, lw.bq)
-        self._gemm(lw.wk, ws.h16, T, ws.k, lw.bk)
-        self._gemm(lw.wv, ws.h16, T, ws.v, lw.bv)
+        f32 = self.prefill == "fp32"
+        dt = "fp32" if f32 else "fp16"
+        if f32:
+            self._norm(ws.x, lw.attn_norm, ws.h, T)
+        else:
+            self._norm_to16(ws.x, lw.attn_norm, T)
+        h = ws.h if f32 else ws.h16
+        self._gemm(lw.wq, h, T, ws.q, lw.bq, dtype=dt)
+        self._gemm(lw.wk, h, T, ws.k, lw.bk, dtype=dt)
+        self._gemm(lw.wv, h, T, ws.v, lw.bv, dtype=dt)
         self._qk_norm_rope(li, lw, T, pos, slots)
-        self._attention(li, lw, T, pos, slots, o16=ws.attn16.data.ptr)
+        if f32:
+            self._attention(li, lw, T, pos, slots)
+        else:
+            self._attention(li, lw, T, pos, slots, o16=ws.attn16.data.ptr)
+        attn = ws.attn if f32 else ws.attn16
         if lw.post_attn_norm:
-            self._gemm(lw.wo, ws.attn16, T, ws.tmp)
+            self._gemm(lw.wo, attn, T, ws.tmp, dtype=dt)
             self._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
         else:
-            self._gemm(lw.wo, ws.attn16, T, ws.x, accumulate=True)
-        self._norm_to16(ws.x, lw.ffn_norm, T)
-        self._gemm(lw.w_gate, ws.h16, T, ws.g)
-        self._gemm(lw.w_up, ws.h16, T, ws.u)
+            self._gemm(lw.wo, attn, T, ws.x, accumulate=True, dtype=dt)
+        if f32:
+            self._norm(ws.x, lw.ffn_norm, ws.h, T)
+        else:
+            self._norm_to16(ws.x, lw.ffn_norm, T)
+        self._gemm(lw.w_gate, h, T, ws.g, dtype=dt)
+        self._gemm(lw.w_up, h, T, ws.u, dtype=dt)
         ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
-        # act(g) * u has no bound fp16 can hold (random twins overflow it): bf16 for this GEMM
-        ops.f32_to_f16(k, ws.a.data.ptr, ws.a16.data.ptr, T * c.ffn_dim, bf16=True)
+        if self.prefill == "fp16":
+            # act(g) * u has no bound fp16 can hold (random twins overflow it): bf16 for this GEMM
+            ops.f32_to_f16(k, ws.a.data.ptr, ws.a16.data.ptr, T * c.ffn_dim, bf16=True)
+            a, down = ws.a16, "bf16"
+        else:
+            a, down = ws.a, "fp32"
         if lw.post_ffn_norm:
-            self._gemm(lw.w_down, ws.a16, T, ws.tmp, bf16=True)
+            self._gemm(lw.w_down, a, T, ws.tmp, dtype=down)
             self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
         else:
-            self._gemm(lw.w_down, ws.a16, T, ws.x, accumulate=True, bf16=True)
+            self._gemm(lw.w_down, a, T, ws.x, accumulate=True, dtype=down)
 
     # ------------------------------------------------------------ the layers
     def layers(self, T: int, gemm: bool, tok: int, pos: int, slots: int) -> None:

@@ -105,16 +105,24 @@ def f32_to_f16(k: Kernels, x: int, y: int, n: int, bf16: bool = False) -> None:
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
-def gemm16(w16: int, N: int, K: int, x16: int, xs: int, y: int, ys: int, T: int, accumulate: bool,
-           stream_ptr: int, bf16: bool = False) -> None:
-    """y[:T, :N] (+)= x16[:T, :K] @ w16[:N, :K].T on the tensor cores: fp16 (or bf16) inputs, fp32
-    compute and output (cuBLAS column-major view: C[N x T] = W^T' . X)."""
+CUBLAS_COMPUTE_32F = 68      # plain fp32 (the handle's default math mode: no TF32)
+CUDA_R_16BF = 14
+
+
+def gemm(w: int, N: int, K: int, x: int, xs: int, y: int, ys: int, T: int, accumulate: bool,
+         stream_ptr: int, dtype: str = "fp16") -> None:
+    """y[:T, :N] (+)= x[:T, :K] @ w[:N, :K].T on the tensor cores, fp32 accumulate and output
+    (cuBLAS column-major view: C[N x T] = W^T' . X). dtype names the inputs: "fp16", "bf16" or
+    "fp32" (no tensor cores: TF32 would truncate inputs to fp16's mantissa, and its bias showed
+    as worse parity than fp16 on the gemma270 twin)."""
     from cupy.cuda import cublas, device, runtime
     h = device.get_cublas_handle()
     cublas.setStream(h, stream_ptr)
-    dt = 14 if bf16 else runtime.CUDA_R_16F            # 14 = CUDA_R_16BF
-    cublas.gemmEx(h, 1, 0, N, T, K, _ONE.ctypes.data, w16, dt, K, x16, dt, xs,
-                  (_ONE if accumulate else _ZERO).ctypes.data, y, runtime.CUDA_R_32F, ys, 68, -1)
+    dt, compute = {"fp16": (runtime.CUDA_R_16F, CUBLAS_COMPUTE_32F),
+                   "bf16": (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
+                   "fp32": (runtime.CUDA_R_32F, CUBLAS_COMPUTE_32F)}[dtype]
+    cublas.gemmEx(h, 1, 0, N, T, K, _ONE.ctypes.data, w, dt, K, x, dt, xs,
+                  (_ONE if accumulate else _ZERO).ctypes.data, y, runtime.CUDA_R_32F, ys, compute, -1)
 
 
 def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int,

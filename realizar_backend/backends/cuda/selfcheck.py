@@ -224,7 +224,7 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
         errs[f"ffn_gate_up_{qt.name}"] = check_ffn(k, qt, 37, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
         errs[f"dequant_{qt.name}"] = check_dequant(k, qt, 5, K, rng)
         errs[f"embed_{qt.name}"] = check_embed(k, qt, 11, K, 4, 1.5, rng)
-    from .selfcheck_q8 import (check_attention_outputs, check_dequant16, check_ffn_q8, check_gemm16,
+    from .selfcheck_q8 import (check_attention_outputs, check_dequant16, check_ffn_q8, check_gemm,
                                check_mmv_q8, check_rms_norm_q8)
     for qt in sorted(qtypes, key=int):
         if qt in QTYPES:
@@ -234,7 +234,8 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
             errs[f"mmv_q8_{qt.name}"] = check_mmv_q8(k, [(qt, 37), (qt, 5)], K, 3, rng, bias=True)
             fe, fv = check_ffn_q8(k, qt, 64, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
             errs[f"ffn_q8_{qt.name}"] = max(fe, TOL * (fv > 1.0) * 2)
-    errs["gemm16"] = check_gemm16(5, 33, 64, rng, True)
+    for dtype in ("fp16", "bf16", "fp32"):
+        errs[f"gemm_{dtype}"] = check_gemm(5, 33, 64, rng, True, dtype)
     D = cfg.head_dim
     if cfg.hidden % 32 == 0:
         n32, n16, nv = check_rms_norm_q8(k, 3, cfg.hidden, rng)

@@ -145,19 +145,26 @@ def _to_bf16(a: np.ndarray) -> np.ndarray:
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def check_gemm16(T: int, N: int, K: int, rng, accumulate: bool, bf16: bool = False) -> float:
-    """The tensor-core GEMM call (fp16 in, fp32 out, beta = 1 when accumulating) on a strided output."""
-    w = rng.standard_normal((N, K)).astype(np.float16)
-    x = rng.standard_normal((T, K)).astype(np.float16)
-    if bf16:          # the same values, exactly representable in bf16
+def check_gemm(T: int, N: int, K: int, rng, accumulate: bool, dtype: str = "fp16") -> float:
+    """The GEMM call (fp16 / bf16 / fp32 in, fp32 out, beta = 1 when accumulating) on
+    a strided output. Inputs are drawn exactly representable in the input type, so the only error
+    left is the fp32 accumulation."""
+    w = rng.standard_normal((N, K)).astype(np.float16).astype(np.float32)
+    x = rng.standard_normal((T, K)).astype(np.float16).astype(np.float32)
+    if dtype == "bf16":
         w = (_to_bf16(w).astype(np.uint32) << 16).view(np.float32)
         x = (_to_bf16(x).astype(np.uint32) << 16).view(np.float32)
+        wd, xd = _dev(_to_bf16(w)), _dev(_to_bf16(x))
+    elif dtype == "fp32":
+        w, x = rng.standard_normal((N, K)).astype(np.float32), rng.standard_normal((T, K)).astype(np.float32)
+        wd, xd = _dev(w), _dev(x)
+    else:
+        wd, xd = _dev(w.astype(np.float16)), _dev(x.astype(np.float16))
     ys = N + 3                                     # output rows wider than N: ldc is honoured
     y0 = rng.standard_normal((T, ys)).astype(np.float32)
     y = _dev(y0) if accumulate else _nan((T, ys))
-    wd, xd = (_dev(_to_bf16(w)), _dev(_to_bf16(x))) if bf16 else (_dev(w), _dev(x))
-    ops.gemm16(wd.data.ptr, N, K, xd.data.ptr, K, y.data.ptr, ys, T, accumulate, cupy.cuda.get_current_stream().ptr,
-               bf16)
+    ops.gemm(wd.data.ptr, N, K, xd.data.ptr, K, y.data.ptr, ys, T, accumulate, cupy.cuda.get_current_stream().ptr,
+             dtype)
     ref = x.astype(np.float64) @ w.astype(np.float64).T + (y0[:, :N] if accumulate else 0)
     got = y.get()
     tail_ok = np.array_equal(got[:, N:], y0[:, N:]) if accumulate else bool(np.all(np.isnan(got[:, N:])))

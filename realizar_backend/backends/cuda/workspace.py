@@ -35,7 +35,8 @@ class Workspace:
         self.last = cupy.empty((max_rows, c.hidden), f32)
         self.last_norm = cupy.empty((max_rows, c.hidden), f32)
         self.last_idx = cupy.empty(max_rows, cupy.int32)
-        self.deq = cupy.empty(dequant_elems, cupy.float16)   # one matrix in fp16 for the prefill GEMM
+        # one matrix for the prefill GEMM, in fp32 for TF32 GEMMs (fp16/bf16 use its first half)
+        self.deq = cupy.empty(dequant_elems, cupy.float32)
         # decode inputs (token ids, positions, slots) in one fixed buffer: one host copy per step,
         # and addresses that no pool growth moves (the captured graphs read them)
         self.dec_io = cupy.zeros((3, max_rows), cupy.int32)
