@@ -174,3 +174,22 @@ def test_cli_reports_a_bad_model_file_cleanly(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "bad.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_slow_reader_gets_queued_outputs_merged(engine):
+    full, outs = run(engine, "The capital of France is", max_tokens=12, temperature=0, logprobs=1)
+
+    async def slow():
+        params = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+        agen = engine.generate(engine.prepare("The capital of France is", params), params)
+        got = []
+        async for o in agen:
+            got.append(o)
+            await asyncio.sleep(0.3)      # the engine runs ahead meanwhile
+        return got
+    got = asyncio.run(slow())
+    assert len(got) < len(outs)                               # fewer, bigger pieces
+    assert "".join(o.text for o in got) == full
+    assert [t for o in got for t in o.token_ids] == [t for o in outs for t in o.token_ids]
+    assert sum(len(o.logprobs) for o in got) == 12
+    assert got[-1].finish_reason == "length" and got[-1].completion_tokens == 12

@@ -42,6 +42,25 @@ class RequestOutput:
     completion_tokens: int        # cumulative
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
 
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same sequence, as one output: a consumer
+        that fell behind takes everything queued in one piece (one SSE chunk, not many)."""
+        lp = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
+                             later.finish_reason, later.prompt_tokens, later.completion_tokens, lp)
+
+
+def drain_merged(q: asyncio.Queue, item):
+    """`item` merged with the outputs already waiting in q, up to the end of the sequence or an
+    exception; returns (item, held) where held is an exception (or None) to raise next."""
+    while isinstance(item, RequestOutput) and item.finish_reason is None and not q.empty():
+        nxt = q.get_nowait()
+        if isinstance(nxt, BaseException):
+            return item, nxt
+        item = item.merged(nxt)
+    return item, None
+
 
 class EngineObserver(Protocol):
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
@@ -142,12 +161,14 @@ class Engine:
                                  lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
         self.scheduler.submit(seq)
         done = False
+        held = None
         try:
             while True:
-                item = await q.get()
+                item = held or await q.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                item, held = drain_merged(q, item)
                 if item.finish_reason is not None:
                     done = True
                 yield item

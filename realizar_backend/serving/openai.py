@@ -14,6 +14,7 @@ cancels its sequences at once (see `_Guarded`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hmac
 import json
@@ -228,25 +229,34 @@ def _messages(body: _Body) -> list[dict]:
 # ------------------------------------------------------------------------------ running
 
 async def _merged(engine, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, Any]]:
-    """Run every job as one engine sequence; yield (choice index, RequestOutput) as they come.
-    Closing this generator cancels the pumps, whose engine generators then abort their sequences."""
-    q: asyncio.Queue = asyncio.Queue()
+    """Run every job as one engine sequence; yield (choice index, RequestOutput) as they come,
+    a choice's queued outputs merged into one when the reader fell behind. Closing this
+    generator cancels the pumps, whose engine generators then abort their sequences."""
+    pending: collections.deque = collections.deque()
+    wake = asyncio.Event()
     rid = uuid.uuid4().hex
 
     async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
         try:
             async for out in engine.generate(ids, params, request_id=f"{rid}-{i}"):
-                q.put_nowait((i, out, None))
+                pending.append((i, out, None))
+                wake.set()
         except Exception as e:       # delivered to the reader; cancellation just ends the pump
-            q.put_nowait((i, None, e))
+            pending.append((i, None, e))
+            wake.set()
 
     tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
     try:
         left = len(jobs)
         while left:
-            i, out, err = await q.get()
+            while not pending:
+                wake.clear()
+                await wake.wait()
+            i, out, err = pending.popleft()
             if err is not None:
                 raise err
+            while out.finish_reason is None and pending and pending[0][0] == i and pending[0][2] is None:
+                out = out.merged(pending.popleft()[1])
             if out.finish_reason is not None:
                 left -= 1
             yield i, out
