@@ -41,11 +41,11 @@ def run_bench(args) -> int:
     from .settings import Settings
 
     path = args.model or str(default_model_path())
+    t0 = time.perf_counter()        # load = open (mmap, parse) + backend up (upload, compile, self-check)
     mf = open_model(path)
     batch = max(1, args.batch)
     ctx = args.prompt_tokens + args.gen_tokens + 1
     settings = Settings.from_env(model=path, backend=args.backend, max_num_seqs=batch + 1, context_length=ctx)
-    t0 = time.perf_counter()
     backend = create_backend(mf, settings)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)

@@ -121,6 +121,7 @@ if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
     serve_down 3901
   fi
   if [ -f /tmp/twins/qwen15.gguf ] && serve_up /tmp/twins/qwen15.gguf 3902; then
+    grep -h "ready: serving" "$OUT/serve_3902.log" | tail -1
     python3 tools/serve_bench.py --url http://127.0.0.1:3902 --prompt-tokens 128 --gen-tokens 128 \
       --repetitions 5 --json "$OUT/serve_bench_qwen15.json" | grep -v '^{'
     serve_down 3902
