@@ -43,7 +43,8 @@ class Settings:
     # numeric trade-offs of the CUDA path (speed vs closeness to the float32 reference; the
     # defaults are the ones that pass the parity bar of the test suite, see README):
     # decode projections on float32 activations ("fp32"), on 8-bit activation blocks ("int8"),
-    # or on 8-bit blocks except the FFN down projection ("int8-fp32-down")
+    # or on 8-bit blocks except the FFN down projection ("int8-fp32-down"); "fp32-gemv" is fp32 on
+    # the older one-warp-per-row kernels (a reference for the fast fp32 ones)
     decode_activations: str = "fp32"
     # prefill GEMMs in float32 ("fp32") or on fp16 tensor cores ("fp16"; bf16 for the down
     # projection, whose input fp16 cannot hold)
@@ -77,8 +78,8 @@ class Settings:
         for name in ("context_length", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.decode_activations not in ("int8", "int8-fp32-down", "fp32"):
-            raise ValueError("decode_activations must be int8, int8-fp32-down or fp32, "
+        if self.decode_activations not in ("int8", "int8-fp32-down", "fp32", "fp32-gemv"):
+            raise ValueError("decode_activations must be int8, int8-fp32-down, fp32 or fp32-gemv, "
                              f"not {self.decode_activations!r}")
         if self.prefill_precision not in ("fp16", "fp32"):
             raise ValueError(f"prefill_precision must be fp32 or fp16, not {self.prefill_precision!r}")

@@ -81,7 +81,7 @@ if [ -f /tmp/twins/qwen15.gguf ] && command -v ncu >/dev/null; then
 fi
 
 # the precision settings' price: decode and prefill speed of each non-default setting
-for v in "int8 fp16" "int8-fp32-down fp16" "fp32 fp16" "int8 fp32"; do
+for v in "fp32-gemv fp32" "int8 fp16" "int8-fp32-down fp16" "fp32 fp16"; do
   set -- $v
   for n in ${VARIANT_TWINS:-qwen15 smol135}; do
     [ -f /tmp/twins/$n.gguf ] || continue

@@ -31,6 +31,10 @@ typedef unsigned long long u64;
 #define QT_Q6_K 14
 #define QT_BF16 30
 
+#ifdef REALIZAR_HOST_TEST  // tests/test_mmvf_host.py runs the decoders on the CPU (g++, shims)
+__device__ __forceinline__ float h2f(u16 h) { return realizar_host_h2f(h); }
+__device__ __forceinline__ u16 f2h(float f) { return realizar_host_f2h(f); }
+#else
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -42,6 +46,7 @@ __device__ __forceinline__ u16 f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -441,4 +446,183 @@ __device__ __forceinline__ float qunit_dot(const QUnit& w, const int* __restrict
     int lo = __dp4a(w.v[0], a.x, __dp4a(w.v[1], a.y, __dp4a(w.v[2], a.z, __dp4a(w.v[3], a.w, 0))));
     int hi = __dp4a(w.v[4], c.x, __dp4a(w.v[5], c.y, __dp4a(w.v[6], c.z, __dp4a(w.v[7], c.w, 0))));
     return w.A * xds.x * (float)(w.s0 * lo + w.s1 * hi) + w.C * xds.y;
+}
+
+// ------------------------------------------------------------------ fp32 activations (mmvf.cu)
+// A 32-weight unit decoded for fp32 dot products with no integer->float conversion instruction:
+// byte k of v[i] holds the value q of column 4i+k as q << (7 - bits) (q unsigned, bits <= 6), and
+// one PRMT puts that byte under the exponent of 0.5: f = 0.5 + q / 2^(bits+1), exactly. The weight
+// A q + C is then a f + c with a = 2^(bits+1) A and c = C - 2^bits A, so the unit's dot with x is
+//   a0 * sum_{k<16} f_k x_k + a1 * sum_{k>=16} f_k x_k + c0 * sum_{k<16} x_k + c1 * sum_{k>=16} x_k,
+// where the two sums of x are computed once per unit and shared by every row. Q8_0 (8-bit signed)
+// has no spare bit: its bytes (sign flipped) become 2^23 + q + 128, and one subtraction gives q.
+struct FUnit {
+    u32 v[8];
+    float a0, a1, c0, c1;
+};
+
+// n 32-bit words from a 2-byte aligned address: aligned 4-byte loads and a funnel shift (half the
+// load instructions of 16-bit loads); the extra word is read only when the address is misaligned.
+template <int n>
+__device__ __forceinline__ void ldw_a2(const u8* p, u32 (&w)[n]) {
+    const u32* a = (const u32*)((u64)p & ~(u64)3);
+    u32 sh = ((u32)(u64)p & 2u) * 8u;
+    u32 t[n + 1];
+#pragma unroll
+    for (int i = 0; i < n; ++i) t[i] = __ldg(a + i);
+    t[n] = sh ? __ldg(a + n) : 0u;
+#pragma unroll
+    for (int i = 0; i < n; ++i) w[i] = __funnelshift_r(t[i], t[i + 1], sh);
+}
+
+__device__ __forceinline__ void funit_coef(FUnit& w, int bits, float A, float C) {
+    w.a0 = w.a1 = A * (float)(2 << bits);          // power-of-two scalings: exact
+    w.c0 = w.c1 = C - A * (float)(1 << bits);
+}
+
+template <int QT> __device__ __forceinline__ void load_funit(const u8* __restrict__ row, int u, FUnit& w);
+
+template <> __device__ __forceinline__ void load_funit<QT_Q4_0>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + u * 18;
+    u32 q[4];
+    ldw_a2<4>(b + 2, q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w.v[i] = (q[i] << 3) & 0x78787878u;
+        w.v[i + 4] = (q[i] >> 1) & 0x78787878u;
+    }
+    float d = h2f(ld16(b));
+    funit_coef(w, 4, d, -8.0f * d);
+}
+
+template <> __device__ __forceinline__ void load_funit<QT_Q4_1>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + u * 20;
+    u32 dm = *(const u32*)b;
+    const u32* qs = (const u32*)(b + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 q = qs[i];
+        w.v[i] = (q << 3) & 0x78787878u;
+        w.v[i + 4] = (q >> 1) & 0x78787878u;
+    }
+    funit_coef(w, 4, h2f((u16)(dm & 0xFFFF)), h2f((u16)(dm >> 16)));
+}
+
+template <> __device__ __forceinline__ void load_funit<QT_Q5_0>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + u * 22;
+    u32 q[5];
+    ldw_a2<5>(b + 2, q);       // qh, qs[16]
+    u32 qh = q[0];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 x = q[i + 1];
+        w.v[i] = (((x & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (4 * i))) << 2);
+        w.v[i + 4] = ((((x >> 4) & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (16 + 4 * i))) << 2);
+    }
+    float d = h2f(ld16(b));
+    funit_coef(w, 5, d, -16.0f * d);
+}
+
+template <> __device__ __forceinline__ void load_funit<QT_Q5_1>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + u * 24;
+    u32 dm = *(const u32*)b;
+    u32 qh = *(const u32*)(b + 4);
+    const u32* qs = (const u32*)(b + 8);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        u32 x = qs[i];
+        w.v[i] = (((x & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (4 * i))) << 2);
+        w.v[i + 4] = ((((x >> 4) & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (16 + 4 * i))) << 2);
+    }
+    funit_coef(w, 5, h2f((u16)(dm & 0xFFFF)), h2f((u16)(dm >> 16)));
+}
+
+template <> __device__ __forceinline__ void load_funit<QT_Q8_0>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + u * 34;
+    u32 q[8];
+    ldw_a2<8>(b + 2, q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.v[i] = q[i] ^ 0x80808080u;   // q + 128, unsigned
+    w.a0 = w.a1 = h2f(ld16(b));
+    w.c0 = w.c1 = 0.0f;
+}
+
+template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + (u >> 3) * 144;
+    int j = u & 7;
+    uint4 hd = *(const uint4*)b;
+    int sc, m;
+    scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
+    const uint4* q = (const uint4*)(b + 16 + 32 * (j >> 1));
+    uint4 x0 = q[0], x1 = q[1];
+    u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    int sh = (j & 1) * 4;                  // lanes alternate: no branch on j
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.v[i] = ((words[i] >> sh) & 0x0F0F0F0Fu) << 3;
+    float A = h2f((u16)(hd.x & 0xFFFF)) * sc;
+    funit_coef(w, 4, A, -h2f((u16)(hd.x >> 16)) * m);
+}
+
+template <> __device__ __forceinline__ void load_funit<QT_Q5_K>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + (u >> 3) * 176;
+    int j = u & 7;
+    uint4 hd = *(const uint4*)b;
+    int sc, m;
+    scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
+    const uint4* q = (const uint4*)(b + 48 + 32 * (j >> 1));
+    const uint4* h = (const uint4*)(b + 16);
+    uint4 x0 = q[0], x1 = q[1], h0 = h[0], h1 = h[1];
+    int sh = (j & 1) * 4;
+    u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    u32 hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        w.v[i] = (((words[i] >> sh) & 0x0F0F0F0Fu) | (((hw[i] >> j) & 0x01010101u) << 4)) << 2;
+    float A = h2f((u16)(hd.x & 0xFFFF)) * sc;
+    funit_coef(w, 5, A, -h2f((u16)(hd.x >> 16)) * m);
+}
+
+// Q6_K: 6-bit values 0..63 (the -32 goes into c), a scale per half unit
+template <> __device__ __forceinline__ void load_funit<QT_Q6_K>(const u8* __restrict__ row, int u, FUnit& w) {
+    const u8* b = row + (u >> 3) * 210;
+    int j = u & 7, h = j >> 2, k = j & 3;
+    u32 ql[8], qh[8];
+    ldw_a2<8>(b + 64 * h + (k & 1) * 32, ql);
+    ldw_a2<8>(b + 128 + 32 * h, qh);
+    int nsh = (k >> 1) * 4, hsh = 2 * k;
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+        w.v[i] = ((((ql[i] >> nsh) & 0x0F0F0F0Fu) | (((qh[i] >> hsh) & 0x03030303u) << 4)) << 1);
+    u32 scw = ld16(b + 192 + 8 * h + 2 * k);
+    float d = h2f(ld16(b + 208));
+    float A0 = d * (float)(i8)(scw & 255), A1 = d * (float)(i8)(scw >> 8);
+    w.a0 = 128.0f * A0;    // a = 2^7 A, c = -32 A - 2^6 A
+    w.a1 = 128.0f * A1;
+    w.c0 = -96.0f * A0;
+    w.c1 = -96.0f * A1;
+}
+
+// value of byte k of v as a float: 0.5 + q / 2^(bits+1) (Q8_0: q itself)
+template <int QT>
+__device__ __forceinline__ float funit_f(u32 v, int k) {
+    if (QT == QT_Q8_0)
+        return __int_as_float((int)__byte_perm(v, 0x4B000000u, 0x7440u | (u32)k)) - 8388736.0f;
+    return __int_as_float((int)__byte_perm(v, 0x3F000000u, 0x7044u | ((u32)k << 8)));
+}
+
+// dot of a decoded unit with 32 fp32 activations xv; sl, sh: sums of xv[0..15], xv[16..31]
+template <int QT>
+__device__ __forceinline__ float funit_dot(const FUnit& w, const float (&xv)[32], float sl, float sh) {
+    float lo0 = 0.0f, lo1 = 0.0f, hi0 = 0.0f, hi1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i += 2)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            lo0 = fmaf(funit_f<QT>(w.v[i], k), xv[4 * i + k], lo0);
+            lo1 = fmaf(funit_f<QT>(w.v[i + 1], k), xv[4 * i + 4 + k], lo1);
+            hi0 = fmaf(funit_f<QT>(w.v[i + 4], k), xv[16 + 4 * i + k], hi0);
+            hi1 = fmaf(funit_f<QT>(w.v[i + 5], k), xv[20 + 4 * i + k], hi1);
+        }
+    if (QT == QT_Q8_0) return w.a0 * ((lo0 + lo1) + (hi0 + hi1));
+    return fmaf(w.a0, lo0 + lo1, fmaf(w.a1, hi0 + hi1, fmaf(w.c0, sl, w.c1 * sh)));
 }

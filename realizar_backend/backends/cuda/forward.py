@@ -11,6 +11,12 @@ launch; the residual adds happen inside the output and down projections. Per lay
 QKV, RoPE + KV write, attention, output projection, norm, gate/up, down (8 launches).
 Matrices whose type has no integer-dot kernel (float types) use the fp32-activation GEMVs.
 
+With fp32 activations (Settings.decode_activations "fp32", the default) the same launch shape is
+kept with mmvf.cu's kernels: RMSNorm writes fp32, Q/K/V are one launch with biases, gate+up+act is
+one launch writing fp32, the output and down projections add into the residual in their epilogue,
+and the LM head is one mmvf launch. "fp32-gemv" keeps fp32 activations on the older
+one-warp-per-row gemv.cu kernels (a reference for the fast ones).
+
 Prefill of many tokens: each matrix is dequantized into the workspace and multiplied on the
 tensor cores (cuBLAS, fp32 accumulate and output straight into the destination, beta = 1 for
 the residual adds). Settings.prefill_precision picks the inputs: fp32 (plain SGEMM: the
@@ -34,12 +40,19 @@ GEMM_MIN_TOKENS = 16
 class _LayerPlan:
     """Which projections of a layer take the 8-bit path (decided once, at load)."""
 
-    def __init__(self, lw: LayerIndex, c, int8_down: bool = True):
+    def __init__(self, lw: LayerIndex, c, int8_down: bool = True, fast_f32: bool = True):
         norm_ok = c.hidden % 32 == 0 and c.hidden <= ops.NQ_MAXK * 1024
         self.qkv = all(ops.q8_ok(w) for w in (lw.wq, lw.wk, lw.wv)) and norm_ok
         self.wo = ops.q8_ok(lw.wo) and c.q_dim % 32 == 0
         self.ffn = lw.fused_ffn and ops.q8_ok(lw.w_gate) and norm_ok and c.ffn_dim % 32 == 0
         self.down = self.ffn and ops.q8_ok(lw.w_down) and int8_down
+        # projections that stay on fp32 activations: the fast mmvf.cu kernels where the type has one
+        f = fast_f32
+        self.f_qkv = f and all(ops.f32_ok(w) for w in (lw.wq, lw.wk, lw.wv))
+        self.f_wo = f and ops.f32_ok(lw.wo)
+        self.f_ffn = f and lw.fused_ffn and ops.f32_ok(lw.w_gate)
+        self.f_gu = f and not lw.fused_ffn and ops.f32_ok(lw.w_gate) and ops.f32_ok(lw.w_up)
+        self.f_down = f and ops.f32_ok(lw.w_down)
 
 
 class Forward:
@@ -47,25 +60,36 @@ class Forward:
                  decode_activations: str = "int8", prefill_precision: str = "fp16"):
         """decode_activations: "int8" (8-bit activation blocks everywhere they apply),
         "int8-fp32-down" (all but the FFN down projection, whose input has the widest range),
-        "fp32" (every projection on fp32 activations: the reference the others approximate)."""
-        int8_activations = decode_activations != "fp32"
+        "fp32" (every projection on fp32 activations: the reference the others approximate, on
+        mmvf.cu), "fp32-gemv" (the same on the one-warp-per-row gemv.cu kernels)."""
+        int8_activations = decode_activations not in ("fp32", "fp32-gemv")
         int8_down = decode_activations == "int8"
+        self.fast_f32 = decode_activations != "fp32-gemv"
         self.prefill = prefill_precision
         self.k, self.w, self.ws, self.kv = k, w, ws, kv
         self.c = w.config
         self.act = 1 if self.c.activation == "gelu_tanh" else 0
         self.int8 = int8_activations
-        self.plans = [_LayerPlan(lw, self.c, int8_down) for lw in w.layers]
+        self.plans = [_LayerPlan(lw, self.c, int8_down, self.fast_f32) for lw in w.layers]
         if not int8_activations:
             for p in self.plans:
                 p.qkv = p.wo = p.ffn = p.down = False
         self.norm16 = self.c.hidden % 32 == 0 and self.c.hidden <= ops.NQ_MAXK * 1024
         self.head_q8 = ops.q8_ok(w.output) and self.norm16 and int8_activations
+        self.head_f32 = self.fast_f32 and ops.f32_ok(w.output)
 
     # ------------------------------------------------------------ building blocks
     def _gemv(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
               accumulate: bool = False) -> None:
         ops.gemv(self.k, w, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T, bias, accumulate)
+
+    def _proj(self, w: WeightRef, fast: bool, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
+              accumulate: bool = False) -> None:
+        """y[:T] (+)= x[:T] @ w.T (+ bias) on fp32 activations: mmvf.cu when `fast`, else gemv.cu."""
+        if fast:
+            ops.mmvf(self.k, [(w, bias, y.data.ptr, y.shape[1])], w.cols, x.data.ptr, x.shape[1], T, accumulate)
+        else:
+            self._gemv(w, x, T, y, bias, accumulate)
 
     def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
               accumulate: bool = False, dtype: str = "fp16") -> None:
@@ -112,6 +136,10 @@ class Forward:
             self._norm_q8(ws.x, lw.attn_norm, T, ws.h, ws.hq, ws.hd)
             ops.mmv_q8(k, [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
                            (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, ws.hq.data.ptr, ws.hd.data.ptr, T)
+        elif p.f_qkv:
+            self._norm(ws.x, lw.attn_norm, ws.h, T)
+            ops.mmvf(k, [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
+                         (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, ws.h.data.ptr, ws.h.shape[1], T)
         else:
             self._norm(ws.x, lw.attn_norm, ws.h, T)
             self._gemv(lw.wq, ws.h, T, ws.q, lw.bq)
@@ -125,7 +153,8 @@ class Forward:
                        accumulate=not lw.post_attn_norm)
         else:
             self._attention(li, lw, T, pos, slots)
-            self._gemv(lw.wo, ws.attn, T, ws.tmp if lw.post_attn_norm else ws.x, accumulate=not lw.post_attn_norm)
+            self._proj(lw.wo, p.f_wo, ws.attn, T, ws.tmp if lw.post_attn_norm else ws.x,
+                       accumulate=not lw.post_attn_norm)
         if lw.post_attn_norm:
             self._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
         if p.ffn:
@@ -134,8 +163,14 @@ class Forward:
                        ws.fd.data.ptr, 0 if p.down else ws.a.data.ptr)
         else:
             self._norm(ws.x, lw.ffn_norm, ws.h, T)
-            if lw.fused_ffn:
+            if p.f_ffn:
+                ops.ffn_f(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, self.act)
+            elif lw.fused_ffn:
                 ops.ffn_gate_up(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, self.act)
+            elif p.f_gu:
+                ops.mmvf(k, [(lw.w_gate, 0, ws.g.data.ptr, c.ffn_dim), (lw.w_up, 0, ws.u.data.ptr, c.ffn_dim)],
+                         c.hidden, ws.h.data.ptr, ws.h.shape[1], T)
+                ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
             else:
                 self._gemv(lw.w_gate, ws.h, T, ws.g)
                 self._gemv(lw.w_up, ws.h, T, ws.u)
@@ -145,7 +180,7 @@ class Forward:
             ops.mmv_q8(k, [(lw.w_down, 0, dst.data.ptr, c.hidden)], c.ffn_dim, ws.fq.data.ptr, ws.fd.data.ptr, T,
                        accumulate=not lw.post_ffn_norm)
         else:
-            self._gemv(lw.w_down, ws.a, T, dst, accumulate=not lw.post_ffn_norm)
+            self._proj(lw.w_down, p.f_down, ws.a, T, dst, accumulate=not lw.post_ffn_norm)
         if lw.post_ffn_norm:
             self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
 
@@ -219,7 +254,7 @@ class Forward:
                        ws.head_q.data.ptr, ws.head_d.data.ptr, n)
         else:
             self._norm(rows, self.w.output_norm, ws.last_norm, n)
-            self._gemv(self.w.output, ws.last_norm, n, ws.logits)
+            self._proj(self.w.output, self.head_f32, ws.last_norm, n, ws.logits)
         ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n)
 
     # ------------------------------------------------------------ whole steps

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
-FILES = ("gemv.cu", "mmvq.cu", "dequant.cu", "norm.cu", "rope.cu", "attention.cu", "elementwise.cu")
+FILES = ("gemv.cu", "mmvq.cu", "mmvf.cu", "dequant.cu", "norm.cu", "rope.cu", "attention.cu", "elementwise.cu")
 
 
 MMV_NB = (1, 2, 4, 8)   # activation rows per mmvq launch column (template instances)
@@ -25,7 +25,8 @@ class QInfo:
     suffix: str          # kernel name suffix: gemv_<suffix>
     block: int           # weights per block
     block_bytes: int
-    q8: bool = False     # has an integer-dot (8-bit activation) GEMV in mmvq.cu
+    q8: bool = False     # has an integer-dot (8-bit activation) GEMV in mmvq.cu, and the fast
+                         # fp32-activation GEMV of mmvf.cu
 
 
 # The GPU's quant table: every type in the four real models plus the neighbours the design names.
@@ -65,6 +66,9 @@ class Kernels:
             self.ffn_gate_up = {q: mods["gemv.cu"].get_function("ffn_gate_up_" + i.suffix) for q, i in QTYPES.items()}
             self.mmv_q8 = {nb: mods["mmvq.cu"].get_function(f"mmv_q8_nb{nb}") for nb in MMV_NB}
             self.ffn_q8 = {nb: mods["mmvq.cu"].get_function(f"ffn_q8_nb{nb}") for nb in MMV_NB}
+            self.mmvf = {nb: mods["mmvf.cu"].get_function(f"mmvf_nb{nb}") for nb in MMV_NB}
+            self.ffnf = {nb: mods["mmvf.cu"].get_function(f"ffnf_nb{nb}") for nb in MMV_NB}
+            self.sm_count = int(dev.attributes["MultiProcessorCount"])
             self.dequant16 = {q: mods["dequant.cu"].get_function("dequant16_" + i.suffix) for q, i in QTYPES.items()}
             self.dequant = {q: mods["dequant.cu"].get_function("dequant_" + i.suffix) for q, i in QTYPES.items()}
             self.embed = {q: mods["dequant.cu"].get_function("embed_" + i.suffix) for q, i in QTYPES.items()}
@@ -81,7 +85,7 @@ class Kernels:
             # force compilation and module load now, so capture never loads a module
             for fn in (self.rms_norm, self.rope_kv, self.attn_decode, self.epilogue, self.act_mul,
                        self.gather_rows, self.argmax_rows, self.rms_norm_q8, self.f32_to_f16,
-                       *self.mmv_q8.values(), *self.ffn_q8.values(), *self.dequant16.values(), *self.gemv.values(),
+                       *self.mmv_q8.values(), *self.ffn_q8.values(), *self.mmvf.values(), *self.ffnf.values(), *self.dequant16.values(), *self.gemv.values(),
                        *self.ffn_gate_up.values(), *self.dequant.values(), *self.embed.values()):
                 _ = fn.attributes
         log.info("cuda kernels: %d files compiled for compute capability %s", len(FILES), cc)

@@ -84,6 +84,66 @@ def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, 
                  _I32(int(wg.qtype)), _U64(xq), _U64(xd), _I32(nb), _I32(act), _U64(aq), _U64(ad), _U64(af)))
 
 
+MMVF_WARPS, MMVF_R = 4, 2                                      # mmvf.cu
+
+
+def f32_ok(w: WeightRef) -> bool:
+    """The matrix has a fast fp32-activation GEMV in mmvf.cu (block types; the float types stay
+    on gemv.cu)."""
+    return QTYPES[w.qtype].q8 and w.cols % 32 == 0
+
+
+def mmvf_wpr(K: int, rows: int, sm_count: int) -> int:
+    """Warps sharing one row group: as warps_per_row, then doubled while the launch has fewer
+    than two blocks per SM and the added warps still get units to read."""
+    wpr = warps_per_row(K)
+    groups = -(-rows // MMVF_R)
+    while wpr < MMVF_WARPS and groups * wpr < 2 * sm_count * MMVF_WARPS and K // 32 > 32 * wpr:
+        wpr *= 2
+    return wpr
+
+
+def _check_x(x: int, xs: int, K: int) -> None:
+    if x % 16 or xs % 4 or K % 32:
+        raise ValueError(f"mmvf: activations must be 16-byte aligned with stride % 4 == 0 and K % 32 == 0 "
+                         f"(x={x:#x}, xs={xs}, K={K})")
+
+
+def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False) -> None:
+    """y_s[b] (+)= W_s @ x[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
+    sharing one fp32 activation input x [nb, K] (row stride xs)."""
+    _check_x(x, xs, K)
+    args = []
+    groups = 0
+    rows = 0
+    for w, bias, y, ys in segs:
+        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
+        groups += -(-w.rows // MMVF_R)
+        rows += w.rows
+    for _ in range(3 - len(segs)):
+        args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
+    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132))
+    v = _nb_variant(nb)
+    gpb = MMVF_WARPS // wpr
+    grid = ((groups + gpb - 1) // gpb, (nb + v - 1) // v)
+    k.mmvf[v](grid, (MMVF_WARPS * 32,),
+              (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate))))
+
+
+def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int) -> None:
+    """a[b] = act(gate @ x[b]) * (up @ x[b]), fp32 in and out (gate and up share type and shape)."""
+    K = wg.cols
+    _check_x(x, xs, K)
+    wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132))
+    v = _nb_variant(nb)
+    gpb = MMVF_WARPS // wpr
+    groups = -(-wg.rows // MMVF_R)
+    grid = ((groups + gpb - 1) // gpb, (nb + v - 1) // v)
+    k.ffnf[v](grid, (MMVF_WARPS * 32,),
+              (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
+               _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr)))
+
+
 def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
                 rows: int, width: int, eps: float) -> None:
     threads = next(t for t in (256, 512, 1024) if width <= NQ_MAXK * t)

@@ -105,6 +105,55 @@ def check_ffn(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> floa
     return rel_err(a.get(), (gelu_tanh(g) if act else silu(g)) * u)
 
 
+def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accumulate: bool = False,
+               x_pad: int = 4) -> float:
+    """mmvf.cu: segs = [(qtype, rows)], up to three matrices sharing one fp32 input (row stride
+    K + x_pad), outputs with a row stride wider than the rows (the tail must stay untouched)."""
+    x = rng.standard_normal((nb, K + x_pad)).astype(np.float32)
+    xd = _dev(x)
+    x64 = x[:, :K].astype(np.float64)
+    keep, launch, checks = [], [], []
+    for qt, N in segs:
+        host = random_weight(qt, N, K, rng)
+        w, dev = upload_weight(qt, host)
+        b = rng.standard_normal(N).astype(np.float32) if bias else None
+        ys = N + 3
+        y0 = rng.standard_normal((nb, ys)).astype(np.float32)
+        y = _dev(y0) if accumulate else _nan((nb, ys))
+        bd = _dev(b) if bias else None
+        keep += [dev, bd, y]
+        launch.append((w, _ptr(bd), y.data.ptr, ys))
+        ref = x64 @ dequantize(host, qt, (N, K)).astype(np.float64).T
+        if bias:
+            ref += b
+        if accumulate:
+            ref += y0[:, :N]
+        checks.append((y, ref, y0, N))
+    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate)
+    errs = []
+    for y, ref, y0, N in checks:
+        got = y.get()
+        tail_ok = np.array_equal(got[:, N:], y0[:, N:]) if accumulate else bool(np.all(np.isnan(got[:, N:])))
+        errs.append(rel_err(got[:, :N], ref) if tail_ok else float("inf"))
+    return max(errs)
+
+
+def check_ffn_f(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> float:
+    """mmvf.cu's fused gate/up/activation on fp32 activations, into an output of row stride N + 5."""
+    hg, hu = random_weight(qtype, N, K, rng), random_weight(qtype, N, K, rng)
+    (wg, kg), (wu, ku) = upload_weight(qtype, hg), upload_weight(qtype, hu)
+    x = rng.standard_normal((nb, K)).astype(np.float32)
+    xd, a = _dev(x), _nan((nb, N + 5))
+    ops.ffn_f(k, wg, wu, xd.data.ptr, K, a.data.ptr, N + 5, nb, act)
+    x64 = x.astype(np.float64)
+    g = x64 @ dequantize(hg, qtype, (N, K)).astype(np.float64).T
+    u = x64 @ dequantize(hu, qtype, (N, K)).astype(np.float64).T
+    got = a.get()
+    if not np.all(np.isnan(got[:, N:])):
+        return float("inf")
+    return rel_err(got[:, :N], (gelu_tanh(g) if act else silu(g)) * u)
+
+
 def check_dequant(k: Kernels, qtype, N: int, K: int, rng) -> float:
     host = random_weight(qtype, N, K, rng)
     w, keep = upload_weight(qtype, host)
@@ -224,6 +273,10 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
         errs[f"ffn_gate_up_{qt.name}"] = check_ffn(k, qt, 37, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
         errs[f"dequant_{qt.name}"] = check_dequant(k, qt, 5, K, rng)
         errs[f"embed_{qt.name}"] = check_embed(k, qt, 11, K, 4, 1.5, rng)
+        if QTYPES[qt].q8:
+            errs[f"mmvf_{qt.name}"] = check_mmvf(k, [(qt, 37), (qt, 5)], K, 3, rng, bias=True)
+            errs[f"mmvf_acc_{qt.name}"] = check_mmvf(k, [(qt, 9)], K, 2, rng, accumulate=True)
+            errs[f"ffnf_{qt.name}"] = check_ffn_f(k, qt, 37, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
     from .selfcheck_q8 import (check_attention_outputs, check_dequant16, check_ffn_q8, check_gemm,
                                check_mmv_q8, check_rms_norm_q8)
     for qt in sorted(qtypes, key=int):

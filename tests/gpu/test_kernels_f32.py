@@ -1,0 +1,77 @@
+"""The fast fp32-activation kernels (mmvf.cu: multi-segment GEMV with bias / residual, fused
+gate+up+activation) against float64 NumPy twins (backends/cuda/selfcheck.py) on fresh random
+inputs, odd shapes included: K = 576, 896 (units that no warp pass divides), 1536, 2304, 8960
+(4 warps per row), rows that no group of rows divides, batches that need two grid columns,
+activation and output row strides wider than the matrix, outputs poisoned before every launch."""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-3
+FP32_TOL = 2e-5      # fp32 accumulation: what "accurate" means for these kernels
+BLOCK32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+KQUANT = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+SHAPES = {**{q: [(1, 896), (33, 576), (151, 1536), (7, 8960), (5, 4864)] for q in BLOCK32},
+          **{q: [(1, 256), (37, 1536), (151, 2304), (9, 8960), (3, 512)] for q in KQUANT}}
+CASES = [(q, n, k) for q, shapes in SHAPES.items() for n, k in shapes]
+
+
+def _id(c):
+    return f"{c[0].name}-{c[1]}x{c[2]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("nb", [1, 2, 3, 11])
+def test_mmvf(kernels, rng, case, nb):
+    from realizar_backend.backends.cuda.selfcheck import check_mmvf
+    q, n, k = case
+    err = check_mmvf(kernels, [(q, n)], k, nb, rng)
+    print(f"mmvf {q.name} {n}x{k} batch {nb}: rel.err {err:.2e}")
+    assert err <= FP32_TOL
+
+
+@pytest.mark.parametrize("segs,K", [([(Q.Q4_K, 1536), (Q.Q4_K, 256), (Q.Q6_K, 256)], 1536),
+                                    ([(Q.Q5_0, 896), (Q.Q5_0, 129), (Q.Q8_0, 127)], 896),
+                                    ([(Q.Q8_0, 576), (Q.Q8_0, 193), (Q.Q8_0, 191)], 576),
+                                    ([(Q.Q4_1, 33), (Q.Q4_1, 7), (Q.Q4_1, 5)], 576),
+                                    ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q5_K, 2)], 8960)],
+                         ids=["qwen15-qkv", "qwen05-qkv-odd", "smol-qkv", "tiny", "long-mixed"])
+@pytest.mark.parametrize("nb", [1, 2, 5, 9])
+def test_mmvf_segments_bias_residual(kernels, rng, segs, K, nb):
+    from realizar_backend.backends.cuda.selfcheck import check_mmvf
+    e1 = check_mmvf(kernels, segs, K, nb, rng, bias=True)
+    e2 = check_mmvf(kernels, segs[:1], K, nb, rng, accumulate=True)
+    e3 = check_mmvf(kernels, segs, K, nb, rng, bias=True, accumulate=True, x_pad=0)
+    print(f"mmvf segments K={K} batch {nb}: {e1:.2e} {e2:.2e} {e3:.2e}")
+    assert max(e1, e2, e3) <= FP32_TOL
+
+
+@pytest.mark.parametrize("q", BLOCK32 + KQUANT, ids=lambda q: q.name)
+@pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
+def test_ffn_f(kernels, rng, q, act):
+    from realizar_backend.backends.cuda.selfcheck import check_ffn_f
+    for n, k, nb in ((97, 1536 if q in KQUANT else 896, 1), (64, 512 if q in KQUANT else 576, 3),
+                     (161, 1536, 9), (33, 8960 if q in KQUANT else 4864, 2)):
+        err = check_ffn_f(kernels, q, n, k, nb, act, rng)
+        print(f"ffn_f {q.name} {n}x{k} batch {nb}: rel.err {err:.2e}")
+        assert err <= FP32_TOL
+
+
+def test_mmvf_matches_gemv(kernels, rng):
+    """The fast kernel and the one-warp-per-row reference on one input: both fp32, so they agree
+    far inside the 8-bit path's error."""
+    import cupy
+    import numpy as np
+    from realizar_backend.backends.cuda import ops
+    from realizar_backend.backends.cuda.selfcheck import random_weight, rel_err, upload_weight
+    host = random_weight(Q.Q4_K, 300, 1536, rng)
+    w, keep = upload_weight(Q.Q4_K, host)
+    x = cupy.asarray(rng.standard_normal((4, 1536)).astype(np.float32))
+    y1, y2 = cupy.full((4, 300), np.nan, cupy.float32), cupy.full((4, 300), np.nan, cupy.float32)
+    ops.gemv(kernels, w, x.data.ptr, 1536, y1.data.ptr, 300, 4)
+    ops.mmvf(kernels, [(w, 0, y2.data.ptr, 300)], 1536, x.data.ptr, 1536, 4)
+    assert rel_err(y2.get(), y1.get().astype(np.float64)) <= 1e-5
