@@ -73,3 +73,17 @@ def test_attention_is_causal_and_windowed():
     # window 1: every query sees only itself
     w1 = attention(q, k, v, np.arange(4), 8 ** -0.5, window=1)
     np.testing.assert_allclose(w1[3].reshape(4, 8)[0], v[3, 0], rtol=1e-5)
+
+
+def test_fp16_kv_cache_stays_close_to_fp32(smol_model):
+    rng = np.random.default_rng()
+    ids = rng.integers(0, smol_model.config.vocab_size, size=40, dtype=np.int32)
+    ref = CPUBackend(smol_model, max_slots=1, max_context=64)
+    half = CPUBackend(smol_model, max_slots=1, max_context=64, kv_dtype=np.float16)
+    assert half.k_cache[0].dtype == np.float16 and half.k_cache[0].nbytes * 2 == ref.k_cache[0].nbytes
+    a, b = ref.prefill([PrefillItem(0, ids, 0)])[0], half.prefill([PrefillItem(0, ids, 0)])[0]
+    for i in range(4):
+        t = int(np.argmax(a))
+        a, b = ref.decode([0], [t], [40 + i])[0], half.decode([0], [t], [40 + i])[0]
+        cos = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+        assert 0.9999 < cos and not np.array_equal(a, b)

@@ -81,7 +81,7 @@ if [ -f /tmp/twins/qwen15.gguf ] && command -v ncu >/dev/null; then
 fi
 
 # the precision settings' price: decode and prefill speed of each non-default setting
-for v in "fp32-gemv fp32" "int8 fp16" "int8-fp32-down fp16" "fp32 fp16"; do
+for v in "int8 fp16" "int8-fp32-down fp16" "fp32 fp16"; do
   set -- $v
   for n in ${VARIANT_TWINS:-qwen15 smol135}; do
     [ -f /tmp/twins/$n.gguf ] || continue
@@ -94,7 +94,7 @@ done
 # the engine and the service on the GPU: `realizar generate` and a real `bentoml serve` give the
 # CPU backend's greedy text on the real SmolLM2; streaming speed through the service (qwen15 twin)
 serve_up() {  # model port: start bentoml serve on the GPU in the background, wait for /readyz
-  REALIZAR_MODEL=$1 REALIZAR_MODEL_NAME=smol REALIZAR_BACKEND=cuda REALIZAR_MAX_NUM_SEQS=4 REALIZAR_CONTEXT_LENGTH=1024 \
+  REALIZAR_MODEL=$1 REALIZAR_MODEL_NAME=$(basename $1 .gguf) REALIZAR_BACKEND=cuda REALIZAR_MAX_NUM_SEQS=4 REALIZAR_CONTEXT_LENGTH=1024 \
     setsid python3 -m bentoml serve service:Realizar --host 127.0.0.1 --port $2 > "$OUT/serve_$2.log" 2>&1 &
   for i in $(seq 1 120); do curl -sf 127.0.0.1:$2/readyz >/dev/null && return 0; sleep 0.5; done
   echo "server on port $2 never became ready"; tail -20 "$OUT/serve_$2.log"; return 1
@@ -109,7 +109,7 @@ if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
   echo "generate cuda: $(head -c 200 /tmp/g_cuda.txt | tr '\n' ' ')"
   cmp -s /tmp/g_cpu.txt /tmp/g_cuda.txt && echo "GENERATE_GPU_EQUALS_CPU yes" || echo "GENERATE_GPU_EQUALS_CPU no"
   if serve_up $SMOL 3901; then
-    curl -s 127.0.0.1:3901/v1/chat/completions -H 'content-type: application/json' -d '{"model": "smol",
+    curl -s 127.0.0.1:3901/v1/chat/completions -H 'content-type: application/json' -d '{"model": "smol135",
       "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' \
       > "$OUT/serve_chat.json"
     python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['choices'][0]['message']['content'])" \

@@ -106,7 +106,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
 class CPUBackend:
     name = "cpu"
 
-    def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048):
+    def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
+                 kv_dtype: type = np.float32):
+        """kv_dtype=np.float16 stores the KV cache as the CUDA backend does (half the memory);
+        the GPU parity tests use it so that they compare kernels, not storage formats."""
         self.config: ModelConfig = model.config
         self.max_slots = max_slots
         self.max_context = min(max_context, self.config.context_length) if self.config.context_length else max_context
@@ -137,8 +140,8 @@ class CPUBackend:
         self.act = gelu_tanh if c.activation == "gelu_tanh" else silu
         # KV cache: per slot [layers, context, kv_heads, head_dim]; np.zeros pages in lazily
         shape = (c.n_layers, self.max_context, c.n_kv_heads, c.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(max_slots)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(max_slots)]
+        self.k_cache = [np.zeros(shape, kv_dtype) for _ in range(max_slots)]
+        self.v_cache = [np.zeros(shape, kv_dtype) for _ in range(max_slots)]
         self.lengths = [0] * max_slots
         log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights",
                  c.arch, c.n_layers, c.hidden, self.weight_bytes() / 1e6)
@@ -180,7 +183,8 @@ class CPUBackend:
                 a, b, s = bounds[j], bounds[j + 1], starts[j]
                 kc, vc = self.k_cache[slot][li], self.v_cache[slot][li]
                 kc[s:s + b - a], vc[s:s + b - a] = k[a:b], v[a:b]
-                attn[a:b] = attention(q[a:b], kc[:s + b - a], vc[:s + b - a], pos[a:b], c.scale, window)
+                attn[a:b] = attention(q[a:b], kc[:s + b - a].astype(np.float32, copy=False),
+                                      vc[:s + b - a].astype(np.float32, copy=False), pos[a:b], c.scale, window)
             o = attn @ lw.wo.T
             if lw.post_attn_norm is not None:
                 o = rms_norm(o, lw.post_attn_norm, c.rms_eps)

@@ -19,8 +19,9 @@ one-warp-per-row gemv.cu kernels (a reference for the fast ones).
 
 Prefill of many tokens: each matrix is dequantized into the workspace and multiplied on the
 tensor cores (cuBLAS, fp32 accumulate and output straight into the destination, beta = 1 for
-the residual adds). Settings.prefill_precision picks the inputs: fp32 (plain SGEMM: the
-reference) or fp16 tensor cores (bf16 for the down projection, whose input fp16 cannot hold).
+the residual adds). Settings.prefill_precision picks the inputs: fp16 tensor cores (the down
+projection's input row-scaled by powers of two, since fp16 cannot hold its range) or fp32
+(plain SGEMM, 4x slower).
 """
 
 from __future__ import annotations
@@ -222,17 +223,23 @@ class Forward:
         self._gemm(lw.w_gate, h, T, ws.g, dtype=dt)
         self._gemm(lw.w_up, h, T, ws.u, dtype=dt)
         ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
-        if self.prefill == "fp16":
-            # act(g) * u has no bound fp16 can hold (random twins overflow it): bf16 for this GEMM
-            ops.f32_to_f16(k, ws.a.data.ptr, ws.a16.data.ptr, T * c.ffn_dim, bf16=True)
-            a, down = ws.a16, "bf16"
-        else:
-            a, down = ws.a, "fp32"
+        if self.prefill == "fp32":
+            if lw.post_ffn_norm:
+                self._gemm(lw.w_down, ws.a, T, ws.tmp, dtype="fp32")
+                self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
+            else:
+                self._gemm(lw.w_down, ws.a, T, ws.x, accumulate=True, dtype="fp32")
+            return
+        # act(g) * u has no bound fp16 can hold: each row goes in scaled by a power of two and
+        # comes out unscaled (exact both ways), keeping fp16's mantissa where bf16 would lose 3 bits
+        H = c.hidden
+        ops.row_scale_f16(k, ws.a.data.ptr, c.ffn_dim, ws.a16.data.ptr, c.ffn_dim, ws.row_inv.data.ptr, T, c.ffn_dim)
+        self._gemm(lw.w_down, ws.a16, T, ws.tmp)
         if lw.post_ffn_norm:
-            self._gemm(lw.w_down, a, T, ws.tmp, dtype=down)
+            ops.unscale_rows(k, ws.tmp.data.ptr, H, ws.tmp.data.ptr, H, ws.row_inv.data.ptr, T, H, False)
             self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
         else:
-            self._gemm(lw.w_down, a, T, ws.x, accumulate=True, dtype=down)
+            ops.unscale_rows(k, ws.x.data.ptr, H, ws.tmp.data.ptr, H, ws.row_inv.data.ptr, T, H, True)
 
     # ------------------------------------------------------------ the layers
     def layers(self, T: int, gemm: bool, tok: int, pos: int, slots: int) -> None:

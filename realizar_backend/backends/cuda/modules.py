@@ -75,6 +75,8 @@ class Kernels:
             self.rms_norm = mods["norm.cu"].get_function("rms_norm")
             self.rms_norm_q8 = mods["norm.cu"].get_function("rms_norm_q8")
             self.f32_to_f16 = mods["elementwise.cu"].get_function("f32_to_f16")
+            self.row_scale_f16 = mods["elementwise.cu"].get_function("row_scale_f16")
+            self.unscale_rows = mods["elementwise.cu"].get_function("unscale_rows")
             self.spin_ns = mods["elementwise.cu"].get_function("spin_ns")
             self.rope_kv = mods["rope.cu"].get_function("rope_kv")
             self.attn_decode = mods["attention.cu"].get_function("attn_decode")

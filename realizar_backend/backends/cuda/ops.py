@@ -165,6 +165,16 @@ def f32_to_f16(k: Kernels, x: int, y: int, n: int, bf16: bool = False) -> None:
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
+def row_scale_f16(k: Kernels, x: int, xs: int, y: int, ys: int, inv: int, rows: int, cols: int) -> None:
+    k.row_scale_f16((rows,), (256,), (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(inv), _I32(rows), _I32(cols)))
+
+
+def unscale_rows(k: Kernels, y: int, ys: int, t: int, ts: int, inv: int, rows: int, cols: int,
+                 accumulate: bool) -> None:
+    k.unscale_rows(((cols + 255) // 256, rows), (256,),
+                   (_U64(y), _I32(ys), _U64(t), _I32(ts), _U64(inv), _I32(rows), _I32(cols), _I32(int(accumulate))))
+
+
 CUBLAS_COMPUTE_32F = 68      # plain fp32 (the handle's default math mode: no TF32)
 CUDA_R_16BF = 14
 

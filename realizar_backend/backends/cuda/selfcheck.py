@@ -236,7 +236,8 @@ def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
 
 
 def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
-    """epilogue (bias + residual), act_mul (both activations), gather_rows."""
+    """epilogue (bias + residual), act_mul (both activations), gather_rows, row_scale_f16 and
+    unscale_rows."""
     t = rng.standard_normal((rows, cols)).astype(np.float32)
     b = rng.standard_normal(cols).astype(np.float32)
     y0 = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -257,6 +258,18 @@ def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
     dst, idd = _nan((idx.size, cols)), _dev(idx)
     ops.gather_rows(k, td.data.ptr, idd.data.ptr, dst.data.ptr, idx.size, cols)
     errs.append(rel_err(dst.get(), t[idx]))
+    # row-scaled fp16 (prefill down-projection input): rows from 1e-8 to 1e7 in magnitude all come
+    # back to fp16 rounding, each scaled by the power of two putting its max in [2^14, 2^15)
+    x = (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-8, 8, (rows, 1))).astype(np.float32)
+    y16, inv = cupy.full((rows, cols), np.nan, cupy.float16), _nan((rows,))
+    ops.row_scale_f16(k, _dev(x).data.ptr, cols, y16.data.ptr, cols, inv.data.ptr, rows, cols)
+    peak = np.abs(y16.get().astype(np.float64)).max(axis=1)
+    in_range = bool(np.all((peak >= 2.0 ** 14) & (peak <= 2.0 ** 15)))
+    errs.append(max((rel_err(y16.get()[r].astype(np.float64) * inv.get()[r], x[r]) for r in range(rows)))
+                if in_range else float("inf"))
+    out = _dev(y0)
+    ops.unscale_rows(k, out.data.ptr, cols, td.data.ptr, cols, inv.data.ptr, rows, cols, True)
+    errs.append(rel_err(out.get(), y0.astype(np.float64) + t * inv.get()[:, None].astype(np.float64)))
     return max(errs)
 
 

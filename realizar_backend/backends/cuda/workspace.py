@@ -72,6 +72,7 @@ class Workspace:
         self.h16 = cupy.empty((cap, c.hidden), f16)
         self.attn16 = cupy.empty((cap, c.q_dim), f16)
         self.a16 = cupy.empty((cap, c.ffn_dim), f16)
+        self.row_inv = cupy.empty(cap, f32)              # per-row scales of a16 (row_scale_f16)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
         self.slots = cupy.empty(cap, cupy.int32)
@@ -87,6 +88,6 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.g, self.u, self.a,
-                self.hq, self.hd, self.aq, self.ad, self.fq, self.fd, self.h16, self.attn16, self.a16,
+                self.hq, self.hd, self.aq, self.ad, self.fq, self.fd, self.h16, self.attn16, self.a16, self.row_inv,
                 self.tokens, self.positions, self.slots)
         return sum(a.nbytes for a in grow) + sum(a.nbytes for a in self._fixed)
