@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -36,7 +36,8 @@ class Settings:
     device: int = 0                    # CUDA device ordinal
     context_length: int = 2048         # per-sequence context (capped by the model's own)
     max_num_seqs: int = 16             # concurrent sequences (KV-cache slots)
-    kv_cache_tokens: int = 0           # total KV budget in tokens; 0 = max_num_seqs * context_length
+    kv_cache_tokens: int = 0           # KV budget in tokens: caps concurrent sequences at
+                                       # kv_cache_tokens // context_length; 0 = no cap
     max_waiting: int = 256             # queued requests beyond which the server answers 503
     api_key: str | None = None         # when set, requests must carry `Authorization: Bearer <key>`
     cuda_graphs: bool = True
@@ -51,8 +52,6 @@ class Settings:
     prefill_precision: str = "fp32"
     self_check: bool = True            # run kernel self-check at CUDA start-up
     log_level: str = "INFO"
-    model_cache: str = field(default_factory=lambda: os.path.join(
-        os.path.expanduser("~"), ".cache", "realizar-backend"))
 
     ENV_PREFIX = "REALIZAR_"
 
@@ -85,6 +84,16 @@ class Settings:
             raise ValueError(f"prefill_precision must be fp32 or fp16, not {self.prefill_precision!r}")
         if self.kv_cache_tokens < 0:
             raise ValueError("kv_cache_tokens must be >= 0")
+        if 0 < self.kv_cache_tokens < self.context_length:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) cannot hold one sequence of "
+                             f"context_length {self.context_length}")
+
+    @property
+    def kv_slots(self) -> int:
+        """KV-cache slots (= sequences running at once): max_num_seqs, capped by the KV budget."""
+        if self.kv_cache_tokens:
+            return max(1, min(self.max_num_seqs, self.kv_cache_tokens // self.context_length))
+        return self.max_num_seqs
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -21,7 +21,7 @@ def cuda_available() -> bool:
 
 
 def create_backend(model: ModelFile, settings: Settings) -> Backend:
-    slots, ctx = settings.max_num_seqs, settings.context_length
+    slots, ctx = settings.kv_slots, settings.context_length
     want = settings.backend
     if want == "auto":
         want = "cuda" if cuda_available() else "cpu"
