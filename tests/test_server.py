@@ -159,7 +159,7 @@ def test_16_concurrent_streams_match_solo(client):
 def test_dropped_stream_frees_its_sequence(server, client):
     before = server.metrics()
     stream = client.completions.create(model=MODEL, prompt="Count to one thousand: 1, 2,", max_tokens=400,
-                                       temperature=0, stream=True)
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it), next(it)                          # it is running: two chunks came
     assert sample(server.metrics(), "realizar_requests_running") == 1
@@ -173,7 +173,8 @@ def test_dropped_stream_frees_its_sequence(server, client):
     # a non-streaming client that gives up frees its sequence too
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=1.5,
-                   json={"model": MODEL, "prompt": "Count to one thousand: 1, 2,", "max_tokens": 400})
+                   json={"model": MODEL, "prompt": "Count to one thousand: 1, 2,", "max_tokens": 400,
+                         "ignore_eos": True})       # a sampled EOS must not end it before the timeout
     assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 15)
     final = server.metrics()
     assert (sample(final, "realizar_requests_total", finish_reason="abort")
