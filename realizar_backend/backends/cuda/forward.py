@@ -17,11 +17,7 @@ one launch writing fp32, the output and down projections add into the residual i
 and the LM head is one mmvf launch. "fp32-gemv" keeps fp32 activations on the older
 one-warp-per-row gemv.cu kernels (a reference for the fast ones).
 
-Prefill of many tokens: each matrix is dequantized into the workspace and multiplied on the
-tensor cores (cuBLAS, fp32 accumulate and output straight into the destination, beta = 1 for
-the residual adds). Settings.prefill_precision picks the inputs: fp16 tensor cores (the down
-projection's input row-scaled by powers of two, since fp16 cannot hold its range) or fp32
-(plain SGEMM, 4x slower).
+Prefill of many tokens (more than GEMM_MIN_TOKENS) runs its projections as GEMMs: prefill.py.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ import cupy
 from . import ops
 from .kv_cache import KVCache
 from .modules import Kernels
+from .prefill import PrefillGemm
 from .weights import DeviceWeights, LayerIndex, WeightRef
 from .workspace import Workspace
 
@@ -78,6 +75,7 @@ class Forward:
         self.norm16 = self.c.hidden % 32 == 0 and self.c.hidden <= ops.NQ_MAXK * 1024
         self.head_q8 = ops.q8_ok(w.output) and self.norm16 and int8_activations
         self.head_f32 = self.fast_f32 and ops.f32_ok(w.output)
+        self.gemm_layers = PrefillGemm(self)
 
     # ------------------------------------------------------------ building blocks
     def _gemv(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
@@ -91,19 +89,6 @@ class Forward:
             ops.mmvf(self.k, [(w, bias, y.data.ptr, y.shape[1])], w.cols, x.data.ptr, x.shape[1], T, accumulate)
         else:
             self._gemv(w, x, T, y, bias, accumulate)
-
-    def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
-              accumulate: bool = False, dtype: str = "fp16") -> None:
-        """y[:T] (+)= x[:T] @ w.T (+ bias): dequantize w into the workspace in the GEMM's input type,
-        cuBLAS GEMM, fp32 out."""
-        if dtype == "fp32":
-            ops.dequant(self.k, w, self.ws.deq.data.ptr, w.cols)
-        else:
-            ops.dequant16(self.k, w, self.ws.deq.data.ptr, w.cols, dtype == "bf16")
-        ops.gemm(self.ws.deq.data.ptr, w.rows, w.cols, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T,
-                 accumulate, cupy.cuda.get_current_stream().ptr, dtype)
-        if bias:
-            ops.epilogue(self.k, y.data.ptr, y.data.ptr, bias, T, w.rows, False)
 
     def _norm(self, x: cupy.ndarray, w: int, out: cupy.ndarray, T: int, add: bool = False) -> None:
         ops.rms_norm(self.k, x.data.ptr, x.shape[1], w, out.data.ptr, out.shape[1], T, x.shape[1],
@@ -185,62 +170,6 @@ class Forward:
         if lw.post_ffn_norm:
             self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
 
-    def _norm_to16(self, x: cupy.ndarray, w: int, T: int) -> None:
-        ws = self.ws
-        if self.norm16:
-            self._norm_q8(x, w, T, None, out16=ws.h16)
-        else:
-            self._norm(x, w, ws.h, T)
-            ops.f32_to_f16(self.k, ws.h.data.ptr, ws.h16.data.ptr, T * self.c.hidden)
-
-    def _layer_gemm(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
-        c, k, ws = self.c, self.k, self.ws
-        f32 = self.prefill == "fp32"
-        dt = "fp32" if f32 else "fp16"
-        if f32:
-            self._norm(ws.x, lw.attn_norm, ws.h, T)
-        else:
-            self._norm_to16(ws.x, lw.attn_norm, T)
-        h = ws.h if f32 else ws.h16
-        self._gemm(lw.wq, h, T, ws.q, lw.bq, dtype=dt)
-        self._gemm(lw.wk, h, T, ws.k, lw.bk, dtype=dt)
-        self._gemm(lw.wv, h, T, ws.v, lw.bv, dtype=dt)
-        self._qk_norm_rope(li, lw, T, pos, slots)
-        if f32:
-            self._attention(li, lw, T, pos, slots)
-        else:
-            self._attention(li, lw, T, pos, slots, o16=ws.attn16.data.ptr)
-        attn = ws.attn if f32 else ws.attn16
-        if lw.post_attn_norm:
-            self._gemm(lw.wo, attn, T, ws.tmp, dtype=dt)
-            self._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
-        else:
-            self._gemm(lw.wo, attn, T, ws.x, accumulate=True, dtype=dt)
-        if f32:
-            self._norm(ws.x, lw.ffn_norm, ws.h, T)
-        else:
-            self._norm_to16(ws.x, lw.ffn_norm, T)
-        self._gemm(lw.w_gate, h, T, ws.g, dtype=dt)
-        self._gemm(lw.w_up, h, T, ws.u, dtype=dt)
-        ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
-        if self.prefill == "fp32":
-            if lw.post_ffn_norm:
-                self._gemm(lw.w_down, ws.a, T, ws.tmp, dtype="fp32")
-                self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
-            else:
-                self._gemm(lw.w_down, ws.a, T, ws.x, accumulate=True, dtype="fp32")
-            return
-        # act(g) * u has no bound fp16 can hold: each row goes in scaled by a power of two and
-        # comes out unscaled (exact both ways), keeping fp16's mantissa where bf16 would lose 3 bits
-        H = c.hidden
-        ops.row_scale_f16(k, ws.a.data.ptr, c.ffn_dim, ws.a16.data.ptr, c.ffn_dim, ws.row_inv.data.ptr, T, c.ffn_dim)
-        self._gemm(lw.w_down, ws.a16, T, ws.tmp)
-        if lw.post_ffn_norm:
-            ops.unscale_rows(k, ws.tmp.data.ptr, H, ws.tmp.data.ptr, H, ws.row_inv.data.ptr, T, H, False)
-            self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
-        else:
-            ops.unscale_rows(k, ws.x.data.ptr, H, ws.tmp.data.ptr, H, ws.row_inv.data.ptr, T, H, True)
-
     # ------------------------------------------------------------ the layers
     def layers(self, T: int, gemm: bool, tok: int, pos: int, slots: int) -> None:
         """Embed token ids (device pointer tok) and run every layer; the residual stream ends in ws.x[:T]."""
@@ -248,7 +177,7 @@ class Forward:
         ops.embed(self.k, self.w.tok_embd, tok, T, c.embed_scale, ws.x.data.ptr, c.hidden)
         for li, lw in enumerate(self.w.layers):
             if gemm:
-                self._layer_gemm(li, lw, T, pos, slots)
+                self.gemm_layers.layer(li, lw, T, pos, slots)
             else:
                 self._layer_gemv(li, lw, self.plans[li], T, pos, slots)
 
