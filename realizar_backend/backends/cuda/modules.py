@@ -95,6 +95,21 @@ class Kernels:
 
 _cache: dict[int, Kernels] = {}
 _lock = threading.Lock()
+_extra: dict[tuple[int, str], cupy.RawModule] = {}
+
+
+def load_module(device_id: int, filename: str) -> cupy.RawModule:
+    """One more kernels/*.cu file (compiled once per process and device), for kernel families
+    that live beside the core table (prefill, sampling). Load every function you will launch
+    before any graph capture: a capture must not load a module."""
+    with _lock:
+        mod = _extra.get((device_id, filename))
+        if mod is None:
+            dev = cupy.cuda.Device(device_id)
+            opts = ("-std=c++17", f"-DREALIZAR_CC={dev.compute_capability}")
+            with dev:
+                mod = _extra[(device_id, filename)] = cupy.RawModule(code=_source(filename), options=opts)
+        return mod
 
 
 def get_kernels(device_id: int = 0) -> Kernels:
