@@ -7,9 +7,10 @@
 #      staged in /tmp/stage while the machine stays warm); `device_check.sh stage` only stages
 #   4. runs `pytest -m gpu` (no -x: the full report), then `realizar bench` (pp512, tg128, 5 reps)
 #      on each twin and the per-kernel decode profile of qwen15
-# Output (6 files: a call returns at most 8): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log,
+# Output (8 files at most: a call returns no more): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log,
 #         $OUT/bench.json (every twin's `realizar bench --json`), $OUT/profile_qwen15.json, $OUT/summary.json
-# Env: PYTEST_ARGS (extra pytest arguments), BENCH_TWINS / PROFILE_TWINS (which twins), SKIP_TESTS=1
+# Env: PYTEST_ARGS (extra pytest arguments), PYTEST_PATHS (default tests/gpu), BENCH_TWINS / PROFILE_TWINS (which twins), SKIP_TESTS=1,
+#      SWEEP=1 (tools/mmvf_sweep.py first, $OUT/sweep.json), QUICK=1 (no ncu, no precision variants)
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
@@ -52,10 +53,13 @@ for n in smol135 qwen05 gemma270 qwen15; do
 done
 [ -f "$SMOL" ] && export REALIZAR_REAL_SMOL=$SMOL
 
+# kernel launch-shape sweep (tools/mmvf_sweep.py), when asked: SWEEP=1
+[ -n "${SWEEP:-}" ] && { python3 tools/mmvf_sweep.py --json "$OUT/sweep.json" || echo "sweep failed"; }
+
 # 4. tests
 t0=$(date +%s)
 [ -n "${SKIP_TESTS:-}" ] && PYTEST_ARGS="$PYTEST_ARGS --co"
-python3 -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q -s --durations=15 \
+python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/gpu} -p no:cacheprovider -rA -q -s --durations=15 \
   --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
 rc=$?
 echo "pytest rc=$rc in $(( $(date +%s) - t0 )) s"
@@ -72,7 +76,7 @@ for n in ${PROFILE_TWINS:-qwen15}; do
     --json "$OUT/profile_$n.json" || echo "profile $n failed"
 done
 # exact per-kernel times and DRAM bytes of one eager qwen15 decode step (Nsight Compute, clocks as found)
-if [ -f /tmp/twins/qwen15.gguf ] && command -v ncu >/dev/null; then
+if [ -z "${QUICK:-}" ] && [ -f /tmp/twins/qwen15.gguf ] && command -v ncu >/dev/null; then
   timeout 240 ncu --clock-control none --csv --print-units base \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
     python3 -m realizar_backend.backends.cuda.profile /tmp/twins/qwen15.gguf --ncu > "$OUT/ncu_qwen15.csv" 2>/dev/null \
@@ -82,6 +86,7 @@ fi
 
 # the precision settings' price: decode and prefill speed of each non-default setting
 for v in "int8 fp16" "int8-fp32-down fp16" "fp32 fp16"; do
+  [ -n "${QUICK:-}" ] && break
   set -- $v
   for n in ${VARIANT_TWINS:-qwen15 smol135}; do
     [ -f /tmp/twins/$n.gguf ] || continue
@@ -95,12 +100,12 @@ done
 # CPU backend's greedy text on the real SmolLM2; streaming speed through the service (qwen15 twin)
 serve_up() {  # model port: start bentoml serve on the GPU in the background, wait for /readyz
   REALIZAR_MODEL=$1 REALIZAR_MODEL_NAME=$(basename $1 .gguf) REALIZAR_BACKEND=cuda REALIZAR_MAX_NUM_SEQS=4 REALIZAR_CONTEXT_LENGTH=1024 \
-    setsid python3 -m bentoml serve service:Realizar --host 127.0.0.1 --port $2 > "$OUT/serve_$2.log" 2>&1 &
+    setsid python3 -m bentoml serve service:Realizar --host 127.0.0.1 --port $2 > "/tmp/serve_$2.log" 2>&1 &
   for i in $(seq 1 120); do curl -sf 127.0.0.1:$2/readyz >/dev/null && return 0; sleep 0.5; done
-  echo "server on port $2 never became ready"; tail -20 "$OUT/serve_$2.log"; return 1
+  echo "server on port $2 never became ready"; tail -20 "/tmp/serve_$2.log"; return 1
 }
 serve_down() { pkill -f "port $1" ; sleep 1; }
-gen() { python3 -m realizar_backend.cli generate "$@" --max-tokens 32 2>>"$OUT/generate.err"; }
+gen() { python3 -m realizar_backend.cli generate "$@" --max-tokens 32 2>>/tmp/generate.err; }
 if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
   gen "The capital of France is" --model $SMOL --backend cpu > /tmp/g_cpu.txt
   gen "The capital of France is" --model $SMOL --backend cuda > /tmp/g_cuda.txt
@@ -111,9 +116,9 @@ if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
   if serve_up $SMOL 3901; then
     curl -s 127.0.0.1:3901/v1/chat/completions -H 'content-type: application/json' -d '{"model": "smol135",
       "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' \
-      > "$OUT/serve_chat.json"
+      > /tmp/serve_chat.json
     python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['choices'][0]['message']['content'])" \
-      "$OUT/serve_chat.json" > /tmp/c_srv.txt
+      /tmp/serve_chat.json > /tmp/c_srv.txt
     echo "service chat (cuda): $(head -c 200 /tmp/c_srv.txt | tr '\n' ' ')"
     echo "generate chat (cpu): $(head -c 200 /tmp/c_cpu.txt | tr '\n' ' ')"
     cmp -s /tmp/c_cpu.txt /tmp/c_srv.txt && echo "SERVICE_GPU_EQUALS_CPU yes" || echo "SERVICE_GPU_EQUALS_CPU no"
@@ -121,9 +126,9 @@ if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
     serve_down 3901
   fi
   if [ -f /tmp/twins/qwen15.gguf ] && serve_up /tmp/twins/qwen15.gguf 3902; then
-    grep -h "ready: serving" "$OUT/serve_3902.log" | tail -1
+    grep -h "ready: serving" /tmp/serve_3902.log | tail -1
     python3 tools/serve_bench.py --url http://127.0.0.1:3902 --prompt-tokens 128 --gen-tokens 128 \
-      --repetitions 5 --json "$OUT/serve_bench_qwen15.json" | grep -v '^{'
+      --repetitions 5 --json /tmp/serve_bench_qwen15.json | grep -v '^{'
     serve_down 3902
   fi
 fi
@@ -156,7 +161,7 @@ for f in sorted(glob.glob("/tmp/bench/variant_*.json")):
         "pp512_tok_s": round(r["pp_tok_s"]["median"], 1), "tg128_tok_s": round(r["tg_tok_s"]["median"], 1)}
     full[os.path.basename(f)[:-5]] = r
 try:
-    s["serve_bench_qwen15"] = {k: v for k, v in json.load(open(f"{out}/serve_bench_qwen15.json")).items() if k != "runs"}
+    s["serve_bench_qwen15"] = {k: v for k, v in json.load(open("/tmp/serve_bench_qwen15.json")).items() if k != "runs"}
 except Exception:
     pass
 json.dump(full, open(f"{out}/bench.json", "w"), indent=1)

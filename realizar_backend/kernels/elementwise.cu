@@ -113,6 +113,15 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int 
     }
 }
 
+// out[b] = the row packed into key[b] by a GEMV's fused argmax (mmvf.cu argmax_key), and key[b]
+// reset to 0 for the next step's atomicMax. The row is the low word's complement.
+extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n) {
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n) return;
+    out[b] = (int)(0xFFFFFFFFu - (unsigned)(key[b] & 0xFFFFFFFFull));
+    key[b] = 0ull;
+}
+
 // Busy-wait about ns nanoseconds on one thread: the profiler queues a step's launches behind it
 // so that event timings measure kernels, not Python launch gaps.
 extern "C" __global__ void spin_ns(long long ns) {

@@ -15,22 +15,38 @@
 // ffnf_nbNB: gate and up of one FFN (same type and shape) in one launch, a = act(g) * u, fp32.
 // NB (1, 2, 4, 8) activation rows share each decoded unit; grid.y covers larger batches.
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0.
+//
+// RMSNorm folded in (nw != 0): the block normalizes its activation rows (x / rms(x) * nw) into
+// dynamic shared memory before the GEMV and reads them from there. Every block recomputes the
+// norm of a few KB from L2, which costs less than a separate norm launch and its graph node.
+// Argmax folded in (amax != 0, one segment): each output packs (value, row) into an order-keeping
+// 64-bit key and atomicMax'es it into amax[b] (max is order-independent: deterministic); the
+// first index wins ties like argmax_rows. argmax_unpack (elementwise.cu) reads and resets it.
 #include "common.cuh"
 
+#ifndef MMVF_WARPS
 #define MMVF_WARPS 4
+#endif
+#ifndef MMVF_R
 #define MMVF_R 2
+#endif
+#ifndef MMVF_UNROLL
+#define MMVF_UNROLL 1
+#endif
+constexpr int kMmvfUnroll = MMVF_UNROLL;   // the pragma needs a constant expression, not a macro
 
 // partial sums of rows r0 .. r0+R-1 (clamped to rlast: rows past the end repeat the last one and
 // are never stored) of M matrices over units u0, u0 + ustep, ...
 template <int QT, int NB, int M>
 __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb, int r0, int rlast, int nu, int u0,
-                                          int ustep, const float* __restrict__ x, int xs, int nbl,
+                                          int ustep, const float* x, int xs, int nbl, bool staged,
                                           float (&acc)[M][MMVF_R][NB]) {
     const u8* rows[M][MMVF_R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int i = 0; i < MMVF_R; ++i) rows[m][i] = W[m] + (long long)min(r0 + i, rlast) * rb;
+#pragma unroll kMmvfUnroll
     for (int u = u0; u < nu; u += ustep) {
         FUnit w[M][MMVF_R];
 #pragma unroll
@@ -44,7 +60,7 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
                 float xv[32];
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    float4 t = __ldg(xp + i);
+                    float4 t = staged ? xp[i] : __ldg(xp + i);   // shared memory or global
                     xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
                 }
                 float sl = ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7])) +
@@ -63,8 +79,8 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
 template <int NB, int M>
 __device__ __forceinline__ void mmvf_dispatch(int qt, const u8* const (&W)[M], long long rb, int r0, int rlast,
                                               int nu, int u0, int ustep, const float* x, int xs, int nbl,
-                                              float (&acc)[M][MMVF_R][NB]) {
-#define MMVF_CASE(Q) case Q: mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, acc); break;
+                                              bool staged, float (&acc)[M][MMVF_R][NB]) {
+#define MMVF_CASE(Q) case Q: mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc); break;
     switch (qt) {
         MMVF_CASE(QT_Q4_0)
         MMVF_CASE(QT_Q4_1)
@@ -113,16 +129,67 @@ __device__ __forceinline__ void mmvf_reduce(float (&acc)[M][MMVF_R][NB], int wpr
     }
 }
 
+// RMSNorm of the block's nbl activation rows into shared memory (row stride K); all threads.
+// Returns the pointer the GEMV reads: the staged rows, or x itself when there is no norm.
+template <int NB>
+__device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, int xs, int K, int nbl,
+                                                   const float* __restrict__ nw, float eps, float* sm) {
+    if (!nw) return x;
+    __shared__ float part[MMVF_WARPS][NB];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    float ss[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        ss[b] = 0.0f;
+        if (b < nbl)
+            for (int i = 4 * threadIdx.x; i < K; i += 4 * blockDim.x) {
+                float4 v = __ldg((const float4*)(x + (long long)b * xs + i));
+                ss[b] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+            }
+        ss[b] = warp_sum(ss[b]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) part[wid][b] = ss[b];
+    __syncthreads();
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        if (b >= nbl) break;
+        float t = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MMVF_WARPS; ++w) t += part[w][b];
+        float inv = rsqrtf(t / K + eps);
+        for (int i = 4 * threadIdx.x; i < K; i += 4 * blockDim.x) {
+            float4 v = __ldg((const float4*)(x + (long long)b * xs + i));
+            float4 g = __ldg((const float4*)(nw + i));
+            *(float4*)(sm + b * K + i) = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+        }
+    }
+    __syncthreads();
+    return sm;
+}
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int r) {
+    u32 u = __float_as_uint(v);
+    u ^= (u >> 31) ? 0xFFFFFFFFu : 0x80000000u;          // order-keeping: larger float, larger key
+    if (v != v) u = 0u;                                   // NaN never wins (as argmax_rows)
+    return ((unsigned long long)u << 32) | (u32)(0xFFFFFFFFu - (u32)r);   // ties: lowest row wins
+}
+
 template <int NB>
 __device__ __forceinline__ void mmvf_body(
     const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,
     const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,
     const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,
-    int K, const float* __restrict__ x, int xs, int nb, int wpr, int accumulate) {
+    int K, const float* __restrict__ x, int xs, int nb, int wpr, int accumulate, const float* nw, float eps,
+    unsigned long long* amax) {
+    extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int G = blockIdx.x * (MMVF_WARPS / wpr) + wid / wpr, sub = wid % wpr;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
+    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, nw, eps, (float*)mmvf_sm);
+    int xst = nw ? K : xs;
     int g0 = (n0 + MMVF_R - 1) / MMVF_R, g1 = (n1 + MMVF_R - 1) / MMVF_R, g2 = (n2 + MMVF_R - 1) / MMVF_R;
     // the group's segment (warp-uniform)
     const u8* W = W0; long long rb = rb0; int n = n0, qt = qt0, g = G; const float* bias = b0; float* y = y0;
@@ -141,8 +208,8 @@ __device__ __forceinline__ void mmvf_body(
         for (int b = 0; b < NB; ++b) acc[0][i][b] = 0.0f;
     const u8* const Ws[1] = {W};
     if (live)
-        mmvf_dispatch<NB, 1>(qt, Ws, rb, r0, n - 1, K >> 5, sub * 32 + lane, 32 * wpr, x + (long long)bb * xs, xs,
-                             nbl, acc);
+        mmvf_dispatch<NB, 1>(qt, Ws, rb, r0, n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl, nw != 0,
+                             acc);
     mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
     if (!live || sub != 0) return;
     // outputs spread over the lanes
@@ -155,6 +222,7 @@ __device__ __forceinline__ void mmvf_body(
                 float v = acc[0][i][b] + (bias ? bias[r] : 0.0f);
                 float* out = y + (long long)(bb + b) * ys + r;
                 *out = accumulate ? *out + v : v;
+                if (amax) atomicMax(amax + bb + b, argmax_key(v, r));
             }
         }
 }
@@ -162,11 +230,14 @@ __device__ __forceinline__ void mmvf_body(
 template <int NB>
 __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
                                           const float* __restrict__ x, int xs, int nb, int act, float* a, int as,
-                                          int wpr) {
+                                          int wpr, const float* nw, float eps) {
+    extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int G = blockIdx.x * (MMVF_WARPS / wpr) + wid / wpr, sub = wid % wpr;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
+    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, nw, eps, (float*)mmvf_sm);
+    int xst = nw ? K : xs;
     bool live = G < (N + MMVF_R - 1) / MMVF_R;
     int r0 = G * MMVF_R;
     float acc[2][MMVF_R][NB];
@@ -178,8 +249,8 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
             for (int b = 0; b < NB; ++b) acc[m][i][b] = 0.0f;
     const u8* const Ws[2] = {Wg, Wu};
     if (live)
-        mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, x + (long long)bb * xs, xs,
-                             nbl, acc);
+        mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl, nw != 0,
+                             acc);
     mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
     if (!live || sub != 0) return;
 #pragma unroll
@@ -197,14 +268,15 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,               \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,               \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,               \
-        int K, const float* x, int xs, int nb, int wpr, int accumulate) {                               \
+        int K, const float* x, int xs, int nb, int wpr, int accumulate, const float* nw, float eps,       \
+        unsigned long long* amax) {                                                                      \
         mmvf_body<NB>(W0, rb0, n0, qt0, b0, y0, ys0, W1, rb1, n1, qt1, b1, y1, ys1, W2, rb2, n2, qt2, b2, \
-                      y2, ys2, K, x, xs, nb, wpr, accumulate);                                           \
+                      y2, ys2, K, x, xs, nb, wpr, accumulate, nw, eps, amax);                            \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
-        int act, float* a, int as, int wpr) {                                                            \
-        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr);                                 \
+        int act, float* a, int as, int wpr, const float* nw, float eps) {                                \
+        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, nw, eps);                        \
     }
 
 DEFINE_MMVF(1)

@@ -75,3 +75,58 @@ def test_mmvf_matches_gemv(kernels, rng):
     ops.gemv(kernels, w, x.data.ptr, 1536, y1.data.ptr, 300, 4)
     ops.mmvf(kernels, [(w, 0, y2.data.ptr, 300)], 1536, x.data.ptr, 1536, 4)
     assert rel_err(y2.get(), y1.get().astype(np.float64)) <= 1e-5
+
+
+@pytest.mark.parametrize("segs,K", [([(Q.Q4_K, 1536), (Q.Q4_K, 256), (Q.Q6_K, 256)], 1536),
+                                    ([(Q.Q5_0, 896), (Q.Q5_0, 129), (Q.Q8_0, 127)], 896),
+                                    ([(Q.Q8_0, 577)], 576), ([(Q.Q6_K, 5)], 640)],
+                         ids=["qwen15-qkv", "qwen05-qkv-odd", "smol", "gemma-width"])
+@pytest.mark.parametrize("nb", [1, 3, 8, 13])
+def test_mmvf_folded_norm(kernels, rng, segs, K, nb):
+    """RMSNorm computed inside the launch (staged in shared memory) against norm-then-GEMV in float64,
+    with inputs of very different scales per row."""
+    from realizar_backend.backends.cuda.selfcheck import check_mmvf
+    e1 = check_mmvf(kernels, segs, K, nb, rng, bias=True, norm=True)
+    e2 = check_mmvf(kernels, segs[:1], K, nb, rng, accumulate=True, norm=True)
+    print(f"mmvf+norm K={K} batch {nb}: {e1:.2e} {e2:.2e}")
+    assert max(e1, e2) <= FP32_TOL
+
+
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("nb", [1, 4, 9])
+def test_ffn_f_folded_norm(kernels, rng, q, nb):
+    from realizar_backend.backends.cuda.selfcheck import check_ffn_f
+    K = 1536 if q in KQUANT else 896
+    err = check_ffn_f(kernels, q, 161, K, nb, 0, rng, norm=True)
+    print(f"ffn_f+norm {q.name} batch {nb}: rel.err {err:.2e}")
+    assert err <= FP32_TOL
+
+
+@pytest.mark.parametrize("nb", [1, 2, 5, 8])
+def test_mmvf_fused_argmax(kernels, rng, nb):
+    """The LM head's fused argmax equals argmax of the logits it wrote (first index on ties, NaN
+    never wins), and the key buffer is left zeroed for the next step."""
+    import cupy
+    import numpy as np
+    from realizar_backend.backends.cuda import ops
+    from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
+    N, K = 49157, 576
+    host = random_weight(Q.Q6_K, N, K, rng)
+    w, keep = upload_weight(Q.Q6_K, host)
+    x = cupy.asarray(rng.standard_normal((nb, K)).astype(np.float32))
+    key = cupy.zeros(8, cupy.uint64)
+    out = cupy.full(8, -7, cupy.int32)
+    for step in range(3):
+        y = cupy.full((nb, N), np.nan, cupy.float32)
+        ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, x.data.ptr, K, nb, amax=key.data.ptr)
+        ops.argmax_unpack(kernels, key.data.ptr, out.data.ptr, nb)
+        logits = y.get()
+        assert out[:nb].get().tolist() == np.argmax(logits, axis=1).tolist()
+        assert int(key.sum().get()) == 0
+        x = cupy.asarray(rng.standard_normal((nb, K)).astype(np.float32))
+    # ties: a zero input gives all-zero logits, the first row wins
+    z = cupy.zeros((nb, K), cupy.float32)
+    y = cupy.empty((nb, N), cupy.float32)
+    ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, z.data.ptr, K, nb, amax=key.data.ptr)
+    ops.argmax_unpack(kernels, key.data.ptr, out.data.ptr, nb)
+    assert out[:nb].get().tolist() == [0] * nb

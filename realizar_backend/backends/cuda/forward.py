@@ -75,6 +75,8 @@ class Forward:
         self.norm16 = self.c.hidden % 32 == 0 and self.c.hidden <= ops.NQ_MAXK * 1024
         self.head_q8 = ops.q8_ok(w.output) and self.norm16 and int8_activations
         self.head_f32 = self.fast_f32 and ops.f32_ok(w.output)
+        # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
+        self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         self.gemm_layers = PrefillGemm(self)
 
     # ------------------------------------------------------------ building blocks
@@ -93,6 +95,15 @@ class Forward:
     def _norm(self, x: cupy.ndarray, w: int, out: cupy.ndarray, T: int, add: bool = False) -> None:
         ops.rms_norm(self.k, x.data.ptr, x.shape[1], w, out.data.ptr, out.shape[1], T, x.shape[1],
                      self.c.rms_eps, add)
+
+    def _normed(self, x: cupy.ndarray, w: int, T: int):
+        """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself
+        and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
+        norm written to ws.h by its own launch."""
+        if ops.mmvf_norm_ok(self.c.hidden, T):
+            return x, (w, self.c.rms_eps)
+        self._norm(x, w, self.ws.h, T)
+        return self.ws.h, None
 
     def _norm_q8(self, x: cupy.ndarray, w: int, T: int, out32: cupy.ndarray | None,
                  q: cupy.ndarray | None = None, d: cupy.ndarray | None = None, out16: cupy.ndarray | None = None) -> None:
@@ -123,9 +134,9 @@ class Forward:
             ops.mmv_q8(k, [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
                            (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, ws.hq.data.ptr, ws.hd.data.ptr, T)
         elif p.f_qkv:
-            self._norm(ws.x, lw.attn_norm, ws.h, T)
+            x, norm = self._normed(ws.x, lw.attn_norm, T)
             ops.mmvf(k, [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
-                         (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, ws.h.data.ptr, ws.h.shape[1], T)
+                         (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, x.data.ptr, x.shape[1], T, norm=norm)
         else:
             self._norm(ws.x, lw.attn_norm, ws.h, T)
             self._gemv(lw.wq, ws.h, T, ws.q, lw.bq)
@@ -147,11 +158,12 @@ class Forward:
             self._norm_q8(ws.x, lw.ffn_norm, T, None, ws.hq, ws.hd)
             ops.ffn_q8(k, lw.w_gate, lw.w_up, ws.hq.data.ptr, ws.hd.data.ptr, T, self.act, ws.fq.data.ptr,
                        ws.fd.data.ptr, 0 if p.down else ws.a.data.ptr)
+        elif p.f_ffn:
+            x, norm = self._normed(ws.x, lw.ffn_norm, T)
+            ops.ffn_f(k, lw.w_gate, lw.w_up, x.data.ptr, x.shape[1], ws.a.data.ptr, c.ffn_dim, T, self.act, norm=norm)
         else:
             self._norm(ws.x, lw.ffn_norm, ws.h, T)
-            if p.f_ffn:
-                ops.ffn_f(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, self.act)
-            elif lw.fused_ffn:
+            if lw.fused_ffn:
                 ops.ffn_gate_up(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, self.act)
             elif p.f_gu:
                 ops.mmvf(k, [(lw.w_gate, 0, ws.g.data.ptr, c.ffn_dim), (lw.w_up, 0, ws.u.data.ptr, c.ffn_dim)],
@@ -188,9 +200,16 @@ class Forward:
             self._norm_q8(rows, self.w.output_norm, n, None, ws.head_q, ws.head_d)
             ops.mmv_q8(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden,
                        ws.head_q.data.ptr, ws.head_d.data.ptr, n)
+        elif self.head_f32:
+            # norm, LM head and argmax in one launch (+ the tiny unpack)
+            x, norm = self._normed(rows, self.w.output_norm, n)
+            ops.mmvf(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden, x.data.ptr,
+                     x.shape[1], n, norm=norm, amax=self.am_key.data.ptr)
+            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n)
+            return
         else:
             self._norm(rows, self.w.output_norm, ws.last_norm, n)
-            self._proj(self.w.output, self.head_f32, ws.last_norm, n, ws.logits)
+            self._gemv(self.w.output, ws.last_norm, n, ws.logits)
         ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n)
 
     # ------------------------------------------------------------ whole steps

@@ -109,9 +109,29 @@ def _check_x(x: int, xs: int, K: int) -> None:
                          f"(x={x:#x}, xs={xs}, K={K})")
 
 
-def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False) -> None:
-    """y_s[b] (+)= W_s @ x[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
-    sharing one fp32 activation input x [nb, K] (row stride xs)."""
+MMVF_SMEM_MAX = 96 * 1024    # staged (normed) activation rows per block; beyond it norm separately
+
+
+def mmvf_norm_ok(K: int, nb: int) -> bool:
+    """The RMSNorm of the input can be folded into an mmvf/ffnf launch of nb rows of width K."""
+    return K % 4 == 0 and _nb_variant(nb) * K * 4 <= MMVF_SMEM_MAX
+
+
+def _norm_args(norm, K: int, nb: int):
+    """(nw pointer, eps) arguments and the dynamic shared memory of a launch, norm = (ptr, eps) or None."""
+    if norm is None:
+        return _U64(0), _F32(0.0), 0
+    if not mmvf_norm_ok(K, nb):
+        raise ValueError(f"mmvf: a folded norm of {nb} rows x {K} does not fit in shared memory")
+    return _U64(norm[0]), _F32(norm[1]), _nb_variant(nb) * K * 4
+
+
+def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
+         norm=None, amax: int = 0) -> None:
+    """y_s[b] (+)= W_s @ h[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
+    sharing one fp32 activation input x [nb, K] (row stride xs): h = x, or with norm = (weight
+    pointer, eps) h = RMSNorm(x) computed in the launch. amax: a zeroed uint64 [nb] buffer that
+    receives the packed argmax of each output row (one segment; argmax_unpack reads it)."""
     _check_x(x, xs, K)
     args = []
     groups = 0
@@ -126,12 +146,16 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
     v = _nb_variant(nb)
     gpb = MMVF_WARPS // wpr
     grid = ((groups + gpb - 1) // gpb, (nb + v - 1) // v)
+    nw, eps, smem = _norm_args(norm, K, nb)
     k.mmvf[v](grid, (MMVF_WARPS * 32,),
-              (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate))))
+              (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), nw, eps, _U64(amax)),
+              shared_mem=smem)
 
 
-def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int) -> None:
-    """a[b] = act(gate @ x[b]) * (up @ x[b]), fp32 in and out (gate and up share type and shape)."""
+def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int,
+          norm=None) -> None:
+    """a[b] = act(gate @ h[b]) * (up @ h[b]), fp32 in and out (gate and up share type and shape);
+    h = x, or RMSNorm(x) with norm = (weight pointer, eps)."""
     K = wg.cols
     _check_x(x, xs, K)
     wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132))
@@ -139,9 +163,10 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     gpb = MMVF_WARPS // wpr
     groups = -(-wg.rows // MMVF_R)
     grid = ((groups + gpb - 1) // gpb, (nb + v - 1) // v)
+    nw, eps, smem = _norm_args(norm, K, nb)
     k.ffnf[v](grid, (MMVF_WARPS * 32,),
               (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
-               _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr)))
+               _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), nw, eps), shared_mem=smem)
 
 
 def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
@@ -252,6 +277,11 @@ def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
 
 def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) -> None:
     k.gather_rows(((width + 255) // 256, n), (256,), (_U64(src), _U64(idx), _U64(dst), _I32(n), _I32(width)))
+
+
+def argmax_unpack(k: Kernels, key: int, out: int, n: int) -> None:
+    """out[:n] = rows packed by a fused-argmax GEMV into key[:n] (uint64), which is reset to 0."""
+    k.argmax_unpack(((n + 127) // 128,), (128,), (_U64(key), _U64(out), _I32(n)))
 
 
 def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int) -> None:

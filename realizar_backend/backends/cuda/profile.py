@@ -21,8 +21,8 @@ from . import ops
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("mmv_q8", "ffn_q8", "rms_norm_q8", "rms_norm", "rope_kv", "attention", "embed", "gemv",
-          "ffn_gate_up", "argmax_rows", "act_mul")
+_KINDS = ("mmv_q8", "ffn_q8", "mmvf", "ffn_f", "rms_norm_q8", "rms_norm", "rope_kv", "attention", "embed",
+          "gemv", "ffn_gate_up", "argmax_rows", "argmax_unpack", "act_mul")
 
 
 def _bytes(kind: str, args: tuple, kw: dict, cfg, ctx_len: int) -> int:
@@ -32,6 +32,11 @@ def _bytes(kind: str, args: tuple, kw: dict, cfg, ctx_len: int) -> int:
     if kind == "ffn_q8":
         wg, nb = args[1], args[5]
         return 2 * wg.rows * wg.row_bytes + nb * (wg.cols + wg.cols // 8 + wg.rows * 5 // 4)
+    if kind == "mmvf":
+        segs = args[1]
+        return sum(w.rows * w.row_bytes for w, *_ in segs)
+    if kind == "ffn_f":
+        return 2 * args[1].rows * args[1].row_bytes
     if kind in ("gemv", "ffn_gate_up"):
         w = args[1]
         return w.rows * w.row_bytes * (2 if kind == "ffn_gate_up" else 1)

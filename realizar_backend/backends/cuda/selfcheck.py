@@ -105,13 +105,29 @@ def check_ffn(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> floa
     return rel_err(a.get(), (gelu_tanh(g) if act else silu(g)) * u)
 
 
+def _rms_norm64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+def _norm_input(rng, K: int, norm: bool):
+    """A norm weight on the device and (ptr, eps) for a folded-norm launch, or Nones."""
+    if not norm:
+        return None, None, None
+    w = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    wd = _dev(w)
+    return w, wd, (wd.data.ptr, 1e-6)
+
+
 def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accumulate: bool = False,
-               x_pad: int = 4) -> float:
+               x_pad: int = 4, norm: bool = False) -> float:
     """mmvf.cu: segs = [(qtype, rows)], up to three matrices sharing one fp32 input (row stride
-    K + x_pad), outputs with a row stride wider than the rows (the tail must stay untouched)."""
-    x = rng.standard_normal((nb, K + x_pad)).astype(np.float32)
+    K + x_pad), outputs with a row stride wider than the rows (the tail must stay untouched);
+    norm: the input is RMSNorm(x) folded into the launch."""
+    x = (rng.standard_normal((nb, K + x_pad)) * rng.uniform(0.1, 30.0, (nb, 1))).astype(np.float32)
     xd = _dev(x)
-    x64 = x[:, :K].astype(np.float64)
+    nw, nwd, nrm = _norm_input(rng, K, norm)
+    x64 = _rms_norm64(x[:, :K], nw, 1e-6) if norm else x[:, :K].astype(np.float64)
     keep, launch, checks = [], [], []
     for qt, N in segs:
         host = random_weight(qt, N, K, rng)
@@ -129,7 +145,7 @@ def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accum
         if accumulate:
             ref += y0[:, :N]
         checks.append((y, ref, y0, N))
-    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate)
+    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate, norm=nrm)
     errs = []
     for y, ref, y0, N in checks:
         got = y.get()
@@ -138,14 +154,16 @@ def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accum
     return max(errs)
 
 
-def check_ffn_f(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> float:
-    """mmvf.cu's fused gate/up/activation on fp32 activations, into an output of row stride N + 5."""
+def check_ffn_f(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng, norm: bool = False) -> float:
+    """mmvf.cu's fused gate/up/activation on fp32 activations, into an output of row stride N + 5
+    (norm: with RMSNorm of the input folded in)."""
     hg, hu = random_weight(qtype, N, K, rng), random_weight(qtype, N, K, rng)
     (wg, kg), (wu, ku) = upload_weight(qtype, hg), upload_weight(qtype, hu)
     x = rng.standard_normal((nb, K)).astype(np.float32)
     xd, a = _dev(x), _nan((nb, N + 5))
-    ops.ffn_f(k, wg, wu, xd.data.ptr, K, a.data.ptr, N + 5, nb, act)
-    x64 = x.astype(np.float64)
+    nw, nwd, nrm = _norm_input(rng, K, norm)
+    ops.ffn_f(k, wg, wu, xd.data.ptr, K, a.data.ptr, N + 5, nb, act, norm=nrm)
+    x64 = _rms_norm64(x, nw, 1e-6) if norm else x.astype(np.float64)
     g = x64 @ dequantize(hg, qtype, (N, K)).astype(np.float64).T
     u = x64 @ dequantize(hu, qtype, (N, K)).astype(np.float64).T
     got = a.get()
@@ -289,6 +307,7 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
         if QTYPES[qt].q8:
             errs[f"mmvf_{qt.name}"] = check_mmvf(k, [(qt, 37), (qt, 5)], K, 3, rng, bias=True)
             errs[f"mmvf_acc_{qt.name}"] = check_mmvf(k, [(qt, 9)], K, 2, rng, accumulate=True)
+            errs[f"mmvf_norm_{qt.name}"] = check_mmvf(k, [(qt, 9)], K, 2, rng, norm=True)
             errs[f"ffnf_{qt.name}"] = check_ffn_f(k, qt, 37, K, 3, 1 if cfg.activation == "gelu_tanh" else 0, rng)
     from .selfcheck_q8 import (check_attention_outputs, check_dequant16, check_ffn_q8, check_gemm,
                                check_mmv_q8, check_rms_norm_q8)

@@ -1,0 +1,160 @@
+"""Launch-shape sweep of the fp32-activation GEMVs (kernels/mmvf.cu) on the qwen15 twin's decode
+shapes, batch 1: compile-time variants (rows per warp, warps per block, loop unroll) x warps per row,
+timed as CUDA-graph replays over 28 weight copies (so the weights come from DRAM, as in a real
+step, not from L2). Prints a table and writes JSON; a tool for choosing the kernel's defaults.
+
+    python tools/mmvf_sweep.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from realizar_backend.backends.cuda.modules import QTYPES, _source  # noqa: E402
+
+LAYERS = 28
+VARIANTS = {
+    "R2-W4": {},
+    "R2-W4-U2": {"MMVF_UNROLL": 2},
+    "R1-W4": {"MMVF_R": 1},
+    "R1-W4-U2": {"MMVF_R": 1, "MMVF_UNROLL": 2},
+    "R4-W4": {"MMVF_R": 4},
+    "R2-W8": {"MMVF_WARPS": 8},
+}
+# (name, segments [(qtype, rows)], K, kind); kind "mmvf" or "ffnf"
+SHAPES = [
+    ("qkv", [(Q.Q4_K, 1536), (Q.Q4_K, 256), (Q.Q6_K, 256)], 1536, "mmvf"),
+    ("o", [(Q.Q4_K, 1536)], 1536, "mmvf"),
+    ("gate_up", [(Q.Q4_K, 8960)], 1536, "ffnf"),
+    ("down_q4k", [(Q.Q4_K, 1536)], 8960, "mmvf"),
+    ("down_q6k", [(Q.Q6_K, 1536)], 8960, "mmvf"),
+    ("head", [(Q.Q6_K, 151936)], 1536, "mmvf"),
+]
+
+
+def compile_variant(name: str, defines: dict, arch: str, out_dir: Path) -> Path:
+    src = out_dir / f"mmvf_{name}.cu"
+    src.write_text(_source("mmvf.cu"))
+    out = out_dir / f"mmvf_{name}.cubin"
+    cmd = ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-o", str(out), str(src)]
+    cmd += [f"-D{k}={v}" for k, v in defines.items()]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out
+
+
+def row_bytes(qt, K):
+    i = QTYPES[qt]
+    return K // i.block * i.block_bytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    dev = cupy.cuda.Device(0)
+    cc = dev.compute_capability
+    sms = dev.attributes["MultiProcessorCount"]
+    tmp = Path(tempfile.mkdtemp())
+    with ThreadPoolExecutor(len(VARIANTS)) as ex:
+        futs = {n: ex.submit(compile_variant, n, d, f"sm_{cc}", tmp) for n, d in VARIANTS.items()}
+        cubins = {n: f.result() for n, f in futs.items()}
+    rng = cupy.random.default_rng(0)
+    x = cupy.asarray(np.random.default_rng(1).standard_normal(8960).astype(np.float32))
+    ybuf = cupy.zeros(151936 * 2, cupy.float32)
+    results = []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for shape_name, segs, K, kind in SHAPES:
+        layers = 1 if shape_name == "head" else LAYERS
+        # weight copies per layer: random bytes (the speed does not depend on the values)
+        mat_segs = segs * 2 if kind == "ffnf" else segs          # ffnf: gate and up
+        mats = [[rng.integers(0, 256, rows * row_bytes(qt, K), dtype=cupy.uint8) for qt, rows in mat_segs]
+                for _ in range(layers)]
+        nbytes = sum(m.nbytes for m in mats[0])
+        rows_total = sum(r for _, r in segs)
+        for vname, defines in VARIANTS.items():
+            mod = cupy.RawModule(path=str(cubins[vname]))
+            R = defines.get("MMVF_R", 2)
+            W = defines.get("MMVF_WARPS", 4)
+            fn = mod.get_function("ffnf_nb1" if kind == "ffnf" else "mmvf_nb1")
+            for wpr in (1, 2, 4, 8):
+                if wpr > W:
+                    continue
+                groups = sum(-(-r // R) for _, r in segs)
+                gpb = W // wpr
+                grid = ((groups + gpb - 1) // gpb, 1)
+
+                def launch(m):
+                    if kind == "ffnf":
+                        qt, rows = segs[0]
+                        fn(grid, (W * 32,), (np.uint64(m[0].data.ptr), np.uint64(m[1].data.ptr),
+                                             np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(K), np.int32(int(qt)),
+                                             np.uint64(x.data.ptr), np.int32(K), np.int32(1), np.int32(0),
+                                             np.uint64(ybuf.data.ptr), np.int32(rows), np.int32(wpr),
+                                             np.uint64(0), np.float32(0)))
+                        return
+                    a = []
+                    off = 0
+                    for (qt, rows), w in zip(segs, m):
+                        a += [np.uint64(w.data.ptr), np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(int(qt)),
+                              np.uint64(0), np.uint64(ybuf.data.ptr + 4 * off), np.int32(rows)]
+                        off += rows
+                    for _ in range(3 - len(segs)):
+                        a += [np.uint64(0), np.int64(0), np.int32(0), np.int32(0), np.uint64(0), np.uint64(0), np.int32(0)]
+                    fn(grid, (W * 32,), (*a, np.int32(K), np.uint64(x.data.ptr), np.int32(K), np.int32(1),
+                                         np.int32(wpr), np.int32(0), np.uint64(0), np.float32(0), np.uint64(0)))
+
+                with stream:
+                    for m in mats:
+                        launch(m)                 # warm-up (module load) outside the capture
+                    stream.synchronize()
+                    stream.begin_capture()
+                    for m in mats:
+                        launch(m)
+                    g = stream.end_capture()
+                    g.launch(stream)
+                    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+                    e0.record(stream)
+                    for _ in range(args.reps):
+                        g.launch(stream)
+                    e1.record(stream)
+                    e1.synchronize()
+                us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
+                results.append({"shape": shape_name, "variant": vname, "wpr": wpr, "grid": grid[0],
+                                "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
+                                "rows": rows_total, "K": K})
+        del mats
+    best = {}
+    print(f"{'shape':10s} {'variant':10s} {'wpr':>3s} {'grid':>6s} {'us':>8s} {'GB/s':>7s}")
+    for r in results:
+        print(f"{r['shape']:10s} {r['variant']:10s} {r['wpr']:3d} {r['grid']:6d} {r['us']:8.2f} {r['gbps']:7.0f}")
+        b = best.get(r["shape"])
+        if b is None or r["us"] < b["us"]:
+            best[r["shape"]] = r
+    print("best per shape:")
+    for s, r in best.items():
+        print(f"  {s}: {r['variant']} wpr={r['wpr']} {r['us']} us {r['gbps']} GB/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                               "sms": sms, "results": results, "best": best}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
