@@ -26,13 +26,14 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from realizar_backend.backends.cuda.modules import QTYPES, _source  # noqa: E402
+from realizar_backend.backends.cuda.ops import mmvf_stride  # noqa: E402
 
 LAYERS = 28
 VARIANTS = {
-    "R2-W4": {},
-    "R2-W4-U2": {"MMVF_UNROLL": 2},
+    "R2-W4-global": {},           # the defaults (unroll 2), activations read from global memory
+    "R2-W4": {},                  # the defaults, staged
+    "R2-W4-U1": {"MMVF_UNROLL": 1},
     "R1-W4": {"MMVF_R": 1},
-    "R1-W4-U2": {"MMVF_R": 1, "MMVF_UNROLL": 2},
     "R4-W4": {"MMVF_R": 4},
     "R2-W8": {"MMVF_WARPS": 8},
 }
@@ -92,12 +93,21 @@ def main() -> int:
             R = defines.get("MMVF_R", 2)
             W = defines.get("MMVF_WARPS", 4)
             fn = mod.get_function("ffnf_nb1" if kind == "ffnf" else "mmvf_nb1")
-            for wpr in (1, 2, 4, 8):
+            stage = 0 if vname.endswith("-global") else 1
+            smem = stage * mmvf_stride(K) * 4
+            fn.max_dynamic_shared_size_bytes = 100 * 1024
+            for wpr, capped in [(w, c) for w in (1, 2, 4, 8) for c in (False, True)]:
                 if wpr > W:
                     continue
                 groups = sum(-(-r // R) for _, r in segs)
                 gpb = W // wpr
-                grid = ((groups + gpb - 1) // gpb, 1)
+                blocks = (groups + gpb - 1) // gpb
+                if capped:        # one resident wave, blocks striding over the groups (ops._max_grid)
+                    regs = -(-int(fn.num_regs) // 8) * 8
+                    bps = max(1, min(65536 // (regs * 32 * W), (228 * 1024) // (smem + fn.shared_size_bytes + 1024),
+                                     2048 // (32 * W)))
+                    blocks = min(blocks, bps * sms)
+                grid = (blocks, 1)
 
                 def launch(m):
                     if kind == "ffnf":
@@ -106,7 +116,7 @@ def main() -> int:
                                              np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(K), np.int32(int(qt)),
                                              np.uint64(x.data.ptr), np.int32(K), np.int32(1), np.int32(0),
                                              np.uint64(ybuf.data.ptr), np.int32(rows), np.int32(wpr),
-                                             np.uint64(0), np.float32(0)))
+                                             np.int32(stage), np.uint64(0), np.float32(0)), shared_mem=smem)
                         return
                     a = []
                     off = 0
@@ -117,7 +127,8 @@ def main() -> int:
                     for _ in range(3 - len(segs)):
                         a += [np.uint64(0), np.int64(0), np.int32(0), np.int32(0), np.uint64(0), np.uint64(0), np.int32(0)]
                     fn(grid, (W * 32,), (*a, np.int32(K), np.uint64(x.data.ptr), np.int32(K), np.int32(1),
-                                         np.int32(wpr), np.int32(0), np.uint64(0), np.float32(0), np.uint64(0)))
+                                         np.int32(wpr), np.int32(0), np.int32(stage), np.uint64(0), np.float32(0),
+                                         np.uint64(0)), shared_mem=smem)
 
                 with stream:
                     for m in mats:
@@ -135,7 +146,8 @@ def main() -> int:
                     e1.record(stream)
                     e1.synchronize()
                 us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
-                results.append({"shape": shape_name, "variant": vname, "wpr": wpr, "grid": grid[0],
+                results.append({"shape": shape_name, "variant": vname + ("-cap" if capped else ""), "wpr": wpr,
+                                "grid": grid[0],
                                 "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
                                 "rows": rows_total, "K": K})
         del mats

@@ -16,9 +16,11 @@
 // NB (1, 2, 4, 8) activation rows share each decoded unit; grid.y covers larger batches.
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0.
 //
-// RMSNorm folded in (nw != 0): the block normalizes its activation rows (x / rms(x) * nw) into
-// dynamic shared memory before the GEMV and reads them from there. Every block recomputes the
-// norm of a few KB from L2, which costs less than a separate norm launch and its graph node.
+// Activations staged in shared memory (stage != 0, mmvf_stage): read from global memory, each lane's
+// 128-byte unit is a different cache line, so 8 float4 loads cost 256 L1 wavefronts per warp and
+// bound the kernel; staged and swizzled they cost 32. RMSNorm folded in (nw != 0, needs stage): the
+// block normalizes its rows (x / rms(x) * nw) while staging them; recomputing the norm of a few KB
+// per block costs less than a separate norm launch and its graph node.
 // Argmax folded in (amax != 0, one segment): each output packs (value, row) into an order-keeping
 // 64-bit key and atomicMax'es it into amax[b] (max is order-independent: deterministic); the
 // first index wins ties like argmax_rows. argmax_unpack (elementwise.cu) reads and resets it.
@@ -31,7 +33,7 @@
 #define MMVF_R 2
 #endif
 #ifndef MMVF_UNROLL
-#define MMVF_UNROLL 1
+#define MMVF_UNROLL 2      // two units' loads in flight per lane (tools/mmvf_sweep.py: 5-10% on qwen15)
 #endif
 constexpr int kMmvfUnroll = MMVF_UNROLL;   // the pragma needs a constant expression, not a macro
 
@@ -56,17 +58,30 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
             if (b < nbl) {
-                const float4* xp = (const float4*)(x + (long long)b * xs + 32 * u);
-                float xv[32];
+                float xv[32], sl, sh;
+                if (staged) {
+                    // shared memory, swizzled (mmvf_stage): conflict-free 16-byte reads, sums precomputed
+                    const float* xr = x + b * xs;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    float4 t = staged ? xp[i] : __ldg(xp + i);   // shared memory or global
-                    xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+                    for (int i = 0; i < 8; ++i) {
+                        float4 t = *(const float4*)(xr + 32 * u + 4 * ((i + u) & 7));
+                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+                    }
+                    float2 s2 = *(const float2*)(xr + 32 * nu + 2 * u);
+                    sl = s2.x;
+                    sh = s2.y;
+                } else {
+                    const float4* xp = (const float4*)(x + (long long)b * xs + 32 * u);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        float4 t = __ldg(xp + i);
+                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+                    }
+                    sl = ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7])) +
+                         (((xv[8] + xv[9]) + (xv[10] + xv[11])) + ((xv[12] + xv[13]) + (xv[14] + xv[15])));
+                    sh = ((xv[16] + xv[17]) + (xv[18] + xv[19])) + ((xv[20] + xv[21]) + (xv[22] + xv[23])) +
+                         (((xv[24] + xv[25]) + (xv[26] + xv[27])) + ((xv[28] + xv[29]) + (xv[30] + xv[31])));
                 }
-                float sl = ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7])) +
-                           (((xv[8] + xv[9]) + (xv[10] + xv[11])) + ((xv[12] + xv[13]) + (xv[14] + xv[15])));
-                float sh = ((xv[16] + xv[17]) + (xv[18] + xv[19])) + ((xv[20] + xv[21]) + (xv[22] + xv[23])) +
-                           (((xv[24] + xv[25]) + (xv[26] + xv[27])) + ((xv[28] + xv[29]) + (xv[30] + xv[31])));
 #pragma unroll
                 for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -129,41 +144,72 @@ __device__ __forceinline__ void mmvf_reduce(float (&acc)[M][MMVF_R][NB], int wpr
     }
 }
 
-// RMSNorm of the block's nbl activation rows into shared memory (row stride K); all threads.
-// Returns the pointer the GEMV reads: the staged rows, or x itself when there is no norm.
+// Stage the block's nbl activation rows in shared memory (when the host asks: `stage`, always with
+// a folded norm), optionally as RMSNorm(x) * nw. Layout per row (stride mmvf_stride(K) floats): unit
+// u's 8 float4 chunks with chunk c at slot (c + u) & 7, so the 8 lanes of a quarter-warp, which read
+// 8 consecutive units, hit 8 different bank groups (unswizzled, every lane's unit starts on bank 0);
+// then the unit sums (low 16, high 16) that every row's dot needs. Global loads here are coalesced;
+// reading units straight from global memory costs a 128-byte line per lane per float4.
+// Returns what the GEMV reads (the staged rows, or x) ; block-uniform barriers.
+__device__ __forceinline__ int mmvf_stride(int K) { return K + (((K >> 4) + 3) & ~3); }
+
 template <int NB>
-__device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, int xs, int K, int nbl,
+__device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, int xs, int K, int nbl, int stage,
                                                    const float* __restrict__ nw, float eps, float* sm) {
-    if (!nw) return x;
+    if (!stage) return x;
     __shared__ float part[MMVF_WARPS][NB];
+    __shared__ float inv_s[NB];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    float ss[NB];
+    int nu = K >> 5, st = mmvf_stride(K);
+    if (nw) {
+        float ss[NB];
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        ss[b] = 0.0f;
-        if (b < nbl)
-            for (int i = 4 * threadIdx.x; i < K; i += 4 * blockDim.x) {
-                float4 v = __ldg((const float4*)(x + (long long)b * xs + i));
-                ss[b] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-            }
-        ss[b] = warp_sum(ss[b]);
-    }
-    if (lane == 0)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) part[wid][b] = ss[b];
-    __syncthreads();
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-        if (b >= nbl) break;
-        float t = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MMVF_WARPS; ++w) t += part[w][b];
-        float inv = rsqrtf(t / K + eps);
-        for (int i = 4 * threadIdx.x; i < K; i += 4 * blockDim.x) {
-            float4 v = __ldg((const float4*)(x + (long long)b * xs + i));
-            float4 g = __ldg((const float4*)(nw + i));
-            *(float4*)(sm + b * K + i) = make_float4(v.x * inv * g.x, v.y * inv * g.y, v.z * inv * g.z, v.w * inv * g.w);
+        for (int b = 0; b < NB; ++b) {
+            ss[b] = 0.0f;
+            if (b < nbl)
+#pragma unroll 4
+                for (int i = 4 * threadIdx.x; i < K; i += 4 * blockDim.x) {
+                    float4 v = __ldg((const float4*)(x + (long long)b * xs + i));
+                    ss[b] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+                }
+            ss[b] = warp_sum(ss[b]);
         }
+        if (lane == 0)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) part[wid][b] = ss[b];
+        __syncthreads();
+        if (threadIdx.x < NB) {
+            float t = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MMVF_WARPS; ++w) t += part[w][threadIdx.x];
+            inv_s[threadIdx.x] = rsqrtf(t / K + eps);
+        }
+        __syncthreads();
+    }
+    for (int b = 0; b < nbl; ++b) {
+        float inv = nw ? inv_s[b] : 1.0f;
+#pragma unroll 4
+        for (int g = threadIdx.x; g < 8 * nu; g += blockDim.x) {
+            float4 v = __ldg((const float4*)(x + (long long)b * xs) + g);
+            if (nw) {
+                float4 w = __ldg((const float4*)nw + g);
+                v = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
+            }
+            int u = g >> 3;
+            *(float4*)(sm + b * st + 32 * u + 4 * (((g & 7) + u) & 7)) = v;
+        }
+    }
+    __syncthreads();
+    for (int h = threadIdx.x; h < 2 * nu * nbl; h += blockDim.x) {
+        int b = h / (2 * nu), r = h - b * 2 * nu, u = r >> 1;
+        const float* xr = sm + b * st + 32 * u;
+        float q[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float4 t = *(const float4*)(xr + 4 * ((4 * (r & 1) + c + u) & 7));
+            q[c] = (t.x + t.y) + (t.z + t.w);
+        }
+        sm[b * st + 32 * nu + r] = (q[0] + q[1]) + (q[2] + q[3]);   // the unstaged path's order
     }
     __syncthreads();
     return sm;
@@ -181,86 +227,99 @@ __device__ __forceinline__ void mmvf_body(
     const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,
     const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,
     const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,
-    int K, const float* __restrict__ x, int xs, int nb, int wpr, int accumulate, const float* nw, float eps,
-    unsigned long long* amax) {
+    int K, const float* __restrict__ x, int xs, int nb, int wpr, int accumulate, int stage, const float* nw,
+    float eps, unsigned long long* amax) {
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int G = blockIdx.x * (MMVF_WARPS / wpr) + wid / wpr, sub = wid % wpr;
+    int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
-    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, nw, eps, (float*)mmvf_sm);
-    int xst = nw ? K : xs;
+    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
+    int xst = stage ? mmvf_stride(K) : xs;
     int g0 = (n0 + MMVF_R - 1) / MMVF_R, g1 = (n1 + MMVF_R - 1) / MMVF_R, g2 = (n2 + MMVF_R - 1) / MMVF_R;
-    // the group's segment (warp-uniform)
-    const u8* W = W0; long long rb = rb0; int n = n0, qt = qt0, g = G; const float* bias = b0; float* y = y0;
-    int ys = ys0;
-    if (G >= g0) {
-        g = G - g0;
-        if (g < g1) { W = W1; rb = rb1; n = n1; qt = qt1; bias = b1; y = y1; ys = ys1; }
-        else { g -= g1; W = W2; rb = rb2; n = n2; qt = qt2; bias = b2; y = y2; ys = ys2; }
-    }
-    bool live = G < g0 + g1 + g2;
-    int r0 = g * MMVF_R;
-    float acc[1][MMVF_R][NB];
-#pragma unroll
-    for (int i = 0; i < MMVF_R; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) acc[0][i][b] = 0.0f;
-    const u8* const Ws[1] = {W};
-    if (live)
-        mmvf_dispatch<NB, 1>(qt, Ws, rb, r0, n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl, nw != 0,
-                             acc);
-    mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
-    if (!live || sub != 0) return;
-    // outputs spread over the lanes
-#pragma unroll
-    for (int i = 0; i < MMVF_R; ++i)
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            int r = r0 + i;
-            if (lane == ((i * NB + b) & 31) && r < n && b < nbl) {
-                float v = acc[0][i][b] + (bias ? bias[r] : 0.0f);
-                float* out = y + (long long)(bb + b) * ys + r;
-                *out = accumulate ? *out + v : v;
-                if (amax) atomicMax(amax + bb + b, argmax_key(v, r));
-            }
+    // the grid may hold fewer blocks than there are groups (one wave, staged once per block): blocks
+    // stride over the groups; the trip count is block-uniform, for the barriers inside
+    for (int base = blockIdx.x * gpb; base < g0 + g1 + g2; base += gridDim.x * gpb) {
+        int G = base + wid / wpr;
+        // the group's segment (warp-uniform)
+        const u8* W = W0; long long rb = rb0; int n = n0, qt = qt0, g = G; const float* bias = b0; float* y = y0;
+        int ys = ys0;
+        if (G >= g0) {
+            g = G - g0;
+            if (g < g1) { W = W1; rb = rb1; n = n1; qt = qt1; bias = b1; y = y1; ys = ys1; }
+            else { g -= g1; W = W2; rb = rb2; n = n2; qt = qt2; bias = b2; y = y2; ys = ys2; }
         }
+        bool live = G < g0 + g1 + g2;
+        int r0 = g * MMVF_R;
+        float acc[1][MMVF_R][NB];
+#pragma unroll
+        for (int i = 0; i < MMVF_R; ++i)
+#pragma unroll
+            for (int b = 0; b < NB; ++b) acc[0][i][b] = 0.0f;
+        const u8* const Ws[1] = {W};
+        if (live)
+            mmvf_dispatch<NB, 1>(qt, Ws, rb, r0, n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
+                                 stage != 0, acc);
+        mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
+        if (live && sub == 0) {
+            // outputs spread over the lanes
+#pragma unroll
+            for (int i = 0; i < MMVF_R; ++i)
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    int r = r0 + i;
+                    if (lane == ((i * NB + b) & 31) && r < n && b < nbl) {
+                        float v = acc[0][i][b] + (bias ? bias[r] : 0.0f);
+                        float* out = y + (long long)(bb + b) * ys + r;
+                        *out = accumulate ? *out + v : v;
+                        if (amax) atomicMax(amax + bb + b, argmax_key(v, r));
+                    }
+                }
+        }
+        if (wpr > 1) __syncthreads();      // mmvf_reduce's shared buffer is reused next round
+    }
 }
 
 template <int NB>
 __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
                                           const float* __restrict__ x, int xs, int nb, int act, float* a, int as,
-                                          int wpr, const float* nw, float eps) {
+                                          int wpr, int stage, const float* nw, float eps) {
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int G = blockIdx.x * (MMVF_WARPS / wpr) + wid / wpr, sub = wid % wpr;
+    int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
-    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, nw, eps, (float*)mmvf_sm);
-    int xst = nw ? K : xs;
-    bool live = G < (N + MMVF_R - 1) / MMVF_R;
-    int r0 = G * MMVF_R;
-    float acc[2][MMVF_R][NB];
+    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
+    int xst = stage ? mmvf_stride(K) : xs;
+    int groups = (N + MMVF_R - 1) / MMVF_R;
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmvf_body
+        int G = base + wid / wpr;
+        bool live = G < groups;
+        int r0 = G * MMVF_R;
+        float acc[2][MMVF_R][NB];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int i = 0; i < MMVF_R; ++i)
+            for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
-            for (int b = 0; b < NB; ++b) acc[m][i][b] = 0.0f;
-    const u8* const Ws[2] = {Wg, Wu};
-    if (live)
-        mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl, nw != 0,
-                             acc);
-    mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
-    if (!live || sub != 0) return;
+                for (int b = 0; b < NB; ++b) acc[m][i][b] = 0.0f;
+        const u8* const Ws[2] = {Wg, Wu};
+        if (live)
+            mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
+                                 stage != 0, acc);
+        mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
+        if (live && sub == 0) {
 #pragma unroll
-    for (int i = 0; i < MMVF_R; ++i)
+            for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            int r = r0 + i;
-            if (lane == ((i * NB + b) & 31) && r < N && b < nbl)
-                a[(long long)(bb + b) * as + r] = act_f(acc[0][i][b], act) * acc[1][i][b];
+                for (int b = 0; b < NB; ++b) {
+                    int r = r0 + i;
+                    if (lane == ((i * NB + b) & 31) && r < N && b < nbl)
+                        a[(long long)(bb + b) * as + r] = act_f(acc[0][i][b], act) * acc[1][i][b];
+                }
         }
+        if (wpr > 1) __syncthreads();
+    }
 }
 
 #define DEFINE_MMVF(NB)                                                                                  \
@@ -268,15 +327,15 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,               \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,               \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,               \
-        int K, const float* x, int xs, int nb, int wpr, int accumulate, const float* nw, float eps,       \
-        unsigned long long* amax) {                                                                      \
+        int K, const float* x, int xs, int nb, int wpr, int accumulate, int stage, const float* nw,      \
+        float eps, unsigned long long* amax) {                                                           \
         mmvf_body<NB>(W0, rb0, n0, qt0, b0, y0, ys0, W1, rb1, n1, qt1, b1, y1, ys1, W2, rb2, n2, qt2, b2, \
-                      y2, ys2, K, x, xs, nb, wpr, accumulate, nw, eps, amax);                            \
+                      y2, ys2, K, x, xs, nb, wpr, accumulate, stage, nw, eps, amax);                     \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
-        int act, float* a, int as, int wpr, const float* nw, float eps) {                                \
-        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, nw, eps);                        \
+        int act, float* a, int as, int wpr, int stage, const float* nw, float eps) {                     \
+        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps);                 \
     }
 
 DEFINE_MMVF(1)

@@ -1,8 +1,9 @@
 // RoPE + KV-cache write, one launch per layer. Block (t, head): heads < H rotate q in place;
 // the KV heads rotate k and store k and v as fp16 into the slot's cache rows at the token's
 // position. Positions and slots come from device buffers (graph replay needs no re-capture).
-// style 0 = "normal" (adjacent pairs, GGUF llama), 1 = "neox" (halves). Angles in double so the
-// GPU matches the float64 NumPy twin at long positions.
+// style 0 = "normal" (adjacent pairs, GGUF llama), 1 = "neox" (halves): rope_pair in common.cuh.
+// Decode steps fold this into attention (attention.cu, `fuse`); prefill needs it as its own launch,
+// since a prompt's rows read each other's cache rows.
 #include "common.cuh"
 
 extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__ v,
@@ -18,17 +19,7 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__
     float* p = is_q ? q + ((long long)t * H + hh) * D : k + ((long long)t * KVH + kh) * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) src[i] = dst[i] = p[i];
     __syncthreads();
-    int half = rope_dim / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double ang = (double)pos * pow((double)theta, -2.0 * i / rope_dim);
-        double sd, cd;
-        sincos(ang, &sd, &cd);
-        float c = (float)cd, s = (float)sd;
-        int ia = style ? i : 2 * i, ib = style ? i + half : 2 * i + 1;
-        float a = src[ia], b = src[ib];
-        dst[ia] = a * c - b * s;
-        dst[ib] = a * s + b * c;
-    }
+    for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) rope_pair(src, dst, i, pos, rope_dim, theta, style);
     __syncthreads();
     if (is_q) {
         for (int i = threadIdx.x; i < D; i += blockDim.x) p[i] = dst[i];

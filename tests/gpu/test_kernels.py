@@ -83,6 +83,18 @@ def test_attention(kernels, rng, H, KVH, D, ctx, window):
     assert err <= TOL
 
 
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("ctx,window", [(1, 0), (77, 0), (700, 512)])
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+def test_attention_fused_rope(kernels, rng, H, KVH, D, ctx, window, neox):
+    """Decode attention doing RoPE and the KV-cache write itself (no rope_kv launch)."""
+    from realizar_backend.backends.cuda.selfcheck import check_attention_rope
+    n = 1 if ctx == 1 else 3
+    err = check_attention_rope(kernels, n, H, KVH, D, ctx, window, neox, 1000000.0, rng)
+    print(f"attention+rope H{H}/{KVH} D{D} ctx {ctx} window {window}: rel.err {err:.2e}")
+    assert err <= TOL
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (3, 151936), (5, 1000), (2, 7)])
 def test_argmax(kernels, rng, rows, cols):
     from realizar_backend.backends.cuda.selfcheck import check_argmax

@@ -79,7 +79,7 @@ def test_mmvf_matches_gemv(kernels, rng):
 
 @pytest.mark.parametrize("segs,K", [([(Q.Q4_K, 1536), (Q.Q4_K, 256), (Q.Q6_K, 256)], 1536),
                                     ([(Q.Q5_0, 896), (Q.Q5_0, 129), (Q.Q8_0, 127)], 896),
-                                    ([(Q.Q8_0, 577)], 576), ([(Q.Q6_K, 5)], 640)],
+                                    ([(Q.Q8_0, 577)], 576), ([(Q.Q8_0, 5), (Q.Q5_0, 7)], 640)],
                          ids=["qwen15-qkv", "qwen05-qkv-odd", "smol", "gemma-width"])
 @pytest.mark.parametrize("nb", [1, 3, 8, 13])
 def test_mmvf_folded_norm(kernels, rng, segs, K, nb):
@@ -110,7 +110,7 @@ def test_mmvf_fused_argmax(kernels, rng, nb):
     import numpy as np
     from realizar_backend.backends.cuda import ops
     from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
-    N, K = 49157, 576
+    N, K = 49157, 768
     host = random_weight(Q.Q6_K, N, K, rng)
     w, keep = upload_weight(Q.Q6_K, host)
     x = cupy.asarray(rng.standard_normal((nb, K)).astype(np.float32))
@@ -130,3 +130,16 @@ def test_mmvf_fused_argmax(kernels, rng, nb):
     ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, z.data.ptr, K, nb, amax=key.data.ptr)
     ops.argmax_unpack(kernels, key.data.ptr, out.data.ptr, nb)
     assert out[:nb].get().tolist() == [0] * nb
+
+
+@pytest.mark.parametrize("q,n,k", [(Q.Q4_K, 20000, 1536), (Q.Q6_K, 3000, 8960), (Q.Q8_0, 9001, 896)],
+                         ids=["wide", "long-rows", "odd"])
+def test_mmvf_more_groups_than_resident_blocks(kernels, rng, q, n, k):
+    """Launches with more row groups than one wave of blocks holds: blocks stride over the groups
+    (with block barriers when warps share a row)."""
+    from realizar_backend.backends.cuda.selfcheck import check_ffn_f, check_mmvf
+    e1 = check_mmvf(kernels, [(q, n)], k, 1, rng, bias=True)
+    e2 = check_mmvf(kernels, [(q, n)], k, 2, rng, accumulate=True, norm=k <= 1536)
+    e3 = check_ffn_f(kernels, q, n, k, 1, 0, rng) if k <= 1536 else 0.0
+    print(f"mmvf {q.name} {n}x{k}: {e1:.2e} {e2:.2e} {e3:.2e}")
+    assert max(e1, e2, e3) <= FP32_TOL

@@ -100,7 +100,7 @@ class Forward:
         """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself
         and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
         norm written to ws.h by its own launch."""
-        if ops.mmvf_norm_ok(self.c.hidden, T):
+        if ops.mmvf_stage_ok(self.c.hidden, T):
             return x, (w, self.c.rms_eps)
         self._norm(x, w, self.ws.h, T)
         return self.ws.h, None
@@ -111,23 +111,30 @@ class Forward:
                         0 if out16 is None else out16.data.ptr, 0 if q is None else q.data.ptr,
                         0 if d is None else d.data.ptr, T, self.c.hidden, self.c.rms_eps)
 
-    def _qk_norm_rope(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
+    def _qk_norm_rope(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, rope: bool = True) -> None:
         c, k, ws, kv = self.c, self.k, self.ws, self.kv
         if lw.q_norm:
             D = c.head_dim
             ops.rms_norm(k, ws.q.data.ptr, D, lw.q_norm, ws.q.data.ptr, D, T * c.n_heads, D, c.rms_eps)
             ops.rms_norm(k, ws.k.data.ptr, D, lw.k_norm, ws.k.data.ptr, D, T * c.n_kv_heads, D, c.rms_eps)
-        ops.rope_kv(k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv.k_ptrs[li], kv.v_ptrs[li],
-                    kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, lw.theta, c.rope_style == "neox", T)
+        if rope:
+            ops.rope_kv(k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv.k_ptrs[li], kv.v_ptrs[li],
+                        kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, lw.theta,
+                        c.rope_style == "neox", T)
 
     def _attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, oq: int = 0, od: int = 0,
-                   o16: int = 0) -> None:
+                   o16: int = 0, fuse_rope: bool = False) -> None:
         c, ws, kv = self.c, self.ws, self.kv
+        rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, lw.theta, c.rope_style == "neox")
+                if fuse_rope else None)
         ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li], slots, pos,
-                      kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16)
+                      kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16, rope)
 
     # ------------------------------------------------------------ one layer, two ways
-    def _layer_gemv(self, li: int, lw: LayerIndex, p: _LayerPlan, T: int, pos: int, slots: int) -> None:
+    def _layer_gemv(self, li: int, lw: LayerIndex, p: _LayerPlan, T: int, pos: int, slots: int,
+                    decode: bool = False) -> None:
+        """decode: one row per sequence (a decode step), so attention can do RoPE and the KV write
+        itself; a short prompt's rows read each other's cache rows and need rope_kv first."""
         c, k, ws = self.c, self.k, self.ws
         if p.qkv:
             self._norm_q8(ws.x, lw.attn_norm, T, ws.h, ws.hq, ws.hd)
@@ -142,14 +149,15 @@ class Forward:
             self._gemv(lw.wq, ws.h, T, ws.q, lw.bq)
             self._gemv(lw.wk, ws.h, T, ws.k, lw.bk)
             self._gemv(lw.wv, ws.h, T, ws.v, lw.bv)
-        self._qk_norm_rope(li, lw, T, pos, slots)
+        fuse = decode and c.head_dim <= ops.ATT_MAXD
+        self._qk_norm_rope(li, lw, T, pos, slots, rope=not fuse)
         if p.wo:
-            self._attention(li, lw, T, pos, slots, ws.aq.data.ptr, ws.ad.data.ptr)
+            self._attention(li, lw, T, pos, slots, ws.aq.data.ptr, ws.ad.data.ptr, fuse_rope=fuse)
             dst = ws.tmp if lw.post_attn_norm else ws.x
             ops.mmv_q8(k, [(lw.wo, 0, dst.data.ptr, c.hidden)], c.q_dim, ws.aq.data.ptr, ws.ad.data.ptr, T,
                        accumulate=not lw.post_attn_norm)
         else:
-            self._attention(li, lw, T, pos, slots)
+            self._attention(li, lw, T, pos, slots, fuse_rope=fuse)
             self._proj(lw.wo, p.f_wo, ws.attn, T, ws.tmp if lw.post_attn_norm else ws.x,
                        accumulate=not lw.post_attn_norm)
         if lw.post_attn_norm:
@@ -183,15 +191,16 @@ class Forward:
             self._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
 
     # ------------------------------------------------------------ the layers
-    def layers(self, T: int, gemm: bool, tok: int, pos: int, slots: int) -> None:
-        """Embed token ids (device pointer tok) and run every layer; the residual stream ends in ws.x[:T]."""
+    def layers(self, T: int, gemm: bool, tok: int, pos: int, slots: int, decode: bool = False) -> None:
+        """Embed token ids (device pointer tok) and run every layer; the residual stream ends in ws.x[:T].
+        decode: the T rows are one new token per sequence."""
         c, ws = self.c, self.ws
         ops.embed(self.k, self.w.tok_embd, tok, T, c.embed_scale, ws.x.data.ptr, c.hidden)
         for li, lw in enumerate(self.w.layers):
             if gemm:
                 self.gemm_layers.layer(li, lw, T, pos, slots)
             else:
-                self._layer_gemv(li, lw, self.plans[li], T, pos, slots)
+                self._layer_gemv(li, lw, self.plans[li], T, pos, slots, decode)
 
     def head(self, rows: cupy.ndarray, n: int) -> None:
         """Final norm + LM head (GEMV) + greedy argmax for rows[:n] -> ws.logits, ws.argmax."""
@@ -216,7 +225,7 @@ class Forward:
     def decode_step(self, b: int) -> None:
         """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots)."""
         io = self.ws.dec_io
-        self.layers(b, False, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr)
+        self.layers(b, False, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
         self.head(self.ws.x, b)
 
     def prefill_step(self, T: int, n_items: int) -> None:

@@ -93,14 +93,32 @@ def f32_ok(w: WeightRef) -> bool:
     return QTYPES[w.qtype].q8 and w.cols % 32 == 0
 
 
-def mmvf_wpr(K: int, rows: int, sm_count: int) -> int:
+def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True) -> int:
     """Warps sharing one row group: as warps_per_row, then doubled while the launch has fewer
-    than two blocks per SM and the added warps still get units to read."""
-    wpr = warps_per_row(K)
+    than two blocks per SM and the added warps still get units to read. Staged launches cap long
+    rows at 2 warps: each block stages the whole input, so fewer, longer-lived blocks win
+    (tools/mmvf_sweep.py, qwen15 down projection: 12.6 us at 2 warps, 19.5 us at 4)."""
+    wpr = min(warps_per_row(K), 2) if staged else warps_per_row(K)
     groups = -(-rows // MMVF_R)
     while wpr < MMVF_WARPS and groups * wpr < 2 * sm_count * MMVF_WARPS and K // 32 > 32 * wpr:
         wpr *= 2
     return wpr
+
+
+_resident: dict[tuple[int, int], int] = {}
+
+
+def _max_grid(k: Kernels, fn, smem: int) -> int:
+    """Blocks of an mmvf/ffnf launch that fit on the GPU at once (registers, shared memory): the
+    kernels stride over row groups, so one resident wave does the work with one staging per block."""
+    key = (id(fn), smem)
+    n = _resident.get(key)
+    if n is None:
+        regs = -(-int(fn.num_regs) // 8) * 8                 # allocation granularity per thread
+        by_regs = 65536 // (regs * 32 * MMVF_WARPS)
+        by_smem = (228 * 1024) // (smem + int(fn.shared_size_bytes) + 1024)
+        n = _resident[key] = max(1, min(by_regs, by_smem, 2048 // (32 * MMVF_WARPS))) * getattr(k, "sm_count", 132)
+    return n
 
 
 def _check_x(x: int, xs: int, K: int) -> None:
@@ -109,21 +127,29 @@ def _check_x(x: int, xs: int, K: int) -> None:
                          f"(x={x:#x}, xs={xs}, K={K})")
 
 
-MMVF_SMEM_MAX = 96 * 1024    # staged (normed) activation rows per block; beyond it norm separately
+MMVF_SMEM_MAX = 100 * 1024   # staged activation rows per block (mmvf.cu mmvf_stage); beyond it, global reads
 
 
-def mmvf_norm_ok(K: int, nb: int) -> bool:
-    """The RMSNorm of the input can be folded into an mmvf/ffnf launch of nb rows of width K."""
-    return K % 4 == 0 and _nb_variant(nb) * K * 4 <= MMVF_SMEM_MAX
+def mmvf_stride(K: int) -> int:
+    """Floats per staged activation row: K swizzled values, then 2 sums per 32-unit (mmvf.cu)."""
+    return K + (((K >> 4) + 3) & ~3)
 
 
-def _norm_args(norm, K: int, nb: int):
-    """(nw pointer, eps) arguments and the dynamic shared memory of a launch, norm = (ptr, eps) or None."""
-    if norm is None:
-        return _U64(0), _F32(0.0), 0
-    if not mmvf_norm_ok(K, nb):
-        raise ValueError(f"mmvf: a folded norm of {nb} rows x {K} does not fit in shared memory")
-    return _U64(norm[0]), _F32(norm[1]), _nb_variant(nb) * K * 4
+def mmvf_stage_ok(K: int, nb: int) -> bool:
+    """The launch's activation rows fit in shared memory (staged reads; a folded norm needs them)."""
+    return K % 32 == 0 and _nb_variant(nb) * mmvf_stride(K) * 4 <= MMVF_SMEM_MAX
+
+
+
+def _stage_args(norm, K: int, nb: int):
+    """(stage, nw pointer, eps) arguments and the dynamic shared memory of a launch; norm = (ptr, eps)
+    or None. Activations are staged whenever they fit."""
+    if not mmvf_stage_ok(K, nb):
+        if norm is not None:
+            raise ValueError(f"mmvf: a folded norm of {nb} rows x {K} does not fit in shared memory")
+        return _I32(0), _U64(0), _F32(0.0), 0
+    nw, eps = norm if norm is not None else (0, 0.0)
+    return _I32(1), _U64(nw), _F32(eps), _nb_variant(nb) * mmvf_stride(K) * 4
 
 
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
@@ -142,14 +168,14 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
         rows += w.rows
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132))
+    stage, nw, eps, smem = _stage_args(norm, K, nb)
+    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage))
     v = _nb_variant(nb)
     gpb = MMVF_WARPS // wpr
-    grid = ((groups + gpb - 1) // gpb, (nb + v - 1) // v)
-    nw, eps, smem = _norm_args(norm, K, nb)
+    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.mmvf[v], smem)), (nb + v - 1) // v)
     k.mmvf[v](grid, (MMVF_WARPS * 32,),
-              (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), nw, eps, _U64(amax)),
-              shared_mem=smem)
+              (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), stage, nw, eps,
+               _U64(amax)), shared_mem=smem)
 
 
 def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int,
@@ -158,15 +184,16 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     h = x, or RMSNorm(x) with norm = (weight pointer, eps)."""
     K = wg.cols
     _check_x(x, xs, K)
-    wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132))
+    stage, nw, eps, smem = _stage_args(norm, K, nb)
+    wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage))
     v = _nb_variant(nb)
     gpb = MMVF_WARPS // wpr
     groups = -(-wg.rows // MMVF_R)
-    grid = ((groups + gpb - 1) // gpb, (nb + v - 1) // v)
-    nw, eps, smem = _norm_args(norm, K, nb)
+    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem)), (nb + v - 1) // v)
     k.ffnf[v](grid, (MMVF_WARPS * 32,),
               (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
-               _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), nw, eps), shared_mem=smem)
+               _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps),
+              shared_mem=smem)
 
 
 def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
@@ -257,12 +284,16 @@ def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kca
 
 def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int, positions: int,
               ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int,
-              oq: int = 0, od: int = 0, o16: int = 0) -> None:
-    """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16)."""
+              oq: int = 0, od: int = 0, o16: int = 0, rope=None) -> None:
+    """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16).
+    rope = (k, v, rope_dim, theta, neox): decode only (one row per sequence), RoPE of q and of the
+    new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch)."""
+    kin, vin, rope_dim, theta, neox = rope if rope is not None else (0, 0, 0, 0.0, False)
     k.attn_decode((n, H), (ATT_WARPS * 32,),
                   (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
                    _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
-                   _U64(oq), _U64(od), _U64(o16)))
+                   _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
+                   _I32(int(neox)), _I32(int(rope is not None))))
 
 
 def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:

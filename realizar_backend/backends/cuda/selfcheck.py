@@ -242,6 +242,46 @@ def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, wind
     return rel_err(out.get(), ref)
 
 
+def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, neox: bool,
+                         theta: float, rng, n_slots: int = 3) -> float:
+    """Decode attention with RoPE and the KV write folded in (one row per sequence, distinct slots):
+    output against the float64 twin over the cache with the new (roped, fp16) row, and the cache
+    rows it wrote against the rope twin; rows it must not touch stay as they were."""
+    kc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    vc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    kk = rng.standard_normal((n, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((n, KVH, D)).astype(np.float32)
+    slots = rng.permutation(n_slots)[:n].astype(np.int32)
+    pos = rng.integers(0, ctx, n).astype(np.int32)
+    pos[0] = ctx - 1
+    if n > 1:
+        pos[1] = 0                         # a first token: the new key is the only one
+    scale = D ** -0.5
+    qd, kd, vd, sd, pd = _dev(q), _dev(kk), _dev(v), _dev(slots), _dev(pos)
+    kc, vc = _dev(kc0), _dev(vc0)
+    out = _nan((n, H * D))
+    ops.attention(k, qd.data.ptr, out.data.ptr, kc.data.ptr, vc.data.ptr, sd.data.ptr, pd.data.ptr,
+                  ctx, H, KVH, D, scale, window, n, rope=(kd.data.ptr, vd.data.ptr, D, theta, neox))
+    cos, sin = rope_angles(pos, D, theta)
+    style = "neox" if neox else "normal"
+    rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
+    kc_ref, vc_ref = kc0.copy(), vc0.copy()
+    kc_ref[slots, pos] = rk.astype(np.float16)
+    vc_ref[slots, pos] = v.astype(np.float16)
+    kc_h, vc_h = kc.get(), vc.get()
+    untouched = np.ones(kc0.shape[:2], bool)
+    untouched[slots, pos] = False
+    if not (np.array_equal(kc_h[untouched], kc0[untouched]) and np.array_equal(vc_h[untouched], vc0[untouched])):
+        return float("inf")
+    ref = np.concatenate([
+        attention(rq[t:t + 1].astype(np.float64), kc_ref[slots[t], :pos[t] + 1].astype(np.float64),
+                  vc_ref[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
+        for t in range(n)])
+    return max(rel_err(out.get(), ref), rel_err(kc_h[slots, pos], rk.astype(np.float16)),
+               rel_err(vc_h[slots, pos], v.astype(np.float16)))
+
+
 def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
     """Fraction of rows whose GPU argmax differs from np.argmax (ties included: first wins)."""
     x = rng.standard_normal((rows, cols)).astype(np.float32)
