@@ -47,9 +47,11 @@ class Settings:
     # or on 8-bit blocks except the FFN down projection ("int8-fp32-down"); "fp32-gemv" is fp32 on
     # the older one-warp-per-row kernels (a reference for the fast fp32 ones)
     decode_activations: str = "fp32"
-    # prefill GEMMs in float32 ("fp32") or on fp16 tensor cores ("fp16", 4x faster; the down
-    # projection's input row-scaled by powers of two, as fp16 cannot hold its range)
-    prefill_precision: str = "fp32"
+    # prefill GEMMs: "split16" (fp16 tensor cores on hi + lo fp16 pairs of weights and activations:
+    # three fp16 products per weight, about fp32 accuracy), "fp32" (plain SGEMM, no tensor cores) or
+    # "fp16" (one fp16 product per weight: fastest, but prompt logits drift on sensitive models; the
+    # down projection's input row-scaled by powers of two, as fp16 cannot hold its range)
+    prefill_precision: str = "split16"
     self_check: bool = True            # run kernel self-check at CUDA start-up
     log_level: str = "INFO"
 
@@ -80,8 +82,8 @@ class Settings:
         if self.decode_activations not in ("int8", "int8-fp32-down", "fp32", "fp32-gemv"):
             raise ValueError("decode_activations must be int8, int8-fp32-down, fp32 or fp32-gemv, "
                              f"not {self.decode_activations!r}")
-        if self.prefill_precision not in ("fp16", "fp32"):
-            raise ValueError(f"prefill_precision must be fp32 or fp16, not {self.prefill_precision!r}")
+        if self.prefill_precision not in ("split16", "fp32", "fp16"):
+            raise ValueError(f"prefill_precision must be split16, fp32 or fp16, not {self.prefill_precision!r}")
         if self.kv_cache_tokens < 0:
             raise ValueError("kv_cache_tokens must be >= 0")
         if 0 < self.kv_cache_tokens < self.context_length:

@@ -1,20 +1,132 @@
 """Prefill of many tokens: every matrix of a layer is dequantized into the workspace and
-multiplied by cuBLAS (fp32 accumulate and output straight into the destination, beta = 1 for the
-residual adds). Settings.prefill_precision picks the GEMM inputs: "fp32" (plain SGEMM) or "fp16"
-(tensor cores; the down projection's input is row-scaled by powers of two, since fp16 cannot hold
-its range). The norms, RoPE + KV write and attention are the decode path's kernels (Forward)."""
+multiplied by cuBLAS (fp32 accumulate and output). Settings.prefill_precision picks the GEMM inputs:
+
+- "split16" (default): fp16 tensor cores at about fp32 accuracy. Weights and activations are each
+  split into two fp16 halves (hi + lo, kernels/prefill.cu says how), and a projection is two or
+  more cuBLAS calls over the halves: s y = [xh*2^-12 | xh] . [Wl*2^12 | Wh] + xl . Wh, with s a
+  per-row power of two (exact) that the epilogue kernels undo together with the biases, the
+  residual add and the gemma post-norms. Q, K, V are dequantized and multiplied as one matrix, and
+  so are gate and up; per layer: 2 norm/split, 1 attention split, 4 dequantize, 8+ GEMM and 4
+  epilogue launches, plus RoPE and attention.
+- "fp32": plain SGEMM (no tensor cores), beta = 1 for the residual adds.
+- "fp16": fp16 inputs (the down projection's input row-scaled by powers of two, as fp16 cannot
+  hold its range): the fastest, but it costs accuracy (see docs/perf-notes.md).
+
+The norms, RoPE + KV write and attention are the decode path's kernels (Forward)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import cupy
+import numpy as np
 
 from . import ops
 from .weights import LayerIndex, WeightRef
 
 if TYPE_CHECKING:
     from .forward import Forward
+
+log = logging.getLogger(__name__)
+
+_U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+_ONE_P, _ZERO_P = _ONE.ctypes.data, _ZERO.ctypes.data   # host pointers for alpha / beta
+CUDA_R_16F, CUDA_R_32F = 2, 0             # cudaDataType_t
+CUBLAS_COMPUTE_32F = ops.CUBLAS_COMPUTE_32F
+OP_N, OP_T = 0, 1
+# The tensor cores truncate when they add into the fp32 accumulator, an error that grows with the
+# number of k-steps one accumulator sees. The main (hi x hi) term of a long row is therefore split
+# over several cuBLAS calls of at most this many k, added with cuBLAS's rounding beta = 1 epilogue
+# (tests/test_split16_twin.py, tensor-core models: the down projection of Qwen2.5-1.5B, K = 8960,
+# goes from 2-7x to 1.3-3x the error of fp32 SGEMM). Each call costs a launch and a pass over
+# the output, small beside the GEMM at K this long.
+MAIN_K_PER_CALL = 4096
+SPLIT_GROUP_ALIGN = 64   # call boundaries along K (elements): keeps the 16-byte operand alignment
+KERNELS = ("split_weights", "norm_split", "act_split", "unscale_scatter", "unscale_add")
+
+
+def split_calls(K: int, main_k: int = MAIN_K_PER_CALL) -> list[tuple[int, int, int, int]]:
+    """The cuBLAS calls of one split16 projection with K inputs per row, as (weight column,
+    activation column, k, beta): weight rows are [Wl*2^12 | Wh] (2K), activation rows
+    [xh*2^-12 | xh | xl] (3K). The first call covers the low halves and the first piece of the
+    main term, further calls the other pieces, the last one xl . Wh."""
+    m = max(1, -(-K // main_k))
+    cuts = [K + (K * j // m) // SPLIT_GROUP_ALIGN * SPLIT_GROUP_ALIGN for j in range(1, m)]
+    bounds = [0] + [b for b in cuts if K < b < 2 * K] + [2 * K]
+    calls = [(a, a, b - a, int(i > 0)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    return calls + [(K, 2 * K, K, 1)]
+
+
+def _threads(width: int) -> int:
+    return 256 if width <= 2048 else (512 if width <= 4096 else 1024)
+
+
+# ------------------------------------------------------------------ split16 launches (prefill.cu)
+# Module-level, shared by PrefillGemm and the GPU tests, so the tests run the model's launches.
+# kx: the prefill.cu functions by name (load_kernels); pointers are device addresses.
+def load_kernels(device_id: int) -> dict:
+    from .modules import load_module
+    mod = load_module(device_id, "prefill.cu")
+    kx = {name: mod.get_function(name) for name in KERNELS}
+    for fn in kx.values():
+        _ = fn.attributes          # load the module now, not inside a later capture
+    return kx
+
+
+def split_weights(kx: dict, mats: tuple[WeightRef, ...], out: int) -> None:
+    """Up to three matrices sharing K, dequantized into consecutive split rows [Wl*2^12 | Wh] of out."""
+    K = mats[0].cols
+    args: list = []
+    for m in mats:
+        args += [_U64(m.ptr), _I64(m.row_bytes), _I32(m.rows), _I32(int(m.qtype))]
+    for _ in range(3 - len(mats)):
+        args += [_U64(0), _I64(0), _I32(0), _I32(0)]
+    units = sum(m.rows for m in mats) * ((K + 31) // 32)
+    kx["split_weights"](((units + 255) // 256,), (256,), (*args, _I32(K), _U64(out)))
+
+
+def split_rows(kx: dict, x: int, xs: int, w: int, T: int, K: int, eps: float, out: int, inv: int) -> None:
+    """Rows of x (RMSNorm'ed with weight w, or as they are for w == 0) -> split rows
+    [xh*2^-12 | xh | xl] of out (row stride 3K); inv[:T] = 1/s."""
+    kx["norm_split"]((T,), (_threads(K),), (_U64(x), _I32(xs), _U64(w), _I32(T), _I32(K), _F32(eps),
+                                            _U64(out), _I32(3 * K), _U64(inv)))
+
+
+def act_split(kx: dict, y: int, F: int, inv_in: int, act: int, T: int, out: int, inv: int) -> None:
+    """act(g) * u from the scaled gate|up rows y (stride 2F; inv_in = their 1/s) -> split rows of out."""
+    kx["act_split"]((T,), (_threads(F),), (_U64(y), _I32(2 * F), _I32(F), _U64(inv_in), _I32(act), _I32(T),
+                                           _U64(out), _I32(3 * F), _U64(inv)))
+
+
+def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs) -> None:
+    """Scaled GEMM rows y -> up to three destinations, segs = [(dst, dst stride, columns, bias)]."""
+    args: list = []
+    n = 0
+    for d, ds, nc, b in segs:
+        args += [_U64(d), _I32(ds), _I32(nc), _U64(b)]
+        n += nc
+    for _ in range(3 - len(segs)):
+        args += [_U64(0), _I32(0), _I32(0), _U64(0)]
+    kx["unscale_scatter"]((((n + 255) // 256), T), (256,), (_U64(y), _I32(ys), _U64(inv), _I32(T), *args))
+
+
+def unscale_add(kx: dict, x: int, xs: int, t: int, ts: int, inv: int, w: int, T: int, H: int, eps: float) -> None:
+    """x[:T] += t[:T] * inv (through an RMSNorm with weight w first, for w != 0)."""
+    kx["unscale_add"]((T,), (_threads(H),), (_U64(x), _I32(xs), _U64(t), _I32(ts), _U64(inv), _U64(w),
+                                             _I32(T), _I32(H), _F32(eps)))
+
+
+def split_gemm(handle: int, w: int, x: int, N: int, K: int, T: int, y: int, ldy: int,
+               calls: list[tuple[int, int, int, int]] | None = None) -> None:
+    """y[:T, :N] = s x[:T] @ W.T from split weight rows w (N x 2K fp16) and split activation rows x
+    (T x 3K fp16): the cuBLAS calls of split_calls(K), fp32 out. The handle's stream must be set."""
+    from cupy.cuda import cublas
+    for wc, xc, kk, beta in (calls or split_calls(K)):
+        cublas.gemmEx(handle, OP_T, OP_N, N, T, kk, _ONE_P, w + 2 * wc, CUDA_R_16F, 2 * K,
+                      x + 2 * xc, CUDA_R_16F, 3 * K, _ONE_P if beta else _ZERO_P, y, CUDA_R_32F,
+                      ldy, CUBLAS_COMPUTE_32F, -1)
 
 
 class PrefillGemm:
@@ -24,7 +136,65 @@ class PrefillGemm:
         self.prefill = fwd.prefill
         self.act = fwd.act
         self.norm16 = fwd.norm16
+        if self.prefill == "split16":
+            self._init_split()
 
+    # ------------------------------------------------------------ split16
+    def _init_split(self) -> None:
+        c, layers = self.c, self.f.w.layers
+        for lw in layers:
+            ok = (lw.w_gate.rows == lw.w_up.rows == c.ffn_dim and lw.w_gate.cols == lw.w_up.cols == c.hidden
+                  and lw.wq.rows == c.q_dim and lw.wk.rows == lw.wv.rows == c.kv_dim)
+            if not ok:   # the workspace's split16 scratch is sized from the config
+                log.warning("split16 prefill: layer shapes differ from the config; prefill runs in fp32")
+                self.prefill = "fp32"
+                return
+        self.kx = load_kernels(cupy.cuda.Device().id)
+        # the dequantize buffer holds one fused group (q+k+v, gate+up) at two fp16 halves per
+        # weight, i.e. one float32 per weight
+        need = max(sum(w.rows for w in grp) * grp[0].cols for lw in layers
+                   for grp in ((lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)))
+        self.ws.ensure_dequant(need)
+        self._calls = {K: split_calls(K) for K in {c.hidden, c.q_dim, c.ffn_dim}}
+
+    def _proj(self, handle: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
+        """y[:T] = s x[:T] @ [mats].T: dequantize-and-split the matrices, then the GEMM calls."""
+        ws = self.ws
+        K = mats[0].cols
+        split_weights(self.kx, mats, ws.deq.data.ptr)
+        split_gemm(handle, ws.deq.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy,
+                   self._calls.get(K))
+
+    def _layer_split(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
+        from cupy.cuda import cublas, device
+        c, ws, kx = self.c, self.ws, self.kx
+        H, eps = c.hidden, c.rms_eps
+        handle = device.get_cublas_handle()
+        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+        inv_a, inv_b = ws.split_inv[0].data.ptr, ws.split_inv[1].data.ptr
+        x, xs, x16, y32 = ws.x.data.ptr, ws.x.shape[1], ws.x16.data.ptr, ws.y32.data.ptr
+        tmp, ts = ws.tmp.data.ptr, ws.tmp.shape[1]
+        # attention: Q, K and V as one GEMM, then 1/s and the biases on the way out
+        split_rows(kx, x, xs, lw.attn_norm, T, H, eps, x16, inv_a)
+        n = lw.wq.rows + lw.wk.rows + lw.wv.rows
+        self._proj(handle, (lw.wq, lw.wk, lw.wv), T, y32, n)
+        unscale_scatter(kx, y32, n, inv_a, T, [(ws.q.data.ptr, ws.q.shape[1], lw.wq.rows, lw.bq),
+                                               (ws.k.data.ptr, ws.k.shape[1], lw.wk.rows, lw.bk),
+                                               (ws.v.data.ptr, ws.v.shape[1], lw.wv.rows, lw.bv)])
+        self.f._qk_norm_rope(li, lw, T, pos, slots)
+        self.f._attention(li, lw, T, pos, slots)
+        split_rows(kx, ws.attn.data.ptr, ws.attn.shape[1], 0, T, lw.wo.cols, eps, x16, inv_b)
+        self._proj(handle, (lw.wo,), T, tmp, ts)
+        unscale_add(kx, x, xs, tmp, ts, inv_b, lw.post_attn_norm, T, H, eps)
+        # FFN: gate and up as one GEMM; act(g) * u is split for the down projection in one pass
+        split_rows(kx, x, xs, lw.ffn_norm, T, H, eps, x16, inv_a)
+        F = lw.w_gate.rows
+        self._proj(handle, (lw.w_gate, lw.w_up), T, y32, 2 * F)
+        act_split(kx, y32, F, inv_a, self.act, T, x16, inv_b)
+        self._proj(handle, (lw.w_down,), T, tmp, ts)
+        unscale_add(kx, x, xs, tmp, ts, inv_b, lw.post_ffn_norm, T, H, eps)
+
+    # ------------------------------------------------------------ fp32 / fp16
     def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
               accumulate: bool = False, dtype: str = "fp16") -> None:
         """y[:T] (+)= x[:T] @ w.T (+ bias): dequantize w into the workspace in the GEMM's input type,
@@ -47,6 +217,9 @@ class PrefillGemm:
             ops.f32_to_f16(self.k, ws.h.data.ptr, ws.h16.data.ptr, T * self.c.hidden)
 
     def layer(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
+        if self.prefill == "split16":
+            self._layer_split(li, lw, T, pos, slots)
+            return
         c, k, ws = self.c, self.k, self.ws
         f32 = self.prefill == "fp32"
         dt = "fp32" if f32 else "fp16"
@@ -76,7 +249,7 @@ class PrefillGemm:
         self._gemm(lw.w_gate, h, T, ws.g, dtype=dt)
         self._gemm(lw.w_up, h, T, ws.u, dtype=dt)
         ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
-        if self.prefill == "fp32":
+        if f32:
             if lw.post_ffn_norm:
                 self._gemm(lw.w_down, ws.a, T, ws.tmp, dtype="fp32")
                 self.f._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)

@@ -9,6 +9,7 @@ import logging
 from typing import Callable
 
 import cupy
+import numpy as np
 
 from ...model.config import ModelConfig
 
@@ -17,6 +18,24 @@ log = logging.getLogger(__name__)
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _carve(rows: int, *layouts: list[tuple[type, int]]) -> tuple[cupy.ndarray, list[list[cupy.ndarray]]]:
+    """One allocation shared by several layouts of [rows, width] arrays (dtype, width): each
+    layout's arrays lie back to back from offset 0 (256-byte aligned), so arrays of different
+    layouts overlap. For buffers that are never live in the same step."""
+    def size(dt, w):
+        return (rows * w * np.dtype(dt).itemsize + 255) // 256 * 256
+    pool = cupy.empty(max(sum(size(dt, w) for dt, w in lay) for lay in layouts), cupy.uint8)
+    views = []
+    for lay in layouts:
+        off, vs = 0, []
+        for dt, w in lay:
+            n = rows * w * np.dtype(dt).itemsize
+            vs.append(pool[off:off + n].view(dt).reshape(rows, w))
+            off += size(dt, w)
+        views.append(vs)
+    return pool, views
 
 
 class Workspace:
@@ -35,7 +54,8 @@ class Workspace:
         self.last = cupy.empty((max_rows, c.hidden), f32)
         self.last_norm = cupy.empty((max_rows, c.hidden), f32)
         self.last_idx = cupy.empty(max_rows, cupy.int32)
-        # one matrix for the prefill GEMM, in fp32 for TF32 GEMMs (fp16/bf16 use its first half)
+        # one matrix for the prefill GEMM in fp32 (fp16 uses its first half; split16, two halves
+        # per weight, may grow it to a fused group of matrices: ensure_dequant)
         self.deq = cupy.empty(dequant_elems, cupy.float32)
         # decode inputs (token ids, positions, slots) in one fixed buffer: one host copy per step,
         # and addresses that no pool growth moves (the captured graphs read them)
@@ -59,20 +79,27 @@ class Workspace:
         self.k = cupy.empty((cap, c.kv_dim), f32)
         self.v = cupy.empty((cap, c.kv_dim), f32)
         self.attn = cupy.empty((cap, c.q_dim), f32)
-        self.g = cupy.empty((cap, c.ffn_dim), f32)
-        self.u = cupy.empty((cap, c.ffn_dim), f32)
-        self.a = cupy.empty((cap, c.ffn_dim), f32)
         # 8-bit activation blocks (int8 values + float2 (d, d*sum) per 32) of the three GEMV inputs
         i8 = cupy.int8
         self.hq, self.hd = cupy.empty((cap, c.hidden), i8), cupy.empty((cap, c.hidden // 32 * 2), f32)
         self.aq, self.ad = cupy.empty((cap, c.q_dim), i8), cupy.empty((cap, c.q_dim // 32 * 2), f32)
         self.fq, self.fd = cupy.empty((cap, c.ffn_dim), i8), cupy.empty((cap, c.ffn_dim // 32 * 2), f32)
-        # fp16 GEMM inputs for prefill: normed hidden, attention output, FFN activation
+        # fp16 GEMM inputs for prefill: normed hidden, attention output (the FFN activation a16
+        # is in ffn_pool)
         f16 = cupy.float16
         self.h16 = cupy.empty((cap, c.hidden), f16)
         self.attn16 = cupy.empty((cap, c.q_dim), f16)
-        self.a16 = cupy.empty((cap, c.ffn_dim), f16)
         self.row_inv = cupy.empty(cap, f32)              # per-row scales of a16 (row_scale_f16)
+        # The FFN rows of the decode and fp32/fp16 prefill paths (g, u, a: fp32; a16) and the
+        # split16 prefill's scratch are never live in the same step, so they share ffn_pool:
+        # y32 holds a GEMM's output rows before 1/s (q|k|v or gate|up side by side), x16 the split
+        # activation rows [xh*2^-12 | xh | xl] of the projection being computed (prefill.cu).
+        F = c.ffn_dim
+        n_y = max(2 * F, c.q_dim + 2 * c.kv_dim)
+        k_max = max(c.hidden, c.q_dim, F)
+        self.ffn_pool, ((self.g, self.u, self.a, self.a16), (self.y32, self.x16)) = _carve(
+            cap, [(f32, F), (f32, F), (f32, F), (f16, F)], [(f32, n_y), (f16, 3 * k_max)])
+        self.split_inv = cupy.empty((2, cap), f32)       # 1/s of the split rows (input, FFN down input)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
         self.slots = cupy.empty(cap, cupy.int32)
@@ -85,9 +112,25 @@ class Workspace:
             for cb in self.listeners:
                 cb()
 
+    def ensure_dequant(self, elems: int) -> None:
+        """Make the prefill dequantize buffer hold `elems` float32 (the split16 prefill keeps a
+        fused group of matrices there, q+k+v or gate+up, at two fp16 halves per weight). Called at
+        load; no captured graph reads this buffer, but growing it is treated as any pool growth
+        (generation bump, graphs dropped) so that one rule covers every buffer."""
+        if elems <= self.deq.size:
+            return
+        old = self.deq
+        self.deq = cupy.empty(elems, cupy.float32)
+        self._fixed = [self.deq if a is old else a for a in self._fixed]
+        del old
+        self.generation += 1
+        log.info("cuda workspace: prefill dequantize buffer grew to %.1f MB", self.deq.nbytes / 1e6)
+        for cb in self.listeners:
+            cb()
+
     @property
     def nbytes(self) -> int:
-        grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.g, self.u, self.a,
-                self.hq, self.hd, self.aq, self.ad, self.fq, self.fd, self.h16, self.attn16, self.a16, self.row_inv,
-                self.tokens, self.positions, self.slots)
+        grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.ffn_pool,
+                self.hq, self.hd, self.aq, self.ad, self.fq, self.fd, self.h16, self.attn16, self.row_inv,
+                self.split_inv, self.tokens, self.positions, self.slots)
         return sum(a.nbytes for a in grow) + sum(a.nbytes for a in self._fixed)
