@@ -53,6 +53,18 @@ for n in smol135 qwen05 gemma270 qwen15; do
 done
 [ -f "$SMOL" ] && export REALIZAR_REAL_SMOL=$SMOL
 
+# cold start: a fresh process with an empty CuPy kernel cache (as a new container) to its first
+# token on the qwen15 twin, then the same with the cache filled (a restart)
+if [ -f /tmp/twins/qwen15.gguf ]; then
+  cold=$(mktemp -d)
+  for run in cold warm; do
+    t0=$(date +%s.%N)
+    CUPY_CACHE_DIR=$cold python3 -m realizar_backend.cli generate "Hello" --model /tmp/twins/qwen15.gguf \
+      --backend cuda --max-tokens 1 > /dev/null 2>/tmp/start_$run.err || { echo "start ($run) failed"; tail -5 /tmp/start_$run.err; }
+    echo "START_TO_FIRST_TOKEN_${run^^}_S $(python3 -c "print(round($(date +%s.%N) - $t0, 2))")"
+  done
+fi
+
 # kernel launch-shape sweep (tools/mmvf_sweep.py), when asked: SWEEP=1
 [ -n "${SWEEP:-}" ] && { python3 tools/mmvf_sweep.py --json "$OUT/sweep.json" || echo "sweep failed"; }
 

@@ -31,6 +31,13 @@ typedef unsigned long long u64;
 #define QT_Q6_K 14
 #define QT_BF16 30
 
+// Quant types compiled in (bit = ggml type number): a model's loader compiles only the types it
+// holds, which cuts the first-start NVRTC time of the type-templated families several times.
+#ifndef REALIZAR_QMASK
+#define REALIZAR_QMASK 0xFFFFFFFFFFFFFFFFull
+#endif
+#define QT_ON(qt) (((REALIZAR_QMASK) >> (qt)) & 1ull)
+
 #ifdef REALIZAR_HOST_TEST  // tests/test_mmvf_host.py runs the decoders on the CPU (g++, shims)
 __device__ __forceinline__ float h2f(u16 h) { return realizar_host_h2f(h); }
 __device__ __forceinline__ u16 f2h(float f) { return realizar_host_f2h(f); }

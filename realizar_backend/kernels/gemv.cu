@@ -112,14 +112,36 @@ __device__ __forceinline__ void ffn_gate_up_body(const u8* __restrict__ Wg, cons
         ffn_gate_up_body<QT>(Wg, Wu, row_bytes, N, K, x, xs, a, as, nb, act);                          \
     }
 
+#if QT_ON(QT_F32)
 DEFINE_GEMV(f32, QT_F32)
+#endif
+#if QT_ON(QT_F16)
 DEFINE_GEMV(f16, QT_F16)
+#endif
+#if QT_ON(QT_BF16)
 DEFINE_GEMV(bf16, QT_BF16)
+#endif
+#if QT_ON(QT_Q4_0)
 DEFINE_GEMV(q4_0, QT_Q4_0)
+#endif
+#if QT_ON(QT_Q4_1)
 DEFINE_GEMV(q4_1, QT_Q4_1)
+#endif
+#if QT_ON(QT_Q5_0)
 DEFINE_GEMV(q5_0, QT_Q5_0)
+#endif
+#if QT_ON(QT_Q5_1)
 DEFINE_GEMV(q5_1, QT_Q5_1)
+#endif
+#if QT_ON(QT_Q8_0)
 DEFINE_GEMV(q8_0, QT_Q8_0)
+#endif
+#if QT_ON(QT_Q4_K)
 DEFINE_GEMV(q4_k, QT_Q4_K)
+#endif
+#if QT_ON(QT_Q5_K)
 DEFINE_GEMV(q5_k, QT_Q5_K)
+#endif
+#if QT_ON(QT_Q6_K)
 DEFINE_GEMV(q6_k, QT_Q6_K)
+#endif

@@ -95,7 +95,7 @@ template <int NB, int M>
 __device__ __forceinline__ void mmvf_dispatch(int qt, const u8* const (&W)[M], long long rb, int r0, int rlast,
                                               int nu, int u0, int ustep, const float* x, int xs, int nbl,
                                               bool staged, float (&acc)[M][MMVF_R][NB]) {
-#define MMVF_CASE(Q) case Q: mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc); break;
+#define MMVF_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc); break;
     switch (qt) {
         MMVF_CASE(QT_Q4_0)
         MMVF_CASE(QT_Q4_1)
@@ -338,7 +338,17 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps);                 \
     }
 
+// MMVF_NB: one batch width per compilation (the loader compiles the widths as separate modules,
+// in parallel); unset: all four
+#if !defined(MMVF_NB) || MMVF_NB == 1
 DEFINE_MMVF(1)
+#endif
+#if !defined(MMVF_NB) || MMVF_NB == 2
 DEFINE_MMVF(2)
+#endif
+#if !defined(MMVF_NB) || MMVF_NB == 4
 DEFINE_MMVF(4)
+#endif
+#if !defined(MMVF_NB) || MMVF_NB == 8
 DEFINE_MMVF(8)
+#endif

@@ -36,14 +36,14 @@ template <int NB>
 __device__ __forceinline__ void mmv_dispatch(int qt, const u8* row, int nu, int u0, int ustep, const i8* xq,
                                              const float2* xd, int K, int nbl, float (&acc)[NB]) {
     switch (qt) {
-        case QT_Q4_0: mmv_row_partial<QT_Q4_0, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q4_1: mmv_row_partial<QT_Q4_1, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q5_0: mmv_row_partial<QT_Q5_0, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q5_1: mmv_row_partial<QT_Q5_1, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q8_0: mmv_row_partial<QT_Q8_0, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q4_K: mmv_row_partial<QT_Q4_K, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q5_K: mmv_row_partial<QT_Q5_K, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
-        case QT_Q6_K: mmv_row_partial<QT_Q6_K, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q4_0: if constexpr (QT_ON(QT_Q4_0)) mmv_row_partial<QT_Q4_0, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q4_1: if constexpr (QT_ON(QT_Q4_1)) mmv_row_partial<QT_Q4_1, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q5_0: if constexpr (QT_ON(QT_Q5_0)) mmv_row_partial<QT_Q5_0, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q5_1: if constexpr (QT_ON(QT_Q5_1)) mmv_row_partial<QT_Q5_1, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q8_0: if constexpr (QT_ON(QT_Q8_0)) mmv_row_partial<QT_Q8_0, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q4_K: if constexpr (QT_ON(QT_Q4_K)) mmv_row_partial<QT_Q4_K, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q5_K: if constexpr (QT_ON(QT_Q5_K)) mmv_row_partial<QT_Q5_K, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
+        case QT_Q6_K: if constexpr (QT_ON(QT_Q6_K)) mmv_row_partial<QT_Q6_K, NB>(row, nu, u0, ustep, xq, xd, K, nbl, acc); break;
         default: break;
     }
 }
@@ -144,14 +144,14 @@ __device__ __forceinline__ void ffn_body(const u8* Wg, const u8* Wu, long long r
         for (int b = 0; b < NB; ++b) ag[i][b] = au[i][b] = 0.0f;
     int nu = K >> 5;
     switch (qt) {
-        case QT_Q4_0: ffn_rows<QT_Q4_0, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q4_1: ffn_rows<QT_Q4_1, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q5_0: ffn_rows<QT_Q5_0, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q5_1: ffn_rows<QT_Q5_1, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q8_0: ffn_rows<QT_Q8_0, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q4_K: ffn_rows<QT_Q4_K, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q5_K: ffn_rows<QT_Q5_K, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
-        case QT_Q6_K: ffn_rows<QT_Q6_K, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q4_0: if constexpr (QT_ON(QT_Q4_0)) ffn_rows<QT_Q4_0, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q4_1: if constexpr (QT_ON(QT_Q4_1)) ffn_rows<QT_Q4_1, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q5_0: if constexpr (QT_ON(QT_Q5_0)) ffn_rows<QT_Q5_0, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q5_1: if constexpr (QT_ON(QT_Q5_1)) ffn_rows<QT_Q5_1, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q8_0: if constexpr (QT_ON(QT_Q8_0)) ffn_rows<QT_Q8_0, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q4_K: if constexpr (QT_ON(QT_Q4_K)) ffn_rows<QT_Q4_K, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q5_K: if constexpr (QT_ON(QT_Q5_K)) ffn_rows<QT_Q5_K, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
+        case QT_Q6_K: if constexpr (QT_ON(QT_Q6_K)) ffn_rows<QT_Q6_K, NB>(Wg, Wu, rb, r0, N, nu, lane, xqb, xdb, K, nbl, ag, au); break;
         default: break;
     }
 #pragma unroll

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +16,6 @@ from gguf import GGMLQuantizationType as Q
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
-FILES = ("gemv.cu", "mmvq.cu", "mmvf.cu", "dequant.cu", "norm.cu", "rope.cu", "attention.cu", "elementwise.cu")
 
 
 MMV_NB = (1, 2, 4, 8)   # activation rows per mmvq launch column (template instances)
@@ -52,52 +53,97 @@ def _source(name: str) -> str:
     return (KERNEL_DIR / name).read_text().replace('#include "common.cuh"', common)
 
 
+class _Family(Mapping):
+    """A kernel family keyed by GGML type or batch width, whose modules compile in the background:
+    a lookup waits for its module. Kernels.wait() joins them all (before any graph capture: a
+    module must not load while a stream is being captured)."""
+
+    def __init__(self, entries: dict):
+        self._f = entries                 # key -> (future of a module's {name: function}, name)
+
+    def __getitem__(self, key):
+        fut, name = self._f[key]
+        return fut.result()[name]
+
+    def __iter__(self):
+        return iter(self._f)
+
+    def __len__(self):
+        return len(self._f)
+
+    def wait(self) -> None:
+        for fut, _ in self._f.values():
+            fut.result()
+
+
+_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="nvrtc")
+
+
 class Kernels:
-    """All RawKernels of one device. Attributes are plain functions; per-type families are dicts
-    keyed by GGML type, looked up once at weight-index time, never in the hot loop."""
+    """All RawKernels of one device. Attributes are plain functions; per-type families are mappings
+    keyed by GGML type (or batch width), looked up once per launch, never searched.
 
-    def __init__(self, device_id: int):
-        dev = cupy.cuda.Device(device_id)
+    First start compiles the sources with NVRTC. To keep that short: only the quant types of the
+    model are compiled in (qtypes; None = all, for tests), every module compiles on its own thread,
+    the fast GEMVs compile once per batch width, and the families a batch-1 start does not need
+    (wider batches, the 8-bit and reference GEMVs) finish in the background."""
+
+    def __init__(self, device_id: int, qtypes=None):
+        dev = self.device = cupy.cuda.Device(device_id)
         cc = dev.compute_capability
+        types = {q for q in QTYPES if qtypes is None or q in set(qtypes)}
+        mask = sum(1 << int(q) for q in types)
         opts = ("-std=c++17", f"-DREALIZAR_CC={cc}")
-        with dev:
-            mods = {f: cupy.RawModule(code=_source(f), options=opts) for f in FILES}
-            self.gemv = {q: mods["gemv.cu"].get_function("gemv_" + i.suffix) for q, i in QTYPES.items()}
-            self.ffn_gate_up = {q: mods["gemv.cu"].get_function("ffn_gate_up_" + i.suffix) for q, i in QTYPES.items()}
-            self.mmv_q8 = {nb: mods["mmvq.cu"].get_function(f"mmv_q8_nb{nb}") for nb in MMV_NB}
-            self.ffn_q8 = {nb: mods["mmvq.cu"].get_function(f"ffn_q8_nb{nb}") for nb in MMV_NB}
-            self.mmvf = {nb: mods["mmvf.cu"].get_function(f"mmvf_nb{nb}") for nb in MMV_NB}
-            self.ffnf = {nb: mods["mmvf.cu"].get_function(f"ffnf_nb{nb}") for nb in MMV_NB}
-            self.sm_count = int(dev.attributes["MultiProcessorCount"])
-            self.dequant16 = {q: mods["dequant.cu"].get_function("dequant16_" + i.suffix) for q, i in QTYPES.items()}
-            self.dequant = {q: mods["dequant.cu"].get_function("dequant_" + i.suffix) for q, i in QTYPES.items()}
-            self.embed = {q: mods["dequant.cu"].get_function("embed_" + i.suffix) for q, i in QTYPES.items()}
-            self.rms_norm = mods["norm.cu"].get_function("rms_norm")
-            self.rms_norm_q8 = mods["norm.cu"].get_function("rms_norm_q8")
-            self.f32_to_f16 = mods["elementwise.cu"].get_function("f32_to_f16")
-            self.row_scale_f16 = mods["elementwise.cu"].get_function("row_scale_f16")
-            self.unscale_rows = mods["elementwise.cu"].get_function("unscale_rows")
-            self.spin_ns = mods["elementwise.cu"].get_function("spin_ns")
-            self.rope_kv = mods["rope.cu"].get_function("rope_kv")
-            self.attn_decode = mods["attention.cu"].get_function("attn_decode")
-            self.epilogue = mods["elementwise.cu"].get_function("epilogue")
-            self.act_mul = mods["elementwise.cu"].get_function("act_mul")
-            self.gather_rows = mods["elementwise.cu"].get_function("gather_rows")
-            self.argmax_rows = mods["elementwise.cu"].get_function("argmax_rows")
-            self.argmax_unpack = mods["elementwise.cu"].get_function("argmax_unpack")
-            # mmvf/ffnf stage activation rows in dynamic shared memory (ops.MMVF_SMEM_MAX)
-            for fn in (*self.mmvf.values(), *self.ffnf.values()):
-                fn.max_dynamic_shared_size_bytes = 100 * 1024
-            # force compilation and module load now, so capture never loads a module
-            for fn in (self.rms_norm, self.rope_kv, self.attn_decode, self.epilogue, self.act_mul,
-                       self.gather_rows, self.argmax_rows, self.argmax_unpack, self.rms_norm_q8, self.f32_to_f16,
-                       *self.mmv_q8.values(), *self.ffn_q8.values(), *self.mmvf.values(), *self.ffnf.values(), *self.dequant16.values(), *self.gemv.values(),
-                       *self.ffn_gate_up.values(), *self.dequant.values(), *self.embed.values()):
-                _ = fn.attributes
-        log.info("cuda kernels: %d files compiled for compute capability %s", len(FILES), cc)
+        typed = (f"-DREALIZAR_QMASK={mask:#x}ull",)    # only the type-templated files see the mask
+        self.sm_count = int(dev.attributes["MultiProcessorCount"])
+
+        def build(fname: str, names, extra=(), smem: int = 0):
+            def run():
+                with dev:
+                    mod = cupy.RawModule(code=_source(fname), options=opts + tuple(extra))
+                    fns = {n: mod.get_function(n) for n in names}
+                    for fn in fns.values():
+                        if smem:   # mmvf/ffnf stage activation rows in dynamic shared memory
+                            fn.max_dynamic_shared_size_bytes = smem
+                        _ = fn.attributes              # compile and load now, never during a capture
+                    return fns
+            return _pool.submit(run)
+
+        sfx = {q: QTYPES[q].suffix for q in types}
+        core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
+                                        "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
+        norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])
+        rope = build("rope.cu", ["rope_kv"])
+        attn = build("attention.cu", ["attn_decode"])
+        deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
+        mmvf = {nb: build("mmvf.cu", [f"mmvf_nb{nb}", f"ffnf_nb{nb}"], typed + (f"-DMMVF_NB={nb}",), 100 * 1024)
+                for nb in MMV_NB}
+        mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed)
+        gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed)
+
+        self.mmvf = _Family({nb: (mmvf[nb], f"mmvf_nb{nb}") for nb in MMV_NB})
+        self.ffnf = _Family({nb: (mmvf[nb], f"ffnf_nb{nb}") for nb in MMV_NB})
+        self.mmv_q8 = _Family({nb: (mmvq, f"mmv_q8_nb{nb}") for nb in MMV_NB})
+        self.ffn_q8 = _Family({nb: (mmvq, f"ffn_q8_nb{nb}") for nb in MMV_NB})
+        self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in types})
+        self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in types})
+        self.dequant16 = {q: deq.result()["dequant16_" + sfx[q]] for q in types}
+        self.dequant = {q: deq.result()["dequant_" + sfx[q]] for q in types}
+        self.embed = {q: deq.result()["embed_" + sfx[q]] for q in types}
+        for name, fn in {**core.result(), **norm.result(), **rope.result(), **attn.result()}.items():
+            setattr(self, name, fn)
+        self.mmvf[1]                                          # the batch-1 decode path is ready on return
+        self._families = (self.mmvf, self.ffnf, self.mmv_q8, self.ffn_q8, self.gemv, self.ffn_gate_up)
+        log.info("cuda kernels for compute capability %s: core ready, %d quant types; wider batches and "
+                 "other GEMV families finish in the background", cc, len(types))
+
+    def wait(self) -> None:
+        """Every family compiled and loaded (call before capturing a graph)."""
+        for f in self._families:
+            f.wait()
 
 
-_cache: dict[int, Kernels] = {}
+_cache: dict[tuple, Kernels] = {}
 _lock = threading.Lock()
 _extra: dict[tuple[int, str], cupy.RawModule] = {}
 
@@ -116,9 +162,11 @@ def load_module(device_id: int, filename: str) -> cupy.RawModule:
         return mod
 
 
-def get_kernels(device_id: int = 0) -> Kernels:
+def get_kernels(device_id: int = 0, qtypes=None) -> Kernels:
+    """The kernels of a device, compiled for the quant types given (None: every type)."""
+    key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES))
     with _lock:
-        k = _cache.get(device_id)
+        k = _cache.get(key)
         if k is None:
-            k = _cache[device_id] = Kernels(device_id)
+            k = _cache[key] = Kernels(device_id, key[1])
         return k
