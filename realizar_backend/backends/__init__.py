@@ -7,7 +7,7 @@ import logging
 from ..errors import BackendError, RealizarError
 from ..formats import ModelFile
 from ..settings import Settings
-from .base import Backend, PrefillItem
+from .base import Backend, PrefillItem, SampleResult, SampleRow
 
 log = logging.getLogger(__name__)
 
@@ -41,4 +41,4 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
     return CPUBackend(model, max_slots=slots, max_context=ctx)
 
 
-__all__ = ["Backend", "PrefillItem", "create_backend", "cuda_available"]
+__all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "create_backend", "cuda_available"]

@@ -1,8 +1,10 @@
 """The Backend protocol: the seam between the engine and the hardware.
 
-The engine owns scheduling and sampling; a backend owns weights, the KV cache and the forward
-pass. KV memory is organised in `max_slots` slots of `max_context` positions each; the engine
-hands out slot ids (0 .. max_slots-1) and tells the backend when a slot is free again.
+The engine owns scheduling and the sampling parameters; a backend owns weights, the KV cache, the
+forward pass and the sampling of decode steps (engine/sampling.py defines the algorithm, which
+both backends implement, so that the same logits and seed give the same token). KV memory is
+organised in `max_slots` slots of `max_context` positions each; the engine hands out slot ids
+(0 .. max_slots-1) and tells the backend when a slot is free again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,41 @@ class PrefillItem:
     start_pos: int = 0      # position of tokens[0]; > 0 continues a sequence already in the slot
 
 
+@dataclass
+class SampleRow:
+    """How one row of a decode step is sampled (the fields of engine.sampling.SamplingParams that
+    pick the token, plus the draw's place in its sequence)."""
+    temperature: float = 1.0        # 0: greedy (argmax of the penalised logits)
+    top_k: int = 0                  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0                   # the sequence's seed, 0 .. 2**64-1
+    step: int = 0                   # index of the token being drawn within its sequence
+    logprobs: bool = False          # return the chosen token's logprob and the top-1 (raw distribution)
+    want_logits: bool = False       # also return the row's raw logits (top logprobs beyond one)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass
+class SampleResult:
+    tokens: np.ndarray              # int32 [n] sampled token ids
+    logprobs: np.ndarray            # float32 [n] logprob of the chosen token (raw logits); NaN unless asked
+    top_ids: np.ndarray             # int32 [n] argmax of the raw logits
+    top_logprobs: np.ndarray        # float32 [n] its logprob; NaN unless asked
+    logits: dict[int, np.ndarray]   # row -> raw logits [vocab], for rows with want_logits
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str               # "cpu" | "cuda"
@@ -38,6 +75,17 @@ class Backend(Protocol):
 
     def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """Greedy step: like decode, but only the argmax ids (int32 [n]) come back."""
+
+    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                      rows: Sequence[SampleRow]) -> SampleResult:
+        """One step sampled on the backend: only token ids (and logprobs where asked) come back.
+        For rows with penalties, tokens[i] (the sequence's newest token) is counted as generated
+        before the penalties of this step apply."""
+
+    def reset_counts(self, slot: int, prompt: np.ndarray) -> None:
+        """A sequence with penalties starts in `slot`: forget the slot's token counts and mark the
+        prompt's tokens (the repetition penalty covers prompt and output; presence and frequency
+        penalties only the output)."""
 
     def release(self, slot: int) -> None:
         """The slot's sequence is gone; its KV cache may be reused."""

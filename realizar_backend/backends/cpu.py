@@ -16,7 +16,7 @@ import numpy as np
 from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig
-from .base import PrefillItem
+from .base import PrefillItem, SampleResult, SampleRow
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class CPUBackend:
         self.k_cache = [np.zeros(shape, kv_dtype) for _ in range(max_slots)]
         self.v_cache = [np.zeros(shape, kv_dtype) for _ in range(max_slots)]
         self.lengths = [0] * max_slots
+        self.counts: np.ndarray | None = None   # [slots, vocab] token counts, made on first use
         log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights",
                  c.arch, c.n_layers, c.hidden, self.weight_bytes() / 1e6)
 
@@ -208,6 +209,30 @@ class CPUBackend:
 
     def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         return np.argmax(self.decode(slots, tokens, positions), axis=-1).astype(np.int32)
+
+    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                      rows: Sequence[SampleRow]) -> SampleResult:
+        """The step's logits sampled by the NumPy twin of the GPU's sampling kernels."""
+        from ..engine.sampling import sample_rows
+        logits = self.decode(slots, tokens, positions)[:, :self.config.vocab_size]
+        counts: list[np.ndarray | None] = []
+        for s, t, r in zip(slots, tokens, rows):
+            if r.penalties:
+                self._counts()[s, t] += 2     # the newest token counts from this step on
+                counts.append(self.counts[s])
+            else:
+                counts.append(None)
+        return sample_rows(logits, rows, counts)
+
+    def reset_counts(self, slot: int, prompt: np.ndarray) -> None:
+        c = self._counts()
+        c[slot] = 0
+        c[slot, np.asarray(prompt, np.int64)] = 1
+
+    def _counts(self) -> np.ndarray:
+        if self.counts is None:
+            self.counts = np.zeros((self.max_slots, self.config.vocab_size), np.int32)
+        return self.counts
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0

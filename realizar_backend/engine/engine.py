@@ -1,8 +1,9 @@
 """The engine: an async generate API over a step loop that batches every running sequence.
 
 One background thread owns the backend and runs steps: admit waiting requests into free KV
-slots and prefill them, then decode every running sequence in one batched call, sample, and
-hand each sequence's new text to its caller. Callers iterate asynchronously (`generate`) or
+slots and prefill them (each sequence's first token is drawn here, from the prefill's logits),
+then decode every running sequence in one batched call that the backend also samples
+(engine/sampling.py defines how), and hand each sequence's new text to its caller. Callers iterate asynchronously (`generate`) or
 synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels the
 sequence and frees its slot at once.
 """
@@ -262,11 +263,12 @@ class Engine:
             logits = self.backend.prefill([PrefillItem(s.slot, np.asarray(s.prompt_ids, dtype=np.int32), 0)
                                            for s in new])
             for seq, row in zip(new, logits):
-                self._accept(seq, row, None)
+                if seq.sampler.needs_counts:
+                    self.backend.reset_counts(seq.slot, np.asarray(seq.prompt_ids, dtype=np.int32))
+                self._accept(seq, row, None)    # the first token: drawn here by the twin
         batch = [s for s in sch.running if not s.finished and s not in new]
         if not batch:
             return
-        t0 = time.perf_counter()
         slots = [s.slot for s in batch]
         toks = [s.output_ids[-1] for s in batch]
         pos = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in batch]
@@ -275,9 +277,16 @@ class Engine:
             for seq, tok in zip(batch, ids):
                 self._accept(seq, None, int(tok))
         else:
-            logits = self.backend.decode(slots, toks, pos)
-            for seq, row in zip(batch, logits):
-                self._accept(seq, row, None)
+            # sampled by the backend; only rows asking for top logprobs beyond one get logits back
+            rows = [s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
+                                  want_logits=(s.params.logprobs or 0) > 1) for s in batch]
+            res = self.backend.decode_sample(slots, toks, pos, rows)
+            for i, seq in enumerate(batch):
+                lp = None
+                if seq.params.logprobs in (0, 1):
+                    top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
+                    lp = (float(res.logprobs[i]), top)
+                self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp)
         self._decode_window.append((time.perf_counter(), len(batch)))
         del self._decode_window[:-64]
 
@@ -288,8 +297,10 @@ class Engine:
         span = w[-1][0] - w[0][0]
         return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
 
-    def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None) -> None:
-        """Sample (unless the backend already did), then emit and check stop conditions."""
+    def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None,
+                logprobs: tuple[float, list[tuple[int, float]]] | None = None) -> None:
+        """Sample (unless the backend already did), then emit and check stop conditions.
+        logprobs: (chosen, top) when the backend computed them; else they come from `logits`."""
         p = seq.params
         if token is None:
             token = seq.sampler.sample(logits)
@@ -303,8 +314,10 @@ class Engine:
         seq.last_token_time = now
 
         lp = None
-        if p.logprobs is not None and logits is not None:
-            chosen, top = token_logprobs(logits[: self.config.vocab_size], token, p.logprobs)
+        if p.logprobs is not None and (logits is not None or logprobs is not None):
+            if logprobs is None:
+                logprobs = token_logprobs(logits[: self.config.vocab_size], token, p.logprobs)
+            chosen, top = logprobs
             tt = self.tokenizer.token_text
             lp = [(tt(token), chosen, [(tt(i), v) for i, v in top])]
 

@@ -10,10 +10,11 @@ import numpy as np
 
 from ...formats import ModelFile
 from ...settings import Settings
-from ..base import PrefillItem
+from ..base import PrefillItem, SampleResult, SampleRow
 from .forward import Forward
 from .kv_cache import KVCache
 from .modules import get_kernels
+from .sampling import GpuSampler
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
 
@@ -33,10 +34,11 @@ class CUDABackend:
         self.max_context = min(max_context, c.context_length) if c.context_length else max_context
         self.device = cupy.cuda.Device(self.settings.device)
         self.device.use()
-        self.kernels = get_kernels(self.settings.device)
+        self.kernels = get_kernels(self.settings.device, {t.qtype for t in self._matrix_types(model)})
         if self.settings.self_check:
             from .selfcheck import run_self_check
-            run_self_check(self.kernels, {w.qtype for w in self._matrix_types(model)}, c)
+            run_self_check(self.kernels, {w.qtype for w in self._matrix_types(model)}, c,
+                           decode_activations=self.settings.decode_activations)
         self.weights = DeviceWeights(model)
         self.kv = KVCache(c, max_slots, self.max_context)
         self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
@@ -44,6 +46,8 @@ class CUDABackend:
         self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv, self.settings.decode_activations,
                            self.settings.prefill_precision)
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # sampling kernels run eagerly after the step's graph replay, on the same stream
+        self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], max_slots)
         self.graphs: dict[int, Any] = {}
         self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")
                                              for b in self.buckets}
@@ -81,6 +85,7 @@ class CUDABackend:
             # run once eagerly (its results are this step's), then capture for the next steps;
             # replaying the capture needs nothing from this step but the buffers it reads
             self.fwd.decode_step(b)
+            self.kernels.wait()          # no module may load while the stream is captured
             try:
                 self.stream.begin_capture()
                 try:
@@ -168,6 +173,26 @@ class CUDABackend:
             self.ws.argmax[:n].get(stream=self.stream, out=self._am_host[:n])
             return self._am_host[:n].copy()
 
+    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                      rows: Sequence[SampleRow]) -> SampleResult:
+        """A step sampled on the GPU (kernels/sampling.cu): 16 bytes per sequence come back, plus
+        the logits of rows that want them (top logprobs beyond one, computed on the host)."""
+        if len(rows) != len(slots):
+            raise ValueError("one SampleRow per sequence")
+        with self.device, self.stream:
+            n = self._decode(slots, tokens, positions)
+            self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
+                                rows, slots, tokens, self.stream)
+            toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
+            kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
+        return SampleResult(toks, lps, top_ids, top_lps, kept)
+
+    def reset_counts(self, slot: int, prompt: np.ndarray) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
+        with self.device, self.stream:
+            self.sampler.reset_counts(slot, prompt, self.stream)
+
     def graph_ab_check(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """One decode step run eagerly and the same step replayed from its graph (the step rewrites
         the same KV-cache rows with the same values): returns (eager logits, replayed logits),
@@ -191,7 +216,8 @@ class CUDABackend:
         free, total = cupy.cuda.runtime.memGetInfo()
         # buckets not yet run report nothing; the rest: captured | eager-fallback | disabled
         return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
-                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes),
+                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes
+                                  + (self.sampler.nbytes if self.sampler else 0)),
                 "device_memory_bytes": int(total - free)}
 
     def close(self) -> None:
@@ -200,5 +226,6 @@ class CUDABackend:
             self.graphs.clear()
             self.weights.close()
             self.kv.close()
+            self.sampler = None
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -1,0 +1,129 @@
+"""Sampling on the GPU: launchers of kernels/sampling.cu and the device buffers they keep.
+
+The algorithm is engine/sampling.py's (its NumPy twin gives the same tokens for the same logits
+and seed). A step is up to three launches on the caller's stream after the forward pass, then one
+small copy back: token, raw argmax and two logprobs per row (16 bytes), never the logits.
+Everything the kernels keep between steps lives here at fixed addresses: per-slot token counts
+for the penalties, and per-row scratch that sample_final leaves zeroed for the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import cupy
+import numpy as np
+
+from ...engine.sampling import PARAM_WORDS, kernel_params
+from ..base import SampleRow
+from .modules import load_module
+
+log = logging.getLogger(__name__)
+
+_U64, _I32 = np.uint64, np.int32
+NB = 4096               # bins per row (SAMPLE_NB in sampling.cu)
+PREP_THREADS = 512      # sample_prep / sample_hist blocks
+FINAL_THREADS = 1024    # sample_final: one block per row
+SLICE = 8192            # vocabulary entries per block of the per-row passes
+MAX_CAP = 8192          # elements sample_final may gather and sort in shared memory
+MIN_CAP = 256           # its dense-bin path uses the gather buffers as 256-bin histograms
+
+
+class GpuSampler:
+    """Device buffers and launches for `vocab`-wide rows, up to `max_rows` per step, with token
+    counts for `max_slots` KV slots. All functions are loaded here, before any graph capture."""
+
+    def __init__(self, device_id: int, vocab: int, max_rows: int, max_slots: int):
+        mod = load_module(device_id, "sampling.cu")
+        self._prep = mod.get_function("sample_prep")
+        self._hist = mod.get_function("sample_hist")
+        self._final = mod.get_function("sample_final")
+        self._reset = mod.get_function("counts_reset")
+        dev = cupy.cuda.Device(device_id)
+        rt = cupy.cuda.runtime
+        optin = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
+        cap = MAX_CAP
+        # static shared memory of sample_final is < 1 KB
+        while cap > MIN_CAP and NB * 12 + 16 * cap + 1024 > optin:
+            cap //= 2
+        self.cap = cap
+        self.smem_hist = NB * 12
+        self.smem_final = NB * 12 + 16 * cap
+        with dev:
+            self._hist.max_dynamic_shared_size_bytes = self.smem_hist
+            self._final.max_dynamic_shared_size_bytes = self.smem_final
+            for fn in (self._prep, self._hist, self._final, self._reset):
+                _ = fn.attributes   # load the module now: a capture must not
+            self.V = vocab
+            self.max_rows = max_rows
+            self.G = max(1, -(-vocab // SLICE))
+            self.slice = -(-vocab // self.G)
+            self.params = cupy.zeros((max_rows, PARAM_WORDS), cupy.int32)
+            self.out = cupy.zeros((max_rows, 4), cupy.int32)
+            self.hcnt = cupy.zeros((max_rows, NB), cupy.uint32)
+            self.hw = cupy.zeros((max_rows, NB), cupy.uint64)
+            self.rowmax = cupy.zeros(max_rows, cupy.uint64)
+            self.zmass = cupy.zeros(max_rows, cupy.uint64)
+            self.lsep = cupy.zeros((max_rows, self.G, 2), cupy.float32)
+            self.zbuf = cupy.empty((max_rows, vocab), cupy.float32)
+            self.counts = cupy.zeros((max_slots, vocab), cupy.int32)
+        # pinned host buffers: the per-step copies are true async copies
+        self._p_mem = cupy.cuda.alloc_pinned_memory(self.params.nbytes)
+        self._p_host = np.frombuffer(self._p_mem, np.int32, self.params.size).reshape(self.params.shape)
+        self._o_mem = cupy.cuda.alloc_pinned_memory(self.out.nbytes)
+        self._o_host = np.frombuffer(self._o_mem, np.int32, self.out.size).reshape(self.out.shape)
+        self._asked = np.zeros(max_rows, bool)      # rows of the last launch that want logprobs
+        log.info("gpu sampler: vocab %d, %d blocks per row, gathers up to %d tokens per row in shared memory",
+                 vocab, self.G, cap)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.params, self.out, self.hcnt, self.hw, self.rowmax, self.zmass,
+                                      self.lsep, self.zbuf, self.counts))
+
+    def reset_counts(self, slot: int, prompt: np.ndarray, stream: cupy.cuda.Stream) -> None:
+        """Zero the slot's counts and mark the prompt's tokens (eager; never inside a capture)."""
+        p = np.asarray(prompt, np.int32).reshape(-1)
+        with stream:   # launches go to the current stream
+            dp = cupy.zeros(max(p.size, 1), cupy.int32)
+            if p.size:
+                dp[:p.size].set(p, stream=stream)
+            row = self.counts[slot]
+            self._reset((1,), (1024,), (_U64(row.data.ptr), _I32(self.V), _U64(dp.data.ptr), _I32(p.size)))
+
+    def launch(self, logits: int, ld: int, argmax: int, rows: Sequence[SampleRow], slots: Sequence[int],
+               tokens_in: Sequence[int] | None, stream: cupy.cuda.Stream) -> None:
+        """Sample rows[i] from logits row i (device pointer, row stride ld floats); argmax: the raw
+        argmax per row (int32 device pointer, the forward pass's). tokens_in[i] is counted for rows
+        with penalties before they apply. Results stay on the device until `fetch`."""
+        n = len(rows)
+        if not 0 < n <= self.max_rows:
+            raise ValueError(f"{n} rows; this sampler takes 1..{self.max_rows}")
+        self._p_host[:n] = kernel_params(rows, self.V, slots, tokens_in)
+        self._asked[:n] = [r.logprobs for r in rows]
+        P, z, rm = _U64(self.params.data.ptr), _U64(self.zbuf.data.ptr), _U64(self.rowmax.data.ptr)
+        x, V, ldi, sl = _U64(logits), _I32(self.V), _I32(ld), _I32(self.slice)
+        hc, hw, zm, ls = (_U64(a.data.ptr) for a in (self.hcnt, self.hw, self.zmass, self.lsep))
+        grid = (self.G, n)
+        with stream:   # launches go to the current stream
+            self.params[:n].set(self._p_host[:n], stream=stream)
+            if any(r.penalties or not r.greedy for r in rows):
+                self._prep(grid, (PREP_THREADS,), (x, ldi, V, P, _U64(self.counts.data.ptr), z, rm, sl))
+            if any(r.logprobs or not r.greedy for r in rows):
+                self._hist(grid, (PREP_THREADS,), (x, ldi, V, P, z, rm, hc, hw, zm, ls, sl),
+                           shared_mem=self.smem_hist)
+            self._final((n,), (FINAL_THREADS,), (x, ldi, V, P, _U64(argmax), z, rm, hc, hw, zm, ls, _I32(self.G),
+                                                 _U64(self.out.data.ptr), _I32(self.cap)),
+                        shared_mem=self.smem_final)
+
+    def fetch(self, n: int, stream: cupy.cuda.Stream) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens int32, raw argmax int32, logprob of the token, logprob of the argmax) for the
+        rows of the last launch; waits for the stream. Logprobs are NaN for rows that did not
+        ask for them."""
+        self.out[:n].get(stream=stream, out=self._o_host[:n])
+        stream.synchronize()
+        o = self._o_host[:n].copy()
+        lp = o[:, 2:].view(np.float32).copy()
+        lp[~self._asked[:n]] = np.nan
+        return o[:, 0].copy(), o[:, 1].copy(), lp[:, 0].copy(), lp[:, 1].copy()
