@@ -59,10 +59,12 @@ if [ -f /tmp/twins/qwen15.gguf ]; then
   cold=$(mktemp -d)
   for run in cold warm; do
     t0=$(date +%s.%N)
-    CUPY_CACHE_DIR=$cold python3 -m realizar_backend.cli generate "Hello" --model /tmp/twins/qwen15.gguf \
-      --backend cuda --max-tokens 1 > /dev/null 2>/tmp/start_$run.err || { echo "start ($run) failed"; tail -5 /tmp/start_$run.err; }
+    CUPY_CACHE_DIR=$cold python3 -c "import logging, sys; logging.basicConfig(level=logging.WARNING, format='%(relativeCreated)d ms %(name)s: %(message)s'); logging.getLogger('realizar_backend.backends.cuda').setLevel(logging.DEBUG); from realizar_backend.cli import main; sys.exit(main(['generate', 'Hello', '--model', '/tmp/twins/qwen15.gguf', '--backend', 'cuda', '--max-tokens', '1']))" \
+      > /dev/null 2>/tmp/start_$run.err || { echo "start ($run) failed"; tail -5 /tmp/start_$run.err; }
     echo "START_TO_FIRST_TOKEN_${run^^}_S $(python3 -c "print(round($(date +%s.%N) - $t0, 2))")"
+    grep -E "ready in|kernels|self-check" /tmp/start_$run.err | head -20
   done
+  python3 tools/ttft_probe.py /tmp/twins/qwen15.gguf 2>&1 | grep '^\[' || echo "ttft probe failed"
 fi
 
 # kernel launch-shape sweep (tools/mmvf_sweep.py), when asked: SWEEP=1

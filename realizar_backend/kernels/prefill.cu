@@ -23,17 +23,17 @@
 // the three matrices of one launch may differ in type (attn_v is often Q6_K beside Q4_K q and k)
 __device__ __forceinline__ void load_unit_rt(int qt, const u8* __restrict__ row, int u, int K, float (&w)[32]) {
     switch (qt) {
-        case QT_F32: load_unit<QT_F32>(row, u, K, w); break;
-        case QT_F16: load_unit<QT_F16>(row, u, K, w); break;
-        case QT_BF16: load_unit<QT_BF16>(row, u, K, w); break;
-        case QT_Q4_0: load_unit<QT_Q4_0>(row, u, K, w); break;
-        case QT_Q4_1: load_unit<QT_Q4_1>(row, u, K, w); break;
-        case QT_Q5_0: load_unit<QT_Q5_0>(row, u, K, w); break;
-        case QT_Q5_1: load_unit<QT_Q5_1>(row, u, K, w); break;
-        case QT_Q8_0: load_unit<QT_Q8_0>(row, u, K, w); break;
-        case QT_Q4_K: load_unit<QT_Q4_K>(row, u, K, w); break;
-        case QT_Q5_K: load_unit<QT_Q5_K>(row, u, K, w); break;
-        case QT_Q6_K: load_unit<QT_Q6_K>(row, u, K, w); break;
+        case QT_F32: if constexpr (QT_ON(QT_F32)) load_unit<QT_F32>(row, u, K, w); break;
+        case QT_F16: if constexpr (QT_ON(QT_F16)) load_unit<QT_F16>(row, u, K, w); break;
+        case QT_BF16: if constexpr (QT_ON(QT_BF16)) load_unit<QT_BF16>(row, u, K, w); break;
+        case QT_Q4_0: if constexpr (QT_ON(QT_Q4_0)) load_unit<QT_Q4_0>(row, u, K, w); break;
+        case QT_Q4_1: if constexpr (QT_ON(QT_Q4_1)) load_unit<QT_Q4_1>(row, u, K, w); break;
+        case QT_Q5_0: if constexpr (QT_ON(QT_Q5_0)) load_unit<QT_Q5_0>(row, u, K, w); break;
+        case QT_Q5_1: if constexpr (QT_ON(QT_Q5_1)) load_unit<QT_Q5_1>(row, u, K, w); break;
+        case QT_Q8_0: if constexpr (QT_ON(QT_Q8_0)) load_unit<QT_Q8_0>(row, u, K, w); break;
+        case QT_Q4_K: if constexpr (QT_ON(QT_Q4_K)) load_unit<QT_Q4_K>(row, u, K, w); break;
+        case QT_Q5_K: if constexpr (QT_ON(QT_Q5_K)) load_unit<QT_Q5_K>(row, u, K, w); break;
+        case QT_Q6_K: if constexpr (QT_ON(QT_Q6_K)) load_unit<QT_Q6_K>(row, u, K, w); break;
         default:
 #pragma unroll
             for (int i = 0; i < 32; ++i) w[i] = __int_as_float(0x7fffffff);  // an unknown type reads as NaN, never as numbers

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,7 @@ class Kernels:
         dev = self.device = cupy.cuda.Device(device_id)
         cc = dev.compute_capability
         types = {q for q in QTYPES if qtypes is None or q in set(qtypes)}
+        self.qtypes = frozenset(types)
         mask = sum(1 << int(q) for q in types)
         opts = ("-std=c++17", f"-DREALIZAR_CC={cc}")
         typed = (f"-DREALIZAR_QMASK={mask:#x}ull",)    # only the type-templated files see the mask
@@ -99,6 +101,7 @@ class Kernels:
 
         def build(fname: str, names, extra=(), smem: int = 0):
             def run():
+                t0 = time.perf_counter()
                 with dev:
                     mod = cupy.RawModule(code=_source(fname), options=opts + tuple(extra))
                     fns = {n: mod.get_function(n) for n in names}
@@ -106,7 +109,8 @@ class Kernels:
                         if smem:   # mmvf/ffnf stage activation rows in dynamic shared memory
                             fn.max_dynamic_shared_size_bytes = smem
                         _ = fn.attributes              # compile and load now, never during a capture
-                    return fns
+                log.debug("kernels %s %s ready in %.2f s", fname, " ".join(extra), time.perf_counter() - t0)
+                return fns
             return _pool.submit(run)
 
         sfx = {q: QTYPES[q].suffix for q in types}
@@ -120,6 +124,8 @@ class Kernels:
                 for nb in MMV_NB}
         mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed)
         gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed)
+        for fname, q in (("prefill.cu", self.qtypes), ("sampling.cu", None)):   # loaded by their users
+            _module_future(device_id, fname, q)
 
         self.mmvf = _Family({nb: (mmvf[nb], f"mmvf_nb{nb}") for nb in MMV_NB})
         self.ffnf = _Family({nb: (mmvf[nb], f"ffnf_nb{nb}") for nb in MMV_NB})
@@ -145,28 +151,33 @@ class Kernels:
 
 _cache: dict[tuple, Kernels] = {}
 _lock = threading.Lock()
-_extra: dict[tuple[int, str], cupy.RawModule] = {}
+_extra: dict[tuple, Future] = {}
+_extra_lock = threading.Lock()      # taken inside Kernels() while get_kernels holds _lock
 
 
-def load_module(device_id: int, filename: str) -> cupy.RawModule:
-    """One more kernels/*.cu file (compiled once per process and device), for kernel families
-    that live beside the core table (prefill, sampling). Load every function you will launch
-    before any graph capture: a capture must not load a module."""
-    with _lock:
-        mod = _extra.get((device_id, filename))
-        if mod is None:
-            dev = cupy.cuda.Device(device_id)
-            opts = ("-std=c++17", f"-DREALIZAR_CC={dev.compute_capability}")
-            with dev:
-                mod = _extra[(device_id, filename)] = cupy.RawModule(code=_source(filename), options=opts)
-        return mod
+def _module_future(device_id: int, filename: str, qtypes=None):
+    key = (device_id, filename, None if qtypes is None else frozenset(qtypes))
+    with _extra_lock:
+        fut = _extra.get(key)
+        if fut is None:
+            def run():
+                t0 = time.perf_counter()
+                dev = cupy.cuda.Device(device_id)
+                opts = ["-std=c++17", f"-DREALIZAR_CC={dev.compute_capability}"]
+                if qtypes is not None:
+                    opts.append(f"-DREALIZAR_QMASK={sum(1 << int(q) for q in qtypes):#x}ull")
+                with dev:
+                    mod = cupy.RawModule(code=_source(filename), options=tuple(opts))
+                    mod.compile()
+                log.debug("kernels %s ready in %.2f s", filename, time.perf_counter() - t0)
+                return mod
+            fut = _extra[key] = _pool.submit(run)
+        return fut
 
 
-def get_kernels(device_id: int = 0, qtypes=None) -> Kernels:
-    """The kernels of a device, compiled for the quant types given (None: every type)."""
-    key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES))
-    with _lock:
-        k = _cache.get(key)
-        if k is None:
-            k = _cache[key] = Kernels(device_id, key[1])
-        return k
+def load_module(device_id: int, filename: str, qtypes=None) -> cupy.RawModule:
+    """One more kernels/*.cu file (compiled once per process, device and quant-type set, on the
+    compile threads; Kernels starts the ones the model will need), for kernel families that live
+    beside the core table (prefill, sampling). Load every function you will launch before any
+    graph capture: a capture must not load a module."""
+    return _module_future(device_id, filename, qtypes).result()

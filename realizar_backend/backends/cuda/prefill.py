@@ -66,9 +66,10 @@ def _threads(width: int) -> int:
 # ------------------------------------------------------------------ split16 launches (prefill.cu)
 # Module-level, shared by PrefillGemm and the GPU tests, so the tests run the model's launches.
 # kx: the prefill.cu functions by name (load_kernels); pointers are device addresses.
-def load_kernels(device_id: int) -> dict:
+def load_kernels(device_id: int, qtypes=None) -> dict:
+    """qtypes: the quant types compiled in (a model's; None: all)."""
     from .modules import load_module
-    mod = load_module(device_id, "prefill.cu")
+    mod = load_module(device_id, "prefill.cu", qtypes)
     kx = {name: mod.get_function(name) for name in KERNELS}
     for fn in kx.values():
         _ = fn.attributes          # load the module now, not inside a later capture
@@ -149,7 +150,7 @@ class PrefillGemm:
                 log.warning("split16 prefill: layer shapes differ from the config; prefill runs in fp32")
                 self.prefill = "fp32"
                 return
-        self.kx = load_kernels(cupy.cuda.Device().id)
+        self.kx = load_kernels(cupy.cuda.Device().id, getattr(self.k, "qtypes", None))
         # the dequantize buffer holds one fused group (q+k+v, gate+up) at two fp16 halves per
         # weight, i.e. one float32 per weight
         need = max(sum(w.rows for w in grp) * grp[0].cols for lw in layers
