@@ -181,3 +181,13 @@ def load_module(device_id: int, filename: str, qtypes=None) -> cupy.RawModule:
     beside the core table (prefill, sampling). Load every function you will launch before any
     graph capture: a capture must not load a module."""
     return _module_future(device_id, filename, qtypes).result()
+
+
+def get_kernels(device_id: int = 0, qtypes=None) -> Kernels:
+    """The kernels of a device, compiled for the quant types given (None: every type)."""
+    key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES))
+    with _lock:
+        k = _cache.get(key)
+        if k is None:
+            k = _cache[key] = Kernels(device_id, key[1])
+        return k
