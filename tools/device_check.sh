@@ -58,11 +58,26 @@ done
 if [ -f /tmp/twins/qwen15.gguf ]; then
   cold=$(mktemp -d)
   for run in cold warm; do
-    t0=$(date +%s.%N)
-    CUPY_CACHE_DIR=$cold python3 -c "import logging, sys; logging.basicConfig(level=logging.WARNING, format='%(relativeCreated)d ms %(name)s: %(message)s'); logging.getLogger('realizar_backend.backends.cuda').setLevel(logging.DEBUG); from realizar_backend.cli import main; sys.exit(main(['generate', 'Hello', '--model', '/tmp/twins/qwen15.gguf', '--backend', 'cuda', '--max-tokens', '1']))" \
-      > /dev/null 2>/tmp/start_$run.err || { echo "start ($run) failed"; tail -5 /tmp/start_$run.err; }
-    echo "START_TO_FIRST_TOKEN_${run^^}_S $(python3 -c "print(round($(date +%s.%N) - $t0, 2))")"
-    grep -E "ready in|kernels|self-check" /tmp/start_$run.err | head -20
+    # time from the shell's launch of python to the first token (prefill) and the second (first
+    # decode step: graph capture), measured in the process; os._exit skips joining compile threads
+    T0=$(date +%s.%N) CUPY_CACHE_DIR=$cold python3 - "$run" > /tmp/start_$run.out 2>/tmp/start_$run.err <<'PY' || { echo "start ($run) failed"; tail -5 /tmp/start_$run.err; }
+import logging, os, sys, time
+logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d ms %(name)s: %(message)s")
+logging.getLogger("realizar_backend.backends.cuda").setLevel(logging.DEBUG)
+from realizar_backend.engine.engine import Engine
+from realizar_backend.engine.sampling import SamplingParams
+from realizar_backend.settings import Settings
+t0 = float(os.environ["T0"])
+eng = Engine.from_settings(Settings(model="/tmp/twins/qwen15.gguf", backend="cuda", max_num_seqs=4, context_length=1024))
+g = eng.generate_sync(list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+next(g)
+t1 = time.time() - t0
+list(g)
+print(f"START_TO_FIRST_TOKEN_{sys.argv[1].upper()}_S {t1:.2f} (second token {time.time() - t0:.2f})", flush=True)
+os._exit(0)
+PY
+    cat /tmp/start_$run.out
+    grep -E "ready in|kernels for|self-check|graph" /tmp/start_$run.err | head -20
   done
   python3 tools/ttft_probe.py /tmp/twins/qwen15.gguf 2>&1 | grep '^\[' || echo "ttft probe failed"
 fi
@@ -119,6 +134,7 @@ serve_up() {  # model port: start bentoml serve on the GPU in the background, wa
   echo "server on port $2 never became ready"; tail -20 "/tmp/serve_$2.log"; return 1
 }
 serve_down() { pkill -f "port $1" ; sleep 1; }
+pkill -f "bentoml serve" 2>/dev/null && sleep 2   # servers left by an earlier call on a warm machine
 gen() { python3 -m realizar_backend.cli generate "$@" --max-tokens 32 2>>/tmp/generate.err; }
 if [ -f "$SMOL" ] && python3 -c "import bentoml" 2>/dev/null; then
   gen "The capital of France is" --model $SMOL --backend cpu > /tmp/g_cpu.txt

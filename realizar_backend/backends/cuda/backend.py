@@ -84,10 +84,11 @@ class CUDABackend:
         if status == "pending":
             # run once eagerly (its results are this step's), then capture for the next steps;
             # replaying the capture needs nothing from this step but the buffers it reads
-            self.fwd.decode_step(b)
-            self.kernels.wait()          # no module may load while the stream is captured
+            self.fwd.decode_step(b)      # also loads every kernel the step launches
             try:
-                self.stream.begin_capture()
+                # relaxed (CuPy's default, said here on purpose): kernel modules of other families may
+                # finish loading on the compile threads meanwhile (modules.py)
+                self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
                 try:
                     self.fwd.decode_step(b)
                 finally:

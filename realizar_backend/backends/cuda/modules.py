@@ -54,10 +54,24 @@ def _source(name: str) -> str:
     return (KERNEL_DIR / name).read_text().replace('#include "common.cuh"', common)
 
 
+class _Lazy:
+    """A future that starts on first .result() (on the calling thread)."""
+
+    def __init__(self, fn):
+        self._fn, self._value, self._lock = fn, None, threading.Lock()
+
+    def result(self):
+        with self._lock:
+            if self._fn is not None:
+                self._value, self._fn = self._fn(), None
+            return self._value
+
+
 class _Family(Mapping):
-    """A kernel family keyed by GGML type or batch width, whose modules compile in the background:
-    a lookup waits for its module. Kernels.wait() joins them all (before any graph capture: a
-    module must not load while a stream is being captured)."""
+    """A kernel family keyed by GGML type or batch width, whose modules compile in the background
+    (or on first use): a lookup waits for its module. A decode step's eager run before its capture
+    has loaded everything the step launches; modules of other families may still load on other
+    threads during a capture, which the relaxed capture mode allows."""
 
     def __init__(self, entries: dict):
         self._f = entries                 # key -> (future of a module's {name: function}, name)
@@ -99,7 +113,7 @@ class Kernels:
         typed = (f"-DREALIZAR_QMASK={mask:#x}ull",)    # only the type-templated files see the mask
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
-        def build(fname: str, names, extra=(), smem: int = 0):
+        def build(fname: str, names, extra=(), smem: int = 0, lazy: bool = False):
             def run():
                 t0 = time.perf_counter()
                 with dev:
@@ -111,7 +125,7 @@ class Kernels:
                         _ = fn.attributes              # compile and load now, never during a capture
                 log.debug("kernels %s %s ready in %.2f s", fname, " ".join(extra), time.perf_counter() - t0)
                 return fns
-            return _pool.submit(run)
+            return _Lazy(run) if lazy else _pool.submit(run)
 
         sfx = {q: QTYPES[q].suffix for q in types}
         core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
@@ -122,8 +136,9 @@ class Kernels:
         deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
         mmvf = {nb: build("mmvf.cu", [f"mmvf_nb{nb}", f"ffnf_nb{nb}"], typed + (f"-DMMVF_NB={nb}",), 100 * 1024)
                 for nb in MMV_NB}
-        mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed)
-        gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed)
+        # the 8-bit and reference GEMVs serve opt-in settings and float-type matrices: compiled on first use
+        mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
+        gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
         for fname, q in (("prefill.cu", self.qtypes), ("sampling.cu", None)):   # loaded by their users
             _module_future(device_id, fname, q)
 
@@ -144,7 +159,7 @@ class Kernels:
                  "other GEMV families finish in the background", cc, len(types))
 
     def wait(self) -> None:
-        """Every family compiled and loaded (call before capturing a graph)."""
+        """Every family compiled and loaded (the lazy ones too)."""
         for f in self._families:
             f.wait()
 
