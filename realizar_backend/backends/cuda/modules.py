@@ -86,10 +86,6 @@ class _Family(Mapping):
     def __len__(self):
         return len(self._f)
 
-    def wait(self) -> None:
-        for fut, _ in self._f.values():
-            fut.result()
-
 
 _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="nvrtc")
 
@@ -154,14 +150,9 @@ class Kernels:
         for name, fn in {**core.result(), **norm.result(), **rope.result(), **attn.result()}.items():
             setattr(self, name, fn)
         self.mmvf[1]                                          # the batch-1 decode path is ready on return
-        self._families = (self.mmvf, self.ffnf, self.mmv_q8, self.ffn_q8, self.gemv, self.ffn_gate_up)
         log.info("cuda kernels for compute capability %s: core ready, %d quant types; wider batches and "
-                 "other GEMV families finish in the background", cc, len(types))
-
-    def wait(self) -> None:
-        """Every family compiled and loaded (the lazy ones too)."""
-        for f in self._families:
-            f.wait()
+                 "prefill/sampling finish in the background, the 8-bit and reference GEMVs on first use", cc,
+                 len(types))
 
 
 _cache: dict[tuple, Kernels] = {}
