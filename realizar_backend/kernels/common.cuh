@@ -82,6 +82,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// L2 prefetch hint for [p, p + bytes): one sm_90 bulk prefetch (a no-op before sm_90), widened to
+// 16-byte bounds (allocations are 256-byte aligned and padded, so the widened range stays in them).
+// The size field holds 16-byte units in 16 bits: at most 1 MB per call.
+__device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (bytes <= 0) return;
+    u64 a = (u64)p & ~(u64)15, e = ((u64)p + (u64)bytes + 15) & ~(u64)15;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(e - a)) : "memory");
+#endif
+}
+
+
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
 
 __device__ __forceinline__ float gelu_tanh_f(float g) {
@@ -521,11 +533,11 @@ template <> __device__ __forceinline__ void load_funit<QT_Q4_0>(const u8* __rest
 
 template <> __device__ __forceinline__ void load_funit<QT_Q4_1>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 20;
-    u32 dm = *(const u32*)b;
+    u32 dm = __ldg((const u32*)b);
     const u32* qs = (const u32*)(b + 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        u32 q = qs[i];
+        u32 q = __ldg(qs + i);
         w.v[i] = (q << 3) & 0x78787878u;
         w.v[i + 4] = (q >> 1) & 0x78787878u;
     }
@@ -549,12 +561,12 @@ template <> __device__ __forceinline__ void load_funit<QT_Q5_0>(const u8* __rest
 
 template <> __device__ __forceinline__ void load_funit<QT_Q5_1>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 24;
-    u32 dm = *(const u32*)b;
-    u32 qh = *(const u32*)(b + 4);
+    u32 dm = __ldg((const u32*)b);
+    u32 qh = __ldg((const u32*)(b + 4));
     const u32* qs = (const u32*)(b + 8);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        u32 x = qs[i];
+        u32 x = __ldg(qs + i);
         w.v[i] = (((x & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (4 * i))) << 2);
         w.v[i + 4] = ((((x >> 4) & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (16 + 4 * i))) << 2);
     }
@@ -574,11 +586,11 @@ template <> __device__ __forceinline__ void load_funit<QT_Q8_0>(const u8* __rest
 template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + (u >> 3) * 144;
     int j = u & 7;
-    uint4 hd = *(const uint4*)b;
+    uint4 hd = __ldg((const uint4*)b);
     int sc, m;
     scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
     const uint4* q = (const uint4*)(b + 16 + 32 * (j >> 1));
-    uint4 x0 = q[0], x1 = q[1];
+    uint4 x0 = __ldg(q), x1 = __ldg(q + 1);
     u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     int sh = (j & 1) * 4;                  // lanes alternate: no branch on j
 #pragma unroll
@@ -590,12 +602,12 @@ template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __rest
 template <> __device__ __forceinline__ void load_funit<QT_Q5_K>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + (u >> 3) * 176;
     int j = u & 7;
-    uint4 hd = *(const uint4*)b;
+    uint4 hd = __ldg((const uint4*)b);
     int sc, m;
     scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
     const uint4* q = (const uint4*)(b + 48 + 32 * (j >> 1));
     const uint4* h = (const uint4*)(b + 16);
-    uint4 x0 = q[0], x1 = q[1], h0 = h[0], h1 = h[1];
+    uint4 x0 = __ldg(q), x1 = __ldg(q + 1), h0 = __ldg(h), h1 = __ldg(h + 1);
     int sh = (j & 1) * 4;
     u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     u32 hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
@@ -626,27 +638,46 @@ template <> __device__ __forceinline__ void load_funit<QT_Q6_K>(const u8* __rest
     w.c1 = -96.0f * A1;
 }
 
-// value of byte k of v as a float: 0.5 + q / 2^(bits+1) (Q8_0: q itself)
+// byte permute with the selector as an immediate: ptxas, left to choose, puts the constant word
+// in the immediate slot and moves every selector into a register, one extra instruction per weight
+template <u32 SEL>
+__device__ __forceinline__ u32 prmt_imm(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "n"(SEL));
+    return r;
+#else
+    return __byte_perm(a, b, SEL);
+#endif
+}
+
+// value of byte K of v as a float: 0.5 + q / 2^(bits+1) (Q8_0: q itself)
+template <int QT, int K>
+__device__ __forceinline__ float funit_f(u32 v) {
+    if (QT == QT_Q8_0) return __int_as_float((int)prmt_imm<0x7440u | K>(v, 0x4B000000u)) - 8388736.0f;
+    return __int_as_float((int)prmt_imm<0x7044u | (K << 8)>(v, 0x3F000000u));
+}
+
+// acc + the four weights of word v times x[0..3], in order
 template <int QT>
-__device__ __forceinline__ float funit_f(u32 v, int k) {
-    if (QT == QT_Q8_0)
-        return __int_as_float((int)__byte_perm(v, 0x4B000000u, 0x7440u | (u32)k)) - 8388736.0f;
-    return __int_as_float((int)__byte_perm(v, 0x3F000000u, 0x7044u | ((u32)k << 8)));
+__device__ __forceinline__ float funit_dot4(u32 v, const float* x, float acc) {
+    acc = fmaf(funit_f<QT, 0>(v), x[0], acc);
+    acc = fmaf(funit_f<QT, 1>(v), x[1], acc);
+    acc = fmaf(funit_f<QT, 2>(v), x[2], acc);
+    return fmaf(funit_f<QT, 3>(v), x[3], acc);
 }
 
 // dot of a decoded unit with 32 fp32 activations xv; sl, sh: sums of xv[0..15], xv[16..31]
 template <int QT>
 __device__ __forceinline__ float funit_dot(const FUnit& w, const float (&xv)[32], float sl, float sh) {
-    float lo0 = 0.0f, lo1 = 0.0f, hi0 = 0.0f, hi1 = 0.0f;
+    float lo0 = 0.0f, lo1 = 0.0f, hi0 = 0.0f, hi1 = 0.0f;   // four independent chains
 #pragma unroll
-    for (int i = 0; i < 4; i += 2)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            lo0 = fmaf(funit_f<QT>(w.v[i], k), xv[4 * i + k], lo0);
-            lo1 = fmaf(funit_f<QT>(w.v[i + 1], k), xv[4 * i + 4 + k], lo1);
-            hi0 = fmaf(funit_f<QT>(w.v[i + 4], k), xv[16 + 4 * i + k], hi0);
-            hi1 = fmaf(funit_f<QT>(w.v[i + 5], k), xv[20 + 4 * i + k], hi1);
-        }
+    for (int i = 0; i < 4; i += 2) {
+        lo0 = funit_dot4<QT>(w.v[i], xv + 4 * i, lo0);
+        lo1 = funit_dot4<QT>(w.v[i + 1], xv + 4 * i + 4, lo1);
+        hi0 = funit_dot4<QT>(w.v[i + 4], xv + 16 + 4 * i, hi0);
+        hi1 = funit_dot4<QT>(w.v[i + 5], xv + 20 + 4 * i, hi1);
+    }
     if (QT == QT_Q8_0) return w.a0 * ((lo0 + lo1) + (hi0 + hi1));
     return fmaf(w.a0, lo0 + lo1, fmaf(w.a1, hi0 + hi1, fmaf(w.c0, sl, w.c1 * sh)));
 }

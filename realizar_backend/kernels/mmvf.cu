@@ -37,6 +37,53 @@
 #endif
 constexpr int kMmvfUnroll = MMVF_UNROLL;   // the pragma needs a constant expression, not a macro
 
+// activations of unit u of row b as 32 floats and their half sums (sl: 0..15, sh: 16..31)
+__device__ __forceinline__ void mmvf_x(const float* x, int xs, int b, int u, int nu, bool staged, float (&xv)[32],
+                                       float& sl, float& sh) {
+    if (staged) {
+        // shared memory, swizzled (mmvf_stage): conflict-free 16-byte reads, sums precomputed
+        const float* xr = x + b * xs;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float4 t = *(const float4*)(xr + 32 * u + 4 * ((i + u) & 7));
+            xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+        }
+        float2 s2 = *(const float2*)(xr + 32 * nu + 2 * u);
+        sl = s2.x;
+        sh = s2.y;
+        return;
+    }
+    const float4* xp = (const float4*)(x + (long long)b * xs + 32 * u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float4 t = __ldg(xp + i);
+        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+    }
+    sl = ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7])) +
+         (((xv[8] + xv[9]) + (xv[10] + xv[11])) + ((xv[12] + xv[13]) + (xv[14] + xv[15])));
+    sh = ((xv[16] + xv[17]) + (xv[18] + xv[19])) + ((xv[20] + xv[21]) + (xv[22] + xv[23])) +
+         (((xv[24] + xv[25]) + (xv[26] + xv[27])) + ((xv[28] + xv[29]) + (xv[30] + xv[31])));
+}
+
+// acc += the decoded units w (unit u of every row) applied to every activation row. Row 0 always
+// exists: no branch around it, or the compiler sinks the weight loads into the branch, after the
+// activation reads (one memory latency more per pass: 5-10% on qwen15's GEMVs).
+template <int QT, int NB, int M>
+__device__ __forceinline__ void mmvf_apply(const FUnit (&w)[M][MMVF_R], int u, int nu, const float* x, int xs,
+                                           int nbl, bool staged, float (&acc)[M][MMVF_R][NB]) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        if (b == 0 || b < nbl) {
+            float xv[32], sl, sh;
+            mmvf_x(x, xs, b, u, nu, staged, xv, sl, sh);
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int i = 0; i < MMVF_R; ++i) acc[m][i][b] += funit_dot<QT>(w[m][i], xv, sl, sh);
+        }
+    }
+}
+
 // partial sums of rows r0 .. r0+R-1 (clamped to rlast: rows past the end repeat the last one and
 // are never stored) of M matrices over units u0, u0 + ustep, ...
 template <int QT, int NB, int M>
@@ -55,39 +102,7 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
         for (int m = 0; m < M; ++m)
 #pragma unroll
             for (int i = 0; i < MMVF_R; ++i) load_funit<QT>(rows[m][i], u, w[m][i]);
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            if (b < nbl) {
-                float xv[32], sl, sh;
-                if (staged) {
-                    // shared memory, swizzled (mmvf_stage): conflict-free 16-byte reads, sums precomputed
-                    const float* xr = x + b * xs;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        float4 t = *(const float4*)(xr + 32 * u + 4 * ((i + u) & 7));
-                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
-                    }
-                    float2 s2 = *(const float2*)(xr + 32 * nu + 2 * u);
-                    sl = s2.x;
-                    sh = s2.y;
-                } else {
-                    const float4* xp = (const float4*)(x + (long long)b * xs + 32 * u);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        float4 t = __ldg(xp + i);
-                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
-                    }
-                    sl = ((xv[0] + xv[1]) + (xv[2] + xv[3])) + ((xv[4] + xv[5]) + (xv[6] + xv[7])) +
-                         (((xv[8] + xv[9]) + (xv[10] + xv[11])) + ((xv[12] + xv[13]) + (xv[14] + xv[15])));
-                    sh = ((xv[16] + xv[17]) + (xv[18] + xv[19])) + ((xv[20] + xv[21]) + (xv[22] + xv[23])) +
-                         (((xv[24] + xv[25]) + (xv[26] + xv[27])) + ((xv[28] + xv[29]) + (xv[30] + xv[31])));
-                }
-#pragma unroll
-                for (int m = 0; m < M; ++m)
-#pragma unroll
-                    for (int i = 0; i < MMVF_R; ++i) acc[m][i][b] += funit_dot<QT>(w[m][i], xv, sl, sh);
-            }
-        }
+        mmvf_apply<QT, NB, M>(w, u, nu, x, xs, nbl, staged, acc);
     }
 }
 
@@ -222,43 +237,57 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int r) {
     return ((unsigned long long)u << 32) | (u32)(0xFFFFFFFFu - (u32)r);   // ties: lowest row wins
 }
 
+// One matrix of an mmvf launch and where its outputs go.
+struct MmvfSeg {
+    const u8* W;
+    long long rb;
+    int n, qt;
+    const float* bias;
+    float* y;
+    int ys;
+};
+
+// the segment holding launch-wide row group G, and G's index inside it (g); warp-uniform
+__device__ __forceinline__ MmvfSeg mmvf_seg(const MmvfSeg (&s)[3], int G, int& g) {
+    int g0 = (s[0].n + MMVF_R - 1) / MMVF_R, g1 = (s[1].n + MMVF_R - 1) / MMVF_R;
+    g = G;
+    if (G < g0) return s[0];
+    g -= g0;
+    if (g < g1) return s[1];
+    g -= g1;
+    return s[2];
+}
+
 template <int NB>
-__device__ __forceinline__ void mmvf_body(
-    const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,
-    const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,
-    const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,
-    int K, const float* __restrict__ x, int xs, int nb, int wpr, int accumulate, int stage, const float* nw,
-    float eps, unsigned long long* amax) {
+__device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const float* __restrict__ x, int xs,
+                                          int nb, int wpr, int accumulate, int stage, const float* nw, float eps,
+                                          unsigned long long* amax) {
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
+    int groups = 0;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
     const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
-    int g0 = (n0 + MMVF_R - 1) / MMVF_R, g1 = (n1 + MMVF_R - 1) / MMVF_R, g2 = (n2 + MMVF_R - 1) / MMVF_R;
     // the grid may hold fewer blocks than there are groups (one wave, staged once per block): blocks
     // stride over the groups; the trip count is block-uniform, for the barriers inside
-    for (int base = blockIdx.x * gpb; base < g0 + g1 + g2; base += gridDim.x * gpb) {
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {
         int G = base + wid / wpr;
-        // the group's segment (warp-uniform)
-        const u8* W = W0; long long rb = rb0; int n = n0, qt = qt0, g = G; const float* bias = b0; float* y = y0;
-        int ys = ys0;
-        if (G >= g0) {
-            g = G - g0;
-            if (g < g1) { W = W1; rb = rb1; n = n1; qt = qt1; bias = b1; y = y1; ys = ys1; }
-            else { g -= g1; W = W2; rb = rb2; n = n2; qt = qt2; bias = b2; y = y2; ys = ys2; }
-        }
-        bool live = G < g0 + g1 + g2;
+        bool live = G < groups;
+        int g;
+        MmvfSeg s = mmvf_seg(seg, live ? G : 0, g);
         int r0 = g * MMVF_R;
         float acc[1][MMVF_R][NB];
 #pragma unroll
         for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
             for (int b = 0; b < NB; ++b) acc[0][i][b] = 0.0f;
-        const u8* const Ws[1] = {W};
+        const u8* const Ws[1] = {s.W};
         if (live)
-            mmvf_dispatch<NB, 1>(qt, Ws, rb, r0, n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
+            mmvf_dispatch<NB, 1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
                                  stage != 0, acc);
         mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -268,9 +297,9 @@ __device__ __forceinline__ void mmvf_body(
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     int r = r0 + i;
-                    if (lane == ((i * NB + b) & 31) && r < n && b < nbl) {
-                        float v = acc[0][i][b] + (bias ? bias[r] : 0.0f);
-                        float* out = y + (long long)(bb + b) * ys + r;
+                    if (lane == ((i * NB + b) & 31) && r < s.n && b < nbl) {
+                        float v = acc[0][i][b] + (s.bias ? s.bias[r] : 0.0f);
+                        float* out = s.y + (long long)(bb + b) * s.ys + r;
                         *out = accumulate ? *out + v : v;
                         if (amax) atomicMax(amax + bb + b, argmax_key(v, r));
                     }
@@ -287,11 +316,11 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
+    int groups = (N + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
     const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
-    int groups = (N + MMVF_R - 1) / MMVF_R;
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmvf_body
         int G = base + wid / wpr;
         bool live = G < groups;
@@ -329,8 +358,9 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,               \
         int K, const float* x, int xs, int nb, int wpr, int accumulate, int stage, const float* nw,      \
         float eps, unsigned long long* amax) {                                                           \
-        mmvf_body<NB>(W0, rb0, n0, qt0, b0, y0, ys0, W1, rb1, n1, qt1, b1, y1, ys1, W2, rb2, n2, qt2, b2, \
-                      y2, ys2, K, x, xs, nb, wpr, accumulate, stage, nw, eps, amax);                     \
+        const MmvfSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},         \
+                                {W2, rb2, n2, qt2, b2, y2, ys2}};                                         \
+        mmvf_body<NB>(seg, K, x, xs, nb, wpr, accumulate, stage, nw, eps, amax);                         \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \

@@ -81,7 +81,9 @@ static void check(const TypeInfo& t, std::mt19937& rng) {
         for (int k = 0; k < 32; ++k) xv[k] = nd(rng);
         double dref = 0, sabs = 0;
         for (int k = 0; k < 32; ++k) {
-            float f = funit_f<QT>(fw.v[k / 4], k % 4);
+            unsigned v = fw.v[k / 4];
+            float f = k % 4 == 0 ? funit_f<QT, 0>(v) : k % 4 == 1 ? funit_f<QT, 1>(v)
+                    : k % 4 == 2 ? funit_f<QT, 2>(v) : funit_f<QT, 3>(v);
             double w = (QT == QT_Q8_0) ? (double)fw.a0 * f
                                        : (k < 16 ? (double)fw.a0 * f + fw.c0 : (double)fw.a1 * f + fw.c1);
             werr = std::fmax(werr, std::fabs(w - ref[k]));
