@@ -1,9 +1,10 @@
 // Attention over the fp16 KV cache, one block (16 warps) per (query row, head). Each warp walks
-// its share of the keys with an online softmax (running max m, sum l, weighted V in registers;
-// lane owns dims lane + 32 i), then the warps merge through shared memory. GQA: head h reads KV
-// head h / (H / KVH). The same kernel serves decode (one row per sequence) and prefill (one row
-// per prompt token, all tokens already written to the cache): row t sees cache positions
-// [start, positions[t]] of slot slots[t], which is exactly causal (and sliding-window) masking.
+// its share of the keys, ATT_KPP per pass, with an online softmax (running max m, sum l, weighted V
+// in registers; lane owns dims 2 lane + 64 i: 4-byte loads of fp16 pairs), then the warps merge
+// through shared memory. GQA: head h reads KV head h / (H / KVH). The same kernel serves decode
+// (one row per sequence) and prefill (one row per prompt token, all tokens already written to the
+// cache): row t sees cache positions [start, positions[t]] of slot slots[t], which is exactly
+// causal (and sliding-window) masking.
 // fuse != 0 (decode only: one row per sequence): RoPE and the KV-cache write are done here
 // instead of by rope_kv. Every block ropes its q head and its KV head's new k (rounded to fp16
 // like the cache) in shared memory and uses them for the newest key; the first q head of each
@@ -12,6 +13,8 @@
 
 #define ATT_WARPS 16
 #define ATT_MAXD 256
+#define ATT_DV (ATT_MAXD / 64)   // 2-dim slices per lane
+#define ATT_KPP 4                // keys per warp per pass
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* __restrict__ q, float* __restrict__ out, const u16* __restrict__ kcache,
@@ -29,6 +32,14 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     int start = window > 0 ? max(0, pos - window + 1) : 0;
     const float* qr = q + ((long long)t * H + h) * D;
     long long base = (long long)slots[t] * ctx;
+    // the row's cached keys and values (all KV heads: one range each) towards L2 first: their loads
+    // then overlap the RoPE prologue; the heads of the row split the range
+    if (threadIdx.x < 2) {
+        long long lo = ((base + start) * KVH) * D, len = (long long)(pos - start) * KVH * D;
+        long long per = (len + H - 1) / H;
+        long long a = lo + per * h, n = min(per, lo + len - a);
+        if (n > 0) l2_prefetch((threadIdx.x ? vcache : kcache) + a, 2 * n);
+    }
     if (fuse) {
         const float* kr = kin + ((long long)t * KVH + kh) * D;
         const float* vr = vin + ((long long)t * KVH + kh) * D;
@@ -58,60 +69,79 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         __syncthreads();
         qr = rq[1];
     }
-    float qv[ATT_MAXD / 32], acc[ATT_MAXD / 32];
+    // lane owns dims 2 lane + 64 i, i < ATT_DV (a 4-byte load of two fp16 values per key row)
+    float qv[ATT_DV][2], acc[ATT_DV][2];
 #pragma unroll
-    for (int i = 0; i < ATT_MAXD / 32; ++i) {
-        int d = lane + 32 * i;
-        qv[i] = d < D ? qr[d] * scale : 0.0f;
-        acc[i] = 0.0f;
+    for (int i = 0; i < ATT_DV; ++i) {
+        int d = 2 * lane + 64 * i;
+        qv[i][0] = d < D ? qr[d] * scale : 0.0f;
+        qv[i][1] = d < D ? qr[d + 1] * scale : 0.0f;
+        acc[i][0] = acc[i][1] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
     int last = fuse ? pos - 1 : pos;    // fuse: the newest key comes from shared memory, below
-    // two keys per pass: both rows' loads are in flight together (a pass is one memory latency)
-    for (int s = start + wid; s <= last; s += 2 * ATT_WARPS) {
-        int s1 = s + ATT_WARPS;
-        bool two = s1 <= last;
-        long long off0 = ((base + s) * KVH + kh) * D, off1 = ((base + (two ? s1 : s)) * KVH + kh) * D;
-        float k0[ATT_MAXD / 32], k1[ATT_MAXD / 32], v0[ATT_MAXD / 32], v1[ATT_MAXD / 32];
+    // ATT_KPP keys per pass, all their loads in flight together (a pass is one memory latency); the
+    // spare rows of the last pass re-read key s and weigh nothing
+    for (int s = start + wid; s <= last; s += ATT_KPP * ATT_WARPS) {
+        float kk[ATT_KPP][ATT_DV][2], vv[ATT_KPP][ATT_DV][2], dot[ATT_KPP];
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) {
-            int d = lane + 32 * i;
-            bool in = d < D;
-            k0[i] = in ? h2f(kcache[off0 + d]) : 0.0f;
-            k1[i] = in ? h2f(kcache[off1 + d]) : 0.0f;
-            v0[i] = in ? h2f(vcache[off0 + d]) : 0.0f;
-            v1[i] = in ? h2f(vcache[off1 + d]) : 0.0f;
+        for (int j = 0; j < ATT_KPP; ++j) {
+            int sj = s + j * ATT_WARPS;
+            long long off = ((base + (sj <= last ? sj : s)) * KVH + kh) * D;
+#pragma unroll
+            for (int i = 0; i < ATT_DV; ++i) {
+                int d = 2 * lane + 64 * i;
+                u32 k2 = d < D ? __ldg((const u32*)(kcache + off + d)) : 0u;
+                u32 v2 = d < D ? __ldg((const u32*)(vcache + off + d)) : 0u;
+                kk[j][i][0] = h2f((u16)(k2 & 0xFFFF)); kk[j][i][1] = h2f((u16)(k2 >> 16));
+                vv[j][i][0] = h2f((u16)(v2 & 0xFFFF)); vv[j][i][1] = h2f((u16)(v2 >> 16));
+            }
         }
-        float dot0 = 0.0f, dot1 = 0.0f;
+        float mn = m;
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) {
-            dot0 += qv[i] * k0[i];
-            dot1 += qv[i] * k1[i];
+        for (int j = 0; j < ATT_KPP; ++j) {
+            float t = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ATT_DV; ++i) t += qv[i][0] * kk[j][i][0] + qv[i][1] * kk[j][i][1];
+            t = warp_sum(t);
+            dot[j] = s + j * ATT_WARPS <= last ? t : -INFINITY;
+            mn = fmaxf(mn, dot[j]);
         }
-        dot0 = warp_sum(dot0);
-        dot1 = two ? warp_sum(dot1) : -INFINITY;
-        float mn = fmaxf(m, fmaxf(dot0, dot1));
-        float c = expf(m - mn), p0 = expf(dot0 - mn), p1 = two ? expf(dot1 - mn) : 0.0f;
-        l = l * c + p0 + p1;
+        float c = expf(m - mn);
+        l *= c;
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) acc[i] = acc[i] * c + p0 * v0[i] + p1 * v1[i];
+        for (int i = 0; i < ATT_DV; ++i) {
+            acc[i][0] *= c;
+            acc[i][1] *= c;
+        }
+#pragma unroll
+        for (int j = 0; j < ATT_KPP; ++j) {
+            float p = expf(dot[j] - mn);       // 0 for the spare rows (dot = -inf)
+            l += p;
+#pragma unroll
+            for (int i = 0; i < ATT_DV; ++i) {
+                acc[i][0] += p * vv[j][i][0];
+                acc[i][1] += p * vv[j][i][1];
+            }
+        }
         m = mn;
     }
     if (fuse && wid == ATT_WARPS - 1) {     // the newest key, on the warp with the fewest cached keys
         float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) {
-            int d = lane + 32 * i;
-            dot += d < D ? qv[i] * rk[1][d] : 0.0f;
+        for (int i = 0; i < ATT_DV; ++i) {
+            int d = 2 * lane + 64 * i;
+            dot += d < D ? qv[i][0] * rk[1][d] + qv[i][1] * rk[1][d + 1] : 0.0f;
         }
         dot = warp_sum(dot);
         float mn = fmaxf(m, dot);
         float c = expf(m - mn), p = expf(dot - mn);
         l = l * c + p;
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD / 32; ++i) {
-            int d = lane + 32 * i;
-            acc[i] = acc[i] * c + p * (d < D ? rv[d] : 0.0f);
+        for (int i = 0; i < ATT_DV; ++i) {
+            int d = 2 * lane + 64 * i;
+            acc[i][0] = acc[i][0] * c + p * (d < D ? rv[d] : 0.0f);
+            acc[i][1] = acc[i][1] * c + p * (d < D ? rv[d + 1] : 0.0f);
         }
         m = mn;
     }
@@ -120,9 +150,9 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         sm_l[wid] = l;
     }
 #pragma unroll
-    for (int i = 0; i < ATT_MAXD / 32; ++i) {
-        int d = lane + 32 * i;
-        if (d < D) sm_acc[wid][d] = acc[i];
+    for (int i = 0; i < ATT_DV; ++i) {
+        int d = 2 * lane + 64 * i;
+        if (d < D) *(float2*)&sm_acc[wid][d] = make_float2(acc[i][0], acc[i][1]);
     }
     __syncthreads();
     float M = -INFINITY;
