@@ -70,7 +70,7 @@ def run_bench(args) -> int:
             backend.release(s)
         return dt
 
-    prefill_once(min(32, args.prompt_tokens), 0)   # warm-up: compilation, graphs, pools
+    prefill_once(max(1, min(32, args.prompt_tokens)), 0)   # warm-up: compilation, graphs, pools
     backend.release(0)
     decode_once(min(4, args.gen_tokens))
     pp, tg = [], []

@@ -4,6 +4,11 @@ timed as CUDA-graph replays over 28 weight copies (so the weights come from DRAM
 step, not from L2). Prints a table and writes JSON; a tool for choosing the kernel's defaults.
 
     python tools/mmvf_sweep.py --json out.json
+    python tools/mmvf_sweep.py --policy --variant base: --variant const:FUNIT_BASE_CONST=1
+
+--variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines); --policy times only
+the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled for
+the shapes' quant types only, as the loader does.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from realizar_backend.backends.cuda.modules import QTYPES, _source  # noqa: E402
-from realizar_backend.backends.cuda.ops import mmvf_stride  # noqa: E402
+from realizar_backend.backends.cuda.ops import mmvf_stride, mmvf_wpr  # noqa: E402
 
 LAYERS = 28
 VARIANTS = {
@@ -48,12 +53,16 @@ SHAPES = [
 ]
 
 
+QMASK = sum(1 << int(q) for _, segs, _, _ in SHAPES for q, _ in segs)
+
+
 def compile_variant(name: str, defines: dict, arch: str, out_dir: Path) -> Path:
     src = out_dir / f"mmvf_{name}.cu"
     src.write_text(_source("mmvf.cu"))
     out = out_dir / f"mmvf_{name}.cubin"
     cmd = ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-o", str(out), str(src)]
     cmd += [f"-D{k}={v}" for k, v in defines.items()]
+    cmd.append(f"-DREALIZAR_QMASK={QMASK:#x}ull")
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out
 
@@ -67,13 +76,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variant", action="append", default=[], help="NAME:DEF=V,DEF=V (repeatable)")
+    ap.add_argument("--policy", action="store_true", help="only the launch shape ops.py picks")
     args = ap.parse_args()
+    variants = VARIANTS
+    if args.variant:
+        variants = {}
+        for spec in args.variant:
+            name, _, defs = spec.partition(":")
+            variants[name] = {k: int(v) for k, v in (d.split("=") for d in defs.split(",") if d)}
     dev = cupy.cuda.Device(0)
     cc = dev.compute_capability
     sms = dev.attributes["MultiProcessorCount"]
     tmp = Path(tempfile.mkdtemp())
-    with ThreadPoolExecutor(len(VARIANTS)) as ex:
-        futs = {n: ex.submit(compile_variant, n, d, f"sm_{cc}", tmp) for n, d in VARIANTS.items()}
+    with ThreadPoolExecutor(len(variants)) as ex:
+        futs = {n: ex.submit(compile_variant, n, d, f"sm_{cc}", tmp) for n, d in variants.items()}
         cubins = {n: f.result() for n, f in futs.items()}
     rng = cupy.random.default_rng(0)
     x = cupy.asarray(np.random.default_rng(1).standard_normal(8960).astype(np.float32))
@@ -88,7 +105,7 @@ def main() -> int:
                 for _ in range(layers)]
         nbytes = sum(m.nbytes for m in mats[0])
         rows_total = sum(r for _, r in segs)
-        for vname, defines in VARIANTS.items():
+        for vname, defines in variants.items():
             mod = cupy.RawModule(path=str(cubins[vname]))
             R = defines.get("MMVF_R", 2)
             W = defines.get("MMVF_WARPS", 4)
@@ -96,7 +113,10 @@ def main() -> int:
             stage = 0 if vname.endswith("-global") else 1
             smem = stage * mmvf_stride(K) * 4
             fn.max_dynamic_shared_size_bytes = 100 * 1024
-            for wpr, capped in [(w, c) for w in (1, 2, 4, 8) for c in (False, True)]:
+            shapes = [(w, c) for w in (1, 2, 4, 8) for c in (False, True)]
+            if args.policy:
+                shapes = [(mmvf_wpr(K, rows_total, sms, bool(stage)), True)]
+            for wpr, capped in shapes:
                 if wpr > W:
                     continue
                 groups = sum(-(-r // R) for _, r in segs)

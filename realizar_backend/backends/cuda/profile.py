@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from ...settings import Settings
     from .backend import CUDABackend
     m = open_model(a.model)
-    be = CUDABackend(m, max_slots=1, max_context=a.context + 8, settings=Settings(self_check=False))
+    be = CUDABackend(m, max_slots=1, max_context=a.context + 8, settings=Settings.from_env(self_check=False))
     if a.ncu:
         be.ws.dec_io[1, 0] = a.context      # attend over `context` (zeroed) cache rows
         with be.device, be.stream:
