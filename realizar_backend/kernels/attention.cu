@@ -1,5 +1,5 @@
 // Attention over the fp16 KV cache, one block (16 warps) per (query row, head). Each warp walks
-// its share of the keys, ATT_KPP per pass, with an online softmax (running max m, sum l, weighted V
+// its share of the keys, KPP per pass, with an online softmax (running max m, sum l, weighted V
 // in registers; lane owns dims 2 lane + 64 i: 4-byte loads of fp16 pairs), then the warps merge
 // through shared memory. GQA: head h reads KV head h / (H / KVH). The same kernel serves decode
 // (one row per sequence) and prefill (one row per prompt token, all tokens already written to the
@@ -14,14 +14,15 @@
 #define ATT_WARPS 16
 #define ATT_MAXD 256
 #define ATT_DV (ATT_MAXD / 64)   // 2-dim slices per lane
-#define ATT_KPP 4                // keys per warp per pass
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-    attn_decode(const float* __restrict__ q, float* __restrict__ out, const u16* __restrict__ kcache,
-                const u16* __restrict__ vcache, const int* __restrict__ slots,
-                const int* __restrict__ positions, int ctx, int H, int KVH, int D, float scale,
-                int window, int n, i8* oq, float2* od, u16* o16, const float* __restrict__ kin,
-                const float* __restrict__ vin, int rope_dim, float theta, int style, int fuse) {
+template <int KPP>
+__device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __restrict__ out,
+                                          const u16* __restrict__ kcache, const u16* __restrict__ vcache,
+                                          const int* __restrict__ slots, const int* __restrict__ positions,
+                                          int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
+                                          float2* od, u16* o16, const float* __restrict__ kin,
+                                          const float* __restrict__ vin, int rope_dim, float theta, int style,
+                                          int fuse) {
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS], sm_acc[ATT_WARPS][ATT_MAXD];
     __shared__ float rq[2][ATT_MAXD], rk[2][ATT_MAXD], rv[ATT_MAXD];   // fuse: raw / roped q and k, v
     int t = blockIdx.x, h = blockIdx.y;
@@ -80,12 +81,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     }
     float m = -INFINITY, l = 0.0f;
     int last = fuse ? pos - 1 : pos;    // fuse: the newest key comes from shared memory, below
-    // ATT_KPP keys per pass, all their loads in flight together (a pass is one memory latency); the
+    // KPP keys per pass, all their loads in flight together (a pass is one memory latency); the
     // spare rows of the last pass re-read key s and weigh nothing
-    for (int s = start + wid; s <= last; s += ATT_KPP * ATT_WARPS) {
-        float kk[ATT_KPP][ATT_DV][2], vv[ATT_KPP][ATT_DV][2], dot[ATT_KPP];
+    for (int s = start + wid; s <= last; s += KPP * ATT_WARPS) {
+        float kk[KPP][ATT_DV][2], vv[KPP][ATT_DV][2], dot[KPP];
 #pragma unroll
-        for (int j = 0; j < ATT_KPP; ++j) {
+        for (int j = 0; j < KPP; ++j) {
             int sj = s + j * ATT_WARPS;
             long long off = ((base + (sj <= last ? sj : s)) * KVH + kh) * D;
 #pragma unroll
@@ -99,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         }
         float mn = m;
 #pragma unroll
-        for (int j = 0; j < ATT_KPP; ++j) {
+        for (int j = 0; j < KPP; ++j) {
             float t = 0.0f;
 #pragma unroll
             for (int i = 0; i < ATT_DV; ++i) t += qv[i][0] * kk[j][i][0] + qv[i][1] * kk[j][i][1];
@@ -115,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
             acc[i][1] *= c;
         }
 #pragma unroll
-        for (int j = 0; j < ATT_KPP; ++j) {
+        for (int j = 0; j < KPP; ++j) {
             float p = expf(dot[j] - mn);       // 0 for the spare rows (dot = -inf)
             l += p;
 #pragma unroll
@@ -177,4 +178,24 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         if (o16) o16[ob + d] = f2h(s);
         if (oq) quant_q8_lane(s, oq + ob + 32 * wid, od + (ob >> 5) + wid, lane);
     }
+}
+
+// decode: a few rows, short chains of memory latency: four keys per warp per pass
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+    attn_decode(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
+                const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
+                float2* od, u16* o16, const float* kin, const float* vin, int rope_dim, float theta, int style,
+                int fuse) {
+    attn_body<4>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
+                 rope_dim, theta, style, fuse);
+}
+
+// prompt rows (thousands of blocks): one key per pass, two blocks per SM
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
+    attn_prompt(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
+                const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
+                float2* od, u16* o16, const float* kin, const float* vin, int rope_dim, float theta, int style,
+                int fuse) {
+    attn_body<1>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
+                 rope_dim, theta, style, fuse);
 }

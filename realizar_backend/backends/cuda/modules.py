@@ -128,7 +128,7 @@ class Kernels:
                                         "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
         norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])
         rope = build("rope.cu", ["rope_kv"])
-        attn = build("attention.cu", ["attn_decode"])
+        attn = build("attention.cu", ["attn_decode", "attn_prompt"])
         deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
         mmvf = {nb: build("mmvf.cu", [f"mmvf_nb{nb}", f"ffnf_nb{nb}"], typed + (f"-DMMVF_NB={nb}",), 100 * 1024)
                 for nb in MMV_NB}

@@ -289,11 +289,12 @@ def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int
     rope = (k, v, rope_dim, theta, neox): decode only (one row per sequence), RoPE of q and of the
     new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch)."""
     kin, vin, rope_dim, theta, neox = rope if rope is not None else (0, 0, 0, 0.0, False)
-    k.attn_decode((n, H), (ATT_WARPS * 32,),
-                  (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
-                   _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
-                   _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
-                   _I32(int(neox)), _I32(int(rope is not None))))
+    fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; prompts do not
+    fn((n, H), (ATT_WARPS * 32,),
+       (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
+        _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
+        _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
+        _I32(int(neox)), _I32(int(rope is not None))))
 
 
 def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:
@@ -310,10 +311,13 @@ def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) ->
     k.gather_rows(((width + 255) // 256, n), (256,), (_U64(src), _U64(idx), _U64(dst), _I32(n), _I32(width)))
 
 
-def argmax_unpack(k: Kernels, key: int, out: int, n: int) -> None:
-    """out[:n] = rows packed by a fused-argmax GEMV into key[:n] (uint64), which is reset to 0."""
-    k.argmax_unpack(((n + 127) // 128,), (128,), (_U64(key), _U64(out), _I32(n)))
+def argmax_unpack(k: Kernels, key: int, out: int, n: int, io: int = 0, io_stride: int = 0) -> None:
+    """out[:n] = rows packed by a fused-argmax GEMV into key[:n] (uint64), which is reset to 0.
+    io: a decode step's int32 input rows (tokens, positions; row stride io_stride): each token is
+    also written there and its position advanced, the next step's inputs (elementwise.cu feed_next)."""
+    k.argmax_unpack(((n + 127) // 128,), (128,), (_U64(key), _U64(out), _I32(n), _U64(io), _I32(io_stride)))
 
 
-def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int) -> None:
-    k.argmax_rows((rows,), (1024,), (_U64(x), _I32(xs), _I32(cols), _U64(out), _I32(rows)))
+def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int, io: int = 0, io_stride: int = 0) -> None:
+    """out[r] = first index of the max of row r (NaN never wins); io as argmax_unpack."""
+    k.argmax_rows((rows,), (1024,), (_U64(x), _I32(xs), _I32(cols), _U64(out), _I32(rows), _U64(io), _I32(io_stride)))
