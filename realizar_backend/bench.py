@@ -2,7 +2,8 @@
 
 Random token ids, so a shape twin measures the same as the real model. Each repetition
 prefills `prompt_tokens` into a fresh slot, then decodes `gen_tokens` greedy steps for `batch`
-sequences at once. Prints a table and optionally writes JSON.
+sequences at once, pipelined as the engine runs them (each step's tokens are read back, after the
+next step has been started on the device's own argmax). Prints a table and optionally writes JSON.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ def run_bench(args) -> int:
             backend.prefill([PrefillItem(s, rng.integers(0, vocab, size=8, dtype=np.int32), 0)])
         toks = rng.integers(0, vocab, size=batch).tolist()
         t = time.perf_counter()
-        for i in range(steps):
-            toks = backend.decode_argmax(slots, toks, [8 + i] * batch).tolist()
+        h = backend.decode_argmax_start(slots, toks, [8] * batch)
+        for _ in range(steps - 1):           # as the engine runs greedy steps: the next one is
+            nxt = backend.decode_argmax_start(slots)      # started before this one's tokens are read
+            backend.decode_argmax_finish(h)
+            h = nxt
+        backend.decode_argmax_finish(h)
         dt = time.perf_counter() - t
         for s in slots:
             backend.release(s)

@@ -87,3 +87,34 @@ def test_fp16_kv_cache_stays_close_to_fp32(smol_model):
         a, b = ref.decode([0], [t], [40 + i])[0], half.decode([0], [t], [40 + i])[0]
         cos = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
         assert 0.9999 < cos and not np.array_equal(a, b)
+
+
+def test_started_greedy_steps_continue_on_their_own_tokens(backend):
+    """decode_argmax_start without tokens continues the previous greedy step's sequences with its
+    argmax at the next positions: the same tokens as feeding them from the caller; other slots
+    than the previous step's are refused."""
+    rng = np.random.default_rng()
+    vocab = backend.config.vocab_size
+    prompts = [rng.integers(0, vocab, size=5 + i, dtype=np.int32) for i in range(2)]
+    runs = []
+    for chained in (False, True):
+        for s in (0, 1):
+            backend.release(s)
+        first = backend.prefill([PrefillItem(s, p, 0) for s, p in enumerate(prompts)]).argmax(-1)
+        toks, pos = [int(t) for t in first], [len(p) for p in prompts]
+        out = []
+        if chained:
+            h = backend.decode_argmax_start([0, 1], toks, pos)
+            for _ in range(5):
+                nxt = backend.decode_argmax_start([0, 1])
+                out.append(backend.decode_argmax_finish(h).tolist())
+                h = nxt
+            out.append(backend.decode_argmax_finish(h).tolist())
+            with pytest.raises(ValueError):
+                backend.decode_argmax_start([1, 0])
+        else:
+            for i in range(6):
+                toks = backend.decode_argmax([0, 1], toks, [p + i for p in pos]).tolist()
+                out.append(toks)
+        runs.append(out)
+    assert runs[0] == runs[1]

@@ -76,6 +76,16 @@ class Backend(Protocol):
     def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """Greedy step: like decode, but only the argmax ids (int32 [n]) come back."""
 
+    def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
+                            positions: Sequence[int] | None = None) -> Any:
+        """Start a greedy step and return a handle for decode_argmax_finish. tokens and positions
+        None: continue the previous greedy step's sequences (the same slots, in order) with its
+        argmax tokens at the next positions; a GPU backend runs that step without waiting for the
+        host, so the engine can start step n+1 before it reads step n's tokens."""
+
+    def decode_argmax_finish(self, handle: Any) -> np.ndarray:
+        """The ids (int32 [n]) of a started step; waits for it."""
+
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                       rows: Sequence[SampleRow]) -> SampleResult:
         """One step sampled on the backend: only token ids (and logprobs where asked) come back.

@@ -112,6 +112,7 @@ class CPUBackend:
         the GPU parity tests use it so that they compare kernels, not storage formats."""
         self.config: ModelConfig = model.config
         self.max_slots = max_slots
+        self._last_greedy: tuple[list[int], list[int], list[int]] | None = None   # decode_argmax_start
         self.max_context = min(max_context, self.config.context_length) if self.config.context_length else max_context
         c = self.config
 
@@ -209,6 +210,21 @@ class CPUBackend:
 
     def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         return np.argmax(self.decode(slots, tokens, positions), axis=-1).astype(np.int32)
+
+    def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
+                            positions: Sequence[int] | None = None) -> np.ndarray:
+        """The protocol's started greedy step, run at once (the handle is the ids)."""
+        if tokens is None:
+            if self._last_greedy is None or list(slots) != self._last_greedy[0]:
+                raise ValueError("decode_argmax_start without tokens continues the previous step's slots")
+            _, tokens, prev = self._last_greedy
+            positions = [p + 1 for p in prev]
+        ids = self.decode_argmax(slots, tokens, positions)
+        self._last_greedy = ([int(s) for s in slots], ids.tolist(), [int(p) for p in positions])
+        return ids
+
+    def decode_argmax_finish(self, handle: np.ndarray) -> np.ndarray:
+        return handle
 
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                       rows: Sequence[SampleRow]) -> SampleResult:

@@ -96,6 +96,7 @@ class Engine:
         self.scheduler = Scheduler(backend.max_slots, backend.max_context, self.settings.max_waiting)
         self._stop = False
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
+        self._ahead: tuple[list[Sequence], Any] | None = None  # a greedy step started ahead (_greedy_step)
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
@@ -239,6 +240,7 @@ class Engine:
                 self._step()
             except Exception as e:  # a backend failure must not kill the loop or the others' streams
                 log.exception("engine step failed; failing the running requests")
+                self._ahead = None
                 for seq in list(sch.running):
                     seq.finish_reason = "error"
                     self.backend.release(seq.slot)
@@ -268,15 +270,17 @@ class Engine:
                 self._accept(seq, row, None)    # the first token: drawn here by the twin
         batch = [s for s in sch.running if not s.finished and s not in new]
         if not batch:
+            self._drop_ahead()
             return
         slots = [s.slot for s in batch]
         toks = [s.output_ids[-1] for s in batch]
         pos = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in batch]
         if all(s.params.greedy and not s.sampler.needs_counts and s.params.logprobs is None for s in batch):
-            ids = self.backend.decode_argmax(slots, toks, pos)
+            ids = self._greedy_step(batch, slots, toks, pos)
             for seq, tok in zip(batch, ids):
                 self._accept(seq, None, int(tok))
         else:
+            self._drop_ahead()
             # sampled by the backend; only rows asking for top logprobs beyond one get logits back
             rows = [s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
                                   want_logits=(s.params.logprobs or 0) > 1) for s in batch]
@@ -289,6 +293,29 @@ class Engine:
                 self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp)
         self._decode_window.append((time.perf_counter(), len(batch)))
         del self._decode_window[:-64]
+
+    def _greedy_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int]) -> np.ndarray:
+        """A greedy step, pipelined: the step after it is started (on the device's own argmax
+        tokens) before this one's tokens are read, so the GPU does not wait for the host's per-token
+        work. A step started ahead is used when the batch is unchanged (the same sequences in the
+        same order), else waited for and dropped: its cache rows are rewritten or never read."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and len(ahead[0]) == len(batch) and all(a is b for a, b in zip(ahead[0], batch)):
+            h = ahead[1]
+        else:
+            if ahead is not None:
+                self.backend.decode_argmax_finish(ahead[1])
+            h = self.backend.decode_argmax_start(slots, toks, pos)
+        # the next step goes ahead unless a sequence must stop after this one (length or context)
+        if all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
+               for s, p in zip(batch, pos)):
+            self._ahead = (batch, self.backend.decode_argmax_start(slots))
+        return self.backend.decode_argmax_finish(h)
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self.backend.decode_argmax_finish(ahead[1])
 
     def _decode_rate(self) -> float:
         w = self._decode_window

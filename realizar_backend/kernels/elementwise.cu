@@ -78,7 +78,18 @@ extern "C" __global__ void gather_rows(const float* __restrict__ src, const int*
 }
 
 // out[r] = first index of the maximum of row r (NaN never wins); one block of 1024 per row.
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int cols, int* __restrict__ out, int rows) {
+// io != 0 (a decode step): the chosen token and the next position also go to the step's own input
+// rows (io[b]: token, io[io_stride + b]: position), so the next step can run on the device's output
+// without the host in between (CUDABackend.decode_argmax_start with tokens=None)
+__device__ __forceinline__ void feed_next(int* io, int io_stride, int b, int tok) {
+    if (io) {
+        io[b] = tok;
+        io[io_stride + b] += 1;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int cols, int* __restrict__ out, int rows,
+                                       int* io, int io_stride) {
     __shared__ float sv[32];
     __shared__ int si[32];
     int r = blockIdx.x;
@@ -109,17 +120,22 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int 
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
         }
-        if (lane == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
+        if (lane == 0) {
+            out[r] = bi == 0x7fffffff ? 0 : bi;
+            feed_next(io, io_stride, r, out[r]);
+        }
     }
 }
 
 // out[b] = the row packed into key[b] by a GEMV's fused argmax (mmvf.cu argmax_key), and key[b]
 // reset to 0 for the next step's atomicMax. The row is the low word's complement.
-extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n) {
+extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n, int* io, int io_stride) {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= n) return;
-    out[b] = (int)(0xFFFFFFFFu - (unsigned)(key[b] & 0xFFFFFFFFull));
+    int tok = (int)(0xFFFFFFFFu - (unsigned)(key[b] & 0xFFFFFFFFull));
+    out[b] = tok;
     key[b] = 0ull;
+    feed_next(io, io_stride, b, tok);
 }
 
 // Busy-wait about ns nanoseconds on one thread: the profiler queues a step's launches behind it

@@ -69,3 +69,41 @@ def test_real_smollm2_greedy_graphs_off_equals_cpu():
     print(f"greedy cpu {tc}\ngreedy gpu (graphs off) {tg}")
     assert st.get(1) == "disabled"
     assert tc == tg
+
+
+@pytest.mark.parametrize("name", ["qwen05", "real"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
+    """Greedy steps chained on the device (decode_argmax_start without tokens: the step reads the
+    previous step's argmax and next positions, which that step wrote) give the tokens of the same
+    steps fed from the host one at a time, with up to two steps in flight."""
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.settings import Settings
+    model = _model(name)
+    V = model.config.vocab_size
+    prompts = [rng.integers(0, V, 7 + 2 * s).astype(np.int32) for s in range(batch)]
+    slots = list(range(batch))
+    runs = []
+    for chained in (False, True):
+        gpu = CUDABackend(model, max_slots=4, max_context=128,
+                          settings=Settings(self_check=False, cuda_graphs=graphs))
+        first = gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)
+        toks, pos, out = [int(t) for t in first], [len(p) for p in prompts], []
+        if chained:
+            h = gpu.decode_argmax_start(slots, toks, pos)
+            for _ in range(19):
+                nxt = gpu.decode_argmax_start(slots)
+                out.append(gpu.decode_argmax_finish(h).tolist())
+                h = nxt
+            out.append(gpu.decode_argmax_finish(h).tolist())
+            with pytest.raises(ValueError):
+                gpu.decode_argmax_start(slots[::-1] + [3])
+        else:
+            for i in range(20):
+                toks = gpu.decode_argmax(slots, toks, [p + i for p in pos]).tolist()
+                out.append(toks)
+        gpu.close()
+        runs.append(out)
+    assert runs[0] == runs[1]

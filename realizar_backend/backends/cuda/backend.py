@@ -59,6 +59,12 @@ class CUDABackend:
         self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
         self._am_mem = cupy.cuda.alloc_pinned_memory(self.ws.argmax.nbytes)
         self._am_host = np.frombuffer(self._am_mem, np.int32, self.ws.argmax.size)
+        self._io_copied = cupy.cuda.Event(disable_timing=True)   # the pinned inputs' last copy is done
+        # started greedy steps (decode_argmax_start): a ring of pinned token buffers and their events
+        self._ring = [(np.frombuffer(cupy.cuda.alloc_pinned_memory(self.ws.argmax.nbytes), np.int32,
+                                     self.ws.argmax.size), cupy.cuda.Event(disable_timing=True)) for _ in range(4)]
+        self._ring_next = 0
+        self._last_step: tuple[int, list[int], list[int]] | None = None   # (bucket, slots, positions)
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
         log.info("cuda backend ready: %s on %s, %d slots x %d context, buckets %s",
@@ -71,6 +77,7 @@ class CUDABackend:
 
     # ------------------------------------------------------------ graphs
     def _drop_graphs(self) -> None:
+        self.stream.synchronize()        # a step started ahead may still be replaying one of them
         self.graphs.clear()
         for b, s in self.graph_status.items():
             if s == "captured":
@@ -152,14 +159,17 @@ class CUDABackend:
         # tokens / positions / slots in one host->device copy; rows past n are padding on the
         # scratch slot so the captured launch sequence fits
         io = self._io_host
+        self._io_copied.synchronize()      # the previous step's copy has read the pinned buffer
         io[0, :] = 0
         io[1, :] = 0
         io[2, :] = self.kv.scratch_slot
         io[0, :n], io[1, :n], io[2, :n] = tokens, positions, slots
         self.ws.dec_io.set(io, stream=self.stream)
+        self._io_copied.record(self.stream)
         self._run_decode(b)
         for s, p in zip(slots, positions):
             self.lengths[int(s)] = int(p) + 1
+        self._last_step = (b, [int(s) for s in slots], [int(p) for p in positions])
         return n
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
@@ -173,6 +183,41 @@ class CUDABackend:
             n = self._decode(slots, tokens, positions)
             self.ws.argmax[:n].get(stream=self.stream, out=self._am_host[:n])
             return self._am_host[:n].copy()
+
+    def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
+                            positions: Sequence[int] | None = None) -> tuple[int, int]:
+        """Enqueue a greedy step and return at once; decode_argmax_finish(handle) gives its ids.
+        tokens and positions None: continue the previous step's sequences (same slots, in order) with
+        its argmax tokens at the next positions, read on the device (the step wrote them there), so
+        the host can enqueue a step before it has read the previous one's tokens."""
+        with self.device, self.stream:
+            if tokens is None:
+                if self._last_step is None or list(slots) != self._last_step[1]:
+                    raise ValueError("decode_argmax_start without tokens continues the previous step's slots")
+                b, sl, pos = self._last_step
+                pos = [p + 1 for p in pos]
+                for s, p in zip(sl, pos):
+                    self._check(s, p)
+                self._run_decode(b)
+                for s, p in zip(sl, pos):
+                    self.lengths[s] = p + 1
+                self._last_step = (b, sl, pos)
+                n = len(sl)
+            else:
+                n = self._decode(slots, tokens, positions)
+            k = self._ring_next
+            self._ring_next = (k + 1) % len(self._ring)
+            buf, ev = self._ring[k]
+            self.ws.argmax[:n].get(stream=self.stream, out=buf[:n])
+            ev.record(self.stream)
+        return k, n
+
+    def decode_argmax_finish(self, handle: tuple[int, int]) -> np.ndarray:
+        """The ids of a started step (waits for it)."""
+        k, n = handle
+        buf, ev = self._ring[k]
+        ev.synchronize()
+        return buf[:n].copy()
 
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                       rows: Sequence[SampleRow]) -> SampleResult:
@@ -200,12 +245,15 @@ class CUDABackend:
         which must be identical. Captures the bucket's graph first if needed."""
         with self.device, self.stream:
             n = self._decode(slots, tokens, positions)          # captures if pending
+            inputs = cupy.asarray(self._io_host)                # each step advances dec_io: restore it
             b = next(x for x in self.buckets if x >= n)
+            self.ws.dec_io[...] = inputs
             self.fwd.decode_step(b)
             eager = self.ws.logits[:n].get()
             if self.graph_status[b] != "captured":
                 raise RuntimeError(f"bucket {b} has no captured graph ({self.graph_status[b]})")
             self.ws.logits.fill(float("nan"))
+            self.ws.dec_io[...] = inputs
             self.graphs[b].launch(self.stream)
             replay = self.ws.logits[:n].get()
         return eager, replay

@@ -202,9 +202,11 @@ class Forward:
             else:
                 self._layer_gemv(li, lw, self.plans[li], T, pos, slots, decode)
 
-    def head(self, rows: cupy.ndarray, n: int) -> None:
-        """Final norm + LM head (GEMV) + greedy argmax for rows[:n] -> ws.logits, ws.argmax."""
+    def head(self, rows: cupy.ndarray, n: int, io: cupy.ndarray | None = None) -> None:
+        """Final norm + LM head (GEMV) + greedy argmax for rows[:n] -> ws.logits, ws.argmax; io: the
+        decode inputs (ws.dec_io), which also receive the argmax tokens and advanced positions."""
         c, ws = self.c, self.ws
+        feed = (io.data.ptr, io.shape[1]) if io is not None else (0, 0)
         if self.head_q8:
             self._norm_q8(rows, self.w.output_norm, n, None, ws.head_q, ws.head_d)
             ops.mmv_q8(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden,
@@ -214,19 +216,21 @@ class Forward:
             x, norm = self._normed(rows, self.w.output_norm, n)
             ops.mmvf(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden, x.data.ptr,
                      x.shape[1], n, norm=norm, amax=self.am_key.data.ptr)
-            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n)
+            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed)
             return
         else:
             self._norm(rows, self.w.output_norm, ws.last_norm, n)
             self._gemv(self.w.output, ws.last_norm, n, ws.logits)
-        ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n)
+        ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n, *feed)
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int) -> None:
-        """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots)."""
+        """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots).
+        The step ends by writing its argmax tokens and the next positions into ws.dec_io[0/1]: the
+        next step's inputs when the host feeds none."""
         io = self.ws.dec_io
         self.layers(b, False, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
-        self.head(self.ws.x, b)
+        self.head(self.ws.x, b, io)
 
     def prefill_step(self, T: int, n_items: int) -> None:
         """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row."""

@@ -48,6 +48,9 @@ def _bytes(kind: str, args: tuple, kw: dict, cfg, ctx_len: int) -> int:
     return 0
 
 
+REPLAYS = 200
+
+
 def profile_decode(backend, steps: int = 20, ctx_len: int = 64) -> dict:
     """Time each launch of `steps` eager decode steps (batch 1 at position ctx_len) and the graph replay."""
     cfg = backend.config
@@ -80,6 +83,7 @@ def profile_decode(backend, steps: int = 20, ctx_len: int = 64) -> dict:
         per: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
         with backend.device, stream:
             for _ in range(steps):
+                backend.ws.dec_io[1, 0] = ctx_len     # each step advances its position (feeds the next): reset
                 records.clear()
                 k.spin_ns((1,), (1,), (np.int64(20_000_000),))   # 20 ms: all launches queue behind it
                 ctx["on"] = True
@@ -95,10 +99,12 @@ def profile_decode(backend, steps: int = 20, ctx_len: int = 64) -> dict:
                     p[1] += cupy.cuda.get_elapsed_time(e0, e1) * 1e3
                     p[2] += nbytes
             step_us = sum(p[1] for p in per.values()) / steps
-            # the captured graph: replay time per token, GPU only
+            # the captured graph: replay time per token, GPU only; each replay continues the sequence
+            # on the previous one's token (positions ctx_len .. ctx_len + REPLAYS - 1)
             g = backend.graphs.get(1)
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            reps = 200
+            reps = REPLAYS
+            backend.ws.dec_io[1, 0] = ctx_len
             e0.record(stream)
             for _ in range(reps):
                 g.launch(stream)
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
     from ...settings import Settings
     from .backend import CUDABackend
     m = open_model(a.model)
-    be = CUDABackend(m, max_slots=1, max_context=a.context + 8, settings=Settings.from_env(self_check=False))
+    be = CUDABackend(m, max_slots=1, max_context=a.context + REPLAYS + 8, settings=Settings.from_env(self_check=False))
     if a.ncu:
         be.ws.dec_io[1, 0] = a.context      # attend over `context` (zeroed) cache rows
         with be.device, be.stream:
