@@ -37,6 +37,9 @@ def _summary(xs: list[float]) -> dict[str, float]:
             "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
 
+DECODE_PRIME = 8     # prompt tokens in a slot before its timed decode steps
+
+
 def run_bench(args) -> int:
     from .model.default import default_model_path
     from .settings import Settings
@@ -45,7 +48,7 @@ def run_bench(args) -> int:
     t0 = time.perf_counter()        # load = open (mmap, parse) + backend up (upload, compile, self-check)
     mf = open_model(path)
     batch = max(1, args.batch)
-    ctx = args.prompt_tokens + args.gen_tokens + 1
+    ctx = max(args.prompt_tokens, DECODE_PRIME) + args.gen_tokens + 1
     settings = Settings.from_env(model=path, backend=args.backend, max_num_seqs=batch + 1, context_length=ctx)
     backend = create_backend(mf, settings)
     load_s = time.perf_counter() - t0
@@ -61,10 +64,10 @@ def run_bench(args) -> int:
     def decode_once(steps: int) -> float:
         slots = list(range(batch))
         for s in slots:                      # a short context to decode after
-            backend.prefill([PrefillItem(s, rng.integers(0, vocab, size=8, dtype=np.int32), 0)])
+            backend.prefill([PrefillItem(s, rng.integers(0, vocab, size=DECODE_PRIME, dtype=np.int32), 0)])
         toks = rng.integers(0, vocab, size=batch).tolist()
         t = time.perf_counter()
-        h = backend.decode_argmax_start(slots, toks, [8] * batch)
+        h = backend.decode_argmax_start(slots, toks, [DECODE_PRIME] * batch)
         for _ in range(steps - 1):           # as the engine runs greedy steps: the next one is
             nxt = backend.decode_argmax_start(slots)      # started before this one's tokens are read
             backend.decode_argmax_finish(h)
@@ -90,6 +93,7 @@ def run_bench(args) -> int:
         "model": str(mf.path), "name": mf.name, "arch": mf.config.arch, "quant_mix": mf.quant_mix(),
         "backend": backend.name, **_device_info(backend.name),
         "graph_status": stats.get("graph_status", {}),
+        "programmatic_launch": stats.get("programmatic_launch", False),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "batch": batch,
         "repetitions": args.repetitions, "load_s": load_s,
         "pp_tok_s": _summary(pp) if pp else None,
