@@ -5,6 +5,7 @@ step, not from L2). Prints a table and writes JSON; a tool for choosing the kern
 
     python tools/mmvf_sweep.py --json out.json
     python tools/mmvf_sweep.py --policy --variant base: --variant const:FUNIT_BASE_CONST=1
+    python tools/mmvf_sweep.py --policy --variant base: --shapes down_q4k,down_q6k --reps 1   (under ncu)
 
 --variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines); --policy times only
 the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled for
@@ -31,16 +32,16 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from realizar_backend.backends.cuda.modules import QTYPES, _source  # noqa: E402
-from realizar_backend.backends.cuda.ops import mmvf_stride, mmvf_wpr  # noqa: E402
+from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_stride, mmvf_wpr  # noqa: E402
 
 LAYERS = 28
 VARIANTS = {
-    "R2-W4-global": {},           # the defaults (unroll 2), activations read from global memory
-    "R2-W4": {},                  # the defaults, staged
-    "R2-W4-U1": {"MMVF_UNROLL": 1},
-    "R1-W4": {"MMVF_R": 1},
-    "R4-W4": {"MMVF_R": 4},
-    "R2-W8": {"MMVF_WARPS": 8},
+    "R2-W8-global": {},           # the defaults (8 warps, unroll 2), activations read from global memory
+    "R2-W8": {},                  # the defaults, staged
+    "R2-W8-U1": {"MMVF_UNROLL": 1},
+    "R1-W8": {"MMVF_R": 1},
+    "R4-W8": {"MMVF_R": 4},
+    "R2-W4": {"MMVF_WARPS": 4},
 }
 # (name, segments [(qtype, rows)], K, kind); kind "mmvf" or "ffnf"
 SHAPES = [
@@ -53,7 +54,8 @@ SHAPES = [
 ]
 
 
-QMASK = sum(1 << int(q) for _, segs, _, _ in SHAPES for q, _ in segs)
+# one bit per type (a sum would carry where a type repeats and drop types: it once compiled Q6_K out)
+QMASK = sum(1 << int(q) for q in {q for _, segs, _, _ in SHAPES for q, _ in segs})
 
 
 def compile_variant(name: str, defines: dict, arch: str, out_dir: Path) -> Path:
@@ -78,7 +80,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variant", action="append", default=[], help="NAME:DEF=V,DEF=V (repeatable)")
     ap.add_argument("--policy", action="store_true", help="only the launch shape ops.py picks")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     args = ap.parse_args()
+    shapes_run = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes.split(",")]
     variants = VARIANTS
     if args.variant:
         variants = {}
@@ -97,7 +101,7 @@ def main() -> int:
     ybuf = cupy.zeros(151936 * 2, cupy.float32)
     results = []
     stream = cupy.cuda.Stream(non_blocking=True)
-    for shape_name, segs, K, kind in SHAPES:
+    for shape_name, segs, K, kind in shapes_run:
         layers = 1 if shape_name == "head" else LAYERS
         # weight copies per layer: random bytes (the speed does not depend on the values)
         mat_segs = segs * 2 if kind == "ffnf" else segs          # ffnf: gate and up
@@ -107,8 +111,8 @@ def main() -> int:
         rows_total = sum(r for _, r in segs)
         for vname, defines in variants.items():
             mod = cupy.RawModule(path=str(cubins[vname]))
-            R = defines.get("MMVF_R", 2)
-            W = defines.get("MMVF_WARPS", 4)
+            R = defines.get("MMVF_R", MMVF_R)
+            W = defines.get("MMVF_WARPS", MMVF_WARPS)
             fn = mod.get_function("ffnf_nb1" if kind == "ffnf" else "mmvf_nb1")
             stage = 0 if vname.endswith("-global") else 1
             smem = stage * mmvf_stride(K) * 4
