@@ -41,6 +41,9 @@ class Settings:
     max_waiting: int = 256             # queued requests beyond which the server answers 503
     api_key: str | None = None         # when set, requests must carry `Authorization: Bearer <key>`
     cuda_graphs: bool = True
+    # decode graphs link their kernels by programmatic dependent launch (compute capability 9.0+):
+    # each kernel starts, and prefetches its weights, while the one before finishes
+    programmatic_launch: bool = True
     # numeric trade-offs of the CUDA path (speed vs closeness to the float32 reference; the
     # defaults are the ones that pass the parity bar of the test suite, see README):
     # decode projections on float32 activations ("fp32"), on 8-bit activation blocks ("int8"),

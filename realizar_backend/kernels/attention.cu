@@ -41,6 +41,9 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         long long a = lo + per * h, n = min(per, lo + len - a);
         if (n > 0) l2_prefetch((threadIdx.x ? vcache : kcache) + a, 2 * n);
     }
+    // everything above reads only step inputs (positions, slots) and cached rows that no kernel of
+    // this step writes: it may overlap the kernel before (common.cuh pdl_wait)
+    pdl_wait();
     if (fuse) {
         const float* kr = kin + ((long long)t * KVH + kh) * D;
         const float* vr = vin + ((long long)t * KVH + kh) * D;
@@ -146,6 +149,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         }
         m = mn;
     }
+    pdl_trigger();       // every key read: the next kernel may park its blocks (common.cuh)
     if (lane == 0) {
         sm_m[wid] = m;
         sm_l[wid] = l;

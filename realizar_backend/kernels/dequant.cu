@@ -109,6 +109,7 @@ __device__ __forceinline__ void embed_body(const u8* __restrict__ W, long long r
                                            const int* __restrict__ tokens, int n, float scale,
                                            float* __restrict__ out, int os) {
     __shared__ uint4 sm[DQ_WARPS * 32 * 8];
+    pdl_trigger();            // a decode step's first kernel: the next one may start prefetching now
     const int nu = (K + 31) >> 5;
     const int u = blockIdx.x * blockDim.x + threadIdx.x;
     const int b = blockIdx.y;

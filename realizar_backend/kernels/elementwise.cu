@@ -130,6 +130,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int 
 // out[b] = the row packed into key[b] by a GEMV's fused argmax (mmvf.cu argmax_key), and key[b]
 // reset to 0 for the next step's atomicMax. The row is the low word's complement.
 extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n, int* io, int io_stride) {
+    pdl_wait();
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= n) return;
     int tok = (int)(0xFFFFFFFFu - (unsigned)(key[b] & 0xFFFFFFFFull));

@@ -27,7 +27,7 @@
 #include "common.cuh"
 
 #ifndef MMVF_WARPS
-#define MMVF_WARPS 4
+#define MMVF_WARPS 8       // half the blocks of 4 warps: half the activation staging (qwen15: -40 us/token)
 #endif
 #ifndef MMVF_R
 #define MMVF_R 2
@@ -176,6 +176,16 @@ __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, 
     __shared__ float inv_s[NB];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int nu = K >> 5, st = mmvf_stride(K);
+    // the raw rows first, by asynchronous copies: all of a thread's pieces in flight together (one
+    // memory latency per row, where a load-store loop pays one per few trips); each thread later
+    // reads back only its own pieces, so its own wait is enough until the barrier
+    for (int b = 0; b < nbl; ++b)
+#pragma unroll 4
+        for (int g = threadIdx.x; g < 8 * nu; g += blockDim.x) {
+            int u = g >> 3;
+            cp_async16(sm + b * st + 32 * u + 4 * (((g & 7) + u) & 7), x + (long long)b * xs + 4 * g);
+        }
+    cp_async_wait_all();
     if (nw) {
         float ss[NB];
 #pragma unroll
@@ -183,8 +193,9 @@ __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, 
             ss[b] = 0.0f;
             if (b < nbl)
 #pragma unroll 4
-                for (int i = 4 * threadIdx.x; i < K; i += 4 * blockDim.x) {
-                    float4 v = __ldg((const float4*)(x + (long long)b * xs + i));
+                for (int g = threadIdx.x; g < 8 * nu; g += blockDim.x) {
+                    int u = g >> 3;
+                    float4 v = *(const float4*)(sm + b * st + 32 * u + 4 * (((g & 7) + u) & 7));
                     ss[b] += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
                 }
             ss[b] = warp_sum(ss[b]);
@@ -200,18 +211,15 @@ __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, 
             inv_s[threadIdx.x] = rsqrtf(t / K + eps);
         }
         __syncthreads();
-    }
-    for (int b = 0; b < nbl; ++b) {
-        float inv = nw ? inv_s[b] : 1.0f;
+        for (int b = 0; b < nbl; ++b) {
+            float inv = inv_s[b];
 #pragma unroll 4
-        for (int g = threadIdx.x; g < 8 * nu; g += blockDim.x) {
-            float4 v = __ldg((const float4*)(x + (long long)b * xs) + g);
-            if (nw) {
-                float4 w = __ldg((const float4*)nw + g);
-                v = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
+            for (int g = threadIdx.x; g < 8 * nu; g += blockDim.x) {
+                int u = g >> 3;
+                float4* p = (float4*)(sm + b * st + 32 * u + 4 * (((g & 7) + u) & 7));
+                float4 v = *p, w = __ldg((const float4*)nw + g);
+                *p = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
             }
-            int u = g >> 3;
-            *(float4*)(sm + b * st + 32 * u + 4 * (((g & 7) + u) & 7)) = v;
         }
     }
     __syncthreads();
@@ -270,6 +278,14 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
     for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
+    {   // the first round's rows towards L2 while the kernel before may still run
+        int G = blockIdx.x * gpb + wid / wpr, g;
+        if (sub == 0 && lane == 0 && G < groups) {
+            MmvfSeg s = mmvf_seg(seg, G, g);
+            l2_prefetch(s.W + (long long)g * MMVF_R * s.rb, (long long)min(MMVF_R, s.n - g * MMVF_R) * s.rb);
+        }
+    }
+    pdl_wait();
     const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
     // the grid may hold fewer blocks than there are groups (one wave, staged once per block): blocks
@@ -289,6 +305,7 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
         if (live)
             mmvf_dispatch<NB, 1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
                                  stage != 0, acc);
+        if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
             // outputs spread over the lanes
@@ -319,6 +336,12 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
     int groups = (N + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
+    {   // as mmvf_body: the first round's gate and up rows towards L2, then wait for the kernel before
+        int G = blockIdx.x * gpb + wid / wpr;
+        if (sub == 0 && lane < 2 && G < groups)
+            l2_prefetch((lane ? Wu : Wg) + (long long)G * MMVF_R * rb, (long long)min(MMVF_R, N - G * MMVF_R) * rb);
+    }
+    pdl_wait();
     const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmvf_body
@@ -336,6 +359,7 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         if (live)
             mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
                                  stage != 0, acc);
+        if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
 #pragma unroll
@@ -351,6 +375,9 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
     }
 }
 
+// MMVF_KIND: 1 = the mmvf kernels only, 2 = the ffnf kernels only, unset = both (the loader
+// compiles them as separate modules, in parallel: a cold start waits for the slower one only)
+#if !defined(MMVF_KIND) || MMVF_KIND == 1
 #define DEFINE_MMVF(NB)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) mmvf_nb##NB(                          \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,               \
@@ -361,24 +388,36 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         const MmvfSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},         \
                                 {W2, rb2, n2, qt2, b2, y2, ys2}};                                         \
         mmvf_body<NB>(seg, K, x, xs, nb, wpr, accumulate, stage, nw, eps, amax);                         \
-    }                                                                                                    \
+    }
+#else
+#define DEFINE_MMVF(NB)
+#endif
+#if !defined(MMVF_KIND) || MMVF_KIND == 2
+#define DEFINE_FFNF(NB)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
         int act, float* a, int as, int wpr, int stage, const float* nw, float eps) {                     \
         ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps);                 \
     }
+#else
+#define DEFINE_FFNF(NB)
+#endif
 
 // MMVF_NB: one batch width per compilation (the loader compiles the widths as separate modules,
 // in parallel); unset: all four
 #if !defined(MMVF_NB) || MMVF_NB == 1
 DEFINE_MMVF(1)
+DEFINE_FFNF(1)
 #endif
 #if !defined(MMVF_NB) || MMVF_NB == 2
 DEFINE_MMVF(2)
+DEFINE_FFNF(2)
 #endif
 #if !defined(MMVF_NB) || MMVF_NB == 4
 DEFINE_MMVF(4)
+DEFINE_FFNF(4)
 #endif
 #if !defined(MMVF_NB) || MMVF_NB == 8
 DEFINE_MMVF(8)
+DEFINE_FFNF(8)
 #endif

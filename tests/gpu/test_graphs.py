@@ -30,12 +30,19 @@ def _model(name):
 
 @pytest.mark.parametrize("name", ["smol135", "qwen05", "gemma270", "qwen15", "real"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_eager_equals_replay(name, batch, rng):
+@pytest.mark.parametrize("programmatic", [True, False], ids=["pdl", "plain"])
+def test_eager_equals_replay(name, batch, programmatic, rng):
+    """The replayed graph links its kernels by programmatic dependent launch where the GPU has it
+    (each kernel starts before the one before ends and must wait for its results): any kernel
+    that reads an activation before its pdl_wait() shows here as a replay that differs."""
+    import cupy
     from realizar_backend.backends.base import PrefillItem
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model(name)
-    gpu = CUDABackend(model, max_slots=4, max_context=128, settings=Settings(self_check=False))
+    gpu = CUDABackend(model, max_slots=4, max_context=128,
+                      settings=Settings(self_check=False, programmatic_launch=programmatic))
+    expect_pdl = programmatic and int(cupy.cuda.Device().compute_capability) >= 90
     V = model.config.vocab_size
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 9 + s).astype(np.int32)) for s in range(batch)])
     slots = list(range(batch))
@@ -43,7 +50,9 @@ def test_eager_equals_replay(name, batch, rng):
     pos = [9 + s for s in slots]
     eager, replay = gpu.graph_ab_check(slots, toks, pos)
     st = gpu.stats()["graph_status"]
+    used = gpu.stats()["programmatic_launch"]
     gpu.close()
+    assert used == expect_pdl       # the capture kept the launches asked for (no silent fallback)
     assert np.all(np.isfinite(eager))
     assert np.array_equal(eager, replay), f"max diff {np.abs(eager - replay).max()}"
     assert "captured" in st.values()

@@ -11,6 +11,7 @@ import numpy as np
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow
+from . import pdl
 from .forward import Forward
 from .kv_cache import KVCache
 from .modules import get_kernels
@@ -49,6 +50,9 @@ class CUDABackend:
         # sampling kernels run eagerly after the step's graph replay, on the same stream
         self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], max_slots)
         self.graphs: dict[int, Any] = {}
+        # programmatic dependent launches inside the decode graphs (sm_90+, pdl.py)
+        self.pdl = (self.settings.cuda_graphs and self.settings.programmatic_launch
+                    and int(self.device.compute_capability) >= 90 and pdl.launcher() is not None)
         self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")
                                              for b in self.buckets}
         self._warned_fallback = False
@@ -83,6 +87,29 @@ class CUDABackend:
             if s == "captured":
                 self.graph_status[b] = "pending"
 
+    def _capture(self, b: int):
+        """The decode step of bucket b as a graph; with programmatic dependent launches where they
+        are on, and without them (for good, said once) if such a capture fails."""
+        while True:
+            self.fwd.pdl = self.pdl
+            try:
+                # relaxed (CuPy's default, said here on purpose): kernel modules of other families may
+                # finish loading on the compile threads meanwhile (modules.py)
+                self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    self.fwd.decode_step(b)
+                finally:
+                    graph = self.stream.end_capture()
+                return graph
+            except Exception as e:
+                if not self.pdl:
+                    raise
+                log.warning("decode graph capture with programmatic dependent launches failed (%s): "
+                            "capturing plain launches", e)
+                self.pdl = False
+            finally:
+                self.fwd.pdl = False
+
     def _run_decode(self, b: int) -> None:
         status = self.graph_status[b]
         if status == "captured":
@@ -93,16 +120,10 @@ class CUDABackend:
             # replaying the capture needs nothing from this step but the buffers it reads
             self.fwd.decode_step(b)      # also loads every kernel the step launches
             try:
-                # relaxed (CuPy's default, said here on purpose): kernel modules of other families may
-                # finish loading on the compile threads meanwhile (modules.py)
-                self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-                try:
-                    self.fwd.decode_step(b)
-                finally:
-                    graph = self.stream.end_capture()
-                self.graphs[b] = graph
+                self.graphs[b] = self._capture(b)
                 self.graph_status[b] = "captured"
-                log.info("cuda graph captured for decode bucket %d", b)
+                log.info("cuda graph captured for decode bucket %d%s", b,
+                         " (programmatic dependent launches)" if self.pdl else "")
             except Exception as e:  # capture unsupported here: eager from now on, said once
                 self.graph_status[b] = "eager-fallback"
                 if not self._warned_fallback:
@@ -265,6 +286,7 @@ class CUDABackend:
         free, total = cupy.cuda.runtime.memGetInfo()
         # buckets not yet run report nothing; the rest: captured | eager-fallback | disabled
         return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
+                "programmatic_launch": self.pdl,
                 "pool_bytes": int(self.ws.nbytes + self.kv.nbytes
                                   + (self.sampler.nbytes if self.sampler else 0)),
                 "device_memory_bytes": int(total - free)}

@@ -78,6 +78,9 @@ class Forward:
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         self.gemm_layers = PrefillGemm(self)
+        # launch the kernels that wait for their predecessor in pdl_wait() as programmatic dependent
+        # launches (pdl.py); the backend sets it while it captures a decode step
+        self.pdl = False
 
     # ------------------------------------------------------------ building blocks
     def _gemv(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
@@ -88,7 +91,8 @@ class Forward:
               accumulate: bool = False) -> None:
         """y[:T] (+)= x[:T] @ w.T (+ bias) on fp32 activations: mmvf.cu when `fast`, else gemv.cu."""
         if fast:
-            ops.mmvf(self.k, [(w, bias, y.data.ptr, y.shape[1])], w.cols, x.data.ptr, x.shape[1], T, accumulate)
+            ops.mmvf(self.k, [(w, bias, y.data.ptr, y.shape[1])], w.cols, x.data.ptr, x.shape[1], T, accumulate,
+                     pdl=self.pdl)
         else:
             self._gemv(w, x, T, y, bias, accumulate)
 
@@ -128,7 +132,8 @@ class Forward:
         rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, lw.theta, c.rope_style == "neox")
                 if fuse_rope else None)
         ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li], slots, pos,
-                      kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16, rope)
+                      kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16, rope,
+                      pdl=self.pdl)
 
     # ------------------------------------------------------------ one layer, two ways
     def _layer_gemv(self, li: int, lw: LayerIndex, p: _LayerPlan, T: int, pos: int, slots: int,
@@ -143,7 +148,8 @@ class Forward:
         elif p.f_qkv:
             x, norm = self._normed(ws.x, lw.attn_norm, T)
             ops.mmvf(k, [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
-                         (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, x.data.ptr, x.shape[1], T, norm=norm)
+                         (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)], c.hidden, x.data.ptr, x.shape[1], T, norm=norm,
+                     pdl=self.pdl)
         else:
             self._norm(ws.x, lw.attn_norm, ws.h, T)
             self._gemv(lw.wq, ws.h, T, ws.q, lw.bq)
@@ -168,14 +174,15 @@ class Forward:
                        ws.fd.data.ptr, 0 if p.down else ws.a.data.ptr)
         elif p.f_ffn:
             x, norm = self._normed(ws.x, lw.ffn_norm, T)
-            ops.ffn_f(k, lw.w_gate, lw.w_up, x.data.ptr, x.shape[1], ws.a.data.ptr, c.ffn_dim, T, self.act, norm=norm)
+            ops.ffn_f(k, lw.w_gate, lw.w_up, x.data.ptr, x.shape[1], ws.a.data.ptr, c.ffn_dim, T, self.act, norm=norm,
+                      pdl=self.pdl)
         else:
             self._norm(ws.x, lw.ffn_norm, ws.h, T)
             if lw.fused_ffn:
                 ops.ffn_gate_up(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, self.act)
             elif p.f_gu:
                 ops.mmvf(k, [(lw.w_gate, 0, ws.g.data.ptr, c.ffn_dim), (lw.w_up, 0, ws.u.data.ptr, c.ffn_dim)],
-                         c.hidden, ws.h.data.ptr, ws.h.shape[1], T)
+                         c.hidden, ws.h.data.ptr, ws.h.shape[1], T, pdl=self.pdl)
                 ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
             else:
                 self._gemv(lw.w_gate, ws.h, T, ws.g)
@@ -215,8 +222,8 @@ class Forward:
             # norm, LM head and argmax in one launch (+ the tiny unpack)
             x, norm = self._normed(rows, self.w.output_norm, n)
             ops.mmvf(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden, x.data.ptr,
-                     x.shape[1], n, norm=norm, amax=self.am_key.data.ptr)
-            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed)
+                     x.shape[1], n, norm=norm, amax=self.am_key.data.ptr, pdl=self.pdl)
+            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
             return
         else:
             self._norm(rows, self.w.output_norm, ws.last_norm, n)

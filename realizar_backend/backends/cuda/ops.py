@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cupy
 import numpy as np
 
+from . import pdl as _pdl
 from .modules import MMV_NB, QTYPES, Kernels
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
@@ -26,6 +28,15 @@ class WeightRef:
     rows: int
     cols: int
     row_bytes: int
+
+
+def _launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
+    """Launch on the current stream; pdl: as a programmatic dependent launch (pdl.py), for the
+    kernels that wait for the one before in pdl_wait() (mmvf, ffnf, attention, argmax_unpack)."""
+    if pdl:
+        _pdl.launcher()(fn, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem)
 
 
 def row_bytes(qtype, cols: int) -> int:
@@ -84,7 +95,7 @@ def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, 
                  _I32(int(wg.qtype)), _U64(xq), _U64(xd), _I32(nb), _I32(act), _U64(aq), _U64(ad), _U64(af)))
 
 
-MMVF_WARPS, MMVF_R = 4, 2                                      # mmvf.cu
+MMVF_WARPS, MMVF_R = 8, 2                                      # mmvf.cu
 
 
 def f32_ok(w: WeightRef) -> bool:
@@ -153,7 +164,7 @@ def _stage_args(norm, K: int, nb: int):
 
 
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
-         norm=None, amax: int = 0) -> None:
+         norm=None, amax: int = 0, pdl: bool = False) -> None:
     """y_s[b] (+)= W_s @ h[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
     sharing one fp32 activation input x [nb, K] (row stride xs): h = x, or with norm = (weight
     pointer, eps) h = RMSNorm(x) computed in the launch. amax: a zeroed uint64 [nb] buffer that
@@ -173,13 +184,13 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
     v = _nb_variant(nb)
     gpb = MMVF_WARPS // wpr
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.mmvf[v], smem)), (nb + v - 1) // v)
-    k.mmvf[v](grid, (MMVF_WARPS * 32,),
-              (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), stage, nw, eps,
-               _U64(amax)), shared_mem=smem)
+    _launch(k.mmvf[v], grid, (MMVF_WARPS * 32,),
+            (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), stage, nw, eps,
+             _U64(amax)), smem, pdl)
 
 
 def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int,
-          norm=None) -> None:
+          norm=None, pdl: bool = False) -> None:
     """a[b] = act(gate @ h[b]) * (up @ h[b]), fp32 in and out (gate and up share type and shape);
     h = x, or RMSNorm(x) with norm = (weight pointer, eps)."""
     K = wg.cols
@@ -190,10 +201,9 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     gpb = MMVF_WARPS // wpr
     groups = -(-wg.rows // MMVF_R)
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem)), (nb + v - 1) // v)
-    k.ffnf[v](grid, (MMVF_WARPS * 32,),
-              (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
-               _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps),
-              shared_mem=smem)
+    _launch(k.ffnf[v], grid, (MMVF_WARPS * 32,),
+            (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
+             _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps), smem, pdl)
 
 
 def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
@@ -284,17 +294,17 @@ def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kca
 
 def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int, positions: int,
               ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int,
-              oq: int = 0, od: int = 0, o16: int = 0, rope=None) -> None:
+              oq: int = 0, od: int = 0, o16: int = 0, rope=None, pdl: bool = False) -> None:
     """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16).
     rope = (k, v, rope_dim, theta, neox): decode only (one row per sequence), RoPE of q and of the
     new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch)."""
     kin, vin, rope_dim, theta, neox = rope if rope is not None else (0, 0, 0, 0.0, False)
     fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; prompts do not
-    fn((n, H), (ATT_WARPS * 32,),
-       (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
-        _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
-        _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
-        _I32(int(neox)), _I32(int(rope is not None))))
+    _launch(fn, (n, H), (ATT_WARPS * 32,),
+            (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
+             _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
+             _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
+             _I32(int(neox)), _I32(int(rope is not None))), 0, pdl)
 
 
 def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:
@@ -311,11 +321,13 @@ def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) ->
     k.gather_rows(((width + 255) // 256, n), (256,), (_U64(src), _U64(idx), _U64(dst), _I32(n), _I32(width)))
 
 
-def argmax_unpack(k: Kernels, key: int, out: int, n: int, io: int = 0, io_stride: int = 0) -> None:
+def argmax_unpack(k: Kernels, key: int, out: int, n: int, io: int = 0, io_stride: int = 0,
+                  pdl: bool = False) -> None:
     """out[:n] = rows packed by a fused-argmax GEMV into key[:n] (uint64), which is reset to 0.
     io: a decode step's int32 input rows (tokens, positions; row stride io_stride): each token is
     also written there and its position advanced, the next step's inputs (elementwise.cu feed_next)."""
-    k.argmax_unpack(((n + 127) // 128,), (128,), (_U64(key), _U64(out), _I32(n), _U64(io), _I32(io_stride)))
+    _launch(k.argmax_unpack, ((n + 127) // 128,), (128,), (_U64(key), _U64(out), _I32(n), _U64(io), _I32(io_stride)),
+            0, pdl)
 
 
 def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int, io: int = 0, io_stride: int = 0) -> None:
