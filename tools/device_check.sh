@@ -42,6 +42,8 @@ else
   export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import cupy, gguf, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" || exit 1
+# bytecode, as `pip install` leaves it (the cold start below would otherwise time Python compiling sources)
+python3 -m compileall -q -j 0 /tmp/site "$REPO/realizar_backend" >/dev/null 2>&1 || true
 
 # 2. twins
 export REALIZAR_TWINS=/tmp/twins

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Protocol
@@ -109,8 +110,15 @@ class Engine:
         path = Path(settings.model) if settings.model else default_model_path()
         t0 = time.perf_counter()
         model = open_model(path)
-        tokenizer = Tokenizer.from_model_file(model)
-        backend = create_backend(model, settings)
+        # the tokenizer (a vocabulary of 150k+ entries: ~0.5 s) builds while the backend starts
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tok = pool.submit(Tokenizer.from_model_file, model)
+            backend = create_backend(model, settings)
+            try:
+                tokenizer = tok.result()
+            except BaseException:
+                backend.close()
+                raise
         name = settings.model_name or (model.name if settings.model else "SmolLM2-135M-Instruct")
         log.info("loaded %s (%s, %s backend) in %.1f s", name, model.config.arch, backend.name,
                  time.perf_counter() - t0)

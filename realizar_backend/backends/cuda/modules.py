@@ -4,6 +4,7 @@ and one dispatch table per quant type (GGML type -> RawKernel) for each template
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -87,7 +88,8 @@ class _Family(Mapping):
         return len(self._f)
 
 
-_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="nvrtc")
+# NVRTC releases the GIL: one compile per core, up to 16 (a GPU machine has them)
+_pool = ThreadPoolExecutor(max_workers=max(4, min(16, os.cpu_count() or 4)), thread_name_prefix="nvrtc")
 
 
 class Kernels:
@@ -124,22 +126,27 @@ class Kernels:
             return _Lazy(run) if lazy else _pool.submit(run)
 
         sfx = {q: QTYPES[q].suffix for q in types}
+        # submitted longest first (the batch-1 GEMVs: ~2 s each on a cold start), so a first start
+        # waits for the slowest of them, not for a queue
+        def gemvs(nb: int):
+            return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={i}"),
+                               100 * 1024) for i, kind in ((1, "mmvf"), (2, "ffnf")))
+        mmvf = {1: gemvs(1)}
+        deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
+        attn = build("attention.cu", ["attn_decode", "attn_prompt"])
         core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
                                         "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
         norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])
         rope = build("rope.cu", ["rope_kv"])
-        attn = build("attention.cu", ["attn_decode", "attn_prompt"])
-        deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
-        mmvf = {nb: build("mmvf.cu", [f"mmvf_nb{nb}", f"ffnf_nb{nb}"], typed + (f"-DMMVF_NB={nb}",), 100 * 1024)
-                for nb in MMV_NB}
+        mmvf.update({nb: gemvs(nb) for nb in MMV_NB[1:]})
         # the 8-bit and reference GEMVs serve opt-in settings and float-type matrices: compiled on first use
         mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
         gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
         for fname, q in (("prefill.cu", self.qtypes), ("sampling.cu", None)):   # loaded by their users
             _module_future(device_id, fname, q)
 
-        self.mmvf = _Family({nb: (mmvf[nb], f"mmvf_nb{nb}") for nb in MMV_NB})
-        self.ffnf = _Family({nb: (mmvf[nb], f"ffnf_nb{nb}") for nb in MMV_NB})
+        self.mmvf = _Family({nb: (mmvf[nb][0], f"mmvf_nb{nb}") for nb in MMV_NB})
+        self.ffnf = _Family({nb: (mmvf[nb][1], f"ffnf_nb{nb}") for nb in MMV_NB})
         self.mmv_q8 = _Family({nb: (mmvq, f"mmv_q8_nb{nb}") for nb in MMV_NB})
         self.ffn_q8 = _Family({nb: (mmvq, f"ffn_q8_nb{nb}") for nb in MMV_NB})
         self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in types})
@@ -149,7 +156,7 @@ class Kernels:
         self.embed = {q: deq.result()["embed_" + sfx[q]] for q in types}
         for name, fn in {**core.result(), **norm.result(), **rope.result(), **attn.result()}.items():
             setattr(self, name, fn)
-        self.mmvf[1]                                          # the batch-1 decode path is ready on return
+        self.mmvf[1], self.ffnf[1]                            # the batch-1 decode path is ready on return
         log.info("cuda kernels for compute capability %s: core ready, %d quant types; wider batches and "
                  "prefill/sampling finish in the background, the 8-bit and reference GEMVs on first use", cc,
                  len(types))

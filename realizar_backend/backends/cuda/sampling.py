@@ -32,14 +32,11 @@ MIN_CAP = 256           # its dense-bin path uses the gather buffers as 256-bin 
 
 class GpuSampler:
     """Device buffers and launches for `vocab`-wide rows, up to `max_rows` per step, with token
-    counts for `max_slots` KV slots. All functions are loaded here, before any graph capture."""
+    counts for `max_slots` KV slots."""
 
     def __init__(self, device_id: int, vocab: int, max_rows: int, max_slots: int):
-        mod = load_module(device_id, "sampling.cu")
-        self._prep = mod.get_function("sample_prep")
-        self._hist = mod.get_function("sample_hist")
-        self._final = mod.get_function("sample_final")
-        self._reset = mod.get_function("counts_reset")
+        self.device_id = device_id
+        self._fns: dict | None = None        # loaded on first use (greedy decoding never waits for them)
         dev = cupy.cuda.Device(device_id)
         rt = cupy.cuda.runtime
         optin = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
@@ -51,10 +48,6 @@ class GpuSampler:
         self.smem_hist = NB * 12
         self.smem_final = NB * 12 + 16 * cap
         with dev:
-            self._hist.max_dynamic_shared_size_bytes = self.smem_hist
-            self._final.max_dynamic_shared_size_bytes = self.smem_final
-            for fn in (self._prep, self._hist, self._final, self._reset):
-                _ = fn.attributes   # load the module now: a capture must not
             self.V = vocab
             self.max_rows = max_rows
             self.G = max(1, -(-vocab // SLICE))
@@ -77,6 +70,21 @@ class GpuSampler:
         log.info("gpu sampler: vocab %d, %d blocks per row, gathers up to %d tokens per row in shared memory",
                  vocab, self.G, cap)
 
+    def _fn(self, name: str):
+        """A sampling.cu kernel. The module compiles on the compile threads from start-up on and is
+        loaded at the first sampled step (sampling runs eagerly after a decode graph, never
+        inside a capture)."""
+        if self._fns is None:
+            mod = load_module(self.device_id, "sampling.cu")
+            fns = {n: mod.get_function(n) for n in ("sample_prep", "sample_hist", "sample_final", "counts_reset")}
+            with cupy.cuda.Device(self.device_id):
+                fns["sample_hist"].max_dynamic_shared_size_bytes = self.smem_hist
+                fns["sample_final"].max_dynamic_shared_size_bytes = self.smem_final
+                for fn in fns.values():
+                    _ = fn.attributes
+            self._fns = fns
+        return self._fns[name]
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.params, self.out, self.hcnt, self.hw, self.rowmax, self.zmass,
@@ -90,7 +98,7 @@ class GpuSampler:
             if p.size:
                 dp[:p.size].set(p, stream=stream)
             row = self.counts[slot]
-            self._reset((1,), (1024,), (_U64(row.data.ptr), _I32(self.V), _U64(dp.data.ptr), _I32(p.size)))
+            self._fn("counts_reset")((1,), (1024,), (_U64(row.data.ptr), _I32(self.V), _U64(dp.data.ptr), _I32(p.size)))
 
     def launch(self, logits: int, ld: int, argmax: int, rows: Sequence[SampleRow], slots: Sequence[int],
                tokens_in: Sequence[int] | None, stream: cupy.cuda.Stream) -> None:
@@ -109,11 +117,11 @@ class GpuSampler:
         with stream:   # launches go to the current stream
             self.params[:n].set(self._p_host[:n], stream=stream)
             if any(r.penalties or not r.greedy for r in rows):
-                self._prep(grid, (PREP_THREADS,), (x, ldi, V, P, _U64(self.counts.data.ptr), z, rm, sl))
+                self._fn("sample_prep")(grid, (PREP_THREADS,), (x, ldi, V, P, _U64(self.counts.data.ptr), z, rm, sl))
             if any(r.logprobs or not r.greedy for r in rows):
-                self._hist(grid, (PREP_THREADS,), (x, ldi, V, P, z, rm, hc, hw, zm, ls, sl),
+                self._fn("sample_hist")(grid, (PREP_THREADS,), (x, ldi, V, P, z, rm, hc, hw, zm, ls, sl),
                            shared_mem=self.smem_hist)
-            self._final((n,), (FINAL_THREADS,), (x, ldi, V, P, _U64(argmax), z, rm, hc, hw, zm, ls, _I32(self.G),
+            self._fn("sample_final")((n,), (FINAL_THREADS,), (x, ldi, V, P, _U64(argmax), z, rm, hc, hw, zm, ls, _I32(self.G),
                                                  _U64(self.out.data.ptr), _I32(self.cap)),
                         shared_mem=self.smem_final)
 

@@ -71,8 +71,17 @@ def upload_weight(qtype, host: np.ndarray, name: str = "w") -> tuple[WeightRef, 
     return WeightRef(name, qtype, dev.data.ptr, rows, cols, ops.row_bytes(qtype, cols)), dev
 
 
+def _poison(shape, dtype=np.float32, byte: int = 0xFF) -> cupy.ndarray:
+    """An output buffer every byte of which is `byte` (0xFF: NaN in every float width, -1 in the
+    integer ones). A memset, not cupy.full: CuPy's own elementwise kernels compile on first use,
+    seconds on a cold start with an empty kernel cache."""
+    a = cupy.empty(shape, dtype)
+    cupy.cuda.runtime.memsetAsync(a.data.ptr, byte, a.nbytes, cupy.cuda.get_current_stream().ptr)
+    return a
+
+
 def _nan(shape, dtype=np.float32) -> cupy.ndarray:
-    return cupy.full(shape, np.nan, dtype)
+    return _poison(shape, dtype)
 
 
 def _dev(a: np.ndarray) -> cupy.ndarray:
@@ -307,7 +316,7 @@ def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
     x[0, :] = 1.0                          # a row of ties: index 0 must win
     if cols > 7:
         x[-1, [3, cols - 1]] = 50.0        # a tie at the top between two far-apart indices
-    xd, out = _dev(x), cupy.full(rows, -1, cupy.int32)
+    xd, out = _dev(x), _poison(rows, cupy.int32)
     ops.argmax_rows(k, xd.data.ptr, cols, cols, out.data.ptr, rows)
     return float(np.mean(out.get() != np.argmax(x, axis=1)))
 
@@ -338,7 +347,7 @@ def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
     # row-scaled fp16 (prefill down-projection input): rows from 1e-8 to 1e7 in magnitude all come
     # back to fp16 rounding, each scaled by the power of two putting its max in [2^14, 2^15)
     x = (rng.standard_normal((rows, cols)) * 10.0 ** rng.integers(-8, 8, (rows, 1))).astype(np.float32)
-    y16, inv = cupy.full((rows, cols), np.nan, cupy.float16), _nan((rows,))
+    y16, inv = _nan((rows, cols), cupy.float16), _nan((rows,))
     ops.row_scale_f16(k, _dev(x).data.ptr, cols, y16.data.ptr, cols, inv.data.ptr, rows, cols)
     peak = np.abs(y16.get().astype(np.float64)).max(axis=1)
     in_range = bool(np.all((peak >= 2.0 ** 14) & (peak <= 2.0 ** 15)))

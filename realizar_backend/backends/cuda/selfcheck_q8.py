@@ -15,7 +15,7 @@ from ...formats.quants import dequantize
 from ..cpu import gelu_tanh, rms_norm, silu
 from . import ops
 from .modules import Kernels
-from .selfcheck import _dev, _nan, random_weight, rel_err, upload_weight
+from .selfcheck import _dev, _nan, _poison, random_weight, rel_err, upload_weight
 
 
 # ------------------------------------------------------------------ twins
@@ -86,7 +86,7 @@ def check_ffn_q8(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> t
     x = rng.standard_normal((nb, K)).astype(np.float32)
     q, ds = quantize_q8(x)
     xq, xd = _dev(q), _dev(ds)
-    aq = cupy.full((nb, N), 99, cupy.int8)
+    aq = _poison((nb, N), cupy.int8, 99)
     ad, af = _nan((nb, N // 32, 2)), _nan((nb, N))
     ops.ffn_q8(k, wg, wu, xq.data.ptr, xd.data.ptr, nb, act, aq.data.ptr, ad.data.ptr, af.data.ptr)
     x64 = dequantize_q8(q, ds)
@@ -102,7 +102,7 @@ def check_rms_norm_q8(k: Kernels, rows: int, width: int, rng, eps: float = 1e-6)
     w = (1 + 0.1 * rng.standard_normal(width)).astype(np.float32)
     xd_, wd = _dev(x), _dev(w)
     o32, o16 = _nan((rows, width)), _nan((rows, width), np.float16)
-    q = cupy.full((rows, width), 99, cupy.int8)
+    q = _poison((rows, width), cupy.int8, 99)
     ds = _nan((rows, width // 32, 2))
     ops.rms_norm_q8(k, xd_.data.ptr, width, wd.data.ptr, o32.data.ptr, o16.data.ptr, q.data.ptr, ds.data.ptr,
                     rows, width, eps)
@@ -121,7 +121,7 @@ def check_attention_outputs(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: i
     pos = rng.integers(0, ctx, n).astype(np.int32)
     qd, kd, vd, sd, pd = _dev(q), _dev(kc), _dev(vc), _dev(slots), _dev(pos)
     out, o16 = _nan((n, H * D)), _nan((n, H * D), np.float16)
-    oq, od = cupy.full((n, H * D), 99, cupy.int8), _nan((n, H * D // 32, 2))
+    oq, od = _poison((n, H * D), cupy.int8, 99), _nan((n, H * D // 32, 2))
     ops.attention(k, qd.data.ptr, out.data.ptr, kd.data.ptr, vd.data.ptr, sd.data.ptr, pd.data.ptr,
                   ctx, H, KVH, D, D ** -0.5, 0, n, oq.data.ptr, od.data.ptr, o16.data.ptr)
     got = out.get()
@@ -134,7 +134,7 @@ def check_dequant16(k: Kernels, qtype, N: int, K: int, rng) -> float:
     out = _nan((N, K), np.float16)
     ops.dequant16(k, w, out.data.ptr, K)
     err = rel_err(out.get(), dequantize(host, qtype, (N, K)))
-    bf = cupy.full((N, K), 0xFFFF, cupy.uint16)      # bf16 NaN pattern as poison
+    bf = _poison((N, K), cupy.uint16)                # bf16 NaN pattern as poison
     ops.dequant16(k, w, bf.data.ptr, K, bf16=True)
     got = (bf.get().astype(np.uint32) << 16).view(np.float32)
     return max(err, rel_err(got, dequantize(host, qtype, (N, K))) / 4)   # bf16: 8-bit mantissa
