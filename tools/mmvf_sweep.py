@@ -8,8 +8,8 @@ step, not from L2). Prints a table and writes JSON; a tool for choosing the kern
     python tools/mmvf_sweep.py --policy --variant base: --shapes down_q4k,down_q6k --reps 1   (under ncu)
 
 --variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines); --policy times only
-the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled for
-the shapes' quant types only, as the loader does.
+the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled as
+the loader compiles (NVRTC through CuPy, the shapes' quant types only).
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,15 +56,16 @@ SHAPES = [
 QMASK = sum(1 << int(q) for q in {q for _, segs, _, _ in SHAPES for q, _ in segs})
 
 
-def compile_variant(name: str, defines: dict, arch: str, out_dir: Path) -> Path:
-    src = out_dir / f"mmvf_{name}.cu"
-    src.write_text(_source("mmvf.cu"))
-    out = out_dir / f"mmvf_{name}.cubin"
-    cmd = ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-o", str(out), str(src)]
-    cmd += [f"-D{k}={v}" for k, v in defines.items()]
-    cmd.append(f"-DREALIZAR_QMASK={QMASK:#x}ull")
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return out
+def compile_variant(defines: dict, cc: str) -> cupy.RawModule:
+    """The batch-1 kernels with extra defines, compiled as the loader compiles them (NVRTC through
+    CuPy, same options): nvcc gave the same source 222 registers where NVRTC gives 128, so an
+    nvcc-built sweep measured kernels that never run."""
+    opts = ("-std=c++17", f"-DREALIZAR_CC={cc}", f"-DREALIZAR_QMASK={QMASK:#x}ull", "-DMMVF_NB=1",
+            *(f"-D{k}={v}" for k, v in defines.items()))
+    mod = cupy.RawModule(code=_source("mmvf.cu"), options=opts)
+    for name in ("mmvf_nb1", "ffnf_nb1"):
+        _ = mod.get_function(name).attributes       # compile and load now, on this thread
+    return mod
 
 
 def row_bytes(qt, K):
@@ -92,10 +91,12 @@ def main() -> int:
     dev = cupy.cuda.Device(0)
     cc = dev.compute_capability
     sms = dev.attributes["MultiProcessorCount"]
-    tmp = Path(tempfile.mkdtemp())
+    def build(d):
+        with dev:
+            return compile_variant(d, cc)
     with ThreadPoolExecutor(len(variants)) as ex:
-        futs = {n: ex.submit(compile_variant, n, d, f"sm_{cc}", tmp) for n, d in variants.items()}
-        cubins = {n: f.result() for n, f in futs.items()}
+        futs = {n: ex.submit(build, d) for n, d in variants.items()}
+        modules = {n: f.result() for n, f in futs.items()}
     rng = cupy.random.default_rng(0)
     x = cupy.asarray(np.random.default_rng(1).standard_normal(8960).astype(np.float32))
     ybuf = cupy.zeros(151936 * 2, cupy.float32)
@@ -110,7 +111,7 @@ def main() -> int:
         nbytes = sum(m.nbytes for m in mats[0])
         rows_total = sum(r for _, r in segs)
         for vname, defines in variants.items():
-            mod = cupy.RawModule(path=str(cubins[vname]))
+            mod = modules[vname]
             R = defines.get("MMVF_R", MMVF_R)
             W = defines.get("MMVF_WARPS", MMVF_WARPS)
             fn = mod.get_function("ffnf_nb1" if kind == "ffnf" else "mmvf_nb1")
@@ -171,14 +172,15 @@ def main() -> int:
                     e1.synchronize()
                 us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
                 results.append({"shape": shape_name, "variant": vname + ("-cap" if capped else ""), "wpr": wpr,
-                                "grid": grid[0],
+                                "grid": grid[0], "regs": int(fn.num_regs),
                                 "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
                                 "rows": rows_total, "K": K})
         del mats
     best = {}
-    print(f"{'shape':10s} {'variant':10s} {'wpr':>3s} {'grid':>6s} {'us':>8s} {'GB/s':>7s}")
+    print(f"{'shape':10s} {'variant':10s} {'wpr':>3s} {'grid':>6s} {'regs':>4s} {'us':>8s} {'GB/s':>7s}")
     for r in results:
-        print(f"{r['shape']:10s} {r['variant']:10s} {r['wpr']:3d} {r['grid']:6d} {r['us']:8.2f} {r['gbps']:7.0f}")
+        print(f"{r['shape']:10s} {r['variant']:10s} {r['wpr']:3d} {r['grid']:6d} {r['regs']:4d} {r['us']:8.2f} "
+              f"{r['gbps']:7.0f}")
         b = best.get(r["shape"])
         if b is None or r["us"] < b["us"]:
             best[r["shape"]] = r
