@@ -203,3 +203,105 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
     attn_body<1>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
                  rope_dim, theta, style, fuse);
 }
+
+// ------------------------------------------------------------------ prompt rows, tiled
+// A block takes ATT_TQ consecutive rows of one head. Rows of one sequence at consecutive positions
+// (a "run": normally the whole tile) share every K/V tile the block stages in shared memory, so
+// K/V traffic falls by the tile height against one block per row (attn_prompt), which was 40% of a
+// qwen15 pp512. Warp w owns row w of the run; lane j scores key j of a tile of ATT_KT keys, then the
+// warp adds the V rows weighted by the tile's probabilities (broadcast by shuffles); lane l owns dims
+// l + 32 i. A tile holding rows of two sequences runs one run after the other. Rows see keys
+// [start, positions[t]] of their slot, as in attn_body. Dynamic shared memory: attn_tile_smem(D).
+#define ATT_TQ 16
+#define ATT_KT 32
+#define ATT_DW (ATT_MAXD / 32)
+
+extern "C" __global__ void __launch_bounds__(ATT_TQ * 32)
+    attn_tile(const float* __restrict__ q, float* __restrict__ out, const u16* __restrict__ kcache,
+              const u16* __restrict__ vcache, const int* __restrict__ slots, const int* __restrict__ positions,
+              int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
+    extern __shared__ float att_sm[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int t0 = blockIdx.x * ATT_TQ, h = blockIdx.y, kh = h / (H / KVH);
+    const int tend = min(t0 + ATT_TQ, n), KS = D + 1;     // K/V rows padded: lane j's row starts on bank j
+    float* qs = att_sm;                                   // [ATT_TQ][D], pre-scaled
+    float* ks = qs + ATT_TQ * D;                          // [ATT_KT][D + 1]
+    float* vs = ks + ATT_KT * KS;
+    pdl_wait();                   // (a no-op in the prompt path, which is never a programmatic launch)
+    for (int i = threadIdx.x; i < (tend - t0) * D; i += blockDim.x) {
+        int r = i / D, d = i - r * D;
+        qs[i] = q[((long long)(t0 + r) * H + h) * D + d] * scale;
+    }
+    for (int rb = t0; rb < tend;) {                       // block-uniform: every thread reads the same rows
+        const int slot = slots[rb], p0 = positions[rb];
+        int re = rb + 1;
+        while (re < tend && slots[re] == slot && positions[re] == p0 + (re - rb)) ++re;
+        const int r = rb + w;
+        const bool live = r < re;
+        const int pos = p0 + w;
+        const int start = window > 0 ? max(0, pos - window + 1) : 0;
+        const int kbeg = window > 0 ? max(0, p0 - window + 1) : 0, kend = p0 + (re - rb) - 1;
+        const long long base = (long long)slot * ctx;
+        float m = -INFINITY, l = 0.0f, acc[ATT_DW];
+#pragma unroll
+        for (int i = 0; i < ATT_DW; ++i) acc[i] = 0.0f;
+        for (int k0 = kbeg; k0 <= kend; k0 += ATT_KT) {
+            const int nk = min(ATT_KT, kend - k0 + 1);
+            __syncthreads();                              // the previous tile is consumed, q is staged
+            for (int i = threadIdx.x; i < nk * (D / 2); i += blockDim.x) {
+                int j = i / (D / 2), c = i - j * (D / 2);
+                long long off = (((base + k0 + j) * KVH + kh) * D >> 1) + c;
+                u32 k2 = __ldg((const u32*)kcache + off), v2 = __ldg((const u32*)vcache + off);
+                ks[j * KS + 2 * c] = h2f((u16)(k2 & 0xFFFF));
+                ks[j * KS + 2 * c + 1] = h2f((u16)(k2 >> 16));
+                vs[j * KS + 2 * c] = h2f((u16)(v2 & 0xFFFF));
+                vs[j * KS + 2 * c + 1] = h2f((u16)(v2 >> 16));
+            }
+            __syncthreads();
+            // warp-uniform: the tile holds at least one of this row's keys
+            if (!live || k0 > pos || k0 + nk - 1 < start) continue;
+            const int key = k0 + lane;
+            float s = -INFINITY;
+            if (lane < nk && key >= start && key <= pos) {
+                const float* qr = qs + (r - t0) * D;
+                const float* kr = ks + lane * KS;
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll 4
+                for (int d = 0; d < D; d += 4) {
+                    float4 qv = *(const float4*)(qr + d);   // the same address in every lane: broadcast
+                    a0 = fmaf(qv.x, kr[d], a0);
+                    a1 = fmaf(qv.y, kr[d + 1], a1);
+                    a2 = fmaf(qv.z, kr[d + 2], a2);
+                    a3 = fmaf(qv.w, kr[d + 3], a3);
+                }
+                s = (a0 + a1) + (a2 + a3);
+            }
+            const float mn = fmaxf(m, warp_max(s));        // finite: the tile holds a key of this row
+            const float c = expf(m - mn), p = expf(s - mn);
+            l = l * c + warp_sum(p);
+#pragma unroll
+            for (int i = 0; i < ATT_DW; ++i) acc[i] *= c;
+            for (int j = 0; j < nk; ++j) {
+                const float pj = __shfl_sync(0xFFFFFFFFu, p, j);
+                const float* vr = vs + j * KS + lane;
+#pragma unroll
+                for (int i = 0; i < ATT_DW; ++i)
+                    if (32 * i < D) acc[i] = fmaf(pj, vr[32 * i], acc[i]);
+            }
+            m = mn;
+        }
+        if (live) {
+            const float inv = 1.0f / l;
+            const long long ob = ((long long)r * H + h) * D;
+#pragma unroll
+            for (int i = 0; i < ATT_DW; ++i) {
+                int d = lane + 32 * i;
+                if (d < D) {
+                    out[ob + d] = acc[i] * inv;
+                    if (o16) o16[ob + d] = f2h(acc[i] * inv);
+                }
+            }
+        }
+        rb = re;
+    }
+}

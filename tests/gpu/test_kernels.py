@@ -84,6 +84,22 @@ def test_attention(kernels, rng, H, KVH, D, ctx, window):
 
 
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("items,window", [
+    ([(0, 0, 1)], 0),                              # a one-token prompt
+    ([(1, 0, 77)], 0),                             # one prompt, the last tile partial
+    ([(2, 40, 37), (0, 0, 5), (1, 3, 20)], 0),     # a batch of prompts: tiles span two sequences
+    ([(0, 100, 600)], 512),                        # a chunk after 100 cached tokens, sliding window
+    ([(1, 0, 300), (2, 290, 33)], 64),             # short window: early keys of a tile fall out
+], ids=["one", "single", "batch", "window", "batch-window"])
+def test_attention_prompt_tiles(kernels, rng, H, KVH, D, items, window):
+    """Prompt rows go through attn_tile (rows of one sequence share the staged K/V tiles)."""
+    from realizar_backend.backends.cuda.selfcheck import check_attention_prompt
+    err = check_attention_prompt(kernels, items, H, KVH, D, 720, window, rng)
+    print(f"attention (prompt tiles) H{H}/{KVH} D{D} items {items} window {window}: rel.err {err:.2e}")
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize("ctx,window", [(1, 0), (77, 0), (700, 512)])
 @pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
 def test_attention_fused_rope(kernels, rng, H, KVH, D, ctx, window, neox):

@@ -15,6 +15,7 @@ from .modules import MMV_NB, QTYPES, Kernels
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 GEMV_WARPS, GEMV_MAXB, ATT_WARPS, ATT_MAXD = 4, 8, 16, 256   # must match the .cu defines
+ATT_TQ, ATT_KT = 16, 32                                        # attention.cu attn_tile
 MMV_WARPS, FFN_WARPS = 4, 8                                    # mmvq.cu
 NQ_MAXK = 8                                                    # norm.cu: rms_norm_q8 width <= 8 * 1024
 
@@ -297,9 +298,17 @@ def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int
               oq: int = 0, od: int = 0, o16: int = 0, rope=None, pdl: bool = False) -> None:
     """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16).
     rope = (k, v, rope_dim, theta, neox): decode only (one row per sequence), RoPE of q and of the
-    new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch)."""
+    new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch).
+    Without rope (prompt rows, already in the cache) and without 8-bit outputs: attn_tile."""
+    if rope is None and not oq:
+        # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
+        smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 1))
+        _launch(k.attn_tile, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
+                (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
+                 _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(o16)), smem, pdl)
+        return
     kin, vin, rope_dim, theta, neox = rope if rope is not None else (0, 0, 0, 0.0, False)
-    fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; prompts do not
+    fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; 8-bit prompt rows
     _launch(fn, (n, H), (ATT_WARPS * 32,),
             (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
              _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),

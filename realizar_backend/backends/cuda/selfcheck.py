@@ -270,6 +270,28 @@ def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, wind
     return rel_err(out.get(), ref)
 
 
+def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int, window: int, rng,
+                           n_slots: int = 3) -> float:
+    """Prompt rows as a prefill lays them out: items = [(slot, first position, rows)], each item's
+    rows at consecutive positions, items back to back (so a tile of rows can span two items)."""
+    kc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    vc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    slots = np.concatenate([np.full(n, s, np.int32) for s, _, n in items])
+    pos = np.concatenate([np.arange(p, p + n, dtype=np.int32) for _, p, n in items])
+    n = len(pos)
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    scale = D ** -0.5
+    qd, kd, vd, sd, pd = _dev(q), _dev(kc), _dev(vc), _dev(slots), _dev(pos)
+    out = _nan((n, H * D))
+    ops.attention(k, qd.data.ptr, out.data.ptr, kd.data.ptr, vd.data.ptr, sd.data.ptr, pd.data.ptr,
+                  ctx, H, KVH, D, scale, window, n)
+    ref = np.concatenate([
+        attention(q[t:t + 1].astype(np.float64), kc[slots[t], :pos[t] + 1].astype(np.float64),
+                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
+        for t in range(n)])
+    return rel_err(out.get(), ref)
+
+
 def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, neox: bool,
                          theta: float, rng, n_slots: int = 3) -> float:
     """Decode attention with RoPE and the KV write folded in (one row per sequence, distinct slots):
@@ -410,6 +432,8 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
     errs["rope_kv"] = check_rope_kv(k, 3, cfg.n_heads, cfg.n_kv_heads, D, cfg.rope_style == "neox",
                                     cfg.rope_theta, rng)
     errs["attention"] = check_attention(k, 3, cfg.n_heads, cfg.n_kv_heads, D, 40, 0, rng)
+    errs["attention_prompt"] = check_attention_prompt(k, [(0, 0, 21), (1, 4, 13)], cfg.n_heads, cfg.n_kv_heads,
+                                                      D, 40, 0, rng)
     errs["argmax"] = check_argmax(k, 3, 1000, rng)
     errs["glue"] = check_glue(k, 4, 70, rng)
     cupy.cuda.Device().synchronize()
