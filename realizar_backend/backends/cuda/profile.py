@@ -1,6 +1,7 @@
 """Per-kernel decode timing with CUDA events (`python -m realizar_backend.backends.cuda.profile
 MODEL.gguf`), for docs/perf-notes.md: time and achieved GB/s of every launch of one decode step,
-grouped by kernel, plus the replay time of the captured graph per token.
+grouped by kernel, plus the replay time of the captured graph per token. `--prefill T`: the same
+for a T-token prefill, grouped by launch function.
 
 The step's launches are queued behind a busy-wait kernel, so the events time the GPU's work
 and not Python's launch gaps; bytes counted are the fewest each launch must read (weights,
@@ -123,11 +124,72 @@ def profile_decode(backend, steps: int = 20, ctx_len: int = 64) -> dict:
             "graph_replay_us_per_token": replay_us, "kernels": kernels}
 
 
+_PREFILL_KINDS = ("split_weights", "split_rows", "split_gemm", "unscale_scatter", "unscale_add", "act_split")
+
+
+def profile_prefill(backend, tokens: int = 512, reps: int = 5) -> dict:
+    """Time each launch of a `tokens`-token prefill (one sequence), grouped by function: the split16
+    helpers of prefill.py (a split_gemm is its cuBLAS calls) and the ops launches."""
+    import importlib
+    from ...backends.base import PrefillItem
+    pmod = importlib.import_module(__package__ + ".prefill")
+    k, stream = backend.kernels, backend.stream
+    ids = (np.arange(tokens, dtype=np.int64) * 7919 % backend.config.vocab_size).astype(np.int32)
+    backend.prefill([PrefillItem(0, ids)])                 # warm-up: modules, workspace, cuBLAS
+    records: list[tuple[str, cupy.cuda.Event]] = []
+    on = {"v": False}
+
+    def wrap(name, fn):
+        def timed(*args, **kw):
+            if on["v"]:
+                e0 = cupy.cuda.Event()
+                e0.record(stream)
+                records.append((name, e0))
+            return fn(*args, **kw)
+        return timed
+
+    targets = [(pmod, n) for n in _PREFILL_KINDS] + [(ops, n) for n in _KINDS + ("gather_rows", "dequant16",
+                                                                                  "gemm", "f32_to_f16")]
+    originals = [(m, n, getattr(m, n)) for m, n in targets if hasattr(m, n)]
+    per: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    walls = []
+    try:
+        for m, n, fn in originals:
+            setattr(m, n, wrap(n, fn))
+        with backend.device, stream:
+            for _ in range(reps):
+                records.clear()
+                k.spin_ns((1,), (1,), (np.int64(20_000_000),))
+                on["v"] = True
+                e_start = cupy.cuda.Event()
+                e_start.record(stream)
+                backend.prefill([PrefillItem(0, ids)])     # synchronizes on the logits copy
+                on["v"] = False
+                end = cupy.cuda.Event()
+                end.record(stream)
+                end.synchronize()
+                walls.append(cupy.cuda.get_elapsed_time(e_start, end) * 1e3)
+                nxt = [r[1] for r in records[1:]] + [end]
+                for (name, e0), e1 in zip(records, nxt):
+                    per[name][0] += 1
+                    per[name][1] += cupy.cuda.get_elapsed_time(e0, e1) * 1e3
+    finally:
+        for m, n, fn in originals:
+            setattr(m, n, fn)
+    kinds = {name: {"calls_per_prefill": c // reps, "us_per_prefill": us / reps}
+             for name, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1])}
+    gpu_us = sorted(walls)[len(walls) // 2]
+    return {"tokens": tokens, "reps": reps, "gpu_us_per_prefill": gpu_us,
+            "tok_per_s_gpu": tokens / (gpu_us * 1e-6), "kinds": kinds}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model")
     ap.add_argument("--json")
     ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=0, metavar="T",
+                    help="profile a T-token prefill instead of a decode step")
     ap.add_argument("--ncu", action="store_true",
                     help="run one eager decode step and nothing else (for `ncu` to time each kernel)")
     a = ap.parse_args(argv)
@@ -135,13 +197,27 @@ def main(argv=None) -> int:
     from ...settings import Settings
     from .backend import CUDABackend
     m = open_model(a.model)
-    be = CUDABackend(m, max_slots=1, max_context=a.context + REPLAYS + 8, settings=Settings.from_env(self_check=False))
+    be = CUDABackend(m, max_slots=1, max_context=max(a.context + REPLAYS + 8, a.prefill + 1),
+                     settings=Settings.from_env(self_check=False))
     if a.ncu:
         be.ws.dec_io[1, 0] = a.context      # attend over `context` (zeroed) cache rows
         with be.device, be.stream:
             be.fwd.decode_step(1)
             be.stream.synchronize()
         be.close()
+        return 0
+    if a.prefill:
+        res = profile_prefill(be, a.prefill)
+        be.close()
+        print(f"{'function':16s} {'calls':>6s} {'us':>9s} {'share':>6s}")
+        for name, r in res["kinds"].items():
+            print(f"{name:16s} {r['calls_per_prefill']:6d} {r['us_per_prefill']:9.1f} "
+                  f"{r['us_per_prefill'] / res['gpu_us_per_prefill']:6.1%}")
+        print(f"prefill of {a.prefill} tokens: {res['gpu_us_per_prefill'] / 1e3:.2f} ms GPU "
+              f"({res['tok_per_s_gpu']:.0f} tok/s)")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
         return 0
     res = profile_decode(be, ctx_len=a.context)
     res["model"] = a.model
