@@ -210,22 +210,46 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
 // K/V traffic falls by the tile height against one block per row (attn_prompt), which was 40% of a
 // qwen15 pp512. Warp w owns row w of the run; lane j scores key j of a tile of ATT_KT keys, then the
 // warp adds the V rows weighted by the tile's probabilities (broadcast by shuffles); lane l owns dims
-// l + 32 i. A tile holding rows of two sequences runs one run after the other. Rows see keys
-// [start, positions[t]] of their slot, as in attn_body. Dynamic shared memory: attn_tile_smem(D).
+// VEC l + 32 VEC i (VEC = 4: 16-byte reads and writes, for D % 128 == 0; 2 otherwise, so D = 64 keeps
+// every lane busy). A tile holding rows of two sequences runs one run after the other. Rows see keys
+// [start, positions[t]] of their slot, as in attn_body. Dynamic shared memory: ops.attention sizes it.
 #define ATT_TQ 16
 #define ATT_KT 32
-#define ATT_DW (ATT_MAXD / 32)
 
-extern "C" __global__ void __launch_bounds__(ATT_TQ * 32)
-    attn_tile(const float* __restrict__ q, float* __restrict__ out, const u16* __restrict__ kcache,
-              const u16* __restrict__ vcache, const int* __restrict__ slots, const int* __restrict__ positions,
-              int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
+#define ATT_LD (ATT_KT * ATT_MAXD / 2 / (ATT_TQ * 32))   // 4-byte words of a K (and a V) tile per thread
+
+// keys k0 .. k0+nk-1 of KV head kh into registers: word it of this thread is word
+// threadIdx.x + it * blockDim.x of the tile (key-major, D/2 words per key)
+__device__ __forceinline__ void attn_tile_load(const u16* __restrict__ kcache, const u16* __restrict__ vcache,
+                                               long long base, int KVH, int kh, int D, int k0, int nk,
+                                               u32 (&kr)[ATT_LD], u32 (&vr)[ATT_LD]) {
+#pragma unroll
+    for (int it = 0; it < ATT_LD; ++it) {
+        int i = threadIdx.x + it * ATT_TQ * 32;
+        if (i < nk * (D / 2)) {
+            int j = i / (D / 2), c = i - j * (D / 2);
+            long long off = (((base + k0 + j) * KVH + kh) * D >> 1) + c;
+            kr[it] = __ldg((const u32*)kcache + off);
+            vr[it] = __ldg((const u32*)vcache + off);
+        }
+    }
+}
+
+template <int VEC>
+__device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, float* __restrict__ out,
+                                               const u16* __restrict__ kcache, const u16* __restrict__ vcache,
+                                               const int* __restrict__ slots, const int* __restrict__ positions,
+                                               int ctx, int H, int KVH, int D, float scale, int window, int n,
+                                               u16* o16) {
+    constexpr int DW = ATT_MAXD / (32 * VEC);             // slices of VEC dims per lane
     extern __shared__ float att_sm[];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int t0 = blockIdx.x * ATT_TQ, h = blockIdx.y, kh = h / (H / KVH);
-    const int tend = min(t0 + ATT_TQ, n), KS = D + 1;     // K/V rows padded: lane j's row starts on bank j
+    // the last tiles of a prompt see the most keys: they start first, so the short ones fill the tail
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * ATT_TQ, h = blockIdx.y, kh = h / (H / KVH);
+    // K/V rows padded by 16 bytes: lane j's row starts on bank group j (16-byte reads conflict-free)
+    const int tend = min(t0 + ATT_TQ, n), KS = D + 4;
     float* qs = att_sm;                                   // [ATT_TQ][D], pre-scaled
-    float* ks = qs + ATT_TQ * D;                          // [ATT_KT][D + 1]
+    float* ks = qs + ATT_TQ * D;                          // [ATT_KT][D + 4]
     float* vs = ks + ATT_KT * KS;
     pdl_wait();                   // (a no-op in the prompt path, which is never a programmatic launch)
     for (int i = threadIdx.x; i < (tend - t0) * D; i += blockDim.x) {
@@ -242,22 +266,31 @@ extern "C" __global__ void __launch_bounds__(ATT_TQ * 32)
         const int start = window > 0 ? max(0, pos - window + 1) : 0;
         const int kbeg = window > 0 ? max(0, p0 - window + 1) : 0, kend = p0 + (re - rb) - 1;
         const long long base = (long long)slot * ctx;
-        float m = -INFINITY, l = 0.0f, acc[ATT_DW];
+        float m = -INFINITY, l = 0.0f;
+        float acc[DW][VEC];
 #pragma unroll
-        for (int i = 0; i < ATT_DW; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < DW; ++i)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[i][e] = 0.0f;
+        // K/V tiles pass through registers: the next tile's loads are in flight while this one computes
+        u32 kr2[ATT_LD], vr2[ATT_LD];
+        attn_tile_load(kcache, vcache, base, KVH, kh, D, kbeg, min(ATT_KT, kend - kbeg + 1), kr2, vr2);
         for (int k0 = kbeg; k0 <= kend; k0 += ATT_KT) {
             const int nk = min(ATT_KT, kend - k0 + 1);
             __syncthreads();                              // the previous tile is consumed, q is staged
-            for (int i = threadIdx.x; i < nk * (D / 2); i += blockDim.x) {
-                int j = i / (D / 2), c = i - j * (D / 2);
-                long long off = (((base + k0 + j) * KVH + kh) * D >> 1) + c;
-                u32 k2 = __ldg((const u32*)kcache + off), v2 = __ldg((const u32*)vcache + off);
-                ks[j * KS + 2 * c] = h2f((u16)(k2 & 0xFFFF));
-                ks[j * KS + 2 * c + 1] = h2f((u16)(k2 >> 16));
-                vs[j * KS + 2 * c] = h2f((u16)(v2 & 0xFFFF));
-                vs[j * KS + 2 * c + 1] = h2f((u16)(v2 >> 16));
+#pragma unroll
+            for (int it = 0; it < ATT_LD; ++it) {
+                int i = threadIdx.x + it * ATT_TQ * 32;
+                if (i < nk * (D / 2)) {
+                    int j = i / (D / 2), c = i - j * (D / 2);
+                    *(float2*)(ks + j * KS + 2 * c) = make_float2(h2f((u16)(kr2[it] & 0xFFFF)), h2f((u16)(kr2[it] >> 16)));
+                    *(float2*)(vs + j * KS + 2 * c) = make_float2(h2f((u16)(vr2[it] & 0xFFFF)), h2f((u16)(vr2[it] >> 16)));
+                }
             }
             __syncthreads();
+            if (k0 + ATT_KT <= kend)
+                attn_tile_load(kcache, vcache, base, KVH, kh, D, k0 + ATT_KT, min(ATT_KT, kend - k0 - ATT_KT + 1),
+                               kr2, vr2);
             // warp-uniform: the tile holds at least one of this row's keys
             if (!live || k0 > pos || k0 + nk - 1 < start) continue;
             const int key = k0 + lane;
@@ -269,10 +302,11 @@ extern "C" __global__ void __launch_bounds__(ATT_TQ * 32)
 #pragma unroll 4
                 for (int d = 0; d < D; d += 4) {
                     float4 qv = *(const float4*)(qr + d);   // the same address in every lane: broadcast
-                    a0 = fmaf(qv.x, kr[d], a0);
-                    a1 = fmaf(qv.y, kr[d + 1], a1);
-                    a2 = fmaf(qv.z, kr[d + 2], a2);
-                    a3 = fmaf(qv.w, kr[d + 3], a3);
+                    float4 kv = *(const float4*)(kr + d);
+                    a0 = fmaf(qv.x, kv.x, a0);
+                    a1 = fmaf(qv.y, kv.y, a1);
+                    a2 = fmaf(qv.z, kv.z, a2);
+                    a3 = fmaf(qv.w, kv.w, a3);
                 }
                 s = (a0 + a1) + (a2 + a3);
             }
@@ -280,13 +314,26 @@ extern "C" __global__ void __launch_bounds__(ATT_TQ * 32)
             const float c = expf(m - mn), p = expf(s - mn);
             l = l * c + warp_sum(p);
 #pragma unroll
-            for (int i = 0; i < ATT_DW; ++i) acc[i] *= c;
+            for (int i = 0; i < DW; ++i)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[i][e] *= c;
             for (int j = 0; j < nk; ++j) {
                 const float pj = __shfl_sync(0xFFFFFFFFu, p, j);
-                const float* vr = vs + j * KS + lane;
+                const float* vr = vs + j * KS + VEC * lane;
 #pragma unroll
-                for (int i = 0; i < ATT_DW; ++i)
-                    if (32 * i < D) acc[i] = fmaf(pj, vr[32 * i], acc[i]);
+                for (int i = 0; i < DW; ++i)
+                    if (VEC * lane + 32 * VEC * i < D) {
+                        float v[VEC];
+                        if constexpr (VEC == 4) {
+                            float4 t = *(const float4*)(vr + 128 * i);
+                            v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+                        } else {
+                            float2 t = *(const float2*)(vr + 64 * i);
+                            v[0] = t.x; v[1] = t.y;
+                        }
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) acc[i][e] = fmaf(pj, v[e], acc[i][e]);
+                    }
             }
             m = mn;
         }
@@ -294,14 +341,30 @@ extern "C" __global__ void __launch_bounds__(ATT_TQ * 32)
             const float inv = 1.0f / l;
             const long long ob = ((long long)r * H + h) * D;
 #pragma unroll
-            for (int i = 0; i < ATT_DW; ++i) {
-                int d = lane + 32 * i;
+            for (int i = 0; i < DW; ++i) {
+                int d = VEC * lane + 32 * VEC * i;
                 if (d < D) {
-                    out[ob + d] = acc[i] * inv;
-                    if (o16) o16[ob + d] = f2h(acc[i] * inv);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        out[ob + d + e] = acc[i][e] * inv;
+                        if (o16) o16[ob + d + e] = f2h(acc[i][e] * inv);
+                    }
                 }
             }
         }
         rb = re;
     }
+}
+
+// two blocks per SM (64 registers): one block of 16 warps cannot hide the staging barriers
+extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
+    attn_tile(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
+              const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
+    attn_tile_body<4>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, o16);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
+    attn_tile_v2(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
+                 const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
+    attn_tile_body<2>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, o16);
 }

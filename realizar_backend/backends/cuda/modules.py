@@ -133,7 +133,7 @@ class Kernels:
                                100 * 1024) for i, kind in ((1, "mmvf"), (2, "ffnf")))
         mmvf = {1: gemvs(1)}
         deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
-        attn = build("attention.cu", ["attn_decode", "attn_prompt", "attn_tile"], smem=100 * 1024)
+        attn = build("attention.cu", ["attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"], smem=100 * 1024)
         core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
                                         "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
         norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])

@@ -302,8 +302,9 @@ def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int
     Without rope (prompt rows, already in the cache) and without 8-bit outputs: attn_tile."""
     if rope is None and not oq:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
-        smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 1))
-        _launch(k.attn_tile, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
+        smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
+        fn = k.attn_tile if D % 128 == 0 else k.attn_tile_v2      # 4 or 2 dims per lane: no idle lanes
+        _launch(fn, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
                 (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
                  _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(o16)), smem, pdl)
         return
