@@ -7,9 +7,8 @@ step, not from L2). Prints a table and writes JSON; a tool for choosing the kern
     python tools/mmvf_sweep.py --policy --variant base: --variant const:FUNIT_BASE_CONST=1
     python tools/mmvf_sweep.py --policy --variant base: --shapes down_q4k,down_q6k --reps 1   (under ncu)
 
---variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines; the pseudo-define
-RING=0/1/2 sets ops.MMVF_RING to "off", "block32" or "all"); --policy times only the launch
-shape ops.py picks (its warps per row, weight ring, one resident wave). Every variant is compiled as
+--variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines); --policy times only
+the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled as
 the loader compiles (NVRTC through CuPy, the shapes' quant types only).
 """
 
@@ -31,14 +30,12 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from realizar_backend.backends.cuda.modules import QTYPES, _source, resident_blocks  # noqa: E402
-from realizar_backend.backends.cuda import ops  # noqa: E402
-from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_ring, mmvf_stride  # noqa: E402
+from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_stride, mmvf_wpr  # noqa: E402
 
 LAYERS = 28
 VARIANTS = {
     "R2-W8-global": {},           # the defaults (8 warps, unroll 2), activations read from global memory
     "R2-W8": {},                  # the defaults, staged
-    "R2-W8-noring": {"RING": 0},  # the defaults, weights read straight from global memory
     "R2-W8-U1": {"MMVF_UNROLL": 1},
     "R1-W8": {"MMVF_R": 1},
     "R4-W8": {"MMVF_R": 4},
@@ -71,7 +68,7 @@ def compile_variant(defines: dict, cc: str, mask: int) -> cupy.RawModule:
     CuPy, same options): nvcc gave the same source 222 registers where NVRTC gives 128, so an
     nvcc-built sweep measured kernels that never run."""
     opts = ("-std=c++17", f"-DREALIZAR_CC={cc}", f"-DREALIZAR_QMASK={mask:#x}ull", "-DMMVF_NB=1",
-            *(f"-D{k}={v}" for k, v in defines.items() if k != "RING"))
+            *(f"-D{k}={v}" for k, v in defines.items()))
     mod = cupy.RawModule(code=_source("mmvf.cu"), options=opts)
     for name in ("mmvf_nb1", "ffnf_nb1"):
         _ = mod.get_function(name).attributes       # compile and load now, on this thread
@@ -126,23 +123,14 @@ def main() -> int:
             W = defines.get("MMVF_WARPS", MMVF_WARPS)
             fn = mod.get_function("ffnf_nb1" if kind == "ffnf" else "mmvf_nb1")
             stage = 0 if vname.endswith("-global") else 1
-            xbytes = stage * mmvf_stride(K) * 4
+            smem = stage * mmvf_stride(K) * 4
             fn.max_dynamic_shared_size_bytes = 100 * 1024
-            fn.preferred_shared_memory_carveout = 100          # as the loader sets it (modules.py)
-            ops.MMVF_RING = ("off", "block32", "all")[defines.get("RING", 1)] if (W, R) == (MMVF_WARPS, MMVF_R) \
-                else "off"
-            ops.MMVF_STAGES = defines.get("MMVF_STAGES", 3)
-            M = 2 if kind == "ffnf" else 1
-            rb = max(row_bytes(qt, K) for qt, _ in segs)
             shapes = [(w, c) for w in (1, 2, 4, 8) for c in (False, True)]
-            if args.policy:     # what ops.py launches: warps per row and ring from its plan
-                shapes = [(ops._gemv_plan(K, rows_total, rb, M, [q for q, _ in segs], bool(stage), xbytes, sms)[0],
-                           True)]
+            if args.policy:
+                shapes = [(mmvf_wpr(K, rows_total, sms, bool(stage)), True)]
             for wpr, capped in shapes:
                 if wpr > W:
                     continue
-                blocked = ops.MMVF_RING == "block32" and any(QTYPES[q].block != 32 for q, _ in segs)
-                ring, smem = (0, xbytes) if blocked else mmvf_ring(wpr, rb, M, xbytes)
                 groups = sum(-(-r // R) for _, r in segs)
                 gpb = W // wpr
                 blocks = (groups + gpb - 1) // gpb
@@ -157,8 +145,7 @@ def main() -> int:
                                              np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(K), np.int32(int(qt)),
                                              np.uint64(x.data.ptr), np.int32(K), np.int32(1), np.int32(0),
                                              np.uint64(ybuf.data.ptr), np.int32(rows), np.int32(wpr),
-                                             np.int32(stage), np.uint64(0), np.float32(0), np.int32(ring)),
-                           shared_mem=smem)
+                                             np.int32(stage), np.uint64(0), np.float32(0)), shared_mem=smem)
                         return
                     a = []
                     off = 0
@@ -170,7 +157,7 @@ def main() -> int:
                         a += [np.uint64(0), np.int64(0), np.int32(0), np.int32(0), np.uint64(0), np.uint64(0), np.int32(0)]
                     fn(grid, (W * 32,), (*a, np.int32(K), np.uint64(x.data.ptr), np.int32(K), np.int32(1),
                                          np.int32(wpr), np.int32(0), np.int32(stage), np.uint64(0), np.float32(0),
-                                         np.uint64(0), np.int32(ring)), shared_mem=smem)
+                                         np.uint64(0)), shared_mem=smem)
 
                 with stream:
                     for m in mats:
@@ -189,7 +176,6 @@ def main() -> int:
                     e1.synchronize()
                 us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
                 results.append({"shape": shape_name, "variant": vname + ("-cap" if capped else ""), "wpr": wpr,
-                                "ring": ring,
                                 "grid": grid[0], "regs": int(fn.num_regs),
                                 "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
                                 "rows": rows_total, "K": K})

@@ -114,31 +114,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// Streamed weights (read once per step): .cg, they would only evict activations from L1. Copies
-// are grouped by cp_async_commit(); cp_async_wait_group<N>() waits until at most the N most
-// recently committed groups of this thread are in flight.
-__device__ __forceinline__ void cp_async16_cg(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem)
-                 : "memory");
-#else
-    *(float4*)smem = *(const float4*)gmem;
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // Programmatic dependent launch (sm_90; no-ops before, and in kernels launched without the host's
 // programmatic-serialization attribute). A kernel launched with it may start while the kernel
 // before it is still running: pdl_wait() blocks until that kernel has finished and its writes are
@@ -562,23 +537,16 @@ struct FUnit {
     float a0, a1, c0, c1;
 };
 
-// a read-only load: through the non-coherent global path, or a plain load (SH: shared memory)
-template <bool SH, typename T>
-__device__ __forceinline__ T ldr(const T* p) {
-    if constexpr (SH) return *p;
-    else return __ldg(p);
-}
-
 // n 32-bit words from a 2-byte aligned address: aligned 4-byte loads and a funnel shift (half the
 // load instructions of 16-bit loads); the extra word is read only when the address is misaligned.
-template <int n, bool SH = false>
+template <int n>
 __device__ __forceinline__ void ldw_a2(const u8* p, u32 (&w)[n]) {
     const u32* a = (const u32*)((u64)p & ~(u64)3);
     u32 sh = ((u32)(u64)p & 2u) * 8u;
     u32 t[n + 1];
 #pragma unroll
-    for (int i = 0; i < n; ++i) t[i] = ldr<SH>(a + i);
-    t[n] = sh ? ldr<SH>(a + n) : 0u;
+    for (int i = 0; i < n; ++i) t[i] = __ldg(a + i);
+    t[n] = sh ? __ldg(a + n) : 0u;
 #pragma unroll
     for (int i = 0; i < n; ++i) w[i] = __funnelshift_r(t[i], t[i + 1], sh);
 }
@@ -588,10 +556,12 @@ __device__ __forceinline__ void funit_coef(FUnit& w, int bits, float A, float C)
     w.c0 = w.c1 = C - A * (float)(1 << bits);
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q4_0(const u8* __restrict__ row, int u, FUnit& w) {
+template <int QT> __device__ __forceinline__ void load_funit(const u8* __restrict__ row, int u, FUnit& w);
+
+template <> __device__ __forceinline__ void load_funit<QT_Q4_0>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 18;
     u32 q[4];
-    ldw_a2<4, SH>(b + 2, q);
+    ldw_a2<4>(b + 2, q);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         w.v[i] = (q[i] << 3) & 0x78787878u;
@@ -601,23 +571,23 @@ template <bool SH> __device__ __forceinline__ void load_funit_q4_0(const u8* __r
     funit_coef(w, 4, d, -8.0f * d);
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q4_1(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q4_1>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 20;
-    u32 dm = ldr<SH>((const u32*)b);
+    u32 dm = __ldg((const u32*)b);
     const u32* qs = (const u32*)(b + 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        u32 q = ldr<SH>(qs + i);
+        u32 q = __ldg(qs + i);
         w.v[i] = (q << 3) & 0x78787878u;
         w.v[i + 4] = (q >> 1) & 0x78787878u;
     }
     funit_coef(w, 4, h2f((u16)(dm & 0xFFFF)), h2f((u16)(dm >> 16)));
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q5_0(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q5_0>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 22;
     u32 q[5];
-    ldw_a2<5, SH>(b + 2, q);       // qh, qs[16]
+    ldw_a2<5>(b + 2, q);       // qh, qs[16]
     u32 qh = q[0];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -629,38 +599,38 @@ template <bool SH> __device__ __forceinline__ void load_funit_q5_0(const u8* __r
     funit_coef(w, 5, d, -16.0f * d);
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q5_1(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q5_1>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 24;
-    u32 dm = ldr<SH>((const u32*)b);
-    u32 qh = ldr<SH>((const u32*)(b + 4));
+    u32 dm = __ldg((const u32*)b);
+    u32 qh = __ldg((const u32*)(b + 4));
     const u32* qs = (const u32*)(b + 8);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        u32 x = ldr<SH>(qs + i);
+        u32 x = __ldg(qs + i);
         w.v[i] = (((x & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (4 * i))) << 2);
         w.v[i + 4] = ((((x >> 4) & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (16 + 4 * i))) << 2);
     }
     funit_coef(w, 5, h2f((u16)(dm & 0xFFFF)), h2f((u16)(dm >> 16)));
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q8_0(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q8_0>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + u * 34;
     u32 q[8];
-    ldw_a2<8, SH>(b + 2, q);
+    ldw_a2<8>(b + 2, q);
 #pragma unroll
     for (int i = 0; i < 8; ++i) w.v[i] = q[i] ^ 0x80808080u;   // q + 128, unsigned
     w.a0 = w.a1 = h2f(ld16(b));
     w.c0 = w.c1 = 0.0f;
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q4_k(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + (u >> 3) * 144;
     int j = u & 7;
-    uint4 hd = ldr<SH>((const uint4*)b);
+    uint4 hd = __ldg((const uint4*)b);
     int sc, m;
     scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
     const uint4* q = (const uint4*)(b + 16 + 32 * (j >> 1));
-    uint4 x0 = ldr<SH>(q), x1 = ldr<SH>(q + 1);
+    uint4 x0 = __ldg(q), x1 = __ldg(q + 1);
     u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     int sh = (j & 1) * 4;                  // lanes alternate: no branch on j
 #pragma unroll
@@ -669,15 +639,15 @@ template <bool SH> __device__ __forceinline__ void load_funit_q4_k(const u8* __r
     funit_coef(w, 4, A, -h2f((u16)(hd.x >> 16)) * m);
 }
 
-template <bool SH> __device__ __forceinline__ void load_funit_q5_k(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q5_K>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + (u >> 3) * 176;
     int j = u & 7;
-    uint4 hd = ldr<SH>((const uint4*)b);
+    uint4 hd = __ldg((const uint4*)b);
     int sc, m;
     scale_min_k4w(j, hd.y, hd.z, hd.w, sc, m);
     const uint4* q = (const uint4*)(b + 48 + 32 * (j >> 1));
     const uint4* h = (const uint4*)(b + 16);
-    uint4 x0 = ldr<SH>(q), x1 = ldr<SH>(q + 1), h0 = ldr<SH>(h), h1 = ldr<SH>(h + 1);
+    uint4 x0 = __ldg(q), x1 = __ldg(q + 1), h0 = __ldg(h), h1 = __ldg(h + 1);
     int sh = (j & 1) * 4;
     u32 words[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     u32 hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
@@ -689,12 +659,12 @@ template <bool SH> __device__ __forceinline__ void load_funit_q5_k(const u8* __r
 }
 
 // Q6_K: 6-bit values 0..63 (the -32 goes into c), a scale per half unit
-template <bool SH> __device__ __forceinline__ void load_funit_q6_k(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q6_K>(const u8* __restrict__ row, int u, FUnit& w) {
     const u8* b = row + (u >> 3) * 210;
     int j = u & 7, h = j >> 2, k = j & 3;
     u32 ql[8], qh[8];
-    ldw_a2<8, SH>(b + 64 * h + (k & 1) * 32, ql);
-    ldw_a2<8, SH>(b + 128 + 32 * h, qh);
+    ldw_a2<8>(b + 64 * h + (k & 1) * 32, ql);
+    ldw_a2<8>(b + 128 + 32 * h, qh);
     int nsh = (k >> 1) * 4, hsh = 2 * k;
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -706,19 +676,6 @@ template <bool SH> __device__ __forceinline__ void load_funit_q6_k(const u8* __r
     w.a1 = 128.0f * A1;
     w.c0 = -96.0f * A0;
     w.c1 = -96.0f * A1;
-}
-
-// unit u of a row, from global memory (read-only path) or, SH, from a shared-memory copy of it
-template <int QT, bool SH = false>
-__device__ __forceinline__ void load_funit(const u8* __restrict__ row, int u, FUnit& w) {
-    if constexpr (QT == QT_Q4_0) load_funit_q4_0<SH>(row, u, w);
-    else if constexpr (QT == QT_Q4_1) load_funit_q4_1<SH>(row, u, w);
-    else if constexpr (QT == QT_Q5_0) load_funit_q5_0<SH>(row, u, w);
-    else if constexpr (QT == QT_Q5_1) load_funit_q5_1<SH>(row, u, w);
-    else if constexpr (QT == QT_Q8_0) load_funit_q8_0<SH>(row, u, w);
-    else if constexpr (QT == QT_Q4_K) load_funit_q4_k<SH>(row, u, w);
-    else if constexpr (QT == QT_Q5_K) load_funit_q5_k<SH>(row, u, w);
-    else if constexpr (QT == QT_Q6_K) load_funit_q6_k<SH>(row, u, w);
 }
 
 // byte permute with the selector as an immediate: ptxas, left to choose, puts the constant word

@@ -32,9 +32,6 @@
 #ifndef MMVF_R
 #define MMVF_R 2
 #endif
-#ifndef MMVF_STAGES
-#define MMVF_STAGES 3      // row groups per warp in flight in the weight ring (ring != 0)
-#endif
 #ifndef MMVF_UNROLL
 #define MMVF_UNROLL 2      // two units' loads in flight per lane (tools/mmvf_sweep.py: 5-10% on qwen15)
 #endif
@@ -89,7 +86,7 @@ __device__ __forceinline__ void mmvf_apply(const FUnit (&w)[M][MMVF_R], int u, i
 
 // partial sums of rows r0 .. r0+R-1 (clamped to rlast: rows past the end repeat the last one and
 // are never stored) of M matrices over units u0, u0 + ustep, ...
-template <int QT, int NB, int M, bool SH>
+template <int QT, int NB, int M>
 __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb, int r0, int rlast, int nu, int u0,
                                           int ustep, const float* x, int xs, int nbl, bool staged,
                                           float (&acc)[M][MMVF_R][NB]) {
@@ -104,16 +101,16 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int i = 0; i < MMVF_R; ++i) load_funit<QT, SH>(rows[m][i], u, w[m][i]);
+            for (int i = 0; i < MMVF_R; ++i) load_funit<QT>(rows[m][i], u, w[m][i]);
         mmvf_apply<QT, NB, M>(w, u, nu, x, xs, nbl, staged, acc);
     }
 }
 
-template <int NB, int M, bool SH>
+template <int NB, int M>
 __device__ __forceinline__ void mmvf_dispatch(int qt, const u8* const (&W)[M], long long rb, int r0, int rlast,
                                               int nu, int u0, int ustep, const float* x, int xs, int nbl,
                                               bool staged, float (&acc)[M][MMVF_R][NB]) {
-#define MMVF_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmvf_rows<Q, NB, M, SH>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc); break;
+#define MMVF_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc); break;
     switch (qt) {
         MMVF_CASE(QT_Q4_0)
         MMVF_CASE(QT_Q4_1)
@@ -241,29 +238,6 @@ __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, 
     return sm;
 }
 
-// Weight ring (ring != 0: the launch's warps own one row group per round, wpr == 1). Each warp
-// copies the raw rows of its next MMVF_STAGES row groups into its own shared-memory slots with
-// cp.async and decodes a group from its slot while the later ones are in flight: a warp's rounds
-// then cost one memory latency in all instead of one each, and the first copies are issued before
-// the wait for the previous kernel. A slot holds each matrix's rows at their source offset mod 16
-// (`ring` bytes per matrix, set by the host: 16-byte pieces of R rows, plus slack for ldw_a2).
-__device__ __forceinline__ u8* ring_slot(u8* ring0, int ring, int M, int wid, int k, int m) {
-    return ring0 + ((long long)(wid * MMVF_STAGES + k % MMVF_STAGES) * M + m) * ring;
-}
-
-// copy rows [r0, r0 + nr) of W (row bytes rb) into a slot; warp-cooperative, asynchronous
-__device__ __forceinline__ void ring_copy(u8* dst, const u8* W, long long rb, int r0, int nr, int lane) {
-    const u8* src = W + (long long)r0 * rb;
-    const u8* a = (const u8*)((u64)src & ~(u64)15);
-    int n = (int)((((u64)src & 15) + nr * rb + 15) >> 4);
-    for (int i = lane; i < n; i += 32) cp_async16_cg(dst + 16 * i, a + 16 * i);
-}
-
-// where row r0 of W starts inside its slot
-__device__ __forceinline__ const u8* ring_row0(const u8* slot, const u8* W, long long rb, int r0) {
-    return slot + ((u64)(W + (long long)r0 * rb) & 15);
-}
-
 __device__ __forceinline__ unsigned long long argmax_key(float v, int r) {
     u32 u = __float_as_uint(v);
     u ^= (u >> 31) ? 0xFFFFFFFFu : 0x80000000u;          // order-keeping: larger float, larger key
@@ -292,16 +266,10 @@ __device__ __forceinline__ MmvfSeg mmvf_seg(const MmvfSeg (&s)[3], int G, int& g
     return s[2];
 }
 
-// the staged activation rows' bytes (mmvf_stage), where the weight ring starts in shared memory
-template <int NB>
-__device__ __forceinline__ int mmvf_xbytes(int K, int stage) {
-    return stage ? (NB * mmvf_stride(K) * 4 + 15) & ~15 : 0;
-}
-
 template <int NB>
 __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const float* __restrict__ x, int xs,
                                           int nb, int wpr, int accumulate, int stage, const float* nw, float eps,
-                                          unsigned long long* amax, int ring) {
+                                          unsigned long long* amax) {
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
@@ -310,18 +278,7 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
     for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
-    int gstride = gridDim.x * gpb;
-    u8* ring0 = (u8*)mmvf_sm + mmvf_xbytes<NB>(K, stage);
-    if (ring) {   // the warp's first rounds' rows into its slots (wpr == 1: group = base + wid)
-        for (int k = 0; k < MMVF_STAGES; ++k) {
-            int G = blockIdx.x * gpb + wid + k * gstride, g;
-            if (G < groups) {
-                MmvfSeg s = mmvf_seg(seg, G, g);
-                ring_copy(ring_slot(ring0, ring, 1, wid, k, 0), s.W, s.rb, g * MMVF_R, min(MMVF_R, s.n - g * MMVF_R), lane);
-            }
-            cp_async_commit();
-        }
-    } else {   // the first round's rows towards L2 while the kernel before may still run
+    {   // the first round's rows towards L2 while the kernel before may still run
         int G = blockIdx.x * gpb + wid / wpr, g;
         if (sub == 0 && lane == 0 && G < groups) {
             MmvfSeg s = mmvf_seg(seg, G, g);
@@ -333,8 +290,7 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
     int xst = stage ? mmvf_stride(K) : xs;
     // the grid may hold fewer blocks than there are groups (one wave, staged once per block): blocks
     // stride over the groups; the trip count is block-uniform, for the barriers inside
-    int k = 0;
-    for (int base = blockIdx.x * gpb; base < groups; base += gstride, ++k) {
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {
         int G = base + wid / wpr;
         bool live = G < groups;
         int g;
@@ -345,20 +301,11 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
         for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
             for (int b = 0; b < NB; ++b) acc[0][i][b] = 0.0f;
-        if (live) {
-            if (ring) {
-                cp_async_wait_group<MMVF_STAGES - 1>();   // this round's copies (later rounds' stay in flight)
-                __syncwarp();
-                const u8* const Ws[1] = {ring_row0(ring_slot(ring0, ring, 1, wid, k, 0), s.W, s.rb, r0)};
-                mmvf_dispatch<NB, 1, true>(s.qt, Ws, s.rb, 0, min(MMVF_R, s.n - r0) - 1, K >> 5, lane, 32, xb, xst,
-                                           nbl, stage != 0, acc);
-            } else {
-                const u8* const Ws[1] = {s.W};
-                mmvf_dispatch<NB, 1, false>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst,
-                                            nbl, stage != 0, acc);
-            }
-        }
-        if (base + gstride >= groups) pdl_trigger();     // the block's last round: loads issued
+        const u8* const Ws[1] = {s.W};
+        if (live)
+            mmvf_dispatch<NB, 1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
+                                 stage != 0, acc);
+        if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
             // outputs spread over the lanes
@@ -375,16 +322,6 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
                     }
                 }
         }
-        if (ring) {   // the slot is free again: round k + MMVF_STAGES's rows into it
-            __syncwarp();
-            int Gn = G + MMVF_STAGES * gstride, gn;
-            if (Gn < groups) {
-                MmvfSeg sn = mmvf_seg(seg, Gn, gn);
-                ring_copy(ring_slot(ring0, ring, 1, wid, k, 0), sn.W, sn.rb, gn * MMVF_R,
-                          min(MMVF_R, sn.n - gn * MMVF_R), lane);
-            }
-            cp_async_commit();
-        }
         if (wpr > 1) __syncthreads();      // mmvf_reduce's shared buffer is reused next round
     }
 }
@@ -392,26 +329,14 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
 template <int NB>
 __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
                                           const float* __restrict__ x, int xs, int nb, int act, float* a, int as,
-                                          int wpr, int stage, const float* nw, float eps, int ring) {
+                                          int wpr, int stage, const float* nw, float eps) {
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
     int groups = (N + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
-    int gstride = gridDim.x * gpb;
-    u8* ring0 = (u8*)mmvf_sm + mmvf_xbytes<NB>(K, stage);
-    if (ring) {   // as mmvf_body: gate and up rows of the warp's first rounds into its slots
-        for (int k = 0; k < MMVF_STAGES; ++k) {
-            int G = blockIdx.x * gpb + wid + k * gstride;
-            if (G < groups) {
-                int nr = min(MMVF_R, N - G * MMVF_R);
-                ring_copy(ring_slot(ring0, ring, 2, wid, k, 0), Wg, rb, G * MMVF_R, nr, lane);
-                ring_copy(ring_slot(ring0, ring, 2, wid, k, 1), Wu, rb, G * MMVF_R, nr, lane);
-            }
-            cp_async_commit();
-        }
-    } else {   // as mmvf_body: the first round's gate and up rows towards L2
+    {   // as mmvf_body: the first round's gate and up rows towards L2, then wait for the kernel before
         int G = blockIdx.x * gpb + wid / wpr;
         if (sub == 0 && lane < 2 && G < groups)
             l2_prefetch((lane ? Wu : Wg) + (long long)G * MMVF_R * rb, (long long)min(MMVF_R, N - G * MMVF_R) * rb);
@@ -419,8 +344,7 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
     pdl_wait();
     const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
-    int k = 0;
-    for (int base = blockIdx.x * gpb; base < groups; base += gstride, ++k) {   // as mmvf_body
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmvf_body
         int G = base + wid / wpr;
         bool live = G < groups;
         int r0 = G * MMVF_R;
@@ -431,21 +355,11 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
             for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
                 for (int b = 0; b < NB; ++b) acc[m][i][b] = 0.0f;
-        if (live) {
-            if (ring) {
-                cp_async_wait_group<MMVF_STAGES - 1>();
-                __syncwarp();
-                const u8* const Ws[2] = {ring_row0(ring_slot(ring0, ring, 2, wid, k, 0), Wg, rb, r0),
-                                         ring_row0(ring_slot(ring0, ring, 2, wid, k, 1), Wu, rb, r0)};
-                mmvf_dispatch<NB, 2, true>(qt, Ws, rb, 0, min(MMVF_R, N - r0) - 1, K >> 5, lane, 32, xb, xst, nbl,
-                                           stage != 0, acc);
-            } else {
-                const u8* const Ws[2] = {Wg, Wu};
-                mmvf_dispatch<NB, 2, false>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
-                                            stage != 0, acc);
-            }
-        }
-        if (base + gstride >= groups) pdl_trigger();     // the block's last round: loads issued
+        const u8* const Ws[2] = {Wg, Wu};
+        if (live)
+            mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
+                                 stage != 0, acc);
+        if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
 #pragma unroll
@@ -456,16 +370,6 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
                     if (lane == ((i * NB + b) & 31) && r < N && b < nbl)
                         a[(long long)(bb + b) * as + r] = act_f(acc[0][i][b], act) * acc[1][i][b];
                 }
-        }
-        if (ring) {   // as mmvf_body: the freed slot takes round k + MMVF_STAGES
-            __syncwarp();
-            int Gn = G + MMVF_STAGES * gstride;
-            if (Gn < groups) {
-                int nr = min(MMVF_R, N - Gn * MMVF_R);
-                ring_copy(ring_slot(ring0, ring, 2, wid, k, 0), Wg, rb, Gn * MMVF_R, nr, lane);
-                ring_copy(ring_slot(ring0, ring, 2, wid, k, 1), Wu, rb, Gn * MMVF_R, nr, lane);
-            }
-            cp_async_commit();
         }
         if (wpr > 1) __syncthreads();
     }
@@ -480,10 +384,10 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,               \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,               \
         int K, const float* x, int xs, int nb, int wpr, int accumulate, int stage, const float* nw,      \
-        float eps, unsigned long long* amax, int ring) {                                                 \
+        float eps, unsigned long long* amax) {                                                           \
         const MmvfSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},         \
                                 {W2, rb2, n2, qt2, b2, y2, ys2}};                                         \
-        mmvf_body<NB>(seg, K, x, xs, nb, wpr, accumulate, stage, nw, eps, amax, ring);                   \
+        mmvf_body<NB>(seg, K, x, xs, nb, wpr, accumulate, stage, nw, eps, amax);                         \
     }
 #else
 #define DEFINE_MMVF(NB)
@@ -492,8 +396,8 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
 #define DEFINE_FFNF(NB)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
-        int act, float* a, int as, int wpr, int stage, const float* nw, float eps, int ring) {           \
-        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps, ring);           \
+        int act, float* a, int as, int wpr, int stage, const float* nw, float eps) {                     \
+        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps);                 \
     }
 #else
 #define DEFINE_FFNF(NB)

@@ -2,10 +2,7 @@
 gate+up+activation) against float64 NumPy twins (backends/cuda/selfcheck.py) on fresh random
 inputs, odd shapes included: K = 576, 896 (units that no warp pass divides), 1536, 2304, 8960
 (4 warps per row), rows that no group of rows divides, batches that need two grid columns,
-activation and output row strides wider than the matrix, outputs poisoned before every launch.
-Launches whose warps own whole row groups may stream the weights through a shared-memory ring; the
-`ring` fixture runs a test under each ring policy of ops.MMVF_RING (the default "block32", "all",
-and "off": direct global reads)."""
+activation and output row strides wider than the matrix, outputs poisoned before every launch."""
 
 from __future__ import annotations
 
@@ -27,15 +24,6 @@ def _id(c):
     return f"{c[0].name}-{c[1]}x{c[2]}"
 
 
-@pytest.fixture(params=["block32", "all", "off"])
-def ring(request):
-    from realizar_backend.backends.cuda import ops
-    old = ops.MMVF_RING
-    ops.MMVF_RING = request.param
-    yield request.param
-    ops.MMVF_RING = old
-
-
 @pytest.mark.parametrize("case", CASES, ids=_id)
 @pytest.mark.parametrize("nb", [1, 2, 3, 11])
 def test_mmvf(kernels, rng, case, nb):
@@ -53,7 +41,7 @@ def test_mmvf(kernels, rng, case, nb):
                                     ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q5_K, 2)], 8960)],
                          ids=["qwen15-qkv", "qwen05-qkv-odd", "smol-qkv", "tiny", "long-mixed"])
 @pytest.mark.parametrize("nb", [1, 2, 5, 9])
-def test_mmvf_segments_bias_residual(kernels, rng, ring, segs, K, nb):
+def test_mmvf_segments_bias_residual(kernels, rng, segs, K, nb):
     from realizar_backend.backends.cuda.selfcheck import check_mmvf
     e1 = check_mmvf(kernels, segs, K, nb, rng, bias=True)
     e2 = check_mmvf(kernels, segs[:1], K, nb, rng, accumulate=True)
@@ -64,7 +52,7 @@ def test_mmvf_segments_bias_residual(kernels, rng, ring, segs, K, nb):
 
 @pytest.mark.parametrize("q", BLOCK32 + KQUANT, ids=lambda q: q.name)
 @pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
-def test_ffn_f(kernels, rng, ring, q, act):
+def test_ffn_f(kernels, rng, q, act):
     from realizar_backend.backends.cuda.selfcheck import check_ffn_f
     for n, k, nb in ((97, 1536 if q in KQUANT else 896, 1), (64, 512 if q in KQUANT else 576, 3),
                      (161, 1536, 9), (33, 8960 if q in KQUANT else 4864, 2)):
@@ -115,7 +103,7 @@ def test_ffn_f_folded_norm(kernels, rng, q, nb):
 
 
 @pytest.mark.parametrize("nb", [1, 2, 5, 8])
-def test_mmvf_fused_argmax(kernels, rng, ring, nb):
+def test_mmvf_fused_argmax(kernels, rng, nb):
     """The LM head's fused argmax equals argmax of the logits it wrote (first index on ties, NaN
     never wins), and the key buffer is left zeroed for the next step."""
     import cupy
@@ -146,7 +134,7 @@ def test_mmvf_fused_argmax(kernels, rng, ring, nb):
 
 @pytest.mark.parametrize("q,n,k", [(Q.Q4_K, 20000, 1536), (Q.Q6_K, 3000, 8960), (Q.Q8_0, 9001, 896)],
                          ids=["wide", "long-rows", "odd"])
-def test_mmvf_more_groups_than_resident_blocks(kernels, rng, ring, q, n, k):
+def test_mmvf_more_groups_than_resident_blocks(kernels, rng, q, n, k):
     """Launches with more row groups than one wave of blocks holds: blocks stride over the groups
     (with block barriers when warps share a row)."""
     from realizar_backend.backends.cuda.selfcheck import check_ffn_f, check_mmvf

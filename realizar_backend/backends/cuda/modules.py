@@ -132,19 +132,15 @@ class Kernels:
         typed = (f"-DREALIZAR_QMASK={mask:#x}ull",)    # only the type-templated files see the mask
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
-        def build(fname: str, names, extra=(), smem: int = 0, lazy: bool = False, carveout: bool = False):
+        def build(fname: str, names, extra=(), smem: int = 0, lazy: bool = False):
             def run():
                 t0 = time.perf_counter()
                 with dev:
                     mod = cupy.RawModule(code=_source(fname), options=opts + tuple(extra))
                     fns = {n: mod.get_function(n) for n in names}
                     for fn in fns.values():
-                        if smem:   # staged activation rows / K-V tiles / weight ring in dynamic shared memory
+                        if smem:   # staged activation rows / K-V tiles in dynamic shared memory
                             fn.max_dynamic_shared_size_bytes = smem
-                        if carveout:
-                            # all of the SM's unified L1 as shared memory: two 90 KB weight-ring blocks
-                            # per SM; the driver's default split held one (qwen15 gate+up 14 -> 22 us)
-                            fn.preferred_shared_memory_carveout = 100
                         _ = fn.attributes              # compile and load now, never during a capture
                 log.debug("kernels %s %s ready in %.2f s", fname, " ".join(extra), time.perf_counter() - t0)
                 return fns
@@ -155,7 +151,7 @@ class Kernels:
         # waits for the slowest of them, not for a queue
         def gemvs(nb: int):
             return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={i}"),
-                               100 * 1024, carveout=True) for i, kind in ((1, "mmvf"), (2, "ffnf")))
+                               100 * 1024) for i, kind in ((1, "mmvf"), (2, "ffnf")))
         mmvf = {1: gemvs(1)}
         deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
         attn = build("attention.cu", ["attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"], smem=100 * 1024)

@@ -96,13 +96,7 @@ def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, 
                  _I32(int(wg.qtype)), _U64(xq), _U64(xd), _I32(nb), _I32(act), _U64(aq), _U64(ad), _U64(af)))
 
 
-MMVF_WARPS, MMVF_R, MMVF_STAGES = 8, 2, 3                      # mmvf.cu
-# which launches stream their weights through the shared-memory ring (mmvf.cu): "block32" (launches
-# with one warp per row group whose matrices are all 32-weight block types), "all" (every launch
-# with one warp per group) or "off". Measured on the H100 (tg128, same call): the ring gains 8% on
-# qwen05 (Q5_0/Q8_0) and 4% on smol135 and loses 4-6% on qwen15 (Q4_K gate+up, Q6_K head), whose
-# 16-byte aligned rows the direct loads already read in few requests.
-MMVF_RING = "block32"
+MMVF_WARPS, MMVF_R = 8, 2                                      # mmvf.cu
 
 
 def f32_ok(w: WeightRef) -> bool:
@@ -129,9 +123,7 @@ _resident: dict[tuple[int, int], int] = {}
 def _max_grid(k: Kernels, fn, smem: int) -> int:
     """Blocks of an mmvf/ffnf launch that fit on the GPU at once (registers, shared memory, as the
     driver's occupancy calculator counts them): the kernels stride over row groups, so one resident
-    wave does the work with one staging per block. A grid one block per SM too large runs as two
-    waves: the weight ring's launches took 1.5x as long when the hand count disagreed with the
-    driver's shared-memory split."""
+    wave does the work with one staging per block; a grid larger than that would run as two waves."""
     key = (id(fn), smem)
     n = _resident.get(key)
     if n is None:
@@ -176,28 +168,6 @@ def _stage_args(norm, K: int, nb: int):
     return _I32(1), _U64(nw), _F32(eps), _nb_variant(nb) * mmvf_stride(K) * 4
 
 
-def mmvf_ring(wpr: int, row_bytes: int, M: int, xbytes: int) -> tuple[int, int]:
-    """(bytes per matrix per ring slot, total dynamic shared memory) of a launch: the weight ring
-    (mmvf.cu) when the warps own whole row groups (wpr 1) and MMVF_STAGES slots per warp fit next
-    to the staged activations; (0, xbytes) otherwise. A slot holds R rows at their source offset
-    mod 16, in 16-byte pieces, plus 16 bytes that ldw_a2's spare word may read."""
-    slot = 16 * -(-(15 + MMVF_R * row_bytes) // 16) + 16
-    total = xbytes + MMVF_WARPS * MMVF_STAGES * M * slot
-    if MMVF_RING == "off" or wpr != 1 or total > MMVF_SMEM_MAX:
-        return 0, xbytes
-    return slot, total
-
-
-def _gemv_plan(K: int, rows: int, row_bytes: int, M: int, qtypes, stage: bool, xbytes: int,
-               sm_count: int) -> tuple[int, int, int]:
-    """(warps per row group, ring slot bytes, dynamic shared memory) of an mmvf/ffnf launch."""
-    wpr = mmvf_wpr(K, rows, sm_count, stage)
-    if MMVF_RING == "block32" and any(QTYPES[q].block != 32 for q in qtypes):
-        return wpr, 0, xbytes
-    slot, smem = mmvf_ring(wpr, row_bytes, M, xbytes)
-    return wpr, slot, smem
-
-
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
          norm=None, amax: int = 0, pdl: bool = False) -> None:
     """y_s[b] (+)= W_s @ h[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
@@ -215,14 +185,13 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
     stage, nw, eps, smem = _stage_args(norm, K, nb)
+    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage))
     v = _nb_variant(nb)
-    wpr, ring, smem = _gemv_plan(K, rows, max(w.row_bytes for w, *_ in segs), 1, [w.qtype for w, *_ in segs],
-                                 bool(stage), smem, getattr(k, "sm_count", 132))
     gpb = MMVF_WARPS // wpr
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.mmvf[v], smem)), (nb + v - 1) // v)
     _launch(k.mmvf[v], grid, (MMVF_WARPS * 32,),
             (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), stage, nw, eps,
-             _U64(amax), _I32(ring)), smem, pdl)
+             _U64(amax)), smem, pdl)
 
 
 def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int,
@@ -232,16 +201,14 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     K = wg.cols
     _check_x(x, xs, K)
     stage, nw, eps, smem = _stage_args(norm, K, nb)
+    wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage))
     v = _nb_variant(nb)
-    groups = -(-wg.rows // MMVF_R)
-    wpr, ring, smem = _gemv_plan(K, wg.rows, wg.row_bytes, 2, [wg.qtype], bool(stage), smem,
-                                 getattr(k, "sm_count", 132))
     gpb = MMVF_WARPS // wpr
+    groups = -(-wg.rows // MMVF_R)
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem)), (nb + v - 1) // v)
     _launch(k.ffnf[v], grid, (MMVF_WARPS * 32,),
             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
-             _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps, _I32(ring)),
-            smem, pdl)
+             _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps), smem, pdl)
 
 
 def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
