@@ -18,7 +18,7 @@ def test_explicit_values_win_over_the_environment():
 @pytest.mark.parametrize("env", [{"REALIZAR_BACKEND": "tpu"}, {"REALIZAR_CONTEXT_LENGTH": "many"},
                                  {"REALIZAR_CUDA_GRAPHS": "perhaps"}, {"REALIZAR_MAX_NUM_SEQS": "0"},
                                  {"REALIZAR_DECODE_ACTIVATIONS": "int4"}, {"REALIZAR_PREFILL_PRECISION": "fp8"},
-                                 {"REALIZAR_KV_CACHE_TOKENS": "100"}])
+                                 {"REALIZAR_KV_CACHE_TOKENS": "100"}, {"REALIZAR_PREFILL_WEIGHT_CACHE": "always"}])
 def test_bad_values_are_refused_with_their_name(env):
     with pytest.raises(ValueError) as e:
         Settings.from_env(env)

@@ -325,3 +325,31 @@ def test_split16_model_parity(name, rng):
         worst = min(worst, float(pre.min()), min(dec))
     gpu.close()
     assert worst >= 0.9999
+
+
+@pytest.mark.parametrize("name", ["qwen05", "gemma270"])
+def test_split_weight_cache_gives_the_same_logits(name, rng):
+    """Split weights kept from start-up (prefill_weight_cache "on") give the prompt logits of
+    splitting them in every prefill ("off") bit for bit; "off" keeps none."""
+    from test_model_parity import TWINS, _open
+
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.settings import Settings
+    path = TWINS / f"{name}.gguf"
+    if not path.exists():
+        pytest.skip(f"{name} not on this machine")
+    model = _open(path)
+    V = model.config.vocab_size
+    items = [PrefillItem(0, rng.integers(0, V, 41).astype(np.int32)),
+             PrefillItem(1, rng.integers(0, V, 23).astype(np.int32))]
+    out = {}
+    for cache in ("on", "off"):
+        be = CUDABackend(model, max_slots=2, max_context=64,
+                         settings=Settings(self_check=False, prefill_weight_cache=cache))
+        assert len(be.fwd.gemm_layers.cached) == (4 * model.config.n_layers if cache == "on" else 0)
+        out[cache] = be.prefill(items)
+        be.close()
+    assert np.isfinite(out["on"]).all()
+    assert np.array_equal(out["on"], out["off"])
+

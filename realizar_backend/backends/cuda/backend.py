@@ -45,7 +45,7 @@ class CUDABackend:
         self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
         self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv, self.settings.decode_activations,
-                           self.settings.prefill_precision)
+                           self.settings.prefill_precision, self.settings.prefill_weight_cache)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         # sampling kernels run eagerly after the step's graph replay, on the same stream
         self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], max_slots)

@@ -55,11 +55,12 @@ class _LayerPlan:
 
 class Forward:
     def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, kv: KVCache,
-                 decode_activations: str = "int8", prefill_precision: str = "fp16"):
+                 decode_activations: str = "int8", prefill_precision: str = "fp16", weight_cache: str = "off"):
         """decode_activations: "int8" (8-bit activation blocks everywhere they apply),
         "int8-fp32-down" (all but the FFN down projection, whose input has the widest range),
         "fp32" (every projection on fp32 activations: the reference the others approximate, on
-        mmvf.cu), "fp32-gemv" (the same on the one-warp-per-row gemv.cu kernels)."""
+        mmvf.cu), "fp32-gemv" (the same on the one-warp-per-row gemv.cu kernels). weight_cache: the
+        split16 prefill's copy of the split weights (Settings.prefill_weight_cache)."""
         int8_activations = decode_activations not in ("fp32", "fp32-gemv")
         int8_down = decode_activations == "int8"
         self.fast_f32 = decode_activations != "fp32-gemv"
@@ -77,7 +78,7 @@ class Forward:
         self.head_f32 = self.fast_f32 and ops.f32_ok(w.output)
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
-        self.gemm_layers = PrefillGemm(self)
+        self.gemm_layers = PrefillGemm(self, weight_cache)
         # launch the kernels that wait for their predecessor in pdl_wait() as programmatic dependent
         # launches (pdl.py); the backend sets it while it captures a decode step
         self.pdl = False

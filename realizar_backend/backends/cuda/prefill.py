@@ -131,17 +131,24 @@ def split_gemm(handle: int, w: int, x: int, N: int, K: int, T: int, y: int, ldy:
 
 
 class PrefillGemm:
-    def __init__(self, fwd: "Forward"):
+    def __init__(self, fwd: "Forward", weight_cache: str = "off"):
         self.f = fwd
         self.k, self.ws, self.c = fwd.k, fwd.ws, fwd.c
         self.prefill = fwd.prefill
         self.act = fwd.act
         self.norm16 = fwd.norm16
+        # (layer, group) -> that group's split weight rows, kept from start-up (weight_cache)
+        self.cached: dict[tuple[int, int], cupy.ndarray] = {}
         if self.prefill == "split16":
-            self._init_split()
+            self._init_split(weight_cache)
 
     # ------------------------------------------------------------ split16
-    def _init_split(self) -> None:
+    @staticmethod
+    def groups(lw: LayerIndex) -> tuple[tuple[WeightRef, ...], ...]:
+        """The matrices that share one split16 projection: q+k+v, o, gate+up, down."""
+        return (lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)
+
+    def _init_split(self, weight_cache: str) -> None:
         c, layers = self.c, self.f.w.layers
         for lw in layers:
             ok = (lw.w_gate.rows == lw.w_up.rows == c.ffn_dim and lw.w_gate.cols == lw.w_up.cols == c.hidden
@@ -153,17 +160,38 @@ class PrefillGemm:
         self.kx = load_kernels(cupy.cuda.Device().id, getattr(self.k, "qtypes", None))
         # the dequantize buffer holds one fused group (q+k+v, gate+up) at two fp16 halves per
         # weight, i.e. one float32 per weight
-        need = max(sum(w.rows for w in grp) * grp[0].cols for lw in layers
-                   for grp in ((lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)))
-        self.ws.ensure_dequant(need)
+        sizes = [sum(w.rows for w in grp) * grp[0].cols for lw in layers for grp in self.groups(lw)]
         self._calls = {K: split_calls(K) for K in {c.hidden, c.q_dim, c.ffn_dim}}
+        total = 4 * sum(sizes)
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        if weight_cache == "on" or (weight_cache == "auto" and total <= free // 4):
+            try:
+                for li, lw in enumerate(layers):
+                    for gi, grp in enumerate(self.groups(lw)):
+                        buf = cupy.empty(sum(w.rows for w in grp) * grp[0].cols, cupy.float32)
+                        split_weights(self.kx, grp, buf.data.ptr)
+                        self.cached[li, gi] = buf
+                cupy.cuda.get_current_stream().synchronize()    # prefills run on the backend's own stream
+                log.info("split16 prefill: split weights kept on the device (%.2f GB)", total / 1e9)
+                return
+            except cupy.cuda.memory.OutOfMemoryError:
+                if weight_cache == "on":
+                    raise
+                self.cached.clear()
+                log.warning("split16 prefill: no room for the split weights (%.2f GB); split per prefill",
+                            total / 1e9)
+        self.ws.ensure_dequant(max(sizes))
 
-    def _proj(self, handle: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
-        """y[:T] = s x[:T] @ [mats].T: dequantize-and-split the matrices, then the GEMM calls."""
+    def _proj(self, handle: int, li: int, gi: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
+        """y[:T] = s x[:T] @ [mats].T (group gi of layer li): the split weights kept since start-up,
+        or dequantize-and-split them now; then the GEMM calls."""
         ws = self.ws
         K = mats[0].cols
-        split_weights(self.kx, mats, ws.deq.data.ptr)
-        split_gemm(handle, ws.deq.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy,
+        w = self.cached.get((li, gi))
+        if w is None:
+            split_weights(self.kx, mats, ws.deq.data.ptr)
+            w = ws.deq
+        split_gemm(handle, w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy,
                    self._calls.get(K))
 
     def _layer_split(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
@@ -178,21 +206,21 @@ class PrefillGemm:
         # attention: Q, K and V as one GEMM, then 1/s and the biases on the way out
         split_rows(kx, x, xs, lw.attn_norm, T, H, eps, x16, inv_a)
         n = lw.wq.rows + lw.wk.rows + lw.wv.rows
-        self._proj(handle, (lw.wq, lw.wk, lw.wv), T, y32, n)
+        self._proj(handle, li, 0, (lw.wq, lw.wk, lw.wv), T, y32, n)
         unscale_scatter(kx, y32, n, inv_a, T, [(ws.q.data.ptr, ws.q.shape[1], lw.wq.rows, lw.bq),
                                                (ws.k.data.ptr, ws.k.shape[1], lw.wk.rows, lw.bk),
                                                (ws.v.data.ptr, ws.v.shape[1], lw.wv.rows, lw.bv)])
         self.f._qk_norm_rope(li, lw, T, pos, slots)
         self.f._attention(li, lw, T, pos, slots)
         split_rows(kx, ws.attn.data.ptr, ws.attn.shape[1], 0, T, lw.wo.cols, eps, x16, inv_b)
-        self._proj(handle, (lw.wo,), T, tmp, ts)
+        self._proj(handle, li, 1, (lw.wo,), T, tmp, ts)
         unscale_add(kx, x, xs, tmp, ts, inv_b, lw.post_attn_norm, T, H, eps)
         # FFN: gate and up as one GEMM; act(g) * u is split for the down projection in one pass
         split_rows(kx, x, xs, lw.ffn_norm, T, H, eps, x16, inv_a)
         F = lw.w_gate.rows
-        self._proj(handle, (lw.w_gate, lw.w_up), T, y32, 2 * F)
+        self._proj(handle, li, 2, (lw.w_gate, lw.w_up), T, y32, 2 * F)
         act_split(kx, y32, F, inv_a, self.act, T, x16, inv_b)
-        self._proj(handle, (lw.w_down,), T, tmp, ts)
+        self._proj(handle, li, 3, (lw.w_down,), T, tmp, ts)
         unscale_add(kx, x, xs, tmp, ts, inv_b, lw.post_ffn_norm, T, H, eps)
 
     # ------------------------------------------------------------ fp32 / fp16
