@@ -184,6 +184,15 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
     }
 }
 
+// ATT_KIND selects one entry point per compilation (1 attn_decode, 2 attn_prompt, 3 attn_tile,
+// 4 attn_tile_v2; unset or 0: all): the loader compiles them as separate modules, in parallel, so a cold
+// start waits for the slowest one, not for all four in one NVRTC call
+#ifndef ATT_KIND
+#define ATT_KIND 0
+#endif
+#define ATT_ON(kind) (ATT_KIND == 0 || ATT_KIND == (kind))
+
+#if ATT_ON(1)
 // decode: a few rows, short chains of memory latency: four keys per warp per pass
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
@@ -193,7 +202,9 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_body<4>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
                  rope_dim, theta, style, fuse);
 }
+#endif
 
+#if ATT_ON(2)
 // prompt rows (thousands of blocks): one key per pass, two blocks per SM
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
     attn_prompt(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
@@ -203,6 +214,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
     attn_body<1>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
                  rope_dim, theta, style, fuse);
 }
+#endif
 
 // ------------------------------------------------------------------ prompt rows, tiled
 // A block takes ATT_TQ consecutive rows of one head. Rows of one sequence at consecutive positions
@@ -356,15 +368,19 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
     }
 }
 
+#if ATT_ON(3)
 // two blocks per SM (64 registers): one block of 16 warps cannot hide the staging barriers
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
               const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
     attn_tile_body<4>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, o16);
 }
+#endif
 
+#if ATT_ON(4)
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile_v2(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                  const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
     attn_tile_body<2>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, o16);
 }
+#endif

@@ -154,7 +154,9 @@ class Kernels:
                                100 * 1024) for i, kind in ((1, "mmvf"), (2, "ffnf")))
         mmvf = {1: gemvs(1)}
         deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
-        attn = build("attention.cu", ["attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"], smem=100 * 1024)
+        # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
+        attn = [build("attention.cu", [name], (f"-DATT_KIND={i}",), smem=100 * 1024)
+                for i, name in enumerate(("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"), 1)]
         core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
                                         "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
         norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])
@@ -175,7 +177,8 @@ class Kernels:
         self.dequant16 = {q: deq.result()["dequant16_" + sfx[q]] for q in types}
         self.dequant = {q: deq.result()["dequant_" + sfx[q]] for q in types}
         self.embed = {q: deq.result()["embed_" + sfx[q]] for q in types}
-        for name, fn in {**core.result(), **norm.result(), **rope.result(), **attn.result()}.items():
+        for name, fn in {**core.result(), **norm.result(), **rope.result(),
+                         **{n: f for a in attn for n, f in a.result().items()}}.items():
             setattr(self, name, fn)
         self.mmvf[1], self.ffnf[1]                            # the batch-1 decode path is ready on return
         log.info("cuda kernels for compute capability %s: core ready, %d quant types; wider batches and "
