@@ -158,8 +158,7 @@ class PrefillGemm:
                 self.prefill = "fp32"
                 return
         self.kx = load_kernels(cupy.cuda.Device().id, getattr(self.k, "qtypes", None))
-        # the dequantize buffer holds one fused group (q+k+v, gate+up) at two fp16 halves per
-        # weight, i.e. one float32 per weight
+        # split weights: two fp16 halves per weight, one float32's bytes (per group, or kept for all)
         sizes = [sum(w.rows for w in grp) * grp[0].cols for lw in layers for grp in self.groups(lw)]
         self._calls = {K: split_calls(K) for K in {c.hidden, c.q_dim, c.ffn_dim}}
         total = 4 * sum(sizes)
@@ -180,7 +179,7 @@ class PrefillGemm:
                 self.cached.clear()
                 log.warning("split16 prefill: no room for the split weights (%.2f GB); split per prefill",
                             total / 1e9)
-        self.ws.ensure_dequant(max(sizes))
+        self.ws.ensure_dequant(max(sizes))    # room for the largest group, split before each GEMM
 
     def _proj(self, handle: int, li: int, gi: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
         """y[:T] = s x[:T] @ [mats].T (group gi of layer li): the split weights kept since start-up,
