@@ -78,6 +78,8 @@ class Forward:
         self.head_f32 = self.fast_f32 and ops.f32_ok(w.output)
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
+        # RoPE cos/sin per position for decode attention, one table per distinct layer theta
+        self.rope_tables = {th: ops.rope_table(kv.context, self.c.rope_dim, th) for th in {lw.theta for lw in w.layers}}
         self.gemm_layers = PrefillGemm(self, weight_cache)
         # launch the kernels that wait for their predecessor in pdl_wait() as programmatic dependent
         # launches (pdl.py); the backend sets it while it captures a decode step
@@ -105,7 +107,7 @@ class Forward:
         """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself
         and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
         norm written to ws.h by its own launch."""
-        if ops.mmvf_stage_ok(self.c.hidden, T):
+        if ops.mmvf_stage_ok(self.c.hidden, T, norm=True):
             return x, (w, self.c.rms_eps)
         self._norm(x, w, self.ws.h, T)
         return self.ws.h, None
@@ -130,8 +132,8 @@ class Forward:
     def _attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, oq: int = 0, od: int = 0,
                    o16: int = 0, fuse_rope: bool = False) -> None:
         c, ws, kv = self.c, self.ws, self.kv
-        rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, lw.theta, c.rope_style == "neox")
-                if fuse_rope else None)
+        rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, lw.theta, c.rope_style == "neox",
+                 self.rope_tables[lw.theta].data.ptr) if fuse_rope else None)
         ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li], slots, pos,
                       kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16, rope,
                       pdl=self.pdl)

@@ -143,7 +143,7 @@ def _check_x(x: int, xs: int, K: int) -> None:
                          f"(x={x:#x}, xs={xs}, K={K})")
 
 
-MMVF_SMEM_MAX = 100 * 1024   # staged activation rows per block (mmvf.cu mmvf_stage); beyond it, global reads
+MMVF_SMEM_MAX = 100 * 1024   # staged activation rows (+ norm weight) per block (mmvf.cu); beyond it, global reads
 
 
 def mmvf_stride(K: int) -> int:
@@ -151,21 +151,29 @@ def mmvf_stride(K: int) -> int:
     return K + (((K >> 4) + 3) & ~3)
 
 
-def mmvf_stage_ok(K: int, nb: int) -> bool:
-    """The launch's activation rows fit in shared memory (staged reads; a folded norm needs them)."""
-    return K % 32 == 0 and _nb_variant(nb) * mmvf_stride(K) * 4 <= MMVF_SMEM_MAX
+def _stage_bytes(K: int, nb: int, norm: bool) -> int:
+    """Dynamic shared memory of a staged launch: the activation rows, then a folded norm's weight."""
+    return _nb_variant(nb) * mmvf_stride(K) * 4 + (4 * K if norm else 0)
+
+
+def mmvf_stage_ok(K: int, nb: int, norm: bool = False) -> bool:
+    """The launch's activation rows (and with norm, the norm weight) fit in shared memory (staged
+    reads; a folded norm needs them)."""
+    return K % 32 == 0 and _stage_bytes(K, nb, norm) <= MMVF_SMEM_MAX
 
 
 
 def _stage_args(norm, K: int, nb: int):
     """(stage, nw pointer, eps) arguments and the dynamic shared memory of a launch; norm = (ptr, eps)
     or None. Activations are staged whenever they fit."""
-    if not mmvf_stage_ok(K, nb):
+    if not mmvf_stage_ok(K, nb, norm is not None):
         if norm is not None:
             raise ValueError(f"mmvf: a folded norm of {nb} rows x {K} does not fit in shared memory")
         return _I32(0), _U64(0), _F32(0.0), 0
     nw, eps = norm if norm is not None else (0, 0.0)
-    return _I32(1), _U64(nw), _F32(eps), _nb_variant(nb) * mmvf_stride(K) * 4
+    if nw % 16:
+        raise ValueError(f"mmvf: the norm weight must be 16-byte aligned (nw={nw:#x})")
+    return _I32(1), _U64(nw), _F32(eps), _stage_bytes(K, nb, norm is not None)
 
 
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
@@ -297,12 +305,22 @@ def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kca
                _I32(ctx), _I32(H), _I32(KVH), _I32(D), _I32(rope_dim), _F32(theta), _I32(int(neox)), _I32(n)))
 
 
+def rope_table(ctx: int, rope_dim: int, theta: float) -> cupy.ndarray:
+    """cos and sin of every position < ctx and rotary pair, float32 [ctx, rope_dim / 2, 2], made in
+    float64 as the CPU backend makes them (theta as the kernels receive it: float32). Decode
+    attention reads a row of it instead of computing the angles (attention.cu)."""
+    from ..cpu import rope_angles
+    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)))
+    return cupy.asarray(np.stack([cos, sin], axis=-1))
+
+
 def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int, positions: int,
               ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int,
               oq: int = 0, od: int = 0, o16: int = 0, rope=None, pdl: bool = False) -> None:
     """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16).
-    rope = (k, v, rope_dim, theta, neox): decode only (one row per sequence), RoPE of q and of the
-    new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch).
+    rope = (k, v, rope_dim, theta, neox[, table]): decode only (one row per sequence), RoPE of q and
+    of the new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv
+    launch); table: a rope_table(ctx, rope_dim, theta) pointer, or absent/0 to compute the angles.
     Without rope (prompt rows, already in the cache) and without 8-bit outputs: attn_tile."""
     if rope is None and not oq:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
@@ -312,13 +330,15 @@ def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int
                 (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
                  _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(o16)), smem, pdl)
         return
-    kin, vin, rope_dim, theta, neox = rope if rope is not None else (0, 0, 0, 0.0, False)
+    kin, vin, rope_dim, theta, neox, table = (*rope, 0)[:6] if rope is not None else (0, 0, 0, 0.0, False, 0)
+    if getattr(k, "head_dim", None) and D > k.head_dim:
+        raise ValueError(f"attention: decode kernels compiled for head_dim {k.head_dim}, got {D}")
     fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; 8-bit prompt rows
     _launch(fn, (n, H), (ATT_WARPS * 32,),
             (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
              _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
              _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
-             _I32(int(neox)), _I32(int(rope is not None))), 0, pdl)
+             _I32(int(neox)), _I32(int(rope is not None)), _U64(table)), 0, pdl)
 
 
 def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:
