@@ -7,24 +7,34 @@
 // causal (and sliding-window) masking.
 // fuse != 0 (decode only: one row per sequence): RoPE and the KV-cache write are done here
 // instead of by rope_kv. Every block ropes its q head and its KV head's new k (rounded to fp16
-// like the cache) in shared memory and uses them for the newest key; the first q head of each
+// like the cache) into shared memory and uses them for the newest key; the first q head of each
 // KV group writes the new k and v to the cache. No block reads the row another block writes.
+// rt: cos/sin of every (position, pair), float2 [ctx][rope_dim / 2] (ops.rope_table, made on the
+// host in float64 as the CPU backend makes them): read before pdl_wait, so the rotation costs no
+// transcendental math on the step's critical path; null: computed here in double.
 #include "common.cuh"
 
 #define ATT_WARPS 16
 #define ATT_MAXD 256
-#define ATT_DV (ATT_MAXD / 64)   // 2-dim slices per lane
+#define ATT_DV (ATT_MAXD / 64)   // 2-dim slices per lane for the largest head
 
-template <int KPP>
+// the block's shared memory (declared once per entry point: each instance of attn_body would have its own)
+struct AttSmem {
+    float m[ATT_WARPS], l[ATT_WARPS], acc[ATT_WARPS][ATT_MAXD];
+    float rq[ATT_MAXD], rk[ATT_MAXD], rv[ATT_MAXD];   // fuse: roped q and k (k as cached), v
+};
+
+// DV: 2-dim slices per lane (D <= 64 DV); KPP: keys per warp per pass
+template <int KPP, int DV>
 __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __restrict__ out,
                                           const u16* __restrict__ kcache, const u16* __restrict__ vcache,
                                           const int* __restrict__ slots, const int* __restrict__ positions,
                                           int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
                                           float2* od, u16* o16, const float* __restrict__ kin,
                                           const float* __restrict__ vin, int rope_dim, float theta, int style,
-                                          int fuse) {
-    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS], sm_acc[ATT_WARPS][ATT_MAXD];
-    __shared__ float rq[2][ATT_MAXD], rk[2][ATT_MAXD], rv[ATT_MAXD];   // fuse: raw / roped q and k, v
+                                          int fuse, const float2* __restrict__ rt, AttSmem& sm) {
+    float *sm_m = sm.m, *sm_l = sm.l, *rq = sm.rq, *rk = sm.rk, *rv = sm.rv;
+    float(&sm_acc)[ATT_WARPS][ATT_MAXD] = sm.acc;
     int t = blockIdx.x, h = blockIdx.y;
     if (t >= n) return;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -41,72 +51,120 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         long long a = lo + per * h, n = min(per, lo + len - a);
         if (n > 0) l2_prefetch((threadIdx.x ? vcache : kcache) + a, 2 * n);
     }
-    // everything above reads only step inputs (positions, slots) and cached rows that no kernel of
-    // this step writes: it may overlap the kernel before (common.cuh pdl_wait)
+    int last = fuse ? pos - 1 : pos;    // fuse: the newest key comes from shared memory, below
+    // KPP keys per pass, all their loads in flight together (a pass is one memory latency); the
+    // spare rows of the last pass re-read key s and weigh nothing. Raw fp16 pairs: the first
+    // pass's are loaded here, before the wait
+    u32 k2[KPP][DV], v2[KPP][DV];
+    auto load_pass = [&](int s) {
+#pragma unroll
+        for (int j = 0; j < KPP; ++j) {
+            int sj = s + j * ATT_WARPS;
+            long long off = ((base + (sj <= last ? sj : s)) * KVH + kh) * D;
+#pragma unroll
+            for (int i = 0; i < DV; ++i) {
+                int d = 2 * lane + 64 * i;
+                k2[j][i] = d < D ? __ldg((const u32*)(kcache + off + d)) : 0u;
+                v2[j][i] = d < D ? __ldg((const u32*)(vcache + off + d)) : 0u;
+            }
+        }
+    };
+    if (start + wid <= last) load_pass(start + wid);
+    // fuse: thread i < rope_dim rotates pair i % half of q (i < half) or of k; its cos/sin now
+    int half = rope_dim / 2;
+    float rc = 1.0f, rs = 0.0f;
+    if (fuse && rt && threadIdx.x < rope_dim) {
+        float2 cs = rt[(long long)pos * half + threadIdx.x % half];
+        rc = cs.x;
+        rs = cs.y;
+    }
+    // everything above reads only step inputs (positions, slots), cached rows that no kernel of
+    // this step writes and constants: it may overlap the kernel before (common.cuh pdl_wait)
     pdl_wait();
     if (fuse) {
+        // one pass, one barrier: rotated pairs, unrotated dims and v each go straight from the
+        // step's q/k/v rows to shared memory (k and v rounded to fp16 as the cache holds them, and
+        // written to the cache by the first q head of the KV group: rows no block of this launch
+        // reads, so the read-only path stays valid)
         const float* kr = kin + ((long long)t * KVH + kh) * D;
         const float* vr = vin + ((long long)t * KVH + kh) * D;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) {
-            rq[0][i] = rq[1][i] = qr[i];
-            rk[0][i] = rk[1][i] = kr[i];
-            rv[i] = vr[i];
-        }
-        __syncthreads();
-        int half = rope_dim / 2;
-        for (int i = threadIdx.x; i < 2 * half; i += blockDim.x) {
-            if (i < half) rope_pair(rq[0], rq[1], i, pos, rope_dim, theta, style);
-            else rope_pair(rk[0], rk[1], i - half, pos, rope_dim, theta, style);
-        }
-        __syncthreads();
-        long long row = ((base + pos) * KVH + kh) * D;
+        u16* kdst = (u16*)kcache + ((base + pos) * KVH + kh) * D;
+        u16* vdst = (u16*)vcache + ((base + pos) * KVH + kh) * D;
         bool writer = h % (H / KVH) == 0;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) {
-            u16 k16 = f2h(rk[1][i]), v16 = f2h(rv[i]);
-            if (writer) {          // rows no block of this launch reads: the read-only path stays valid
-                ((u16*)kcache)[row + i] = k16;
-                ((u16*)vcache)[row + i] = v16;
+        int rest = D - rope_dim;
+        for (int i = threadIdx.x; i < rope_dim + D + 2 * rest; i += blockDim.x) {
+            if (i < rope_dim) {                              // a pair of q (i < half) or of k
+                bool isk = i >= half;
+                int p = isk ? i - half : i;
+                int ia = style ? p : 2 * p, ib = style ? p + half : 2 * p + 1;
+                const float* src = isk ? kr : qr;
+                float a = src[ia], b = src[ib];
+                if (!rt) {
+                    double ang = (double)pos * pow((double)theta, -2.0 * p / rope_dim), sd, cd;
+                    sincos(ang, &sd, &cd);
+                    rc = (float)cd;
+                    rs = (float)sd;
+                }
+                float ra = a * rc - b * rs, rb = a * rs + b * rc;
+                if (isk) {
+                    u16 ka = f2h(ra), kb = f2h(rb);
+                    if (writer) {
+                        kdst[ia] = ka;
+                        kdst[ib] = kb;
+                    }
+                    rk[ia] = h2f(ka);
+                    rk[ib] = h2f(kb);
+                } else {
+                    rq[ia] = ra;
+                    rq[ib] = rb;
+                }
+            } else if (i < rope_dim + D) {                   // v
+                int d = i - rope_dim;
+                u16 v16 = f2h(vr[d]);
+                if (writer) vdst[d] = v16;
+                rv[d] = h2f(v16);
+            } else {                                         // dims past rope_dim: q, then k
+                int j = i - rope_dim - D;
+                bool isk = j >= rest;
+                int d = rope_dim + (isk ? j - rest : j);
+                if (isk) {
+                    u16 k16 = f2h(kr[d]);
+                    if (writer) kdst[d] = k16;
+                    rk[d] = h2f(k16);
+                } else {
+                    rq[d] = qr[d];
+                }
             }
-            rk[1][i] = h2f(k16);       // the newest key and value as the cache holds them
-            rv[i] = h2f(v16);
         }
         __syncthreads();
-        qr = rq[1];
+        qr = rq;
     }
-    // lane owns dims 2 lane + 64 i, i < ATT_DV (a 4-byte load of two fp16 values per key row)
-    float qv[ATT_DV][2], acc[ATT_DV][2];
+    // lane owns dims 2 lane + 64 i, i < DV (a 4-byte load of two fp16 values per key row)
+    float qv[DV][2], acc[DV][2];
 #pragma unroll
-    for (int i = 0; i < ATT_DV; ++i) {
+    for (int i = 0; i < DV; ++i) {
         int d = 2 * lane + 64 * i;
         qv[i][0] = d < D ? qr[d] * scale : 0.0f;
         qv[i][1] = d < D ? qr[d + 1] * scale : 0.0f;
         acc[i][0] = acc[i][1] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    int last = fuse ? pos - 1 : pos;    // fuse: the newest key comes from shared memory, below
-    // KPP keys per pass, all their loads in flight together (a pass is one memory latency); the
-    // spare rows of the last pass re-read key s and weigh nothing
     for (int s = start + wid; s <= last; s += KPP * ATT_WARPS) {
-        float kk[KPP][ATT_DV][2], vv[KPP][ATT_DV][2], dot[KPP];
+        if (s != start + wid) load_pass(s);
+        float kk[KPP][DV][2], vv[KPP][DV][2], dot[KPP];
 #pragma unroll
-        for (int j = 0; j < KPP; ++j) {
-            int sj = s + j * ATT_WARPS;
-            long long off = ((base + (sj <= last ? sj : s)) * KVH + kh) * D;
+        for (int j = 0; j < KPP; ++j)
 #pragma unroll
-            for (int i = 0; i < ATT_DV; ++i) {
-                int d = 2 * lane + 64 * i;
-                u32 k2 = d < D ? __ldg((const u32*)(kcache + off + d)) : 0u;
-                u32 v2 = d < D ? __ldg((const u32*)(vcache + off + d)) : 0u;
-                kk[j][i][0] = h2f((u16)(k2 & 0xFFFF)); kk[j][i][1] = h2f((u16)(k2 >> 16));
-                vv[j][i][0] = h2f((u16)(v2 & 0xFFFF)); vv[j][i][1] = h2f((u16)(v2 >> 16));
+            for (int i = 0; i < DV; ++i) {
+                kk[j][i][0] = h2f((u16)(k2[j][i] & 0xFFFF)); kk[j][i][1] = h2f((u16)(k2[j][i] >> 16));
+                vv[j][i][0] = h2f((u16)(v2[j][i] & 0xFFFF)); vv[j][i][1] = h2f((u16)(v2[j][i] >> 16));
             }
-        }
         float mn = m;
 #pragma unroll
         for (int j = 0; j < KPP; ++j) {
             float t = 0.0f;
 #pragma unroll
-            for (int i = 0; i < ATT_DV; ++i) t += qv[i][0] * kk[j][i][0] + qv[i][1] * kk[j][i][1];
+            for (int i = 0; i < DV; ++i) t += qv[i][0] * kk[j][i][0] + qv[i][1] * kk[j][i][1];
             t = warp_sum(t);
             dot[j] = s + j * ATT_WARPS <= last ? t : -INFINITY;
             mn = fmaxf(mn, dot[j]);
@@ -114,7 +172,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         float c = expf(m - mn);
         l *= c;
 #pragma unroll
-        for (int i = 0; i < ATT_DV; ++i) {
+        for (int i = 0; i < DV; ++i) {
             acc[i][0] *= c;
             acc[i][1] *= c;
         }
@@ -123,7 +181,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
             float p = expf(dot[j] - mn);       // 0 for the spare rows (dot = -inf)
             l += p;
 #pragma unroll
-            for (int i = 0; i < ATT_DV; ++i) {
+            for (int i = 0; i < DV; ++i) {
                 acc[i][0] += p * vv[j][i][0];
                 acc[i][1] += p * vv[j][i][1];
             }
@@ -133,16 +191,16 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
     if (fuse && wid == ATT_WARPS - 1) {     // the newest key, on the warp with the fewest cached keys
         float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < ATT_DV; ++i) {
+        for (int i = 0; i < DV; ++i) {
             int d = 2 * lane + 64 * i;
-            dot += d < D ? qv[i][0] * rk[1][d] + qv[i][1] * rk[1][d + 1] : 0.0f;
+            dot += d < D ? qv[i][0] * rk[d] + qv[i][1] * rk[d + 1] : 0.0f;
         }
         dot = warp_sum(dot);
         float mn = fmaxf(m, dot);
         float c = expf(m - mn), p = expf(dot - mn);
         l = l * c + p;
 #pragma unroll
-        for (int i = 0; i < ATT_DV; ++i) {
+        for (int i = 0; i < DV; ++i) {
             int d = 2 * lane + 64 * i;
             acc[i][0] = acc[i][0] * c + p * (d < D ? rv[d] : 0.0f);
             acc[i][1] = acc[i][1] * c + p * (d < D ? rv[d + 1] : 0.0f);
@@ -155,7 +213,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         sm_l[wid] = l;
     }
 #pragma unroll
-    for (int i = 0; i < ATT_DV; ++i) {
+    for (int i = 0; i < DV; ++i) {
         int d = 2 * lane + 64 * i;
         if (d < D) *(float2*)&sm_acc[wid][d] = make_float2(acc[i][0], acc[i][1]);
     }
@@ -193,14 +251,30 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
 #define ATT_ON(kind) (ATT_KIND == 0 || ATT_KIND == (kind))
 
 #if ATT_ON(1)
-// decode: a few rows, short chains of memory latency: four keys per warp per pass
+// decode: a few rows, short chains of memory latency: heads of up to 128 dims take 8 keys per warp
+// per pass (the registers the head size frees: a first pass of 128 keys is loaded before pdl_wait)
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                 const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
                 float2* od, u16* o16, const float* kin, const float* vin, int rope_dim, float theta, int style,
-                int fuse) {
-    attn_body<4>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
-                 rope_dim, theta, style, fuse);
+                int fuse, const float2* rt) {
+    __shared__ AttSmem sm;
+#ifdef ATT_HEAD_DIM
+    // the loader compiles the model's head size only (one body: a third of the compile time)
+    constexpr int dv = ATT_HEAD_DIM <= 64 ? 1 : (ATT_HEAD_DIM <= 128 ? 2 : ATT_DV);
+    attn_body<dv == ATT_DV ? 4 : 8, dv>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq,
+                                        od, o16, kin, vin, rope_dim, theta, style, fuse, rt, sm);
+#else
+    if (D <= 64)
+        attn_body<8, 1>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin,
+                        vin, rope_dim, theta, style, fuse, rt, sm);
+    else if (D <= 128)
+        attn_body<8, 2>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin,
+                        vin, rope_dim, theta, style, fuse, rt, sm);
+    else
+        attn_body<4, ATT_DV>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16,
+                             kin, vin, rope_dim, theta, style, fuse, rt, sm);
+#endif
 }
 #endif
 
@@ -210,9 +284,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
     attn_prompt(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                 const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
                 float2* od, u16* o16, const float* kin, const float* vin, int rope_dim, float theta, int style,
-                int fuse) {
-    attn_body<1>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin, vin,
-                 rope_dim, theta, style, fuse);
+                int fuse, const float2* rt) {
+    __shared__ AttSmem sm;
+    attn_body<1, ATT_DV>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin,
+                         vin, rope_dim, theta, style, fuse, rt, sm);
 }
 #endif
 

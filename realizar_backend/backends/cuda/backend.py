@@ -35,7 +35,7 @@ class CUDABackend:
         self.max_context = min(max_context, c.context_length) if c.context_length else max_context
         self.device = cupy.cuda.Device(self.settings.device)
         self.device.use()
-        self.kernels = get_kernels(self.settings.device, {t.qtype for t in self._matrix_types(model)})
+        self.kernels = get_kernels(self.settings.device, {t.qtype for t in self._matrix_types(model)}, c.head_dim)
         if self.settings.self_check:
             from .selfcheck import run_self_check
             run_self_check(self.kernels, {w.qtype for w in self._matrix_types(model)}, c,

@@ -122,8 +122,10 @@ class Kernels:
     the fast GEMVs compile once per batch width, and the families a batch-1 start does not need
     (wider batches, the 8-bit and reference GEMVs) finish in the background."""
 
-    def __init__(self, device_id: int, qtypes=None):
+    def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None):
         dev = self.device = cupy.cuda.Device(device_id)
+        # decode attention compiled for this head size only (None: any, up to 256)
+        self.head_dim = head_dim
         cc = dev.compute_capability
         types = {q for q in QTYPES if qtypes is None or q in set(qtypes)}
         self.qtypes = frozenset(types)
@@ -155,7 +157,8 @@ class Kernels:
         mmvf = {1: gemvs(1)}
         deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
-        attn = [build("attention.cu", [name], (f"-DATT_KIND={i}",), smem=100 * 1024)
+        hd = (f"-DATT_HEAD_DIM={head_dim}",) if head_dim else ()
+        attn = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
                 for i, name in enumerate(("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"), 1)]
         core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
                                         "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
@@ -220,11 +223,12 @@ def load_module(device_id: int, filename: str, qtypes=None) -> cupy.RawModule:
     return _module_future(device_id, filename, qtypes).result()
 
 
-def get_kernels(device_id: int = 0, qtypes=None) -> Kernels:
-    """The kernels of a device, compiled for the quant types given (None: every type)."""
-    key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES))
+def get_kernels(device_id: int = 0, qtypes=None, head_dim: int | None = None) -> Kernels:
+    """The kernels of a device, compiled for the quant types given (None: every type) and, for
+    decode attention, the head size given (None: every size)."""
+    key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES), head_dim)
     with _lock:
         k = _cache.get(key)
         if k is None:
-            k = _cache[key] = Kernels(device_id, key[1])
+            k = _cache[key] = Kernels(device_id, key[1], head_dim)
         return k

@@ -293,10 +293,13 @@ def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int
 
 
 def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, neox: bool,
-                         theta: float, rng, n_slots: int = 3) -> float:
+                         theta: float, rng, n_slots: int = 3, table: bool = True, rope_dim: int = 0) -> float:
     """Decode attention with RoPE and the KV write folded in (one row per sequence, distinct slots):
     output against the float64 twin over the cache with the new (roped, fp16) row, and the cache
-    rows it wrote against the rope twin; rows it must not touch stay as they were."""
+    rows it wrote against the rope twin; rows it must not touch stay as they were. table: the angles
+    from ops.rope_table, as the model runs it (else computed in the kernel). rope_dim: dims rotated
+    (default all D)."""
+    rope_dim = rope_dim or D
     kc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     vc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     q = rng.standard_normal((n, H, D)).astype(np.float32)
@@ -311,9 +314,11 @@ def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int,
     qd, kd, vd, sd, pd = _dev(q), _dev(kk), _dev(v), _dev(slots), _dev(pos)
     kc, vc = _dev(kc0), _dev(vc0)
     out = _nan((n, H * D))
+    rt = ops.rope_table(ctx, rope_dim, theta) if table else None
     ops.attention(k, qd.data.ptr, out.data.ptr, kc.data.ptr, vc.data.ptr, sd.data.ptr, pd.data.ptr,
-                  ctx, H, KVH, D, scale, window, n, rope=(kd.data.ptr, vd.data.ptr, D, theta, neox))
-    cos, sin = rope_angles(pos, D, theta)
+                  ctx, H, KVH, D, scale, window, n,
+                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, theta, neox, 0 if rt is None else rt.data.ptr))
+    cos, sin = rope_angles(pos, rope_dim, theta)
     style = "neox" if neox else "normal"
     rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
     kc_ref, vc_ref = kc0.copy(), vc0.copy()
