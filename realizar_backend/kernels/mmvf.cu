@@ -84,33 +84,17 @@ __device__ __forceinline__ void mmvf_apply(const FUnit (&w)[M][MMVF_R], int u, i
     }
 }
 
-// unit u of rows r0 .. r0+R-1 (clamped to rlast: rows past the end repeat the last one and are
-// never stored) of M matrices, decoded
-template <int QT, int M>
-__device__ __forceinline__ void mmvf_load(const u8* const (&W)[M], long long rb, int r0, int rlast, int u,
-                                          FUnit (&w)[M][MMVF_R]) {
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int i = 0; i < MMVF_R; ++i) load_funit<QT>(W[m] + (long long)min(r0 + i, rlast) * rb, u, w[m][i]);
-}
-
-// partial sums of rows r0 .. r0+R-1 of M matrices over units u0, u0 + ustep, ...; with use_pre,
-// pre holds unit u0 already decoded (loaded before the kernel's pdl_wait)
+// partial sums of rows r0 .. r0+R-1 (clamped to rlast: rows past the end repeat the last one and
+// are never stored) of M matrices over units u0, u0 + ustep, ...
 template <int QT, int NB, int M>
 __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb, int r0, int rlast, int nu, int u0,
                                           int ustep, const float* x, int xs, int nbl, bool staged,
-                                          float (&acc)[M][MMVF_R][NB], const FUnit (&pre)[M][MMVF_R],
-                                          bool use_pre) {
+                                          float (&acc)[M][MMVF_R][NB]) {
     const u8* rows[M][MMVF_R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int i = 0; i < MMVF_R; ++i) rows[m][i] = W[m] + (long long)min(r0 + i, rlast) * rb;
-    if (use_pre && u0 < nu) {
-        mmvf_apply<QT, NB, M>(pre, u0, nu, x, xs, nbl, staged, acc);
-        u0 += ustep;
-    }
 #pragma unroll kMmvfUnroll
     for (int u = u0; u < nu; u += ustep) {
         FUnit w[M][MMVF_R];
@@ -125,27 +109,8 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
 template <int NB, int M>
 __device__ __forceinline__ void mmvf_dispatch(int qt, const u8* const (&W)[M], long long rb, int r0, int rlast,
                                               int nu, int u0, int ustep, const float* x, int xs, int nbl,
-                                              bool staged, float (&acc)[M][MMVF_R][NB], const FUnit (&pre)[M][MMVF_R],
-                                              bool use_pre) {
-#define MMVF_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc, pre, use_pre); break;
-    switch (qt) {
-        MMVF_CASE(QT_Q4_0)
-        MMVF_CASE(QT_Q4_1)
-        MMVF_CASE(QT_Q5_0)
-        MMVF_CASE(QT_Q5_1)
-        MMVF_CASE(QT_Q8_0)
-        MMVF_CASE(QT_Q4_K)
-        MMVF_CASE(QT_Q5_K)
-        MMVF_CASE(QT_Q6_K)
-        default: break;
-    }
-#undef MMVF_CASE
-}
-
-template <int M>
-__device__ __forceinline__ void mmvf_dispatch_load(int qt, const u8* const (&W)[M], long long rb, int r0, int rlast,
-                                                   int u, FUnit (&w)[M][MMVF_R]) {
-#define MMVF_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmvf_load<Q, M>(W, rb, r0, rlast, u, w); break;
+                                              bool staged, float (&acc)[M][MMVF_R][NB]) {
+#define MMVF_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmvf_rows<Q, NB, M>(W, rb, r0, rlast, nu, u0, ustep, x, xs, nbl, staged, acc); break;
     switch (qt) {
         MMVF_CASE(QT_Q4_0)
         MMVF_CASE(QT_Q4_1)
@@ -200,24 +165,12 @@ __device__ __forceinline__ void mmvf_reduce(float (&acc)[M][MMVF_R][NB], int wpr
 // 8 consecutive units, hit 8 different bank groups (unswizzled, every lane's unit starts on bank 0);
 // then the unit sums (low 16, high 16) that every row's dot needs. Global loads here are coalesced;
 // reading units straight from global memory costs a 128-byte line per lane per float4.
-// nw: the norm weight as mmvf_stage_nw placed it in shared memory. Returns what the GEMV reads (the
-// staged rows, or x); block-uniform barriers.
+// Returns what the GEMV reads (the staged rows, or x) ; block-uniform barriers.
 __device__ __forceinline__ int mmvf_stride(int K) { return K + (((K >> 4) + 3) & ~3); }
-
-// The norm weight nw (K floats) into shared memory after the NB staged rows, by asynchronous copies
-// issued before pdl_wait (read-only data: the copy overlaps the kernel before instead of adding a
-// memory round trip to the norm); mmvf_stage's wait covers them. Returns where it lands, or null.
-template <int NB>
-__device__ __forceinline__ const float* mmvf_stage_nw(const float* __restrict__ nw, int K, int stage, float* sm) {
-    if (!stage || !nw) return nullptr;
-    float* dst = sm + NB * mmvf_stride(K);
-    for (int g = threadIdx.x; g < K / 4; g += blockDim.x) cp_async16(dst + 4 * g, nw + 4 * g);
-    return dst;
-}
 
 template <int NB>
 __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, int xs, int K, int nbl, int stage,
-                                                   const float* nw, float eps, float* sm) {
+                                                   const float* __restrict__ nw, float eps, float* sm) {
     if (!stage) return x;
     __shared__ float part[MMVF_WARPS][NB];
     __shared__ float inv_s[NB];
@@ -264,7 +217,7 @@ __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, 
             for (int g = threadIdx.x; g < 8 * nu; g += blockDim.x) {
                 int u = g >> 3;
                 float4* p = (float4*)(sm + b * st + 32 * u + 4 * (((g & 7) + u) & 7));
-                float4 v = *p, w = *((const float4*)nw + g);
+                float4 v = *p, w = __ldg((const float4*)nw + g);
                 *p = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
             }
         }
@@ -325,23 +278,15 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
     for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
-    // before the wait (read-only data, overlapping the kernel before): the first round's rows
-    // towards L2, the first unit of this lane decoded into registers, the norm weight staged
-    FUnit pre[1][MMVF_R];
-    {
+    {   // the first round's rows towards L2 while the kernel before may still run
         int G = blockIdx.x * gpb + wid / wpr, g;
-        if (G < groups) {
+        if (sub == 0 && lane == 0 && G < groups) {
             MmvfSeg s = mmvf_seg(seg, G, g);
-            if (sub == 0 && lane == 0)
-                l2_prefetch(s.W + (long long)g * MMVF_R * s.rb, (long long)min(MMVF_R, s.n - g * MMVF_R) * s.rb);
-            const u8* const Ws[1] = {s.W};
-            if (sub * 32 + lane < (K >> 5))
-                mmvf_dispatch_load<1>(s.qt, Ws, s.rb, g * MMVF_R, s.n - 1, sub * 32 + lane, pre);
+            l2_prefetch(s.W + (long long)g * MMVF_R * s.rb, (long long)min(MMVF_R, s.n - g * MMVF_R) * s.rb);
         }
     }
-    const float* nws = mmvf_stage_nw<NB>(nw, K, stage, (float*)mmvf_sm);
     pdl_wait();
-    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nws, eps, (float*)mmvf_sm);
+    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
     // the grid may hold fewer blocks than there are groups (one wave, staged once per block): blocks
     // stride over the groups; the trip count is block-uniform, for the barriers inside
@@ -359,7 +304,7 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
         const u8* const Ws[1] = {s.W};
         if (live)
             mmvf_dispatch<NB, 1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
-                                 stage != 0, acc, pre, base == blockIdx.x * gpb);
+                                 stage != 0, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmvf_reduce<NB, 1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -391,17 +336,13 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
     int groups = (N + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
-    const u8* const Ws[2] = {Wg, Wu};
-    FUnit pre[2][MMVF_R];
-    {   // as mmvf_body, before the wait: the first round's gate and up rows towards L2 and the norm
-        // weight staged (not the first unit in registers: with two matrices that spills)
+    {   // as mmvf_body: the first round's gate and up rows towards L2, then wait for the kernel before
         int G = blockIdx.x * gpb + wid / wpr;
         if (sub == 0 && lane < 2 && G < groups)
             l2_prefetch((lane ? Wu : Wg) + (long long)G * MMVF_R * rb, (long long)min(MMVF_R, N - G * MMVF_R) * rb);
     }
-    const float* nws = mmvf_stage_nw<NB>(nw, K, stage, (float*)mmvf_sm);
     pdl_wait();
-    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nws, eps, (float*)mmvf_sm);
+    const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmvf_body
         int G = base + wid / wpr;
@@ -414,9 +355,10 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
             for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
                 for (int b = 0; b < NB; ++b) acc[m][i][b] = 0.0f;
+        const u8* const Ws[2] = {Wg, Wu};
         if (live)
             mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
-                                 stage != 0, acc, pre, false);
+                                 stage != 0, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -452,7 +394,7 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
 #endif
 #if !defined(MMVF_KIND) || MMVF_KIND == 2
 #define DEFINE_FFNF(NB)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                        \
+    extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
         int act, float* a, int as, int wpr, int stage, const float* nw, float eps) {                     \
         ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps);                 \

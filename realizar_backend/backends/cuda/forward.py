@@ -107,7 +107,7 @@ class Forward:
         """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself
         and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
         norm written to ws.h by its own launch."""
-        if ops.mmvf_stage_ok(self.c.hidden, T, norm=True):
+        if ops.mmvf_stage_ok(self.c.hidden, T):
             return x, (w, self.c.rms_eps)
         self._norm(x, w, self.ws.h, T)
         return self.ws.h, None

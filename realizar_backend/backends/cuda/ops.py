@@ -143,7 +143,7 @@ def _check_x(x: int, xs: int, K: int) -> None:
                          f"(x={x:#x}, xs={xs}, K={K})")
 
 
-MMVF_SMEM_MAX = 100 * 1024   # staged activation rows (+ norm weight) per block (mmvf.cu); beyond it, global reads
+MMVF_SMEM_MAX = 100 * 1024   # staged activation rows per block (mmvf.cu mmvf_stage); beyond it, global reads
 
 
 def mmvf_stride(K: int) -> int:
@@ -151,29 +151,21 @@ def mmvf_stride(K: int) -> int:
     return K + (((K >> 4) + 3) & ~3)
 
 
-def _stage_bytes(K: int, nb: int, norm: bool) -> int:
-    """Dynamic shared memory of a staged launch: the activation rows, then a folded norm's weight."""
-    return _nb_variant(nb) * mmvf_stride(K) * 4 + (4 * K if norm else 0)
-
-
-def mmvf_stage_ok(K: int, nb: int, norm: bool = False) -> bool:
-    """The launch's activation rows (and with norm, the norm weight) fit in shared memory (staged
-    reads; a folded norm needs them)."""
-    return K % 32 == 0 and _stage_bytes(K, nb, norm) <= MMVF_SMEM_MAX
+def mmvf_stage_ok(K: int, nb: int) -> bool:
+    """The launch's activation rows fit in shared memory (staged reads; a folded norm needs them)."""
+    return K % 32 == 0 and _nb_variant(nb) * mmvf_stride(K) * 4 <= MMVF_SMEM_MAX
 
 
 
 def _stage_args(norm, K: int, nb: int):
     """(stage, nw pointer, eps) arguments and the dynamic shared memory of a launch; norm = (ptr, eps)
     or None. Activations are staged whenever they fit."""
-    if not mmvf_stage_ok(K, nb, norm is not None):
+    if not mmvf_stage_ok(K, nb):
         if norm is not None:
             raise ValueError(f"mmvf: a folded norm of {nb} rows x {K} does not fit in shared memory")
         return _I32(0), _U64(0), _F32(0.0), 0
     nw, eps = norm if norm is not None else (0, 0.0)
-    if nw % 16:
-        raise ValueError(f"mmvf: the norm weight must be 16-byte aligned (nw={nw:#x})")
-    return _I32(1), _U64(nw), _F32(eps), _stage_bytes(K, nb, norm is not None)
+    return _I32(1), _U64(nw), _F32(eps), _nb_variant(nb) * mmvf_stride(K) * 4
 
 
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
