@@ -22,8 +22,8 @@
 // block normalizes its rows (x / rms(x) * nw) while staging them; recomputing the norm of a few KB
 // per block costs less than a separate norm launch and its graph node.
 // Argmax folded in (amax != 0, one segment): each output packs (value, row) into an order-keeping
-// 64-bit key and atomicMax'es it into amax[b] (max is order-independent: deterministic); the
-// first index wins ties like argmax_rows. argmax_unpack (elementwise.cu) reads and resets it.
+// 64-bit key; the block's largest goes into amax[b] by one atomicMax (max is order-independent:
+// deterministic); the first index wins ties like argmax_rows. argmax_unpack (elementwise.cu) reads and resets it.
 #include "common.cuh"
 
 #ifndef MMVF_WARPS
@@ -245,6 +245,31 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int r) {
     return ((unsigned long long)u << 32) | (u32)(0xFFFFFFFFu - (u32)r);   // ties: lowest row wins
 }
 
+// the block's largest key per activation row into amax[b]: one atomic per block, not per output
+// (the LM head writes ~150k outputs into one address, and same-address atomics serialize at L2).
+// Block-uniform barrier.
+template <int NB>
+__device__ __forceinline__ void argmax_block(unsigned long long (&best)[NB], unsigned long long* amax, int nbl) {
+    __shared__ unsigned long long red[MMVF_WARPS][NB];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            unsigned long long t = __shfl_xor_sync(0xffffffffu, best[b], o);
+            best[b] = t > best[b] ? t : best[b];
+        }
+        if (lane == 0) red[wid][b] = best[b];
+    }
+    __syncthreads();
+    if (threadIdx.x < nbl) {
+        unsigned long long m = 0ull;
+#pragma unroll
+        for (int w = 0; w < MMVF_WARPS; ++w) m = red[w][threadIdx.x] > m ? red[w][threadIdx.x] : m;
+        atomicMax(amax + threadIdx.x, m);
+    }
+}
+
 // One matrix of an mmvf launch and where its outputs go.
 struct MmvfSeg {
     const u8* W;
@@ -278,6 +303,9 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
     for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
+    unsigned long long best[NB];          // this thread's largest argmax key per row (amax)
+#pragma unroll
+    for (int b = 0; b < NB; ++b) best[b] = 0ull;   // below every key
     {   // the first round's rows towards L2 while the kernel before may still run
         int G = blockIdx.x * gpb + wid / wpr, g;
         if (sub == 0 && lane == 0 && G < groups) {
@@ -318,12 +346,16 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
                         float v = acc[0][i][b] + (s.bias ? s.bias[r] : 0.0f);
                         float* out = s.y + (long long)(bb + b) * s.ys + r;
                         *out = accumulate ? *out + v : v;
-                        if (amax) atomicMax(amax + bb + b, argmax_key(v, r));
+                        if (amax) {
+                            unsigned long long k = argmax_key(v, r);
+                            best[b] = k > best[b] ? k : best[b];
+                        }
                     }
                 }
         }
         if (wpr > 1) __syncthreads();      // mmvf_reduce's shared buffer is reused next round
     }
+    if (amax) argmax_block<NB>(best, amax + bb, nbl);
 }
 
 template <int NB>
