@@ -81,15 +81,19 @@ extern "C" __global__ void gather_rows(const float* __restrict__ src, const int*
 // io != 0 (a decode step): the chosen token and the next position also go to the step's own input
 // rows (io[b]: token, io[io_stride + b]: position), so the next step can run on the device's output
 // without the host in between (CUDABackend.decode_argmax_start with tokens=None)
-__device__ __forceinline__ void feed_next(int* io, int io_stride, int b, int tok) {
+__device__ __forceinline__ void feed_next(int* io, int io_stride, int b, int tok, int* ring, int ring_len) {
     if (io) {
+        int pos = io[io_stride + b];
         io[b] = tok;
-        io[io_stride + b] += 1;
+        io[io_stride + b] = pos + 1;
+        // the host's copy: a ring of token rows in mapped host memory, indexed by position, so a
+        // step needs no copy of its own after the graph (CUDABackend.decode_argmax_start)
+        if (ring) ring[(pos % ring_len) * io_stride + b] = tok;
     }
 }
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int cols, int* __restrict__ out, int rows,
-                                       int* io, int io_stride) {
+                                       int* io, int io_stride, int* ring, int ring_len) {
     __shared__ float sv[32];
     __shared__ int si[32];
     int r = blockIdx.x;
@@ -122,21 +126,22 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int 
         }
         if (lane == 0) {
             out[r] = bi == 0x7fffffff ? 0 : bi;
-            feed_next(io, io_stride, r, out[r]);
+            feed_next(io, io_stride, r, out[r], ring, ring_len);
         }
     }
 }
 
 // out[b] = the row packed into key[b] by a GEMV's fused argmax (mmvf.cu argmax_key), and key[b]
 // reset to 0 for the next step's atomicMax. The row is the low word's complement.
-extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n, int* io, int io_stride) {
+extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n, int* io, int io_stride, int* ring,
+                                         int ring_len) {
     pdl_wait();
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= n) return;
     int tok = (int)(0xFFFFFFFFu - (unsigned)(key[b] & 0xFFFFFFFFull));
     out[b] = tok;
     key[b] = 0ull;
-    feed_next(io, io_stride, b, tok);
+    feed_next(io, io_stride, b, tok, ring, ring_len);
 }
 
 // Busy-wait about ns nanoseconds on one thread: the profiler queues a step's launches behind it

@@ -116,3 +116,32 @@ def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
         gpu.close()
         runs.append(out)
     assert runs[0] == runs[1]
+
+
+def test_more_steps_in_flight_than_token_ring_rows(rng):
+    """The host reads greedy tokens from a ring in mapped memory indexed by position: starting more
+    steps than the ring has rows, then a step with new inputs, before finishing any, still gives each
+    handle its own step's tokens (older steps are read back before their rows are reused), and a
+    handle is read once."""
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.settings import Settings
+    model = _model("qwen05")
+    V = model.config.vocab_size
+    prompts = [rng.integers(0, V, 9 + s).astype(np.int32) for s in range(2)]
+    slots = [0, 1]
+    gpu = CUDABackend(model, max_slots=2, max_context=128, settings=Settings(self_check=False))
+    first = [int(t) for t in gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)]
+    pos = [len(p) for p in prompts]
+    want, toks = [], first
+    for i in range(10):
+        toks = gpu.decode_argmax(slots, toks, [p + i for p in pos]).tolist()
+        want.append(toks)
+    assert gpu.token_ring.length < 10
+    handles = [gpu.decode_argmax_start(slots, first, pos)] + [gpu.decode_argmax_start(slots) for _ in range(9)]
+    again = gpu.decode_argmax_start(slots, first, pos)       # new inputs: the first step once more
+    assert [gpu.decode_argmax_finish(h).tolist() for h in handles] == want
+    assert gpu.decode_argmax_finish(again).tolist() == want[0]
+    with pytest.raises(ValueError):
+        gpu.decode_argmax_finish(handles[0])
+    gpu.close()

@@ -16,6 +16,7 @@ from .forward import Forward
 from .kv_cache import KVCache
 from .modules import get_kernels
 from .sampling import GpuSampler
+from .token_ring import TokenRing
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
 
@@ -61,13 +62,10 @@ class CUDABackend:
         # pinned host buffers: the per-step copies in and out are true async copies
         self._io_mem = cupy.cuda.alloc_pinned_memory(self.ws.dec_io.nbytes)
         self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
-        self._am_mem = cupy.cuda.alloc_pinned_memory(self.ws.argmax.nbytes)
-        self._am_host = np.frombuffer(self._am_mem, np.int32, self.ws.argmax.size)
         self._io_copied = cupy.cuda.Event(disable_timing=True)   # the pinned inputs' last copy is done
-        # started greedy steps (decode_argmax_start): a ring of pinned token buffers and their events
-        self._ring = [(np.frombuffer(cupy.cuda.alloc_pinned_memory(self.ws.argmax.nbytes), np.int32,
-                                     self.ws.argmax.size), cupy.cuda.Event(disable_timing=True)) for _ in range(4)]
-        self._ring_next = 0
+        # every decode step's argmax tokens, written by the step itself into mapped host memory
+        self.token_ring = TokenRing(self.ws.dec_io.shape[1])
+        self.fwd.token_ring = (self.token_ring.device_ptr, self.token_ring.length)
         self._last_step: tuple[int, list[int], list[int]] | None = None   # (bucket, slots, positions)
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
@@ -177,6 +175,7 @@ class CUDABackend:
         for s, p in zip(slots, positions):
             self._check(int(s), int(p))
         b = next(x for x in self.buckets if x >= n)
+        self.token_ring.before_step(continues=False)
         # tokens / positions / slots in one host->device copy; rows past n are padding on the
         # scratch slot so the captured launch sequence fits
         io = self._io_host
@@ -200,13 +199,10 @@ class CUDABackend:
 
     def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """Greedy step: the argmax is taken on the GPU, only 4 bytes per sequence come back."""
-        with self.device, self.stream:
-            n = self._decode(slots, tokens, positions)
-            self.ws.argmax[:n].get(stream=self.stream, out=self._am_host[:n])
-            return self._am_host[:n].copy()
+        return self.decode_argmax_finish(self.decode_argmax_start(slots, tokens, positions))
 
     def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> tuple[int, int]:
+                            positions: Sequence[int] | None = None) -> int:
         """Enqueue a greedy step and return at once; decode_argmax_finish(handle) gives its ids.
         tokens and positions None: continue the previous step's sequences (same slots, in order) with
         its argmax tokens at the next positions, read on the device (the step wrote them there), so
@@ -219,26 +215,18 @@ class CUDABackend:
                 pos = [p + 1 for p in pos]
                 for s, p in zip(sl, pos):
                     self._check(s, p)
+                self.token_ring.before_step(continues=True)
                 self._run_decode(b)
                 for s, p in zip(sl, pos):
                     self.lengths[s] = p + 1
                 self._last_step = (b, sl, pos)
-                n = len(sl)
             else:
-                n = self._decode(slots, tokens, positions)
-            k = self._ring_next
-            self._ring_next = (k + 1) % len(self._ring)
-            buf, ev = self._ring[k]
-            self.ws.argmax[:n].get(stream=self.stream, out=buf[:n])
-            ev.record(self.stream)
-        return k, n
+                self._decode(slots, tokens, positions)
+            return self.token_ring.after_step(self.stream, self._last_step[2])
 
-    def decode_argmax_finish(self, handle: tuple[int, int]) -> np.ndarray:
+    def decode_argmax_finish(self, handle: int) -> np.ndarray:
         """The ids of a started step (waits for it)."""
-        k, n = handle
-        buf, ev = self._ring[k]
-        ev.synchronize()
-        return buf[:n].copy()
+        return self.token_ring.tokens(handle)
 
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                       rows: Sequence[SampleRow]) -> SampleResult:

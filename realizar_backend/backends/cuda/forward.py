@@ -84,6 +84,8 @@ class Forward:
         # launch the kernels that wait for their predecessor in pdl_wait() as programmatic dependent
         # launches (pdl.py); the backend sets it while it captures a decode step
         self.pdl = False
+        # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
+        self.token_ring = (0, 0)
 
     # ------------------------------------------------------------ building blocks
     def _gemv(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
@@ -216,7 +218,7 @@ class Forward:
         """Final norm + LM head (GEMV) + greedy argmax for rows[:n] -> ws.logits, ws.argmax; io: the
         decode inputs (ws.dec_io), which also receive the argmax tokens and advanced positions."""
         c, ws = self.c, self.ws
-        feed = (io.data.ptr, io.shape[1]) if io is not None else (0, 0)
+        feed = (io.data.ptr, io.shape[1], *self.token_ring) if io is not None else (0, 0, 0, 0)
         if self.head_q8:
             self._norm_q8(rows, self.w.output_norm, n, None, ws.head_q, ws.head_d)
             ops.mmv_q8(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden,

@@ -347,15 +347,18 @@ def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) ->
     k.gather_rows(((width + 255) // 256, n), (256,), (_U64(src), _U64(idx), _U64(dst), _I32(n), _I32(width)))
 
 
-def argmax_unpack(k: Kernels, key: int, out: int, n: int, io: int = 0, io_stride: int = 0,
-                  pdl: bool = False) -> None:
+def argmax_unpack(k: Kernels, key: int, out: int, n: int, io: int = 0, io_stride: int = 0, ring: int = 0,
+                  ring_len: int = 0, pdl: bool = False) -> None:
     """out[:n] = rows packed by a fused-argmax GEMV into key[:n] (uint64), which is reset to 0.
     io: a decode step's int32 input rows (tokens, positions; row stride io_stride): each token is
-    also written there and its position advanced, the next step's inputs (elementwise.cu feed_next)."""
-    _launch(k.argmax_unpack, ((n + 127) // 128,), (128,), (_U64(key), _U64(out), _I32(n), _U64(io), _I32(io_stride)),
-            0, pdl)
+    also written there and its position advanced, the next step's inputs (elementwise.cu feed_next).
+    ring: int32 [ring_len, io_stride] (mapped host memory): token b also goes to row pos % ring_len."""
+    _launch(k.argmax_unpack, ((n + 127) // 128,), (128,),
+            (_U64(key), _U64(out), _I32(n), _U64(io), _I32(io_stride), _U64(ring), _I32(ring_len)), 0, pdl)
 
 
-def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int, io: int = 0, io_stride: int = 0) -> None:
-    """out[r] = first index of the max of row r (NaN never wins); io as argmax_unpack."""
-    k.argmax_rows((rows,), (1024,), (_U64(x), _I32(xs), _I32(cols), _U64(out), _I32(rows), _U64(io), _I32(io_stride)))
+def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int, io: int = 0, io_stride: int = 0,
+                ring: int = 0, ring_len: int = 0) -> None:
+    """out[r] = first index of the max of row r (NaN never wins); io and ring as argmax_unpack."""
+    k.argmax_rows((rows,), (1024,), (_U64(x), _I32(xs), _I32(cols), _U64(out), _I32(rows), _U64(io), _I32(io_stride),
+                                     _U64(ring), _I32(ring_len)))
