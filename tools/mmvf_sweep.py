@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from realizar_backend.backends.cuda.modules import QTYPES, _source, resident_blocks  # noqa: E402
-from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_stride, mmvf_wpr  # noqa: E402
+from realizar_backend.backends.cuda.modules import _source, resident_blocks  # noqa: E402
+from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_stride, mmvf_wpr, row_bytes  # noqa: E402
 
 LAYERS = 28
 VARIANTS = {
@@ -73,11 +73,6 @@ def compile_variant(defines: dict, cc: str, mask: int) -> cupy.RawModule:
     for name in ("mmvf_nb1", "ffnf_nb1"):
         _ = mod.get_function(name).attributes       # compile and load now, on this thread
     return mod
-
-
-def row_bytes(qt, K):
-    i = QTYPES[qt]
-    return K // i.block * i.block_bytes
 
 
 def main() -> int:

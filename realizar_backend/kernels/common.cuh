@@ -67,7 +67,7 @@ __device__ __forceinline__ u16 f2bf(float f) {
 // GEMM can pass fp16's 65504), else fp16 (more mantissa)
 __device__ __forceinline__ u16 f2x(float f, int bf) { return bf ? f2bf(f) : f2h(f); }
 
-// Blocks of 18/22/34/210 bytes are only 2-byte aligned: read them 16 bits at a time.
+// Q4_0's 18-byte blocks are only 2-byte aligned: read them 16 bits at a time.
 __device__ __forceinline__ u32 ld16(const u8* p) { return *(const u16*)p; }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -202,23 +202,44 @@ template <> __device__ __forceinline__ void load_unit<QT_Q4_1>(const u8* __restr
     }
 }
 
-// Q5_0: {f16 d; u8 qh[4]; u8 qs[16]} ; fifth bit j from qh bit j (low half) / j+16 (high half)
-template <> __device__ __forceinline__ void load_unit<QT_Q5_0>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
-    const u8* b = row + u * 22;
-    float d = h2f(ld16(b));
-    u32 qh = ld16(b + 2) | (ld16(b + 4) << 16);
+// Q5_0 and Q8_0 in their device layouts (formats/gpu_layout.py, made by repack.cu): GGUF's 22- and
+// 34-byte blocks are 2-byte aligned (4-byte loads and a funnel shift per word); on the device a row
+// holds its units' quants 16-byte aligned, then the d values. Q5_0's fifth bits are regrouped so that
+// bit i of byte k belongs to v[i] (column 4i + k) and bit 4 + i to v[i + 4] (column 16 + 4i + k).
+// v[i] = columns 4i..4i+3, v[i + 4] = columns 16 + 4i..: bytes holding q << SH (q = 0..31).
+__device__ __forceinline__ u32 shl_or_shr(u32 x, int n) { return n >= 0 ? x << n : x >> -n; }
+
+template <int SH>
+__device__ __forceinline__ void q5_0_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], float& d) {
+    uint4 x = __ldg((const uint4*)(row + 16 * u));
+    u32 qh = __ldg((const u32*)(row + 16 * nu + 4 * u));
+    d = h2f(ld16(row + 20 * nu + 2 * u));
+    u32 X[4] = {x.x, x.y, x.z, x.w};
+    const u32 lo = 0x0F0F0F0Fu << SH, hi = 0x10101010u << SH;
 #pragma unroll
-    for (int j = 0; j < 16; j += 2) {
-        u32 q2 = ld16(b + 6 + j);
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            int jj = j + k;
-            u32 q = (q2 >> (8 * k)) & 0xFF;
-            u32 h0 = ((qh >> jj) << 4) & 0x10, h1 = (qh >> (jj + 12)) & 0x10;
-            w[jj] = ((int)((q & 15) | h0) - 16) * d;
-            w[jj + 16] = ((int)((q >> 4) | h1) - 16) * d;
-        }
+    for (int i = 0; i < 4; ++i) {
+        v[i] = (shl_or_shr(X[i], SH) & lo) | (shl_or_shr(qh, 4 + SH - i) & hi);
+        v[i + 4] = (shl_or_shr(X[i], SH - 4) & lo) | (shl_or_shr(qh, SH - i) & hi);
     }
+}
+
+// Q8_0 (device layout): the unit's 32 int8 values as 8 words
+__device__ __forceinline__ void q8_0_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], float& d) {
+    const uint4* q = (const uint4*)(row + 32 * u);
+    uint4 a = __ldg(q), c = __ldg(q + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = c.x; v[5] = c.y; v[6] = c.z; v[7] = c.w;
+    d = h2f(ld16(row + 32 * nu + 2 * u));
+}
+
+template <> __device__ __forceinline__ void load_unit<QT_Q5_0>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {
+    u32 v[8];
+    float d;
+    q5_0_unit<0>(row, u, K >> 5, v, d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[4 * i + k] = d * (float)((int)((v[i] >> (8 * k)) & 31) - 16);
 }
 
 // Q5_1: {f16 d, m; u8 qh[4]; u8 qs[16]}
@@ -241,16 +262,14 @@ template <> __device__ __forceinline__ void load_unit<QT_Q5_1>(const u8* __restr
     }
 }
 
-// Q8_0: {f16 d; i8 qs[32]}
-template <> __device__ __forceinline__ void load_unit<QT_Q8_0>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
-    const u8* b = row + u * 34;
-    float d = h2f(ld16(b));
+template <> __device__ __forceinline__ void load_unit<QT_Q8_0>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {
+    u32 v[8];
+    float d;
+    q8_0_unit(row, u, K >> 5, v, d);
 #pragma unroll
-    for (int j = 0; j < 32; j += 2) {
-        u32 q2 = ld16(b + 2 + j);
-        w[j] = (float)(i8)(q2 & 0xFF) * d;
-        w[j + 1] = (float)(i8)(q2 >> 8) * d;
-    }
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[4 * i + k] = (float)(i8)(v[i] >> (8 * k)) * d;
 }
 
 // K-quant 6-bit scale/min pair j of 8, packed in 12 bytes (llama.cpp get_scale_min_k4)
@@ -307,27 +326,38 @@ template <> __device__ __forceinline__ void load_unit<QT_Q5_K>(const u8* __restr
         }
 }
 
-// Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} (210 bytes, 2-byte aligned).
-// Unit j: half h = j/4 and quarter k = j%4 of llama.cpp's dequantize_row_q6_K loop.
-template <> __device__ __forceinline__ void load_unit<QT_Q6_K>(const u8* __restrict__ row, int u, int, float (&w)[32]) {
-    const u8* b = row + (u >> 3) * 210;
-    int j = u & 7, h = j >> 2, k = j & 3;
-    float d = h2f(ld16(b + 208));
-    const u8* ql = b + 64 * h + (k & 1) * 32;
-    const u8* qh = b + 128 + 32 * h;
-    const i8* sc = (const i8*)(b + 192) + 8 * h + 2 * k;
-    int nsh = (k >> 1) * 4, hsh = 2 * k;
-    float d0 = d * sc[0], d1 = d * sc[1];
+// Q6_K in its device layout (formats/gpu_layout.py, made by repack.cu): per 256-weight block
+// lo[8][16] (low nibbles of columns b and b + 16), hi[8][8] (2-bit high parts of columns 16w + 4s + k
+// at bits 2s of byte 4w + k), sc[8][2] (int8 scales of columns 0..15, 16..31): 208 bytes; the row's
+// fp16 d values follow its blocks. One unit is one 16-byte, one 8-byte and two 2-byte loads (GGUF's
+// 210-byte blocks are 2-byte aligned: twice the load instructions and a funnel shift per word).
+// v[i] = columns 4i..4i+3, v[i + 4] = columns 16 + 4i.. as bytes holding the unsigned value 0..63.
+__device__ __forceinline__ void q6k_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], u32& sc, float& d) {
+    const u8* b = row + (u >> 3) * 208;
+    int j = u & 7;
+    uint4 lo = __ldg((const uint4*)(b + 16 * j));
+    uint2 hi = __ldg((const uint2*)(b + 128 + 8 * j));
+    sc = ld16(b + 192 + 2 * j);
+    d = h2f(ld16(row + 26 * nu + 2 * (u >> 3)));      // after the nu / 8 blocks of 208 bytes
+    u32 L[4] = {lo.x, lo.y, lo.z, lo.w};
 #pragma unroll
-    for (int l = 0; l < 32; l += 2) {
-        u32 q2 = ld16(ql + l), h2 = ld16(qh + l);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            int lo = ((q2 >> (8 * e)) >> nsh) & 15;
-            int hi = ((h2 >> (8 * e)) >> hsh) & 3;
-            w[l + e] = (float)((lo | (hi << 4)) - 32) * (l < 16 ? d0 : d1);
-        }
+    for (int i = 0; i < 4; ++i) {        // the high parts of v[i] sit at bits 2i of hi.x's bytes
+        u32 hx = i < 2 ? hi.x << (4 - 2 * i) : hi.x >> (2 * i - 4);
+        u32 hy = i < 2 ? hi.y << (4 - 2 * i) : hi.y >> (2 * i - 4);
+        v[i] = (L[i] & 0x0F0F0F0Fu) | (hx & 0x30303030u);
+        v[i + 4] = ((L[i] >> 4) & 0x0F0F0F0Fu) | (hy & 0x30303030u);
     }
+}
+
+template <> __device__ __forceinline__ void load_unit<QT_Q6_K>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {
+    u32 v[8], sc;
+    float d;
+    q6k_unit(row, u, K >> 5, v, sc, d);
+    float d0 = d * (float)(i8)(sc & 255), d1 = d * (float)(i8)(sc >> 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[4 * i + k] = (i < 4 ? d0 : d1) * (float)((int)((v[i] >> (8 * k)) & 63) - 32);
 }
 
 // ------------------------------------------------------------------ 8-bit activations (Q8_1-like)
@@ -335,7 +365,7 @@ template <> __device__ __forceinline__ void load_unit<QT_Q6_K>(const u8* __restr
 // 32 values: (d, d * sum(q)), value ~= q * d. The sum lets offset/min terms of the weight formats
 // fold into one multiply (sum_k (a q_k + c) x_k = a dx sum(q_k xq_k) + c sx).
 
-// 4 bytes at a 2-byte aligned address (blocks of 18/22/34/210 bytes)
+// 4 bytes at a 2-byte aligned address (Q4_0's 18-byte blocks)
 __device__ __forceinline__ int ld32_a2(const u8* p) {
     return (int)(ld16(p) | (ld16(p + 2) << 16));
 }
@@ -366,9 +396,9 @@ struct QUnit {
     int s0, s1;
 };
 
-template <int QT> __device__ __forceinline__ void load_qunit(const u8* __restrict__ row, int u, QUnit& w);
+template <int QT> __device__ __forceinline__ void load_qunit(const u8* __restrict__ row, int u, int nu, QUnit& w);
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q4_0>(const u8* __restrict__ row, int u, QUnit& w) {
+template <> __device__ __forceinline__ void load_qunit<QT_Q4_0>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     const u8* b = row + u * 18;
     float d = h2f(ld16(b));
 #pragma unroll
@@ -380,7 +410,7 @@ template <> __device__ __forceinline__ void load_qunit<QT_Q4_0>(const u8* __rest
     w.A = d; w.C = -8.0f * d; w.s0 = w.s1 = 1;
 }
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q4_1>(const u8* __restrict__ row, int u, QUnit& w) {
+template <> __device__ __forceinline__ void load_qunit<QT_Q4_1>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     const u8* b = row + u * 20;
     u32 dm = *(const u32*)b;
     const int* qs = (const int*)(b + 4);
@@ -393,20 +423,16 @@ template <> __device__ __forceinline__ void load_qunit<QT_Q4_1>(const u8* __rest
     w.A = h2f((u16)(dm & 0xFFFF)); w.C = h2f((u16)(dm >> 16)); w.s0 = w.s1 = 1;
 }
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q5_0>(const u8* __restrict__ row, int u, QUnit& w) {
-    const u8* b = row + u * 22;
-    float d = h2f(ld16(b));
-    u32 qh = (u32)ld32_a2(b + 2);
+template <> __device__ __forceinline__ void load_qunit<QT_Q5_0>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
+    u32 v[8];
+    float d;
+    q5_0_unit<0>(row, u, nu, v, d);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        int q = ld32_a2(b + 6 + 4 * i);
-        w.v[i] = (q & 0x0F0F0F0F) | bits_to_b4(qh >> (4 * i));
-        w.v[i + 4] = ((q >> 4) & 0x0F0F0F0F) | bits_to_b4(qh >> (16 + 4 * i));
-    }
+    for (int i = 0; i < 8; ++i) w.v[i] = (int)v[i];
     w.A = d; w.C = -16.0f * d; w.s0 = w.s1 = 1;
 }
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q5_1>(const u8* __restrict__ row, int u, QUnit& w) {
+template <> __device__ __forceinline__ void load_qunit<QT_Q5_1>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     const u8* b = row + u * 24;
     u32 dm = *(const u32*)b;
     u32 qh = *(const u32*)(b + 4);
@@ -420,11 +446,12 @@ template <> __device__ __forceinline__ void load_qunit<QT_Q5_1>(const u8* __rest
     w.A = h2f((u16)(dm & 0xFFFF)); w.C = h2f((u16)(dm >> 16)); w.s0 = w.s1 = 1;
 }
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q8_0>(const u8* __restrict__ row, int u, QUnit& w) {
-    const u8* b = row + u * 34;
+template <> __device__ __forceinline__ void load_qunit<QT_Q8_0>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
+    u32 v[8];
+    q8_0_unit(row, u, nu, v, w.A);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w.v[i] = ld32_a2(b + 2 + 4 * i);
-    w.A = h2f(ld16(b)); w.C = 0.0f; w.s0 = w.s1 = 1;
+    for (int i = 0; i < 8; ++i) w.v[i] = (int)v[i];
+    w.C = 0.0f; w.s0 = w.s1 = 1;
 }
 
 // K-quant scale/min pair j (run-time j) from the 12 scale bytes held as three words s0 s1 s2
@@ -441,7 +468,7 @@ __device__ __forceinline__ void scale_min_k4w(int j, u32 s0, u32 s1, u32 s2, int
     }
 }
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q4_K>(const u8* __restrict__ row, int u, QUnit& w) {
+template <> __device__ __forceinline__ void load_qunit<QT_Q4_K>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     const u8* b = row + (u >> 3) * 144;   // 144-byte blocks in 256-aligned rows: 16-byte loads
     int j = u & 7;
     uint4 hd = *(const uint4*)b;          // d, dmin, scales[12]
@@ -458,7 +485,7 @@ template <> __device__ __forceinline__ void load_qunit<QT_Q4_K>(const u8* __rest
     w.s0 = w.s1 = 1;
 }
 
-template <> __device__ __forceinline__ void load_qunit<QT_Q5_K>(const u8* __restrict__ row, int u, QUnit& w) {
+template <> __device__ __forceinline__ void load_qunit<QT_Q5_K>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     const u8* b = row + (u >> 3) * 176;
     int j = u & 7;
     uint4 hd = *(const uint4*)b;
@@ -478,24 +505,15 @@ template <> __device__ __forceinline__ void load_qunit<QT_Q5_K>(const u8* __rest
     w.s0 = w.s1 = 1;
 }
 
-// Q6_K: values 0..63 minus 32 with a per-byte saturating subtract (no saturation occurs),
-// two int8 scales per unit (columns 0..15 and 16..31)
-template <> __device__ __forceinline__ void load_qunit<QT_Q6_K>(const u8* __restrict__ row, int u, QUnit& w) {
-    const u8* b = row + (u >> 3) * 210;
-    int j = u & 7, h = j >> 2, k = j & 3;
-    const u8* ql = b + 64 * h + (k & 1) * 32;
-    const u8* qh = b + 128 + 32 * h;
-    int nsh = (k >> 1) * 4, hsh = 2 * k;
+// Q6_K (device layout): values 0..63 minus 32 with a per-byte saturating subtract (no saturation
+// occurs), two int8 scales per unit (columns 0..15 and 16..31)
+template <> __device__ __forceinline__ void load_qunit<QT_Q6_K>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
+    u32 v[8], sc;
+    q6k_unit(row, u, nu, v, sc, w.A);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        u32 lo = ((u32)ld32_a2(ql + 4 * i) >> nsh) & 0x0F0F0F0Fu;
-        u32 hi = (((u32)ld32_a2(qh + 4 * i) >> hsh) & 0x03030303u) << 4;
-        w.v[i] = (int)__vsubss4(lo | hi, 0x20202020u);
-    }
-    u32 scw = ld16(b + 192 + 8 * h + 2 * k);
-    w.s0 = (int)(i8)(scw & 255);
-    w.s1 = (int)(i8)(scw >> 8);
-    w.A = h2f(ld16(b + 208));
+    for (int i = 0; i < 8; ++i) w.v[i] = (int)__vsubss4(v[i], 0x20202020u);
+    w.s0 = (int)(i8)(sc & 255);
+    w.s1 = (int)(i8)(sc >> 8);
     w.C = 0.0f;
 }
 
@@ -526,8 +544,9 @@ __device__ __forceinline__ void rope_pair(const float* src, float* dst, int i, i
 
 // ------------------------------------------------------------------ fp32 activations (mmvf.cu)
 // A 32-weight unit decoded for fp32 dot products with no integer->float conversion instruction:
-// byte k of v[i] holds the value q of column 4i+k as q << (7 - bits) (q unsigned, bits <= 6), and
-// one PRMT puts that byte under the exponent of 0.5: f = 0.5 + q / 2^(bits+1), exactly. The weight
+// byte k of v[i] holds the value q of column 4i+k as q << (7 - bits) (q unsigned, bits <= 6; Q6_K
+// keeps q as it is, the bits = 7 case), and one PRMT puts that byte under the exponent of 0.5:
+// f = 0.5 + q / 2^(bits+1), exactly. The weight
 // A q + C is then a f + c with a = 2^(bits+1) A and c = C - 2^bits A, so the unit's dot with x is
 //   a0 * sum_{k<16} f_k x_k + a1 * sum_{k>=16} f_k x_k + c0 * sum_{k<16} x_k + c1 * sum_{k>=16} x_k,
 // where the two sums of x are computed once per unit and shared by every row. Q8_0 (8-bit signed)
@@ -556,9 +575,9 @@ __device__ __forceinline__ void funit_coef(FUnit& w, int bits, float A, float C)
     w.c0 = w.c1 = C - A * (float)(1 << bits);
 }
 
-template <int QT> __device__ __forceinline__ void load_funit(const u8* __restrict__ row, int u, FUnit& w);
+template <int QT> __device__ __forceinline__ void load_funit(const u8* __restrict__ row, int u, int nu, FUnit& w);
 
-template <> __device__ __forceinline__ void load_funit<QT_Q4_0>(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q4_0>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
     const u8* b = row + u * 18;
     u32 q[4];
     ldw_a2<4>(b + 2, q);
@@ -571,7 +590,7 @@ template <> __device__ __forceinline__ void load_funit<QT_Q4_0>(const u8* __rest
     funit_coef(w, 4, d, -8.0f * d);
 }
 
-template <> __device__ __forceinline__ void load_funit<QT_Q4_1>(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q4_1>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
     const u8* b = row + u * 20;
     u32 dm = __ldg((const u32*)b);
     const u32* qs = (const u32*)(b + 4);
@@ -584,22 +603,13 @@ template <> __device__ __forceinline__ void load_funit<QT_Q4_1>(const u8* __rest
     funit_coef(w, 4, h2f((u16)(dm & 0xFFFF)), h2f((u16)(dm >> 16)));
 }
 
-template <> __device__ __forceinline__ void load_funit<QT_Q5_0>(const u8* __restrict__ row, int u, FUnit& w) {
-    const u8* b = row + u * 22;
-    u32 q[5];
-    ldw_a2<5>(b + 2, q);       // qh, qs[16]
-    u32 qh = q[0];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        u32 x = q[i + 1];
-        w.v[i] = (((x & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (4 * i))) << 2);
-        w.v[i + 4] = ((((x >> 4) & 0x0F0F0F0Fu) | (u32)bits_to_b4(qh >> (16 + 4 * i))) << 2);
-    }
-    float d = h2f(ld16(b));
+template <> __device__ __forceinline__ void load_funit<QT_Q5_0>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
+    float d;
+    q5_0_unit<2>(row, u, nu, w.v, d);
     funit_coef(w, 5, d, -16.0f * d);
 }
 
-template <> __device__ __forceinline__ void load_funit<QT_Q5_1>(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q5_1>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
     const u8* b = row + u * 24;
     u32 dm = __ldg((const u32*)b);
     u32 qh = __ldg((const u32*)(b + 4));
@@ -613,17 +623,16 @@ template <> __device__ __forceinline__ void load_funit<QT_Q5_1>(const u8* __rest
     funit_coef(w, 5, h2f((u16)(dm & 0xFFFF)), h2f((u16)(dm >> 16)));
 }
 
-template <> __device__ __forceinline__ void load_funit<QT_Q8_0>(const u8* __restrict__ row, int u, FUnit& w) {
-    const u8* b = row + u * 34;
-    u32 q[8];
-    ldw_a2<8>(b + 2, q);
+template <> __device__ __forceinline__ void load_funit<QT_Q8_0>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
+    float d;
+    q8_0_unit(row, u, nu, w.v, d);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w.v[i] = q[i] ^ 0x80808080u;   // q + 128, unsigned
-    w.a0 = w.a1 = h2f(ld16(b));
+    for (int i = 0; i < 8; ++i) w.v[i] ^= 0x80808080u;   // q + 128, unsigned
+    w.a0 = w.a1 = d;
     w.c0 = w.c1 = 0.0f;
 }
 
-template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
     const u8* b = row + (u >> 3) * 144;
     int j = u & 7;
     uint4 hd = __ldg((const uint4*)b);
@@ -639,7 +648,7 @@ template <> __device__ __forceinline__ void load_funit<QT_Q4_K>(const u8* __rest
     funit_coef(w, 4, A, -h2f((u16)(hd.x >> 16)) * m);
 }
 
-template <> __device__ __forceinline__ void load_funit<QT_Q5_K>(const u8* __restrict__ row, int u, FUnit& w) {
+template <> __device__ __forceinline__ void load_funit<QT_Q5_K>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
     const u8* b = row + (u >> 3) * 176;
     int j = u & 7;
     uint4 hd = __ldg((const uint4*)b);
@@ -658,24 +667,17 @@ template <> __device__ __forceinline__ void load_funit<QT_Q5_K>(const u8* __rest
     funit_coef(w, 5, A, -h2f((u16)(hd.x >> 16)) * m);
 }
 
-// Q6_K: 6-bit values 0..63 (the -32 goes into c), a scale per half unit
-template <> __device__ __forceinline__ void load_funit<QT_Q6_K>(const u8* __restrict__ row, int u, FUnit& w) {
-    const u8* b = row + (u >> 3) * 210;
-    int j = u & 7, h = j >> 2, k = j & 3;
-    u32 ql[8], qh[8];
-    ldw_a2<8>(b + 64 * h + (k & 1) * 32, ql);
-    ldw_a2<8>(b + 128 + 32 * h, qh);
-    int nsh = (k >> 1) * 4, hsh = 2 * k;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-        w.v[i] = ((((ql[i] >> nsh) & 0x0F0F0F0Fu) | (((qh[i] >> hsh) & 0x03030303u) << 4)) << 1);
-    u32 scw = ld16(b + 192 + 8 * h + 2 * k);
-    float d = h2f(ld16(b + 208));
-    float A0 = d * (float)(i8)(scw & 255), A1 = d * (float)(i8)(scw >> 8);
-    w.a0 = 128.0f * A0;    // a = 2^7 A, c = -32 A - 2^6 A
-    w.a1 = 128.0f * A1;
-    w.c0 = -96.0f * A0;
-    w.c1 = -96.0f * A1;
+// Q6_K (device layout): the 6-bit value q sits in bits 0..5, so f = 0.5 + q / 256 (the Q-bits = 7
+// case of funit_coef); the -32 goes into c; a scale per half unit
+template <> __device__ __forceinline__ void load_funit<QT_Q6_K>(const u8* __restrict__ row, int u, int nu, FUnit& w) {
+    u32 sc;
+    float d;
+    q6k_unit(row, u, nu, w.v, sc, d);
+    float A0 = d * (float)(i8)(sc & 255), A1 = d * (float)(i8)(sc >> 8);
+    w.a0 = 256.0f * A0;    // a = 2^8 A, c = -32 A - 2^7 A
+    w.a1 = 256.0f * A1;
+    w.c0 = -160.0f * A0;
+    w.c1 = -160.0f * A1;
 }
 
 // byte permute with the selector as an immediate: ptxas, left to choose, puts the constant word

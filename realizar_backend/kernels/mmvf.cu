@@ -101,7 +101,7 @@ __device__ __forceinline__ void mmvf_rows(const u8* const (&W)[M], long long rb,
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int i = 0; i < MMVF_R; ++i) load_funit<QT>(rows[m][i], u, w[m][i]);
+            for (int i = 0; i < MMVF_R; ++i) load_funit<QT>(rows[m][i], u, nu, w[m][i]);
         mmvf_apply<QT, NB, M>(w, u, nu, x, xs, nbl, staged, acc);
     }
 }

@@ -24,7 +24,7 @@ __device__ __forceinline__ void mmv_row_partial(const u8* __restrict__ row, int 
                                                 int K, int nbl, float (&acc)[NB]) {
     for (int u = u0; u < nu; u += ustep) {
         QUnit w;
-        load_qunit<QT>(row, u, w);
+        load_qunit<QT>(row, u, nu, w);
 #pragma unroll
         for (int b = 0; b < NB; ++b)
             if (b < nbl)
@@ -111,8 +111,8 @@ __device__ __forceinline__ void ffn_rows(const u8* __restrict__ Wg, const u8* __
             int r = r0 + i;
             if (r >= N) break;
             QUnit g, v;
-            load_qunit<QT>(Wg + (long long)r * rb, u, g);
-            load_qunit<QT>(Wu + (long long)r * rb, u, v);
+            load_qunit<QT>(Wg + (long long)r * rb, u, nu, g);
+            load_qunit<QT>(Wu + (long long)r * rb, u, nu, v);
 #pragma unroll
             for (int b = 0; b < NB; ++b)
                 if (b < nbl) {

@@ -146,3 +146,23 @@ def test_self_check_runs_for_every_model_type(kernels):
                       activation="gelu_tanh")
     errs = run_self_check(kernels, set(BLOCK32 + KQUANT + FLOATS), cfg)
     assert max(errs.values()) <= TOL
+
+
+@pytest.mark.parametrize("q,n,k", [(Q.Q6_K, 1, 256), (Q.Q6_K, 33, 1536), (Q.Q6_K, 7, 4864), (Q.Q6_K, 5, 8960),
+                                   (Q.Q5_0, 1, 32), (Q.Q5_0, 33, 896), (Q.Q5_0, 7, 4864),
+                                   (Q.Q8_0, 1, 32), (Q.Q8_0, 33, 896), (Q.Q8_0, 7, 1536)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_repack_equals_numpy_twin(kernels, rng, q, n, k):
+    """repack.cu writes a regrouped type's device layout byte for byte as formats/gpu_layout.to_device
+    does, padding included (the destination is poisoned first), at row strides that need padding."""
+    import cupy
+    import numpy as np
+    from realizar_backend.backends.cuda.selfcheck import random_weight
+    from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
+    host = random_weight(q, n, k, rng)
+    rb = device_row_bytes(q, k)
+    src = cupy.asarray(host.reshape(-1))
+    dst = cupy.full(n * rb, 0xAB, cupy.uint8)
+    total = n * (k // 32)
+    kernels.repack[q](((total + 255) // 256,), (256,), (src, np.int32(n), np.int32(k), dst, np.int64(rb)))
+    assert np.array_equal(dst.get().reshape(n, rb), to_device(q, host, k))

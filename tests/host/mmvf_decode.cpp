@@ -3,6 +3,8 @@
 // check against gguf's dequantize). Built with g++ by tests/test_mmvf_host.py through shims of
 // the few CUDA intrinsics involved; prints one line per type: max relative error of the decoded
 // weights and of the unit dot products.
+// With arguments FILE K TYPE (Q5_0, Q8_0, Q6_K): FILE holds rows of K weights in the type's device
+// layout (formats/gpu_layout.py); prints every weight as decoded by load_unit, load_qunit and load_funit.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +20,7 @@
 static inline float realizar_host_h2f(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
 static inline unsigned short realizar_host_f2h(float f) { _Float16 x = (_Float16)f; unsigned short h; std::memcpy(&h, &x, 2); return h; }
 struct uint4 { unsigned int x, y, z, w; };
+struct uint2 { unsigned int x, y; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
@@ -54,14 +57,19 @@ static inline unsigned __vsubss4(unsigned a, unsigned b) {
 #define REALIZAR_HOST_TEST
 #include "common.cuh"
 
+// types the device stores regrouped (formats/gpu_layout.py): quants first, the fp16 d values at the row end
+static bool regrouped(int qt) { return qt == QT_Q5_0 || qt == QT_Q8_0 || qt == QT_Q6_K; }
+
 struct TypeInfo { int qt; const char* name; int block, bytes; std::vector<int> scale_offs; };
 
 template <int QT>
 static void check(const TypeInfo& t, std::mt19937& rng) {
     const int units_per_block = t.block / 32;
     const int nblk = 24;                         // odd-sized blocks land at every 2-byte alignment
-    std::vector<unsigned char> buf(nblk * t.bytes + 2 + 64);
-    unsigned char* row = buf.data() + 2;         // start misaligned on purpose (2 mod 4)
+    std::vector<unsigned char> buf(nblk * t.bytes + 16 + 64);
+    // start misaligned on purpose (2 mod 4); the regrouped types' device layouts have 16-byte aligned rows
+    unsigned char* row = buf.data() + (regrouped(QT) ? 16 - ((unsigned long long)buf.data() & 15) : 2);
+    const int K = nblk * t.block;
     std::uniform_int_distribution<int> byte(0, 255);
     std::uniform_real_distribution<float> sc(0.005f, 0.025f);
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -69,14 +77,15 @@ static void check(const TypeInfo& t, std::mt19937& rng) {
     for (int b = 0; b < nblk; ++b)
         for (int o : t.scale_offs) {
             unsigned short h = realizar_host_f2h(sc(rng));
-            std::memcpy(row + b * t.bytes + o, &h, 2);
+            // regrouped types (device layout): the blocks' d values follow the row's quants
+            std::memcpy(row + (regrouped(QT) ? (t.bytes - 2) * nblk + 2 * b : b * t.bytes + o), &h, 2);
         }
     double werr = 0, wmax = 0, derr = 0;
     for (int u = 0; u < nblk * units_per_block; ++u) {
         float ref[32];
-        load_unit<QT>(row, u, 32 * (u + 1), ref);
+        load_unit<QT>(row, u, K, ref);
         FUnit fw;
-        load_funit<QT>(row, u, fw);
+        load_funit<QT>(row, u, K >> 5, fw);
         float xv[32];
         for (int k = 0; k < 32; ++k) xv[k] = nd(rng);
         double dref = 0, sabs = 0;
@@ -99,7 +108,50 @@ static void check(const TypeInfo& t, std::mt19937& rng) {
     std::printf("%s %.3e %.3e\n", t.name, werr / std::fmax(wmax, 1e-30), derr);
 }
 
-int main() {
+template <int QT>
+static int dump(const char* path, int K, int block, int block_bytes) {
+    FILE* f = std::fopen(path, "rb");
+    if (!f) return 1;
+    std::vector<unsigned char> all;
+    unsigned char tmp[4096];
+    for (size_t n; (n = std::fread(tmp, 1, sizeof tmp, f)) > 0;) all.insert(all.end(), tmp, tmp + n);
+    std::fclose(f);
+    const size_t rb = ((size_t)K / block * block_bytes + 15) / 16 * 16;
+    std::vector<unsigned char> buf(rb + 16);
+    unsigned char* row = buf.data() + (16 - ((unsigned long long)buf.data() & 15));   // 16-byte aligned
+    for (size_t r = 0; r * rb < all.size(); ++r) {
+        std::memcpy(row, all.data() + r * rb, rb);
+        for (int u = 0; u < K / 32; ++u) {
+            float w[32];
+            load_unit<QT>(row, u, K, w);
+            QUnit q;
+            load_qunit<QT>(row, u, K >> 5, q);
+            FUnit fw;
+            load_funit<QT>(row, u, K >> 5, fw);
+            for (int k = 0; k < 32; ++k) {
+                double qv = (double)(signed char)(q.v[k / 4] >> (8 * (k % 4)));
+                if (QT == QT_Q5_0) qv = (double)((q.v[k / 4] >> (8 * (k % 4))) & 255);   // 0..31, C holds -16 d
+                double qw = (double)q.A * (k < 16 ? q.s0 : q.s1) * qv + q.C;
+                unsigned v = fw.v[k / 4];
+                float fv = k % 4 == 0 ? funit_f<QT, 0>(v) : k % 4 == 1 ? funit_f<QT, 1>(v)
+                         : k % 4 == 2 ? funit_f<QT, 2>(v) : funit_f<QT, 3>(v);
+                double fwv = QT == QT_Q8_0 ? (double)fw.a0 * fv
+                           : k < 16 ? (double)fw.a0 * fv + fw.c0 : (double)fw.a1 * fv + fw.c1;
+                std::printf("%.17g %.17g %.17g\n", (double)w[k], qw, fwv);
+            }
+        }
+    }
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc == 4) {
+        const int K = std::atoi(argv[2]);
+        if (!std::strcmp(argv[3], "Q5_0")) return dump<QT_Q5_0>(argv[1], K, 32, 22);
+        if (!std::strcmp(argv[3], "Q8_0")) return dump<QT_Q8_0>(argv[1], K, 32, 34);
+        if (!std::strcmp(argv[3], "Q6_K")) return dump<QT_Q6_K>(argv[1], K, 256, 210);
+        return 2;
+    }
     std::mt19937 rng(1234);
     check<QT_Q4_0>({QT_Q4_0, "Q4_0", 32, 18, {0}}, rng);
     check<QT_Q4_1>({QT_Q4_1, "Q4_1", 32, 20, {0, 2}}, rng);

@@ -42,6 +42,7 @@ using std::max;
 using std::min;
 
 struct uint4 { unsigned int x, y, z, w; };
+struct uint2 { unsigned int x, y; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };

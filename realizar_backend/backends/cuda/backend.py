@@ -41,7 +41,7 @@ class CUDABackend:
             from .selfcheck import run_self_check
             run_self_check(self.kernels, {w.qtype for w in self._matrix_types(model)}, c,
                            decode_activations=self.settings.decode_activations)
-        self.weights = DeviceWeights(model)
+        self.weights = DeviceWeights(model, self.kernels)
         self.kv = KVCache(c, max_slots, self.max_context)
         self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)

@@ -16,6 +16,8 @@ from pathlib import Path
 import cupy
 from gguf import GGMLQuantizationType as Q
 
+from ...formats.gpu_layout import REGROUPED
+
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -160,6 +162,9 @@ class Kernels:
         hd = (f"-DATT_HEAD_DIM={head_dim}",) if head_dim else ()
         attn = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
                 for i, name in enumerate(("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"), 1)]
+        # Q5_0 / Q8_0 / Q6_K matrices are regrouped on the GPU at upload (repack.cu, formats/gpu_layout.py)
+        regrouped = [q for q in REGROUPED if q in types]
+        repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
         core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
                                         "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
         norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])
@@ -180,6 +185,7 @@ class Kernels:
         self.dequant16 = {q: deq.result()["dequant16_" + sfx[q]] for q in types}
         self.dequant = {q: deq.result()["dequant_" + sfx[q]] for q in types}
         self.embed = {q: deq.result()["embed_" + sfx[q]] for q in types}
+        self.repack = {q: repack.result()["repack_" + sfx[q]] for q in regrouped}
         for name, fn in {**core.result(), **norm.result(), **rope.result(),
                          **{n: f for a in attn for n, f in a.result().items()}}.items():
             setattr(self, name, fn)

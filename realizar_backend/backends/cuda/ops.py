@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from ...formats.gpu_layout import device_row_bytes
 from . import pdl as _pdl
 from .modules import MMV_NB, QTYPES, Kernels, resident_blocks
 
@@ -22,7 +23,7 @@ NQ_MAXK = 8                                                    # norm.cu: rms_no
 
 @dataclass
 class WeightRef:
-    """A matrix in raw GGUF blocks on the GPU: rows x cols, `row_bytes` per row."""
+    """A matrix on the GPU in its device layout (formats/gpu_layout.py): rows x cols, `row_bytes` per row."""
     name: str
     qtype: object
     ptr: int
@@ -41,8 +42,8 @@ def _launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> No
 
 
 def row_bytes(qtype, cols: int) -> int:
-    info = QTYPES[qtype]
-    return cols // info.block * info.block_bytes
+    """Bytes per row of a matrix on the device (Q6_K is regrouped: formats/gpu_layout.py)."""
+    return device_row_bytes(qtype, cols)
 
 
 def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,

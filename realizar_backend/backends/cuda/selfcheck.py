@@ -14,7 +14,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import BackendError
-from ...formats.quants import dequantize
+from ...formats.gpu_layout import to_device
+from ...formats.quants import dequantize, row_bytes
 from ...model.config import ModelConfig
 from ..cpu import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
 from . import ops
@@ -61,13 +62,14 @@ def random_weight(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.n
     for o in _SCALE_OFFSETS[qtype]:
         sc = (rng.random(nblk) * 0.02 + 0.005).astype(np.float16)
         blocks[:, o:o + 2] = sc.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, ops.row_bytes(qtype, cols))
+    return blocks.reshape(rows, row_bytes(qtype, cols))
 
 
 def upload_weight(qtype, host: np.ndarray, name: str = "w") -> tuple[WeightRef, cupy.ndarray]:
-    dev = cupy.asarray(np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+    """A matrix in GGUF bytes (random_weight) onto the device, in the device layout."""
     rows = host.shape[0]
     cols = host.shape[1] if qtype in (Q.F32, Q.F16) else host.shape[1] // QTYPES[qtype].block_bytes * QTYPES[qtype].block
+    dev = cupy.asarray(to_device(qtype, host, cols).reshape(-1))
     return WeightRef(name, qtype, dev.data.ptr, rows, cols, ops.row_bytes(qtype, cols)), dev
 
 

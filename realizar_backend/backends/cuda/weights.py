@@ -1,6 +1,7 @@
-"""GPU-resident weights: every matrix's raw GGUF blocks uploaded once into one arena, and an
-index per layer (device pointers, types, shapes) so the forward pass never formats a name or
-looks a tensor up in a dict. Norm weights and biases (tiny) are stored as float32 vectors."""
+"""GPU-resident weights: every matrix uploaded once into one arena in its device layout (GGUF's
+blocks; Q5_0, Q8_0 and Q6_K regrouped on the GPU, formats/gpu_layout.py), and an index per layer
+(device pointers, types, shapes) so the forward pass never formats a name or looks a tensor up in
+a dict. Norm weights and biases (tiny) are stored as float32 vectors."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import numpy as np
 
 from ...errors import UnsupportedModelError
 from ...formats import ModelFile, Tensor
-from ...formats.quants import dequantize
-from .modules import QTYPES
-from .ops import ATT_MAXD, WeightRef, row_bytes
+from ...formats.gpu_layout import REGROUPED
+from ...formats.quants import dequantize, row_bytes
+from .modules import QTYPES, Kernels
+from .ops import ATT_MAXD, WeightRef
+from .ops import row_bytes as device_row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,9 @@ class LayerIndex:
 
 
 class DeviceWeights:
-    def __init__(self, model: ModelFile):
+    def __init__(self, model: ModelFile, kernels: Kernels):
         self.model = model
+        self.kernels = kernels
         self.config = model.config
         self.arena: cupy.ndarray | None = None
         self.vectors: list[cupy.ndarray] = []
@@ -78,7 +82,7 @@ class DeviceWeights:
             if t.nbytes != t.shape[0] * row_bytes(t.qtype, t.shape[1]):
                 raise UnsupportedModelError(m.path, f"tensor {name}: {t.nbytes} bytes for shape {t.shape}")
             self._plan.append((t, off))
-            off += (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            off += (t.shape[0] * device_row_bytes(t.qtype, t.shape[1]) + _ALIGN - 1) // _ALIGN * _ALIGN
             if name.startswith("blk."):
                 self.max_matrix_elems = max(self.max_matrix_elems, t.shape[0] * t.shape[1])
         self.total_bytes = off
@@ -101,11 +105,23 @@ class DeviceWeights:
         self.arena = cupy.empty(self.total_bytes, dtype=cupy.uint8)
         refs: dict[str, WeightRef] = {}
         done, next_report = 0, 0.25
+        # Q5_0 / Q8_0 / Q6_K go up in GGUF bytes and are regrouped on the GPU (repack.cu), through
+        # one staging buffer as large as the largest such matrix
+        regroup = [t.nbytes for t, _ in self._plan if t.qtype in REGROUPED]
+        staging = cupy.empty(max(regroup), dtype=cupy.uint8) if regroup else None
         for t, off in self._plan:
             host = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-            self.arena[off:off + host.size].set(host)
-            refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, t.shape[0], t.shape[1],
-                                     row_bytes(t.qtype, t.shape[1]))
+            rows, cols = t.shape
+            rb = device_row_bytes(t.qtype, cols)
+            if t.qtype in REGROUPED:
+                staging[:host.size].set(host)
+                total = rows * (cols // 32)
+                self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
+                                             (staging, np.int32(rows), np.int32(cols),
+                                              self.arena[off:], np.int64(rb)))
+            else:
+                self.arena[off:off + host.size].set(host)
+            refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, rows, cols, rb)
             done += host.size
             if done >= next_report * self.total_bytes:
                 log.info("cuda: upload %d%%", int(100 * done / self.total_bytes))
