@@ -12,6 +12,20 @@ def backend(smol_model):
     return CPUBackend(smol_model, max_slots=9, max_context=128)
 
 
+def assert_same_logits(actual, desired):
+    """Equal up to float32 summation order, measured against the logits' own scale.
+
+    Different batch shapes take different BLAS kernels (and different ones on different CPUs), so
+    30 layers of float32 drift by ~1e-5 of the largest logit; a slot that read another sequence's
+    cache or rows is off by the size of the logits themselves.
+    """
+    actual, desired = np.asarray(actual), np.asarray(desired)
+    assert actual.shape == desired.shape
+    err = float(np.abs(actual - desired).max())
+    scale = float(np.abs(desired).max())
+    assert err <= 1e-4 * scale, f"max |diff| {err:.3g} against max |logit| {scale:.3g}"
+
+
 def test_eight_sequences_decode_in_one_batch_like_alone(backend):
     rng = np.random.default_rng()
     vocab = backend.config.vocab_size
@@ -30,11 +44,11 @@ def test_eight_sequences_decode_in_one_batch_like_alone(backend):
     for i, p in enumerate(prompts):
         backend.release(8)
         alone_first = backend.prefill([PrefillItem(8, p, 0)])
-        np.testing.assert_allclose(alone_first[0], first[i], rtol=1e-4, atol=1e-4)
+        assert_same_logits(alone_first[0], first[i])
         # feed the batched run's tokens: a near-tie may flip an argmax between BLAS shapes
         for s in range(steps):
             logits = backend.decode([8], [fed[s][i]], [len(p) + s])
-            np.testing.assert_allclose(logits[0], batched[s][i], rtol=1e-4, atol=1e-4)
+            assert_same_logits(logits[0], batched[s][i])
 
 
 def test_prefill_in_two_chunks_equals_one(backend):
@@ -44,7 +58,7 @@ def test_prefill_in_two_chunks_equals_one(backend):
     backend.release(0)
     backend.prefill([PrefillItem(0, ids[:17], 0)])
     chunked = backend.prefill([PrefillItem(0, ids[17:], 17)])
-    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+    assert_same_logits(chunked, whole)
 
 
 def test_rope_styles_rotate_the_pairs_they_name():
