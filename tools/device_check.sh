@@ -10,7 +10,8 @@
 # Output (8 files at most: a call returns no more): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log,
 #         $OUT/bench.json (every twin's `realizar bench --json`), $OUT/profile_qwen15.json, $OUT/summary.json
 # Env: PYTEST_ARGS (extra pytest arguments), PYTEST_PATHS (default tests/gpu), BENCH_TWINS / PROFILE_TWINS (which twins), SKIP_TESTS=1,
-#      SWEEP=1 (tools/mmvf_sweep.py first, $OUT/sweep.json), QUICK=1 (no ncu, no precision variants)
+#      SWEEP=1 (tools/mmvf_sweep.py first, $OUT/sweep.json), QUICK=1 (no ncu, no precision variants),
+#      PROBE=1 (tools/start_probe.py before the cold starts)
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
@@ -59,6 +60,12 @@ done
 # token on the qwen15 twin, twice (the first is also the machine's first CuPy import: its spread),
 # then the same with the cache filled (a restart)
 if [ -f /tmp/twins/qwen15.gguf ]; then
+  # where the time before the first kernel build goes (each in a fresh process, empty kernel
+  # cache), when asked: PROBE=1
+  for mode in ${PROBE:+phases nvrtc overlap}; do
+    echo "-- start probe: $mode"
+    T0=$(date +%s.%N) CUPY_CACHE_DIR=$(mktemp -d) python3 tools/start_probe.py $mode /tmp/twins/qwen15.gguf 2>&1 | tail -25
+  done
   for run in cold cold2 warm; do
     [ "$run" != warm ] && cold=$(mktemp -d)
     # time from the shell's launch of python to the first token (prefill) and the second (first
@@ -66,7 +73,7 @@ if [ -f /tmp/twins/qwen15.gguf ]; then
     T0=$(date +%s.%N) CUPY_CACHE_DIR=$cold python3 - "$run" > /tmp/start_$run.out 2>/tmp/start_$run.err <<'PY' || { echo "start ($run) failed"; tail -5 /tmp/start_$run.err; }
 import logging, os, sys, time
 logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d ms %(name)s: %(message)s")
-logging.getLogger("realizar_backend.backends.cuda").setLevel(logging.DEBUG)
+logging.getLogger("realizar_backend").setLevel(logging.DEBUG)
 import cupy
 from realizar_backend.engine.engine import Engine
 from realizar_backend.engine.sampling import SamplingParams
@@ -83,7 +90,7 @@ print(f"START_TO_FIRST_TOKEN_{sys.argv[1].upper()}_S {t1:.2f} (second token {tim
 os._exit(0)
 PY
     cat /tmp/start_$run.out
-    grep -E "ready in|kernels for|self-check|graph" /tmp/start_$run.err | head -20
+    grep -E "^[0-9]+ ms realizar" /tmp/start_$run.err | head -40
   done
   python3 tools/ttft_probe.py /tmp/twins/qwen15.gguf 2>&1 | grep '^\[' || echo "ttft probe failed"
 fi
