@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from ..errors import BackendError, RealizarError
 from ..formats import ModelFile
@@ -18,6 +19,24 @@ def cuda_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
         return False
+
+
+def start_device(settings: Settings) -> None:
+    """Begin the CUDA start-up (importing CuPy and creating the device's context: ~1 s in a fresh
+    process) on a thread, so it overlaps with reading the model file; create_backend then finds it
+    done. Nothing when the settings ask for the CPU backend."""
+    if settings.backend not in ("auto", "cuda"):
+        return
+
+    def init() -> None:
+        try:
+            import cupy
+            cupy.cuda.runtime.setDevice(settings.device)   # creates the primary context (CUDA 12+)
+            cupy.cuda.runtime.free(0)
+        except Exception:  # no GPU or no CuPy: create_backend decides, and says so
+            pass
+
+    threading.Thread(target=init, name="cuda-init", daemon=True).start()
 
 
 def create_backend(model: ModelFile, settings: Settings) -> Backend:
@@ -41,4 +60,4 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
     return CPUBackend(model, max_slots=slots, max_context=ctx)
 
 
-__all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "create_backend", "cuda_available"]
+__all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "create_backend", "cuda_available", "start_device"]

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 
 import numpy as np
 
-from ..backends import Backend, PrefillItem, create_backend
+from ..backends import Backend, PrefillItem, create_backend, start_device
 from ..errors import ContextOverflowError, RequestError
 from ..formats import open_model
 from ..model.default import default_model_path
@@ -109,6 +109,7 @@ class Engine:
         settings = settings or Settings.from_env()
         path = Path(settings.model) if settings.model else default_model_path()
         t0 = time.perf_counter()
+        start_device(settings)
         model = open_model(path)
         # the tokenizer (a vocabulary of 150k+ entries: ~0.5 s) builds while the backend starts
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:

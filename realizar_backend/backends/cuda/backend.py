@@ -36,12 +36,15 @@ class CUDABackend:
         self.max_context = min(max_context, c.context_length) if c.context_length else max_context
         self.device = cupy.cuda.Device(self.settings.device)
         self.device.use()
-        self.kernels = get_kernels(self.settings.device, {t.qtype for t in self._matrix_types(model)}, c.head_dim)
+        log.debug("cuda device %d current (primary context created)", self.settings.device)
+        qtypes = {t.qtype for t in self._matrix_types(model)}
+        # the weights go up while the kernels compile (the upload needs only repack.cu)
+        self.kernels = get_kernels(self.settings.device, qtypes, c.head_dim, wait=False)
+        self.weights = DeviceWeights(model, self.kernels)
+        self.kernels.ready()
         if self.settings.self_check:
             from .selfcheck import run_self_check
-            run_self_check(self.kernels, {w.qtype for w in self._matrix_types(model)}, c,
-                           decode_activations=self.settings.decode_activations)
-        self.weights = DeviceWeights(model, self.kernels)
+            run_self_check(self.kernels, qtypes, c, decode_activations=self.settings.decode_activations)
         self.kv = KVCache(c, max_slots, self.max_context)
         self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)

@@ -151,48 +151,67 @@ class Kernels:
             return _Lazy(run) if lazy else _pool.submit(run)
 
         sfx = {q: QTYPES[q].suffix for q in types}
-        # submitted longest first (the batch-1 GEMVs: ~2 s each on a cold start), so a first start
-        # waits for the slowest of them, not for a queue
+        # A first start waits for the modules of a batch-1 step and of the prompt (prefill.cu), so
+        # those are submitted first and alone, one per core (the batch-1 GEMVs, the slowest at
+        # ~1.5 s, before the rest); the wider batches and sampling follow once they are in (ready()).
+        # Sharing the cores with those (20 compiles on 16 threads) made the start ~1 s longer.
         def gemvs(nb: int):
             return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={i}"),
                                100 * 1024) for i, kind in ((1, "mmvf"), (2, "ffnf")))
-        mmvf = {1: gemvs(1)}
-        deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")], typed)
+        self._mmvf = {1: gemvs(1)}
+        self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")],
+                          typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
         hd = (f"-DATT_HEAD_DIM={head_dim}",) if head_dim else ()
-        attn = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
-                for i, name in enumerate(("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"), 1)]
+        self._core = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
+                      for i, name in enumerate(("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"), 1)]
         # Q5_0 / Q8_0 / Q6_K matrices are regrouped on the GPU at upload (repack.cu, formats/gpu_layout.py)
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
-        core = build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
-                                        "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"])
-        norm = build("norm.cu", ["rms_norm", "rms_norm_q8"])
-        rope = build("rope.cu", ["rope_kv"])
-        mmvf.update({nb: gemvs(nb) for nb in MMV_NB[1:]})
+        self._core += [build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
+                                                "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"]),
+                       build("norm.cu", ["rms_norm", "rms_norm_q8"]),
+                       build("rope.cu", ["rope_kv"])]
+        _module_future(device_id, "prefill.cu", self.qtypes)        # loaded by its user (prefill.py)
         # the 8-bit and reference GEMVs serve opt-in settings and float-type matrices: compiled on first use
         mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
         gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
-        for fname, q in (("prefill.cu", self.qtypes), ("sampling.cu", None)):   # loaded by their users
-            _module_future(device_id, fname, q)
+        self._gemvs, self._sfx = gemvs, sfx
+        self._ready_lock = threading.Lock()
+        self._ready = False
 
-        self.mmvf = _Family({nb: (mmvf[nb][0], f"mmvf_nb{nb}") for nb in MMV_NB})
-        self.ffnf = _Family({nb: (mmvf[nb][1], f"ffnf_nb{nb}") for nb in MMV_NB})
+        # lookups that wait for their own module only: the weights upload (repack) can run while
+        # the rest compiles
+        self.repack = _Family({q: (repack, "repack_" + sfx[q]) for q in regrouped})
         self.mmv_q8 = _Family({nb: (mmvq, f"mmv_q8_nb{nb}") for nb in MMV_NB})
         self.ffn_q8 = _Family({nb: (mmvq, f"ffn_q8_nb{nb}") for nb in MMV_NB})
         self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in types})
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in types})
-        self.dequant16 = {q: deq.result()["dequant16_" + sfx[q]] for q in types}
-        self.dequant = {q: deq.result()["dequant_" + sfx[q]] for q in types}
-        self.embed = {q: deq.result()["embed_" + sfx[q]] for q in types}
-        self.repack = {q: repack.result()["repack_" + sfx[q]] for q in regrouped}
-        for name, fn in {**core.result(), **norm.result(), **rope.result(),
-                         **{n: f for a in attn for n, f in a.result().items()}}.items():
-            setattr(self, name, fn)
-        self.mmvf[1], self.ffnf[1]                            # the batch-1 decode path is ready on return
+
+    def ready(self) -> "Kernels":
+        """Wait for the modules a batch-1 start needs, then start the wider batches and sampling in
+        the background. Every other attribute exists from here on."""
+        with self._ready_lock:
+            if self._ready:
+                return self
+            sfx, deq = self._sfx, self._deq
+            self.dequant16 = {q: deq.result()["dequant16_" + sfx[q]] for q in self.qtypes}
+            self.dequant = {q: deq.result()["dequant_" + sfx[q]] for q in self.qtypes}
+            self.embed = {q: deq.result()["embed_" + sfx[q]] for q in self.qtypes}
+            for fut in self._core:
+                for name, fn in fut.result().items():
+                    setattr(self, name, fn)
+            for fut in self._mmvf[1]:
+                fut.result()
+            self._mmvf.update({nb: self._gemvs(nb) for nb in MMV_NB[1:]})
+            _module_future(self.device.id, "sampling.cu")             # loaded by its user (sampling.py)
+            self.mmvf = _Family({nb: (self._mmvf[nb][0], f"mmvf_nb{nb}") for nb in MMV_NB})
+            self.ffnf = _Family({nb: (self._mmvf[nb][1], f"ffnf_nb{nb}") for nb in MMV_NB})
+            self._ready = True
         log.info("cuda kernels for compute capability %s: core ready, %d quant types; wider batches and "
-                 "prefill/sampling finish in the background, the 8-bit and reference GEMVs on first use", cc,
-                 len(types))
+                 "sampling finish in the background, the 8-bit and reference GEMVs on first use",
+                 self.device.compute_capability, len(self.qtypes))
+        return self
 
 
 _cache: dict[tuple, Kernels] = {}
@@ -229,12 +248,13 @@ def load_module(device_id: int, filename: str, qtypes=None) -> cupy.RawModule:
     return _module_future(device_id, filename, qtypes).result()
 
 
-def get_kernels(device_id: int = 0, qtypes=None, head_dim: int | None = None) -> Kernels:
+def get_kernels(device_id: int = 0, qtypes=None, head_dim: int | None = None, wait: bool = True) -> Kernels:
     """The kernels of a device, compiled for the quant types given (None: every type) and, for
-    decode attention, the head size given (None: every size)."""
+    decode attention, the head size given (None: every size). wait=False returns while they
+    compile: call .ready() before using anything but the mappings built in Kernels.__init__."""
     key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES), head_dim)
     with _lock:
         k = _cache.get(key)
         if k is None:
             k = _cache[key] = Kernels(device_id, key[1], head_dim)
-        return k
+    return k.ready() if wait else k
