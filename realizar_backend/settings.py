@@ -34,10 +34,20 @@ class Settings:
     model_name: str | None = None
     backend: str = "auto"              # auto | cuda | cpu
     device: int = 0                    # CUDA device ordinal
-    context_length: int = 2048         # per-sequence context (capped by the model's own)
-    max_num_seqs: int = 16             # concurrent sequences (KV-cache slots)
-    kv_cache_tokens: int = 0           # KV budget in tokens: caps concurrent sequences at
-                                       # kv_cache_tokens // context_length; 0 = no cap
+    context_length: int = 0            # per-sequence context; 0 = the model's own (and never more)
+    max_num_seqs: int = 256            # sequences running at once (decode batch up to this)
+    # KV cache: one pool of blocks of block_size positions, shared by every sequence. On the GPU the
+    # pool takes what gpu_memory_utilization of the device's memory leaves after the weights and
+    # the workspace; kv_cache_tokens (> 0) caps it, in tokens (on the CPU it sets the pool)
+    kv_cache_tokens: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    # prompts are prefilled in chunks of at most this many tokens per step, between the decode
+    # steps of the running sequences (a long prompt never freezes the others' streams)
+    prefill_chunk_tokens: int = 512
+    # full KV blocks are kept keyed by their tokens (and all before them), so a request that
+    # shares a prefix with an earlier one reuses them instead of prefilling it again
+    enable_prefix_caching: bool = True
     max_waiting: int = 256             # queued requests beyond which the server answers 503
     api_key: str | None = None         # when set, requests must carry `Authorization: Bearer <key>`
     cuda_graphs: bool = True
@@ -83,9 +93,13 @@ class Settings:
     def validate(self) -> None:
         if self.backend not in ("auto", "cuda", "cpu"):
             raise ValueError(f"backend must be auto, cuda or cpu, not {self.backend!r}")
-        for name in ("context_length", "max_num_seqs"):
+        if self.context_length < 0:
+            raise ValueError("context_length must be >= 0 (0: the model's own)")
+        for name in ("max_num_seqs", "block_size", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.decode_activations not in ("int8", "int8-fp32-down", "fp32", "fp32-gemv"):
             raise ValueError("decode_activations must be int8, int8-fp32-down, fp32 or fp32-gemv, "
                              f"not {self.decode_activations!r}")
@@ -95,16 +109,9 @@ class Settings:
             raise ValueError(f"prefill_weight_cache must be auto, on or off, not {self.prefill_weight_cache!r}")
         if self.kv_cache_tokens < 0:
             raise ValueError("kv_cache_tokens must be >= 0")
-        if 0 < self.kv_cache_tokens < self.context_length:
-            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) cannot hold one sequence of "
-                             f"context_length {self.context_length}")
-
-    @property
-    def kv_slots(self) -> int:
-        """KV-cache slots (= sequences running at once): max_num_seqs, capped by the KV budget."""
-        if self.kv_cache_tokens:
-            return max(1, min(self.max_num_seqs, self.kv_cache_tokens // self.context_length))
-        return self.max_num_seqs
+        if 0 < self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) is less than one block "
+                             f"({self.block_size} tokens)")
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from realizar_backend.engine.sampling import Sampler, SamplingParams, log_softmax, token_logprobs
+from realizar_backend.backends.sampling import log_softmax
+from realizar_backend.engine.sampling import Sampler, SamplingParams, token_logprobs
 from realizar_backend.errors import RequestError
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from realizar_backend.backends.base import SampleRow
-from realizar_backend.engine.sampling import kernel_params, raw_logprobs, sample_logits
+from realizar_backend.backends.sampling import kernel_params, raw_logprobs, sample_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 GXX = shutil.which("g++")

@@ -1,4 +1,4 @@
-"""The sampling algorithm's NumPy twin (engine/sampling.py), which the CPU backend runs and the GPU
+"""The sampling algorithm's NumPy twin (backends/sampling.py), which the CPU backend runs and the GPU
 kernels (kernels/sampling.cu) reproduce: its filters, penalties, seeding, and that its draws
 follow the filtered softmax distribution."""
 
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from realizar_backend.backends.base import SampleRow
-from realizar_backend.engine.sampling import (EXP_POLY, LN2_HI, LN2_LO, LOG2E, Sampler, SamplingParams, draw_detail,
-                                              draw_u64, f32_keys, fx_weights, kernel_params, penalize,
-                                              philox4x32_10, row_constants, sample_logits, sample_rows)
+from realizar_backend.backends.sampling import (EXP_POLY, LN2_HI, LN2_LO, LOG2E, draw_detail, draw_u64, f32_keys,
+                                                fx_weights, kernel_params, penalize, philox4x32_10, row_constants,
+                                                sample_logits, sample_rows)
+from realizar_backend.engine.sampling import Sampler, SamplingParams
 
 KERNEL = Path(__file__).resolve().parents[1] / "realizar_backend" / "kernels" / "sampling.cu"
 

@@ -39,8 +39,15 @@ def start_device(settings: Settings) -> None:
     threading.Thread(target=init, name="cuda-init", daemon=True).start()
 
 
+def context_length(model: ModelFile, settings: Settings) -> int:
+    """Positions per sequence: the setting (0: the model's trained context), never past the model's."""
+    own = model.config.context_length
+    want = settings.context_length or own
+    return min(want, own) if own else want
+
+
 def create_backend(model: ModelFile, settings: Settings) -> Backend:
-    slots, ctx = settings.kv_slots, settings.context_length
+    slots, ctx = settings.max_num_seqs, context_length(model, settings)
     want = settings.backend
     if want == "auto":
         want = "cuda" if cuda_available() else "cpu"

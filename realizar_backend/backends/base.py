@@ -1,10 +1,17 @@
 """The Backend protocol: the seam between the engine and the hardware.
 
-The engine owns scheduling and the sampling parameters; a backend owns weights, the KV cache, the
-forward pass and the sampling of decode steps (engine/sampling.py defines the algorithm, which
-both backends implement, so that the same logits and seed give the same token). KV memory is
-organised in `max_slots` slots of `max_context` positions each; the engine hands out slot ids
-(0 .. max_slots-1) and tells the backend when a slot is free again.
+The engine owns scheduling, KV-block allocation (engine/kv_manager.py) and the sampling
+parameters; a backend owns the weights, the KV pool, the forward pass and the sampling of decode
+steps (backends/sampling.py defines the algorithm, which both backends implement, so that the
+same logits and seed give the same token).
+
+KV memory is one pool of `num_blocks` blocks of `block_size` positions each (K and V of every
+layer). A running sequence lives in a *slot* (0 .. max_slots-1: its row of the block tables and
+of the penalty counts) and owns a list of blocks, its block table: blocks[i] holds its positions
+[i * block_size, (i + 1) * block_size). The engine hands out slots and blocks, and gives the
+backend a slot's table (`set_block_table`) before any step that reads or writes a position the
+slot's previous table did not cover. Two slots may name the same block (a shared prefix) as long
+as no step writes it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class PrefillItem:
     slot: int
     tokens: np.ndarray      # int32 [n] prompt tokens to run
     start_pos: int = 0      # position of tokens[0]; > 0 continues a sequence already in the slot
+                            # (a later chunk of its prompt, or a prompt whose prefix is cached)
 
 
 @dataclass
@@ -63,12 +71,18 @@ class SampleResult:
 class Backend(Protocol):
     name: str               # "cpu" | "cuda"
     config: ModelConfig
-    max_slots: int
-    max_context: int
+    max_slots: int          # sequences live at once (rows of the block tables)
+    max_context: int        # positions per sequence
+    block_size: int         # positions per KV block
+    num_blocks: int         # blocks in the KV pool
+
+    def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
+        """The KV blocks of the sequence in `slot`, in position order (replaces the slot's table;
+        a backend may copy only what changed). len(blocks) <= ceil(max_context / block_size)."""
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
-        """Run prompts into their slots' KV caches; float32 logits [len(items), vocab] at each
-        item's last token."""
+        """Run prompts (or chunks of them: start_pos > 0 continues the slot's sequence) into their
+        slots' KV blocks; float32 logits [len(items), vocab] at each item's last token."""
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One step for a batch: token i goes to slot i at position i. float32 logits [n, vocab]."""
@@ -92,16 +106,18 @@ class Backend(Protocol):
         For rows with penalties, tokens[i] (the sequence's newest token) is counted as generated
         before the penalties of this step apply."""
 
-    def reset_counts(self, slot: int, prompt: np.ndarray) -> None:
-        """A sequence with penalties starts in `slot`: forget the slot's token counts and mark the
-        prompt's tokens (the repetition penalty covers prompt and output; presence and frequency
-        penalties only the output)."""
+    def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
+        """A sequence with penalties starts (or, after a preemption, resumes) in `slot`: forget the
+        slot's token counts, mark the prompt's tokens and count each generated token once (the
+        repetition penalty covers prompt and output; presence and frequency penalties only the
+        output)."""
 
     def release(self, slot: int) -> None:
-        """The slot's sequence is gone; its KV cache may be reused."""
+        """The slot's sequence is gone (its blocks are the engine's to reuse)."""
 
     def stats(self) -> dict[str, Any]:
-        """Numbers for the metrics: graph status per bucket, pool bytes, device memory."""
+        """Numbers for the metrics: graph status per bucket, graph replays and captures (totals),
+        pool bytes, KV pool bytes, device memory."""
 
     def close(self) -> None:
         """Free device resources."""

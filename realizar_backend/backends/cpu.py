@@ -229,7 +229,7 @@ class CPUBackend:
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                       rows: Sequence[SampleRow]) -> SampleResult:
         """The step's logits sampled by the NumPy twin of the GPU's sampling kernels."""
-        from ..engine.sampling import sample_rows
+        from .sampling import sample_rows
         logits = self.decode(slots, tokens, positions)[:, :self.config.vocab_size]
         counts: list[np.ndarray | None] = []
         for s, t, r in zip(slots, tokens, rows):

@@ -1,4 +1,5 @@
-"""Sampling parameters (validated, OpenAI field names) and the sampling algorithm's NumPy twin.
+"""Sampling parameters (validated, OpenAI field names) and each sequence's Sampler. The algorithm
+itself, and its NumPy twin, is the backends' contract: backends/sampling.py.
 
 Order of operations, the same as vLLM's: penalties on the raw logits, then temperature, then
 top-k, top-p and min-p filters, then a seeded draw. Temperature 0 is greedy. Logprobs are
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..backends.base import SampleRow
+from ..backends.sampling import log_softmax, penalize, row_constants, sample_logits
 from ..errors import RequestError
 
 MAX_LOGPROBS = 20
@@ -98,241 +100,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-
-# ---------------------------------------------------------------- the algorithm (NumPy twin)
-
-def _f32(bits: int) -> np.float32:
-    return np.array([bits], np.uint32).view(np.float32)[0]
-
-
-# float32 constants by bit pattern; kernels/sampling.cu spells the same patterns
-LOG2E = _f32(0x3FB8AA3B)
-LN2_HI = _f32(0x3F318000)
-LN2_LO = _f32(0xB95E8083)
-EXP_POLY = tuple(_f32(b) for b in (0x3AB60B61, 0x3C088889, 0x3D2AAAAB, 0x3E2AAAAB, 0x3F000000,
-                                   0x3F800000, 0x3F800000))   # 1/6! .. 1/0!, Horner order
-FLT_MAX = _f32(0x7F7FFFFF)
-FIX_BITS = 40                      # fixed-point bits of a token's weight (the max weighs 2**40)
-W_MIN_D = np.float32(-30.0)        # below this d the weight is 0 (exp(-27.7) * 2**40 < 1 already)
-MASK64 = (1 << 64) - 1
-
-
-def fx_weights(d: np.ndarray) -> np.ndarray:
-    """W = floor(exp(d) * 2**40) for d <= 0, as uint64, with exp in plain float32 operations:
-    d = n ln2 + r (Cody-Waite), a degree-6 polynomial for exp(r), then an exact scaling by 2**n."""
-    d = np.asarray(d, np.float32)
-    ok = d >= W_MIN_D
-    dd = np.where(ok, d, np.float32(0.0))
-    n = np.rint(dd * LOG2E)
-    r = (dd - n * LN2_HI) - n * LN2_LO
-    p = np.full_like(r, EXP_POLY[0])
-    for c in EXP_POLY[1:]:
-        p = p * r + c
-    e = np.ldexp(p, n.astype(np.int32))
-    w = (e * np.float32(2.0 ** FIX_BITS)).astype(np.uint64)
-    return np.where(ok, w, np.uint64(0))
-
-
-def f32_keys(z: np.ndarray) -> np.ndarray:
-    """Order-preserving uint32 keys of float32 values (larger float, larger key)."""
-    u = np.asarray(z, np.float32).view(np.uint32)
-    return np.where(u & np.uint32(0x80000000), ~u, u | np.uint32(0x80000000))
-
-
-def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
-    """Philox4x32-10 (Salmon et al., SC'11): one 128-bit block for a counter and a 64-bit key."""
-    c0, c1, c2, c3 = (int(v) & 0xFFFFFFFF for v in ctr)
-    k0, k1 = (int(v) & 0xFFFFFFFF for v in key)
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c3 ^ k1, p0 & 0xFFFFFFFF
-        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    return c0, c1, c2, c3
-
-
-def draw_u64(seed: int, step: int) -> int:
-    """The 64 random bits of draw `step` of a sequence seeded with `seed`."""
-    seed &= MASK64
-    step &= MASK64
-    w = philox4x32_10((step & 0xFFFFFFFF, step >> 32, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))
-    return w[0] | (w[1] << 32)
-
-
-@dataclass(frozen=True)
-class RowConstants:
-    """A SampleRow as the kernels receive it: float32 constants rounded once, on the host."""
-    greedy: bool
-    penalties: bool
-    inv_temp: np.float32
-    top_k: int                     # 0: off
-    top_p_fx: int                  # round(top_p * 2**32); 2**32 or more: off
-    min_p_log: np.float32 | None   # float32(log(min_p)); None: off
-    rep: np.float32
-    freq: np.float32
-    pres: np.float32
-    seed: int
-    step: int
-
-
-def row_constants(row: SampleRow, vocab: int) -> RowConstants:
-    k = int(row.top_k)
-    return RowConstants(
-        greedy=row.greedy, penalties=row.penalties,
-        inv_temp=np.float32(1.0 / row.temperature) if row.temperature > 0 else np.float32(0.0),
-        top_k=k if 0 < k < vocab else 0,
-        top_p_fx=min(int(round(float(row.top_p) * 2.0 ** 32)), 1 << 32),
-        min_p_log=np.float32(math.log(row.min_p)) if row.min_p > 0 else None,
-        rep=np.float32(row.repetition_penalty), freq=np.float32(row.frequency_penalty),
-        pres=np.float32(row.presence_penalty), seed=int(row.seed) & MASK64, step=int(row.step) & MASK64)
-
-
-# the parameter block kernels/sampling.cu reads: SAMPLE_PW int32 words per row
-PARAM_WORDS = 16
-F_GREEDY, F_PEN, F_LP, F_TOPP, F_MINP = 1, 2, 4, 8, 16
-
-
-def kernel_params(rows, vocab: int, slots, tokens_in) -> np.ndarray:
-    """int32 [len(rows), PARAM_WORDS]: slot, flags, top_k, top_p (2**32 fixed point),
-    1/temperature, repetition, frequency, presence, log(min_p) (float32 bits), seed and step
-    (two words each, low first), and the token fed to this step (counted when the row has
-    penalties; -1: none)."""
-    out = np.zeros((len(rows), PARAM_WORDS), np.int32)
-    u = out.view(np.uint32)
-    for i, row in enumerate(rows):
-        rc = row_constants(row, vocab)
-        flags = ((F_GREEDY if rc.greedy else 0) | (F_PEN if rc.penalties else 0)
-                 | (F_LP if row.logprobs else 0) | (F_TOPP if rc.top_p_fx < (1 << 32) else 0)
-                 | (F_MINP if rc.min_p_log is not None else 0))
-        u[i, 0] = int(slots[i])
-        u[i, 1] = flags
-        u[i, 2] = rc.top_k
-        u[i, 3] = rc.top_p_fx & 0xFFFFFFFF
-        for w, v in ((4, rc.inv_temp), (5, rc.rep), (6, rc.freq), (7, rc.pres),
-                     (8, rc.min_p_log if rc.min_p_log is not None else np.float32(0.0))):
-            u[i, w] = np.float32(v).view(np.uint32)
-        u[i, 9], u[i, 10] = rc.seed & 0xFFFFFFFF, rc.seed >> 32
-        u[i, 11], u[i, 12] = rc.step & 0xFFFFFFFF, rc.step >> 32
-        out[i, 13] = int(tokens_in[i]) if rc.penalties and tokens_in is not None else -1
-    return out
-
-
-def penalize(x: np.ndarray, counts: np.ndarray, rc: RowConstants) -> np.ndarray:
-    """counts: int32 [vocab], bit 0 = in the prompt, the rest = times generated (count << 1)."""
-    x = np.asarray(x, np.float32)
-    seen = counts != 0
-    x = np.where(seen, np.where(x > 0, x / rc.rep, x * rc.rep), x)
-    out = counts >> 1
-    pen = rc.freq * out.astype(np.float32) + np.where(out > 0, rc.pres, np.float32(0.0))
-    return (x - pen).astype(np.float32)
-
-
-def scaled_logits(x: np.ndarray, inv_temp: np.float32) -> np.ndarray:
-    z = np.asarray(x, np.float32) * inv_temp
-    z = np.where(np.isnan(z), np.float32(-np.inf), z)
-    z = np.where(z == np.inf, FLT_MAX, z)
-    return (z + np.float32(0.0)).astype(np.float32)
-
-
-@dataclass
-class Draw:
-    """The inside of one sampled row: the candidates (tokens of nonzero weight) in draw order,
-    their cumulative weights, how many survive the filters, and the draw's target."""
-    token: int
-    order: np.ndarray      # int64 token ids, z descending, ties by index
-    cum: np.ndarray        # uint64 cumulative weights in that order
-    n_kept: int            # the first n_kept are the kept set F
-    target: int            # the token is the first of F whose cumulative weight exceeds it
-
-    def boundary_distance(self) -> float:
-        """Distance from the target to the nearest CDF step inside F, relative to F's mass:
-        how close this draw was to picking a neighbour."""
-        cum = self.cum[: self.n_kept].astype(np.float64)
-        return float(np.min(np.abs(cum - self.target)) / cum[-1])
-
-
-def draw_detail(logits: np.ndarray, row: SampleRow, counts: np.ndarray | None = None) -> Draw | None:
-    """The twin's computation for one row of raw logits [vocab]; None for a greedy row or one
-    with no finite logit (both answered without a draw by `sample_logits`)."""
-    V = logits.shape[-1]
-    rc = row_constants(row, V)
-    x = np.asarray(logits, np.float32)
-    if rc.penalties:
-        if counts is None:
-            raise ValueError("a row with penalties needs its token counts")
-        x = penalize(x, counts, rc)
-    if rc.greedy:
-        return None
-    z = scaled_logits(x, rc.inv_temp)
-    m = z.max()
-    if m == -np.inf:
-        return None
-    d = (z - m).astype(np.float32)
-    w = fx_weights(d)
-    keys = f32_keys(z)
-    # only tokens of nonzero weight can be drawn or move a cut; top-k still ranks all of them
-    act = np.flatnonzero(w)
-    order = np.sort(((np.uint64(0xFFFFFFFF) - keys[act].astype(np.uint64)) << np.uint64(32))
-                    | act.astype(np.uint64))
-    idx = (order & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    cum = np.cumsum(w[idx], dtype=np.uint64)
-    n_f = len(idx)
-    z_k = int(cum[-1])
-    if rc.top_k:
-        kth = np.partition(keys, V - rc.top_k)[V - rc.top_k]
-        n_f = int(np.count_nonzero(keys[idx] >= kth))
-        z_k = int(cum[n_f - 1])
-    if rc.top_p_fx < (1 << 32):
-        target = (z_k * rc.top_p_fx + (1 << 32) - 1) >> 32
-        n_f = min(n_f, int(np.searchsorted(cum, np.uint64(target), side="left")) + 1)
-    if rc.min_p_log is not None:
-        n_f = min(n_f, int(np.count_nonzero(d[idx] >= rc.min_p_log)))
-    z_f = int(cum[n_f - 1])
-    target = (draw_u64(rc.seed, rc.step) * z_f) >> 64
-    tok = int(idx[int(np.searchsorted(cum[:n_f], np.uint64(target), side="right"))])
-    return Draw(tok, idx, cum, n_f, target)
-
-
-def sample_logits(logits: np.ndarray, row: SampleRow, counts: np.ndarray | None = None) -> int:
-    """The token for one row of raw logits [vocab] (counts: the slot's token counts, needed when
-    the row has penalties)."""
-    dr = draw_detail(logits, row, counts)
-    if dr is not None:
-        return dr.token
-    if row.greedy:
-        x = np.asarray(logits, np.float32)
-        if row.penalties:
-            x = penalize(x, counts, row_constants(row, logits.shape[-1]))
-        return int(np.argmax(np.where(np.isnan(x), np.float32(-np.inf), x)))
-    return 0
-
-
-def raw_logprobs(logits: np.ndarray, token: int) -> tuple[float, int, float]:
-    """(logprob of token, argmax, logprob of the argmax) under the raw logits."""
-    lp = log_softmax(logits)
-    top = int(np.argmax(logits))
-    return float(lp[token]), top, float(lp[top])
-
-
-def sample_rows(logits: np.ndarray, rows, counts: list[np.ndarray | None] | None = None):
-    """Rows of raw logits [n, vocab] -> SampleResult, as Backend.decode_sample returns it."""
-    from ..backends.base import SampleResult
-    n = len(rows)
-    toks = np.zeros(n, np.int32)
-    lps = np.full(n, np.nan, np.float32)
-    top_ids = np.zeros(n, np.int32)
-    top_lps = np.full(n, np.nan, np.float32)
-    kept: dict[int, np.ndarray] = {}
-    for i, row in enumerate(rows):
-        toks[i] = sample_logits(logits[i], row, None if counts is None else counts[i])
-        if row.logprobs:
-            lps[i], top_ids[i], top_lps[i] = raw_logprobs(logits[i], int(toks[i]))
-        else:
-            top_ids[i] = int(np.argmax(logits[i]))
-        if row.want_logits:
-            kept[i] = np.array(logits[i], np.float32)
-    return SampleResult(toks, lps, top_ids, top_lps, kept)
-
-
 class Sampler:
     """One sequence's sampling: its seed (drawn when the request has none), the index of its next
     draw, and, when it has penalties, host-side token counts (for the first token, which is drawn
@@ -374,11 +141,6 @@ class Sampler:
         tok = sample_logits(np.asarray(logits[: self.vocab], np.float32), self.row(), self.counts)
         self.step += 1
         return tok
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64) - np.max(logits)
-    return z - np.log(np.sum(np.exp(z)))
 
 
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

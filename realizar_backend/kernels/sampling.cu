@@ -1,6 +1,6 @@
 // Sampling on the GPU: penalties, temperature, top-k, top-p, min-p and a seeded draw per row, so
 // that only token ids (and logprobs where asked) go back to the host. The algorithm is the one
-// engine/sampling.py defines (its NumPy twin), reproduced bit for bit: float32 operations are the
+// backends/sampling.py defines (its NumPy twin), reproduced bit for bit: float32 operations are the
 // explicitly rounded intrinsics (no contraction into FMA), the weights of tokens are 40-bit
 // fixed-point integers (sums independent of order, so atomics stay deterministic), and the
 // random bits come from Philox4x32-10 keyed by (seed, index of the draw in its sequence).
@@ -66,7 +66,7 @@ __device__ __forceinline__ float fkey_inv(u32 k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// W = floor(exp(d) * 2^40), exp in plain float32 operations (engine/sampling.py: fx_weights)
+// W = floor(exp(d) * 2^40), exp in plain float32 operations (backends/sampling.py: fx_weights)
 __device__ __forceinline__ u64 fx_weight(float d) {
     if (!(d >= -30.0f)) return 0;
     float n = rintf(__fmul_rn(d, f32_bits(0x3FB8AA3Bu)));                        // log2(e)

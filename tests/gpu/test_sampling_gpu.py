@@ -1,5 +1,5 @@
 """GPU sampling (kernels/sampling.cu through backends/cuda/sampling.py) against the NumPy twin
-(engine/sampling.py) on fresh random logits: same tokens (the twin is bit-exact by design; any
+(backends/sampling.py) on fresh random logits: same tokens (the twin is bit-exact by design; any
 disagreement must sit on a CDF boundary), device token counts for the penalties, logprobs,
 outputs poisoned before every launch and the per-row scratch left zeroed; then the whole engine
 on the CUDA backend: seeded requests reproduce and greedy output is unchanged."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from realizar_backend.backends.base import SampleRow
-from realizar_backend.engine.sampling import draw_detail, raw_logprobs, sample_logits
+from realizar_backend.backends.sampling import draw_detail, raw_logprobs, sample_logits
 
 pytestmark = pytest.mark.gpu
 

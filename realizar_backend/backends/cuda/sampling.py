@@ -1,6 +1,6 @@
 """Sampling on the GPU: launchers of kernels/sampling.cu and the device buffers they keep.
 
-The algorithm is engine/sampling.py's (its NumPy twin gives the same tokens for the same logits
+The algorithm is backends/sampling.py's (its NumPy twin gives the same tokens for the same logits
 and seed). A step is up to three launches on the caller's stream after the forward pass, then one
 small copy back: token, raw argmax and two logprobs per row (16 bytes), never the logits.
 Everything the kernels keep between steps lives here at fixed addresses: per-slot token counts
@@ -15,7 +15,7 @@ from typing import Sequence
 import cupy
 import numpy as np
 
-from ...engine.sampling import PARAM_WORDS, kernel_params
+from ..sampling import PARAM_WORDS, kernel_params
 from ..base import SampleRow
 from .modules import load_module
 
