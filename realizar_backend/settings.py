@@ -98,6 +98,8 @@ class Settings:
         for name in ("max_num_seqs", "block_size", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.decode_activations not in ("int8", "int8-fp32-down", "fp32", "fp32-gemv"):

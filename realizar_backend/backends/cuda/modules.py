@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -52,10 +53,18 @@ QTYPES: dict[Q, QInfo] = {
 
 
 def _source(name: str) -> str:
-    # common.cuh is pasted in rather than #included: CuPy's on-disk kernel cache is keyed by the
-    # source text, so an edit to the header must change the key of every file that uses it.
-    common = (KERNEL_DIR / "common.cuh").read_text()
-    return (KERNEL_DIR / name).read_text().replace('#include "common.cuh"', common)
+    # local headers (common.cuh, paged_kv.cuh) are pasted in rather than #included: CuPy's on-disk
+    # kernel cache is keyed by the source text, so an edit to a header must change the key of
+    # every file that uses it
+    def inline(text: str, seen: set) -> str:
+        def sub(m):
+            h = m.group(1)
+            if h in seen:
+                return ""
+            seen.add(h)
+            return inline((KERNEL_DIR / h).read_text(), seen)
+        return re.sub(r'^#include "([\w.]+\.cuh)"\s*$', sub, text, flags=re.M)
+    return inline((KERNEL_DIR / name).read_text(), set())
 
 
 class _Lazy:
