@@ -57,8 +57,7 @@ class Settings:
     # numeric trade-offs of the CUDA path (speed vs closeness to the float32 reference; the
     # defaults are the ones that pass the parity bar of the test suite, see README):
     # decode projections on float32 activations ("fp32"), on 8-bit activation blocks ("int8"),
-    # or on 8-bit blocks except the FFN down projection ("int8-fp32-down"); "fp32-gemv" is fp32 on
-    # the older one-warp-per-row kernels (a reference for the fast fp32 ones)
+    # or on 8-bit blocks except the FFN down projection ("int8-fp32-down")
     decode_activations: str = "fp32"
     # prefill GEMMs: "split16" (fp16 tensor cores on hi + lo fp16 pairs of weights and activations:
     # three fp16 products per weight, about fp32 accuracy), "fp32" (plain SGEMM, no tensor cores) or
@@ -102,8 +101,8 @@ class Settings:
             raise ValueError(f"block_size must be a power of two, not {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
-        if self.decode_activations not in ("int8", "int8-fp32-down", "fp32", "fp32-gemv"):
-            raise ValueError("decode_activations must be int8, int8-fp32-down, fp32 or fp32-gemv, "
+        if self.decode_activations not in ("int8", "int8-fp32-down", "fp32"):
+            raise ValueError("decode_activations must be int8, int8-fp32-down or fp32, "
                              f"not {self.decode_activations!r}")
         if self.prefill_precision not in ("split16", "fp32", "fp16"):
             raise ValueError(f"prefill_precision must be split16, fp32 or fp16, not {self.prefill_precision!r}")

@@ -1,4 +1,4 @@
-// Attention over the fp16 KV cache, one block (16 warps) per (query row, head). Each warp walks
+// Attention over the paged fp16 KV cache (paged_kv.cuh), one block (16 warps) per (query row, head). Each warp walks
 // its share of the keys, KPP per pass, with an online softmax (running max m, sum l, weighted V
 // in registers; lane owns dims 2 lane + 64 i: 4-byte loads of fp16 pairs), then the warps merge
 // through shared memory. GQA: head h reads KV head h / (H / KVH). The same kernel serves decode
@@ -9,10 +9,11 @@
 // instead of by rope_kv. Every block ropes its q head and its KV head's new k (rounded to fp16
 // like the cache) into shared memory and uses them for the newest key; the first q head of each
 // KV group writes the new k and v to the cache. No block reads the row another block writes.
-// rt: cos/sin of every (position, pair), float2 [ctx][rope_dim / 2] (ops.rope_table, made on the
-// host in float64 as the CPU backend makes them): read before pdl_wait, so the rotation costs no
-// transcendental math on the step's critical path; null: computed here in double.
+// rt: cos/sin of every (position, pair), float2 [positions][rope_dim / 2] (ops.rope_table, made on
+// the host in float64 as the CPU backend makes them, rope scaling included): read before pdl_wait,
+// so the rotation costs no transcendental math on the step's critical path.
 #include "common.cuh"
+#include "paged_kv.cuh"
 
 #define ATT_WARPS 16
 #define ATT_MAXD 256
@@ -29,10 +30,10 @@ template <int KPP, int DV>
 __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __restrict__ out,
                                           const u16* __restrict__ kcache, const u16* __restrict__ vcache,
                                           const int* __restrict__ slots, const int* __restrict__ positions,
-                                          int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
-                                          float2* od, u16* o16, const float* __restrict__ kin,
-                                          const float* __restrict__ vin, int rope_dim, float theta, int style,
-                                          int fuse, const float2* __restrict__ rt, AttSmem& sm) {
+                                          const int* __restrict__ bt, int max_blocks, int bs_log2, int H, int KVH,
+                                          int D, float scale, int window, int n, i8* oq, float2* od, u16* o16,
+                                          const float* __restrict__ kin, const float* __restrict__ vin, int rope_dim,
+                                          int style, int fuse, const float2* __restrict__ rt, AttSmem& sm) {
     float *sm_m = sm.m, *sm_l = sm.l, *rq = sm.rq, *rk = sm.rk, *rv = sm.rv;
     float(&sm_acc)[ATT_WARPS][ATT_MAXD] = sm.acc;
     int t = blockIdx.x, h = blockIdx.y;
@@ -42,14 +43,15 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
     int pos = positions[t];
     int start = window > 0 ? max(0, pos - window + 1) : 0;
     const float* qr = q + ((long long)t * H + h) * D;
-    long long base = (long long)slots[t] * ctx;
-    // the row's cached keys and values (all KV heads: one range each) towards L2 first: their loads
-    // then overlap the RoPE prologue; the heads of the row split the range
-    if (threadIdx.x < 2) {
-        long long lo = ((base + start) * KVH) * D, len = (long long)(pos - start) * KVH * D;
-        long long per = (len + H - 1) / H;
-        long long a = lo + per * h, n = min(per, lo + len - a);
-        if (n > 0) l2_prefetch((threadIdx.x ? vcache : kcache) + a, 2 * n);
+    const int slot = slots[t];
+    // the row's cached keys and values (all KV heads) towards L2 first: their loads then overlap
+    // the RoPE prologue; the heads of the row split the blocks, one block (K or V) per thread
+    {
+        const int b0 = start >> bs_log2, nblk = (pos >> bs_log2) - b0 + 1;
+        for (int j = h + H * (threadIdx.x >> 1); j < nblk; j += H * (blockDim.x >> 1)) {
+            long long row = kv_row(bt, max_blocks, bs_log2, slot, (b0 + j) << bs_log2);
+            l2_prefetch((threadIdx.x & 1 ? vcache : kcache) + row * KVH * D, 2LL * (KVH * D << bs_log2));
+        }
     }
     int last = fuse ? pos - 1 : pos;    // fuse: the newest key comes from shared memory, below
     // KPP keys per pass, all their loads in flight together (a pass is one memory latency); the
@@ -60,7 +62,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
 #pragma unroll
         for (int j = 0; j < KPP; ++j) {
             int sj = s + j * ATT_WARPS;
-            long long off = ((base + (sj <= last ? sj : s)) * KVH + kh) * D;
+            long long off = (kv_row(bt, max_blocks, bs_log2, slot, sj <= last ? sj : s) * KVH + kh) * D;
 #pragma unroll
             for (int i = 0; i < DV; ++i) {
                 int d = 2 * lane + 64 * i;
@@ -73,7 +75,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
     // fuse: thread i < rope_dim rotates pair i % half of q (i < half) or of k; its cos/sin now
     int half = rope_dim / 2;
     float rc = 1.0f, rs = 0.0f;
-    if (fuse && rt && threadIdx.x < rope_dim) {
+    if (fuse && threadIdx.x < rope_dim) {
         float2 cs = rt[(long long)pos * half + threadIdx.x % half];
         rc = cs.x;
         rs = cs.y;
@@ -88,8 +90,9 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         // reads, so the read-only path stays valid)
         const float* kr = kin + ((long long)t * KVH + kh) * D;
         const float* vr = vin + ((long long)t * KVH + kh) * D;
-        u16* kdst = (u16*)kcache + ((base + pos) * KVH + kh) * D;
-        u16* vdst = (u16*)vcache + ((base + pos) * KVH + kh) * D;
+        const long long prow = (kv_row(bt, max_blocks, bs_log2, slot, pos) * KVH + kh) * D;
+        u16* kdst = (u16*)kcache + prow;
+        u16* vdst = (u16*)vcache + prow;
         bool writer = h % (H / KVH) == 0;
         int rest = D - rope_dim;
         for (int i = threadIdx.x; i < rope_dim + D + 2 * rest; i += blockDim.x) {
@@ -99,12 +102,6 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
                 int ia = style ? p : 2 * p, ib = style ? p + half : 2 * p + 1;
                 const float* src = isk ? kr : qr;
                 float a = src[ia], b = src[ib];
-                if (!rt) {
-                    double ang = (double)pos * pow((double)theta, -2.0 * p / rope_dim), sd, cd;
-                    sincos(ang, &sd, &cd);
-                    rc = (float)cd;
-                    rs = (float)sd;
-                }
                 float ra = a * rc - b * rs, rb = a * rs + b * rc;
                 if (isk) {
                     u16 ka = f2h(ra), kb = f2h(rb);
@@ -255,25 +252,25 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
 // per pass (the registers the head size frees: a first pass of 128 keys is loaded before pdl_wait)
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
-                const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
-                float2* od, u16* o16, const float* kin, const float* vin, int rope_dim, float theta, int style,
-                int fuse, const float2* rt) {
+                const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
+                int window, int n, i8* oq, float2* od, u16* o16, const float* kin, const float* vin, int rope_dim,
+                int style, int fuse, const float2* rt) {
     __shared__ AttSmem sm;
 #ifdef ATT_HEAD_DIM
     // the loader compiles the model's head size only (one body: a third of the compile time)
     constexpr int dv = ATT_HEAD_DIM <= 64 ? 1 : (ATT_HEAD_DIM <= 128 ? 2 : ATT_DV);
-    attn_body<dv == ATT_DV ? 4 : 8, dv>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq,
-                                        od, o16, kin, vin, rope_dim, theta, style, fuse, rt, sm);
+    attn_body<dv == ATT_DV ? 4 : 8, dv>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq,
+                                        od, o16, kin, vin, rope_dim, style, fuse, rt, sm);
 #else
     if (D <= 64)
-        attn_body<8, 1>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                        vin, rope_dim, theta, style, fuse, rt, sm);
+        attn_body<8, 1>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
+                        vin, rope_dim, style, fuse, rt, sm);
     else if (D <= 128)
-        attn_body<8, 2>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                        vin, rope_dim, theta, style, fuse, rt, sm);
+        attn_body<8, 2>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
+                        vin, rope_dim, style, fuse, rt, sm);
     else
-        attn_body<4, ATT_DV>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16,
-                             kin, vin, rope_dim, theta, style, fuse, rt, sm);
+        attn_body<4, ATT_DV>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16,
+                             kin, vin, rope_dim, style, fuse, rt, sm);
 #endif
 }
 #endif
@@ -282,12 +279,12 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 // prompt rows (thousands of blocks): one key per pass, two blocks per SM
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
     attn_prompt(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
-                const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, i8* oq,
-                float2* od, u16* o16, const float* kin, const float* vin, int rope_dim, float theta, int style,
-                int fuse, const float2* rt) {
+                const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
+                int window, int n, i8* oq, float2* od, u16* o16, const float* kin, const float* vin, int rope_dim,
+                int style, int fuse, const float2* rt) {
     __shared__ AttSmem sm;
-    attn_body<1, ATT_DV>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                         vin, rope_dim, theta, style, fuse, rt, sm);
+    attn_body<1, ATT_DV>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
+                         vin, rope_dim, style, fuse, rt, sm);
 }
 #endif
 
@@ -308,14 +305,15 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
 // keys k0 .. k0+nk-1 of KV head kh into registers: word it of this thread is word
 // threadIdx.x + it * blockDim.x of the tile (key-major, D/2 words per key)
 __device__ __forceinline__ void attn_tile_load(const u16* __restrict__ kcache, const u16* __restrict__ vcache,
-                                               long long base, int KVH, int kh, int D, int k0, int nk,
+                                               const int* __restrict__ bt, int max_blocks, int bs_log2, int slot,
+                                               int KVH, int kh, int D, int k0, int nk,
                                                u32 (&kr)[ATT_LD], u32 (&vr)[ATT_LD]) {
 #pragma unroll
     for (int it = 0; it < ATT_LD; ++it) {
         int i = threadIdx.x + it * ATT_TQ * 32;
         if (i < nk * (D / 2)) {
             int j = i / (D / 2), c = i - j * (D / 2);
-            long long off = (((base + k0 + j) * KVH + kh) * D >> 1) + c;
+            long long off = ((kv_row(bt, max_blocks, bs_log2, slot, k0 + j) * KVH + kh) * D >> 1) + c;
             kr[it] = __ldg((const u32*)kcache + off);
             vr[it] = __ldg((const u32*)vcache + off);
         }
@@ -326,7 +324,8 @@ template <int VEC>
 __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, float* __restrict__ out,
                                                const u16* __restrict__ kcache, const u16* __restrict__ vcache,
                                                const int* __restrict__ slots, const int* __restrict__ positions,
-                                               int ctx, int H, int KVH, int D, float scale, int window, int n,
+                                               const int* __restrict__ bt, int max_blocks, int bs_log2, int H,
+                                               int KVH, int D, float scale, int window, int n,
                                                u16* o16) {
     constexpr int DW = ATT_MAXD / (32 * VEC);             // slices of VEC dims per lane
     extern __shared__ float att_sm[];
@@ -352,7 +351,6 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
         const int pos = p0 + w;
         const int start = window > 0 ? max(0, pos - window + 1) : 0;
         const int kbeg = window > 0 ? max(0, p0 - window + 1) : 0, kend = p0 + (re - rb) - 1;
-        const long long base = (long long)slot * ctx;
         float m = -INFINITY, l = 0.0f;
         float acc[DW][VEC];
 #pragma unroll
@@ -361,7 +359,7 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
             for (int e = 0; e < VEC; ++e) acc[i][e] = 0.0f;
         // K/V tiles pass through registers: the next tile's loads are in flight while this one computes
         u32 kr2[ATT_LD], vr2[ATT_LD];
-        attn_tile_load(kcache, vcache, base, KVH, kh, D, kbeg, min(ATT_KT, kend - kbeg + 1), kr2, vr2);
+        attn_tile_load(kcache, vcache, bt, max_blocks, bs_log2, slot, KVH, kh, D, kbeg, min(ATT_KT, kend - kbeg + 1), kr2, vr2);
         for (int k0 = kbeg; k0 <= kend; k0 += ATT_KT) {
             const int nk = min(ATT_KT, kend - k0 + 1);
             __syncthreads();                              // the previous tile is consumed, q is staged
@@ -376,7 +374,7 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
             }
             __syncthreads();
             if (k0 + ATT_KT <= kend)
-                attn_tile_load(kcache, vcache, base, KVH, kh, D, k0 + ATT_KT, min(ATT_KT, kend - k0 - ATT_KT + 1),
+                attn_tile_load(kcache, vcache, bt, max_blocks, bs_log2, slot, KVH, kh, D, k0 + ATT_KT, min(ATT_KT, kend - k0 - ATT_KT + 1),
                                kr2, vr2);
             // warp-uniform: the tile holds at least one of this row's keys
             if (!live || k0 > pos || k0 + nk - 1 < start) continue;
@@ -447,15 +445,17 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
 // two blocks per SM (64 registers): one block of 16 warps cannot hide the staging barriers
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
-              const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
-    attn_tile_body<4>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, o16);
+              const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
+              int window, int n, u16* o16) {
+    attn_tile_body<4>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, o16);
 }
 #endif
 
 #if ATT_ON(4)
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile_v2(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
-                 const int* positions, int ctx, int H, int KVH, int D, float scale, int window, int n, u16* o16) {
-    attn_tile_body<2>(q, out, kcache, vcache, slots, positions, ctx, H, KVH, D, scale, window, n, o16);
+                 const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
+              int window, int n, u16* o16) {
+    attn_tile_body<2>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, o16);
 }
 #endif

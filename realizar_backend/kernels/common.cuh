@@ -525,23 +525,6 @@ __device__ __forceinline__ float qunit_dot(const QUnit& w, const int* __restrict
     return w.A * xds.x * (float)(w.s0 * lo + w.s1 * hi) + w.C * xds.y;
 }
 
-// ------------------------------------------------------------------ RoPE (rope.cu, attention.cu)
-// Rotate pair i of a head held in src (shared memory) into dst: style 0 = adjacent pairs (GGUF
-// llama), 1 = halves (neox). Angles in double so the GPU matches the float64 NumPy twin at long
-// positions.
-__device__ __forceinline__ void rope_pair(const float* src, float* dst, int i, int pos, int rope_dim, float theta,
-                                          int style) {
-    double ang = (double)pos * pow((double)theta, -2.0 * i / rope_dim);
-    double sd, cd;
-    sincos(ang, &sd, &cd);
-    float c = (float)cd, s = (float)sd;
-    int half = rope_dim / 2;
-    int ia = style ? i : 2 * i, ib = style ? i + half : 2 * i + 1;
-    float a = src[ia], b = src[ib];
-    dst[ia] = a * c - b * s;
-    dst[ib] = a * s + b * c;
-}
-
 // ------------------------------------------------------------------ fp32 activations (mmvf.cu)
 // A 32-weight unit decoded for fp32 dot products with no integer->float conversion instruction:
 // byte k of v[i] holds the value q of column 4i+k as q << (7 - bits) (q unsigned, bits <= 6; Q6_K

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kv_tables import assign_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -42,6 +43,7 @@ def test_eager_equals_replay(name, batch, programmatic, rng):
     model = _model(name)
     gpu = CUDABackend(model, max_slots=4, max_context=128,
                       settings=Settings(self_check=False, programmatic_launch=programmatic))
+    assign_blocks(gpu, rng=rng)
     expect_pdl = programmatic and int(cupy.cuda.Device().compute_capability) >= 90
     V = model.config.vocab_size
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 9 + s).astype(np.int32)) for s in range(batch)])
@@ -67,6 +69,7 @@ def test_real_smollm2_greedy_graphs_off_equals_cpu():
     prompt = np.array([1, 9690, 314, 253, 2377, 30, 1073, 314, 260, 3575, 282, 4649, 47], np.int32)
     cpu = CPUBackend(model, max_slots=1, max_context=64)
     gpu = CUDABackend(model, max_slots=1, max_context=64, settings=Settings(self_check=False, cuda_graphs=False))
+    assign_blocks(cpu, gpu)
     tc = [int(np.argmax(cpu.prefill([PrefillItem(0, prompt)])[0]))]
     tg = [int(np.argmax(gpu.prefill([PrefillItem(0, prompt)])[0]))]
     for i in range(31):
@@ -98,6 +101,7 @@ def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
     for chained in (False, True):
         gpu = CUDABackend(model, max_slots=4, max_context=128,
                           settings=Settings(self_check=False, cuda_graphs=graphs))
+        assign_blocks(gpu)
         first = gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)
         toks, pos, out = [int(t) for t in first], [len(p) for p in prompts], []
         if chained:
@@ -131,6 +135,7 @@ def test_more_steps_in_flight_than_token_ring_rows(rng):
     prompts = [rng.integers(0, V, 9 + s).astype(np.int32) for s in range(2)]
     slots = [0, 1]
     gpu = CUDABackend(model, max_slots=2, max_context=128, settings=Settings(self_check=False))
+    assign_blocks(gpu)
     first = [int(t) for t in gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)]
     pos = [len(p) for p in prompts]
     want, toks = [], first
@@ -144,4 +149,27 @@ def test_more_steps_in_flight_than_token_ring_rows(rng):
     assert gpu.decode_argmax_finish(again).tolist() == want[0]
     with pytest.raises(ValueError):
         gpu.decode_argmax_finish(handles[0])
+    gpu.close()
+
+
+def test_graph_counters_count(rng):
+    """stats() reports the decode graphs' captures and replays as they happen (they feed the
+    realizar_graph_captures_total / realizar_graph_replays_total counters): the first step of a
+    bucket runs eager and captures, every later step of it replays."""
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.settings import Settings
+    model = _model("smol135")
+    V = model.config.vocab_size
+    gpu = CUDABackend(model, max_slots=4, max_context=64, settings=Settings(self_check=False))
+    assign_blocks(gpu, rng=rng)
+    assert (gpu.stats()["graph_captures"], gpu.stats()["graph_replays"]) == (0, 0)
+    gpu.prefill([PrefillItem(s, rng.integers(0, V, 5).astype(np.int32)) for s in range(3)])
+    toks = [int(t) for t in rng.integers(0, V, 3)]
+    for i in range(6):                       # bucket 4: captured at step 0, replayed at 1..5
+        toks = gpu.decode_argmax([0, 1, 2], toks, [5 + i] * 3).tolist()
+    gpu.decode_argmax([0], toks[:1], [11])   # bucket 1: one capture, no replay yet
+    st = gpu.stats()
+    assert st["graph_status"] == {1: "captured", 4: "captured"}
+    assert (st["graph_captures"], st["graph_replays"]) == (2, 5)
     gpu.close()

@@ -102,14 +102,13 @@ def test_attention_prompt_tiles(kernels, rng, H, KVH, D, items, window):
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize("ctx,window", [(1, 0), (77, 0), (700, 512)])
 @pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
-@pytest.mark.parametrize("table", [True, False], ids=["table", "computed"])
-def test_attention_fused_rope(kernels, rng, H, KVH, D, ctx, window, neox, table):
-    """Decode attention doing RoPE and the KV-cache write itself (no rope_kv launch), with the
-    angles from the host-made table (as the model runs) and computed in the kernel."""
+def test_attention_fused_rope(kernels, rng, H, KVH, D, ctx, window, neox):
+    """Decode attention doing RoPE (angles from the host-made table) and the paged KV-cache write
+    itself (no rope_kv launch)."""
     from realizar_backend.backends.cuda.selfcheck import check_attention_rope
     n = 1 if ctx == 1 else 3
-    err = check_attention_rope(kernels, n, H, KVH, D, ctx, window, neox, 1000000.0, rng, table=table)
-    print(f"attention+rope H{H}/{KVH} D{D} ctx {ctx} window {window} table {table}: rel.err {err:.2e}")
+    err = check_attention_rope(kernels, n, H, KVH, D, ctx, window, neox, 1000000.0, rng)
+    print(f"attention+rope H{H}/{KVH} D{D} ctx {ctx} window {window}: rel.err {err:.2e}")
     assert err <= TOL
 
 
@@ -119,10 +118,9 @@ def test_attention_fused_partial_rope(kernels, rng, D, rope_dim, neox):
     """Fused decode RoPE when only the first rope_dim dims of a head rotate: the rest pass through
     (q) and into the cache unrotated (k)."""
     from realizar_backend.backends.cuda.selfcheck import check_attention_rope
-    for table in (True, False):
-        err = check_attention_rope(kernels, 3, 8, 2, D, 90, 0, neox, 10000.0, rng, table=table, rope_dim=rope_dim)
-        print(f"attention+rope D{D} rope_dim {rope_dim} table {table}: rel.err {err:.2e}")
-        assert err <= TOL
+    err = check_attention_rope(kernels, 3, 8, 2, D, 90, 0, neox, 10000.0, rng, rope_dim=rope_dim)
+    print(f"attention+rope D{D} rope_dim {rope_dim}: rel.err {err:.2e}")
+    assert err <= TOL
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (3, 151936), (5, 1000), (2, 7)])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kv_tables import assign_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +27,7 @@ def test_memory_flat_over_sequential_completions(rng):
     from realizar_backend.settings import Settings
     model = open_model(path)
     gpu = CUDABackend(model, max_slots=4, max_context=256, settings=Settings(self_check=False))
+    assign_blocks(gpu)
     pool = cupy.get_default_memory_pool()
     V = model.config.vocab_size
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kv_tables import assign_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +74,7 @@ def _backends(model, slots=2, ctx=256, **gpu_kw):
     # is nearly one-hot), so a float32-KV oracle would measure the storage format, not the kernels
     cpu = CPUBackend(model, max_slots=slots, max_context=ctx, kv_dtype=np.float16)
     gpu = CUDABackend(model, max_slots=slots, max_context=ctx, settings=Settings(self_check=True, **gpu_kw))
+    assign_blocks(cpu, gpu, rng=np.random.default_rng(ctx))
     return cpu, gpu
 
 
@@ -167,6 +169,7 @@ def test_decode_argmax_matches_logits(rng):
     from realizar_backend.settings import Settings
     model = _open(path)
     gpu = CUDABackend(model, max_slots=3, max_context=128, settings=Settings(self_check=False))
+    assign_blocks(gpu, rng=rng)
     V = model.config.vocab_size
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 5 + s).astype(np.int32)) for s in range(3)])
     # the same step twice (same cache rows rewritten): logits then argmax must agree

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from kv_tables import assign_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -349,6 +350,7 @@ def test_split_weight_cache_gives_the_same_logits(name, rng):
     for cache in ("on", "off"):
         be = CUDABackend(model, max_slots=2, max_context=64,
                          settings=Settings(self_check=False, prefill_weight_cache=cache))
+        assign_blocks(be)
         assert len(be.fwd.gemm_layers.cached) == (4 * model.config.n_layers if cache == "on" else 0)
         out[cache] = be.prefill(items)
         be.close()

@@ -1,4 +1,8 @@
-"""CUDABackend: the Backend protocol on one NVIDIA GPU (CuPy RawKernels, CUDA graphs)."""
+"""CUDABackend: the Backend protocol on one NVIDIA GPU (CuPy RawKernels, CUDA graphs).
+
+Start-up order: kernels compile while the weights go up; the self-check; the workspace, the
+forward pass (with the split16 prefill's kept weights) and the sampler; then the paged KV pool
+takes what Settings.gpu_memory_utilization of the device leaves (capped by kv_cache_tokens)."""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ from typing import Any, Sequence
 import cupy
 import numpy as np
 
+from ...errors import BackendError
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow
 from . import pdl
 from .forward import Forward
-from .kv_cache import KVCache
+from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .sampling import GpuSampler
 from .token_ring import TokenRing
@@ -28,12 +33,15 @@ PREFILL_TOKENS = 512   # initial prefill capacity per step; the workspace grows 
 class CUDABackend:
     name = "cuda"
 
-    def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
+    def __init__(self, model: ModelFile, max_slots: int | None = None, max_context: int | None = None,
                  settings: Settings | None = None):
+        """max_slots / max_context: None takes them from settings (max_num_seqs; context_length,
+        0 = the model's own, never more than the model's)."""
         self.settings = settings or Settings()
         c = self.config = model.config
-        self.max_slots = max_slots
-        self.max_context = min(max_context, c.context_length) if c.context_length else max_context
+        self.max_slots = max_slots or self.settings.max_num_seqs
+        want = max_context or self.settings.context_length or c.context_length
+        self.max_context = min(want, c.context_length) if c.context_length else want
         self.device = cupy.cuda.Device(self.settings.device)
         self.device.use()
         log.debug("cuda device %d current (primary context created)", self.settings.device)
@@ -45,23 +53,25 @@ class CUDABackend:
         if self.settings.self_check:
             from .selfcheck import run_self_check
             run_self_check(self.kernels, qtypes, c, decode_activations=self.settings.decode_activations)
-        self.kv = KVCache(c, max_slots, self.max_context)
-        self.buckets = [1 << i for i in range(next_pow2(max_slots).bit_length())]
+        self.buckets = [1 << i for i in range(next_pow2(self.max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
-        self.fwd = Forward(self.kernels, self.weights, self.ws, self.kv, self.settings.decode_activations,
-                           self.settings.prefill_precision, self.settings.prefill_weight_cache)
+        self.fwd = Forward(self.kernels, self.weights, self.ws, self.settings, self.max_context)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         # sampling kernels run eagerly after the step's graph replay, on the same stream
-        self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], max_slots)
+        self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], self.max_slots)
+        self.block_size = self.settings.block_size
+        self.num_blocks = self._pool_blocks()
+        self.kv = self.fwd.kv = KVCache(c, self.num_blocks, self.block_size, self.max_slots, self.max_context)
         self.graphs: dict[int, Any] = {}
         # programmatic dependent launches inside the decode graphs (sm_90+, pdl.py)
         self.pdl = (self.settings.cuda_graphs and self.settings.programmatic_launch
                     and int(self.device.compute_capability) >= 90 and pdl.launcher() is not None)
         self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")
                                              for b in self.buckets}
+        self.graph_replays = 0
+        self.graph_captures = 0
         self._warned_fallback = False
         self.ws.listeners.append(self._drop_graphs)
-        self.lengths = [0] * max_slots
         # pinned host buffers: the per-step copies in and out are true async copies
         self._io_mem = cupy.cuda.alloc_pinned_memory(self.ws.dec_io.nbytes)
         self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
@@ -72,9 +82,29 @@ class CUDABackend:
         self._last_step: tuple[int, list[int], list[int]] | None = None   # (bucket, slots, positions)
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
-        log.info("cuda backend ready: %s on %s, %d slots x %d context, buckets %s",
+        log.info("cuda backend ready: %s on %s, %d sequences x %d context, KV pool %d tokens, buckets %s",
                  c.arch, cupy.cuda.runtime.getDeviceProperties(self.settings.device)["name"].decode(),
-                 max_slots, self.max_context, self.buckets)
+                 self.max_slots, self.max_context, self.num_blocks * self.block_size, self.buckets)
+
+    def _pool_blocks(self) -> int:
+        """KV blocks: what gpu_memory_utilization of the device leaves after everything allocated so
+        far, capped by kv_cache_tokens and by what max_slots whole contexts could use."""
+        s, c = self.settings, self.config
+        cupy.cuda.runtime.deviceSynchronize()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        pool = cupy.get_default_memory_pool()
+        free += pool.free_bytes()                 # held by CuPy's pool but unused: ours to take
+        budget = free - int(total * (1.0 - s.gpu_memory_utilization))
+        per = block_bytes(c, s.block_size)
+        n = budget // per
+        if s.kv_cache_tokens:
+            n = min(n, s.kv_cache_tokens // s.block_size)
+        n = min(n, self.max_slots * -(-self.max_context // s.block_size))
+        if n < 1:
+            raise BackendError(f"no device memory left for the KV cache ({budget / 1e6:.0f} MB under "
+                               f"gpu_memory_utilization {s.gpu_memory_utilization}; one block needs "
+                               f"{per / 1e6:.2f} MB)")
+        return int(n)
 
     @staticmethod
     def _matrix_types(model: ModelFile):
@@ -115,6 +145,7 @@ class CUDABackend:
         status = self.graph_status[b]
         if status == "captured":
             self.graphs[b].launch(self.stream)
+            self.graph_replays += 1
             return
         if status == "pending":
             # run once eagerly (its results are this step's), then capture for the next steps;
@@ -123,6 +154,7 @@ class CUDABackend:
             try:
                 self.graphs[b] = self._capture(b)
                 self.graph_status[b] = "captured"
+                self.graph_captures += 1
                 log.info("cuda graph captured for decode bucket %d%s", b,
                          " (programmatic dependent launches)" if self.pdl else "")
             except Exception as e:  # capture unsupported here: eager from now on, said once
@@ -134,11 +166,18 @@ class CUDABackend:
         self.fwd.decode_step(b)
 
     # ------------------------------------------------------------ protocol
+    def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
+        with self.device:
+            self.kv.set_table(slot, blocks, self.stream)
+
     def _check(self, slot: int, last_pos: int) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
         if last_pos >= self.max_context or last_pos < 0:
             raise ValueError(f"slot {slot}: position {last_pos} is past the context ({self.max_context})")
+        if last_pos >= self.kv.covered[slot]:
+            raise ValueError(f"slot {slot}: position {last_pos} has no KV block (its table covers "
+                             f"{self.kv.covered[slot]} positions): set_block_table first")
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
         if not items:
@@ -165,8 +204,6 @@ class CUDABackend:
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
             self.fwd.prefill_step(T, len(items))
             logits = self.ws.logits[:len(items)].get()
-        for it, t in zip(items, toks):
-            self.lengths[it.slot] = it.start_pos + t.size
         return logits
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> int:
@@ -190,8 +227,6 @@ class CUDABackend:
         self.ws.dec_io.set(io, stream=self.stream)
         self._io_copied.record(self.stream)
         self._run_decode(b)
-        for s, p in zip(slots, positions):
-            self.lengths[int(s)] = int(p) + 1
         self._last_step = (b, [int(s) for s in slots], [int(p) for p in positions])
         return n
 
@@ -220,8 +255,6 @@ class CUDABackend:
                     self._check(s, p)
                 self.token_ring.before_step(continues=True)
                 self._run_decode(b)
-                for s, p in zip(sl, pos):
-                    self.lengths[s] = p + 1
                 self._last_step = (b, sl, pos)
             else:
                 self._decode(slots, tokens, positions)
@@ -245,11 +278,11 @@ class CUDABackend:
             kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
         return SampleResult(toks, lps, top_ids, top_lps, kept)
 
-    def reset_counts(self, slot: int, prompt: np.ndarray) -> None:
+    def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
         with self.device, self.stream:
-            self.sampler.reset_counts(slot, prompt, self.stream)
+            self.sampler.reset_counts(slot, prompt, self.stream, generated)
 
     def graph_ab_check(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """One decode step run eagerly and the same step replayed from its graph (the step rewrites
@@ -271,15 +304,18 @@ class CUDABackend:
         return eager, replay
 
     def release(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        """Nothing to free here: the slot's blocks are the engine's, its table is replaced by the
+        next sequence's."""
 
     def stats(self) -> dict[str, Any]:
         free, total = cupy.cuda.runtime.memGetInfo()
         # buckets not yet run report nothing; the rest: captured | eager-fallback | disabled
         return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
+                "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
                 "programmatic_launch": self.pdl,
                 "pool_bytes": int(self.ws.nbytes + self.kv.nbytes
                                   + (self.sampler.nbytes if self.sampler else 0)),
+                "kv_pool_bytes": int(self.kv.nbytes),
                 "device_memory_bytes": int(total - free)}
 
     def close(self) -> None:

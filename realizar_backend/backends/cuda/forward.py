@@ -14,8 +14,11 @@ Matrices whose type has no integer-dot kernel (float types) use the fp32-activat
 With fp32 activations (Settings.decode_activations "fp32", the default) the same launch shape is
 kept with mmvf.cu's kernels: RMSNorm writes fp32, Q/K/V are one launch with biases, gate+up+act is
 one launch writing fp32, the output and down projections add into the residual in their epilogue,
-and the LM head is one mmvf launch. "fp32-gemv" keeps fp32 activations on the older
-one-warp-per-row gemv.cu kernels (a reference for the fast ones).
+and the LM head is one mmvf launch. Matrices of float types (F32, F16, BF16: no 32-weight blocks)
+run on the one-warp-per-row gemv.cu kernels.
+
+The KV cache is paged (kv_cache.py): attention and the KV writes address it through the slots'
+block tables.
 
 Prefill of many tokens (more than GEMM_MIN_TOKENS) runs its projections as GEMMs: prefill.py.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import cupy
 
+from ...settings import Settings
 from . import ops
 from .kv_cache import KVCache
 from .modules import Kernels
@@ -38,49 +42,43 @@ GEMM_MIN_TOKENS = 16
 class _LayerPlan:
     """Which projections of a layer take the 8-bit path (decided once, at load)."""
 
-    def __init__(self, lw: LayerIndex, c, int8_down: bool = True, fast_f32: bool = True):
+    def __init__(self, lw: LayerIndex, c, int8: bool, int8_down: bool):
         norm_ok = c.hidden % 32 == 0 and c.hidden <= ops.NQ_MAXK * 1024
-        self.qkv = all(ops.q8_ok(w) for w in (lw.wq, lw.wk, lw.wv)) and norm_ok
-        self.wo = ops.q8_ok(lw.wo) and c.q_dim % 32 == 0
-        self.ffn = lw.fused_ffn and ops.q8_ok(lw.w_gate) and norm_ok and c.ffn_dim % 32 == 0
-        self.down = self.ffn and ops.q8_ok(lw.w_down) and int8_down
+        self.qkv = int8 and all(ops.blocks_ok(w) for w in (lw.wq, lw.wk, lw.wv)) and norm_ok
+        self.wo = int8 and ops.blocks_ok(lw.wo) and c.q_dim % 32 == 0
+        self.ffn = int8 and lw.fused_ffn and ops.blocks_ok(lw.w_gate) and norm_ok and c.ffn_dim % 32 == 0
+        self.down = self.ffn and ops.blocks_ok(lw.w_down) and int8_down
         # projections that stay on fp32 activations: the fast mmvf.cu kernels where the type has one
-        f = fast_f32
-        self.f_qkv = f and all(ops.f32_ok(w) for w in (lw.wq, lw.wk, lw.wv))
-        self.f_wo = f and ops.f32_ok(lw.wo)
-        self.f_ffn = f and lw.fused_ffn and ops.f32_ok(lw.w_gate)
-        self.f_gu = f and not lw.fused_ffn and ops.f32_ok(lw.w_gate) and ops.f32_ok(lw.w_up)
-        self.f_down = f and ops.f32_ok(lw.w_down)
+        self.f_qkv = all(ops.blocks_ok(w) for w in (lw.wq, lw.wk, lw.wv))
+        self.f_wo = ops.blocks_ok(lw.wo)
+        self.f_ffn = lw.fused_ffn and ops.blocks_ok(lw.w_gate)
+        self.f_gu = not lw.fused_ffn and ops.blocks_ok(lw.w_gate) and ops.blocks_ok(lw.w_up)
+        self.f_down = ops.blocks_ok(lw.w_down)
 
 
 class Forward:
-    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, kv: KVCache,
-                 decode_activations: str = "int8", prefill_precision: str = "fp16", weight_cache: str = "off"):
-        """decode_activations: "int8" (8-bit activation blocks everywhere they apply),
-        "int8-fp32-down" (all but the FFN down projection, whose input has the widest range),
-        "fp32" (every projection on fp32 activations: the reference the others approximate, on
-        mmvf.cu), "fp32-gemv" (the same on the one-warp-per-row gemv.cu kernels). weight_cache: the
-        split16 prefill's copy of the split weights (Settings.prefill_weight_cache)."""
-        int8_activations = decode_activations not in ("fp32", "fp32-gemv")
-        int8_down = decode_activations == "int8"
-        self.fast_f32 = decode_activations != "fp32-gemv"
-        self.prefill = prefill_precision
-        self.k, self.w, self.ws, self.kv = k, w, ws, kv
+    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, settings: Settings, max_context: int):
+        """settings.decode_activations: "fp32" (every projection on fp32 activations: the reference
+        the others approximate, on mmvf.cu), "int8" (8-bit activation blocks everywhere they apply),
+        "int8-fp32-down" (all but the FFN down projection, whose input has the widest range).
+        settings.prefill_precision / prefill_weight_cache: the prefill GEMMs (prefill.py). The KV
+        cache (`kv`) is set by the backend once it has sized the pool from what is left."""
+        int8 = settings.decode_activations != "fp32"
+        self.prefill = settings.prefill_precision
+        self.k, self.w, self.ws = k, w, ws
+        self.kv: KVCache | None = None
         self.c = w.config
         self.act = 1 if self.c.activation == "gelu_tanh" else 0
-        self.int8 = int8_activations
-        self.plans = [_LayerPlan(lw, self.c, int8_down, self.fast_f32) for lw in w.layers]
-        if not int8_activations:
-            for p in self.plans:
-                p.qkv = p.wo = p.ffn = p.down = False
+        self.int8 = int8
+        self.plans = [_LayerPlan(lw, self.c, int8, settings.decode_activations == "int8") for lw in w.layers]
         self.norm16 = self.c.hidden % 32 == 0 and self.c.hidden <= ops.NQ_MAXK * 1024
-        self.head_q8 = ops.q8_ok(w.output) and self.norm16 and int8_activations
-        self.head_f32 = self.fast_f32 and ops.f32_ok(w.output)
+        self.head_q8 = ops.blocks_ok(w.output) and self.norm16 and int8
+        self.head_f32 = ops.blocks_ok(w.output)
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
-        # RoPE cos/sin per position for decode attention, one table per distinct layer theta
-        self.rope_tables = {th: ops.rope_table(kv.context, self.c.rope_dim, th) for th in {lw.theta for lw in w.layers}}
-        self.gemm_layers = PrefillGemm(self, weight_cache)
+        # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct layer theta
+        self.rope_tables = {th: ops.rope_table(max_context, self.c.rope_dim, th) for th in {lw.theta for lw in w.layers}}
+        self.gemm_layers = PrefillGemm(self, settings.prefill_weight_cache)
         # launch the kernels that wait for their predecessor in pdl_wait() as programmatic dependent
         # launches (pdl.py); the backend sets it while it captures a decode step
         self.pdl = False
@@ -94,7 +92,8 @@ class Forward:
 
     def _proj(self, w: WeightRef, fast: bool, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
               accumulate: bool = False) -> None:
-        """y[:T] (+)= x[:T] @ w.T (+ bias) on fp32 activations: mmvf.cu when `fast`, else gemv.cu."""
+        """y[:T] (+)= x[:T] @ w.T (+ bias) on fp32 activations: mmvf.cu when `fast` (block types),
+        else gemv.cu (float types)."""
         if fast:
             ops.mmvf(self.k, [(w, bias, y.data.ptr, y.shape[1])], w.cols, x.data.ptr, x.shape[1], T, accumulate,
                      pdl=self.pdl)
@@ -121,23 +120,23 @@ class Forward:
                         0 if d is None else d.data.ptr, T, self.c.hidden, self.c.rms_eps)
 
     def _qk_norm_rope(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, rope: bool = True) -> None:
-        c, k, ws, kv = self.c, self.k, self.ws, self.kv
+        c, k, ws = self.c, self.k, self.ws
         if lw.q_norm:
             D = c.head_dim
             ops.rms_norm(k, ws.q.data.ptr, D, lw.q_norm, ws.q.data.ptr, D, T * c.n_heads, D, c.rms_eps)
             ops.rms_norm(k, ws.k.data.ptr, D, lw.k_norm, ws.k.data.ptr, D, T * c.n_kv_heads, D, c.rms_eps)
         if rope:
-            ops.rope_kv(k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv.k_ptrs[li], kv.v_ptrs[li],
-                        kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, lw.theta,
+            ops.rope_kv(k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, self.kv.layer(li),
+                        c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, self.rope_tables[lw.theta].data.ptr,
                         c.rope_style == "neox", T)
 
     def _attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, oq: int = 0, od: int = 0,
                    o16: int = 0, fuse_rope: bool = False) -> None:
-        c, ws, kv = self.c, self.ws, self.kv
-        rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, lw.theta, c.rope_style == "neox",
+        c, ws = self.c, self.ws
+        rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, c.rope_style == "neox",
                  self.rope_tables[lw.theta].data.ptr) if fuse_rope else None)
-        ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv.k_ptrs[li], kv.v_ptrs[li], slots, pos,
-                      kv.context, c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16, rope,
+        ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, self.kv.layer(li), slots, pos,
+                      c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, oq, od, o16, rope,
                       pdl=self.pdl)
 
     # ------------------------------------------------------------ one layer, two ways

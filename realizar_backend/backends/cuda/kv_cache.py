@@ -1,36 +1,79 @@
-"""fp16 KV cache: per layer [slots + 1, context, kv_heads, head_dim] for K and for V. The extra
-slot is scratch: padded rows of a bucketed decode batch write and read there, never a live slot."""
+"""The paged fp16 KV cache (kernels/paged_kv.cuh): per layer a K and a V pool of blocks of
+`block_size` positions, and the block tables that map each slot's positions to blocks.
+
+The pool has num_blocks + 1 blocks: the last is scratch, and so is the last table row (the scratch
+slot, whose every entry names the scratch block): padded rows of a bucketed decode batch run on
+the scratch slot at position 0, so they never touch a live block. The engine's KV manager decides
+which blocks a sequence owns; `set_table` copies a slot's table to the device, only the entries
+that changed (a growing sequence adds one entry per block_size tokens), on the backend's stream,
+so a step enqueued after it sees it and one enqueued before it does not."""
 
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import cupy
+import numpy as np
 
 from ...model.config import ModelConfig
+from .ops import PagedKV
 
 log = logging.getLogger(__name__)
 
 
+def block_bytes(cfg: ModelConfig, block_size: int) -> int:
+    """Device bytes of one block: K and V of every layer, fp16."""
+    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * 2
+
+
 class KVCache:
-    def __init__(self, cfg: ModelConfig, max_slots: int, max_context: int):
-        self.slots = max_slots + 1
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_slots: int, max_context: int):
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, not {block_size}")
+        self.block_size = block_size
+        self.bs_log2 = block_size.bit_length() - 1
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        self.max_blocks = -(-max_context // block_size)
+        self.max_slots = max_slots
         self.scratch_slot = max_slots
-        self.context = max_context
-        shape = (cfg.n_layers, self.slots, max_context, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
         # zeroed once so a read of a never-written row is finite
         self.k = cupy.zeros(shape, cupy.float16)
         self.v = cupy.zeros(shape, cupy.float16)
+        self.tables = cupy.full((max_slots + 1, self.max_blocks), self.scratch_block, cupy.int32)
+        self._host = np.full(self.tables.shape, self.scratch_block, np.int32)   # what the device holds
+        self.covered = np.zeros(max_slots + 1, np.int64)    # positions each slot's table covers
+        self.covered[self.scratch_slot] = block_size
         layer_bytes = self.k.nbytes // cfg.n_layers
-        self.k_ptrs = [self.k.data.ptr + i * layer_bytes for i in range(cfg.n_layers)]
-        self.v_ptrs = [self.v.data.ptr + i * layer_bytes for i in range(cfg.n_layers)]
-        log.info("cuda kv cache: %d slots x %d positions, %.1f MB fp16", max_slots, max_context, self.nbytes / 1e6)
+        self._layers = [PagedKV(self.k.data.ptr + i * layer_bytes, self.v.data.ptr + i * layer_bytes,
+                                self.tables.data.ptr, self.max_blocks, self.bs_log2) for i in range(cfg.n_layers)]
+        log.info("cuda kv cache: %d blocks of %d positions (%d tokens), %.1f MB fp16; up to %d blocks per sequence",
+                 num_blocks, block_size, num_blocks * block_size, self.nbytes / 1e6, self.max_blocks)
+
+    def layer(self, li: int) -> PagedKV:
+        return self._layers[li]
+
+    def set_table(self, slot: int, blocks: Sequence[int], stream: cupy.cuda.Stream) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
+        b = np.asarray(blocks, np.int32).reshape(-1)
+        if b.size > self.max_blocks:
+            raise ValueError(f"slot {slot}: {b.size} blocks exceed the {self.max_blocks} of a whole context")
+        if b.size and (b.min() < 0 or b.max() >= self.num_blocks):
+            raise ValueError(f"slot {slot}: block ids must be in [0, {self.num_blocks})")
+        self.covered[slot] = b.size * self.block_size
+        diff = np.flatnonzero(self._host[slot, :b.size] != b)
+        if diff.size:
+            i = int(diff[0])
+            self.tables[slot, i:b.size].set(b[i:], stream=stream)
+            self._host[slot, i:b.size] = b[i:]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + self.tables.nbytes
 
     def close(self) -> None:
-        self.k = self.v = None
-        self.k_ptrs.clear()
-        self.v_ptrs.clear()
+        self.k = self.v = self.tables = None
+        self._layers.clear()

@@ -32,6 +32,21 @@ class WeightRef:
     row_bytes: int
 
 
+@dataclass(frozen=True)
+class PagedKV:
+    """One layer's paged KV cache as the kernels address it (kernels/paged_kv.cuh): the K and V
+    pools (fp16 [blocks, block_size, kv_heads, head_dim]) and the block tables of every slot
+    (int32 [slots, max_blocks])."""
+    k: int
+    v: int
+    tables: int
+    max_blocks: int
+    bs_log2: int
+
+    def args(self) -> tuple:
+        return _U64(self.tables), _I32(self.max_blocks), _I32(self.bs_log2)
+
+
 def _launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
     """Launch on the current stream; pdl: as a programmatic dependent launch (pdl.py), for the
     kernels that wait for the one before in pdl_wait() (mmvf, ffnf, attention, argmax_unpack)."""
@@ -54,8 +69,9 @@ def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
                      _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate))))
 
 
-def q8_ok(w: WeightRef) -> bool:
-    """The matrix has an integer-dot GEMV (its rows are whole 32-value blocks)."""
+def blocks_ok(w: WeightRef) -> bool:
+    """The matrix is stored in 32-weight blocks (quantized types, whole units per row): it has the
+    integer-dot GEMV (mmvq.cu) and the fast fp32-activation GEMV (mmvf.cu); float types do not."""
     return QTYPES[w.qtype].q8 and w.cols % 32 == 0
 
 
@@ -98,12 +114,6 @@ def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, 
 
 
 MMVF_WARPS, MMVF_R = 8, 2                                      # mmvf.cu
-
-
-def f32_ok(w: WeightRef) -> bool:
-    """The matrix has a fast fp32-activation GEMV in mmvf.cu (block types; the float types stay
-    on gemv.cu)."""
-    return QTYPES[w.qtype].q8 and w.cols % 32 == 0
 
 
 def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True) -> int:
@@ -291,46 +301,53 @@ def rms_norm(k: Kernels, x: int, xs: int, w: int, out: int, os: int, rows: int, 
                                      _I32(width), _F32(eps), _I32(int(add))))
 
 
-def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kcache: int, vcache: int,
-            ctx: int, H: int, KVH: int, D: int, rope_dim: int, theta: float, neox: bool, n: int) -> None:
+def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kv: PagedKV,
+            H: int, KVH: int, D: int, rope_dim: int, table: int, neox: bool, n: int) -> None:
+    """Rotate q and k rows in place by the cos/sin table (rope_table) and write k and v (fp16) to
+    the cache rows of (slots[t], positions[t])."""
     k.rope_kv((n, H + KVH), (128,),
-              (_U64(q), _U64(kk), _U64(v), _U64(positions), _U64(slots), _U64(kcache), _U64(vcache),
-               _I32(ctx), _I32(H), _I32(KVH), _I32(D), _I32(rope_dim), _F32(theta), _I32(int(neox)), _I32(n)))
+              (_U64(q), _U64(kk), _U64(v), _U64(positions), _U64(slots), *kv.args(), _U64(kv.k), _U64(kv.v),
+               _I32(H), _I32(KVH), _I32(D), _I32(rope_dim), _U64(table), _I32(int(neox)), _I32(n)))
 
 
-def rope_table(ctx: int, rope_dim: int, theta: float) -> cupy.ndarray:
+def rope_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> cupy.ndarray:
     """cos and sin of every position < ctx and rotary pair, float32 [ctx, rope_dim / 2, 2], made in
-    float64 as the CPU backend makes them (theta as the kernels receive it: float32). Decode
-    attention reads a row of it instead of computing the angles (attention.cu)."""
+    float64 as the CPU backend makes them (theta as the kernels received it before: float32;
+    scaling: the model's rope scaling, applied by rope_angles). RoPE on the GPU reads it (rope.cu,
+    attention.cu) instead of computing angles."""
     from ..cpu import rope_angles
-    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)))
+    kw = {} if scaling is None else {"scaling": scaling}
+    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), **kw)
     return cupy.asarray(np.stack([cos, sin], axis=-1))
 
 
-def attention(k: Kernels, q: int, out: int, kcache: int, vcache: int, slots: int, positions: int,
-              ctx: int, H: int, KVH: int, D: int, scale: float, window: int, n: int,
+def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: int,
+              H: int, KVH: int, D: int, scale: float, window: int, n: int,
               oq: int = 0, od: int = 0, o16: int = 0, rope=None, pdl: bool = False) -> None:
-    """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16).
-    rope = (k, v, rope_dim, theta, neox[, table]): decode only (one row per sequence), RoPE of q and
-    of the new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv
-    launch); table: a rope_table(ctx, rope_dim, theta) pointer, or absent/0 to compute the angles.
-    Without rope (prompt rows, already in the cache) and without 8-bit outputs: attn_tile."""
+    """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16); row t
+    attends to positions [0, positions[t]] of the sequence in slots[t] (paged: kv's tables).
+    rope = (k, v, rope_dim, neox, table): decode only (one row per sequence), RoPE of q and of the
+    new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch);
+    table: a rope_table(...) pointer. Without rope (prompt rows, already in the cache) and without
+    8-bit outputs: attn_tile."""
     if rope is None and not oq:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
         smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
         fn = k.attn_tile if D % 128 == 0 else k.attn_tile_v2      # 4 or 2 dims per lane: no idle lanes
         _launch(fn, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
-                (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
-                 _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(o16)), smem, pdl)
+                (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
+                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(o16)), smem, pdl)
         return
-    kin, vin, rope_dim, theta, neox, table = (*rope, 0)[:6] if rope is not None else (0, 0, 0, 0.0, False, 0)
+    kin, vin, rope_dim, neox, table = rope if rope is not None else (0, 0, 0, False, 0)
+    if rope is not None and not table:
+        raise ValueError("attention: decode RoPE needs a cos/sin table (rope_table)")
     if getattr(k, "head_dim", None) and D > k.head_dim:
         raise ValueError(f"attention: decode kernels compiled for head_dim {k.head_dim}, got {D}")
     fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; 8-bit prompt rows
     _launch(fn, (n, H), (ATT_WARPS * 32,),
-            (_U64(q), _U64(out), _U64(kcache), _U64(vcache), _U64(slots), _U64(positions),
-             _I32(ctx), _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
-             _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim), _F32(theta),
+            (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
+             _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
+             _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim),
              _I32(int(neox)), _I32(int(rope is not None)), _U64(table)), 0, pdl)
 
 

@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     m = open_model(a.model)
     be = CUDABackend(m, max_slots=1, max_context=max(a.context + REPLAYS + 8, a.prefill + 1),
                      settings=Settings.from_env(self_check=False))
+    be.set_block_table(0, range(-(-be.max_context // be.block_size)))    # slot 0: the whole context
     if a.ncu:
         be.ws.dec_io[1, 0] = a.context      # attend over `context` (zeroed) cache rows
         with be.device, be.stream:

@@ -90,14 +90,23 @@ class GpuSampler:
         return sum(a.nbytes for a in (self.params, self.out, self.hcnt, self.hw, self.rowmax, self.zmass,
                                       self.lsep, self.zbuf, self.counts))
 
-    def reset_counts(self, slot: int, prompt: np.ndarray, stream: cupy.cuda.Stream) -> None:
-        """Zero the slot's counts and mark the prompt's tokens (eager; never inside a capture)."""
+    def reset_counts(self, slot: int, prompt: np.ndarray, stream: cupy.cuda.Stream,
+                     generated: np.ndarray | None = None) -> None:
+        """Zero the slot's counts, mark the prompt's tokens and count each generated token (a
+        sequence resumed after a preemption); eager, never inside a capture."""
         p = np.asarray(prompt, np.int32).reshape(-1)
+        g = np.asarray(generated if generated is not None else (), np.int64).reshape(-1)
+        row = self.counts[slot]
         with stream:   # launches go to the current stream
+            if g.size:   # rare: the whole row is made on the host (prompt bit | 2 x times generated)
+                host = np.zeros(self.V, np.int32)
+                host[p] = 1
+                host += 2 * np.bincount(g, minlength=self.V)[:self.V].astype(np.int32)
+                row.set(host, stream=stream)
+                return
             dp = cupy.zeros(max(p.size, 1), cupy.int32)
             if p.size:
                 dp[:p.size].set(p, stream=stream)
-            row = self.counts[slot]
             self._fn("counts_reset")((1,), (1024,), (_U64(row.data.ptr), _I32(self.V), _U64(dp.data.ptr), _I32(p.size)))
 
     def launch(self, logits: int, ld: int, argmax: int, rows: Sequence[SampleRow], slots: Sequence[int],

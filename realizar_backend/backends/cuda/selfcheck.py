@@ -230,6 +230,37 @@ def check_rms_norm(k: Kernels, rows: int, width: int, add: bool, rng, eps: float
     return rel_err(out.get(), ref)
 
 
+# ------------------------------------------------------------------ paged KV (kernels/paged_kv.cuh)
+BLOCK = 16   # block size of the checks' paged caches
+
+
+class Paged:
+    """Slot-layout K and V caches [slots, ctx, KVH, D] (the twins' view) laid out as the kernels see
+    them: pools of blocks in random order (plus the scratch block, random) and one block table per
+    slot; `view` reads a pool back in the slot layout."""
+
+    def __init__(self, kc: np.ndarray, vc: np.ndarray, rng, bs: int = BLOCK):
+        n_slots, ctx = kc.shape[:2]
+        self.ctx, self.bs, self.mb = ctx, bs, -(-ctx // bs)
+        self.tables = rng.permutation(n_slots * self.mb).astype(np.int32).reshape(n_slots, self.mb)
+        self.k, self.v = _dev(self._pool(kc, rng)), _dev(self._pool(vc, rng))
+        self.tables_d = _dev(self.tables)
+        self.kv = ops.PagedKV(self.k.data.ptr, self.v.data.ptr, self.tables_d.data.ptr, self.mb,
+                              bs.bit_length() - 1)
+
+    def _pool(self, cache: np.ndarray, rng) -> np.ndarray:
+        n_slots, rest = cache.shape[0], cache.shape[2:]
+        padded = np.zeros((n_slots, self.mb * self.bs) + rest, cache.dtype)
+        padded[:, :self.ctx] = cache
+        pool = rng.standard_normal((self.tables.size + 1, self.bs) + rest).astype(cache.dtype)
+        pool[self.tables.reshape(-1)] = padded.reshape((self.tables.size, self.bs) + rest)
+        return pool
+
+    def view(self, pool: cupy.ndarray) -> np.ndarray:
+        p = pool.get()
+        return p[self.tables].reshape((self.tables.shape[0], self.mb * self.bs) + p.shape[2:])[:, :self.ctx]
+
+
 def check_rope_kv(k: Kernels, n: int, H: int, KVH: int, D: int, neox: bool, theta: float, rng,
                   ctx: int = 64, n_slots: int = 3) -> float:
     q = rng.standard_normal((n, H, D)).astype(np.float32)
@@ -239,17 +270,31 @@ def check_rope_kv(k: Kernels, n: int, H: int, KVH: int, D: int, neox: bool, thet
     cells = rng.choice(n_slots * ctx, size=n, replace=False)
     slots, pos = (cells // ctx).astype(np.int32), (cells % ctx).astype(np.int32)
     qd, kd, vd = _dev(q), _dev(kk), _dev(v)
-    kc, vc = _nan((n_slots, ctx, KVH, D), np.float16), _nan((n_slots, ctx, KVH, D), np.float16)
+    kc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    vc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
+    pg = Paged(kc0, vc0, rng)
     pd, sd = _dev(pos), _dev(slots)
-    ops.rope_kv(k, qd.data.ptr, kd.data.ptr, vd.data.ptr, pd.data.ptr, sd.data.ptr, kc.data.ptr, vc.data.ptr,
-                ctx, H, KVH, D, D, theta, neox, n)
+    rt = ops.rope_table(ctx, D, theta)
+    ops.rope_kv(k, qd.data.ptr, kd.data.ptr, vd.data.ptr, pd.data.ptr, sd.data.ptr, pg.kv, H, KVH, D, D,
+                rt.data.ptr, neox, n)
     cos, sin = rope_angles(pos, D, theta)
     style = "neox" if neox else "normal"
     rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
-    kc_h, vc_h = kc.get(), vc.get()
+    kc_h, vc_h = pg.view(pg.k), pg.view(pg.v)
+    untouched = np.ones(kc0.shape[:2], bool)
+    untouched[slots, pos] = False
+    if not (np.array_equal(kc_h[untouched], kc0[untouched]) and np.array_equal(vc_h[untouched], vc0[untouched])):
+        return float("inf")
     errs = [rel_err(qd.get(), rq), rel_err(kd.get(), rk),
             rel_err(kc_h[slots, pos], rk.astype(np.float16)), rel_err(vc_h[slots, pos], v.astype(np.float16))]
     return max(errs)
+
+
+def _attention_twin(q, kc, vc, slots, pos, scale, window) -> np.ndarray:
+    return np.concatenate([
+        attention(q[t:t + 1].astype(np.float64), kc[slots[t], :pos[t] + 1].astype(np.float64),
+                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
+        for t in range(len(pos))])
 
 
 def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, rng,
@@ -261,15 +306,11 @@ def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, wind
     pos = rng.integers(0, ctx, n).astype(np.int32)
     pos[0] = ctx - 1                       # the longest row always present
     scale = D ** -0.5
-    qd, kd, vd, sd, pd = _dev(q), _dev(kc), _dev(vc), _dev(slots), _dev(pos)
+    pg = Paged(kc, vc, rng)
+    qd, sd, pd = _dev(q), _dev(slots), _dev(pos)
     out = _nan((n, H * D))
-    ops.attention(k, qd.data.ptr, out.data.ptr, kd.data.ptr, vd.data.ptr, sd.data.ptr, pd.data.ptr,
-                  ctx, H, KVH, D, scale, window, n)
-    ref = np.concatenate([
-        attention(q[t:t + 1].astype(np.float64), kc[slots[t], :pos[t] + 1].astype(np.float64),
-                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
-        for t in range(n)])
-    return rel_err(out.get(), ref)
+    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n)
+    return rel_err(out.get(), _attention_twin(q, kc, vc, slots, pos, scale, window))
 
 
 def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int, window: int, rng,
@@ -283,24 +324,19 @@ def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int
     n = len(pos)
     q = rng.standard_normal((n, H, D)).astype(np.float32)
     scale = D ** -0.5
-    qd, kd, vd, sd, pd = _dev(q), _dev(kc), _dev(vc), _dev(slots), _dev(pos)
+    pg = Paged(kc, vc, rng)
+    qd, sd, pd = _dev(q), _dev(slots), _dev(pos)
     out = _nan((n, H * D))
-    ops.attention(k, qd.data.ptr, out.data.ptr, kd.data.ptr, vd.data.ptr, sd.data.ptr, pd.data.ptr,
-                  ctx, H, KVH, D, scale, window, n)
-    ref = np.concatenate([
-        attention(q[t:t + 1].astype(np.float64), kc[slots[t], :pos[t] + 1].astype(np.float64),
-                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
-        for t in range(n)])
-    return rel_err(out.get(), ref)
+    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n)
+    return rel_err(out.get(), _attention_twin(q, kc, vc, slots, pos, scale, window))
 
 
 def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, neox: bool,
-                         theta: float, rng, n_slots: int = 3, table: bool = True, rope_dim: int = 0) -> float:
+                         theta: float, rng, n_slots: int = 3, rope_dim: int = 0) -> float:
     """Decode attention with RoPE and the KV write folded in (one row per sequence, distinct slots):
     output against the float64 twin over the cache with the new (roped, fp16) row, and the cache
-    rows it wrote against the rope twin; rows it must not touch stay as they were. table: the angles
-    from ops.rope_table, as the model runs it (else computed in the kernel). rope_dim: dims rotated
-    (default all D)."""
+    rows it wrote against the rope twin; rows it must not touch stay as they were. The angles come
+    from ops.rope_table, as the model runs it. rope_dim: dims rotated (default all D)."""
     rope_dim = rope_dim or D
     kc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     vc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
@@ -314,27 +350,23 @@ def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int,
         pos[1] = 0                         # a first token: the new key is the only one
     scale = D ** -0.5
     qd, kd, vd, sd, pd = _dev(q), _dev(kk), _dev(v), _dev(slots), _dev(pos)
-    kc, vc = _dev(kc0), _dev(vc0)
+    pg = Paged(kc0, vc0, rng)
     out = _nan((n, H * D))
-    rt = ops.rope_table(ctx, rope_dim, theta) if table else None
-    ops.attention(k, qd.data.ptr, out.data.ptr, kc.data.ptr, vc.data.ptr, sd.data.ptr, pd.data.ptr,
-                  ctx, H, KVH, D, scale, window, n,
-                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, theta, neox, 0 if rt is None else rt.data.ptr))
+    rt = ops.rope_table(ctx, rope_dim, theta)
+    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n,
+                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, neox, rt.data.ptr))
     cos, sin = rope_angles(pos, rope_dim, theta)
     style = "neox" if neox else "normal"
     rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
     kc_ref, vc_ref = kc0.copy(), vc0.copy()
     kc_ref[slots, pos] = rk.astype(np.float16)
     vc_ref[slots, pos] = v.astype(np.float16)
-    kc_h, vc_h = kc.get(), vc.get()
+    kc_h, vc_h = pg.view(pg.k), pg.view(pg.v)
     untouched = np.ones(kc0.shape[:2], bool)
     untouched[slots, pos] = False
     if not (np.array_equal(kc_h[untouched], kc0[untouched]) and np.array_equal(vc_h[untouched], vc0[untouched])):
         return float("inf")
-    ref = np.concatenate([
-        attention(rq[t:t + 1].astype(np.float64), kc_ref[slots[t], :pos[t] + 1].astype(np.float64),
-                  vc_ref[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
-        for t in range(n)])
+    ref = _attention_twin(rq, kc_ref, vc_ref, slots, pos, scale, window)
     return max(rel_err(out.get(), ref), rel_err(kc_h[slots, pos], rk.astype(np.float16)),
                rel_err(vc_h[slots, pos], v.astype(np.float16)))
 
@@ -397,7 +429,7 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
     the GPU test suite covers every family at every batch width)."""
     fast = decode_activations in (None, "fp32", "int8-fp32-down")
     q8 = decode_activations in (None, "int8", "int8-fp32-down")
-    ref = decode_activations in (None, "fp32-gemv")
+    ref = decode_activations is None
     rng = np.random.default_rng(seed)
     errs: dict[str, float] = {}
     for qt in sorted(qtypes, key=int):

@@ -15,7 +15,7 @@ from ...formats.quants import dequantize
 from ..cpu import gelu_tanh, rms_norm, silu
 from . import ops
 from .modules import Kernels
-from .selfcheck import _dev, _nan, _poison, random_weight, rel_err, upload_weight
+from .selfcheck import Paged, _dev, _nan, _poison, random_weight, rel_err, upload_weight
 
 
 # ------------------------------------------------------------------ twins
@@ -119,11 +119,12 @@ def check_attention_outputs(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: i
     q = rng.standard_normal((n, H, D)).astype(np.float32)
     slots = rng.integers(0, n_slots, n).astype(np.int32)
     pos = rng.integers(0, ctx, n).astype(np.int32)
-    qd, kd, vd, sd, pd = _dev(q), _dev(kc), _dev(vc), _dev(slots), _dev(pos)
+    pg = Paged(kc, vc, rng)
+    qd, sd, pd = _dev(q), _dev(slots), _dev(pos)
     out, o16 = _nan((n, H * D)), _nan((n, H * D), np.float16)
     oq, od = _poison((n, H * D), cupy.int8, 99), _nan((n, H * D // 32, 2))
-    ops.attention(k, qd.data.ptr, out.data.ptr, kd.data.ptr, vd.data.ptr, sd.data.ptr, pd.data.ptr,
-                  ctx, H, KVH, D, D ** -0.5, 0, n, oq.data.ptr, od.data.ptr, o16.data.ptr)
+    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr,
+                  H, KVH, D, D ** -0.5, 0, n, oq.data.ptr, od.data.ptr, o16.data.ptr)
     got = out.get()
     return rel_err(o16.get(), got), q8_violation(oq.get(), od.get(), got)
 

@@ -43,7 +43,6 @@ class Workspace:
         self.cfg = cfg
         self.max_rows = max_rows            # decode batch (bucketed) and prefill items per call
         self.capacity = 0                   # tokens per forward step the pools hold
-        self.generation = 0
         self.listeners: list[Callable[[], None]] = []
         c = cfg
         f32 = cupy.float32
@@ -105,7 +104,6 @@ class Workspace:
         self.slots = cupy.empty(cap, cupy.int32)
         grown = self.capacity > 0
         self.capacity = cap
-        self.generation += 1
         if grown:
             log.info("cuda workspace grew to %d tokens per step (%.1f MB); dropping captured graphs",
                      cap, self.nbytes / 1e6)
@@ -116,14 +114,13 @@ class Workspace:
         """Make the prefill dequantize buffer hold `elems` float32 (the split16 prefill keeps a
         fused group of matrices there, q+k+v or gate+up, at two fp16 halves per weight). Called at
         load; no captured graph reads this buffer, but growing it is treated as any pool growth
-        (generation bump, graphs dropped) so that one rule covers every buffer."""
+        (graphs dropped) so that one rule covers every buffer."""
         if elems <= self.deq.size:
             return
         old = self.deq
         self.deq = cupy.empty(elems, cupy.float32)
         self._fixed = [self.deq if a is old else a for a in self._fixed]
         del old
-        self.generation += 1
         log.info("cuda workspace: prefill dequantize buffer grew to %.1f MB", self.deq.nbytes / 1e6)
         for cb in self.listeners:
             cb()
