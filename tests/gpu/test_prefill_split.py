@@ -305,7 +305,7 @@ def test_split16_model_parity(name, rng):
         pytest.skip(f"{name} not on this machine")
     model = _open(path)
     cpu, gpu = _backends(model, slots=3, ctx=320, prefill_precision="split16")
-    assert gpu.fwd.gemm_layers.prefill == "split16"
+    assert gpu.fwd.gemm.prefill == "split16"
     V = model.config.vocab_size
     rows = []
     for lens in PROMPTS:
@@ -351,7 +351,7 @@ def test_split_weight_cache_gives_the_same_logits(name, rng):
         be = CUDABackend(model, max_slots=2, max_context=64,
                          settings=Settings(self_check=False, prefill_weight_cache=cache))
         assign_blocks(be)
-        assert len(be.fwd.gemm_layers.cached) == (4 * model.config.n_layers if cache == "on" else 0)
+        assert len(be.fwd.gemm.cached) == (4 * model.config.n_layers if cache == "on" else 0)
         out[cache] = be.prefill(items)
         be.close()
     assert np.isfinite(out["on"]).all()

@@ -12,21 +12,20 @@ multiplied by cuBLAS (fp32 accumulate and output). Settings.prefill_precision pi
 - "fp16": fp16 inputs (the down projection's input row-scaled by powers of two, as fp16 cannot
   hold its range): the fastest, but it costs accuracy (see docs/perf-notes.md).
 
-The norms, RoPE + KV write and attention are the decode path's kernels (Forward)."""
+GemmProjections is the prompts' Projections (projections.py): the layer definition itself (norms
+around the projections, q/k norm, RoPE and the KV write, attention) is Forward.block, the same for
+every step."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import cupy
 import numpy as np
 
 from . import ops
+from .projections import Projections, StepContext
 from .weights import LayerIndex, WeightRef
-
-if TYPE_CHECKING:
-    from .forward import Forward
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def _threads(width: int) -> int:
 
 
 # ------------------------------------------------------------------ split16 launches (prefill.cu)
-# Module-level, shared by PrefillGemm and the GPU tests, so the tests run the model's launches.
+# Module-level, shared by GemmProjections and the GPU tests, so the tests run the model's launches.
 # kx: the prefill.cu functions by name (load_kernels); pointers are device addresses.
 def load_kernels(device_id: int, qtypes=None) -> dict:
     """qtypes: the quant types compiled in (a model's; None: all)."""
@@ -130,13 +129,12 @@ def split_gemm(handle: int, w: int, x: int, N: int, K: int, T: int, y: int, ldy:
                       ldy, CUBLAS_COMPUTE_32F, -1)
 
 
-class PrefillGemm:
-    def __init__(self, fwd: "Forward", weight_cache: str = "off"):
-        self.f = fwd
-        self.k, self.ws, self.c = fwd.k, fwd.ws, fwd.c
-        self.prefill = fwd.prefill
-        self.act = fwd.act
-        self.norm16 = fwd.norm16
+class GemmProjections(Projections):
+    """The GEMM projections of prompts, in Settings.prefill_precision (split16, fp32 or fp16)."""
+
+    def __init__(self, ctx: StepContext, precision: str, weight_cache: str = "off"):
+        super().__init__(ctx)
+        self.prefill = precision
         # (layer, group) -> that group's split weight rows, kept from start-up (weight_cache)
         self.cached: dict[tuple[int, int], cupy.ndarray] = {}
         if self.prefill == "split16":
@@ -149,7 +147,7 @@ class PrefillGemm:
         return (lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)
 
     def _init_split(self, weight_cache: str) -> None:
-        c, layers = self.c, self.f.w.layers
+        c, layers = self.ctx.c, self.ctx.w.layers
         for lw in layers:
             ok = (lw.w_gate.rows == lw.w_up.rows == c.ffn_dim and lw.w_gate.cols == lw.w_up.cols == c.hidden
                   and lw.wq.rows == c.q_dim and lw.wk.rows == lw.wv.rows == c.kv_dim)
@@ -157,7 +155,7 @@ class PrefillGemm:
                 log.warning("split16 prefill: layer shapes differ from the config; prefill runs in fp32")
                 self.prefill = "fp32"
                 return
-        self.kx = load_kernels(cupy.cuda.Device().id, getattr(self.k, "qtypes", None))
+        self.kx = load_kernels(cupy.cuda.Device().id, getattr(self.ctx.k, "qtypes", None))
         # split weights: two fp16 halves per weight, one float32's bytes (per group, or kept for all)
         sizes = [sum(w.rows for w in grp) * grp[0].cols for lw in layers for grp in self.groups(lw)]
         self._calls = {K: split_calls(K) for K in {c.hidden, c.q_dim, c.ffn_dim}}
@@ -179,118 +177,126 @@ class PrefillGemm:
                 self.cached.clear()
                 log.warning("split16 prefill: no room for the split weights (%.2f GB); split per prefill",
                             total / 1e9)
-        self.ws.ensure_dequant(max(sizes))    # room for the largest group, split before each GEMM
+        self.ctx.ws.ensure_dequant(max(sizes))    # room for the largest group, split before each GEMM
 
-    def _proj(self, handle: int, li: int, gi: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
+    def _split_proj(self, li: int, gi: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
         """y[:T] = s x[:T] @ [mats].T (group gi of layer li): the split weights kept since start-up,
         or dequantize-and-split them now; then the GEMM calls."""
-        ws = self.ws
+        from cupy.cuda import cublas, device
+        ws = self.ctx.ws
+        handle = device.get_cublas_handle()
+        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
         K = mats[0].cols
         w = self.cached.get((li, gi))
         if w is None:
             split_weights(self.kx, mats, ws.deq.data.ptr)
             w = ws.deq
-        split_gemm(handle, w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy,
-                   self._calls.get(K))
-
-    def _layer_split(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
-        from cupy.cuda import cublas, device
-        c, ws, kx = self.c, self.ws, self.kx
-        H, eps = c.hidden, c.rms_eps
-        handle = device.get_cublas_handle()
-        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-        inv_a, inv_b = ws.split_inv[0].data.ptr, ws.split_inv[1].data.ptr
-        x, xs, x16, y32 = ws.x.data.ptr, ws.x.shape[1], ws.x16.data.ptr, ws.y32.data.ptr
-        tmp, ts = ws.tmp.data.ptr, ws.tmp.shape[1]
-        # attention: Q, K and V as one GEMM, then 1/s and the biases on the way out
-        split_rows(kx, x, xs, lw.attn_norm, T, H, eps, x16, inv_a)
-        n = lw.wq.rows + lw.wk.rows + lw.wv.rows
-        self._proj(handle, li, 0, (lw.wq, lw.wk, lw.wv), T, y32, n)
-        unscale_scatter(kx, y32, n, inv_a, T, [(ws.q.data.ptr, ws.q.shape[1], lw.wq.rows, lw.bq),
-                                               (ws.k.data.ptr, ws.k.shape[1], lw.wk.rows, lw.bk),
-                                               (ws.v.data.ptr, ws.v.shape[1], lw.wv.rows, lw.bv)])
-        self.f._qk_norm_rope(li, lw, T, pos, slots)
-        self.f._attention(li, lw, T, pos, slots)
-        split_rows(kx, ws.attn.data.ptr, ws.attn.shape[1], 0, T, lw.wo.cols, eps, x16, inv_b)
-        self._proj(handle, li, 1, (lw.wo,), T, tmp, ts)
-        unscale_add(kx, x, xs, tmp, ts, inv_b, lw.post_attn_norm, T, H, eps)
-        # FFN: gate and up as one GEMM; act(g) * u is split for the down projection in one pass
-        split_rows(kx, x, xs, lw.ffn_norm, T, H, eps, x16, inv_a)
-        F = lw.w_gate.rows
-        self._proj(handle, li, 2, (lw.w_gate, lw.w_up), T, y32, 2 * F)
-        act_split(kx, y32, F, inv_a, self.act, T, x16, inv_b)
-        self._proj(handle, li, 3, (lw.w_down,), T, tmp, ts)
-        unscale_add(kx, x, xs, tmp, ts, inv_b, lw.post_ffn_norm, T, H, eps)
+        split_gemm(handle, w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K))
 
     # ------------------------------------------------------------ fp32 / fp16
     def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
               accumulate: bool = False, dtype: str = "fp16") -> None:
         """y[:T] (+)= x[:T] @ w.T (+ bias): dequantize w into the workspace in the GEMM's input type,
         cuBLAS GEMM, fp32 out."""
+        k, ws = self.ctx.k, self.ctx.ws
         if dtype == "fp32":
-            ops.dequant(self.k, w, self.ws.deq.data.ptr, w.cols)
+            ops.dequant(k, w, ws.deq.data.ptr, w.cols)
         else:
-            ops.dequant16(self.k, w, self.ws.deq.data.ptr, w.cols, dtype == "bf16")
-        ops.gemm(self.ws.deq.data.ptr, w.rows, w.cols, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T,
+            ops.dequant16(k, w, ws.deq.data.ptr, w.cols, dtype == "bf16")
+        ops.gemm(ws.deq.data.ptr, w.rows, w.cols, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T,
                  accumulate, cupy.cuda.get_current_stream().ptr, dtype)
         if bias:
-            ops.epilogue(self.k, y.data.ptr, y.data.ptr, bias, T, w.rows, False)
+            ops.epilogue(k, y.data.ptr, y.data.ptr, bias, T, w.rows, False)
 
-    def _norm_to16(self, x: cupy.ndarray, w: int, T: int) -> None:
-        ws = self.ws
-        if self.norm16:
-            self.f._norm_q8(x, w, T, None, out16=ws.h16)
+    def _norm_in(self, w: int, T: int) -> cupy.ndarray:
+        """RMSNorm(x[:T]) * w as the GEMM input of this precision (ws.h fp32, or ws.h16 fp16)."""
+        ws = self.ctx.ws
+        if self.prefill == "fp32":
+            self.norm(ws.x, w, ws.h, T)
+            return ws.h
+        if self.ctx.norm16:
+            self.norm_q8(ws.x, w, T, None, out16=ws.h16)
         else:
-            self.f._norm(x, w, ws.h, T)
-            ops.f32_to_f16(self.k, ws.h.data.ptr, ws.h16.data.ptr, T * self.c.hidden)
+            self.norm(ws.x, w, ws.h, T)
+            ops.f32_to_f16(self.ctx.k, ws.h.data.ptr, ws.h16.data.ptr, T * self.ctx.c.hidden)
+        return ws.h16
 
-    def layer(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
+    @property
+    def _dt(self) -> str:
+        return "fp32" if self.prefill == "fp32" else "fp16"
+
+    # ------------------------------------------------------------ the four calls of a layer
+    def attn_outputs(self, li: int) -> tuple[int, int, int]:
+        return (0, 0, self.ctx.ws.attn16.data.ptr) if self.prefill == "fp16" else (0, 0, 0)
+
+    def qkv(self, li: int, lw: LayerIndex, T: int) -> None:
+        ws, c = self.ctx.ws, self.ctx.c
         if self.prefill == "split16":
-            self._layer_split(li, lw, T, pos, slots)
+            # Q, K and V as one GEMM, then 1/s and the biases on the way out
+            inv = ws.split_inv[0].data.ptr
+            split_rows(self.kx, ws.x.data.ptr, ws.x.shape[1], lw.attn_norm, T, c.hidden, c.rms_eps,
+                       ws.x16.data.ptr, inv)
+            n = lw.wq.rows + lw.wk.rows + lw.wv.rows
+            self._split_proj(li, 0, (lw.wq, lw.wk, lw.wv), T, ws.y32.data.ptr, n)
+            unscale_scatter(self.kx, ws.y32.data.ptr, n, inv, T,
+                            [(ws.q.data.ptr, ws.q.shape[1], lw.wq.rows, lw.bq),
+                             (ws.k.data.ptr, ws.k.shape[1], lw.wk.rows, lw.bk),
+                             (ws.v.data.ptr, ws.v.shape[1], lw.wv.rows, lw.bv)])
             return
-        c, k, ws = self.c, self.k, self.ws
-        f32 = self.prefill == "fp32"
-        dt = "fp32" if f32 else "fp16"
-        if f32:
-            self.f._norm(ws.x, lw.attn_norm, ws.h, T)
-        else:
-            self._norm_to16(ws.x, lw.attn_norm, T)
-        h = ws.h if f32 else ws.h16
-        self._gemm(lw.wq, h, T, ws.q, lw.bq, dtype=dt)
-        self._gemm(lw.wk, h, T, ws.k, lw.bk, dtype=dt)
-        self._gemm(lw.wv, h, T, ws.v, lw.bv, dtype=dt)
-        self.f._qk_norm_rope(li, lw, T, pos, slots)
-        if f32:
-            self.f._attention(li, lw, T, pos, slots)
-        else:
-            self.f._attention(li, lw, T, pos, slots, o16=ws.attn16.data.ptr)
-        attn = ws.attn if f32 else ws.attn16
-        if lw.post_attn_norm:
-            self._gemm(lw.wo, attn, T, ws.tmp, dtype=dt)
-            self.f._norm(ws.tmp, lw.post_attn_norm, ws.x, T, add=True)
-        else:
-            self._gemm(lw.wo, attn, T, ws.x, accumulate=True, dtype=dt)
-        if f32:
-            self.f._norm(ws.x, lw.ffn_norm, ws.h, T)
-        else:
-            self._norm_to16(ws.x, lw.ffn_norm, T)
-        self._gemm(lw.w_gate, h, T, ws.g, dtype=dt)
-        self._gemm(lw.w_up, h, T, ws.u, dtype=dt)
-        ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, self.act)
-        if f32:
-            if lw.post_ffn_norm:
-                self._gemm(lw.w_down, ws.a, T, ws.tmp, dtype="fp32")
-                self.f._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
-            else:
-                self._gemm(lw.w_down, ws.a, T, ws.x, accumulate=True, dtype="fp32")
+        h = self._norm_in(lw.attn_norm, T)
+        self._gemm(lw.wq, h, T, ws.q, lw.bq, dtype=self._dt)
+        self._gemm(lw.wk, h, T, ws.k, lw.bk, dtype=self._dt)
+        self._gemm(lw.wv, h, T, ws.v, lw.bv, dtype=self._dt)
+
+    def out(self, li: int, lw: LayerIndex, T: int) -> None:
+        ws, c = self.ctx.ws, self.ctx.c
+        if self.prefill == "split16":
+            inv = ws.split_inv[1].data.ptr
+            split_rows(self.kx, ws.attn.data.ptr, ws.attn.shape[1], 0, T, lw.wo.cols, c.rms_eps, ws.x16.data.ptr, inv)
+            self._split_proj(li, 1, (lw.wo,), T, ws.tmp.data.ptr, ws.tmp.shape[1])
+            unscale_add(self.kx, ws.x.data.ptr, ws.x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], inv,
+                        lw.post_attn_norm, T, c.hidden, c.rms_eps)
+            return
+        dst, acc = self.dst(lw.post_attn_norm)
+        self._gemm(lw.wo, ws.attn if self.prefill == "fp32" else ws.attn16, T, dst, accumulate=acc, dtype=self._dt)
+        self.residual(lw.post_attn_norm, T)
+
+    def ffn(self, li: int, lw: LayerIndex, T: int) -> None:
+        ws, c, act = self.ctx.ws, self.ctx.c, self.ctx.act
+        if self.prefill == "split16":
+            # gate and up as one GEMM; act(g) * u is split for the down projection in one pass
+            inv_a, inv_b = ws.split_inv[0].data.ptr, ws.split_inv[1].data.ptr
+            split_rows(self.kx, ws.x.data.ptr, ws.x.shape[1], lw.ffn_norm, T, c.hidden, c.rms_eps, ws.x16.data.ptr,
+                       inv_a)
+            F = lw.w_gate.rows
+            self._split_proj(li, 2, (lw.w_gate, lw.w_up), T, ws.y32.data.ptr, 2 * F)
+            act_split(self.kx, ws.y32.data.ptr, F, inv_a, act, T, ws.x16.data.ptr, inv_b)
+            return
+        h = self._norm_in(lw.ffn_norm, T)
+        self._gemm(lw.w_gate, h, T, ws.g, dtype=self._dt)
+        self._gemm(lw.w_up, h, T, ws.u, dtype=self._dt)
+        ops.act_mul(self.ctx.k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, act)
+
+    def down(self, li: int, lw: LayerIndex, T: int) -> None:
+        k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
+        H = c.hidden
+        if self.prefill == "split16":
+            inv = ws.split_inv[1].data.ptr            # act_split's 1/s of the rows in x16
+            self._split_proj(li, 3, (lw.w_down,), T, ws.tmp.data.ptr, ws.tmp.shape[1])
+            unscale_add(self.kx, ws.x.data.ptr, ws.x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], inv,
+                        lw.post_ffn_norm, T, H, c.rms_eps)
+            return
+        if self.prefill == "fp32":
+            dst, acc = self.dst(lw.post_ffn_norm)
+            self._gemm(lw.w_down, ws.a, T, dst, accumulate=acc, dtype="fp32")
+            self.residual(lw.post_ffn_norm, T)
             return
         # act(g) * u has no bound fp16 can hold: each row goes in scaled by a power of two and
         # comes out unscaled (exact both ways), keeping fp16's mantissa where bf16 would lose 3 bits
-        H = c.hidden
         ops.row_scale_f16(k, ws.a.data.ptr, c.ffn_dim, ws.a16.data.ptr, c.ffn_dim, ws.row_inv.data.ptr, T, c.ffn_dim)
         self._gemm(lw.w_down, ws.a16, T, ws.tmp)
         if lw.post_ffn_norm:
             ops.unscale_rows(k, ws.tmp.data.ptr, H, ws.tmp.data.ptr, H, ws.row_inv.data.ptr, T, H, False)
-            self.f._norm(ws.tmp, lw.post_ffn_norm, ws.x, T, add=True)
+            self.residual(lw.post_ffn_norm, T)
         else:
             ops.unscale_rows(k, ws.x.data.ptr, H, ws.tmp.data.ptr, H, ws.row_inv.data.ptr, T, H, True)

@@ -42,7 +42,7 @@ def _bytes(kind: str, args: tuple, kw: dict, cfg, ctx_len: int) -> int:
         w = args[1]
         return w.rows * w.row_bytes * (2 if kind == "ffn_gate_up" else 1)
     if kind == "attention":
-        n = args[13]
+        n = args[11]
         return n * (2 * ctx_len * cfg.n_kv_heads * cfg.head_dim * 2 + 2 * cfg.q_dim * 4)
     if kind in ("rms_norm_q8", "rms_norm"):
         return cfg.hidden * 4 * 3
