@@ -93,5 +93,115 @@ class Projections:
         raise NotImplementedError
 
     def down(self, li: int, lw: LayerIndex, T: int) -> None:
+        raise NotImplementedError
+
+
+class _LayerPlan:
+    """Which GEMV family each projection of a layer takes (decided once, at load)."""
+
+    def __init__(self, lw: LayerIndex, c: ModelConfig, norm16: bool, int8: bool, int8_down: bool):
+        self.qkv = int8 and all(ops.blocks_ok(w) for w in (lw.wq, lw.wk, lw.wv)) and norm16
+        self.wo = int8 and ops.blocks_ok(lw.wo) and c.q_dim % 32 == 0
+        self.ffn = int8 and lw.fused_ffn and ops.blocks_ok(lw.w_gate) and norm16 and c.ffn_dim % 32 == 0
+        self.down = self.ffn and ops.blocks_ok(lw.w_down) and int8_down
+        # projections that stay on fp32 activations: the fast mmvf.cu kernels where the type has one
+        self.f_qkv = all(ops.blocks_ok(w) for w in (lw.wq, lw.wk, lw.wv))
+        self.f_wo = ops.blocks_ok(lw.wo)
+        self.f_ffn = lw.fused_ffn and ops.blocks_ok(lw.w_gate)
+        self.f_gu = not lw.fused_ffn and ops.blocks_ok(lw.w_gate) and ops.blocks_ok(lw.w_up)
+        self.f_down = ops.blocks_ok(lw.w_down)
+
+
+class GemvProjections(Projections):
+    """GEMVs, several activation rows per launch: decode steps and prompts of a few tokens."""
+
+    def __init__(self, ctx: StepContext, decode_activations: str):
+        super().__init__(ctx)
+        int8 = decode_activations != "fp32"
+        self.plans = [_LayerPlan(lw, ctx.c, ctx.norm16, int8, decode_activations == "int8") for lw in ctx.w.layers]
+
+    def gemv(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
+              accumulate: bool = False) -> None:
+        ops.gemv(self.ctx.k, w, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], T, bias, accumulate)
+
+    def _proj(self, w: WeightRef, fast: bool, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
+              accumulate: bool = False) -> None:
+        """y[:T] (+)= x[:T] @ w.T (+ bias) on fp32 activations: mmvf.cu when `fast` (block types),
+        else gemv.cu (float types)."""
+        if fast:
+            ops.mmvf(self.ctx.k, [(w, bias, y.data.ptr, y.shape[1])], w.cols, x.data.ptr, x.shape[1], T, accumulate,
+                     pdl=self.ctx.pdl)
+        else:
+            self.gemv(w, x, T, y, bias, accumulate)
+
+    def normed(self, x: cupy.ndarray, w: int, T: int):
+        """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself
+        and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
+        norm written to ws.h by its own launch."""
+        c = self.ctx.c
+        if ops.mmvf_stage_ok(c.hidden, T):
+            return x, (w, c.rms_eps)
+        self.norm(x, w, self.ctx.ws.h, T)
+        return self.ctx.ws.h, None
+
+    def attn_outputs(self, li: int) -> tuple[int, int, int]:
+        ws = self.ctx.ws
+        return (ws.aq.data.ptr, ws.ad.data.ptr, 0) if self.plans[li].wo else (0, 0, 0)
+
+    def qkv(self, li: int, lw: LayerIndex, T: int) -> None:
+        k, ws, c, p = self.ctx.k, self.ctx.ws, self.ctx.c, self.plans[li]
+        segs = [(lw.wq, lw.bq, ws.q.data.ptr, c.q_dim), (lw.wk, lw.bk, ws.k.data.ptr, c.kv_dim),
+                (lw.wv, lw.bv, ws.v.data.ptr, c.kv_dim)]
+        if p.qkv:
+            self.norm_q8(ws.x, lw.attn_norm, T, ws.h, ws.hq, ws.hd)
+            ops.mmv_q8(k, segs, c.hidden, ws.hq.data.ptr, ws.hd.data.ptr, T)
+        elif p.f_qkv:
+            x, norm = self.normed(ws.x, lw.attn_norm, T)
+            ops.mmvf(k, segs, c.hidden, x.data.ptr, x.shape[1], T, norm=norm, pdl=self.ctx.pdl)
+        else:
+            self.norm(ws.x, lw.attn_norm, ws.h, T)
+            self.gemv(lw.wq, ws.h, T, ws.q, lw.bq)
+            self.gemv(lw.wk, ws.h, T, ws.k, lw.bk)
+            self.gemv(lw.wv, ws.h, T, ws.v, lw.bv)
+
+    def _into_residual(self, w: WeightRef, post_norm: int, int8: bool, fast: bool, x32: cupy.ndarray,
+                       xq: cupy.ndarray, xd: cupy.ndarray, T: int) -> None:
+        """x += w @ input (or its post-norm): from 8-bit blocks (xq, xd) when int8, else from x32."""
+        dst, acc = self.dst(post_norm)
+        if int8:
+            ops.mmv_q8(self.ctx.k, [(w, 0, dst.data.ptr, self.ctx.c.hidden)], w.cols, xq.data.ptr, xd.data.ptr, T,
+                       accumulate=acc)
+        else:
+            self._proj(w, fast, x32, T, dst, accumulate=acc)
+        self.residual(post_norm, T)
+
+    def out(self, li: int, lw: LayerIndex, T: int) -> None:
+        ws, p = self.ctx.ws, self.plans[li]
+        self._into_residual(lw.wo, lw.post_attn_norm, p.wo, p.f_wo, ws.attn, ws.aq, ws.ad, T)
+
+    def ffn(self, li: int, lw: LayerIndex, T: int) -> None:
+        k, ws, c, p, act = self.ctx.k, self.ctx.ws, self.ctx.c, self.plans[li], self.ctx.act
+        if p.ffn:
+            self.norm_q8(ws.x, lw.ffn_norm, T, None, ws.hq, ws.hd)
+            ops.ffn_q8(k, lw.w_gate, lw.w_up, ws.hq.data.ptr, ws.hd.data.ptr, T, act, ws.fq.data.ptr,
+                       ws.fd.data.ptr, 0 if p.down else ws.a.data.ptr)
+        elif p.f_ffn:
+            x, norm = self.normed(ws.x, lw.ffn_norm, T)
+            ops.ffn_f(k, lw.w_gate, lw.w_up, x.data.ptr, x.shape[1], ws.a.data.ptr, c.ffn_dim, T, act, norm=norm,
+                      pdl=self.ctx.pdl)
+        else:
+            self.norm(ws.x, lw.ffn_norm, ws.h, T)
+            if lw.fused_ffn:
+                ops.ffn_gate_up(k, lw.w_gate, lw.w_up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, c.ffn_dim, T, act)
+                return
+            if p.f_gu:
+                ops.mmvf(k, [(lw.w_gate, 0, ws.g.data.ptr, c.ffn_dim), (lw.w_up, 0, ws.u.data.ptr, c.ffn_dim)],
+                         c.hidden, ws.h.data.ptr, ws.h.shape[1], T, pdl=self.ctx.pdl)
+            else:
+                self.gemv(lw.w_gate, ws.h, T, ws.g)
+                self.gemv(lw.w_up, ws.h, T, ws.u)
+            ops.act_mul(k, ws.g.data.ptr, ws.u.data.ptr, ws.a.data.ptr, T * c.ffn_dim, act)
+
+    def down(self, li: int, lw: LayerIndex, T: int) -> None:
         ws, p = self.ctx.ws, self.plans[li]
         self._into_residual(lw.w_down, lw.post_ffn_norm, p.down, p.f_down, ws.a, ws.fq, ws.fd, T)
