@@ -9,7 +9,8 @@ import pytest
 def test_cuda_modules_import():
     pytest.importorskip("cupy")
     mods = {n: importlib.import_module(f"realizar_backend.backends.cuda.{n}")
-            for n in ("modules", "ops", "forward", "prefill", "sampling", "backend", "selfcheck", "profile")}
+            for n in ("modules", "ops", "forward", "projections", "prefill", "kv_cache", "sampling", "backend",
+                      "selfcheck", "profile")}
     for name in ("get_kernels", "load_module", "Kernels", "QTYPES"):
         assert callable(getattr(mods["modules"], name)) or isinstance(getattr(mods["modules"], name), dict)
     assert callable(mods["backend"].CUDABackend)
