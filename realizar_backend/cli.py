@@ -1,4 +1,4 @@
-"""`realizar`: serve, generate, bench, inspect, check."""
+"""`realizar`: serve, generate, bench, loadtest, inspect, check."""
 
 from __future__ import annotations
 
@@ -94,6 +94,11 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_loadtest(args) -> int:
+    from .loadtest import run_loadtest
+    return run_loadtest(args)
+
+
 def cmd_serve(args) -> int:
     """`bentoml serve` of the packaged service, with this command's options as settings."""
     env = dict(os.environ)
@@ -155,6 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
     b.add_argument("--json", help="write the results as JSON to this file")
     b.set_defaults(func=cmd_bench)
+
+    lt = sub.add_parser("loadtest", help="concurrent streaming OpenAI clients against a running server")
+    lt.add_argument("url", help="the server's address, e.g. http://localhost:3000")
+    lt.add_argument("--clients", type=int, default=8, help="concurrent streams")
+    lt.add_argument("--requests", type=int, default=64, help="requests in all")
+    lt.add_argument("--duration", type=float, default=600.0,
+                    help="time limit in seconds; streams still open then are closed")
+    lt.add_argument("--prompt-tokens", type=int, default=128)
+    lt.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    lt.add_argument("--model", help="default: the first of /v1/models")
+    lt.add_argument("--api-key")
+    lt.add_argument("--mode", choices=["completions", "chat"], default="completions")
+    lt.add_argument("--random-cancel", type=float, default=0.0, metavar="FRACTION",
+                    help="close this fraction of the streams at a random point")
+    lt.add_argument("--seed", type=int, default=0, help="seeds the prompts and the cancels")
+    lt.add_argument("--no-ignore-eos", action="store_true",
+                    help="leave out ignore_eos (for servers that reject it): outputs may end early")
+    lt.add_argument("--json", help="write the report as JSON to this file")
+    lt.set_defaults(func=cmd_loadtest)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API with BentoML")
     model_opts(s, positional=True)

@@ -1,0 +1,159 @@
+"""`realizar loadtest` against a real `bentoml serve` CPU server: the report's counts agree with
+the server's own metrics, chat prompts are sized to the asked length, random cancels and the time
+limit close streams and the server frees them, and a bad URL or model is reported by error type."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server_util import API_KEY, free_port, sample, shared_server, wait_for
+
+from realizar_backend.cli import main
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def server():
+    return shared_server()
+
+
+def loadtest(url: str, tmp_path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "report.json"
+    rc = main(["loadtest", url, "--json", str(out), *args])
+    return rc, json.loads(out.read_text())
+
+
+def idle(server) -> bool:
+    m = server.metrics()
+    return sample(m, "realizar_requests_running") == 0 and sample(m, "realizar_requests_waiting") == 0
+
+
+def delta(after, before, name, **labels) -> float:
+    return sample(after, name, **labels) - sample(before, name, **labels)
+
+
+def assert_ordered(summary: dict, count: int | None = None) -> None:
+    assert 0 < summary["min"] <= summary["p50"] <= summary["p90"] <= summary["p99"] <= summary["max"]
+    assert summary["min"] <= summary["mean"] <= summary["max"]
+    if count is not None:
+        assert summary["count"] == count
+
+
+def test_report_agrees_with_the_server(server, tmp_path, capsys):
+    assert wait_for(lambda: idle(server), 30)
+    before = server.metrics()
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--clients", "3", "--requests", "7",
+                       "--prompt-tokens", "16", "--max-tokens", "4")
+    after = server.metrics()
+    assert rc == 0
+    assert rep["model"] == "SmolLM2-135M-Instruct" and rep["mode"] == "completions"
+    assert rep["requests"] == {"sent": 7, "completed": 7, "cancelled": 0, "cut": 0, "errors": 0, "not_started": 0}
+    assert rep["errors"] == {}
+    # ignore_eos: every request generates exactly max_tokens, counted from the usage chunks
+    assert rep["output_tokens"] == 7 * 4 and rep["tokens_counted_by"] == "usage"
+    assert rep["prompt_tokens_mean"] == 16
+    assert delta(after, before, "realizar_generation_tokens_total") == rep["output_tokens"]
+    assert delta(after, before, "realizar_prompt_tokens_total") == 7 * 16
+    assert delta(after, before, "realizar_requests_total", finish_reason="length") == 7
+    srv = rep["server"]
+    assert srv["settled"]
+    assert srv["counters_delta"]["realizar_generation_tokens_total"] == rep["output_tokens"]
+    assert srv["counters_delta"]['realizar_requests_total{finish_reason="length"}'] == 7
+    assert srv["gauges_after"]["realizar_requests_running"] == 0
+    assert "realizar_kv_cache_usage_ratio" in srv["gauges_before"]
+
+    assert_ordered(rep["ttft_s"], 7)
+    assert_ordered(rep["e2e_s"], 7)
+    assert_ordered(rep["tpot_s"], 7)
+    assert_ordered(rep["itl_s"])
+    assert rep["ttft_s"]["max"] <= rep["e2e_s"]["max"]
+    assert rep["output_tokens_per_s"] == pytest.approx(rep["output_tokens"] / rep["elapsed_s"])
+    assert rep["requests_per_s"] == pytest.approx(7 / rep["elapsed_s"])
+
+    out = capsys.readouterr()
+    assert "| generation tok/s |" in out.out and "| time to first token |" in out.out
+    assert "| realizar_kv_cache_usage_ratio |" in out.out
+    assert "loadtest: 3 clients" in out.err
+
+
+def test_chat_prompts_are_sized_by_the_server(server, tmp_path):
+    assert wait_for(lambda: idle(server), 30)
+    before = server.metrics()
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--mode", "chat", "--clients", "2",
+                       "--requests", "4", "--prompt-tokens", "40", "--max-tokens", "3")
+    after = server.metrics()
+    assert rc == 0 and rep["requests"]["completed"] == 4
+    # template included, as the server counts it; random words make each prompt a little different
+    assert rep["chat_prompt_tokens_sized"] == pytest.approx(40, abs=2)
+    assert rep["prompt_tokens_mean"] == pytest.approx(40, abs=4)
+    assert rep["output_tokens"] == 4 * 3
+    assert delta(after, before, "realizar_generation_tokens_total") >= rep["output_tokens"]   # + sizing requests
+    assert rep["server"]["counters_delta"]["realizar_generation_tokens_total"] == rep["output_tokens"]
+
+
+def test_random_cancel_frees_the_streams(server, tmp_path):
+    assert wait_for(lambda: idle(server), 30)
+    before = server.metrics()
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--clients", "4", "--requests", "8",
+                       "--prompt-tokens", "16", "--max-tokens", "32", "--random-cancel", "0.5", "--seed", "0")
+    assert rc == 0
+    q = rep["requests"]
+    assert 1 <= q["cancelled"] < 8 and q["completed"] + q["cancelled"] == 8 and q["errors"] == 0
+    assert rep["tokens_counted_by"] == "usage and chunks"
+    assert rep["output_tokens"] < 8 * 32
+    assert rep["server"]["settled"]
+    assert rep["server"]["gauges_after"]["realizar_requests_running"] == 0
+    assert wait_for(lambda: idle(server), 15)
+    after = server.metrics()
+    assert sample(after, "realizar_kv_cache_usage_ratio") == 0
+    finished = sum(delta(after, before, "realizar_requests_total", finish_reason=r) for r in ("length", "abort"))
+    assert finished == 8
+    # a stream closed just as its last token came may still finish on the server
+    assert 1 <= delta(after, before, "realizar_requests_total", finish_reason="abort") <= q["cancelled"]
+
+
+def test_time_limit_cuts_open_streams(server, tmp_path):
+    assert wait_for(lambda: idle(server), 30)
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--clients", "2", "--requests", "50",
+                       "--prompt-tokens", "16", "--max-tokens", "400", "--duration", "1.5")
+    assert rc == 0
+    assert rep["requests"] == {"sent": 2, "completed": 0, "cancelled": 0, "cut": 2, "errors": 0, "not_started": 48}
+    assert 1.5 <= rep["elapsed_s"] < 5
+    assert rep["output_tokens"] > 0 and rep["e2e_s"] is None
+    assert wait_for(lambda: idle(server), 15)
+
+
+def test_wrong_model_and_key_are_reported_by_status(server, tmp_path, capsys):
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--model", "no-such-model",
+                       "--requests", "3", "--clients", "2")
+    assert rc == 1
+    assert rep["requests"]["errors"] == 3 and list(rep["errors"]) == ["HTTP 400"]
+    assert rep["errors"]["HTTP 400"]["count"] == 3 and "no-such-model" in rep["errors"]["HTTP 400"]["message"]
+    assert rep["server"]["counters_delta"]['realizar_request_errors_total{status_code="400"}'] == 3
+    assert "| HTTP 400 | 3 |" in capsys.readouterr().out
+
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", "wrong", "--model", "SmolLM2-135M-Instruct",
+                       "--requests", "2", "--clients", "2")
+    assert rc == 1 and rep["errors"]["HTTP 401"]["count"] == 2
+
+
+def test_unreachable_server_is_reported_by_error_type(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"           # nothing listens there
+    rc, rep = loadtest(url, tmp_path, "--model", "m", "--requests", "3", "--clients", "2")
+    assert rc == 1
+    assert rep["requests"]["errors"] == 3 and rep["errors"]["ConnectError"]["count"] == 3
+    assert rep["server"] is None and rep["ttft_s"] is None
+    capsys.readouterr()
+
+    # without --model the model cannot be found: a one-line error, no traceback
+    assert main(["loadtest", url, "--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot list the models" in err and "ConnectError" in err and "Traceback" not in err
+
+
+def test_bad_options_are_refused():
+    assert main(["loadtest", "http://127.0.0.1:9", "--random-cancel", "1.5"]) == 2
+    assert main(["loadtest", "localhost:3000"]) == 2
