@@ -42,6 +42,7 @@
 #include "common.cuh"
 
 #define MMQ_THREADS 256
+#define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row; its passes over the row hit L1
 #define MMQ_BM 128          // weight rows per CTA tile
 #define MMQ_KC 128          // columns per chunk: 4 units
 #define MMQ_REC 528         // bytes per (token, chunk) prep record
@@ -49,15 +50,18 @@
 #define MMQ_XROW 512        // bytes per activation row of a chunk in shared memory (swizzled, no pad)
 #define MMQ_MROW 5          // float4 per meta row: the 4 units' scales, 1 pad (conflict-free stores)
 
-template <int BN> struct MmqCfg;    // warp tiling per token-tile width; BM = 16 MT WM = 128, BN = 8 NT WN
-template <> struct MmqCfg<8> { static constexpr int MT = 1, NT = 1, WM = 8; };
-template <> struct MmqCfg<16> { static constexpr int MT = 1, NT = 2, WM = 8; };
-template <> struct MmqCfg<32> { static constexpr int MT = 2, NT = 2, WM = 4; };
-template <> struct MmqCfg<64> { static constexpr int MT = 2, NT = 4, WM = 4; };
+// Warp tiling per token-tile width (BM = 16 MT WM = 128 rows, BN = 8 NT WN tokens, WN = 8 / WM) and
+// the chunks of weights in flight (D: in registers; the narrow tiles are bound by memory latency,
+// the wide ones by registers)
+template <int BN> struct MmqCfg;
+template <> struct MmqCfg<8> { static constexpr int MT = 1, NT = 1, WM = 8, D = 2; };
+template <> struct MmqCfg<16> { static constexpr int MT = 1, NT = 2, WM = 8, D = 2; };
+template <> struct MmqCfg<32> { static constexpr int MT = 2, NT = 2, WM = 4, D = 1; };
+template <> struct MmqCfg<64> { static constexpr int MT = 2, NT = 4, WM = 4, D = 1; };
 
-// dynamic shared memory of mmq_bnBN: A tile | unit scales | 2 x activation chunk | 2 x unit sums
-__host__ __device__ constexpr int mmq_smem_bytes(int bn) {
-    return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + 2 * bn * MMQ_XROW + 2 * bn * 16;
+// dynamic shared memory of mmq_bnBN: A tile | unit scales | D + 1 activation chunks | their unit sums
+template <int BN> __host__ __device__ constexpr int mmq_smem_bytes() {
+    return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (MmqCfg<BN>::D + 1) * BN * (MMQ_XROW + 16);
 }
 
 // ------------------------------------------------------------------ instructions
@@ -119,10 +123,11 @@ template <int N> __device__ __forceinline__ void mmq_cp_wait() {
 
 // ------------------------------------------------------------------ prep
 // Row t of x (stride xs), RMSNorm'ed with weight nw (nw == 0: as it is), as prep records of out
-// (row stride os bytes, ceil(K/128) records); inv[t] = 1/s. One block of 256 threads per row.
+// (row stride os bytes, ceil(K/128) records); inv[t] = 1/s. One block of MMQ_PREP_THREADS per row
+// (few rows at small batches: each block's three passes must be short).
 // Column c = 16s + 4t + i of a unit goes to position 8t + 4s + i (see the top of the file).
 #if !defined(MMQ_BN) || MMQ_BN == 0
-extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
+extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
                                                                    const float* __restrict__ nw, float eps,
                                                                    u8* __restrict__ out, long long os,
                                                                    float* __restrict__ inv) {
@@ -408,52 +413,73 @@ __device__ __forceinline__ void mmq_stage_x(const u8* __restrict__ xp, long long
     mmq_cp_commit();
 }
 
+// wait until this thread's copies of the prep records of the oldest staged chunk have landed, with
+// `pending` younger chunks staged after it (one cp.async group per chunk)
+__device__ __forceinline__ void mmq_wait_x(int pending) {
+    if (pending >= 2) mmq_cp_wait<2>();
+    else if (pending == 1) mmq_cp_wait<1>();
+    else mmq_cp_wait<0>();
+}
+
+// One chunk of the pipeline: compute chunk c, then (block-uniform) decode chunk c + 1 from register
+// slot SLOT into the A tile and refill the slot with chunk c + 1 + D (D chunks of weights in flight
+// in registers, their prep records in D + 1 shared buffers). Chunk j >= c0 + 1 lives in slot
+// (j - c0 - 1) % D and in activation buffer (j - c0) % (D + 1).
+template <int QT, int BN, int SLOT>
+__device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqCfg<BN>::D][2], const u8* __restrict__ wrow,
+                                         int nu, int p0, const u8* __restrict__ xp, long long xps, int tok0, int M,
+                                         u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+    constexpr int D = MmqCfg<BN>::D;
+    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), xb = (c - c0) % (D + 1);
+    u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
+    float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * 4;
+    mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), X, S, min(4, nu - 4 * c), wm, wn, tid & 31, acc);
+    if (c + 1 < c1) {
+        __syncthreads();                         // every warp is done with the A tile and X[xb]
+        u8* ar = sm + lr * MMQ_AROW;
+        float4* mr = (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr;
+        mmq_store<QT>(r[SLOT][0], c + 1, p0, ar, mr);
+        mmq_store<QT>(r[SLOT][1], c + 1, p0 + 2, ar, mr);
+        if (c + 1 + D < c1) {
+            mmq_load<QT>(wrow, nu, c + 1 + D, p0, r[SLOT][0]);
+            mmq_load<QT>(wrow, nu, c + 1 + D, p0 + 2, r[SLOT][1]);
+            mmq_stage_x<BN>(xp, xps, c + 1 + D, tok0, M, X, S);
+        }
+        mmq_wait_x(min(D, c1 - c - 2));
+        __syncthreads();
+    }
+}
+
 // chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row tid % 128);
 // it loads and decodes pieces p0 and p0 + 2 of every chunk.
 template <int QT, int BN>
 __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, int c0, int c1,
                                          const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm,
                                          int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
-    const int tid = threadIdx.x, lane = tid & 31, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
-    u8* As = sm;
-    float4* Ms = (float4*)(sm + MMQ_BM * MMQ_AROW);
-    u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;     // buffer b: X0 + b * BN * MMQ_XROW
-    float* S0 = (float*)(X0 + 2 * BN * MMQ_XROW);                    // buffer b: S0 + b * BN * 4
-    u8* ar = As + lr * MMQ_AROW;
-    float4* mr = Ms + MMQ_MROW * lr;
-    MmqRaw r0 = {}, r1 = {};
-    mmq_load<QT>(wrow, nu, c0, p0, r0);          // weights only: may run before the kernel before ends
-    mmq_load<QT>(wrow, nu, c0, p0 + 2, r1);
+    constexpr int D = MmqCfg<BN>::D;
+    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
+    u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
+    float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * 4
+    MmqRaw r[D][2] = {};
+    mmq_load<QT>(wrow, nu, c0, p0, r[0][0]);     // weights only: may run before the kernel before ends
+    mmq_load<QT>(wrow, nu, c0, p0 + 2, r[0][1]);
     pdl_wait();
     mmq_stage_x<BN>(xp, xps, c0, tok0, M, X0, S0);
-    mmq_store<QT>(r0, c0, p0, ar, mr);
-    mmq_store<QT>(r1, c0, p0 + 2, ar, mr);
-    if (c0 + 1 < c1) {
-        mmq_load<QT>(wrow, nu, c0 + 1, p0, r0);
-        mmq_load<QT>(wrow, nu, c0 + 1, p0 + 2, r1);
-        mmq_stage_x<BN>(xp, xps, c0 + 1, tok0, M, X0 + BN * MMQ_XROW, S0 + BN * 4);
-        mmq_cp_wait<1>();
-    } else {
-        mmq_cp_wait<0>();
-    }
-    __syncthreads();
-    for (int c = c0; c < c1; ++c) {
-        const int buf = (c - c0) & 1;
-        mmq_chunk<QT, BN>(As, Ms, X0 + buf * BN * MMQ_XROW, S0 + buf * BN * 4, min(4, nu - 4 * c), wm, wn, lane, acc);
-        if (c + 1 < c1) {                        // block-uniform
-            __syncthreads();                     // every warp is done with the A tile and X[buf]
-            mmq_store<QT>(r0, c + 1, p0, ar, mr);
-            mmq_store<QT>(r1, c + 1, p0 + 2, ar, mr);
-            if (c + 2 < c1) {
-                mmq_load<QT>(wrow, nu, c + 2, p0, r0);
-                mmq_load<QT>(wrow, nu, c + 2, p0 + 2, r1);
-                mmq_stage_x<BN>(xp, xps, c + 2, tok0, M, X0 + buf * BN * MMQ_XROW, S0 + buf * BN * 4);
-                mmq_cp_wait<1>();
-            } else {
-                mmq_cp_wait<0>();
-            }
-            __syncthreads();
+    mmq_store<QT>(r[0][0], c0, p0, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+    mmq_store<QT>(r[0][1], c0, p0 + 2, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+#pragma unroll
+    for (int j = 1; j <= D; ++j)
+        if (c0 + j < c1) {
+            mmq_load<QT>(wrow, nu, c0 + j, p0, r[j - 1][0]);
+            mmq_load<QT>(wrow, nu, c0 + j, p0 + 2, r[j - 1][1]);
+            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * 4);
         }
+    mmq_wait_x(min(D, c1 - 1 - c0));
+    __syncthreads();
+    for (int c = c0; c < c1; c += D) {
+        mmq_iter<QT, BN, 0>(c, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
+        if (D > 1 && c + 1 < c1)
+            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
     }
 }
 

@@ -103,7 +103,7 @@ std::vector<Barrier> warp_bar;
 std::function<void()> body;
 std::vector<uint4> dyn;                       // dynamic shared memory
 // warp exchange: two buffers used alternately, so one barrier per collective suffices
-unsigned long long xbuf[8][2][32][6];
+unsigned long long xbuf[32][2][32][6];
 int phase[1024];
 
 void wait(Barrier& b) {
@@ -124,7 +124,7 @@ void entry() {
 }
 
 void run_block(unsigned threads) {
-    const size_t stack = 256 * 1024;
+    const size_t stack = 64 * 1024;
     fib.assign(threads, Fiber{});
     stacks.resize(threads);
     block_bar = Barrier{(int)threads, 0, {}};
@@ -264,14 +264,14 @@ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 }
 
 // ------------------------------------------------------------------ the launches
-static void launch(unsigned grid, size_t smem, const std::function<void()>& body) {
+static void launch(unsigned grid, unsigned threads, size_t smem, const std::function<void()>& body) {
     gridDim = dim3e{grid, 1, 1};
-    blockDim = dim3e{MMQ_THREADS, 1, 1};
+    blockDim = dim3e{threads, 1, 1};
     for (unsigned b = 0; b < grid; ++b) {
         emu::dyn.assign(smem / 16 + 1, uint4{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu});   // NaN everywhere
         blockIdx = dim3e{b, 0, 0};
         emu::body = body;
-        emu::run_block(MMQ_THREADS);
+        emu::run_block(threads);
     }
 }
 
@@ -316,7 +316,7 @@ int main(int argc, char** argv) {
     const long long xps = (long long)nch * MMQ_REC;
     std::vector<u8> rec((size_t)M * xps, 0xFF);
     std::vector<float> inv(M, NAN);
-    launch(M, 0, [&] { mmq_prep(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); });
+    launch(M, MMQ_PREP_THREADS, 0, [&] { mmq_prep(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); });
     for (size_t r = 0; r < rec.size(); r += MMQ_REC) {     // halves 0xFFFF and sums 0xFFFFFFFF: unwritten
         u16 hv[256];
         u32 sv[4];
@@ -364,7 +364,9 @@ int main(int argc, char** argv) {
             }
 #undef MMQ_ARGS
         };
-        launch(grid, mmq_smem_bytes(bn), body);
+        const int smem = bn == 8 ? mmq_smem_bytes<8>() : bn == 16 ? mmq_smem_bytes<16>() : bn == 32 ? mmq_smem_bytes<32>()
+                                                                                               : mmq_smem_bytes<64>();
+        launch(grid, MMQ_THREADS, smem, body);
     };
     run();
     std::vector<std::vector<float>> first;
