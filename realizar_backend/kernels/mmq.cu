@@ -31,9 +31,9 @@
 // split into `splits` ranges of `cps` chunks; every CTA of a split tile stores its raw partial
 // sums in a scratch buffer, and the last to finish (a counter per tile, reset by it) adds them in
 // split order and runs the epilogue: deterministic, one launch.
-// Pipeline per chunk: raw quant bytes of chunk c+1 are loaded into registers (global loads in
-// flight) and the prep records of c+1 copied by cp.async while chunk c is computed; then the
-// registers are decoded into the (single) A tile between two barriers.
+// Pipeline per chunk: the raw quant bytes of the next D chunks are in registers (global loads in
+// flight) and their prep records in shared buffers (cp.async) while chunk c is computed; then the
+// next chunk's registers are decoded into the (single) A tile between two barriers.
 //
 // mmq_bnBN: up to three segments sharing one input (Q, K, V; each its own type, bias and output),
 // accumulate != 0 adds into y (the residual), amax != 0 (one segment) folds the LM head's argmax

@@ -7,8 +7,8 @@ biases, the residual add, the fused FFN, the folded RMSNorm, activations from 1e
 output poisoned (NaN) before the launch and the row tails checked untouched, forced K splits,
 determinism, CUDA-graph capture and programmatic dependent launch.
 
-Errors are in units of sum |w x| per output (selfcheck.dot_err), the fp32 GEMV's measure; the bound
-is the fp32 GEMV tests' own (test_kernels_f32.py FP32_TOL). tests/test_mmq_emu.py runs the same
+Errors are in units of sum |w x| (selfcheck.dot_err, the fp32 GEMV's measure), taken per token row
+(the worst row counts); the bound is the fp32 GEMV tests' own (test_kernels_f32.py FP32_TOL). tests/test_mmq_emu.py runs the same
 kernel code on the CPU."""
 
 from __future__ import annotations
@@ -80,8 +80,11 @@ def _rms(x, w):
 
 
 def _err(got, ref, scale):
+    """The worst token row's error in units of its sum |w x| (selfcheck.dot_err per row): rows of
+    1e-6 and of 1e4 are each held to fp32 accuracy. inf if an output is not finite."""
     from realizar_backend.backends.cuda.selfcheck import dot_err
-    return dot_err(got, ref, scale)
+    got = np.asarray(got)
+    return max(dot_err(got[t:t + 1], ref[t:t + 1], scale[t:t + 1]) for t in range(got.shape[0]))
 
 
 def run_mmq(k, bufs, segs, K, xd, xs, M, *, bias=False, accumulate=False, norm=None, amax=0, splits=None,
