@@ -166,7 +166,6 @@ def main() -> int:
             print(f"{name:9s} M={M:4d} bn{pl.bn:<2d}x{pl.token_tiles} split {pl.splits:2d} grid {pl.grid:5d} | "
                   f"mmq {row['mmq_us']:8.1f} us {row['mmq_GBps']:6.0f} GB/s {row['mmq_TFLOPs']:6.1f} TFLOP/s "
                   f"(prep {row['prep_us']:5.1f}) | mmvf {mv}{sp}", flush=True)
-        del keep, copy_sets, mats
 
     print("\nqwen15 decode step, projections only (28 layers + head), us and the tok/s they allow:")
     print(f"{'M':>5} {'mmq us':>10} {'mmvf us':>10} {'mmq tok/s':>10} {'mmvf tok/s':>11}")

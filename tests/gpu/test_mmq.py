@@ -249,7 +249,8 @@ def _ffn_ref(h64, G, U, act):
 def test_mmq_ffn(k, bufs, rng, qt, F, K, act, M):
     from realizar_backend.backends.cuda import mmq
     prep, scratch = bufs
-    (wg, kg, G), (wu, ku, U) = _weight(qt, F, K, rng), _weight(qt, F, K, rng)
+    mats = [_weight(qt, F, K, rng) for _ in range(2)]        # (WeightRef, device bytes, float64)
+    (wg, _, G), (wu, _, U) = mats
     x = _x(rng, M, K)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
     xd, nwd = _dev(x), _dev(nw)
@@ -337,7 +338,8 @@ def test_graph_capture_and_pdl_match_eager(k, bufs, rng):
     wq, kq, _ = _weight(Q.Q4_K, 1536, H, rng)
     wk, kk, _ = _weight(Q.Q4_K, 256, H, rng)
     wv, kv, _ = _weight(Q.Q6_K, 256, H, rng)
-    (wg, kg, _), (wu, ku, _), (wd, kd, _) = _weight(Q.Q4_K, F, H, rng), _weight(Q.Q4_K, F, H, rng), _weight(Q.Q6_K, H, F, rng)
+    mats = [_weight(Q.Q4_K, F, H, rng), _weight(Q.Q4_K, F, H, rng), _weight(Q.Q6_K, H, F, rng)]
+    (wg, _, _), (wu, _, _), (wd, _, _) = mats
     x0 = _dev(_x(rng, M, H, pad=0))
     nw = _dev((1.0 + 0.5 * rng.standard_normal(H)).astype(np.float32))
     bq, bk, bv = (_dev(rng.standard_normal(n).astype(np.float32)) for n in (1536, 256, 256))
