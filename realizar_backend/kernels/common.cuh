@@ -142,6 +142,44 @@ __device__ __forceinline__ float gelu_tanh_f(float g) {
 
 __device__ __forceinline__ float act_f(float g, int act) { return act ? gelu_tanh_f(g) : silu_f(g); }
 
+// Sum (is_max = 0) or max of v over the block, returned to every thread; sm: 32 floats of shared
+// memory. Block-uniform barriers.
+__device__ __forceinline__ float block_reduce(float v, int is_max, float* sm) {
+    v = is_max ? warp_max(v) : warp_sum(v);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();  // sm may still be read from the previous reduction
+    if (lane == 0) sm[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? sm[lane] : 0.0f;
+        t = is_max ? warp_max(t) : warp_sum(t);
+        if (lane == 0) sm[0] = t;
+    }
+    __syncthreads();
+    return sm[0];
+}
+
+// the power of two s putting m (a row's max |value|) in [2^14, 2^15); inv = 1/s. Scaling an
+// activation row by s before it is rounded to fp16 halves is exact both ways, and fp16 cannot
+// overflow (prefill.cu's splits, mmq.cu's prep).
+__device__ __forceinline__ float row_scale(float m, float& inv) {
+    int e = 0;
+    if (m > 0.0f && m <= 3.402823466e38f) frexpf(m, &e);   // finite m = f * 2^e, f in [0.5, 1)
+    e = e < -100 ? -100 : e;                                 // all-tiny rows: keep s a finite float
+    inv = ldexpf(1.0f, e - 15);
+    return ldexpf(1.0f, 15 - e);
+}
+
+// A fused argmax's key of output v at row r: an order-keeping 64-bit packing, so that one atomicMax
+// per block and row keeps the largest (order-independent: deterministic); the first row wins ties
+// as argmax_rows does, NaN never wins. argmax_unpack (elementwise.cu) reads and resets it.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int r) {
+    u32 u = __float_as_uint(v);
+    u ^= (u >> 31) ? 0xFFFFFFFFu : 0x80000000u;          // order-keeping: larger float, larger key
+    if (v != v) u = 0u;                                   // NaN never wins (as argmax_rows)
+    return ((unsigned long long)u << 32) | (u32)(0xFFFFFFFFu - (u32)r);   // ties: lowest row wins
+}
+
 // ------------------------------------------------------------------ block decoders
 // load_unit<QT>(row, u, K, w): w[0..31] = columns 32u..32u+31 of `row` (raw GGUF bytes).
 // K only matters for the float types, whose rows may end inside a unit (tail reads as 0).
@@ -209,11 +247,9 @@ template <> __device__ __forceinline__ void load_unit<QT_Q4_1>(const u8* __restr
 // v[i] = columns 4i..4i+3, v[i + 4] = columns 16 + 4i..: bytes holding q << SH (q = 0..31).
 __device__ __forceinline__ u32 shl_or_shr(u32 x, int n) { return n >= 0 ? x << n : x >> -n; }
 
+// q5_0_bits: the bit work of q5_0_unit on a unit's 16 quant bytes x and its regrouped fifth bits qh
 template <int SH>
-__device__ __forceinline__ void q5_0_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], float& d) {
-    uint4 x = __ldg((const uint4*)(row + 16 * u));
-    u32 qh = __ldg((const u32*)(row + 16 * nu + 4 * u));
-    d = h2f(ld16(row + 20 * nu + 2 * u));
+__device__ __forceinline__ void q5_0_bits(uint4 x, u32 qh, u32 (&v)[8]) {
     u32 X[4] = {x.x, x.y, x.z, x.w};
     const u32 lo = 0x0F0F0F0Fu << SH, hi = 0x10101010u << SH;
 #pragma unroll
@@ -221,6 +257,14 @@ __device__ __forceinline__ void q5_0_unit(const u8* __restrict__ row, int u, int
         v[i] = (shl_or_shr(X[i], SH) & lo) | (shl_or_shr(qh, 4 + SH - i) & hi);
         v[i + 4] = (shl_or_shr(X[i], SH - 4) & lo) | (shl_or_shr(qh, SH - i) & hi);
     }
+}
+
+template <int SH>
+__device__ __forceinline__ void q5_0_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], float& d) {
+    uint4 x = __ldg((const uint4*)(row + 16 * u));
+    u32 qh = __ldg((const u32*)(row + 16 * nu + 4 * u));
+    d = h2f(ld16(row + 20 * nu + 2 * u));
+    q5_0_bits<SH>(x, qh, v);
 }
 
 // Q8_0 (device layout): the unit's 32 int8 values as 8 words
@@ -332,13 +376,8 @@ template <> __device__ __forceinline__ void load_unit<QT_Q5_K>(const u8* __restr
 // fp16 d values follow its blocks. One unit is one 16-byte, one 8-byte and two 2-byte loads (GGUF's
 // 210-byte blocks are 2-byte aligned: twice the load instructions and a funnel shift per word).
 // v[i] = columns 4i..4i+3, v[i + 4] = columns 16 + 4i.. as bytes holding the unsigned value 0..63.
-__device__ __forceinline__ void q6k_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], u32& sc, float& d) {
-    const u8* b = row + (u >> 3) * 208;
-    int j = u & 7;
-    uint4 lo = __ldg((const uint4*)(b + 16 * j));
-    uint2 hi = __ldg((const uint2*)(b + 128 + 8 * j));
-    sc = ld16(b + 192 + 2 * j);
-    d = h2f(ld16(row + 26 * nu + 2 * (u >> 3)));      // after the nu / 8 blocks of 208 bytes
+// q6k_bits: the bit work of q6k_unit on a unit's 16 low-nibble bytes and 8 high-part bytes
+__device__ __forceinline__ void q6k_bits(uint4 lo, uint2 hi, u32 (&v)[8]) {
     u32 L[4] = {lo.x, lo.y, lo.z, lo.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {        // the high parts of v[i] sit at bits 2i of hi.x's bytes
@@ -347,6 +386,16 @@ __device__ __forceinline__ void q6k_unit(const u8* __restrict__ row, int u, int 
         v[i] = (L[i] & 0x0F0F0F0Fu) | (hx & 0x30303030u);
         v[i + 4] = ((L[i] >> 4) & 0x0F0F0F0Fu) | (hy & 0x30303030u);
     }
+}
+
+__device__ __forceinline__ void q6k_unit(const u8* __restrict__ row, int u, int nu, u32 (&v)[8], u32& sc, float& d) {
+    const u8* b = row + (u >> 3) * 208;
+    int j = u & 7;
+    uint4 lo = __ldg((const uint4*)(b + 16 * j));
+    uint2 hi = __ldg((const uint2*)(b + 128 + 8 * j));
+    sc = ld16(b + 192 + 2 * j);
+    d = h2f(ld16(row + 26 * nu + 2 * (u >> 3)));      // after the nu / 8 blocks of 208 bytes
+    q6k_bits(lo, hi, v);
 }
 
 template <> __device__ __forceinline__ void load_unit<QT_Q6_K>(const u8* __restrict__ row, int u, int K, float (&w)[32]) {

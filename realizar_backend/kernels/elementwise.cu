@@ -131,7 +131,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ x, int xs, int 
     }
 }
 
-// out[b] = the row packed into key[b] by a GEMV's fused argmax (mmvf.cu argmax_key), and key[b]
+// out[b] = the row packed into key[b] by a GEMV's fused argmax (common.cuh argmax_key), and key[b]
 // reset to 0 for the next step's atomicMax. The row is the low word's complement.
 extern "C" __global__ void argmax_unpack(unsigned long long* key, int* out, int n, int* io, int io_stride, int* ring,
                                          int ring_len) {

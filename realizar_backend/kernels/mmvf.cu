@@ -238,13 +238,6 @@ __device__ __forceinline__ const float* mmvf_stage(const float* __restrict__ x, 
     return sm;
 }
 
-__device__ __forceinline__ unsigned long long argmax_key(float v, int r) {
-    u32 u = __float_as_uint(v);
-    u ^= (u >> 31) ? 0xFFFFFFFFu : 0x80000000u;          // order-keeping: larger float, larger key
-    if (v != v) u = 0u;                                   // NaN never wins (as argmax_rows)
-    return ((unsigned long long)u << 32) | (u32)(0xFFFFFFFFu - (u32)r);   // ties: lowest row wins
-}
-
 // the block's largest key per activation row into amax[b]: one atomic per block, not per output
 // (the LM head writes ~150k outputs into one address, and same-address atomics serialize at L2).
 // Block-uniform barrier.

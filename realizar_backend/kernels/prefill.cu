@@ -119,30 +119,6 @@ extern "C" __global__ void split_weights(const u8* __restrict__ W0, long long rb
 }
 
 // ------------------------------------------------------------------ activations
-__device__ __forceinline__ float block_reduce(float v, int is_max, float* sm) {
-    v = is_max ? warp_max(v) : warp_sum(v);
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    __syncthreads();  // sm may still be read from the previous reduction
-    if (lane == 0) sm[wid] = v;
-    __syncthreads();
-    if (wid == 0) {
-        float t = lane < nw ? sm[lane] : 0.0f;
-        t = is_max ? warp_max(t) : warp_sum(t);
-        if (lane == 0) sm[0] = t;
-    }
-    __syncthreads();
-    return sm[0];
-}
-
-// the power of two s putting m (a row's max |value|) in [2^14, 2^15); inv = 1/s
-__device__ __forceinline__ float row_scale(float m, float& inv) {
-    int e = 0;
-    if (m > 0.0f && isfinite(m)) frexpf(m, &e);   // m = f * 2^e, f in [0.5, 1)
-    e = max(e, -100);                              // all-tiny rows: keep s a finite float
-    inv = ldexpf(1.0f, e - 15);
-    return ldexpf(1.0f, 15 - e);
-}
-
 // v = s * value (|v| < 2^15) -> column i of a split row [xh * 2^-12 | xh | xl] of width 3K
 __device__ __forceinline__ void split3(float v, u16* __restrict__ row, int K, int i) {
     const u16 h = f2h(v);

@@ -41,6 +41,9 @@ static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
     return (unsigned)(v >> (sh & 31));
 }
 template <class T> static inline T __ldg(const T* p) { return *p; }
+struct HostDim3 { unsigned x = 0, y = 0, z = 0; };   // common.cuh's block helpers name them (unused here)
+static HostDim3 threadIdx, blockDim;
+static inline void __syncthreads() {}
 static inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;

@@ -25,6 +25,16 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 
 MMV_NB = (1, 2, 4, 8)   # activation rows per mmvq launch column (template instances)
+MMQ_BN = (8, 16, 32, 64)   # token-tile widths of the batched-decode matrix multiply (mmq.cu, one module each)
+
+
+MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
+
+
+def mmq_smem_bytes(bn: int) -> int:
+    """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
+    (272-byte rows), its unit scales (80 bytes a row), D + 1 activation chunks with their unit sums."""
+    return 128 * 272 + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * (512 + 16)
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,8 @@ class Kernels:
     First start compiles the sources with NVRTC. To keep that short: only the quant types of the
     model are compiled in (qtypes; None = all, for tests), every module compiles on its own thread,
     the fast GEMVs compile once per batch width, and the families a batch-1 start does not need
-    (wider batches, the 8-bit and reference GEMVs) finish in the background."""
+    (wider batches, the 8-bit and reference GEMVs) finish in the background; the batched-decode
+    matrix multiply (mmq) compiles on first use, one module per token-tile width."""
 
     def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None):
         dev = self.device = cupy.cuda.Device(device_id)
@@ -185,6 +196,10 @@ class Kernels:
         # the 8-bit and reference GEMVs serve opt-in settings and float-type matrices: compiled on first use
         mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
         gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
+        # the batched-decode matrix multiply (mmq.cu), one module per token-tile width, and its prep
+        mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + (f"-DMMQ_BN={bn}",), smem=mmq_smem_bytes(bn), lazy=True)
+               for bn in MMQ_BN}
+        mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         self._gemvs, self._sfx = gemvs, sfx
         self._ready_lock = threading.Lock()
         self._ready = False
@@ -196,6 +211,7 @@ class Kernels:
         self.ffn_q8 = _Family({nb: (mmvq, f"ffn_q8_nb{nb}") for nb in MMV_NB})
         self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in types})
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in types})
+        self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
 
     def ready(self) -> "Kernels":
         """Wait for the modules a batch-1 start needs, then start the wider batches and sampling in

@@ -1,0 +1,209 @@
+"""Batched decode projections on the tensor cores (kernels/mmq.cu): launchers, the launch plan
+(token-tile width, K split) and the buffers they need. A step of M sequences reads each weight
+block once per 64 tokens (the GEMVs of mmvf.cu once per 8), with fp32-class results.
+
+A projection is two launches: `prep` (the input rows, RMSNorm folded in or not, as row-scaled
+fp16 hi/lo halves and unit sums in an MmqPrep buffer), then `mmq` (up to three segments sharing
+the input: Q, K, V with biases; or one matrix, adding into the residual; the LM head with its
+fused argmax) or `mmq_ffn` (gate and up, a = act(g) * u). One prep serves every launch on the same
+input. Launches allocate nothing and never synchronize: buffers come from MmqPrep and MmqScratch,
+sized once for the largest batch, so the sequence can be captured in a CUDA graph.
+
+The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
+of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
+(FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (qwen15's 1536-row
+projections), K is split over CTAs; the last CTA of a tile adds the partial sums in a fixed order
+(deterministic), bounded so that it reads at most MAX_PARTIAL_READ bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import cupy
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .modules import MMQ_BN, mmq_smem_bytes
+from .ops import WeightRef, _launch
+
+if TYPE_CHECKING:
+    from .modules import Kernels
+
+_U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
+THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MMQ_BM, MMQ_KC, MMQ_REC
+PREP_THREADS = 1024                              # MMQ_PREP_THREADS
+ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
+TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
+CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
+MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
+
+
+def mmq_ok(w: WeightRef) -> bool:
+    """The matrix has a tensor-core kernel here (its type, whole blocks per row)."""
+    return w.qtype in TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
+
+
+def prep_row_bytes(K: int) -> int:
+    """Bytes per activation row of an MmqPrep buffer for inputs of K values."""
+    return -(-K // KC) * REC
+
+
+def tile_width(M: int) -> int:
+    """Tokens per CTA tile: the smallest width that holds M, else 64 (several tiles)."""
+    return next((bn for bn in MMQ_BN if bn >= M), MMQ_BN[-1])
+
+
+@dataclass(frozen=True)
+class Plan:
+    bn: int                  # token-tile width (kernel mmq_bnBN)
+    tiles: int               # weight-row tiles over all segments
+    token_tiles: int
+    splits: int              # K ranges per tile
+    cps: int                 # 128-column chunks per K range
+    partial_floats: int      # scratch the split needs (0: no split)
+    counters: int
+
+    @property
+    def grid(self) -> int:
+        return self.tiles * self.splits * self.token_tiles
+
+
+def plan(M: int, K: int, rows: tuple[int, ...], ffn: bool, sm_count: int, splits: int | None = None) -> Plan:
+    """The launch of one projection: M tokens, K inputs, the output rows of each segment (ffn: the
+    gate's), on sm_count SMs. splits: force the K split (a benchmark's sweep); None: the plan's."""
+    bn = tile_width(M)
+    tb = -(-M // bn)
+    tiles = -(-rows[0] // (BM // 2)) if ffn else sum(-(-n // BM) for n in rows)
+    nch = -(-K // KC)
+    if splits is None:
+        splits = 1
+        base = tiles * tb
+        if base < sm_count:
+            cap = max(1, MAX_PARTIAL_READ // (THREADS * ACC[bn] * 4))
+            splits = min(-(-CTAS_PER_SM * sm_count // base), cap, nch)
+    splits = max(1, min(splits, nch))
+    cps = -(-nch // splits)
+    splits = -(-nch // cps)                  # no empty K range
+    split = splits > 1
+    return Plan(bn, tiles, tb, splits, cps, tiles * tb * splits * THREADS * ACC[bn] if split else 0,
+                tiles * tb if split else 0)
+
+
+class MmqPrep:
+    """The split activation rows of up to M tokens of up to K values (prep's output, mmq's input):
+    records of 528 bytes per 128 columns, and 1/s per row."""
+
+    def __init__(self, M: int, K: int):
+        self.M, self.K = M, K
+        self.rec = cupy.empty(max(1, M * prep_row_bytes(K)), cupy.uint8)
+        self.inv = cupy.empty(max(1, M), cupy.float32)
+        self.filled = (0, 0)                # (M, K) of the last prep launch: a host-side check
+
+    @property
+    def nbytes(self) -> int:
+        return self.rec.nbytes + self.inv.nbytes
+
+
+class MmqScratch:
+    """Partial sums and per-tile counters of the launches that split K. The counters start at zero
+    and every launch leaves them at zero; launches sharing one scratch must run in stream order."""
+
+    def __init__(self, partial_floats: int, counters: int):
+        self.part = cupy.empty(max(1, partial_floats), cupy.float32)
+        self.cnt = cupy.zeros(max(1, counters), cupy.uint32)
+
+    @classmethod
+    def for_shapes(cls, M_max: int, shapes, sm_count: int) -> "MmqScratch":
+        """Big enough for every batch size up to M_max and every shape (K, rows of each segment,
+        ffn) of shapes: what a forward pass allocates once."""
+        need = need_scratch(M_max, shapes, sm_count)
+        return cls(*need)
+
+    @property
+    def nbytes(self) -> int:
+        return self.part.nbytes + self.cnt.nbytes
+
+
+def need_scratch(M_max: int, shapes, sm_count: int) -> tuple[int, int]:
+    """(partial floats, counters) that MmqScratch needs for batch sizes 1..M_max and shapes
+    [(K, (rows, ...), ffn)]."""
+    p = c = 0
+    for M in range(1, M_max + 1):
+        for K, rows, ffn in shapes:
+            pl = plan(M, K, tuple(rows), ffn, sm_count)
+            p, c = max(p, pl.partial_floats), max(c, pl.counters)
+    return p, c
+
+
+def _sm_count(k) -> int:
+    return getattr(k, "sm_count", 132)
+
+
+def prep(k: "Kernels", x: int, xs: int, M: int, K: int, out: MmqPrep, norm=None, pdl: bool = False) -> None:
+    """Rows x[:M, :K] (fp32, row stride xs floats) -> out; norm = (weight pointer, eps): the rows
+    are RMSNorm(x) * weight, computed in the launch."""
+    if K % 32 or M < 1 or M > out.M or K > out.K:
+        raise ValueError(f"mmq.prep: {M} rows of {K} (K % 32 == 0) do not fit a buffer of {out.M} x {out.K}")
+    nw, eps = norm if norm is not None else (0, 0.0)
+    _launch(k.mmq["prep"], (M,), (PREP_THREADS,),
+            (_U64(x), _I32(xs), _I32(M), _I32(K), _U64(nw), _F32(eps), _U64(out.rec.data.ptr),
+             _I64(prep_row_bytes(K)), _U64(out.inv.data.ptr)), 0, pdl)
+    out.filled = (M, K)
+
+
+def _check(kind: str, mats, K: int, p: MmqPrep, M: int) -> None:
+    for w in mats:
+        if not mmq_ok(w) or w.cols != K:
+            raise ValueError(f"{kind}: {w.name} ({getattr(w.qtype, 'name', w.qtype)}, {w.rows} x {w.cols}) "
+                             f"has no tensor-core kernel for K = {K}")
+    if M < 1:
+        raise ValueError(f"{kind}: no rows (M = {M})")
+    if p.filled[1] != K or M > p.filled[0]:
+        raise ValueError(f"{kind}: the prep buffer holds {p.filled[0]} rows of {p.filled[1]}, not {M} of {K}: "
+                         "call mmq.prep on this input first")
+
+
+def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: int, act: int, accumulate: bool,
+                scratch: MmqScratch, amax: int, pdl: bool) -> None:
+    if pl.partial_floats > scratch.part.size or pl.counters > scratch.cnt.size:
+        raise ValueError(f"mmq: the scratch holds {scratch.part.size} partial sums and {scratch.cnt.size} counters; "
+                         f"this launch needs {pl.partial_floats} and {pl.counters} (size it with "
+                         "MmqScratch.for_shapes over every shape and batch size)")
+    for _ in range(3 - len(seg_args) // 7):
+        seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
+    _launch(k.mmq[pl.bn], (pl.grid,), (THREADS,),
+            (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
+             _I32(mode), _I32(act), _I32(int(accumulate)), _I32(pl.splits), _I32(pl.cps),
+             _U64(scratch.part.data.ptr), _U64(scratch.cnt.data.ptr), _U64(amax)),
+            mmq_smem_bytes(pl.bn), pdl)
+
+
+def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,
+        amax: int = 0, pdl: bool = False, splits: int | None = None) -> None:
+    """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
+    pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
+    segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
+    argmax_unpack reads and resets it)."""
+    if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
+        raise ValueError("mmq: one to three segments, and only one with amax")
+    _check("mmq", [w for w, _, _, _ in segs], K, p, M)
+    args: list = []
+    for w, bias, y, ys in segs:
+        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
+    pl = plan(M, K, tuple(w.rows for w, _, _, _ in segs), False, _sm_count(k), splits)
+    _launch_mmq(k, pl, args, K, p, M, 0, 0, accumulate, scratch, amax, pdl)
+
+
+def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act: int, a: int, as_: int,
+            scratch: MmqScratch, pdl: bool = False, splits: int | None = None) -> None:
+    """a[t] = act(gate @ h[t]) * (up @ h[t]) for t < M (act 0: SiLU, 1: GELU-tanh), fp32 out with
+    row stride as_; gate and up share type and shape."""
+    if wg.qtype != wu.qtype or wg.rows != wu.rows or wg.cols != wu.cols or wg.row_bytes != wu.row_bytes:
+        raise ValueError(f"mmq_ffn: gate {wg.name} and up {wu.name} differ in type or shape")
+    _check("mmq_ffn", [wg, wu], wg.cols, p, M)
+    args = []
+    for w in (wg, wu):
+        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
+    pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
+    _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)

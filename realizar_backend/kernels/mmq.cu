@@ -1,0 +1,696 @@
+// Quantized matrix multiply for batched decode (backends/cuda/mmq.py): y[t, r] = W[r] . h[t] for M
+// activation rows t at once, on fp16 tensor cores (mma.sync m16n8k16, fp32 accumulation, sm_80+),
+// with fp32-class accuracy. Each CTA dequantizes a tile of 128 weight rows x 128 columns from the
+// GGUF blocks (device layouts, formats/gpu_layout.py) into shared memory once and applies it to
+// every token of its tile, so a weight block is read from memory once per token tile (once per step
+// up to 64 tokens), not once per token or per few tokens as in the GEMVs.
+//
+// Numerics. A weight is (sub-block scale d) x (integer q) [+ sub-block min m]; q is exact in fp16.
+// mmq_prep scales each activation row by a power of two s (max in [2^14, 2^15): exact, and fp16
+// cannot overflow) and splits it, xh = fp16(s h), xl = fp16(s h - xh) (exact difference, rounded
+// once: xh + xl = s h to ~2^-22), and sums s h over every 32-column unit in fp32. Per unit and
+// weight row the tensor cores form T = q . xh + q . xl (exact products, fp32 sums over 32 terms: 16
+// for Q6_K, whose scale covers 16 columns), and the fp32 accumulator takes acc = fma(T, d, acc)
+// [then fma(m, sum(s h), acc)], so the long sum over K runs in fp32 FMAs, as the GEMVs' does. The
+// epilogue multiplies by 1/s (exact) and adds the bias.
+//
+// Layouts. The k order inside a unit is free as long as the A (weights) and B (activations)
+// fragments agree; it is chosen so that a thread's B fragments of both k16 steps of a unit are 8
+// consecutive stored halves (one 16-byte shared load for xh, one for xl), and so that step s holds
+// columns 16s..16s+15 (one Q6_K scale). Column c = 16s + 4t + 2e + h of a unit is
+//   stored at activation position p = 8t + 4s + 2e + h  (prep record; thread tig = t reads p = 8t..8t+7),
+//   stored at A-tile position   P = 16s + 8e + 2t + h   (the fragment k index of step s is P - 16s).
+// Prep record per token and 128-column chunk (528 bytes): 4 units x [xh p 0..31 | xl p 0..31]
+// (128 bytes), then the 4 unit sums (fp32). Rows of K not a multiple of 128 end in a zero-filled
+// partial chunk.
+//
+// Tiles and grid. 256 threads (8 warps as WM x WN, each warp MT x NT tiles of 16 rows x 8 tokens);
+// a CTA covers 128 rows (FFN: 64 gate rows and the same 64 up rows) and BN tokens (8, 16, 32 or
+// 64: one kernel per BN, mmq_bnBN). The grid is tiles x splits x token blocks, the token block
+// fastest (CTAs sharing weights run together and share them through L2). Few tiles (small N): K is
+// split into `splits` ranges of `cps` chunks; every CTA of a split tile stores its raw partial
+// sums in a scratch buffer, and the last to finish (a counter per tile, reset by it) adds them in
+// split order and runs the epilogue: deterministic, one launch.
+// Pipeline per chunk: the raw quant bytes of the next D chunks are in registers (global loads in
+// flight) and their prep records in shared buffers (cp.async) while chunk c is computed; then the
+// next chunk's registers are decoded into the (single) A tile between two barriers.
+//
+// mmq_bnBN: up to three segments sharing one input (Q, K, V; each its own type, bias and output),
+// accumulate != 0 adds into y (the residual), amax != 0 (one segment) folds the LM head's argmax
+// in (common.cuh argmax_key, as mmvf). mode 1: the fused FFN, segment 0 gate and 1 up (same type
+// and shape), y0[t, r] = act(g) * u.
+#include "common.cuh"
+
+#define MMQ_THREADS 256
+#define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row; its passes over the row hit L1
+#define MMQ_BM 128          // weight rows per CTA tile
+#define MMQ_KC 128          // columns per chunk: 4 units
+#define MMQ_REC 528         // bytes per (token, chunk) prep record
+#define MMQ_AROW 272        // bytes per A-tile row: 256 + 16 (8 rows at one column hit 8 bank groups)
+#define MMQ_XROW 512        // bytes per activation row of a chunk in shared memory (swizzled, no pad)
+#define MMQ_MROW 5          // float4 per meta row: the 4 units' scales, 1 pad (conflict-free stores)
+
+// Warp tiling per token-tile width (BM = 16 MT WM = 128 rows, BN = 8 NT WN tokens, WN = 8 / WM) and
+// the chunks of weights in flight (D: in registers; the narrow tiles are bound by memory latency,
+// the wide ones by registers)
+template <int BN> struct MmqCfg;
+template <> struct MmqCfg<8> { static constexpr int MT = 1, NT = 1, WM = 8, D = 2; };
+template <> struct MmqCfg<16> { static constexpr int MT = 1, NT = 2, WM = 8, D = 2; };
+template <> struct MmqCfg<32> { static constexpr int MT = 2, NT = 2, WM = 4, D = 1; };
+template <> struct MmqCfg<64> { static constexpr int MT = 2, NT = 4, WM = 4, D = 1; };
+
+// dynamic shared memory of mmq_bnBN: A tile | unit scales | D + 1 activation chunks | their unit sums
+template <int BN> __host__ __device__ constexpr int mmq_smem_bytes() {
+    return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (MmqCfg<BN>::D + 1) * BN * (MMQ_XROW + 16);
+}
+
+// ------------------------------------------------------------------ instructions
+#ifdef REALIZAR_HOST_TEST
+// tests/host/mmq_emu.cpp provides the warp-collective ones (and emulates them per the PTX ISA)
+void mmq_ldsm_x4(u32 (&r)[4], const u8* p);
+void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+u32 mmq_hsub2(u32 a, u32 b);
+inline float mmq_ldcg(const float* p) { return *p; }
+inline void mmq_stcg(float* p, float v) { *p = v; }
+inline void mmq_cp_commit() {}
+template <int N> inline void mmq_cp_wait() {}
+#else
+// four 8x8 fp16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8
+__device__ __forceinline__ void mmq_ldsm_x4(u32 (&r)[4], const u8* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((u32)__cvta_generic_to_shared(p)));
+}
+
+// d += A (16x16 fp16, row) . B (16x8 fp16, col), fp32
+__device__ __forceinline__ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// split-K partial sums: through L2 only (another SM reads them)
+__device__ __forceinline__ float mmq_ldcg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void mmq_stcg(float* p, float v) {
+    asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void mmq_cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// wait until at most N of this thread's committed cp.async groups are pending
+template <int N> __device__ __forceinline__ void mmq_cp_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+#endif
+
+// ------------------------------------------------------------------ prep
+// Row t of x (stride xs), RMSNorm'ed with weight nw (nw == 0: as it is), as prep records of out
+// (row stride os bytes, ceil(K/128) records); inv[t] = 1/s. One block of MMQ_PREP_THREADS per row
+// (few rows at small batches: each block's three passes must be short).
+// Column c = 16s + 4t + i of a unit goes to position 8t + 4s + i (see the top of the file).
+#if !defined(MMQ_BN) || MMQ_BN == 0
+extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
+                                                                   const float* __restrict__ nw, float eps,
+                                                                   u8* __restrict__ out, long long os,
+                                                                   float* __restrict__ inv) {
+    __shared__ float sm[32];
+    const int t = blockIdx.x;
+    if (t >= M) return;
+    pdl_wait();
+    const float* xr = x + (long long)t * xs;
+    float rs = 1.0f;
+    if (nw) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
+        rs = rsqrtf(block_reduce(ss, 0, sm) / K + eps);
+    }
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) m = fmaxf(m, fabsf(nw ? xr[i] * rs * nw[i] : xr[i]));
+    float iv;
+    const float s = row_scale(block_reduce(m, 1, sm), iv);
+    const int lane = threadIdx.x & 31, nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
+    const int pos = 8 * ((lane >> 2) & 3) + 4 * (lane >> 4) + (lane & 3);
+    u8* o = out + (long long)t * os;
+    for (int u = threadIdx.x >> 5; u < 4 * nch; u += blockDim.x >> 5) {    // one warp per unit
+        u8* rec = o + (u >> 2) * MMQ_REC + (u & 3) * 128;
+        float v = 0.0f;                                                     // past K: zeros
+        if (u < nu) {
+            const int c = 32 * u + lane;
+            v = (nw ? xr[c] * rs * nw[c] : xr[c]) * s;
+        }
+        const u16 h = f2h(v);
+        ((u16*)rec)[pos] = h;
+        ((u16*)(rec + 64))[pos] = f2h(v - h2f(h));
+        const float sum = warp_sum(v);
+        if (lane == 0) ((float*)(o + (u >> 2) * MMQ_REC + 512))[u & 3] = sum;
+    }
+    if (threadIdx.x == 0) inv[t] = iv;
+    pdl_trigger();
+}
+#endif
+
+// ------------------------------------------------------------------ weights -> A tile
+// One piece of a weight row per work item: 32 weights of one chunk as loaded from global memory
+// (what each type keeps differs), then decoded into the A tile and its unit's scale, half-unit
+// scale and min (meta[u] = {d0, d1, m, 0}; d0 for columns 0..15, d1 for 16..31).
+struct MmqRaw {
+    uint4 a, b;
+    u32 c, d;
+};
+
+// bytes (0, 1) or (2, 3) of w (unsigned) as fp16 pair minus off2 (fp16 pair of 1024 + offset):
+// 0x64XX is the fp16 1024 + XX, so the difference is the integer XX - offset, exactly
+template <int HI> __device__ __forceinline__ u32 mmq_pair(u32 w, u32 off2) {
+    return mmq_hsub2(prmt_imm<HI ? 0x4342u : 0x4140u>(w, 0x64646464u), off2);
+}
+
+// 16 columns 16s + 4t + k (byte k of w[t]) into the A-tile unit at ua: positions 16s + 2t + k
+// (k = 0, 1) and 16s + 8 + 2t + k - 2 (k = 2, 3)
+__device__ __forceinline__ void mmq_put16(u8* ua, int s, u32 w0, u32 w1, u32 w2, u32 w3, u32 off2) {
+    *(uint4*)(ua + 32 * s) = make_uint4(mmq_pair<0>(w0, off2), mmq_pair<0>(w1, off2), mmq_pair<0>(w2, off2),
+                                        mmq_pair<0>(w3, off2));
+    *(uint4*)(ua + 32 * s + 16) = make_uint4(mmq_pair<1>(w0, off2), mmq_pair<1>(w1, off2), mmq_pair<1>(w2, off2),
+                                             mmq_pair<1>(w3, off2));
+}
+
+// a whole unit from v[8] (v[i]: columns 4i..4i+3, unsigned bytes q + offset)
+__device__ __forceinline__ void mmq_put32(u8* ua, const u32 (&v)[8], u32 off2) {
+    mmq_put16(ua, 0, v[0], v[1], v[2], v[3], off2);
+    mmq_put16(ua, 1, v[4], v[5], v[6], v[7], off2);
+}
+
+__device__ __forceinline__ constexpr u32 mmq_off2(u32 off) { return (0x6400u + off) * 0x00010001u; }
+
+// mmq_load<QT>(row, nu, c, p, r): piece p (0..3) of chunk c of a row (nu units); mmq_store<QT>:
+// its values into A-tile row ar, its unit's scales into meta row mr. Units past the row's end
+// (a partial last chunk) load nothing; what they store is never read.
+template <int QT> __device__ __forceinline__ void mmq_load(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r);
+template <int QT> __device__ __forceinline__ void mmq_store(const MmqRaw& r, int c, int p, u8* ar, float4* mr);
+
+// Q4_K: {d, dmin, scales[12], qs[128]}; chunk c is half c & 1 of block c >> 1. Piece p: qs bytes
+// 64h + 16p..+15, i.e. columns 16(p & 1)..+15 of unit 2(p >> 1) (low nibbles) and of unit
+// 2(p >> 1) + 1 (high nibbles); the piece also carries the scale and min of unit p.
+template <> __device__ __forceinline__ void mmq_load<QT_Q4_K>(const u8* __restrict__ row, int, int c, int p, MmqRaw& r) {
+    const u8* b = row + (c >> 1) * 144;
+    r.a = __ldg((const uint4*)(b + 16 + 64 * (c & 1) + 16 * p));
+    r.b = __ldg((const uint4*)b);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q4_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    const u32 M4 = 0x0F0F0F0Fu, off = mmq_off2(0);
+    u8* ulo = ar + 64 * (2 * (p >> 1));
+    mmq_put16(ulo, p & 1, r.a.x & M4, r.a.y & M4, r.a.z & M4, r.a.w & M4, off);
+    mmq_put16(ulo + 64, p & 1, (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4, off);
+    int sc, m;
+    scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
+    const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
+    mr[p] = make_float4(d, d, -h2f((u16)(r.b.x >> 16)) * m, 0.0f);
+}
+
+// Q6_K (device layout, common.cuh q6k_unit): piece p = unit 4c + p; values q + 32 in 0..63
+template <> __device__ __forceinline__ void mmq_load<QT_Q6_K>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const u8* b = row + (c >> 1) * 208;
+    const int j = 4 * (c & 1) + p;
+    r.a = __ldg((const uint4*)(b + 16 * j));
+    const uint2 hi = __ldg((const uint2*)(b + 128 + 8 * j));
+    r.b.x = hi.x;
+    r.b.y = hi.y;
+    r.c = ld16(b + 192 + 2 * j);                     // the two int8 scales
+    r.d = ld16(row + 26 * nu + 2 * (c >> 1));        // the block's d
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q6_K>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    u32 v[8];
+    q6k_bits(r.a, make_uint2(r.b.x, r.b.y), v);
+    mmq_put32(ar + 64 * p, v, mmq_off2(32));
+    const float d = h2f((u16)r.d);
+    mr[p] = make_float4(d * (float)(i8)(r.c & 255), d * (float)(i8)(r.c >> 8), 0.0f, 0.0f);
+}
+
+// Q8_0 (device layout: 32 int8 per unit, then the d values); signed bytes flipped to q + 128
+template <> __device__ __forceinline__ void mmq_load<QT_Q8_0>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    r.a = __ldg((const uint4*)(row + 32 * u));
+    r.b = __ldg((const uint4*)(row + 32 * u + 16));
+    r.c = ld16(row + 32 * nu + 2 * u);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q8_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    const u32 F = 0x80808080u;
+    const u32 v[8] = {r.a.x ^ F, r.a.y ^ F, r.a.z ^ F, r.a.w ^ F, r.b.x ^ F, r.b.y ^ F, r.b.z ^ F, r.b.w ^ F};
+    mmq_put32(ar + 64 * p, v, mmq_off2(128));
+    const float d = h2f((u16)r.c);
+    mr[p] = make_float4(d, d, 0.0f, 0.0f);
+}
+
+// Q5_0 (device layout, common.cuh q5_0_unit): values 0..31, offset 16
+template <> __device__ __forceinline__ void mmq_load<QT_Q5_0>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    r.a = __ldg((const uint4*)(row + 16 * u));
+    r.c = __ldg((const u32*)(row + 16 * nu + 4 * u));
+    r.d = ld16(row + 20 * nu + 2 * u);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q5_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    u32 v[8];
+    q5_0_bits<0>(r.a, r.c, v);
+    mmq_put32(ar + 64 * p, v, mmq_off2(16));
+    const float d = h2f((u16)r.d);
+    mr[p] = make_float4(d, d, 0.0f, 0.0f);
+}
+
+// Q4_0: GGUF's {d, qs[16]} (18 bytes, 2-byte aligned): values 0..15, offset 8
+template <> __device__ __forceinline__ void mmq_load<QT_Q4_0>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    const u8* b = row + 18 * u;
+    r.c = ld16(b);
+    r.a = make_uint4((u32)ld32_a2(b + 2), (u32)ld32_a2(b + 6), (u32)ld32_a2(b + 10), (u32)ld32_a2(b + 14));
+}
+
+// Q4_1: GGUF's {d, m, qs[16]} (20 bytes): w = d q + m
+template <> __device__ __forceinline__ void mmq_load<QT_Q4_1>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    const u8* b = row + 20 * u;
+    r.c = __ldg((const u32*)b);
+    const u32* q = (const u32*)(b + 4);
+    r.a = make_uint4(__ldg(q), __ldg(q + 1), __ldg(q + 2), __ldg(q + 3));
+}
+
+// Q4_0 / Q4_1: byte j of the 16 holds column j (low nibble) and column 16 + j (high nibble)
+template <int OFF>
+__device__ __forceinline__ void mmq_put_q4(const MmqRaw& r, int p, u8* ar) {
+    const u32 M4 = 0x0F0F0F0Fu;
+    const u32 v[8] = {r.a.x & M4, r.a.y & M4, r.a.z & M4, r.a.w & M4,
+                      (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4};
+    mmq_put32(ar + 64 * p, v, mmq_off2(OFF));
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q4_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    mmq_put_q4<8>(r, p, ar);
+    const float d = h2f((u16)r.c);
+    mr[p] = make_float4(d, d, 0.0f, 0.0f);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q4_1>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    mmq_put_q4<0>(r, p, ar);
+    const float d = h2f((u16)(r.c & 0xFFFF));
+    mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
+}
+
+// ------------------------------------------------------------------ the tile product
+// acc += the chunk's nuc units: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
+// X (BN activation rows of 32 16-byte pieces, piece q of row t at q ^ 4(t & 1): the two rows a
+// quarter-warp reads hit opposite bank halves), S (BN x 4 unit sums).
+template <int QT, int BN>
+__device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const u8* Xs, const float* Ss, int nuc,
+                                          int wm, int wn, int lane,
+                                          float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+    constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT;
+    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1;   // w = d q + m: the min needs the unit sums
+    constexpr bool HALF = QT == QT_Q6_K;                   // a scale per 16 columns
+    const int gid = lane >> 2, tig = lane & 3;
+    const u8* arow = As + (wm * 16 * MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
+#pragma unroll 1
+    for (int u = 0; u < nuc; ++u) {               // unrolled, ptxas spills at BN = 64
+        u32 a[MT][2][4];
+        float d0[MT][2], d1[MT][2], mn[MT][2];      // [m][rows gid, gid + 8]
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int s = 0; s < 2; ++s) mmq_ldsm_x4(a[m][s], arow + 16 * m * MMQ_AROW + 64 * u + 32 * s);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float4 t = Ms[(wm * 16 * MT + 16 * m + gid + 8 * h) * MMQ_MROW + u];
+                d0[m][h] = t.x;
+                d1[m][h] = t.y;
+                mn[m][h] = t.z;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int tl = wn * 8 * NT + 8 * n + gid;            // the token of this thread's B fragments
+            const u8* xr = Xs + tl * MMQ_XROW;
+            const int sw = (tl & 1) << 2;
+            const uint4 bh = *(const uint4*)(xr + (((8 * u + tig) ^ sw) << 4));
+            const uint4 bl = *(const uint4*)(xr + (((8 * u + 4 + tig) ^ sw) << 4));
+            float sx0 = 0.0f, sx1 = 0.0f;                        // sums of the tokens of c0/c2 and c1/c3
+            if (MIN) {
+                const int tc = wn * 8 * NT + 8 * n + 2 * tig;
+                sx0 = Ss[4 * tc + u];
+                sx1 = Ss[4 * tc + 4 + u];
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                float* c = acc[m][n];
+                if (!HALF) {
+                    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mmq_mma(t, a[m][0], bh.x, bh.y);
+                    mmq_mma(t, a[m][0], bl.x, bl.y);
+                    mmq_mma(t, a[m][1], bh.z, bh.w);
+                    mmq_mma(t, a[m][1], bl.z, bl.w);
+                    c[0] = fmaf(t[0], d0[m][0], c[0]);
+                    c[1] = fmaf(t[1], d0[m][0], c[1]);
+                    c[2] = fmaf(t[2], d0[m][1], c[2]);
+                    c[3] = fmaf(t[3], d0[m][1], c[3]);
+                    if (MIN) {
+                        c[0] = fmaf(mn[m][0], sx0, c[0]);
+                        c[1] = fmaf(mn[m][0], sx1, c[1]);
+                        c[2] = fmaf(mn[m][1], sx0, c[2]);
+                        c[3] = fmaf(mn[m][1], sx1, c[3]);
+                    }
+                } else {                                 // step s: columns 16s.., scale d_s
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mmq_mma(t, a[m][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
+                        mmq_mma(t, a[m][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
+                        const float e0 = s ? d1[m][0] : d0[m][0], e1 = s ? d1[m][1] : d0[m][1];
+                        c[0] = fmaf(t[0], e0, c[0]);
+                        c[1] = fmaf(t[1], e0, c[1]);
+                        c[2] = fmaf(t[2], e1, c[2]);
+                        c[3] = fmaf(t[3], e1, c[3]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// prep records of chunk c for tokens tok0 .. tok0 + BN - 1 (those < M) into X and S, by cp.async
+template <int BN>
+__device__ __forceinline__ void mmq_stage_x(const u8* __restrict__ xp, long long xps, int c, int tok0, int M, u8* Xs,
+                                            float* Ss) {
+    for (int i = threadIdx.x; i < BN * 33; i += MMQ_THREADS) {
+        const int t = i / 33, q = i - 33 * t;
+        if (tok0 + t < M) {
+            const u8* src = xp + (long long)(tok0 + t) * xps + (long long)c * MMQ_REC + 16 * q;
+            void* dst = q < 32 ? (void*)(Xs + t * MMQ_XROW + ((q ^ ((t & 1) << 2)) << 4)) : (void*)(Ss + 4 * t);
+            cp_async16(dst, src);
+        }
+    }
+    mmq_cp_commit();
+}
+
+// wait until this thread's copies of the prep records of the oldest staged chunk have landed, with
+// `pending` younger chunks staged after it (one cp.async group per chunk)
+__device__ __forceinline__ void mmq_wait_x(int pending) {
+    if (pending >= 2) mmq_cp_wait<2>();
+    else if (pending == 1) mmq_cp_wait<1>();
+    else mmq_cp_wait<0>();
+}
+
+// One chunk of the pipeline: compute chunk c, then (block-uniform) decode chunk c + 1 from register
+// slot SLOT into the A tile and refill the slot with chunk c + 1 + D (D chunks of weights in flight
+// in registers, their prep records in D + 1 shared buffers). Chunk j >= c0 + 1 lives in slot
+// (j - c0 - 1) % D and in activation buffer (j - c0) % (D + 1).
+template <int QT, int BN, int SLOT>
+__device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqCfg<BN>::D][2], const u8* __restrict__ wrow,
+                                         int nu, int p0, const u8* __restrict__ xp, long long xps, int tok0, int M,
+                                         u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+    constexpr int D = MmqCfg<BN>::D;
+    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), xb = (c - c0) % (D + 1);
+    u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
+    float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * 4;
+    mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), X, S, min(4, nu - 4 * c), wm, wn, tid & 31, acc);
+    if (c + 1 < c1) {
+        __syncthreads();                         // every warp is done with the A tile and X[xb]
+        u8* ar = sm + lr * MMQ_AROW;
+        float4* mr = (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr;
+        mmq_store<QT>(r[SLOT][0], c + 1, p0, ar, mr);
+        mmq_store<QT>(r[SLOT][1], c + 1, p0 + 2, ar, mr);
+        if (c + 1 + D < c1) {
+            mmq_load<QT>(wrow, nu, c + 1 + D, p0, r[SLOT][0]);
+            mmq_load<QT>(wrow, nu, c + 1 + D, p0 + 2, r[SLOT][1]);
+            mmq_stage_x<BN>(xp, xps, c + 1 + D, tok0, M, X, S);
+        }
+        mmq_wait_x(min(D, c1 - c - 2));
+        __syncthreads();
+    }
+}
+
+// chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row tid % 128);
+// it loads and decodes pieces p0 and p0 + 2 of every chunk.
+template <int QT, int BN>
+__device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, int c0, int c1,
+                                         const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm,
+                                         int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+    constexpr int D = MmqCfg<BN>::D;
+    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
+    u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
+    float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * 4
+    MmqRaw r[D][2] = {};
+    mmq_load<QT>(wrow, nu, c0, p0, r[0][0]);     // weights only: may run before the kernel before ends
+    mmq_load<QT>(wrow, nu, c0, p0 + 2, r[0][1]);
+    pdl_wait();
+    mmq_stage_x<BN>(xp, xps, c0, tok0, M, X0, S0);
+    mmq_store<QT>(r[0][0], c0, p0, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+    mmq_store<QT>(r[0][1], c0, p0 + 2, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+#pragma unroll
+    for (int j = 1; j <= D; ++j)
+        if (c0 + j < c1) {
+            mmq_load<QT>(wrow, nu, c0 + j, p0, r[j - 1][0]);
+            mmq_load<QT>(wrow, nu, c0 + j, p0 + 2, r[j - 1][1]);
+            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * 4);
+        }
+    mmq_wait_x(min(D, c1 - 1 - c0));
+    __syncthreads();
+    for (int c = c0; c < c1; c += D) {
+        mmq_iter<QT, BN, 0>(c, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
+        if (D > 1 && c + 1 < c1)
+            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
+    }
+}
+
+// ------------------------------------------------------------------ the kernel
+struct MmqSeg {
+    const u8* W;
+    long long rb;
+    int n, qt;
+    const float* bias;
+    float* y;
+    int ys;
+};
+
+template <int BN>
+__device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
+                                         const float* __restrict__ inv, int M, int mode, int act, int accumulate,
+                                         int splits, int cps, float* part, u32* cnt, unsigned long long* amax) {
+#ifdef MMQ_DYN_SMEM
+    MMQ_DYN_SMEM(mmq_sm);
+#else
+    extern __shared__ uint4 mmq_sm[];
+#endif
+    constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT, WM = MmqCfg<BN>::WM, E = MT * NT * 4;
+    u8* sm = (u8*)mmq_sm;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp % WM, wn = warp / WM;
+    const int gid = lane >> 2, tig = lane & 3;
+    // which tile, K range and tokens
+    const int TB = (M + BN - 1) / BN;
+    int L = blockIdx.x;
+    const int tb = L % TB;
+    L /= TB;
+    const int split = L % splits, tile = L / splits;
+    const int tile_rows = mode ? MMQ_BM / 2 : MMQ_BM;
+    int lt = tile, si = 0;
+    if (!mode) {
+        const int t0 = (seg[0].n + MMQ_BM - 1) / MMQ_BM, t1 = (seg[1].n + MMQ_BM - 1) / MMQ_BM;
+        if (lt >= t0) {
+            lt -= t0;
+            si = 1;
+            if (lt >= t1) {
+                lt -= t1;
+                si = 2;
+            }
+        }
+    }
+    const MmqSeg S = si == 0 ? seg[0] : (si == 1 ? seg[1] : seg[2]);
+    const int r0 = lt * tile_rows, tok0 = tb * BN;
+    const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
+    const int c0 = split * cps, c1 = min(nch, c0 + cps);
+    // this thread's weight row for the tile decode (rows past the end repeat the last one, never stored)
+    const int lr = tid & (MMQ_BM - 1);
+    const u8* wrow = mode ? (lr < MMQ_BM / 2 ? seg[0].W : seg[1].W) + (long long)min(r0 + (lr & 63), S.n - 1) * S.rb
+                          : S.W + (long long)min(r0 + lr, S.n - 1) * S.rb;
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
+    bool known = false;
+#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc); known = true; } break;
+    switch (S.qt) {
+        MMQ_CASE(QT_Q4_0)
+        MMQ_CASE(QT_Q4_1)
+        MMQ_CASE(QT_Q5_0)
+        MMQ_CASE(QT_Q8_0)
+        MMQ_CASE(QT_Q4_K)
+        MMQ_CASE(QT_Q6_K)
+        default: break;
+    }
+#undef MMQ_CASE
+    if (!known)              // a type not compiled in (the host checks types): NaN rather than numbers
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[m][n][i] = __int_as_float(0x7fffffff);
+    pdl_trigger();
+
+    // split K: raw sums to the scratch; the last CTA of the tile adds them in split order
+    if (splits > 1) {
+        __shared__ int last;
+        const long long ti = (long long)tile * TB + tb;
+        float* P = part + (ti * splits + split) * (MMQ_THREADS * E);
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) mmq_stcg(P + ((m * NT + n) * 4 + i) * MMQ_THREADS + tid, acc[m][n][i]);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(cnt + ti, 1u) == (u32)(splits - 1);
+        __syncthreads();
+        if (!last) return;                   // block-uniform
+        __threadfence();
+        const float* P0 = part + ti * splits * (MMQ_THREADS * E);
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float* q = P0 + ((m * NT + n) * 4 + i) * MMQ_THREADS + tid;
+                    float v = mmq_ldcg(q);
+#pragma unroll 4
+                    for (int sp = 1; sp < splits; ++sp) v += mmq_ldcg(q + (long long)sp * (MMQ_THREADS * E));
+                    acc[m][n][i] = v;
+                }
+        if (tid == 0) cnt[ti] = 0u;          // ready for the next launch
+    }
+    __syncthreads();                         // the A tile and meta are free: exchange buffers below
+
+    if (mode) {
+        // fused FFN: warps wm < WM/2 hold gate rows 0..63 of the tile, the others the same up rows;
+        // the up values go through shared memory to the gate's threads
+        float* xu = (float*)sm;              // [64][BN]
+        const bool up = wm >= WM / 2;
+        float* a = seg[0].y;
+        const int as = seg[0].ys, F = seg[0].n;
+        for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int lrow = wm * 16 * MT + 16 * m + gid + 8 * (i >> 1);
+                        const int tl = wn * 8 * NT + 8 * n + 2 * tig + (i & 1), t = tok0 + tl;
+                        const float v = t < M ? acc[m][n][i] * inv[t] : 0.0f;
+                        if (pass == 0 && up) xu[(lrow - MMQ_BM / 2) * BN + tl] = v;
+                        if (pass == 1 && !up && t < M && r0 + lrow < F)
+                            a[(long long)t * as + r0 + lrow] = act_f(v, act) * xu[lrow * BN + tl];
+                    }
+            if (pass == 0) __syncthreads();
+        }
+        return;
+    }
+
+    unsigned long long best[NT][2];          // argmax keys of this thread's tokens (amax)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) best[n][0] = best[n][1] = 0ull;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + wm * 16 * MT + 16 * m + gid + 8 * (i >> 1);
+                const int t = tok0 + wn * 8 * NT + 8 * n + 2 * tig + (i & 1);
+                if (r < S.n && t < M) {
+                    const float v = acc[m][n][i] * inv[t] + (S.bias ? S.bias[r] : 0.0f);
+                    float* out = S.y + (long long)t * S.ys + r;
+                    *out = accumulate ? *out + v : v;
+                    if (amax) {
+                        const unsigned long long k = argmax_key(v, r);
+                        best[n][i & 1] = k > best[n][i & 1] ? k : best[n][i & 1];
+                    }
+                }
+            }
+    if (amax) {
+        // per token: the warp's best over its rows (lanes of one tig), the CTA's over its warps,
+        // then one atomic per token and CTA
+        unsigned long long* red = (unsigned long long*)(sm + MMQ_BM * MMQ_AROW);   // [WM][BN], in the meta area
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                unsigned long long b = best[n][j];
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) {
+                    const unsigned long long t = __shfl_xor_sync(0xffffffffu, b, o);
+                    b = t > b ? t : b;
+                }
+                if (gid == 0) red[wm * BN + wn * 8 * NT + 8 * n + 2 * tig + j] = b;
+            }
+        __syncthreads();
+        if (tid < BN && tok0 + tid < M) {
+            unsigned long long b = 0ull;
+#pragma unroll
+            for (int w = 0; w < WM; ++w) b = red[w * BN + tid] > b ? red[w * BN + tid] : b;
+            if (b) atomicMax(amax + tok0 + tid, b);
+        }
+    }
+}
+
+// MMQ_BN: one token-tile width per compilation (the loader compiles them as separate modules, on
+// first use); 0: mmq_prep only; unset: everything
+#define DEFINE_MMQ(BN)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) mmq_bn##BN(                              \
+        const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
+        const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,                \
+        const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
+        int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
+        int splits, int cps, float* part, unsigned* cnt, unsigned long long* amax) {                      \
+        const MmqSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},          \
+                               {W2, rb2, n2, qt2, b2, y2, ys2}};                                          \
+        mmq_body<BN>(seg, K, xp, xps, inv, M, mode, act, accumulate, splits, cps, part, cnt, amax);       \
+    }
+#if !defined(MMQ_BN) || MMQ_BN == 8
+DEFINE_MMQ(8)
+#endif
+#if !defined(MMQ_BN) || MMQ_BN == 16
+DEFINE_MMQ(16)
+#endif
+#if !defined(MMQ_BN) || MMQ_BN == 32
+DEFINE_MMQ(32)
+#endif
+#if !defined(MMQ_BN) || MMQ_BN == 64
+DEFINE_MMQ(64)
+#endif

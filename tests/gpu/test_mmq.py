@@ -1,0 +1,381 @@
+"""The batched-decode tensor-core kernels (kernels/mmq.cu, backends/cuda/mmq.py) against float64
+NumPy (gguf's dequantize of the same blocks) on fresh random inputs, beside the fp32 GEMV (mmvf.cu)
+on the same data: every type in its device layout, M from 1 to 256 (every token-tile width, several
+token tiles, partial ones), K = 896 .. 8960 (partial last chunks, long rows split over CTAs), odd
+row counts, the LM head's 151936 rows with its fused argmax, Q/K/V segments of mixed types with
+biases, the residual add, the fused FFN, the folded RMSNorm, activations from 1e-6 to 1e4, every
+output poisoned (NaN) before the launch and the row tails checked untouched, forced K splits,
+determinism, CUDA-graph capture and programmatic dependent launch.
+
+Errors are in units of sum |w x| (selfcheck.dot_err, the fp32 GEMV's measure), taken per token row
+(the worst row counts); the bound is the fp32 GEMV tests' own (test_kernels_f32.py FP32_TOL). tests/test_mmq_emu.py runs the same
+kernel code on the CPU."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+pytestmark = pytest.mark.gpu
+
+FP32_TOL = 2e-5
+KQUANT = (Q.Q4_K, Q.Q6_K)
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+MS = [1, 2, 3, 8, 13, 16, 17, 64, 100, 256]
+KERNEL = Path(__file__).resolve().parents[2] / "realizar_backend" / "kernels" / "mmq.cu"
+
+
+@pytest.fixture(scope="module")
+def k(kernels):
+    """The kernels, with mmq's modules compiled side by side before the first test (first use
+    compiles them one at a time otherwise)."""
+    with ThreadPoolExecutor(5) as ex:
+        list(ex.map(lambda key: kernels.mmq[key], [8, 16, 32, 64, "prep"]))
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def bufs(k):
+    from realizar_backend.backends.cuda.mmq import MmqPrep, MmqScratch
+    return MmqPrep(256, 8960), MmqScratch(64 << 20, 1 << 16)
+
+
+def _poison(shape):
+    import cupy
+    a = cupy.empty(shape, cupy.float32)
+    cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, cupy.cuda.get_current_stream().ptr)
+    return a
+
+
+def _dev(a):
+    import cupy
+    return cupy.asarray(np.ascontiguousarray(a))
+
+
+def _weight(qt, N, K, rng):
+    from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
+    from realizar_backend.formats.quants import dequantize
+    host = random_weight(qt, N, K, rng)
+    w, keep = upload_weight(qt, host)
+    return w, keep, dequantize(host, qt, (N, K)).astype(np.float64)
+
+
+def _x(rng, M, K, stress=False, pad=4):
+    x = rng.standard_normal((M, K + pad)) * rng.uniform(0.1, 30.0, (M, 1))
+    if stress:   # outlier channels, and rows spread over ten decades (the down projection's input)
+        x[:, rng.choice(K, 4, replace=False)] *= 300
+        x *= 10.0 ** rng.uniform(-6, 4, (M, 1))
+        x[0, : K // 2] *= 1e-5
+    return x.astype(np.float32)
+
+
+def _rms(x, w):
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-6) * w.astype(np.float64)
+
+
+def _err(got, ref, scale):
+    """The worst token row's error in units of its sum |w x| (selfcheck.dot_err per row): rows of
+    1e-6 and of 1e4 are each held to fp32 accuracy. inf if an output is not finite."""
+    from realizar_backend.backends.cuda.selfcheck import dot_err
+    got = np.asarray(got)
+    return max(dot_err(got[t:t + 1], ref[t:t + 1], scale[t:t + 1]) for t in range(got.shape[0]))
+
+
+def run_mmq(k, bufs, segs, K, xd, xs, M, *, bias=False, accumulate=False, norm=None, amax=0, splits=None,
+            rng=None, pdl=False):
+    """Launch prep + mmq over segs [(WeightRef, W64)] into fresh outputs of row stride rows + 3;
+    returns [(output, y0, bias)] per segment."""
+    from realizar_backend.backends.cuda import mmq
+    prep, scratch = bufs
+    launch, outs = [], []
+    for w, _ in segs:
+        ys = w.rows + 3
+        b = rng.standard_normal(w.rows).astype(np.float32) if bias else None
+        y0 = rng.standard_normal((M, ys)).astype(np.float32) if accumulate else None
+        y = _dev(y0) if accumulate else _poison((M, ys))
+        bd = _dev(b) if bias else None
+        outs.append((y, y0, b, bd))
+        launch.append((w, bd.data.ptr if bias else 0, y.data.ptr, ys))
+    mmq.prep(k, xd.data.ptr, xs, M, K, prep, norm=norm, pdl=pdl)
+    mmq.mmq(k, launch, K, prep, M, scratch, accumulate=accumulate, amax=amax, splits=splits, pdl=pdl)
+    return outs
+
+
+def check_outputs(segs, outs, h64, M):
+    """Max error over segments, or inf when an output is missing or a row tail was written."""
+    errs = []
+    for (w, W64), (y, y0, b, _) in zip(segs, outs):
+        got = y.get()
+        n = w.rows
+        ref, scale = h64 @ W64.T, np.abs(h64) @ np.abs(W64).T
+        if b is not None:
+            ref, scale = ref + b, scale + np.abs(b)
+        if y0 is not None:
+            ref, scale = ref + y0[:, :n], scale + np.abs(y0[:, :n])
+        tail_ok = np.array_equal(got[:, n:], y0[:, n:]) if y0 is not None else bool(np.all(np.isnan(got[:, n:])))
+        errs.append(_err(got[:, :n], ref, scale) if tail_ok else float("inf"))
+    return max(errs)
+
+
+def mmvf_err(k, w, W64, xd, xs, M, K, h64):
+    """The fp32 GEMV on the same input: its error is what fp32-class means here."""
+    from realizar_backend.backends.cuda import ops
+    y = _poison((M, w.rows))
+    ops.mmvf(k, [(w, 0, y.data.ptr, w.rows)], K, xd.data.ptr, xs, M)
+    return _err(y.get(), h64 @ W64.T, np.abs(h64) @ np.abs(W64).T)
+
+
+# ------------------------------------------------------------------ plumbing
+def test_host_constants_match_the_kernel():
+    """mmq.py and modules.py restate kernels/mmq.cu's tile constants; they must agree."""
+    from realizar_backend.backends.cuda import mmq
+    from realizar_backend.backends.cuda.modules import MMQ_BN, mmq_smem_bytes
+    src = KERNEL.read_text()
+    d = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (MMQ_\w+) (\d+)", src, re.M)}
+    assert (d["MMQ_THREADS"], d["MMQ_BM"], d["MMQ_KC"], d["MMQ_REC"]) == (mmq.THREADS, mmq.BM, mmq.KC, mmq.REC)
+    assert d["MMQ_PREP_THREADS"] == mmq.PREP_THREADS
+    cfg = {int(b): (int(mt), int(nt), int(dd)) for b, mt, nt, dd in
+           re.findall(r"struct MmqCfg<(\d+)> \{ static constexpr int MT = (\d+), NT = (\d+), WM = \d+, D = (\d+)",
+                      src)}
+    assert sorted(cfg) == list(MMQ_BN)
+    for bn, (mt, nt, depth) in cfg.items():
+        assert mmq.ACC[bn] == mt * nt * 4
+        smem = d["MMQ_BM"] * d["MMQ_AROW"] + d["MMQ_BM"] * 16 * d["MMQ_MROW"] + (depth + 1) * bn * (d["MMQ_XROW"] + 16)
+        assert mmq_smem_bytes(bn) == smem, bn
+
+
+def test_plan_fills_the_gpu_and_bounds_the_split():
+    """The plans of qwen15 / qwen05 / smol135 decode shapes: whole K ranges, a split only where the
+    tiles leave SMs idle, at most MAX_PARTIAL_READ bytes for the split's last CTA to add."""
+    from realizar_backend.backends.cuda.mmq import ACC, MAX_PARTIAL_READ, THREADS, plan
+    for M in MS:
+        for K, rows, ffn in ((1536, (1536, 256, 256), False), (1536, (1536,), False), (8960, (1536,), False),
+                             (1536, (8960,), True), (896, (896, 128, 128), False), (576, (49152,), False)):
+            p = plan(M, K, rows, ffn, 132)
+            nch = -(-K // 128)
+            base = p.tiles * p.token_tiles
+            cap = MAX_PARTIAL_READ // (THREADS * ACC[p.bn] * 4)
+            print(f"M={M} K={K} rows={rows} ffn={ffn}: bn {p.bn} x{p.token_tiles}, splits {p.splits} x {p.cps} "
+                  f"chunks, grid {p.grid}")
+            assert p.bn >= min(M, 64) and p.token_tiles * p.bn >= M
+            assert (p.splits - 1) * p.cps < nch <= p.splits * p.cps          # no empty K range
+            assert p.splits == 1 or p.splits <= cap
+            assert base >= 132 or p.grid * 2 >= min(132, base * min(nch, cap))
+
+
+def test_bad_launches_raise(k, bufs, rng):
+    from realizar_backend.backends.cuda import mmq
+    w, keep, _ = _weight(Q.Q4_K, 64, 512, rng)
+    prep, scratch = bufs
+    x = _dev(_x(rng, 4, 512))
+    y = _poison((4, 64))
+    mmq.prep(k, x.data.ptr, 516, 4, 512, prep)
+    with pytest.raises(ValueError, match="prep buffer"):
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 5, scratch)
+    with pytest.raises(ValueError, match="scratch"):
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, mmq.MmqScratch(1, 1), splits=4)
+    with pytest.raises(ValueError, match="do not fit"):
+        mmq.prep(k, x.data.ptr, 516, 300, 512, prep)
+    f16 = mmq.WeightRef("f16", Q.F16, w.ptr, 64, 512, 1024)
+    with pytest.raises(ValueError, match="no tensor-core kernel"):
+        mmq.mmq(k, [(f16, 0, y.data.ptr, 64)], 512, prep, 4, scratch)
+
+
+# ------------------------------------------------------------------ accuracy
+def _shapes(qt):
+    if qt in KQUANT:
+        return [(1280, 131), (1536, 288), (4864, 257), (8960, 1536)]
+    return [(896, 896), (1536, 288), (4864, 257), (8960, 1536)]
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+def test_mmq_every_type_m_and_k(k, bufs, rng, qt):
+    """Every M of the decode buckets on four row lengths per type, beside mmvf on the same input."""
+    worst = 0.0
+    for K, N in _shapes(qt):
+        w, keep, W64 = _weight(qt, N, K, rng)
+        x = _x(rng, 256, K)
+        xd = _dev(x)
+        for M in MS:
+            h64 = x[:M, :K].astype(np.float64)
+            outs = run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, rng=rng)
+            e = check_outputs([(w, W64)], outs, h64, M)
+            ev = mmvf_err(k, w, W64, xd, K + 4, M, K, h64)
+            worst = max(worst, e)
+            print(f"{qt.name} N={N} K={K} M={M}: mmq {e:.2e}  mmvf {ev:.2e}")
+            assert e <= FP32_TOL, f"{qt.name} N={N} K={K} M={M}: error {e:.2e} (mmvf {ev:.2e})"
+    print(f"{qt.name}: worst {worst:.2e}")
+
+
+@pytest.mark.parametrize("segs,K", [([(Q.Q4_K, 1536), (Q.Q4_K, 256), (Q.Q6_K, 256)], 1536),
+                                    ([(Q.Q5_0, 896), (Q.Q5_0, 128), (Q.Q8_0, 128)], 896),
+                                    ([(Q.Q8_0, 577), (Q.Q4_1, 33), (Q.Q4_0, 5)], 576),
+                                    ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q6_K, 130)], 8960)],
+                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny"])
+@pytest.mark.parametrize("M", [1, 13, 64, 100, 256])
+def test_mmq_segments_bias_residual_norm(k, bufs, rng, segs, K, M):
+    mats = [_weight(qt, n, K, rng) for qt, n in segs]
+    sw = [(w, W64) for w, _, W64 in mats]
+    x = _x(rng, M, K)
+    xd = _dev(x)
+    nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    nwd = _dev(nw)
+    h64 = x[:, :K].astype(np.float64)
+    e1 = check_outputs(sw, run_mmq(k, bufs, sw, K, xd, K + 4, M, bias=True, rng=rng), h64, M)
+    e2 = check_outputs(sw[:1], run_mmq(k, bufs, sw[:1], K, xd, K + 4, M, accumulate=True, rng=rng), h64, M)
+    e3 = check_outputs(sw, run_mmq(k, bufs, sw, K, xd, K + 4, M, bias=True, accumulate=True,
+                                   norm=(nwd.data.ptr, 1e-6), rng=rng), _rms(x[:, :K], nw), M)
+    print(f"segments K={K} M={M}: bias {e1:.2e}  residual {e2:.2e}  bias+residual+norm {e3:.2e}")
+    assert max(e1, e2, e3) <= FP32_TOL
+
+
+def _ffn_ref(h64, G, U, act):
+    g, u = h64 @ G.T, h64 @ U.T
+    ag = 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3))) if act else g / (1 + np.exp(np.minimum(-g, 700.0)))
+    scale = 1.2 * (np.abs(h64) @ np.abs(G).T) * np.abs(u) + np.abs(ag) * (np.abs(h64) @ np.abs(U).T)
+    return ag * u, scale
+
+
+@pytest.mark.parametrize("qt,F,K,act", [(Q.Q4_K, 8960, 1536, 0), (Q.Q5_0, 4864, 896, 0), (Q.Q4_1, 1536, 576, 0),
+                                        (Q.Q8_0, 1000, 640, 1), (Q.Q6_K, 2048, 512, 1), (Q.Q4_0, 97, 896, 0)],
+                         ids=["qwen15", "qwen05", "smol", "gelu-odd", "q6k-gelu", "q4_0-tiny"])
+@pytest.mark.parametrize("M", [3, 17, 64, 256])
+def test_mmq_ffn(k, bufs, rng, qt, F, K, act, M):
+    from realizar_backend.backends.cuda import mmq
+    prep, scratch = bufs
+    mats = [_weight(qt, F, K, rng) for _ in range(2)]        # (WeightRef, device bytes, float64)
+    (wg, _, G), (wu, _, U) = mats
+    x = _x(rng, M, K)
+    nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    xd, nwd = _dev(x), _dev(nw)
+    errs = []
+    for norm in (False, True):
+        a = _poison((M, F + 5))
+        mmq.prep(k, xd.data.ptr, K + 4, M, K, prep, norm=(nwd.data.ptr, 1e-6) if norm else None)
+        mmq.mmq_ffn(k, wg, wu, prep, M, act, a.data.ptr, F + 5, scratch)
+        h64 = _rms(x[:, :K], nw) if norm else x[:, :K].astype(np.float64)
+        ref, scale = _ffn_ref(h64, G, U, act)
+        got = a.get()
+        errs.append(_err(got[:, :F], ref, scale) if np.all(np.isnan(got[:, F:])) else float("inf"))
+    print(f"ffn {qt.name} F={F} K={K} M={M} act={act}: {errs[0]:.2e}  norm {errs[1]:.2e}")
+    assert max(errs) <= FP32_TOL
+
+
+def test_mmq_lm_head_argmax(k, bufs, rng):
+    """qwen15's head: 151936 Q6_K rows, the norm folded in, argmax fused (M = 16: one token tile;
+    100: two); the key buffer is left zeroed by argmax_unpack for the next step."""
+    import cupy
+    from realizar_backend.backends.cuda import ops
+    N, K = 151936, 1536
+    w, keep, W64 = _weight(Q.Q6_K, N, K, rng)
+    for M in (16, 100):
+        x = _x(rng, M, K)
+        nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+        xd, nwd = _dev(x), _dev(nw)
+        key = cupy.zeros(M, cupy.uint64)
+        out = cupy.full(M, -7, cupy.int32)
+        outs = run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, norm=(nwd.data.ptr, 1e-6), amax=key.data.ptr, rng=rng)
+        ops.argmax_unpack(k, key.data.ptr, out.data.ptr, M)
+        e = check_outputs([(w, W64)], outs, _rms(x[:, :K], nw), M)
+        logits = outs[0][0].get()[:, :N]
+        print(f"head M={M}: {e:.2e}")
+        assert e <= FP32_TOL
+        assert out.get().tolist() == np.argmax(logits, axis=1).tolist()
+        assert int(key.sum().get()) == 0
+
+
+@pytest.mark.parametrize("qt,N,K", [(Q.Q6_K, 1536, 8960), (Q.Q4_K, 896, 4864), (Q.Q8_0, 640, 2048),
+                                    (Q.Q5_0, 288, 4864)], ids=["qwen15-down", "q4k", "q8_0", "q5_0"])
+@pytest.mark.parametrize("M", [8, 64, 100])
+def test_mmq_activation_range_stress(k, bufs, rng, qt, N, K, M):
+    """Down-projection-like inputs: outlier channels, rows from 1e-6 to 1e4 (the row scaling keeps
+    fp16 in range; the hi/lo split keeps fp32-class accuracy), with the residual add."""
+    w, keep, W64 = _weight(qt, N, K, rng)
+    x = _x(rng, M, K, stress=True)
+    xd = _dev(x)
+    h64 = x[:, :K].astype(np.float64)
+    e = check_outputs([(w, W64)], run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, accumulate=True, rng=rng), h64, M)
+    ev = mmvf_err(k, w, W64, xd, K + 4, M, K, h64)
+    print(f"stress {qt.name} {N}x{K} M={M}: mmq {e:.2e}  mmvf {ev:.2e}")
+    assert e <= FP32_TOL
+
+
+# ------------------------------------------------------------------ launch mechanics
+def test_forced_splits_and_determinism(k, bufs, rng):
+    """Every K split gives fp32-class results; one launch repeated gives the same bits (the split
+    reduction runs in a fixed order and leaves its counters at zero)."""
+    from realizar_backend.backends.cuda import mmq
+    w, keep, W64 = _weight(Q.Q6_K, 1536, 8960, rng)
+    M = 40
+    x = _x(rng, M, 8960)
+    xd = _dev(x)
+    h64 = x[:, :8960].astype(np.float64)
+    _, scratch = bufs
+    for splits in (1, 2, 7, 35, 70):
+        outs = run_mmq(k, bufs, [(w, W64)], 8960, xd, 8964, M, splits=splits, rng=rng)
+        e = check_outputs([(w, W64)], outs, h64, M)
+        again = run_mmq(k, bufs, [(w, W64)], 8960, xd, 8964, M, splits=splits, rng=rng)
+        same = np.array_equal(outs[0][0].get(), again[0][0].get())
+        print(f"splits {splits} ({mmq.plan(M, 8960, (1536,), False, k.sm_count, splits).splits}): {e:.2e}, repeat identical {same}")
+        assert e <= FP32_TOL and same
+        assert int(scratch.cnt.sum().get()) == 0
+
+
+def test_graph_capture_and_pdl_match_eager(k, bufs, rng):
+    """prep + mmq (QKV with biases) + mmq_ffn + the down projection with the residual, captured in
+    a CUDA graph and replayed (then launched as programmatic dependent launches): the same bits as
+    eager launches."""
+    import cupy
+    from realizar_backend.backends.cuda import mmq
+    prep, scratch = bufs
+    H, F, M = 1536, 8960, 24
+    wq, kq, _ = _weight(Q.Q4_K, 1536, H, rng)
+    wk, kk, _ = _weight(Q.Q4_K, 256, H, rng)
+    wv, kv, _ = _weight(Q.Q6_K, 256, H, rng)
+    mats = [_weight(Q.Q4_K, F, H, rng), _weight(Q.Q4_K, F, H, rng), _weight(Q.Q6_K, H, F, rng)]
+    (wg, _, _), (wu, _, _), (wd, _, _) = mats
+    x0 = _dev(_x(rng, M, H, pad=0))
+    nw = _dev((1.0 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+    bq, bk, bv = (_dev(rng.standard_normal(n).astype(np.float32)) for n in (1536, 256, 256))
+    q, kk_, v = cupy.empty((M, 1536), cupy.float32), cupy.empty((M, 256), cupy.float32), cupy.empty((M, 256), cupy.float32)
+    a = cupy.empty((M, F), cupy.float32)
+    x = cupy.empty_like(x0)
+
+    def launches(pdl=False):
+        cupy.copyto(x, x0)
+        mmq.prep(k, x.data.ptr, H, M, H, prep, norm=(nw.data.ptr, 1e-6), pdl=pdl)
+        mmq.mmq(k, [(wq, bq.data.ptr, q.data.ptr, 1536), (wk, bk.data.ptr, kk_.data.ptr, 256),
+                    (wv, bv.data.ptr, v.data.ptr, 256)], H, prep, M, scratch, pdl=pdl)
+        mmq.prep(k, x.data.ptr, H, M, H, prep, norm=(nw.data.ptr, 1e-6), pdl=pdl)
+        mmq.mmq_ffn(k, wg, wu, prep, M, 0, a.data.ptr, F, scratch, pdl=pdl)
+        mmq.prep(k, a.data.ptr, F, M, F, prep, pdl=pdl)
+        mmq.mmq(k, [(wd, 0, x.data.ptr, H)], F, prep, M, scratch, accumulate=True, pdl=pdl)
+
+    step_out = [q, kk_, v, a, x]
+    launches()
+    eager = [t.get() for t in step_out]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+        launches()
+        graph = stream.end_capture()
+    for t in step_out:
+        t.fill(np.nan)
+    cupy.cuda.Device().synchronize()
+    for _ in range(2):
+        graph.launch(stream)
+    stream.synchronize()
+    replay = [t.get() for t in step_out]
+    for name, e, r in zip(("q", "k", "v", "a", "x"), eager, replay):
+        assert np.array_equal(e, r), f"graph replay differs from eager launches in {name}"
+    if int(k.device.compute_capability) >= 90:
+        launches(pdl=True)
+        for name, e, r in zip(("q", "k", "v", "a", "x"), eager, [t.get() for t in step_out]):
+            assert np.array_equal(e, r), f"programmatic dependent launches differ in {name}"
+    assert np.all(np.isfinite(eager[4]))
