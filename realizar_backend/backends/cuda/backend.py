@@ -313,7 +313,7 @@ class CUDABackend:
         return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
                 "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
                 "programmatic_launch": self.pdl,
-                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes
+                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes + (self.fwd.mmq.nbytes if self.fwd.mmq else 0)
                                   + (self.sampler.nbytes if self.sampler else 0)),
                 "kv_pool_bytes": int(self.kv.nbytes),
                 "device_memory_bytes": int(total - free)}

@@ -8,9 +8,10 @@ can capture and replay.
 per-head q/k norms (qwen3, gemma3), RoPE and the KV write, attention over the paged KV cache
 (kv_cache.py), the output projection into the residual (with gemma3's post-norm), RMSNorm +
 gate/up/activation, and the down projection into the residual. How the projections of a step run
-is its Projections object (projections.py): GEMVs for decode steps and short prompts (several
-rows per launch; integer-dot on 8-bit activations, fp32-activation or, for float types, plain),
-GEMMs for prompts (prefill.py). A new architecture is flags in model/arch.py plus, where it
+is its Projections object (projections.py): GEMVs for decode steps of a few rows and short prompts
+(several rows per launch; integer-dot on 8-bit activations, fp32-activation or, for float types,
+plain), a tensor-core matrix multiply on the quantized blocks for decode steps of MMQ_MIN_ROWS rows
+or more (mmq.py), GEMMs for prompts (prefill.py). A new architecture is flags in model/arch.py plus, where it
 changes the layer, an edit here.
 
 Decode rows (one new token per sequence) fold RoPE and the KV write into attention; prompt rows
@@ -26,12 +27,15 @@ from . import ops
 from .kv_cache import KVCache
 from .modules import Kernels
 from .prefill import GemmProjections
-from .projections import GemvProjections, Projections, StepContext
+from .projections import GemvProjections, MmqProjections, Projections, StepContext
 from .weights import DeviceWeights, LayerIndex
 from .workspace import Workspace
 
 # prefill steps with more tokens than this use the GEMM projections; fewer use the GEMVs
 GEMM_MIN_TOKENS = 16
+# decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
+# which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
+MMQ_MIN_ROWS = 8
 
 
 class Forward:
@@ -47,6 +51,7 @@ class Forward:
         self.ctx = StepContext(k, w, ws, self.c, 1 if self.c.activation == "gelu_tanh" else 0)
         self.gemv = GemvProjections(self.ctx, settings.decode_activations)
         self.gemm = GemmProjections(self.ctx, settings.prefill_precision, settings.prefill_weight_cache)
+        self.mmq = MmqProjections(self.ctx, ws.max_rows, self.gemv) if ws.max_rows >= MMQ_MIN_ROWS else None
         int8 = settings.decode_activations != "fp32"
         self.head_q8 = ops.blocks_ok(w.output) and self.ctx.norm16 and int8
         self.head_f32 = ops.blocks_ok(w.output)
@@ -113,11 +118,16 @@ class Forward:
         for li, lw in enumerate(self.w.layers):
             self.block(li, lw, p, T, pos, slots, decode)
 
-    def head(self, rows: cupy.ndarray, n: int, io: cupy.ndarray | None = None) -> None:
-        """Final norm + LM head (GEMV) + greedy argmax for rows[:n] -> ws.logits, ws.argmax; io: the
-        decode inputs (ws.dec_io), which also receive the argmax tokens and advanced positions."""
+    def head(self, rows: cupy.ndarray, n: int, io: cupy.ndarray | None = None, p: Projections | None = None) -> None:
+        """Final norm + LM head + greedy argmax for rows[:n] -> ws.logits, ws.argmax; io: the decode
+        inputs (ws.dec_io), which also receive the argmax tokens and advanced positions. p: the
+        step's projections (the tensor-core LM head for a batched decode step)."""
         c, ws, g = self.c, self.ws, self.gemv
         feed = (io.data.ptr, io.shape[1], *self.token_ring) if io is not None else (0, 0, 0, 0)
+        if p is self.mmq and p is not None and p.head_ok:
+            p.head(rows, n, self.w.output_norm, ws.logits, self.am_key.data.ptr)
+            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
+            return
         if self.head_q8:
             g.norm_q8(rows, self.w.output_norm, n, None, ws.head_q, ws.head_d)
             ops.mmv_q8(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden,
@@ -140,8 +150,9 @@ class Forward:
         The step ends by writing its argmax tokens and the next positions into ws.dec_io[0/1]: the
         next step's inputs when the host feeds none."""
         io = self.ws.dec_io
-        self.layers(self.gemv, b, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
-        self.head(self.ws.x, b, io)
+        p = self.mmq if self.mmq is not None and b >= MMQ_MIN_ROWS else self.gemv
+        self.layers(p, b, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
+        self.head(self.ws.x, b, io, p)
 
     def prefill_step(self, T: int, n_items: int) -> None:
         """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row."""

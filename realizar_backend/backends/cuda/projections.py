@@ -205,3 +205,86 @@ class GemvProjections(Projections):
     def down(self, li: int, lw: LayerIndex, T: int) -> None:
         ws, p = self.ctx.ws, self.plans[li]
         self._into_residual(lw.w_down, lw.post_ffn_norm, p.down, p.f_down, ws.a, ws.fq, ws.fd, T)
+
+
+class MmqProjections(Projections):
+    """Decode steps of many rows: each projection is a prep launch (the input rows as row-scaled fp16
+    halves, RMSNorm folded in) and a tensor-core matrix multiply that reads every weight block once
+    per 64 rows (mmq.py, kernels/mmq.cu), at fp32-class accuracy. A projection whose matrices have
+    no such kernel (float types, K not whole blocks) runs on the GEMVs (`fallback`)."""
+
+    def __init__(self, ctx: StepContext, max_rows: int, fallback: GemvProjections):
+        super().__init__(ctx)
+        from .mmq import MmqPrep, MmqScratch, mmq_ok
+        c, w = ctx.c, ctx.w
+        self.fallback = fallback
+        self.prep_buf = MmqPrep(max_rows, max(c.hidden, c.q_dim, c.ffn_dim))
+        shapes = [(c.hidden, (c.q_dim, c.kv_dim, c.kv_dim), False), (c.q_dim, (c.hidden,), False),
+                  (c.hidden, (c.ffn_dim,), True), (c.ffn_dim, (c.hidden,), False), (c.hidden, (c.vocab_size,), False)]
+        self.scratch = MmqScratch.for_shapes(max_rows, shapes, getattr(ctx.k, "sm_count", 132))
+        # per layer: which projections run here (the rest on the GEMVs)
+        self.on = []
+        for lw in w.layers:
+            ffn = lw.fused_ffn and mmq_ok(lw.w_gate) and mmq_ok(lw.w_up)
+            # down reads ws.a, which the GEMVs' 8-bit FFN path may leave unwritten: both or neither
+            self.on.append(dict(qkv=all(mmq_ok(m) for m in (lw.wq, lw.wk, lw.wv)), out=mmq_ok(lw.wo),
+                                ffn=ffn, down=ffn and mmq_ok(lw.w_down)))
+        self.head_ok = mmq_ok(w.output)
+
+    @property
+    def nbytes(self) -> int:
+        return self.prep_buf.nbytes + self.scratch.nbytes
+
+    def _prep(self, x: cupy.ndarray, K: int, T: int, norm: int = 0) -> None:
+        from .mmq import prep
+        c = self.ctx.c
+        prep(self.ctx.k, x.data.ptr, x.shape[1], T, K, self.prep_buf, norm=(norm, c.rms_eps) if norm else None,
+             pdl=self.ctx.pdl)
+
+    def _mmq(self, segs, K: int, T: int, accumulate: bool = False, amax: int = 0) -> None:
+        from .mmq import mmq
+        mmq(self.ctx.k, segs, K, self.prep_buf, T, self.scratch, accumulate=accumulate, amax=amax, pdl=self.ctx.pdl)
+
+    def attn_outputs(self, li: int) -> tuple[int, int, int]:
+        return (0, 0, 0) if self.on[li]["out"] else self.fallback.attn_outputs(li)
+
+    def qkv(self, li: int, lw: LayerIndex, T: int) -> None:
+        if not self.on[li]["qkv"]:
+            return self.fallback.qkv(li, lw, T)
+        ws, c = self.ctx.ws, self.ctx.c
+        self._prep(ws.x, c.hidden, T, lw.attn_norm)
+        self._mmq([(lw.wq, lw.bq, ws.q.data.ptr, ws.q.shape[1]), (lw.wk, lw.bk, ws.k.data.ptr, ws.k.shape[1]),
+                   (lw.wv, lw.bv, ws.v.data.ptr, ws.v.shape[1])], c.hidden, T)
+
+    def out(self, li: int, lw: LayerIndex, T: int) -> None:
+        if not self.on[li]["out"]:
+            return self.fallback.out(li, lw, T)
+        ws = self.ctx.ws
+        self._prep(ws.attn, lw.wo.cols, T)
+        dst, acc = self.dst(lw.post_attn_norm)
+        self._mmq([(lw.wo, 0, dst.data.ptr, dst.shape[1])], lw.wo.cols, T, accumulate=acc)
+        self.residual(lw.post_attn_norm, T)
+
+    def ffn(self, li: int, lw: LayerIndex, T: int) -> None:
+        if not self.on[li]["ffn"]:
+            return self.fallback.ffn(li, lw, T)
+        from .mmq import mmq_ffn
+        ws, c = self.ctx.ws, self.ctx.c
+        self._prep(ws.x, c.hidden, T, lw.ffn_norm)
+        mmq_ffn(self.ctx.k, lw.w_gate, lw.w_up, self.prep_buf, T, self.ctx.act, ws.a.data.ptr, ws.a.shape[1],
+                self.scratch, pdl=self.ctx.pdl)
+
+    def down(self, li: int, lw: LayerIndex, T: int) -> None:
+        if not self.on[li]["down"]:
+            return self.fallback.down(li, lw, T)
+        ws = self.ctx.ws
+        self._prep(ws.a, lw.w_down.cols, T)
+        dst, acc = self.dst(lw.post_ffn_norm)
+        self._mmq([(lw.w_down, 0, dst.data.ptr, dst.shape[1])], lw.w_down.cols, T, accumulate=acc)
+        self.residual(lw.post_ffn_norm, T)
+
+    def head(self, rows: cupy.ndarray, n: int, norm: int, logits: cupy.ndarray, amax: int) -> None:
+        """RMSNorm(rows[:n]) * norm -> LM head -> logits, with the packed argmax of each row into amax."""
+        w = self.ctx.w.output
+        self._prep(rows, self.ctx.c.hidden, n, norm)
+        self._mmq([(w, 0, logits.data.ptr, logits.shape[1])], self.ctx.c.hidden, n, amax=amax)
