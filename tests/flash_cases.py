@@ -125,6 +125,7 @@ class DecodeCase:
     rope_dim: int
     neox: bool
     theta: float
+    scaling: object = None       # model.config.RopeScaling of the rope table (None: plain RoPE)
 
     @property
     def n(self) -> int:
@@ -159,7 +160,7 @@ def decode_expected(c: DecodeCase, fuse: bool) -> tuple[np.ndarray, Pool]:
     pool = copy.deepcopy(c.pool)
     q = c.q
     if fuse:
-        cos, sin = rope_angles(c.positions, c.rope_dim, float(np.float32(c.theta)))
+        cos, sin = rope_angles(c.positions, c.rope_dim, float(np.float32(c.theta)), c.scaling)
         style = "neox" if c.neox else "normal"
         q = apply_rope(c.q, cos, sin, style)
         rk = apply_rope(c.k, cos, sin, style).astype(np.float16)
@@ -168,9 +169,9 @@ def decode_expected(c: DecodeCase, fuse: bool) -> tuple[np.ndarray, Pool]:
     return oracle(pool, q, c.slots, c.positions, c.scale, c.window), pool
 
 
-def rope_table_host(ctx: int, rope_dim: int, theta: float) -> np.ndarray:
+def rope_table_host(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.ndarray:
     """ops.rope_table's contents, float32 [ctx, rope_dim / 2, 2]."""
-    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)))
+    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), scaling)
     return np.stack([cos, sin], axis=-1).astype(np.float32)
 
 

@@ -236,8 +236,14 @@ __device__ __forceinline__ void fl_prefill(const float* __restrict__ q, float* o
     const float *q, float *out, u16 *o16, const u16 *kpool, const u16 *vpool, const int *bt, int max_blocks,   \
         int bs_log2, const int *slots, const int *positions, int n, int H, int KVH, float scale, int window,  \
         float *part_o, float2 *part_ml, int *counters, int min_split_keys
+// FL_MINB (optional): blocks per SM the registers must allow (the 128-dim kernel needs ~200 per
+// thread: 2 blocks of 4 warps; 3 cap it at 168, a few bytes spilled)
+#ifndef FL_MINB
+#define FL_MINB 1
+#endif
 #define FL_PREFILL_(D, NW, QS)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * NW) flash_prefill_d##D##_w##NW##_q##QS(FL_PREFILL_ARGS) {  \
+    extern "C" __global__ void __launch_bounds__(32 * NW, FL_MINB)                                              \
+        flash_prefill_d##D##_w##NW##_q##QS(FL_PREFILL_ARGS) {                                                   \
         fl_prefill<D, NW, QS != 0>(q, out, o16, kpool, vpool, bt, max_blocks, bs_log2, slots, positions, n, H,   \
                                    KVH, scale, window, part_o, part_ml, counters, min_split_keys);                \
     }

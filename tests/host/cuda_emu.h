@@ -283,7 +283,9 @@ static inline void launch(dim3 grid, dim3 block, size_t dyn_bytes, std::function
     s.body = fn;
     int nt = block.x * block.y * block.z;
     if (nt % 32) fail("block size must be a multiple of 32");
-    s.dyn.assign(dyn_bytes + 16, 0xFF);    // stale shared memory: NaN-ish bytes, not zeros
+    // stale shared memory (0xFF bytes: fp16 NaN), then guard bytes a launch must not write
+    const size_t guard = 4096;
+    s.dyn.assign(dyn_bytes + guard, 0xFF);
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -326,6 +328,8 @@ static inline void launch(dim3 grid, dim3 block, size_t dyn_bytes, std::function
                     if (idle > 2000) fail("deadlock: every live thread waits at a barrier nobody else reaches");
                 }
                 s.cur = nullptr;
+                for (size_t i = dyn_bytes; i < dyn_bytes + guard; ++i)
+                    if (s.dyn[i] != 0xFF) fail("a block wrote past its dynamic shared memory");
             }
 }
 

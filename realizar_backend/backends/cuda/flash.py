@@ -66,8 +66,10 @@ class Plan:
     counters: int                # scratch: int32 counters (zero between launches)
 
 
-def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, qsplit: bool = False) -> Plan:
-    """n prompt rows of H heads; splits: key splits per row tile (1 = none; at most 8)."""
+def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, qsplit: bool = False,
+                 min_blocks: int = 0) -> Plan:
+    """n prompt rows of H heads; splits: key splits per row tile (1 = none; at most 8); min_blocks:
+    blocks per SM the kernel's registers must allow (0: the compiler's choice)."""
     _check_dims(H, 1, D)
     if nw not in (4, 8) or (nw == 8 and (D != 128 or qsplit)):
         raise ValueError(f"flash prefill: no variant with {nw} warps for head_dim {D} (qsplit={qsplit})")
@@ -75,7 +77,8 @@ def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, qsplit: b
         raise ValueError(f"flash prefill: splits must be 1..{MAX_PREFILL_SPLITS}, got {splits}")
     bq = 16 * nw
     tiles = -(-n // bq)
-    return Plan(f"flash_prefill_d{D}_w{nw}_q{int(qsplit)}", (f"-DFL_D={D}", f"-DFL_NW={nw}", f"-DFL_QS={int(qsplit)}"),
+    opts = (f"-DFL_D={D}", f"-DFL_NW={nw}", f"-DFL_QS={int(qsplit)}") + ((f"-DFL_MINB={min_blocks}",) if min_blocks else ())
+    return Plan(f"flash_prefill_d{D}_w{nw}_q{int(qsplit)}", opts,
                 (tiles, H, splits), 32 * nw, prefill_smem(D, nw, qsplit), splits,
                 splits * n * H * D if splits > 1 else 0, splits * n * H if splits > 1 else 0,
                 tiles * H if splits > 1 else 0)

@@ -298,12 +298,13 @@ def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kca
                _I32(ctx), _I32(H), _I32(KVH), _I32(D), _I32(rope_dim), _F32(theta), _I32(int(neox)), _I32(n)))
 
 
-def rope_table(ctx: int, rope_dim: int, theta: float) -> cupy.ndarray:
+def rope_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> cupy.ndarray:
     """cos and sin of every position < ctx and rotary pair, float32 [ctx, rope_dim / 2, 2], made in
-    float64 as the CPU backend makes them (theta as the kernels receive it: float32). Decode
-    attention reads a row of it instead of computing the angles (attention.cu)."""
+    float64 as the CPU backend makes them (theta as the kernels receive it: float32), with the
+    layer's RoPE scaling (ModelConfig.layer_rope_scaling) applied. Decode attention reads a row of
+    it instead of computing the angles (attention.cu, flash_decode.cu)."""
     from ..cpu import rope_angles
-    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)))
+    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), scaling)
     return cupy.asarray(np.stack([cos, sin], axis=-1))
 
 
