@@ -68,9 +68,9 @@ def _run1(exe, tmp_path, plan, arrays: dict, scalars: dict, eager: bool, seed: i
     return res
 
 
-def _prefill(exe, tmp_path, rng, c, splits=1, nw=4, qsplit=False, min_split_keys=16, o16=True):
+def _prefill(exe, tmp_path, rng, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=16, o16=True):
     from realizar_backend.backends.cuda.flash import plan_prefill
-    plan = plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, qsplit=qsplit)
+    plan = plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, wm=wm, qsplit=qsplit)
     res = _run(exe, tmp_path, plan,
                dict(q=c.q, kpool=c.pool.k, vpool=c.pool.v, bt=c.pool.bt, slots=c.slots, positions=c.positions),
                dict(n=c.n, H=c.H, KVH=c.KVH, D=c.D, scale=repr(c.scale), window=c.window,
@@ -123,10 +123,16 @@ def test_prefill_split_window_and_qsplit(emu, tmp_path, rng):
         assert err <= TOL / 4              # q as hi + lo: only K, V and P are fp16
 
 
-def test_prefill_eight_warps(emu, tmp_path, rng):
-    """The 8-warp variant (128-row tiles)."""
-    c = prefill_case(rng, [(10, 100), (0, 40)], 2, 1, 128, 16, 0)
-    res, ref = _prefill(emu, tmp_path, rng, c, nw=8)
+@pytest.mark.parametrize("variant", [dict(nw=8, wm=1), dict(wm=1), dict(wm=1, splits=3)],
+                         ids=["8-warps", "one-m-tile", "one-m-tile-split"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_prefill_variants(emu, tmp_path, rng, variant, D):
+    """The other row tilings: 8 warps of one m-tile (128 rows), 4 warps of one m-tile (64 rows, q
+    fragments in registers); the default is 4 warps of two m-tiles (256 dims: one)."""
+    if variant.get("nw") == 8 and D != 128:
+        pytest.skip("8 warps: 128 dims only")
+    c = prefill_case(rng, [(10, 100), (0, 40)], 2, 1, D, 16, 0)
+    res, ref = _prefill(emu, tmp_path, rng, c, **variant)
     for r in res:
         assert rel_err(r["out"], ref) <= TOL
 

@@ -18,12 +18,14 @@ def test_decode_plan_scratch_holds_two_combine_levels():
 
 
 def test_prefill_plan():
-    p = flash.plan_prefill(1000, 12, 128, splits=3)
-    assert p.grid == (16, 12, 3) and p.kernel == "flash_prefill_d128_w4_q0"
-    assert p.part_floats == 3 * 1000 * 12 * 128 and p.counters == 16 * 12
-    assert flash.plan_prefill(1000, 12, 128, nw=8).grid == (8, 12, 1)
-    # q fragments in registers for <= 128 dims: the q tile shares a K/V stage
-    assert flash.prefill_smem(128) == 4 * 64 * 136 * 2
+    p = flash.plan_prefill(1000, 12, 128, splits=3)      # 4 warps x 2 m-tiles: 128 rows per block
+    assert p.grid == (8, 12, 3) and p.kernel == "flash_prefill_d128_w4_m2_q0" and p.rows == 128
+    assert p.part_floats == 3 * 1000 * 12 * 128 and p.counters == 8 * 12
+    assert flash.plan_prefill(1000, 12, 128, nw=8, wm=1).grid == (8, 12, 1)
+    assert flash.plan_prefill(1000, 4, 256).grid == (16, 4, 1)   # 256 dims: one m-tile per warp
+    # one m-tile of q fragments in registers (<= 128 dims): the q tile shares a K/V stage
+    assert flash.prefill_smem(128, wm=1) == 4 * 64 * 136 * 2
+    assert flash.prefill_smem(128, wm=2) == (4 * 32 + 128) * 136 * 2
     assert flash.prefill_smem(256) == (4 * 32 + 64) * 264 * 2
     assert flash.decode_smem(128) <= 227 * 1024 and flash.prefill_smem(256, qsplit=True) <= 227 * 1024
 
@@ -35,6 +37,7 @@ def test_prefill_plan():
     (lambda: flash.plan_decode(1, 12, 2, 128, splits=65), "splits must be 1..64"),
     (lambda: flash.plan_prefill(10, 12, 128, splits=9), "splits must be 1..8"),
     (lambda: flash.plan_prefill(10, 12, 64, nw=8), "no variant with 8 warps"),
+    (lambda: flash.plan_prefill(10, 4, 256, wm=2), "2 m-tiles for head_dim 256"),
 ])
 def test_bad_shapes_are_refused(call, msg):
     with pytest.raises(ValueError, match=msg):
@@ -47,5 +50,5 @@ def test_split_policy():
     assert flash.decode_splits(16, 2, sm) == 9
     assert flash.decode_splits(256, 2, sm) == 1           # the rows alone fill it
     assert flash.prefill_splits(16384, 12, 16384, sm) == 1
-    assert flash.prefill_splits(512, 12, 16384, sm) == 3  # a 512-token chunk deep in a long prompt
+    assert flash.prefill_splits(512, 12, 16384, sm) == 6  # a 512-token chunk deep in a long prompt
     assert flash.prefill_splits(512, 12, 512, sm) == 1    # ... but not at its start

@@ -9,8 +9,8 @@ Prints a table and writes JSON: time per launch, K/V GB/s, TFLOP/s, speedup over
 
 prefill: one sequence of T tokens at once (T = 512, 4096, 16384), the same 16384 tokens as 32 chunks
   of 512 (each attending to the cached prefix plus itself, as chunked prefill runs them), and the last
-  such chunk alone; kernel variants: 4 warps (default), 8 warps, registers capped for 3 blocks per
-  SM, q as hi + lo fp16.
+  such chunk alone; kernel variants: 4 warps x 2 m-tiles of 16 rows (the default), 4 x 1, 8 x 1,
+  4 x 1 with registers capped for 3 blocks per SM, and the default with q as hi + lo fp16.
 decode: batch 1, 16, 64 with every row at depth 128, 4096, 16384 (the new token at that position),
   RoPE and the KV write fused, as a decode step runs it: 28 launches (one per layer, each on its own
   pool copy while they fit in 8 GB, so K/V come from DRAM as in a real step) captured in one CUDA
@@ -80,7 +80,8 @@ def _regs(fn) -> str:
 
 # ---------------------------------------------------------------- prefill
 
-PREFILL_VARIANTS = {"w4": {}, "w8": {"nw": 8}, "w4-3blk": {"min_blocks": 3}, "w4-qhilo": {"qsplit": True}}
+PREFILL_VARIANTS = {"w4m2": {}, "w4m1": {"wm": 1}, "w8m1": {"nw": 8, "wm": 1}, "w4m1-3blk": {"wm": 1, "min_blocks": 3},
+                    "w4m2-qhilo": {"qsplit": True}}
 
 
 def bench_prefill(fk, k, sm: int, reps: int, variants) -> list[dict]:
@@ -113,7 +114,7 @@ def bench_prefill(fk, k, sm: int, reps: int, variants) -> list[dict]:
         for vname, kw in variants.items():
             plans = []
             for p, r in chunks:
-                splits = flash.prefill_splits(r, H, p + r, sm, nw=kw.get("nw", 4))
+                splits = flash.prefill_splits(r, H, p + r, sm, flash.plan_prefill(r, H, D, **kw).rows)
                 plans.append((p, r, flash.plan_prefill(r, H, D, splits=splits, **kw)))
             scratch.ensure(*(pl for _, _, pl in plans))
 

@@ -46,12 +46,12 @@ def _poisoned(shape, dtype):
     return cupy.full(shape, np.nan, dtype)
 
 
-def run_prefill(fk, c, splits=1, nw=4, qsplit=False, min_split_keys=512, dev=None):
+def run_prefill(fk, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=512, dev=None):
     import cupy
 
     from realizar_backend.backends.cuda import flash
     dev = dev or _Dev(c)
-    plan = flash.plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, qsplit=qsplit)
+    plan = flash.plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, wm=wm, qsplit=qsplit)
     scratch = flash.FlashScratch()
     scratch.ensure(plan)
     out, o16 = _poisoned((c.n, c.H, c.D), cupy.float32), _poisoned((c.n, c.H, c.D), cupy.float16)
@@ -95,10 +95,10 @@ def test_prefill(fk, rng, shape, items, window):
 def test_prefill_17k_split(fk, rng, shape, window):
     """Rows at 17k positions (a late chunk of a long prompt), split over the keys as the launcher
     would pick for them, and forced to the most splits."""
-    from realizar_backend.backends.cuda.flash import prefill_splits
+    from realizar_backend.backends.cuda.flash import plan_prefill, prefill_splits
     H, KVH, D = shape
     c = prefill_case(rng, [(16_950, 70)], H, KVH, D, 16, window)
-    auto = prefill_splits(c.n, H, 17_020, fk.sm_count)
+    auto = prefill_splits(c.n, H, 17_020, fk.sm_count, plan_prefill(c.n, H, D).rows)
     for splits in sorted({1, auto, 8}):
         _check_prefill(fk, c, splits=splits)
 
@@ -109,9 +109,10 @@ def test_prefill_forced_splits(fk, rng, splits):
     _check_prefill(fk, c, splits=splits, min_split_keys=64)
 
 
-@pytest.mark.parametrize("variant", [dict(nw=8), dict(qsplit=True)], ids=["8-warps", "q-hi-lo"])
+@pytest.mark.parametrize("variant", [dict(nw=8, wm=1), dict(wm=1), dict(qsplit=True)],
+                         ids=["8-warps", "one-m-tile", "q-hi-lo"])
 def test_prefill_variants(fk, rng, variant):
-    D = 128 if "nw" in variant else int(rng.choice([64, 128, 256]))
+    D = 128 if "nw" in variant else int(rng.choice([64, 128] if "wm" in variant else [64, 128, 256]))
     c = prefill_case(rng, [(0, 333), (900, 70)], 12, 2, D, 16, 0, q_scale=2.0)
     _check_prefill(fk, c, tol=TOL_QS if variant.get("qsplit") else TOL, **variant)
 

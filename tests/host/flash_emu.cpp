@@ -69,11 +69,12 @@ int main(int argc, char** argv) {
     std::vector<signed char> oq(num("use_oq") ? (size_t)n * H * D : 0, 0);
     std::vector<float2> od(num("use_oq") ? (size_t)n * H * D / 32 : 0, float2{NAN, NAN});
 
+#define PRE(name) {#name, name}
     std::map<std::string, PrefillFn> pre = {
-        {"flash_prefill_d64_w4_q0", flash_prefill_d64_w4_q0},   {"flash_prefill_d128_w4_q0", flash_prefill_d128_w4_q0},
-        {"flash_prefill_d256_w4_q0", flash_prefill_d256_w4_q0}, {"flash_prefill_d64_w4_q1", flash_prefill_d64_w4_q1},
-        {"flash_prefill_d128_w4_q1", flash_prefill_d128_w4_q1}, {"flash_prefill_d256_w4_q1", flash_prefill_d256_w4_q1},
-        {"flash_prefill_d128_w8_q0", flash_prefill_d128_w8_q0}};
+        PRE(flash_prefill_d64_w4_m1_q0), PRE(flash_prefill_d128_w4_m1_q0), PRE(flash_prefill_d256_w4_m1_q0),
+        PRE(flash_prefill_d64_w4_m1_q1), PRE(flash_prefill_d128_w4_m1_q1), PRE(flash_prefill_d256_w4_m1_q1),
+        PRE(flash_prefill_d128_w8_m1_q0), PRE(flash_prefill_d64_w4_m2_q0), PRE(flash_prefill_d128_w4_m2_q0),
+        PRE(flash_prefill_d64_w4_m2_q1), PRE(flash_prefill_d128_w4_m2_q1)};
     std::map<std::string, DecodeFn> dec = {
         {"flash_decode_d64_q1", flash_decode_d64_q1},   {"flash_decode_d128_q1", flash_decode_d128_q1},
         {"flash_decode_d256_q1", flash_decode_d256_q1}, {"flash_decode_d64_q0", flash_decode_d64_q0},

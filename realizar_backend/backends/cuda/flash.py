@@ -33,17 +33,24 @@ MAX_DECODE_SPLITS = FL_MAXC * FL_MAXC   # two combine levels
 DECODE_MAX_GROUP = 16             # q heads per KV head the decode kernel packs into one mma tile
 
 
-def prefill_bk(D: int) -> int:
-    """Keys per K/V tile of the prefill kernel (registers: 256-dim heads take half)."""
-    return 32 if D > 128 else 64
+def prefill_wm(D: int) -> int:
+    """The prefill kernel's default m-tiles per warp: two (each K/V fragment read from shared memory
+    feeds two mma) where the registers allow, one for 256-dim heads."""
+    return 1 if D > 128 else 2
 
 
-def prefill_smem(D: int, nw: int = 4, qsplit: bool = False) -> int:
+def prefill_bk(D: int, wm: int = 1) -> int:
+    """Keys per K/V tile of the prefill kernel (registers: 256-dim heads, and two m-tiles of 128
+    dims, take half)."""
+    return 32 if D > 128 or (wm == 2 and D > 64) else 64
+
+
+def prefill_smem(D: int, nw: int = 4, qsplit: bool = False, wm: int = 1) -> int:
     """Dynamic shared memory of a prefill block (flash_prefill.cu): two K/V stages, plus the q tile
-    unless its fragments live in registers (heads <= 128 dims without the hi/lo split)."""
-    lds, bk = D + 8, prefill_bk(D)
-    qreg = D <= 128 and not qsplit
-    rows = 4 * bk + (0 if qreg else 16 * nw * (2 if qsplit else 1))
+    unless its fragments live in registers (one m-tile of <= 128 dims without the hi/lo split)."""
+    lds, bk = D + 8, prefill_bk(D, wm)
+    qreg = D <= 128 and not qsplit and wm == 1
+    rows = 4 * bk + (0 if qreg else 16 * nw * wm * (2 if qsplit else 1))
     return rows * lds * 2
 
 
@@ -64,24 +71,31 @@ class Plan:
     part_floats: int             # scratch: partial outputs (float32)
     ml_count: int                # scratch: (m, l) pairs
     counters: int                # scratch: int32 counters (zero between launches)
+    rows: int = 1                # prefill: rows per block (16 nw wm)
 
 
-def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, qsplit: bool = False,
-                 min_blocks: int = 0) -> Plan:
-    """n prompt rows of H heads; splits: key splits per row tile (1 = none; at most 8); min_blocks:
-    blocks per SM the kernel's registers must allow (0: the compiler's choice)."""
+def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, wm: int | None = None,
+                 qsplit: bool = False, min_blocks: int = 0) -> Plan:
+    """n prompt rows of H heads; splits: key splits per row tile (1 = none; at most 8); nw warps of
+    wm m-tiles of 16 rows each per block (wm None: prefill_wm); min_blocks: blocks per SM the
+    kernel's registers must allow (0: the compiler's choice)."""
     _check_dims(H, 1, D)
-    if nw not in (4, 8) or (nw == 8 and (D != 128 or qsplit)):
-        raise ValueError(f"flash prefill: no variant with {nw} warps for head_dim {D} (qsplit={qsplit})")
+    wm = prefill_wm(D) if wm is None else wm
+    if nw not in (4, 8) or wm not in (1, 2) or (wm == 2 and (D > 128 or nw != 4)) \
+            or (nw == 8 and (D != 128 or qsplit or wm != 1)):
+        raise ValueError(f"flash prefill: no variant with {nw} warps x {wm} m-tiles for head_dim {D} "
+                         f"(qsplit={qsplit})")
     if not 1 <= splits <= MAX_PREFILL_SPLITS:
         raise ValueError(f"flash prefill: splits must be 1..{MAX_PREFILL_SPLITS}, got {splits}")
-    bq = 16 * nw
+    bq = 16 * nw * wm
     tiles = -(-n // bq)
-    opts = (f"-DFL_D={D}", f"-DFL_NW={nw}", f"-DFL_QS={int(qsplit)}") + ((f"-DFL_MINB={min_blocks}",) if min_blocks else ())
-    return Plan(f"flash_prefill_d{D}_w{nw}_q{int(qsplit)}", opts,
-                (tiles, H, splits), 32 * nw, prefill_smem(D, nw, qsplit), splits,
+    opts = (f"-DFL_D={D}", f"-DFL_NW={nw}", f"-DFL_WM={wm}", f"-DFL_QS={int(qsplit)}")
+    if min_blocks:
+        opts += (f"-DFL_MINB={min_blocks}",)
+    return Plan(f"flash_prefill_d{D}_w{nw}_m{wm}_q{int(qsplit)}", opts,
+                (tiles, H, splits), 32 * nw, prefill_smem(D, nw, qsplit, wm), splits,
                 splits * n * H * D if splits > 1 else 0, splits * n * H if splits > 1 else 0,
-                tiles * H if splits > 1 else 0)
+                tiles * H if splits > 1 else 0, bq)
 
 
 def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool = True) -> Plan:
@@ -99,11 +113,12 @@ def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool 
                 n * KVH * (1 + maxg) if splits > 1 else 0)
 
 
-def prefill_splits(n: int, H: int, max_keys: int, sm_count: int, nw: int = 4, min_split_keys: int = 512,
-                   target_blocks: int | None = None) -> int:
-    """Key splits for a prefill launch: none while the row tiles alone give about two blocks per SM;
-    otherwise enough to get there (long keys only: a split takes at least min_split_keys keys)."""
-    blocks = -(-n // (16 * nw)) * H
+def prefill_splits(n: int, H: int, max_keys: int, sm_count: int, plan_rows: int = 128,
+                   min_split_keys: int = 512, target_blocks: int | None = None) -> int:
+    """Key splits for a prefill launch whose blocks take plan_rows rows (16 nw wm): none while the
+    row tiles alone give about two blocks per SM; otherwise enough to get there (long keys only: a
+    split takes at least min_split_keys keys)."""
+    blocks = -(-n // plan_rows) * H
     target = target_blocks or 2 * sm_count
     if blocks >= target:
         return 1
@@ -242,7 +257,8 @@ def prefill(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: i
     """Prompt rows: q fp32 [n, H, D] (roped), K/V of every row's positions already in the pool
     (rope_kv); row t sees keys [start, positions[t]] of slot slots[t]. out fp32 [n, H, D] and, when
     given, o16 fp16 [n, H, D]. The plan must come from plan_prefill(n, H, D, ...)."""
-    if plan.grid != (-(-n // (plan.threads // 2)), H, plan.splits) or f"_d{D}_" not in plan.kernel:
+    if plan.grid[1:] != (H, plan.splits) or plan.grid[0] * plan.rows < n or (plan.grid[0] - 1) * plan.rows >= n \
+            or f"_d{D}_" not in plan.kernel:
         raise ValueError(f"flash prefill: plan {plan.kernel} {plan.grid} does not fit n={n}, H={H}, D={D}")
     _check_dims(H, KVH, D)
     _paging(max_blocks, bs_log2)
