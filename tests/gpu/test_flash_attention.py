@@ -46,11 +46,11 @@ def _poisoned(shape, dtype):
     return cupy.full(shape, np.nan, dtype)
 
 
-def run_prefill(fk, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=512, dev=None):
+def run_prefill(fk, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=512):
     import cupy
 
     from realizar_backend.backends.cuda import flash
-    dev = dev or _Dev(c)
+    dev = _Dev(c)
     plan = flash.plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, wm=wm, qsplit=qsplit)
     scratch = flash.FlashScratch()
     scratch.ensure(plan)

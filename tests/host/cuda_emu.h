@@ -297,7 +297,8 @@ static inline void launch(dim3 grid, dim3 block, size_t dyn_bytes, std::function
                 for (int i = 0; i < nt; ++i) {
                     Fiber& f = s.fibers[i];
                     f.linear = i;
-                    f.tid = {(unsigned)(i % block.x), (unsigned)((i / block.x) % block.y), (unsigned)(i / (block.x * block.y))};
+                    f.tid = {(unsigned)(i % block.x), (unsigned)((i / block.x) % block.y),
+                             (unsigned)(i / (block.x * block.y))};
                     f.stack.resize(1 << 17);
                     getcontext(&f.ctx);
                     f.ctx.uc_stack.ss_sp = f.stack.data();
