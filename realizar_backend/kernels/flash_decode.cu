@@ -5,7 +5,7 @@
 // Block (split s, KV head kh, row t): the G = H / KVH q heads of the KV group are the M dimension of
 // the mma tiles (G <= 16; rows G..15 are zero), so each K/V byte is read once for the whole group.
 // The block's keys are cut into 16-key warp tiles dealt round-robin to its 4 warps; each warp streams
-// its tiles through its own two shared-memory stages (cp.async, no block barrier in the loop) and
+// its tiles through its own shared-memory stages (cp.async, no block barrier in the loop) and
 // keeps its own online softmax; the warps merge through shared memory at the end.
 // Splits: gridDim.x is the most splits a row may take (fixed per captured batch bucket); a row's own
 // count comes from its length: rows of at most single_max keys run one pass (no partials, no
@@ -24,7 +24,6 @@
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
-#define FLD_NST 2     // shared-memory stages per warp
 
 template <int D, bool QS>
 __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const float* __restrict__ kin,
@@ -35,12 +34,14 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                                           int window, const float2* __restrict__ rt, int rope_dim, int style,
                                           int fuse, float* part_o, float2* part_ml, int* counters, int single_max,
                                           int split_keys) {
-    constexpr int LDS = D + 8, NT = 32 * FLD_NW, KD = D / 16, CPR = D / 8;
+    // NST shared-memory stages per warp: 3 (a block has 192 keys in flight from its prologue on, so
+    // a row of up to 192 keys costs one memory latency), 2 for 256-dim heads (shared memory)
+    constexpr int LDS = D + 8, NT = 32 * FLD_NW, KD = D / 16, CPR = D / 8, NST = D <= 128 ? 3 : 2;
     constexpr int STAGE = 2 * FLD_KW * LDS;                       // halves of one stage (K then V)
-    static_assert(FLD_NW * 16 * D * 4 <= FLD_NW * FLD_NST * STAGE * 2, "the warp merge reuses the stages");
+    static_assert(FLD_NW * 16 * D * 4 <= FLD_NW * NST * STAGE * 2, "the warp merge reuses the stages");
     FL_DYN_SMEM(smem);
     u16* kvs = (u16*)smem;                                        // [NW][NST][K, V][KW][LDS]
-    u16* qh = kvs + FLD_NW * FLD_NST * STAGE;                     // [16][LDS] q heads of the group
+    u16* qh = kvs + FLD_NW * NST * STAGE;                         // [16][LDS] q heads of the group
     u16* ql = qh + 16 * LDS;                                      // QS: their lo parts
     __shared__ __align__(16) u16 s_knew[D], s_vnew[D];
     __shared__ float s_m[FLD_NW][16], s_l[FLD_NW][16], s_f[FLD_NW][16], s_M[16], s_L[16];
@@ -62,14 +63,14 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     const int ntw = (ke - kb + FLD_KW - 1) / FLD_KW;
     const int cnt = w < ntw ? (ntw - w + FLD_NW - 1) / FLD_NW : 0;     // this warp's tiles: w, w + NW, ...
     const bool last = s == nsplit - 1;                            // holds key pos
-    u16* mine = kvs + w * FLD_NST * STAGE;
+    u16* mine = kvs + w * NST * STAGE;
 
     // this warp's i-th tile into stage i % NST; one commit group per call, empty or not, so that the
     // group count stays uniform for fl_wait
     auto issue = [&](int i) {
         if (i < cnt) {
             const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
-            u16* ks = mine + (i % FLD_NST) * STAGE;
+            u16* ks = mine + (i % NST) * STAGE;
             u16* vs = ks + FLD_KW * LDS;
 #pragma unroll
             for (int it = 0; it < FLD_KW * CPR / 32; ++it) {
@@ -84,7 +85,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     };
     if (!fuse) pdl_wait();
 #pragma unroll
-    for (int i = 0; i < FLD_NST; ++i) issue(i);
+    for (int i = 0; i < NST; ++i) issue(i);
     pdl_wait();
 
     // the group's q heads, roped (fuse) and scaled into the log2 domain, as fp16 (hi, lo); thread i
@@ -159,9 +160,9 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     for (int i = 0; i < cnt; ++i) {                               // warp-uniform
-        fl_wait<FLD_NST - 1>();
+        fl_wait<NST - 1>();
         __syncwarp();
-        u16* ks = mine + (i % FLD_NST) * STAGE;
+        u16* ks = mine + (i % NST) * STAGE;
         u16* vs = ks + FLD_KW * LDS;
         const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
         if (fuse && last && pos >= k0 && pos < k0 + FLD_KW) {     // the new key replaces the stale copy
@@ -206,7 +207,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         fl_softmax_step<2, D / 8>(sc, m, l, o, pf);
         fl_pv16<D>(o, pf[0], vs, LDS, lane);
         __syncwarp();                                             // the stage is consumed: refill it
-        issue(i + FLD_NST);
+        issue(i + NST);
     }
     fl_wait<0>();
     pdl_trigger();                                                // every key read

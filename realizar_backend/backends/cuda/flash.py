@@ -27,7 +27,7 @@ _U64, _I32, _F32 = np.uint64, np.int32, np.float32
 
 HEAD_DIMS = (64, 128, 256)
 FL_MAXC = 8                       # flash.cuh: partials one block combines
-FLD_NW, FLD_KW, FLD_NST = 4, 16, 2  # flash_decode.cu: warps, keys per warp tile, stages per warp
+FLD_NW, FLD_KW = 4, 16             # flash_decode.cu: warps per block, keys per warp tile
 MAX_PREFILL_SPLITS = FL_MAXC
 MAX_DECODE_SPLITS = FL_MAXC * FL_MAXC   # two combine levels
 DECODE_MAX_GROUP = 16             # q heads per KV head the decode kernel packs into one mma tile
@@ -55,9 +55,10 @@ def prefill_smem(D: int, nw: int = 4, qsplit: bool = False, wm: int = 1) -> int:
 
 
 def decode_smem(D: int) -> int:
-    """Dynamic shared memory of a decode block (flash_decode.cu): each warp's stages, then the q tile (hi, lo)."""
-    lds = D + 8
-    return (FLD_NW * FLD_NST * 2 * FLD_KW * lds + 2 * 16 * lds) * 2
+    """Dynamic shared memory of a decode block (flash_decode.cu): each warp's stages (3, or 2 for
+    256-dim heads), then the q tile (hi, lo)."""
+    lds, nst = D + 8, 3 if D <= 128 else 2
+    return (FLD_NW * nst * 2 * FLD_KW * lds + 2 * 16 * lds) * 2
 
 
 @dataclass(frozen=True)
