@@ -1,7 +1,9 @@
 import os
+import secrets
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -22,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs for every test; the seed is printed so that a failure can be replayed
+    with REALIZAR_TEST_SEED=<seed> (which fixes it for every test of that run)."""
+    seed = int(os.environ.get("REALIZAR_TEST_SEED") or secrets.randbits(32))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture(scope="session")

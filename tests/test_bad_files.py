@@ -197,7 +197,7 @@ CASES = [
     ("hf-untied-without-lm-head", hf(lambda d: _edit_json(d, "config.json", lambda o: o.update(
         tie_word_embeddings=False))), MFE, "no 'lm_head.weight'"),
     ("hf-rope-scaling", hf(lambda d: _edit_json(d, "config.json", lambda o: o.update(
-        rope_scaling={"rope_type": "yarn", "factor": 4.0}))), UME, "RoPE scaling 'yarn'"),
+        rope_scaling={"rope_type": "dynamic", "factor": 4.0}))), UME, "RoPE scaling 'dynamic'"),
 ]
 
 

@@ -288,7 +288,7 @@ def _projection_inputs(name: str, layer: int, T: int = 16, seed: int = 0) -> dic
         q, k, v = (a.reshape(T, -1, c.head_dim) for a in (q, k, v))
         if m.get(p + "attn_q_norm.weight") is not None:
             q, k = rms_norm(q, w(p + "attn_q_norm.weight"), c.rms_eps), rms_norm(k, w(p + "attn_k_norm.weight"), c.rms_eps)
-        cos, sin = rope_angles(pos, c.rope_dim, c.layer_rope_theta(li))
+        cos, sin = rope_angles(pos, c.rope_dim, c.layer_rope_theta(li), c.layer_rope_scaling(li))
         q, k = apply_rope(q, cos, sin, c.rope_style), apply_rope(k, cos, sin, c.rope_style)
         a = attention(q, k, v, pos, c.scale, c.sliding_window if c.is_sliding(li) else 0).reshape(T, -1).astype(F32)
         o = a @ wo.T

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..formats import ModelFile
 from ..formats.quants import dequantize
-from ..model.config import ModelConfig
+from ..model.config import ModelConfig, RopeScaling
 from .base import PrefillItem, SampleResult, SampleRow
 
 log = logging.getLogger(__name__)
@@ -48,10 +48,48 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + eps)).astype(np.float32) * w
 
 
-def rope_angles(positions: np.ndarray, rope_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_frequencies(rope_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[np.ndarray, float]:
+    """(angle per position of each rotary pair, float64 [rope_dim / 2]; the factor on cos and sin),
+    with the model's RoPE scaling applied as transformers' rope init functions and llama.cpp's
+    ggml_rope_ext define it."""
     inv = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    if scaling is None:
+        return inv, 1.0
+    sc = scaling
+    if sc.freq_factors is not None:           # GGUF rope_freqs: llama.cpp divides each pair's angle
+        inv = inv / np.asarray(sc.freq_factors, np.float64)
+    if sc.kind == "linear":
+        inv = inv / sc.factor
+    elif sc.kind == "yarn":
+        # pairs below `low` keep their frequency (extrapolation), pairs past `high` are divided by
+        # the factor (interpolation), a linear ramp in between; the corners are the pairs that turn
+        # beta_fast and beta_slow times over the original context
+        def corner(rotations: float) -> float:
+            return rope_dim * np.log(sc.original_context / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+        low, high = corner(sc.beta_fast), corner(sc.beta_slow)
+        if sc.truncate:
+            low, high = np.floor(low), np.ceil(high)
+        low, high = max(low, 0.0), min(high, rope_dim - 1.0)
+        ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / max(high - low, 0.001), 0.0, 1.0)
+        extra = (1.0 - ramp) * sc.ext_factor
+        inv = inv / sc.factor * (1.0 - extra) + inv * extra
+    elif sc.kind == "llama3":
+        wavelen = 2 * np.pi / inv
+        low_wl, high_wl = sc.original_context / sc.low_freq_factor, sc.original_context / sc.high_freq_factor
+        smooth = (sc.original_context / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+        scaled = np.where(wavelen > low_wl, inv / sc.factor, inv)
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = np.where(medium, (1 - smooth) * scaled / sc.factor + smooth * scaled, scaled)
+    return inv, sc.mscale
+
+
+def rope_angles(positions: np.ndarray, rope_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of each position's angle per rotary pair, float32 [len(positions), rope_dim / 2]
+    (YaRN: both times its mscale, which scales the scores by mscale squared)."""
+    inv, mscale = rope_frequencies(rope_dim, theta, scaling)
     ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return (np.cos(ang) * mscale).astype(np.float32), (np.sin(ang) * mscale).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
@@ -177,7 +215,7 @@ class CPUBackend:
             v = v.reshape(T, c.n_kv_heads, c.head_dim)
             if lw.q_norm is not None:
                 q, k = rms_norm(q, lw.q_norm, c.rms_eps), rms_norm(k, lw.k_norm, c.rms_eps)
-            cos, sin = rope_angles(pos, c.rope_dim, c.layer_rope_theta(li))
+            cos, sin = rope_angles(pos, c.rope_dim, c.layer_rope_theta(li), c.layer_rope_scaling(li))
             q, k = apply_rope(q, cos, sin, c.rope_style), apply_rope(k, cos, sin, c.rope_style)
             window = c.sliding_window if c.is_sliding(li) else 0
             attn = np.empty((T, c.q_dim), np.float32)

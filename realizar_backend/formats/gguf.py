@@ -270,7 +270,10 @@ def open_gguf(path: Path) -> ModelFile:
     log.debug("%s: GGUF v%d, %d metadata keys, %d tensors", path, version, len(metadata), len(tensors))
 
     # Architecture first: an unsupported model should say so, not list tensors it lacks.
-    config = config_from_gguf(path, metadata, set(tensors))
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None and freqs.qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        raise ModelFormatError(path, f"rope_freqs.weight should be F32 or F16, not {freqs.qtype.name}")
+    config = config_from_gguf(path, metadata, set(tensors), None if freqs is None else freqs.data)
     for t in tensors.values():
         if t.qtype not in SUPPORTED:
             raise UnsupportedModelError(path, f"tensor {t.name!r} has type {t.qtype.name}, which is not "

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from .arch import ARCHITECTURES, HF_ARCHITECTURES, supported_list
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched past the trained context, as GGUF metadata (llama.cpp) or
+    config.json (transformers) describe it; backends/cpu.py rope_frequencies applies it.
+    kind: "linear" (every frequency / factor), "yarn" (frequencies ramped between interpolated and
+    original by wavelength, cos/sin scaled by mscale), "llama3" (wavelength bands, transformers'
+    rope_type "llama3") or "none" (freq_factors only: a GGUF llama3 model carries its bands as the
+    rope_freqs tensor, per-pair divisors)."""
+    kind: str
+    factor: float = 1.0
+    original_context: int = 0        # yarn, llama3: the context the model was trained at
+    ext_factor: float = 1.0          # yarn: weight of the extrapolation ramp (llama.cpp's ext_factor)
+    beta_fast: float = 32.0          # yarn: ramp corners, in rotations over original_context
+    beta_slow: float = 1.0
+    truncate: bool = True            # yarn: round the ramp corners to whole dims (transformers' default)
+    mscale: float = 1.0              # cos and sin multiplied by it (yarn's attention factor)
+    low_freq_factor: float = 1.0     # llama3
+    high_freq_factor: float = 4.0
+    freq_factors: tuple[float, ...] | None = None
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "per-frequency factors (rope_freqs)"
+        extra = f", trained context {self.original_context}" if self.original_context else ""
+        return f"{self.kind} x{self.factor:g}{extra}"
 
 
 @dataclass(frozen=True)
@@ -35,6 +63,7 @@ class ModelConfig:
     sliding_pattern: int = 0     # every Nth layer is global (gemma3: 6); 0 = none sliding
     rope_theta_local: float = 0.0
     attn_scale: float = 0.0      # 0 = 1/sqrt(head_dim)
+    rope_scaling: RopeScaling | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -51,6 +80,11 @@ class ModelConfig:
 
     def layer_rope_theta(self, layer: int) -> float:
         return self.rope_theta_local if self.is_sliding(layer) and self.rope_theta_local else self.rope_theta
+
+    def layer_rope_scaling(self, layer: int) -> RopeScaling | None:
+        """gemma3's sliding layers keep plain RoPE at their local base (transformers and llama.cpp
+        scale the global layers only)."""
+        return None if self.is_sliding(layer) and self.rope_theta_local else self.rope_scaling
 
     @property
     def scale(self) -> float:
@@ -87,7 +121,55 @@ def _check_dims(path, c: dict[str, Any]) -> None:
                                      f"context_length={c['context_length']} must all be positive")
 
 
-def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+def _gguf_rope_scaling(path, arch: str, md: dict[str, Any], get, context_length: int, rope_dim: int,
+                       rope_freqs) -> RopeScaling | None:
+    """llama.cpp's keys: {arch}.rope.scaling.type (none | linear | yarn), .factor (or the older
+    {arch}.rope.scale_linear), .original_context_length, .attn_factor, .yarn_ext_factor,
+    .yarn_attn_factor, .yarn_beta_fast, .yarn_beta_slow; and the rope_freqs tensor (per-pair divisors)."""
+    key = f"{arch}.rope.scaling.type"
+    kind = md.get(key, None)
+    if kind is not None and not isinstance(kind, str):
+        raise ModelFormatError(path, f"metadata key {key!r} should be a string, got {kind!r:.40}")
+    factor = get("rope.scaling.factor", 0.0, required=False, kind=float) or get("rope.scale_linear", 0.0,
+                                                                                required=False, kind=float)
+    if kind is None:
+        kind = "linear" if factor and factor != 1.0 else "none"
+    freqs = None
+    if rope_freqs is not None:
+        arr = [float(x) for x in rope_freqs.reshape(-1)]
+        if len(arr) != rope_dim // 2 or not all(x > 0 and math.isfinite(x) for x in arr):
+            raise ModelFormatError(path, f"rope_freqs.weight should hold {rope_dim // 2} positive factors "
+                                         f"(rope dimension {rope_dim}), got {len(arr)} values")
+        freqs = tuple(arr)
+    if kind == "none":
+        return RopeScaling("none", freq_factors=freqs) if freqs else None
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedModelError(path, f"RoPE scaling {kind!r} ({key}) is not supported; supported: linear, yarn")
+    if not factor or factor <= 0:
+        raise ModelFormatError(path, f"RoPE scaling {kind!r} needs a positive {arch}.rope.scaling.factor")
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor, freq_factors=freqs)
+    if get("rope.scaling.yarn_log_multiplier", 0.0, required=False, kind=float):
+        raise UnsupportedModelError(path, "YaRN with a log multiplier (rope.scaling.yarn_log_multiplier) "
+                                          "is not supported")
+    ext = get("rope.scaling.yarn_ext_factor", 1.0, required=False, kind=float)
+    # llama.cpp: cos/sin times yarn_attn_factor * attn_factor * (1 + 0.1 ln factor) when the ramp is on
+    attn = (get("rope.scaling.yarn_attn_factor", 1.0, required=False, kind=float)
+            * get("rope.scaling.attn_factor", 1.0, required=False, kind=float))
+    return RopeScaling("yarn", factor=factor,
+                       original_context=get("rope.scaling.original_context_length", context_length,
+                                            required=False),
+                       ext_factor=ext, beta_fast=get("rope.scaling.yarn_beta_fast", 32.0, required=False, kind=float),
+                       beta_slow=get("rope.scaling.yarn_beta_slow", 1.0, required=False, kind=float),
+                       mscale=attn * (_yarn_mscale(factor) if ext else 1.0), freq_factors=freqs)
+
+
+def _yarn_mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
+    """rope_freqs: the data of the rope_freqs.weight tensor, when the file has one."""
     arch = md.get("general.architecture")
     if arch is None:
         raise ModelFormatError(path, "missing required metadata key 'general.architecture'")
@@ -130,6 +212,8 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str]) -> ModelC
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
     _check_dims(path, cfg)
+    cfg["rope_scaling"] = _gguf_rope_scaling(path, arch, md, get, cfg["context_length"], cfg["rope_dim"],
+                                             rope_freqs)
     if arch == "gemma3":
         cfg.update(activation="gelu_tanh", embed_scale=hidden ** 0.5, post_norms=True,
                    sliding_window=get("attention.sliding_window", 0, required=False),
@@ -137,15 +221,41 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str]) -> ModelC
     return ModelConfig(**cfg)
 
 
-def _hf_rope_theta(path, hf: dict[str, Any]) -> float:
-    # transformers < 5 writes rope_theta (+ rope_scaling); 5.x writes rope_parameters
+def _hf_rope(path, hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from config.json: transformers < 5 writes rope_theta and rope_scaling, 5.x
+    rope_parameters; the scaling fields are those of transformers' rope init functions."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise ModelFormatError(path, f"config.json: rope parameters should be an object, got {rp!r:.60}")
+    theta = hf.get("rope_theta") or rp.get("rope_theta") or 10000.0
     kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind not in (None, "default"):
-        raise UnsupportedModelError(path, f"RoPE scaling {kind!r} is not supported")
-    return hf.get("rope_theta") or rp.get("rope_theta") or 10000.0
+    if kind in (None, "default"):
+        return theta, None
+    if kind not in ("linear", "yarn", "llama3"):
+        raise UnsupportedModelError(path, f"RoPE scaling {kind!r} is not supported; supported: linear, yarn, llama3")
+    try:
+        factor = float(rp["factor"])
+        if not factor > 0:
+            raise ValueError
+        if kind == "linear":
+            return theta, RopeScaling("linear", factor=factor)
+        orig = int(rp.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 0)
+        if orig <= 0:
+            raise ValueError
+        if kind == "llama3":
+            return theta, RopeScaling("llama3", factor=factor, original_context=orig,
+                                      low_freq_factor=float(rp["low_freq_factor"]),
+                                      high_freq_factor=float(rp["high_freq_factor"]))
+        att = rp.get("attention_factor")
+        if att is None:
+            m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
+            att = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
+        return theta, RopeScaling("yarn", factor=factor, original_context=orig, mscale=float(att),
+                                  beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                                  truncate=bool(rp.get("truncate", True)))
+    except (KeyError, TypeError, ValueError):
+        raise ModelFormatError(path, f"config.json: RoPE scaling {kind!r} with missing or bad fields: {rp!r:.200}") \
+            from None
 
 
 def config_from_hf(path, hf: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -162,13 +272,15 @@ def config_from_hf(path, hf: dict[str, Any], tensor_names: set[str]) -> ModelCon
         n_heads = int(hf["num_attention_heads"])
         n_kv = int(hf.get("num_key_value_heads") or n_heads)
         head_dim = int(hf.get("head_dim") or hidden // n_heads)
+        theta, scaling = _hf_rope(path, hf)
         cfg = dict(
             arch=arch, n_layers=int(hf["num_hidden_layers"]), hidden=hidden, n_heads=n_heads,
             n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
             vocab_size=int(hf["vocab_size"]),
             context_length=int(hf.get("max_position_embeddings", 2048)),
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_hf_rope_theta(path, hf)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             rope_style="neox",  # HF checkpoints keep q/k un-permuted: rotate halves
             rope_dim=head_dim,
             tie_embeddings="output.weight" not in tensor_names,

@@ -57,8 +57,16 @@ class Forward:
         self.head_f32 = ops.blocks_ok(w.output)
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
-        # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct layer theta
-        self.rope_tables = {th: ops.rope_table(max_context, self.c.rope_dim, th) for th in {lw.theta for lw in w.layers}}
+        # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct (theta, scaling) of
+        # the layers (gemma3's sliding layers: their own base, unscaled)
+        tables: dict = {}
+        self.rope_tables = []
+        for li, lw in enumerate(w.layers):
+            sc = self.c.layer_rope_scaling(li)
+            key = (lw.theta, sc is not None)
+            if key not in tables:
+                tables[key] = ops.rope_table(max_context, self.c.rope_dim, lw.theta, sc)
+            self.rope_tables.append(tables[key])
         # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
         self.token_ring = (0, 0)
 
@@ -84,7 +92,7 @@ class Forward:
         """RoPE of q and k in place, and k, v into the cache rows of (slots[t], pos[t])."""
         c, ws = self.c, self.ws
         ops.rope_kv(self.k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, self.kv.layer(li),
-                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, self.rope_tables[lw.theta].data.ptr,
+                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, self.rope_tables[li].data.ptr,
                     c.rope_style == "neox", T)
 
     def attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, outs: tuple[int, int, int],
@@ -93,7 +101,7 @@ class Forward:
         KV write done here."""
         c, ws = self.c, self.ws
         rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, c.rope_style == "neox",
-                 self.rope_tables[lw.theta].data.ptr) if fuse_rope else None)
+                 self.rope_tables[li].data.ptr) if fuse_rope else None)
         ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, self.kv.layer(li), slots, pos,
                       c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, *outs, rope, pdl=self.pdl)
 

@@ -312,12 +312,11 @@ def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kv:
 
 def rope_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> cupy.ndarray:
     """cos and sin of every position < ctx and rotary pair, float32 [ctx, rope_dim / 2, 2], made in
-    float64 as the CPU backend makes them (theta as the kernels received it before: float32;
-    scaling: the model's rope scaling, applied by rope_angles). RoPE on the GPU reads it (rope.cu,
-    attention.cu) instead of computing angles."""
+    float64 as the CPU backend makes them (theta as the kernels receive it: float32), with the
+    layer's RoPE scaling (ModelConfig.layer_rope_scaling) applied. RoPE on the GPU reads it (rope.cu,
+    attention.cu, flash_decode.cu) instead of computing angles."""
     from ..cpu import rope_angles
-    kw = {} if scaling is None else {"scaling": scaling}
-    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), **kw)
+    cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), scaling)
     return cupy.asarray(np.stack([cos, sin], axis=-1))
 
 

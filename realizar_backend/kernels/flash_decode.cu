@@ -1,0 +1,315 @@
+// Decode attention (one new token per row) as flash-decoding on the tensor cores, over the paged
+// KV pool. Row t sits at positions[t] of the sequence in slot slots[t] and sees its keys
+// [start, positions[t]] (start as in flash_prefill.cu).
+//
+// Block (split s, KV head kh, row t): the G = H / KVH q heads of the KV group are the M dimension of
+// the mma tiles (G <= 16; rows G..15 are zero), so each K/V byte is read once for the whole group.
+// The block's keys are cut into 16-key warp tiles dealt round-robin to its 4 warps; each warp streams
+// its tiles through its own shared-memory stages (cp.async, no block barrier in the loop) and
+// keeps its own online softmax; the warps merge through shared memory at the end.
+// Splits: gridDim.x is the most splits a row may take (fixed per captured batch bucket); a row's own
+// count comes from its length: rows of at most single_max keys run one pass (no partials, no
+// combine), longer rows split into chunks of max(split_keys, ceil(keys / gridDim.x) rounded up to 64)
+// keys; blocks past a row's count exit at once. Partials combine in the last block of each group of
+// FL_MAXC splits, then (more than one group) in the last group's block (flash.cuh).
+// fuse != 0: RoPE of q and of the new k from the cos/sin table rt (float2 [positions][rope_dim / 2],
+// ops.rope_table), and the KV write: the block holding the row's last key writes the new k and v
+// (fp16) to the pool and uses them from shared memory for that key. No block of the launch reads a
+// row another block writes. The K/V copies start before pdl_wait (cached rows, which the kernel
+// before does not write); fuse == 0 (q roped and the cache written by rope_kv): after it.
+//
+// Entry points flash_decode_d<D>_q<QS>; QS = 1 (the default) splits q into hi + lo fp16 parts: the
+// scores then carry fp32-like accuracy, at no cost in a kernel that waits on memory.
+#include "flash.cuh"
+
+#define FLD_NW 4      // warps per block
+#define FLD_KW 16     // keys per warp tile
+
+template <int D, bool QS>
+__device__ __forceinline__ void fl_decode(const float* __restrict__ q, const float* __restrict__ kin,
+                                          const float* __restrict__ vin, float* out, u16* o16, i8* oq, float2* od,
+                                          u16* kpool, u16* vpool, const int* __restrict__ bt, int max_blocks,
+                                          int bs_log2, const int* __restrict__ slots,
+                                          const int* __restrict__ positions, int n, int H, int KVH, float scale,
+                                          int window, const float2* __restrict__ rt, int rope_dim, int style,
+                                          int fuse, float* part_o, float2* part_ml, int* counters, int single_max,
+                                          int split_keys) {
+    // NST shared-memory stages per warp: 3 (a block has 192 keys in flight from its prologue on, so
+    // a row of up to 192 keys costs one memory latency), 2 for 256-dim heads (shared memory)
+    constexpr int LDS = D + 8, NT = 32 * FLD_NW, KD = D / 16, CPR = D / 8, NST = D <= 128 ? 3 : 2;
+    constexpr int STAGE = 2 * FLD_KW * LDS;                       // halves of one stage (K then V)
+    static_assert(FLD_NW * 16 * D * 4 <= FLD_NW * NST * STAGE * 2, "the warp merge reuses the stages");
+    FL_DYN_SMEM(smem);
+    u16* kvs = (u16*)smem;                                        // [NW][NST][K, V][KW][LDS]
+    u16* qh = kvs + FLD_NW * NST * STAGE;                         // [16][LDS] q heads of the group
+    u16* ql = qh + 16 * LDS;                                      // QS: their lo parts
+    __shared__ __align__(16) u16 s_knew[D], s_vnew[D];
+    __shared__ float s_m[FLD_NW][16], s_l[FLD_NW][16], s_f[FLD_NW][16], s_M[16], s_L[16];
+    __shared__ float s_w[(FL_MAXC + 1) * 16];
+    __shared__ int s_flag;
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
+    const int s = blockIdx.x, kh = blockIdx.y, t = blockIdx.z, G = H / KVH, S = gridDim.x;
+    if (t >= n) return;
+    const int pos = positions[t], slot = slots[t];
+    const int start = window > 0 ? max(0, pos - window + 1) : 0, nk = pos - start + 1;
+    int chunk = nk, nsplit = 1;
+    if (nk > single_max && S > 1) {
+        chunk = max(split_keys, (((nk + S - 1) / S) + 63) & ~63);
+        nsplit = (nk + chunk - 1) / chunk;
+    }
+    if (s >= nsplit) return;                                      // block-uniform
+    const int kb = start + s * chunk, ke = min(kb + chunk, pos + 1);   // keys [kb, ke)
+    const int ntw = (ke - kb + FLD_KW - 1) / FLD_KW;
+    const int cnt = w < ntw ? (ntw - w + FLD_NW - 1) / FLD_NW : 0;     // this warp's tiles: w, w + NW, ...
+    const bool last = s == nsplit - 1;                            // holds key pos
+    u16* mine = kvs + w * NST * STAGE;
+
+    // this warp's i-th tile into stage i % NST; one commit group per call, empty or not, so that the
+    // group count stays uniform for fl_wait
+    auto issue = [&](int i) {
+        if (i < cnt) {
+            const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
+            u16* ks = mine + (i % NST) * STAGE;
+            u16* vs = ks + FLD_KW * LDS;
+#pragma unroll
+            for (int it = 0; it < FLD_KW * CPR / 32; ++it) {
+                const int x = lane + 32 * it, key = x / CPR, c = x - key * CPR, kp = k0 + key;
+                const bool ok = kp < ke;
+                const long long off = ok ? (kv_row(bt, max_blocks, bs_log2, slot, kp) * KVH + kh) * D + c * 8 : 0;
+                fl_cp16(ks + key * LDS + c * 8, kpool + off, ok);
+                fl_cp16(vs + key * LDS + c * 8, vpool + off, ok);
+            }
+        }
+        fl_commit();
+    };
+    if (!fuse) pdl_wait();
+#pragma unroll
+    for (int i = 0; i < NST; ++i) issue(i);
+    pdl_wait();
+
+    // the group's q heads, roped (fuse) and scaled into the log2 domain, as fp16 (hi, lo); thread i
+    // takes pair i % (D/2) of head i / (D/2): a rotated pair (ia, ib) below rope_dim / 2, else two
+    // consecutive dims past rope_dim
+    const int half = rope_dim / 2;
+    const float qsc = scale * FL_LOG2E;
+    for (int i = tid; i < 16 * (D / 2); i += NT) {
+        const int gg = i / (D / 2), p = i - gg * (D / 2);
+        int ia, ib;
+        float c = 1.0f, sn = 0.0f;
+        if (p < half) {
+            ia = style ? p : 2 * p;
+            ib = style ? p + half : 2 * p + 1;
+            if (fuse) {
+                const float2 cs = rt[(long long)pos * half + p];
+                c = cs.x;
+                sn = cs.y;
+            }
+        } else {
+            ia = rope_dim + 2 * (p - half);
+            ib = ia + 1;
+        }
+        float a = 0.0f, b = 0.0f;
+        if (gg < G) {
+            const float* qr = q + ((long long)t * H + kh * G + gg) * D;
+            a = qr[ia];
+            b = qr[ib];
+        }
+        const float xa = (a * c - b * sn) * qsc, xb = (a * sn + b * c) * qsc;
+        const u16 ha = f2h(xa), hb = f2h(xb);
+        qh[gg * LDS + ia] = ha;
+        qh[gg * LDS + ib] = hb;
+        if (QS) {
+            ql[gg * LDS + ia] = f2h(xa - h2f(ha));
+            ql[gg * LDS + ib] = f2h(xb - h2f(hb));
+        }
+    }
+    if (fuse && last) {
+        // the new k (roped) and v as the cache holds them, to the pool and to shared memory
+        const long long row = (kv_row(bt, max_blocks, bs_log2, slot, pos) * KVH + kh) * D;
+        const float* kr = kin + ((long long)t * KVH + kh) * D;
+        const float* vr = vin + ((long long)t * KVH + kh) * D;
+        for (int p = tid; p < D / 2; p += NT) {
+            int ia, ib;
+            float c = 1.0f, sn = 0.0f;
+            if (p < half) {
+                ia = style ? p : 2 * p;
+                ib = style ? p + half : 2 * p + 1;
+                const float2 cs = rt[(long long)pos * half + p];
+                c = cs.x;
+                sn = cs.y;
+            } else {
+                ia = rope_dim + 2 * (p - half);
+                ib = ia + 1;
+            }
+            const float a = kr[ia], b = kr[ib];
+            const u16 ka = f2h(a * c - b * sn), kb2 = f2h(a * sn + b * c), va = f2h(vr[ia]), vb = f2h(vr[ib]);
+            s_knew[ia] = ka;
+            s_knew[ib] = kb2;
+            s_vnew[ia] = va;
+            s_vnew[ib] = vb;
+            kpool[row + ia] = ka;
+            kpool[row + ib] = kb2;
+            vpool[row + ia] = va;
+            vpool[row + ib] = vb;
+        }
+    }
+    __syncthreads();
+
+    float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    for (int i = 0; i < cnt; ++i) {                               // warp-uniform
+        fl_wait<NST - 1>();
+        __syncwarp();
+        u16* ks = mine + (i % NST) * STAGE;
+        u16* vs = ks + FLD_KW * LDS;
+        const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
+        if (fuse && last && pos >= k0 && pos < k0 + FLD_KW) {     // the new key replaces the stale copy
+            const int r = pos - k0;
+            for (int x = lane; x < 2 * CPR; x += 32) {
+                const bool isv = x >= CPR;
+                const int c = isv ? x - CPR : x;
+                *(uint4*)((isv ? vs : ks) + r * LDS + c * 8) = *(const uint4*)((isv ? s_vnew : s_knew) + c * 8);
+            }
+            __syncwarp();
+        }
+        // two accumulators per column tile (by the parity of the k-step; with QS the lo parts go
+        // to the other one): half as long a chain of dependent mma, which is this loop's latency
+        float sc[2][4], sx[2][4];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sc[e >> 2][e & 3] = sx[e >> 2][e & 3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            u32 a[4], b[4];
+            float(&s0)[2][4] = kk & 1 ? sx : sc;
+            float(&s1)[2][4] = kk & 1 ? sc : sx;
+            fl_afrag(a, qh, LDS, 0, kk, lane);
+            fl_kfrag(b, ks, LDS, 0, kk, lane);
+            fl_mma(s0[0], a, b[0], b[1]);
+            fl_mma(s0[1], a, b[2], b[3]);
+            if constexpr (QS) {
+                fl_afrag(a, ql, LDS, 0, kk, lane);
+                fl_mma(s1[0], a, b[0], b[1]);
+                fl_mma(s1[1], a, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sc[e >> 2][e & 3] += sx[e >> 2][e & 3];
+        if (k0 + FLD_KW > ke) {                                   // zero-filled keys past the range
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (k0 + nt * 8 + 2 * tq + (e & 1) >= ke) sc[nt][e] = -INFINITY;
+        }
+        u32 pf[1][4];
+        fl_softmax_step<2, D / 8>(sc, m, l, o, pf);
+        fl_pv16<D>(o, pf[0], vs, LDS, lane);
+        __syncwarp();                                             // the stage is consumed: refill it
+        issue(i + NST);
+    }
+    fl_wait<0>();
+    pdl_trigger();                                                // every key read
+
+    // merge the warps: each writes its rows' (m, l) and O to shared memory (over the stages)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    __syncthreads();                                              // every warp is done with its stages
+    float* ow = (float*)smem;                                     // [NW][16][D]
+    if (tq == 0) {
+        s_m[w][g] = m[0];
+        s_m[w][g + 8] = m[1];
+        s_l[w][g] = l[0];
+        s_l[w][g + 8] = l[1];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        const int d = dt * 8 + 2 * tq;
+        *(float2*)(ow + (w * 16 + g) * D + d) = make_float2(o[dt][0], o[dt][1]);
+        *(float2*)(ow + (w * 16 + g + 8) * D + d) = make_float2(o[dt][2], o[dt][3]);
+    }
+    __syncthreads();
+    if (tid < 16) {
+        float M = -INFINITY, L = 0.0f;
+#pragma unroll
+        for (int ww = 0; ww < FLD_NW; ++ww) M = fmaxf(M, s_m[ww][tid]);
+#pragma unroll
+        for (int ww = 0; ww < FLD_NW; ++ww) {
+            const float f = s_l[ww][tid] > 0.0f ? exp2f(s_m[ww][tid] - M) : 0.0f;   // a warp with no keys: 0
+            s_f[ww][tid] = f;
+            L += f * s_l[ww][tid];
+        }
+        s_M[tid] = M;
+        s_L[tid] = L;
+    }
+    __syncthreads();
+    const long long rowp = (long long)t * KVH + kh;               // (row, KV head): partials and counters
+    const long long pG = (long long)G * D;
+    for (int x = w; x < G * (D / 32); x += FLD_NW) {              // warp-uniform: head gg, dims 32 c..
+        const int gg = x / (D / 32), c = x - gg * (D / 32), d = 32 * c + lane;
+        float v = 0.0f;
+#pragma unroll
+        for (int ww = 0; ww < FLD_NW; ++ww) v += s_f[ww][gg] * ow[(ww * 16 + gg) * D + d];
+        if (nsplit == 1) {
+            const long long ob = ((long long)t * H + kh * G + gg) * D;
+            fl_store32(v / s_L[gg], c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
+                       oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
+        } else {
+            part_o[(rowp * S + s) * pG + (long long)gg * D + d] = v;
+        }
+    }
+    if (nsplit == 1) return;
+    if (tid < G) part_ml[(rowp * S + s) * G + tid] = make_float2(s_M[tid], s_L[tid]);
+
+    // level 1: the last of each group of FL_MAXC splits combines the group; one group: the output
+    const int ng = (nsplit + FL_MAXC - 1) / FL_MAXC, grp = s / FL_MAXC, maxg = (S + FL_MAXC - 1) / FL_MAXC;
+    const int members = min(FL_MAXC, nsplit - grp * FL_MAXC);
+    int* cnt_row = counters + rowp * (1 + maxg);                  // [0]: groups done, [1 + grp]: splits done
+    if (!fl_arrive_last(cnt_row + 1 + grp, members, &s_flag)) return;
+    const long long ob = ((long long)t * H + kh * G) * D;
+    float* fo = out ? out + ob : nullptr;
+    u16* f16 = o16 ? o16 + ob : nullptr;
+    i8* fq = oq ? oq + ob : nullptr;
+    float2* fd = od ? od + (ob >> 5) : nullptr;
+    const long long src = rowp * S + (long long)grp * FL_MAXC;
+    if (ng == 1) {
+        fl_combine<D>(G, members, part_o + src * pG, pG, D, part_ml + src * G, G, 1, fo, f16, fq, fd, D, nullptr,
+                      nullptr, s_w);
+        return;
+    }
+    // level 2: group partials after the split partials: [n][KVH][maxg][G][D] and [n][KVH][maxg][G]
+    float* g_o = part_o + (long long)n * KVH * S * pG + rowp * maxg * pG;
+    float2* g_ml = part_ml + (long long)n * KVH * S * G + rowp * maxg * G;
+    fl_combine<D>(G, members, part_o + src * pG, pG, D, part_ml + src * G, G, 1, nullptr, nullptr, nullptr, nullptr,
+                  0, g_o + grp * pG, g_ml + grp * G, s_w);
+    if (!fl_arrive_last(cnt_row, ng, &s_flag)) return;
+    fl_combine<D>(G, ng, g_o, pG, D, g_ml, G, 1, fo, f16, fq, fd, D, nullptr, nullptr, s_w);
+}
+
+#define FL_DECODE_ARGS                                                                                            \
+    const float *q, const float *kin, const float *vin, float *out, u16 *o16, i8 *oq, float2 *od, u16 *kpool,  \
+        u16 *vpool, const int *bt, int max_blocks, int bs_log2, const int *slots, const int *positions, int n,  \
+        int H, int KVH, float scale, int window, const float2 *rt, int rope_dim, int style, int fuse,          \
+        float *part_o, float2 *part_ml, int *counters, int single_max, int split_keys
+#define FL_DECODE_(D, QS)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * FLD_NW) flash_decode_d##D##_q##QS(FL_DECODE_ARGS) {       \
+        fl_decode<D, QS != 0>(q, kin, vin, out, o16, oq, od, kpool, vpool, bt, max_blocks, bs_log2, slots,       \
+                              positions, n, H, KVH, scale, window, rt, rope_dim, style, fuse, part_o, part_ml,   \
+                              counters, single_max, split_keys);                                                 \
+    }
+#define FL_DECODE(D, QS) FL_DECODE_(D, QS)
+
+#ifdef FL_D
+FL_DECODE(FL_D, FL_QS)
+#else
+FL_DECODE(64, 1)
+FL_DECODE(128, 1)
+FL_DECODE(256, 1)
+FL_DECODE(64, 0)
+FL_DECODE(128, 0)
+FL_DECODE(256, 0)
+#endif

@@ -1,0 +1,54 @@
+"""Launch plans of the flash attention kernels (backends/cuda/flash.py): shapes, scratch sizes and
+the errors a caller gets for shapes the kernels do not serve. Pure arithmetic: runs without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+flash = pytest.importorskip("realizar_backend.backends.cuda.flash")
+
+
+def test_decode_plan_scratch_holds_two_combine_levels():
+    p = flash.plan_decode(1, 12, 2, 128, splits=64)
+    assert p.grid == (64, 2, 1) and p.threads == 128
+    assert p.part_floats == 1 * 12 * 128 * (64 + 8)        # split partials, then 8 group partials
+    assert p.ml_count == 12 * (64 + 8) and p.counters == 2 * (1 + 8)
+    one = flash.plan_decode(256, 12, 2, 128, splits=1)
+    assert one.part_floats == one.ml_count == one.counters == 0   # no splits: no scratch
+
+
+def test_prefill_plan():
+    p = flash.plan_prefill(1000, 12, 128, splits=3)      # 4 warps x 2 m-tiles: 128 rows per block
+    assert p.grid == (8, 12, 3) and p.kernel == "flash_prefill_d128_w4_m2_q0" and p.rows == 128
+    assert p.part_floats == 3 * 1000 * 12 * 128 and p.counters == 8 * 12
+    assert flash.plan_prefill(1000, 12, 128, nw=8, wm=1).grid == (8, 12, 1)
+    assert flash.plan_prefill(1000, 4, 256).grid == (16, 4, 1)   # 256 dims: one m-tile per warp
+    # one m-tile of q fragments in registers (<= 128 dims): the q tile shares a K/V stage
+    assert flash.prefill_smem(128, wm=1) == 4 * 64 * 136 * 2
+    assert flash.prefill_smem(128, wm=2) == (4 * 32 + 128) * 136 * 2
+    assert flash.prefill_smem(256) == (4 * 32 + 64) * 264 * 2
+    assert flash.decode_smem(128) <= 227 * 1024 and flash.prefill_smem(256, qsplit=True) <= 227 * 1024
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda: flash.plan_decode(1, 34, 2, 128), "17 q heads per KV head"),
+    (lambda: flash.plan_decode(1, 12, 2, 96), "head_dim 96"),
+    (lambda: flash.plan_decode(1, 12, 5, 128), "do not group"),
+    (lambda: flash.plan_decode(1, 12, 2, 128, splits=65), "splits must be 1..64"),
+    (lambda: flash.plan_prefill(10, 12, 128, splits=9), "splits must be 1..8"),
+    (lambda: flash.plan_prefill(10, 12, 64, nw=8), "no variant with 8 warps"),
+    (lambda: flash.plan_prefill(10, 4, 256, wm=2), "2 m-tiles for head_dim 256"),
+])
+def test_bad_shapes_are_refused(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()
+
+
+def test_split_policy():
+    sm = 132
+    assert flash.decode_splits(1, 2, sm) == 64            # one long row still fills the GPU
+    assert flash.decode_splits(16, 2, sm) == 9
+    assert flash.decode_splits(256, 2, sm) == 1           # the rows alone fill it
+    assert flash.prefill_splits(16384, 12, 16384, sm) == 1
+    assert flash.prefill_splits(512, 12, 16384, sm) == 6  # a 512-token chunk deep in a long prompt
+    assert flash.prefill_splits(512, 12, 512, sm) == 1    # ... but not at its start
