@@ -68,6 +68,10 @@ class Settings:
     # of redoing that in each prefill (qwen15 pp512: 2.5 of 19.8 ms): "on", "off", or "auto" (on
     # when the copy takes at most a quarter of the device memory free at start)
     prefill_weight_cache: str = "auto"
+    # attention kernels of the CUDA path: "flash" (tensor cores: tiled flash attention for prompts,
+    # flash-decoding split over the sequence for long decode rows) or "classic" (CUDA cores: one
+    # block per row and head for decode, 16-row tiles for prompts)
+    attention: str = "flash"
     self_check: bool = True            # run kernel self-check at CUDA start-up
     log_level: str = "INFO"
 
@@ -106,6 +110,8 @@ class Settings:
                              f"not {self.decode_activations!r}")
         if self.prefill_precision not in ("split16", "fp32", "fp16"):
             raise ValueError(f"prefill_precision must be split16, fp32 or fp16, not {self.prefill_precision!r}")
+        if self.attention not in ("flash", "classic"):
+            raise ValueError(f"attention must be flash or classic, not {self.attention!r}")
         if self.prefill_weight_cache not in ("auto", "on", "off"):
             raise ValueError(f"prefill_weight_cache must be auto, on or off, not {self.prefill_weight_cache!r}")
         if self.kv_cache_tokens < 0:

@@ -202,7 +202,7 @@ class CUDABackend:
             self.ws.positions[:T].set(np.concatenate(pos))
             self.ws.slots[:T].set(np.concatenate(slots))
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
-            self.fwd.prefill_step(T, len(items))
+            self.fwd.prefill_step(T, len(items), max(it.start_pos + t.size - 1 for it, t in zip(items, toks)))
             logits = self.ws.logits[:len(items)].get()
         return logits
 
@@ -313,7 +313,7 @@ class CUDABackend:
         return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
                 "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
                 "programmatic_launch": self.pdl,
-                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes + (self.fwd.mmq.nbytes if self.fwd.mmq else 0)
+                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes + self.fwd.nbytes
                                   + (self.sampler.nbytes if self.sampler else 0)),
                 "kv_pool_bytes": int(self.kv.nbytes),
                 "device_memory_bytes": int(total - free)}

@@ -15,7 +15,9 @@ or more (mmq.py), GEMMs for prompts (prefill.py). A new architecture is flags in
 changes the layer, an edit here.
 
 Decode rows (one new token per sequence) fold RoPE and the KV write into attention; prompt rows
-read each other's cache rows, so RoPE and the KV write run first (rope_kv).
+read each other's cache rows, so RoPE and the KV write run first (rope_kv). Attention runs on the
+flash kernels (flash.py: tensor cores, split over the sequence where one row's keys must fill the
+GPU) or, with Settings.attention "classic", on attention.cu's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import cupy
 
 from ...settings import Settings
-from . import ops
+from . import flash, ops
 from .kv_cache import KVCache
 from .modules import Kernels
 from .prefill import GemmProjections
@@ -69,6 +71,31 @@ class Forward:
             self.rope_tables.append(tables[key])
         # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
         self.token_ring = (0, 0)
+        self.flash = settings.attention == "flash" and self.c.head_dim in flash.HEAD_DIMS
+        if self.flash:
+            c = self.c
+            self.fk = flash.get_flash_kernels(k.device.id)
+            buckets = [1 << i for i in range(ws.max_rows.bit_length()) if 1 << i <= ws.max_rows]
+            self.dec_plans = {b: flash.plan_decode(b, c.n_heads, c.n_kv_heads, c.head_dim,
+                                                   splits=flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count))
+                              for b in buckets}
+            # decode graphs capture the decode scratch: sized once, here; prompts grow their own
+            self.dec_scratch, self.pre_scratch = flash.FlashScratch(), flash.FlashScratch()
+            self.dec_scratch.ensure(*self.dec_plans.values())
+            self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
+        self.max_pos = 0          # largest position of the prompt rows being run (prefill_step)
+
+    def _prefill_plan(self, T: int, keys: int) -> "flash.Plan":
+        c = self.c
+        rows = flash.plan_prefill(T, c.n_heads, c.head_dim).rows
+        return flash.plan_prefill(T, c.n_heads, c.head_dim,
+                                  splits=flash.prefill_splits(T, c.n_heads, keys, self.fk.sm_count, rows))
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the step buffers kept here (batched-decode and flash scratch)."""
+        n = self.mmq.nbytes if self.mmq is not None else 0
+        return n + (self.dec_scratch.nbytes + self.pre_scratch.nbytes if self.flash else 0)
 
     @property
     def pdl(self) -> bool:
@@ -97,13 +124,24 @@ class Forward:
 
     def attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, outs: tuple[int, int, int],
                   fuse_rope: bool) -> None:
-        """ws.attn[:T] (and outs: 8-bit values and scales, fp16); fuse_rope: decode rows, RoPE and the
-        KV write done here."""
-        c, ws = self.c, self.ws
+        """ws.attn[:T] (and outs: 8-bit values and scales, fp16); fuse_rope: decode rows (T is the
+        bucket), RoPE and the KV write done here."""
+        c, ws, kv = self.c, self.ws, self.kv.layer(li)
+        oq, od, o16 = outs
         rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, c.rope_style == "neox",
                  self.rope_tables[li].data.ptr) if fuse_rope else None)
-        ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, self.kv.layer(li), slots, pos,
-                      c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window, T, *outs, rope, pdl=self.pdl)
+        args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
+                c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window)
+        if self.flash and fuse_rope:
+            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, o16=o16, oq=oq, od=od,
+                         pdl=self.pdl)
+        elif self.flash and not oq:
+            plan = self._prefill_plan(T, self.max_pos + 1)
+            self.pre_scratch.ensure(plan)
+            flash.prefill(self.fk, plan, *args, self.pre_scratch, o16=o16, pdl=self.pdl)
+        else:
+            ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv, slots, pos, c.n_heads, c.n_kv_heads,
+                          c.head_dim, c.scale, lw.window, T, oq, od, o16, rope, pdl=self.pdl)
 
     # ------------------------------------------------------------ the layer
     def block(self, li: int, lw: LayerIndex, p: Projections, T: int, pos: int, slots: int, decode: bool) -> None:
@@ -162,9 +200,11 @@ class Forward:
         self.layers(p, b, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
         self.head(self.ws.x, b, io, p)
 
-    def prefill_step(self, T: int, n_items: int) -> None:
-        """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row."""
+    def prefill_step(self, T: int, n_items: int, max_pos: int) -> None:
+        """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row;
+        max_pos: the largest position among them."""
         ws = self.ws
+        self.max_pos = max_pos
         p = self.gemm if T > GEMM_MIN_TOKENS else self.gemv
         self.layers(p, T, ws.tokens.data.ptr, ws.positions.data.ptr, ws.slots.data.ptr)
         ops.gather_rows(self.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n_items, self.c.hidden)
