@@ -32,6 +32,9 @@ class Settings:
     model: str | None = None
     # name reported by /v1/models; default derived from the model file
     model_name: str | None = None
+    # where the default model (SmolLM2-135M-Instruct) is fetched to on first use (`realizar pull`);
+    # "~" is the user's home
+    model_cache: str = "~/.cache/realizar-backend/models"
     backend: str = "auto"              # auto | cuda | cpu
     device: int = 0                    # CUDA device ordinal
     context_length: int = 0            # per-sequence context; 0 = the model's own (and never more)
@@ -70,6 +73,9 @@ class Settings:
     # when the copy takes at most a quarter of the device memory free at start)
     prefill_weight_cache: str = "auto"
     self_check: bool = True            # run kernel self-check at CUDA start-up
+    # load the kernel modules shipped compiled for this GPU (kernels/cubin, tools/build_kernels.py)
+    # where they match the sources; off: compile every module with NVRTC at start-up
+    prebuilt_kernels: bool = True
     log_level: str = "INFO"
 
     ENV_PREFIX = "REALIZAR_"
@@ -109,6 +115,8 @@ class Settings:
             raise ValueError(f"prefill_precision must be split16, fp32 or fp16, not {self.prefill_precision!r}")
         if self.prefill_weight_cache not in ("auto", "on", "off"):
             raise ValueError(f"prefill_weight_cache must be auto, on or off, not {self.prefill_weight_cache!r}")
+        if not self.model_cache:
+            raise ValueError("model_cache must name a directory")
         if self.kv_cache_tokens < 0:
             raise ValueError("kv_cache_tokens must be >= 0")
         if 0 < self.kv_cache_tokens < self.block_size:
