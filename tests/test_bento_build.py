@@ -57,6 +57,12 @@ def test_bento_carries_service_package_and_kernels(bento):
     kernels = sorted(p.name for p in (REPO / "realizar_backend" / "kernels").glob("*.cu*"))
     assert kernels, "the repo has no kernels to check"
     assert sorted(p.name for p in (src / "realizar_backend" / "kernels").glob("*.cu*")) == kernels
+    # the prebuilt kernels, every file the manifest names
+    cubin = REPO / "realizar_backend" / "kernels" / "cubin"
+    shipped = sorted(str(p.relative_to(cubin)) for p in cubin.rglob("*") if p.is_file())
+    assert shipped and "manifest.json" in shipped
+    carried = src / "realizar_backend" / "kernels" / "cubin"
+    assert sorted(str(p.relative_to(carried)) for p in carried.rglob("*") if p.is_file()) == shipped
     assert not (src / "tests").exists()
     assert not list(src.rglob("__pycache__"))
     meta = yaml.safe_load((bento / "bento.yaml").read_text())
