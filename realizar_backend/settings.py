@@ -28,7 +28,8 @@ def _parse(kind: Any, raw: str):
 
 @dataclass
 class Settings:
-    # model: a path to a .gguf file or a safetensors directory; None = the embedded default
+    # model: a path to a .gguf file or a safetensors directory; None = the default model
+    # (SmolLM2-135M-Instruct, fetched into model_cache on first use: model/default.py)
     model: str | None = None
     # name reported by /v1/models; default derived from the model file
     model_name: str | None = None

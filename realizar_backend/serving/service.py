@@ -1,6 +1,6 @@
 """The BentoML service: one Engine per worker process, behind OpenAI-compatible routes.
 
-    bentoml serve                      # from the repo root: embedded SmolLM2-135M, best backend here
+    bentoml serve                      # from the repo root: the default SmolLM2-135M, best backend here
     REALIZAR_MODEL=/models/x.gguf REALIZAR_BACKEND=cuda bentoml serve --port 3000
     realizar serve /models/x.gguf      # the same from anywhere the package is installed
 
@@ -106,7 +106,7 @@ class Realizar:
 
         t0 = time.perf_counter()
         log.info("loading %s (backend=%s, context=%d, max_num_seqs=%d)",
-                 SETTINGS.model or "the embedded default model", SETTINGS.backend,
+                 SETTINGS.model or "the default model", SETTINGS.backend,
                  SETTINGS.context_length, SETTINGS.max_num_seqs)
         try:
             engine = Engine.from_settings(SETTINGS, observer=STATE.metrics)
