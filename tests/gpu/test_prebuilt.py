@@ -112,7 +112,8 @@ k = modules.get_kernels(0, qtypes, int(sys.argv[2]), wait=False)
 k.ready(max_batch=int(sys.argv[3]))
 modules.load_module(0, "prefill.cu", k.qtypes)
 modules.load_module(0, "sampling.cu")
-_ = k.gemv[next(iter(qtypes))], k.mmv_q8[1], k.mmvf[8]      # lazy and background families
+_ = k.gemv[next(iter(qtypes))], k.mmv_q8[1]                 # the families loaded on first use
+_ = [(k.mmvf[nb], k.ffnf[nb]) for nb in modules.MMV_NB]      # and those loading in the background
 print(json.dumps({"seconds": time.perf_counter() - t0,
                   "loaded": [[f, list(o), v] for (d, f, o), v in modules.loaded_modules().items()]}))
 """
