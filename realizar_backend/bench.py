@@ -9,6 +9,7 @@ next step has been started on the device's own argmax). Prints a table and optio
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import statistics
 import time
@@ -18,6 +19,9 @@ import numpy as np
 
 from .backends import PrefillItem, create_backend
 from .formats import open_model
+from .progress import progress
+
+log = logging.getLogger(__name__)
 
 
 def _device_info(backend_name: str) -> dict[str, Any]:
@@ -82,12 +86,15 @@ def run_bench(args) -> int:
     backend.release(0)
     decode_once(min(4, args.gen_tokens))
     pp, tg = [], []
-    for _ in range(args.repetitions):
-        if args.prompt_tokens:
-            pp.append(args.prompt_tokens / prefill_once(args.prompt_tokens, 0))
-            backend.release(0)
-        if args.gen_tokens:
-            tg.append(batch * args.gen_tokens / decode_once(args.gen_tokens))
+    with progress(f"bench {mf.name} on {backend.name}", total=args.repetitions, unit="repetitions",
+                  log=log) as advance:
+        for _ in range(args.repetitions):
+            if args.prompt_tokens:
+                pp.append(args.prompt_tokens / prefill_once(args.prompt_tokens, 0))
+                backend.release(0)
+            if args.gen_tokens:
+                tg.append(batch * args.gen_tokens / decode_once(args.gen_tokens))
+            advance(1)
     stats = backend.stats()
     result = {
         "model": str(mf.path), "name": mf.name, "arch": mf.config.arch, "quant_mix": mf.quant_mix(),

@@ -1,4 +1,4 @@
-"""`realizar`: serve, generate, bench, loadtest, inspect, check."""
+"""`realizar`: serve, generate, pull, bench, loadtest, inspect, check."""
 
 from __future__ import annotations
 
@@ -45,7 +45,16 @@ def cmd_generate(args) -> int:
 
 def _model_path(args) -> Path:
     from .model.default import default_model_path
-    return Path(args.model) if args.model else default_model_path()
+    return Path(args.model) if args.model else default_model_path(_settings(args))
+
+
+def cmd_pull(args) -> int:
+    """Fetch the default model into the model cache now (checking the sha256 of a copy already
+    there) and print where it is."""
+    from .model.default import DEFAULT_MODEL, fetch, model_cache
+    from .settings import Settings
+    print(fetch(DEFAULT_MODEL, model_cache(Settings.from_env()), verify=True))
+    return 0
 
 
 def cmd_inspect(args) -> int:
@@ -122,9 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_opts(p, positional=False):
         if positional:
-            p.add_argument("model", nargs="?", help="a .gguf file or safetensors directory (default: embedded SmolLM2)")
+            p.add_argument("model", nargs="?", help="a .gguf file or safetensors directory (default: SmolLM2-135M-Instruct, fetched into the model cache on first use)")
         else:
-            p.add_argument("--model", help="a .gguf file or safetensors directory (default: embedded SmolLM2)")
+            p.add_argument("--model", help="a .gguf file or safetensors directory (default: SmolLM2-135M-Instruct, fetched into the model cache on first use)")
         p.add_argument("--backend", choices=["auto", "cuda", "cpu"])
         p.add_argument("--context-length", type=int)
 
@@ -181,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--json", help="write the report as JSON to this file")
     lt.set_defaults(func=cmd_loadtest)
 
+    p = sub.add_parser("pull", help="fetch the default model (SmolLM2-135M-Instruct) into the model cache "
+                                    "(REALIZAR_MODEL_CACHE) and print its path")
+    p.set_defaults(func=cmd_pull)
+
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API with BentoML")
     model_opts(s, positional=True)
     s.add_argument("--host", default="0.0.0.0")
@@ -193,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # a first use of the default model downloads 98 MB: always say so
+    logging.getLogger("realizar_backend.model.default").setLevel(logging.INFO)
     try:
         return args.func(args)
     except (RealizarError, ValueError) as e:

@@ -57,3 +57,8 @@ class CapacityError(RealizarError):
 
 class BackendError(RealizarError):
     """A backend could not be created or failed its self-check."""
+
+
+class ModelFetchError(RealizarError):
+    """The default model could not be fetched into the model cache (no package index, a bad
+    download, no pip). The message says what to do instead."""

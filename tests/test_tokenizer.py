@@ -1,5 +1,5 @@
 """The tokenizer built from GGUF metadata gives the ids transformers gives for the same file, and
-decodes them back. Fast tests use the embedded SmolLM2; comparisons with transformers and the
+decodes them back. Fast tests use the default SmolLM2; comparisons with transformers and the
 other real models are marked slow."""
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import numpy as np
 from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig, RopeScaling
+from ..progress import progress
 from .base import PrefillItem, SampleResult, SampleRow
 
 log = logging.getLogger(__name__)
@@ -154,28 +155,31 @@ class CPUBackend:
         self.max_context = min(max_context, self.config.context_length) if self.config.context_length else max_context
         c = self.config
 
-        def w(name: str) -> np.ndarray:
-            t = model.tensor(name)
-            return np.ascontiguousarray(dequantize(t.data, t.qtype, t.shape))
+        # GGUF bytes read and dequantized (a bar on a terminal: a 1.5B model takes a while)
+        with progress("cpu: dequantizing weights", total=model.total_bytes, log=log) as advance:
+            def w(name: str) -> np.ndarray:
+                t = model.tensor(name)
+                advance(t.nbytes)
+                return np.ascontiguousarray(dequantize(t.data, t.qtype, t.shape))
 
-        def opt(name: str) -> np.ndarray | None:
-            return w(name) if model.get(name) is not None else None
+            def opt(name: str) -> np.ndarray | None:
+                return w(name) if model.get(name) is not None else None
 
-        self.tok_embd = w("token_embd.weight")
-        self.output = self.tok_embd if c.tie_embeddings else w("output.weight")
-        self.output_norm = w("output_norm.weight")
-        self.layers: list[LayerWeights] = []
-        for i in range(c.n_layers):
-            b = f"blk.{i}."
-            self.layers.append(LayerWeights(
-                attn_norm=w(b + "attn_norm.weight"), wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"),
-                wv=w(b + "attn_v.weight"), wo=w(b + "attn_output.weight"), ffn_norm=w(b + "ffn_norm.weight"),
-                w_gate=w(b + "ffn_gate.weight"), w_up=w(b + "ffn_up.weight"), w_down=w(b + "ffn_down.weight"),
-                bq=opt(b + "attn_q.bias"), bk=opt(b + "attn_k.bias"), bv=opt(b + "attn_v.bias"),
-                q_norm=opt(b + "attn_q_norm.weight"), k_norm=opt(b + "attn_k_norm.weight"),
-                post_attn_norm=opt(b + "post_attention_norm.weight"),
-                post_ffn_norm=opt(b + "post_ffw_norm.weight"),
-            ))
+            self.tok_embd = w("token_embd.weight")
+            self.output = self.tok_embd if c.tie_embeddings else w("output.weight")
+            self.output_norm = w("output_norm.weight")
+            self.layers: list[LayerWeights] = []
+            for i in range(c.n_layers):
+                b = f"blk.{i}."
+                self.layers.append(LayerWeights(
+                    attn_norm=w(b + "attn_norm.weight"), wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"),
+                    wv=w(b + "attn_v.weight"), wo=w(b + "attn_output.weight"), ffn_norm=w(b + "ffn_norm.weight"),
+                    w_gate=w(b + "ffn_gate.weight"), w_up=w(b + "ffn_up.weight"), w_down=w(b + "ffn_down.weight"),
+                    bq=opt(b + "attn_q.bias"), bk=opt(b + "attn_k.bias"), bv=opt(b + "attn_v.bias"),
+                    q_norm=opt(b + "attn_q_norm.weight"), k_norm=opt(b + "attn_k_norm.weight"),
+                    post_attn_norm=opt(b + "post_attention_norm.weight"),
+                    post_ffn_norm=opt(b + "post_ffw_norm.weight"),
+                ))
         self.act = gelu_tanh if c.activation == "gelu_tanh" else silu
         # KV cache: per slot [layers, context, kv_heads, head_dim]; np.zeros pages in lazily
         shape = (c.n_layers, self.max_context, c.n_kv_heads, c.head_dim)

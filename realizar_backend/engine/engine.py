@@ -107,7 +107,7 @@ class Engine:
     def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None) -> "Engine":
         from ..model.tokenizer import Tokenizer
         settings = settings or Settings.from_env()
-        path = Path(settings.model) if settings.model else default_model_path()
+        path = Path(settings.model) if settings.model else default_model_path(settings)
         t0 = time.perf_counter()
         start_device(settings)
         model = open_model(path)

@@ -1,6 +1,6 @@
 """The BentoML service: one Engine per worker process, behind OpenAI-compatible routes.
 
-    bentoml serve                      # from the repo root: embedded SmolLM2-135M, best backend here
+    bentoml serve                      # from the repo root: the default SmolLM2-135M, best backend here
     REALIZAR_MODEL=/models/x.gguf REALIZAR_BACKEND=cuda bentoml serve --port 3000
     realizar serve /models/x.gguf      # the same from anywhere the package is installed
 
@@ -54,20 +54,26 @@ def _wants_gpu(settings: Settings) -> bool:
 # one on a host without any would only produce warnings, so the request depends on the host.
 RESOURCES = {"gpu": 1} if _wants_gpu(SETTINGS) else {}
 
-# The container image (`bentoml build` + `bentoml containerize`): a CUDA runtime base (CuPy's
-# NVRTC compiles the RawKernels at start-up; the kernels need no toolkit headers), Python 3.11
-# in the venv BentoML's template makes with uv (the base has no Python, so pip comes first to
-# install uv), and this package installed from the Bento's own source with its `cuda12` extra.
+# The container image (`bentoml build` + `bentoml containerize`): a CUDA runtime base (the kernels
+# come prebuilt for common GPUs, and CuPy's NVRTC compiles any other at start-up: no toolkit, no C
+# compiler), Python 3.11 in the venv BentoML's template makes with uv (the base has no Python, so
+# pip comes first to install uv), this package installed from the Bento's own source with its
+# `cuda12` extra, and the default model fetched at build time into the model cache that
+# bentofile.yaml's REALIZAR_MODEL_CACHE names, so a container starts without network.
 CUDA_BASE_IMAGE = "nvidia/cuda:12.8.1-runtime-ubuntu22.04"
 # where BentoML's Dockerfile puts the Bento's src/ (its BENTO_PATH default); a PEP 508 direct
 # reference because BentoML rewrites a bare `.[cuda12]` into `. [cuda12]`, which uv rejects
 BENTO_SRC = "/home/bentoml/bento/src"
 IMAGE = (
-    bentoml.images.Image(base_image=CUDA_BASE_IMAGE, python_version="3.11",
+    # distro "ubuntu" (the base's own) is one BentoML has no install command for: for its known
+    # distros it installs build-essential and git first, which this image does not need
+    bentoml.images.Image(base_image=CUDA_BASE_IMAGE, distro="ubuntu", python_version="3.11",
                          lock_python_packages=False)   # builds offline; versions come from pyproject.toml
-    .system_packages("python3-pip")
+    .run("apt-get update && apt-get install -q -y --no-install-recommends python3-pip "
+         "&& rm -rf /var/lib/apt/lists/*")
     .build_include("pyproject.toml", "README.md", "realizar_backend")
     .python_packages(f"realizar-backend[cuda12] @ file://{BENTO_SRC}")
+    .run("realizar pull")
 )
 
 REFRESH_S = 2.0
@@ -100,7 +106,7 @@ class Realizar:
 
         t0 = time.perf_counter()
         log.info("loading %s (backend=%s, context=%d, max_num_seqs=%d)",
-                 SETTINGS.model or "the embedded default model", SETTINGS.backend,
+                 SETTINGS.model or "the default model", SETTINGS.backend,
                  SETTINGS.context_length, SETTINGS.max_num_seqs)
         try:
             engine = Engine.from_settings(SETTINGS, observer=STATE.metrics)

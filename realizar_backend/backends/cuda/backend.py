@@ -47,9 +47,10 @@ class CUDABackend:
         log.debug("cuda device %d current (primary context created)", self.settings.device)
         qtypes = {t.qtype for t in self._matrix_types(model)}
         # the weights go up while the kernels compile (the upload needs only repack.cu)
-        self.kernels = get_kernels(self.settings.device, qtypes, c.head_dim, wait=False)
+        self.kernels = get_kernels(self.settings.device, qtypes, c.head_dim, wait=False,
+                                   prebuilt=self.settings.prebuilt_kernels)
         self.weights = DeviceWeights(model, self.kernels)
-        self.kernels.ready()
+        self.kernels.ready(max_batch=max_slots)     # GEMVs for wider batches than this: on first use
         if self.settings.self_check:
             from .selfcheck import run_self_check
             run_self_check(self.kernels, qtypes, c, decode_activations=self.settings.decode_activations)

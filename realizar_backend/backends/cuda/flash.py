@@ -14,14 +14,15 @@ sequence in slot s owns blocks bt[s * max_blocks + i]; block_size = 1 << bs_log2
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
+from ...kernels import catalog
 from . import pdl as _pdl
-from .modules import _source
+from .modules import _module, _pool
 
 _U64, _I32, _F32 = np.uint64, np.int32, np.float32
 
@@ -180,12 +181,12 @@ class FlashKernels:
     """The flash entry points of one device, each compiled on first use into its own module (one
     variant per NVRTC call: a second or so each). Call `get` for every plan before capturing a graph."""
 
-    def __init__(self, device_id: int = 0):
+    def __init__(self, device_id: int = 0, prebuilt: bool = True):
         self.device = cupy.cuda.Device(device_id)
+        self.prebuilt = prebuilt
         self.sm_count = int(self.device.attributes["MultiProcessorCount"])
         self._mods: dict[tuple, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nvrtc-flash")
 
     def prepare(self, *plans: Plan) -> None:
         """Start compiling the plans' modules in the background."""
@@ -200,11 +201,11 @@ class FlashKernels:
             if fut is None:
                 def build():
                     with self.device:
-                        opts = ("-std=c++17", f"-DREALIZAR_CC={self.device.compute_capability}") + plan.options
-                        fn = cupy.RawModule(code=_source(fname), options=opts).get_function(plan.kernel)
-                        _ = fn.attributes              # compile and load now, never during a capture
+                        opts = catalog.base_options(self.device.compute_capability) + plan.options
+                        fn = _module(self.device.id, fname, opts, self.prebuilt).get_function(plan.kernel)
+                        _ = fn.attributes              # load now, never during a capture
                         return fn
-                fut = self._mods[key] = self._pool.submit(build)
+                fut = self._mods[key] = _pool.submit(build)   # the loader's threads: abandoned at exit
             return fut
 
     def get(self, plan: Plan):
@@ -214,15 +215,15 @@ class FlashKernels:
         return fn
 
 
-_kernels: dict[int, FlashKernels] = {}
+_kernels: dict[tuple[int, bool], FlashKernels] = {}
 _klock = threading.Lock()
 
 
-def get_flash_kernels(device_id: int = 0) -> FlashKernels:
+def get_flash_kernels(device_id: int = 0, prebuilt: bool = True) -> FlashKernels:
     with _klock:
-        fk = _kernels.get(device_id)
+        fk = _kernels.get((device_id, prebuilt))
         if fk is None:
-            fk = _kernels[device_id] = FlashKernels(device_id)
+            fk = _kernels[device_id, prebuilt] = FlashKernels(device_id, prebuilt)
         return fk
 
 

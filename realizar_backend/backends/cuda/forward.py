@@ -74,7 +74,7 @@ class Forward:
         self.flash = settings.attention == "flash" and self.c.head_dim in flash.HEAD_DIMS
         if self.flash:
             c = self.c
-            self.fk = flash.get_flash_kernels(k.device.id)
+            self.fk = flash.get_flash_kernels(k.device.id, getattr(k, "prebuilt", True))
             buckets = [1 << i for i in range(ws.max_rows.bit_length()) if 1 << i <= ws.max_rows]
             self.dec_plans = {b: flash.plan_decode(b, c.n_heads, c.n_kv_heads, c.head_dim,
                                                    splits=flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count))

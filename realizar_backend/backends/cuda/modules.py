@@ -1,32 +1,31 @@
-"""Kernel loading: every kernels/*.cu compiled once per process and device with cupy.RawModule,
-and one dispatch table per quant type (GGML type -> RawKernel) for each templated family."""
+"""Kernel loading: every kernels/*.cu module loaded once per process and device with cupy.RawModule,
+and one dispatch table per quant type (GGML type -> RawKernel) for each templated family.
+
+A module comes prebuilt (kernels/cubin, made by tools/build_kernels.py) where one of exactly its
+source and options, or a more general one (kernels/catalog.py), ships for this GPU; otherwise NVRTC
+compiles it (and CuPy keeps it in its on-disk kernel cache)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import cupy
 from gguf import GGMLQuantizationType as Q
 
 from ...formats.gpu_layout import REGROUPED
+from ...kernels import catalog
+from ...kernels.catalog import MMQ_BN  # noqa: F401  (token-tile widths of mmq.cu, one module each)
+from ...kernels.catalog import MMV_NB  # noqa: F401  (activation rows per launch column; ops imports it here)
+from ...kernels.catalog import source as _source
 
 log = logging.getLogger(__name__)
-
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
-
-
-MMV_NB = (1, 2, 4, 8)   # activation rows per mmvq launch column (template instances)
-MMQ_BN = (8, 16, 32, 64)   # token-tile widths of the batched-decode matrix multiply (mmq.cu, one module each)
-
 
 MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
 
@@ -60,21 +59,6 @@ QTYPES: dict[Q, QInfo] = {
     Q.Q5_K: QInfo("q5_k", 256, 176, True),
     Q.Q6_K: QInfo("q6_k", 256, 210, True),
 }
-
-
-def _source(name: str) -> str:
-    # local headers (common.cuh, paged_kv.cuh) are pasted in rather than #included: CuPy's on-disk
-    # kernel cache is keyed by the source text, so an edit to a header must change the key of
-    # every file that uses it
-    def inline(text: str, seen: set) -> str:
-        def sub(m):
-            h = m.group(1)
-            if h in seen:
-                return ""
-            seen.add(h)
-            return inline((KERNEL_DIR / h).read_text(), seen)
-        return re.sub(r'^#include "([\w.]+\.cuh)"\s*$', sub, text, flags=re.M)
-    return inline((KERNEL_DIR / name).read_text(), set())
 
 
 class _Lazy:
@@ -134,33 +118,102 @@ class _Family(Mapping):
 _pool = ThreadPoolExecutor(max_workers=max(4, min(16, os.cpu_count() or 4)), thread_name_prefix="nvrtc")
 
 
+def _abandon_pending() -> None:
+    # at interpreter exit, modules queued for the background (wider batches, sampling) that nothing
+    # waited for are dropped instead of compiled: the pool's threads are joined right after this
+    _pool.shutdown(wait=False, cancel_futures=True)
+
+
+# threading's exit hooks run in reverse order, so this one runs before concurrent.futures joins
+# the pool's threads (atexit would run after)
+getattr(threading, "_register_atexit", lambda fn: None)(_abandon_pending)
+
+_driver_version: int | None = None
+_loaded: dict[tuple, str] = {}          # (device, file, options) -> "prebuilt <cubin>" or "nvrtc"
+_loaded_lock = threading.Lock()
+
+
+def _prebuilt_usable() -> bool:
+    """The driver runs cubins of the nvcc that built the shipped ones (CUDA major.minor)."""
+    global _driver_version
+    need = catalog.manifest().get("cuda_version")
+    if not need:
+        return False
+    with _loaded_lock:
+        if _driver_version is not None:
+            return _driver_version >= need
+        _driver_version = cupy.cuda.runtime.driverGetVersion()
+        if _driver_version < need:
+            log.info("prebuilt kernels need a driver for CUDA %d.%d (this one: %d.%d): compiling with NVRTC",
+                     need // 1000, need % 1000 // 10, _driver_version // 1000, _driver_version % 1000 // 10)
+    return _driver_version >= need
+
+
+def _module(device_id: int, filename: str, options: tuple[str, ...], prebuilt: bool = True) -> cupy.RawModule:
+    """kernels/<filename> as a loaded module on the current device (device_id): the prebuilt cubin
+    for its source and options (or a more general module, catalog.find_prebuilt) where one ships
+    and prebuilt is on, else compiled with NVRTC (CuPy's disk cache makes a second start cheap)."""
+    text = _source(filename)
+    if prebuilt and _prebuilt_usable():
+        hit = catalog.find_prebuilt(text, options)
+        if hit is None:
+            log.debug("kernels %s %s: no prebuilt cubin, compiling with NVRTC", filename, " ".join(options[1:]))
+        else:
+            path, used = hit
+            try:
+                mod = cupy.RawModule(path=str(catalog.unpacked(path)))
+                mod.compile()                      # cuModuleLoad now, on this thread
+                if used != options:
+                    log.debug("kernels %s %s: the prebuilt general module %s serves it", filename,
+                              " ".join(options[1:]), path.name)
+                with _loaded_lock:
+                    _loaded[(device_id, filename, options)] = f"prebuilt {path.parent.name}/{path.name}"
+                return mod
+            except Exception as e:  # a driver that refuses the cubin (or no lzma): the source still compiles
+                log.debug("kernels %s: prebuilt %s not loadable (%s), compiling with NVRTC", filename, path.name, e)
+    mod = cupy.RawModule(code=text, options=options)
+    mod.compile()
+    with _loaded_lock:
+        _loaded[(device_id, filename, options)] = "nvrtc"
+    return mod
+
+
+def loaded_modules() -> dict[tuple, str]:
+    """(device, file, options) -> where each module loaded so far came from ("prebuilt <cubin>" or
+    "nvrtc"): for logs and tests."""
+    with _loaded_lock:
+        return dict(_loaded)
+
+
 class Kernels:
     """All RawKernels of one device. Attributes are plain functions; per-type families are mappings
     keyed by GGML type (or batch width), looked up once per launch, never searched.
 
-    First start compiles the sources with NVRTC. To keep that short: only the quant types of the
-    model are compiled in (qtypes; None = all, for tests), every module compiles on its own thread,
-    the fast GEMVs compile once per batch width, and the families a batch-1 start does not need
-    (wider batches, the 8-bit and reference GEMVs) finish in the background; the batched-decode
-    matrix multiply (mmq) compiles on first use, one module per token-tile width."""
+    Modules ship prebuilt for common GPUs (loaded in milliseconds); elsewhere a first start
+    compiles them with NVRTC. To keep that short: only the quant types of the model are compiled in
+    (qtypes; None = all, for tests), every module loads on its own thread, the fast GEMVs build once
+    per batch width, and the families a batch-1 start does not need (wider batches, the 8-bit and
+    reference GEMVs) load in the background or on first use; so does the batched-decode matrix
+    multiply (mmq, one module per token-tile width). prebuilt=False: NVRTC for all."""
 
-    def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None):
+    def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None, prebuilt: bool = True):
         dev = self.device = cupy.cuda.Device(device_id)
         # decode attention compiled for this head size only (None: any, up to 256)
         self.head_dim = head_dim
         cc = dev.compute_capability
         types = {q for q in QTYPES if qtypes is None or q in set(qtypes)}
         self.qtypes = frozenset(types)
-        mask = sum(1 << int(q) for q in types)
-        opts = ("-std=c++17", f"-DREALIZAR_CC={cc}")
-        typed = (f"-DREALIZAR_QMASK={mask:#x}ull",)    # only the type-templated files see the mask
+        self.prebuilt = prebuilt
+        opts = catalog.base_options(cc)
+        # only the type-templated files see the mask; without one (qtypes None) they hold every type
+        typed = () if _every_type(types) else (catalog.qmask_option(types),)
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
 
         def build(fname: str, names, extra=(), smem: int = 0, lazy: bool = False):
             def run():
                 t0 = time.perf_counter()
                 with dev:
-                    mod = cupy.RawModule(code=_source(fname), options=opts + tuple(extra))
+                    mod = _module(device_id, fname, opts + tuple(extra), prebuilt)
                     fns = {n: mod.get_function(n) for n in names}
                     for fn in fns.values():
                         if smem:   # staged activation rows / K-V tiles in dynamic shared memory
@@ -175,9 +228,9 @@ class Kernels:
         # those are submitted first and alone, one per core (the batch-1 GEMVs, the slowest at
         # ~1.5 s, before the rest); the wider batches and sampling follow once they are in (ready()).
         # Sharing the cores with those (20 compiles on 16 threads) made the start ~1 s longer.
-        def gemvs(nb: int):
+        def gemvs(nb: int, lazy: bool = False):
             return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={i}"),
-                               100 * 1024) for i, kind in ((1, "mmvf"), (2, "ffnf")))
+                               100 * 1024, lazy) for i, kind in ((1, "mmvf"), (2, "ffnf")))
         self._mmvf = {1: gemvs(1)}
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")],
                           typed)
@@ -192,7 +245,7 @@ class Kernels:
                                                 "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"]),
                        build("norm.cu", ["rms_norm", "rms_norm_q8"]),
                        build("rope.cu", ["rope_kv"])]
-        _module_future(device_id, "prefill.cu", self.qtypes)        # loaded by its user (prefill.py)
+        _module_future(device_id, "prefill.cu", self.qtypes, prebuilt)   # loaded by its user (prefill.py)
         # the 8-bit and reference GEMVs serve opt-in settings and float-type matrices: compiled on first use
         mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
         gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
@@ -213,9 +266,10 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in types})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
 
-    def ready(self) -> "Kernels":
-        """Wait for the modules a batch-1 start needs, then start the wider batches and sampling in
-        the background. Every other attribute exists from here on."""
+    def ready(self, max_batch: int | None = None) -> "Kernels":
+        """Wait for the modules a batch-1 start needs, then start the GEMVs for batches of up to
+        max_batch rows (None: every width) and sampling in the background; wider ones load on first
+        use. Every other attribute exists from here on."""
         with self._ready_lock:
             if self._ready:
                 return self
@@ -228,14 +282,18 @@ class Kernels:
                     setattr(self, name, fn)
             for fut in self._mmvf[1]:
                 fut.result()
-            self._mmvf.update({nb: self._gemvs(nb) for nb in MMV_NB[1:]})
-            _module_future(self.device.id, "sampling.cu")             # loaded by its user (sampling.py)
+            eager = MMV_NB[-1] if max_batch is None else next((v for v in MMV_NB if v >= max_batch), MMV_NB[-1])
+            self._mmvf.update({nb: self._gemvs(nb, lazy=nb > eager) for nb in MMV_NB[1:]})
+            _module_future(self.device.id, "sampling.cu", None, self.prebuilt)   # loaded by its user (sampling.py)
             self.mmvf = _Family({nb: (self._mmvf[nb][0], f"mmvf_nb{nb}") for nb in MMV_NB})
             self.ffnf = _Family({nb: (self._mmvf[nb][1], f"ffnf_nb{nb}") for nb in MMV_NB})
             self._ready = True
-        log.info("cuda kernels for compute capability %s: core ready, %d quant types; wider batches and "
-                 "sampling finish in the background, the 8-bit and reference GEMVs on first use",
-                 self.device.compute_capability, len(self.qtypes))
+        came = [v for (d, _, _), v in loaded_modules().items() if d == self.device.id]
+        n_pre = sum(v.startswith("prebuilt") for v in came)
+        log.info("cuda kernels for compute capability %s: core ready, %d quant types, %d modules prebuilt and "
+                 "%d compiled with NVRTC so far; wider batches and sampling load in the background, the 8-bit "
+                 "and reference GEMVs on first use", self.device.compute_capability, len(self.qtypes), n_pre,
+                 len(came) - n_pre)
         return self
 
 
@@ -245,20 +303,25 @@ _extra: dict[tuple, Future] = {}
 _extra_lock = threading.Lock()      # taken inside Kernels() while get_kernels holds _lock
 
 
-def _module_future(device_id: int, filename: str, qtypes=None):
-    key = (device_id, filename, None if qtypes is None else frozenset(qtypes))
+def _every_type(qtypes) -> bool:
+    """qtypes (None: all) covers the GPU's quant table: the module needs no quant mask."""
+    return qtypes is None or frozenset(qtypes) >= frozenset(QTYPES)
+
+
+def _module_future(device_id: int, filename: str, qtypes=None, prebuilt: bool = True):
+    qtypes = None if _every_type(qtypes) else frozenset(qtypes)
+    key = (device_id, filename, qtypes)
     with _extra_lock:
         fut = _extra.get(key)
         if fut is None:
             def run():
                 t0 = time.perf_counter()
                 dev = cupy.cuda.Device(device_id)
-                opts = ["-std=c++17", f"-DREALIZAR_CC={dev.compute_capability}"]
+                opts = catalog.base_options(dev.compute_capability)
                 if qtypes is not None:
-                    opts.append(f"-DREALIZAR_QMASK={sum(1 << int(q) for q in qtypes):#x}ull")
+                    opts += (catalog.qmask_option(qtypes),)
                 with dev:
-                    mod = cupy.RawModule(code=_source(filename), options=tuple(opts))
-                    mod.compile()
+                    mod = _module(device_id, filename, opts, prebuilt)
                 log.debug("kernels %s ready in %.2f s", filename, time.perf_counter() - t0)
                 return mod
             fut = _extra[key] = _pool.submit(run)
@@ -273,13 +336,16 @@ def load_module(device_id: int, filename: str, qtypes=None) -> cupy.RawModule:
     return _module_future(device_id, filename, qtypes).result()
 
 
-def get_kernels(device_id: int = 0, qtypes=None, head_dim: int | None = None, wait: bool = True) -> Kernels:
+def get_kernels(device_id: int = 0, qtypes=None, head_dim: int | None = None, wait: bool = True,
+                prebuilt: bool = True) -> Kernels:
     """The kernels of a device, compiled for the quant types given (None: every type) and, for
     decode attention, the head size given (None: every size). wait=False returns while they
-    compile: call .ready() before using anything but the mappings built in Kernels.__init__."""
-    key = (device_id, None if qtypes is None else frozenset(q for q in qtypes if q in QTYPES), head_dim)
+    load: call .ready() before using anything but the mappings built in Kernels.__init__.
+    prebuilt=False compiles every module with NVRTC (Settings.prebuilt_kernels)."""
+    types = None if _every_type(qtypes) else frozenset(q for q in qtypes if q in QTYPES)
+    key = (device_id, types, head_dim, prebuilt)
     with _lock:
         k = _cache.get(key)
         if k is None:
-            k = _cache[key] = Kernels(device_id, key[1], head_dim)
+            k = _cache[key] = Kernels(device_id, key[1], head_dim, prebuilt)
     return k.ready() if wait else k

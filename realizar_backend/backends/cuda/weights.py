@@ -16,6 +16,7 @@ from ...errors import UnsupportedModelError
 from ...formats import ModelFile, Tensor
 from ...formats.gpu_layout import REGROUPED
 from ...formats.quants import dequantize, row_bytes
+from ...progress import progress
 from .modules import QTYPES, Kernels
 from .ops import ATT_MAXD, WeightRef
 from .ops import row_bytes as device_row_bytes
@@ -101,31 +102,28 @@ class DeviceWeights:
         if self.arena is not None:
             return
         t0 = time.perf_counter()
-        log.info("cuda: uploading %.1f MB of quantized weights (%d matrices)", self.total_bytes / 1e6, len(self._plan))
         self.arena = cupy.empty(self.total_bytes, dtype=cupy.uint8)
         refs: dict[str, WeightRef] = {}
-        done, next_report = 0, 0.25
         # Q5_0 / Q8_0 / Q6_K go up in GGUF bytes and are regrouped on the GPU (repack.cu), through
         # one staging buffer as large as the largest such matrix
         regroup = [t.nbytes for t, _ in self._plan if t.qtype in REGROUPED]
         staging = cupy.empty(max(regroup), dtype=cupy.uint8) if regroup else None
-        for t, off in self._plan:
-            host = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-            rows, cols = t.shape
-            rb = device_row_bytes(t.qtype, cols)
-            if t.qtype in REGROUPED:
-                staging[:host.size].set(host)
-                total = rows * (cols // 32)
-                self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
-                                             (staging, np.int32(rows), np.int32(cols),
-                                              self.arena[off:], np.int64(rb)))
-            else:
-                self.arena[off:off + host.size].set(host)
-            refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, rows, cols, rb)
-            done += host.size
-            if done >= next_report * self.total_bytes:
-                log.info("cuda: upload %d%%", int(100 * done / self.total_bytes))
-                next_report += 0.25
+        with progress(f"cuda: uploading {len(self._plan)} weight matrices", total=sum(t.nbytes for t, _ in self._plan),
+                      log=log) as advance:
+            for t, off in self._plan:
+                host = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+                rows, cols = t.shape
+                rb = device_row_bytes(t.qtype, cols)
+                if t.qtype in REGROUPED:
+                    staging[:host.size].set(host)
+                    total = rows * (cols // 32)
+                    self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
+                                                 (staging, np.int32(rows), np.int32(cols),
+                                                  self.arena[off:], np.int64(rb)))
+                else:
+                    self.arena[off:off + host.size].set(host)
+                refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, rows, cols, rb)
+                advance(host.size)
         self._build_index(refs)
         cupy.cuda.Device().synchronize()
         log.info("cuda: weights resident: %.1f MB in %.2f s", self.total_bytes / 1e6, time.perf_counter() - t0)

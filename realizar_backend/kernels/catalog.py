@@ -1,0 +1,201 @@
+"""Which kernel modules the CUDA loader builds, and the prebuilt cubins shipped for them.
+
+A module is one kernels/*.cu file with its local headers pasted in (`source`), compiled with
+`base_options(cc)` plus a few -D options of its own. The loader (backends/cuda/modules.py) asks for
+a module by (file, options); before it compiles one with NVRTC it looks for a cubin of exactly that
+source text and those options in cubin/manifest.json, written by `python tools/build_kernels.py`.
+
+Two options only narrow what a module holds, so a module built without them serves every model
+and the loader may take it instead (`generalisations`): -DREALIZAR_QMASK (the quant types compiled
+in: a model's own, to shorten NVRTC) and -DATT_HEAD_DIM (the decode-attention body chosen at compile
+time instead of at run time from the head size). The prebuilt set is `variants()` for each arch in
+ARCHS: every module the loader builds for any model (no quant mask), plus the decode attention for
+the head sizes of common models. When the loader gains a module or a variant, add it to
+`variants()` and run the tool (tests/test_prebuilt_kernels.py fails until then).
+
+A GPU of compute capability X.Y with no modules of its own takes those of the highest shipped X.Z
+with Z < Y, as CUDA's binary compatibility allows (sm_80 code runs on 8.6 and 8.9): built with
+-DREALIZAR_CC=XZ, which is why REALIZAR_CC may only ever gate features (`#if REALIZAR_CC >= 89`),
+never choose something that must match the device exactly.
+
+This file needs no GPU and no CuPy (the tool and the CPU tests import it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import re
+import shutil
+import struct
+import tempfile
+import threading
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+CUBIN_DIR = KERNEL_DIR / "cubin"
+MANIFEST = CUBIN_DIR / "manifest.json"
+
+MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf/mmvq launch column (template instances)
+MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
+ATT_KINDS = ("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..4
+PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
+# compute capabilities shipped prebuilt: 8.0 (A100; its modules also serve 8.6 and 8.9: A10, RTX 30,
+# L4, L40, RTX 40) and 9.0 (H100, H200). Each arch costs ~9 minutes of one core to build.
+ARCHS = ("sm_80", "sm_90")
+# compiler options CuPy adds to every NVRTC compile (cupy.cuda.compiler): the tool passes them to
+# nvcc so that the prebuilt code is the code NVRTC would make
+NVRTC_IMPLIED = ("-ftz=true",)
+
+_GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
+
+
+def source(name: str) -> str:
+    """kernels/<name> with its local headers (common.cuh, paged_kv.cuh) pasted in rather than
+    #included: CuPy's on-disk kernel cache and the prebuilt manifest are keyed by the source text,
+    so an edit to a header must change the key of every file that uses it. A pasted header's
+    `#pragma once` goes (each is pasted once; in a main file the pragma only draws a warning)."""
+    def inline(text: str, seen: set) -> str:
+        def sub(m):
+            h = m.group(1)
+            if h in seen:
+                return ""
+            seen.add(h)
+            header = re.sub(r"^#pragma once\s*$", "", (KERNEL_DIR / h).read_text(), flags=re.M)
+            return inline(header, seen)
+        return re.sub(r'^#include "([\w.]+\.cuh)"\s*$', sub, text, flags=re.M)
+    return inline((KERNEL_DIR / name).read_text(), set())
+
+
+def base_options(cc: str | int) -> tuple[str, ...]:
+    return ("-std=c++17", f"-DREALIZAR_CC={cc}")
+
+
+def qmask_option(qtypes: Iterable[int]) -> str:
+    return f"-DREALIZAR_QMASK={sum(1 << int(q) for q in set(qtypes)):#x}ull"
+
+
+def variants() -> list[tuple[str, tuple[str, ...]]]:
+    """(file, options beyond base_options) of every prebuilt module, for one arch."""
+    out = [("mmvf.cu", (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}")) for nb in MMV_NB for kind in (1, 2)]
+    out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
+    out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
+    out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",
+                                    "prefill.cu", "mmvq.cu", "gemv.cu", "sampling.cu")]
+    out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
+    # flash attention (backends/cuda/flash.py plans): the default variant of each head size
+    for d in PREBUILT_HEAD_DIMS:
+        out.append(("flash_prefill.cu", (f"-DFL_D={d}", "-DFL_NW=4", f"-DFL_WM={1 if d > 128 else 2}", "-DFL_QS=0")))
+        out.append(("flash_decode.cu", (f"-DFL_D={d}", "-DFL_QS=1")))
+    return out
+
+
+def module_key(text: str, options: Sequence[str]) -> str:
+    """Names a module by everything that decides its code: the source text and the options (in
+    any order; the arch is in them as -DREALIZAR_CC)."""
+    h = hashlib.sha256(text.encode())
+    h.update(b"\0" + "\0".join(sorted(options)).encode())
+    return h.hexdigest()
+
+
+def _older_archs(options: Sequence[str]) -> list[tuple[str, ...]]:
+    """options, then the same for each shipped arch of the same major and a lower minor (newest
+    first), whose machine code this device runs."""
+    opts = tuple(options)
+    cc = next((o.split("=", 1)[1] for o in opts if o.startswith("-DREALIZAR_CC=")), None)
+    out = [opts]
+    if cc is None or not cc.isdigit():
+        return out
+    major, minor = divmod(int(cc), 10)
+    shipped = sorted((int(a.removeprefix("sm_")) for a in manifest().get("archs", ()) if a.removeprefix("sm_").isdigit()),
+                     reverse=True)
+    for other in shipped:
+        if other // 10 == major and other % 10 < minor:
+            out.append(tuple(f"-DREALIZAR_CC={other}" if o.startswith("-DREALIZAR_CC=") else o for o in opts))
+    return out
+
+
+def generalisations(options: Sequence[str]) -> list[tuple[str, ...]]:
+    """options, then the same without the narrowing options (quant mask, head size), most
+    specific first: each later entry builds a module that serves everything the first one does."""
+    opts = tuple(options)
+    out = [opts]
+    for drop in (_GENERAL[:1], _GENERAL[1:], _GENERAL):
+        cut = tuple(o for o in opts if not o.startswith(drop))
+        if cut not in out:
+            out.append(cut)
+    return out
+
+
+@lru_cache(maxsize=1)
+def manifest() -> dict:
+    """cubin/manifest.json ({} when there is none)."""
+    try:
+        return json.loads(MANIFEST.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+@lru_cache(maxsize=1)
+def _by_key() -> dict[str, Path]:
+    return {m["key"]: CUBIN_DIR / m["cubin"] for m in manifest().get("modules", ())}
+
+
+def find_prebuilt(text: str, options: Sequence[str]) -> tuple[Path, tuple[str, ...]] | None:
+    """The prebuilt cubin (xz-compressed: cubins of one source shrink ~10x) for a module of source
+    `text` asked for with `options`, or for a more general one (generalisations), with the options
+    it was built with; None where none ships."""
+    table = _by_key()
+    for arch_opts in _older_archs(options):
+        for opts in generalisations(arch_opts):
+            path = table.get(module_key(text, opts))
+            if path is not None and path.is_file():
+                return path, opts
+    return None
+
+
+_unpack_lock = threading.Lock()
+_unpack_dir: list[Path] = []
+
+
+def unpacked(path: Path) -> Path:
+    """The cubin of a shipped .cubin.xz as a plain file (CuPy loads modules from paths), in a
+    directory of this process that goes at exit. Raises ImportError where Python has no lzma."""
+    import lzma
+    with _unpack_lock:
+        if not _unpack_dir:
+            _unpack_dir.append(Path(tempfile.mkdtemp(prefix="realizar-cubin-")))
+            atexit.register(shutil.rmtree, _unpack_dir[0], True)
+    out = _unpack_dir[0] / path.name.removesuffix(".xz")
+    if not out.exists():
+        tmp = out.with_name(f"{out.name}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(lzma.decompress(path.read_bytes()))
+        tmp.replace(out)
+    return out
+
+
+def cubin_kernels(cubin: bytes) -> list[str]:
+    """The kernel entry points of a cubin (ELF64: one `.text.<name>` section per kernel), sorted."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not an ELF64 cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        base = shoff + i * shentsize
+        name, = struct.unpack_from("<I", cubin, base)
+        offset, size = struct.unpack_from("<QQ", cubin, base + 0x18)
+        return name, offset, size
+
+    _, stroff, strsize = section(shstrndx)
+    strtab = cubin[stroff:stroff + strsize]
+    names = []
+    for i in range(shnum):
+        n = section(i)[0]
+        label = strtab[n:strtab.index(b"\0", n)].decode()
+        if label.startswith(".text."):
+            names.append(label[len(".text."):])
+    return sorted(names)
