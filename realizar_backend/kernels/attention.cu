@@ -102,7 +102,8 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
                 int ia = style ? p : 2 * p, ib = style ? p + half : 2 * p + 1;
                 const float* src = isk ? kr : qr;
                 float a = src[ia], b = src[ib];
-                float ra = a * rc - b * rs, rb = a * rs + b * rc;
+                const float2 r2 = rope_rot(a, b, rc, rs);
+                float ra = r2.x, rb = r2.y;
                 if (isk) {
                     u16 ka = f2h(ra), kb = f2h(rb);
                     if (writer) {

@@ -574,6 +574,14 @@ __device__ __forceinline__ float qunit_dot(const QUnit& w, const int* __restrict
     return w.A * xds.x * (float)(w.s0 * lo + w.s1 * hi) + w.C * xds.y;
 }
 
+// ------------------------------------------------------------------ RoPE
+// One rotary pair (a, b) by (cos c, sin s), each product and the sum rounded as float32 on its own
+// (no fused multiply-add), as the NumPy twin computes it: the rotated k goes to the fp16 cache,
+// where a contraction could flip the rounding of a value and part the GPU's cache from the CPU's.
+__device__ __forceinline__ float2 rope_rot(float a, float b, float c, float s) {
+    return make_float2(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)), __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
+}
+
 // ------------------------------------------------------------------ fp32 activations (mmvf.cu)
 // A 32-weight unit decoded for fp32 dot products with no integer->float conversion instruction:
 // byte k of v[i] holds the value q of column 4i+k as q << (7 - bits) (q unsigned, bits <= 6; Q6_K

@@ -115,7 +115,8 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
             a = qr[ia];
             b = qr[ib];
         }
-        const float xa = (a * c - b * sn) * qsc, xb = (a * sn + b * c) * qsc;
+        const float2 r2 = rope_rot(a, b, c, sn);
+        const float xa = r2.x * qsc, xb = r2.y * qsc;
         const u16 ha = f2h(xa), hb = f2h(xb);
         qh[gg * LDS + ia] = ha;
         qh[gg * LDS + ib] = hb;
@@ -143,7 +144,8 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                 ib = ia + 1;
             }
             const float a = kr[ia], b = kr[ib];
-            const u16 ka = f2h(a * c - b * sn), kb2 = f2h(a * sn + b * c), va = f2h(vr[ia]), vb = f2h(vr[ib]);
+            const float2 r2 = rope_rot(a, b, c, sn);
+            const u16 ka = f2h(r2.x), kb2 = f2h(r2.y), va = f2h(vr[ia]), vb = f2h(vr[ib]);
             s_knew[ia] = ka;
             s_knew[ib] = kb2;
             s_vnew[ia] = va;

@@ -29,8 +29,9 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* __restrict__
         float2 cs = rt[(long long)pos * half + i];
         int ia = style ? i : 2 * i, ib = style ? i + half : 2 * i + 1;
         float a = src[ia], b = src[ib];
-        dst[ia] = a * cs.x - b * cs.y;
-        dst[ib] = a * cs.y + b * cs.x;
+        const float2 r2 = rope_rot(a, b, cs.x, cs.y);
+        dst[ia] = r2.x;
+        dst[ib] = r2.y;
     }
     __syncthreads();
     if (is_q) {

@@ -44,6 +44,9 @@ struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
