@@ -74,13 +74,12 @@ CPU_KV_BYTES = 1 << 30   # the CPU's KV pool when kv_cache_tokens leaves it to t
 def cpu_kv_blocks(model: ModelFile, settings: Settings, slots: int, ctx: int) -> int:
     """Blocks of the CPU backend's KV pool: kv_cache_tokens when set; else what fits in 1 GiB of
     float32 K/V, never less than one full context nor more than every slot at full context."""
-    c = model.config
+    c, bs = model.config, settings.block_size
     if settings.kv_cache_tokens:
-        tokens = settings.kv_cache_tokens
-    else:
-        per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
-        tokens = min(slots * ctx, max(ctx, CPU_KV_BYTES // per_token))
-    return max(1, tokens // settings.block_size)
+        return max(1, settings.kv_cache_tokens // bs)
+    per_seq = -(-ctx // bs)
+    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    return min(slots * per_seq, max(per_seq, CPU_KV_BYTES // per_token // bs))
 
 
 __all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "create_backend", "cuda_available", "start_device"]
