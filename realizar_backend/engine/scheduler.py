@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import CapacityError, RealizarError
+from ..errors import CapacityError, ContextOverflowError, RealizarError
 from .kv_manager import KVManager
 from .sampling import Sampler, SamplingParams
 
@@ -250,7 +250,6 @@ class Scheduler:
         self.remove(seq)
 
     def _too_big(self, seq: Sequence) -> RealizarError:
-        from ..errors import ContextOverflowError
         pool = self.kv.num_blocks * self.kv.block_size
         return ContextOverflowError(f"the sequence needs more than this server's whole KV cache "
                                     f"({pool} tokens)", param=None)
