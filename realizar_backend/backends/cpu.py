@@ -101,6 +101,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     return out.reshape(T, H * D).astype(np.float32)
 
 
+def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:
+    """Consecutive block ids as a slice (the pool's rows are then read as a view, not a copy)."""
+    if blocks.size and blocks[-1] - blocks[0] == blocks.size - 1 and np.all(np.diff(blocks) == 1):
+        return slice(int(blocks[0]), int(blocks[-1]) + 1)
+    return blocks
+
+
 # ---------------------------------------------------------------- the backend
 
 class CPUBackend:
@@ -190,7 +197,7 @@ class CPUBackend:
         bounds = np.cumsum([0] + lens)
         # per segment: the pool rows its new tokens go to, and the blocks holding its positions
         writes = [(self.tables[sl][pos[a:b] // bs], pos[a:b] % bs) for sl, a, b in zip(slots, bounds, bounds[1:])]
-        reads = [self.tables[sl][:-(-(st + n) // bs)] for sl, st, n in zip(slots, starts, lens)]
+        reads = [_as_slice(self.tables[sl][:-(-(st + n) // bs)]) for sl, st, n in zip(slots, starts, lens)]
         x = self.tok_embd[ids] * np.float32(c.embed_scale)
         T = len(ids)
         for li, lw in enumerate(self.layers):

@@ -71,13 +71,14 @@ class Engine:
         self.max_context = backend.max_context
         self.kv = KVManager(backend.num_blocks, backend.block_size, self.settings.enable_prefix_caching)
         self.kv_capacity = backend.num_blocks * backend.block_size      # tokens
-        self.scheduler = Scheduler(self.kv, backend.max_slots, backend.max_context, self.settings.max_waiting,
+        self.scheduler = Scheduler(self.kv, backend.max_slots, self.settings.max_waiting,
                                    self.settings.prefill_chunk_tokens)
         self._stop = False
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
         self._ahead: tuple[list[Sequence], Any] | None = None  # a greedy step started ahead (_greedy_step)
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
+        self._said_preempt = False
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
         self._thread.start()
 
@@ -277,8 +278,11 @@ class Engine:
         for seq, err in plan.failed:
             self._fail(seq, err)
         if plan.preempted:
-            log.info("KV cache full: preempted %d sequence(s) (%d blocks free); they are recomputed later",
-                     len(plan.preempted), self.kv.num_free)
+            # said once at INFO (a sign the pool is small for the load); the metrics count them all
+            log.log(logging.DEBUG if self._said_preempt else logging.INFO,
+                    "KV cache full (%d blocks): preempted %d sequence(s), recomputed when blocks free up",
+                    self.kv.num_blocks, len(plan.preempted))
+            self._said_preempt = True
         for slot, table in plan.tables.items():
             self.backend.set_block_table(slot, table)
         if plan.decode:

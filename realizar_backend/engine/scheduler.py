@@ -93,11 +93,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_slots: int, max_context: int, max_waiting: int,
+    def __init__(self, kv: KVManager, max_slots: int, max_waiting: int,
                  prefill_chunk_tokens: int = 512):
         self.kv = kv
         self.max_slots = max_slots
-        self.max_context = max_context
         self.max_waiting = max_waiting
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # blocks left free at admission while others run, so that they can grow for a while
