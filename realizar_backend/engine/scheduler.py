@@ -35,7 +35,7 @@ from .sampling import Sampler, SamplingParams
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)      # a sequence is itself: list membership and removal go by identity
 class Sequence:
     request_id: str
     prompt_ids: list[int]
