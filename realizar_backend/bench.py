@@ -1,9 +1,11 @@
 """`realizar bench`: llama-bench-like prefill (pp) and decode (tg) speed on any backend.
 
 Random token ids, so a shape twin measures the same as the real model. Each repetition
-prefills `prompt_tokens` into a fresh slot, then decodes `gen_tokens` greedy steps for `batch`
+prefills `prompt_tokens` into a fresh sequence, then decodes `gen_tokens` greedy steps for `batch`
 sequences at once, pipelined as the engine runs them (each step's tokens are read back, after the
-next step has been started on the device's own argmax). Prints a table and optionally writes JSON.
+next step has been started on the device's own argmax). KV blocks come from the engine's block
+manager, as in serving; each sequence gets the blocks for all its positions before the clock
+starts. Prints a table and optionally writes JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .backends import PrefillItem, create_backend
+from .engine.kv_manager import KVManager
 from .formats import open_model
 from .progress import progress
 
@@ -58,17 +61,31 @@ def run_bench(args) -> int:
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = mf.config.vocab_size
+    kv = KVManager(backend.num_blocks, backend.block_size, prefix_caching=False)   # random ids share nothing
+
+    def take(slot: int, ids: np.ndarray, positions: int) -> None:
+        kv.allocate(slot, lambda a, b: ids[a:b], positions)
+        backend.set_block_table(slot, kv.table(slot))
+
+    def give_back(slot: int) -> None:
+        backend.release(slot)
+        kv.free(slot)
 
     def prefill_once(n: int, slot: int) -> float:
         ids = rng.integers(0, vocab, size=n, dtype=np.int32)
+        take(slot, ids, n)
         t = time.perf_counter()
         backend.prefill([PrefillItem(slot, ids, 0)])
-        return time.perf_counter() - t
+        dt = time.perf_counter() - t
+        give_back(slot)
+        return dt
 
     def decode_once(steps: int) -> float:
         slots = list(range(batch))
         for s in slots:                      # a short context to decode after
-            backend.prefill([PrefillItem(s, rng.integers(0, vocab, size=DECODE_PRIME, dtype=np.int32), 0)])
+            ids = rng.integers(0, vocab, size=DECODE_PRIME, dtype=np.int32)
+            take(s, ids, DECODE_PRIME + steps + 1)     # +1: the step the last one starts ahead
+            backend.prefill([PrefillItem(s, ids, 0)])
         toks = rng.integers(0, vocab, size=batch).tolist()
         t = time.perf_counter()
         h = backend.decode_argmax_start(slots, toks, [DECODE_PRIME] * batch)
@@ -79,11 +96,10 @@ def run_bench(args) -> int:
         backend.decode_argmax_finish(h)
         dt = time.perf_counter() - t
         for s in slots:
-            backend.release(s)
+            give_back(s)
         return dt
 
     prefill_once(max(1, min(32, args.prompt_tokens)), 0)   # warm-up: compilation, graphs, pools
-    backend.release(0)
     decode_once(min(4, args.gen_tokens))
     pp, tg = [], []
     with progress(f"bench {mf.name} on {backend.name}", total=args.repetitions, unit="repetitions",
@@ -91,7 +107,6 @@ def run_bench(args) -> int:
         for _ in range(args.repetitions):
             if args.prompt_tokens:
                 pp.append(args.prompt_tokens / prefill_once(args.prompt_tokens, 0))
-                backend.release(0)
             if args.gen_tokens:
                 tg.append(batch * args.gen_tokens / decode_once(args.gen_tokens))
             advance(1)
@@ -102,15 +117,16 @@ def run_bench(args) -> int:
         "graph_status": stats.get("graph_status", {}),
         "programmatic_launch": stats.get("programmatic_launch", False),
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "batch": batch,
+        "block_size": backend.block_size, "kv_blocks": backend.num_blocks,
         "repetitions": args.repetitions, "load_s": load_s,
         "pp_tok_s": _summary(pp) if pp else None,
         "tg_tok_s": _summary(tg) if tg else None,
         "ms_per_token": (1000.0 * batch / statistics.median(tg)) if tg else None,
-        "peak_device_memory_bytes": stats.get("peak_device_memory_bytes", stats.get("device_memory_bytes", 0)),
+        "device_memory_bytes": stats.get("device_memory_bytes", 0),
     }
     backend.close()
-    print(f"| model | backend | batch | test | tok/s (median) | min | max |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| model | backend | batch | test | tok/s (median) | min | max |")
+    print("|---|---|---|---|---|---|---|")
     for name, key, n in (("pp", "pp_tok_s", args.prompt_tokens), ("tg", "tg_tok_s", args.gen_tokens)):
         r = result[key]
         if r:

@@ -89,10 +89,15 @@ def cmd_check(args) -> int:
     """Open the model, build the chosen backend (which runs its self-check) and run one step."""
     import numpy as np
     from .backends import PrefillItem, create_backend
+    from .engine.kv_manager import KVManager
     from .formats import open_model
     mf = open_model(_model_path(args))
     backend = create_backend(mf, _settings(args, max_num_seqs=1).replace(context_length=64))
-    logits = backend.prefill([PrefillItem(0, np.array([1, 2, 3], dtype=np.int32), 0)])
+    ids = np.array([1, 2, 3], dtype=np.int32)
+    kv = KVManager(backend.num_blocks, backend.block_size)
+    kv.allocate(0, lambda a, b: ids[a:b], len(ids))
+    backend.set_block_table(0, kv.table(0))
+    logits = backend.prefill([PrefillItem(0, ids, 0)])
     ok = bool(np.isfinite(logits).all())
     print(f"{mf.path}: {mf.config.arch}, {backend.name} backend, logits finite: {ok}")
     backend.close()

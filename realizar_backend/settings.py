@@ -42,7 +42,8 @@ class Settings:
     max_num_seqs: int = 256            # sequences running at once (decode batch up to this)
     # KV cache: one pool of blocks of block_size positions, shared by every sequence. On the GPU the
     # pool takes what gpu_memory_utilization of the device's memory leaves after the weights and
-    # the workspace; kv_cache_tokens (> 0) caps it, in tokens (on the CPU it sets the pool)
+    # the workspace; kv_cache_tokens (> 0) caps it, in tokens. On the CPU it sets the pool (0: what
+    # fits in 1 GiB, at least one full context, at most max_num_seqs full contexts)
     kv_cache_tokens: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.90

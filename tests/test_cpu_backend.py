@@ -1,15 +1,17 @@
-"""The NumPy backend's batching: several sequences in one step give what each gives alone."""
+"""The NumPy backend's batching and paging: several sequences in one step give what each gives
+alone; K/V read and written through block tables (scattered blocks, chunks, shared prefixes)."""
 
 import numpy as np
 import pytest
 
+from paging import contiguous_tables
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend, apply_rope, attention, rope_angles
 
 
 @pytest.fixture(scope="module")
 def backend(smol_model):
-    return CPUBackend(smol_model, max_slots=9, max_context=128)
+    return contiguous_tables(CPUBackend(smol_model, max_slots=9, max_context=128))
 
 
 def assert_same_logits(actual, desired):
@@ -42,7 +44,6 @@ def test_eight_sequences_decode_in_one_batch_like_alone(backend):
         toks = list(np.argmax(logits, axis=-1))
     # alone: slot 8, one sequence at a time
     for i, p in enumerate(prompts):
-        backend.release(8)
         alone_first = backend.prefill([PrefillItem(8, p, 0)])
         assert_same_logits(alone_first[0], first[i])
         # feed the batched run's tokens: a near-tie may flip an argmax between BLAS shapes
@@ -55,10 +56,70 @@ def test_prefill_in_two_chunks_equals_one(backend):
     rng = np.random.default_rng()
     ids = rng.integers(0, backend.config.vocab_size, size=30, dtype=np.int32)
     whole = backend.prefill([PrefillItem(0, ids, 0)])
-    backend.release(0)
     backend.prefill([PrefillItem(0, ids[:17], 0)])
     chunked = backend.prefill([PrefillItem(0, ids[17:], 17)])
     assert_same_logits(chunked, whole)
+
+
+@pytest.fixture(scope="module")
+def paged(smol_model):
+    """Small blocks, so that short prompts span many of them."""
+    return CPUBackend(smol_model, max_slots=3, max_context=96, block_size=4, num_blocks=40)
+
+
+def test_scattered_blocks_and_chunks_give_the_contiguous_logits(paged, backend):
+    """A prompt in blocks scattered over the pool (in no order), prefilled in uneven chunks that
+    start and end inside blocks, then decoded: the logits of one contiguous one-shot run."""
+    rng = np.random.default_rng()
+    ids = rng.integers(0, paged.config.vocab_size, size=37, dtype=np.int32)
+    table = rng.permutation(paged.num_blocks)[:12]
+    paged.set_block_table(0, table)
+    ref = backend.prefill([PrefillItem(0, ids, 0)])[0]
+    got = None
+    for a, b in ((0, 5), (5, 6), (6, 19), (19, 37)):
+        got = paged.prefill([PrefillItem(0, ids[a:b], a)])[0]
+    assert_same_logits(got, ref)
+    tok = int(np.argmax(ref))
+    for i in range(4):
+        ref = backend.decode([0], [tok], [37 + i])[0]
+        got = paged.decode([0], [tok], [37 + i])[0]
+        assert_same_logits(got, ref)
+        tok = int(np.argmax(ref))
+
+
+def test_a_slot_sharing_cached_prefix_blocks_prefills_only_the_rest(paged, backend):
+    """Slot 1's table starts with slot 0's first blocks (a cached prefix); its prompt's suffix,
+    prefilled from start_pos, gives the logits of the whole prompt computed alone, and slot 0's
+    own sequence is untouched by it."""
+    rng = np.random.default_rng()
+    V = paged.config.vocab_size
+    prefix = rng.integers(0, V, size=16, dtype=np.int32)
+    a = np.concatenate([prefix, rng.integers(0, V, size=7, dtype=np.int32)])
+    b = np.concatenate([prefix, rng.integers(0, V, size=5, dtype=np.int32)])
+    blocks = rng.permutation(paged.num_blocks)
+    paged.set_block_table(0, blocks[:6])                             # 23 positions
+    paged.set_block_table(1, np.concatenate([blocks[:4], blocks[6:8]]))   # shares 4 blocks = 16 positions
+    la = paged.prefill([PrefillItem(0, a, 0)])[0]
+    lb = paged.prefill([PrefillItem(1, b[16:], 16)])[0]
+    ref_a = backend.prefill([PrefillItem(0, a, 0)])[0]
+    assert_same_logits(la, ref_a)
+    assert_same_logits(lb, backend.prefill([PrefillItem(1, b, 0)])[0])
+    # both go on together as if each ran alone
+    toks = [int(np.argmax(la)), int(np.argmax(lb))]
+    got = paged.decode([0, 1], toks, [23, 21])
+    assert_same_logits(got[0], backend.decode([0], toks[:1], [23])[0])
+    assert_same_logits(got[1], backend.decode([1], toks[1:], [21])[0])
+
+
+def test_a_position_without_a_block_is_refused(paged):
+    paged.set_block_table(2, [1, 2])
+    with pytest.raises(ValueError, match="no KV block"):
+        paged.prefill([PrefillItem(2, np.arange(9, dtype=np.int32), 0)])
+    paged.release(2)
+    with pytest.raises(ValueError, match="no KV block"):
+        paged.decode([2], [5], [0])
+    with pytest.raises(ValueError):
+        paged.set_block_table(2, [paged.num_blocks])
 
 
 def test_rope_styles_rotate_the_pairs_they_name():
@@ -92,9 +153,9 @@ def test_attention_is_causal_and_windowed():
 def test_fp16_kv_cache_stays_close_to_fp32(smol_model):
     rng = np.random.default_rng()
     ids = rng.integers(0, smol_model.config.vocab_size, size=40, dtype=np.int32)
-    ref = CPUBackend(smol_model, max_slots=1, max_context=64)
-    half = CPUBackend(smol_model, max_slots=1, max_context=64, kv_dtype=np.float16)
-    assert half.k_cache[0].dtype == np.float16 and half.k_cache[0].nbytes * 2 == ref.k_cache[0].nbytes
+    ref = contiguous_tables(CPUBackend(smol_model, max_slots=1, max_context=64))
+    half = contiguous_tables(CPUBackend(smol_model, max_slots=1, max_context=64, kv_dtype=np.float16))
+    assert half.k_pool[0].dtype == np.float16 and half.k_pool[0].nbytes * 2 == ref.k_pool[0].nbytes
     a, b = ref.prefill([PrefillItem(0, ids, 0)])[0], half.prefill([PrefillItem(0, ids, 0)])[0]
     for i in range(4):
         t = int(np.argmax(a))
@@ -112,8 +173,6 @@ def test_started_greedy_steps_continue_on_their_own_tokens(backend):
     prompts = [rng.integers(0, vocab, size=5 + i, dtype=np.int32) for i in range(2)]
     runs = []
     for chained in (False, True):
-        for s in (0, 1):
-            backend.release(s)
         first = backend.prefill([PrefillItem(s, p, 0) for s, p in enumerate(prompts)]).argmax(-1)
         toks, pos = [int(t) for t in first], [len(p) for p in prompts]
         out = []

@@ -32,13 +32,16 @@ def test_greedy_engine_equals_plain_backend_loop(engine):
     text, outs = run(engine, "The capital of France is", max_tokens=10, temperature=0)
     ids = engine.tokenizer.encode("The capital of France is")
     be = engine.backend
-    slot = be.max_slots - 1   # the engine is idle: any slot is free
+    slot = be.max_slots - 1   # the engine is idle: any slot and free block is ours for a moment
+    engine.kv.allocate("plain", lambda a, b: ids[a:b], len(ids) + 10)
+    be.set_block_table(slot, engine.kv.table("plain"))
     logits = be.prefill([PrefillItem(slot, np.array(ids, dtype=np.int32), 0)])[0]
     want = []
     for i in range(10):
         want.append(int(np.argmax(logits)))
         logits = be.decode([slot], [want[-1]], [len(ids) + i])[0]
     be.release(slot)
+    engine.kv.free("plain")
     assert [t for o in outs for t in o.token_ids] == want
     assert text == engine.tokenizer.decode(want)
     assert "Paris" in text
@@ -104,7 +107,7 @@ def test_logprobs_are_the_models_distribution(engine):
         assert tok_text == top[0][0]
 
 
-def test_cancel_frees_the_slot_at_once(engine):
+def test_cancel_frees_the_slot_and_blocks_at_once(engine):
     async def go():
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         agen = engine.generate(engine.prepare("Write a long story about a dragon.", params), params)
@@ -119,6 +122,7 @@ def test_cancel_frees_the_slot_at_once(engine):
         return engine.stats()
     stats = asyncio.run(go())
     assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["kv_used_blocks"] == 0 and stats["kv_used_tokens"] == 0 and stats["kv_usage"] == 0.0
     assert sorted(engine.scheduler.free_slots) == list(range(engine.backend.max_slots))
 
 

@@ -69,6 +69,10 @@ def test_metrics_move_with_traffic(server):
     k = len(usages)
 
     assert delta(after, before, "realizar_prompt_tokens_total") == prompt
+    # every prompt was looked up in the prefix cache once (nothing was preempted and recomputed)
+    assert delta(after, before, "realizar_prefix_cache_queried_tokens_total") == prompt
+    assert 0 <= delta(after, before, "realizar_prefix_cache_hit_tokens_total") < prompt
+    assert delta(after, before, "realizar_preemptions_total") == 0
     assert delta(after, before, "realizar_generation_tokens_total") == gen
     finished = sum(delta(after, before, "realizar_requests_total", finish_reason=r) for r in ("stop", "length"))
     assert finished == k
@@ -107,11 +111,14 @@ def test_gauges_during_and_after_decoding(server):
     stream.close()
     assert sample(during, "realizar_requests_running") == 1
     assert sample(during, "realizar_kv_cache_usage_ratio") > 0.0
+    assert sample(during, "realizar_kv_cache_used_blocks") >= 1
+    assert sample(during, "realizar_kv_cache_used_tokens") > sample(during, "realizar_kv_cache_used_blocks")
     assert sample(during, "realizar_decode_tokens_per_second") > 0.0
 
     def idle():
         m = server.metrics()
         return (sample(m, "realizar_requests_running") == 0 and sample(m, "realizar_kv_cache_usage_ratio") == 0
+                and sample(m, "realizar_kv_cache_used_blocks") == 0 and sample(m, "realizar_kv_cache_used_tokens") == 0
                 and sample(m, "realizar_decode_tokens_per_second") == 0)
     # decode tokens/s decays to 0 once the engine has been idle (refreshed every 2 s)
     assert wait_for(idle, 15)

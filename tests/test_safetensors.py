@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import synth
+from paging import contiguous_tables
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.formats import open_model
@@ -24,7 +25,7 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 
 def _greedy(model, prompt: np.ndarray, steps: int, max_context: int = 256) -> tuple[list[int], np.ndarray]:
     """Greedy tokens and the prompt's last-position logits on the CPU reference backend."""
-    be = CPUBackend(model, max_slots=1, max_context=max_context)
+    be = contiguous_tables(CPUBackend(model, max_slots=1, max_context=max_context))
     first = be.prefill([PrefillItem(0, prompt, 0)])[0]
     out, logits, pos = [], first, len(prompt)
     for _ in range(steps):
@@ -51,7 +52,7 @@ def test_hf_dir_runs_like_the_gguf_it_mirrors(tmp_path, arch, dtype, shards):
     assert (h.config.tie_embeddings, h.config.qkv_bias) == (g.config.tie_embeddings, g.config.qkv_bias)
     assert set(h.tensors) == set(g.tensors)
     prompt = np.random.default_rng().integers(3, g.config.vocab_size, 12)
-    be_g, be_h = CPUBackend(g, 1, 64), CPUBackend(h, 1, 64)
+    be_g, be_h = contiguous_tables(CPUBackend(g, 1, 64)), contiguous_tables(CPUBackend(h, 1, 64))
     lg = be_g.prefill([PrefillItem(0, prompt, 0)])
     lh = be_h.prefill([PrefillItem(0, prompt, 0)])
     tol = {"F32": 1e-4, "F16": 5e-3, "BF16": 3e-2}[dtype]     # the storage rounding, carried through

@@ -54,7 +54,7 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
         if want == "cuda":
             try:
                 from .cuda import CUDABackend
-                return CUDABackend(model, max_slots=slots, max_context=ctx, settings=settings)
+                return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
             except RealizarError as e:
                 log.warning("CUDA backend unavailable for this model, falling back to CPU: %s", e)
                 want = "cpu"
@@ -62,9 +62,24 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
         if not cuda_available():
             raise BackendError("backend 'cuda' was asked for but no CUDA GPU is visible to CuPy")
         from .cuda import CUDABackend
-        return CUDABackend(model, max_slots=slots, max_context=ctx, settings=settings)
+        return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
     from .cpu import CPUBackend
-    return CPUBackend(model, max_slots=slots, max_context=ctx)
+    return CPUBackend(model, max_slots=slots, max_context=ctx, block_size=settings.block_size,
+                      num_blocks=cpu_kv_blocks(model, settings, slots, ctx))
+
+
+CPU_KV_BYTES = 1 << 30   # the CPU's KV pool when kv_cache_tokens leaves it to the backend
+
+
+def cpu_kv_blocks(model: ModelFile, settings: Settings, slots: int, ctx: int) -> int:
+    """Blocks of the CPU backend's KV pool: kv_cache_tokens when set; else what fits in 1 GiB of
+    float32 K/V, never less than one full context nor more than every slot at full context."""
+    c, bs = model.config, settings.block_size
+    if settings.kv_cache_tokens:
+        return max(1, settings.kv_cache_tokens // bs)
+    per_seq = -(-ctx // bs)
+    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    return min(slots * per_seq, max(per_seq, CPU_KV_BYTES // per_token // bs))
 
 
 __all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "create_backend", "cuda_available", "start_device"]

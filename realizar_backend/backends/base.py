@@ -12,6 +12,16 @@ of the penalty counts) and owns a list of blocks, its block table: blocks[i] hol
 backend a slot's table (`set_block_table`) before any step that reads or writes a position the
 slot's previous table did not cover. Two slots may name the same block (a shared prefix) as long
 as no step writes it.
+
+What the engine guarantees about started greedy steps (decode_argmax_start), so a backend that
+runs them asynchronously knows what may happen while one is in flight:
+- set_block_table may be called for a slot of the step in flight only to append blocks to its
+  table (for the next step's position); it must take effect for steps started after the call and
+  leave the step in flight as it was. Any other table change waits until the step is finished.
+- release may be called for a slot of the step in flight (its sequence just stopped); the step's
+  writes into that slot's blocks are harmless (nothing reads them), but release must not disturb it.
+- prefill and decode_sample are never called while a started step is in flight, and a step started
+  without tokens (a continuation) always directly follows the started step it continues.
 """
 
 from __future__ import annotations

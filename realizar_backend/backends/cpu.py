@@ -140,15 +140,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     return out.reshape(T, H * D).astype(np.float32)
 
 
+def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:
+    """Consecutive block ids as a slice (the pool's rows are then read as a view, not a copy)."""
+    if blocks.size and blocks[-1] - blocks[0] == blocks.size - 1 and np.all(np.diff(blocks) == 1):
+        return slice(int(blocks[0]), int(blocks[-1]) + 1)
+    return blocks
+
+
 # ---------------------------------------------------------------- the backend
 
 class CPUBackend:
     name = "cpu"
 
     def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
-                 kv_dtype: type = np.float32):
-        """kv_dtype=np.float16 stores the KV cache as the CUDA backend does (half the memory);
-        the GPU parity tests use it so that they compare kernels, not storage formats."""
+                 kv_dtype: type = np.float32, block_size: int = 16, num_blocks: int | None = None):
+        """A KV pool of num_blocks blocks of block_size positions (None: enough for every slot at
+        full context). kv_dtype=np.float16 stores the KV cache as the CUDA backend does (half the
+        memory); the GPU parity tests use it so that they compare kernels, not storage formats."""
         self.config: ModelConfig = model.config
         self.max_slots = max_slots
         self._last_greedy: tuple[list[int], list[int], list[int]] | None = None   # decode_argmax_start
@@ -181,14 +189,32 @@ class CPUBackend:
                     post_ffn_norm=opt(b + "post_ffw_norm.weight"),
                 ))
         self.act = gelu_tanh if c.activation == "gelu_tanh" else silu
-        # KV cache: per slot [layers, context, kv_heads, head_dim]; np.zeros pages in lazily
-        shape = (c.n_layers, self.max_context, c.n_kv_heads, c.head_dim)
-        self.k_cache = [np.zeros(shape, kv_dtype) for _ in range(max_slots)]
-        self.v_cache = [np.zeros(shape, kv_dtype) for _ in range(max_slots)]
-        self.lengths = [0] * max_slots
+        # KV pool: per layer [num_blocks, block_size, kv_heads, head_dim] for K and for V; a slot
+        # reads and writes it through its block table. np.zeros pages in lazily.
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-self.max_context // block_size)
+        self.num_blocks = num_blocks if num_blocks is not None else max_slots * self.max_blocks_per_seq
+        shape = (self.num_blocks, block_size, c.n_kv_heads, c.head_dim)
+        self.k_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
+        self.v_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
+        self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(max_slots)]
         self.counts: np.ndarray | None = None   # [slots, vocab] token counts, made on first use
-        log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights",
-                 c.arch, c.n_layers, c.hidden, self.weight_bytes() / 1e6)
+        log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights; KV pool %d blocks "
+                 "x %d positions (%.0f MB, paged in as used)", c.arch, c.n_layers, c.hidden,
+                 self.weight_bytes() / 1e6, self.num_blocks, block_size, self.kv_bytes() / 1e6)
+
+    def kv_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k_pool) + sum(a.nbytes for a in self.v_pool)
+
+    def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
+        t = np.asarray(blocks, np.int64).reshape(-1)
+        if t.size > self.max_blocks_per_seq:
+            raise ValueError(f"slot {slot}: {t.size} blocks exceed the context ({self.max_blocks_per_seq} blocks)")
+        if t.size and (t.min() < 0 or t.max() >= self.num_blocks):
+            raise ValueError(f"slot {slot}: block ids must be in 0..{self.num_blocks - 1}")
+        self.tables[slot] = t
 
     def weight_bytes(self) -> int:
         total = self.tok_embd.nbytes + (0 if self.output is self.tok_embd else self.output.nbytes)
@@ -201,12 +227,19 @@ class CPUBackend:
     def _forward(self, slots: Sequence[int], tokens: Sequence[np.ndarray], starts: Sequence[int]) -> np.ndarray:
         c = self.config
         lens = [len(t) for t in tokens]
+        bs = self.block_size
         for slot, n, s in zip(slots, lens, starts):
             if s + n > self.max_context:
                 raise ValueError(f"slot {slot}: position {s + n - 1} is past the context ({self.max_context})")
+            if s + n > self.tables[slot].size * bs:
+                raise ValueError(f"slot {slot}: position {s + n - 1} has no KV block (its table covers "
+                                 f"{self.tables[slot].size * bs} positions)")
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
         pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
         bounds = np.cumsum([0] + lens)
+        # per segment: the pool rows its new tokens go to, and the blocks holding its positions
+        writes = [(self.tables[sl][pos[a:b] // bs], pos[a:b] % bs) for sl, a, b in zip(slots, bounds, bounds[1:])]
+        reads = [_as_slice(self.tables[sl][:-(-(st + n) // bs)]) for sl, st, n in zip(slots, starts, lens)]
         x = self.tok_embd[ids] * np.float32(c.embed_scale)
         T = len(ids)
         for li, lw in enumerate(self.layers):
@@ -223,12 +256,16 @@ class CPUBackend:
             q, k = apply_rope(q, cos, sin, c.rope_style), apply_rope(k, cos, sin, c.rope_style)
             window = c.sliding_window if c.is_sliding(li) else 0
             attn = np.empty((T, c.q_dim), np.float32)
-            for j, slot in enumerate(slots):
-                a, b, s = bounds[j], bounds[j + 1], starts[j]
-                kc, vc = self.k_cache[slot][li], self.v_cache[slot][li]
-                kc[s:s + b - a], vc[s:s + b - a] = k[a:b], v[a:b]
-                attn[a:b] = attention(q[a:b], kc[:s + b - a].astype(np.float32, copy=False),
-                                      vc[:s + b - a].astype(np.float32, copy=False), pos[a:b], c.scale, window)
+            kp, vp = self.k_pool[li], self.v_pool[li]
+            for j in range(len(slots)):
+                a, b, L = bounds[j], bounds[j + 1], starts[j] + lens[j]
+                blk, off = writes[j]
+                kp[blk, off], vp[blk, off] = k[a:b], v[a:b]
+                # the sequence's K/V in position order, gathered through its table
+                kc = kp[reads[j]].reshape(-1, c.n_kv_heads, c.head_dim)[:L]
+                vc = vp[reads[j]].reshape(-1, c.n_kv_heads, c.head_dim)[:L]
+                attn[a:b] = attention(q[a:b], kc.astype(np.float32, copy=False),
+                                      vc.astype(np.float32, copy=False), pos[a:b], c.scale, window)
             o = attn @ lw.wo.T
             if lw.post_attn_norm is not None:
                 o = rms_norm(o, lw.post_attn_norm, c.rms_eps)
@@ -239,8 +276,6 @@ class CPUBackend:
                 d = rms_norm(d, lw.post_ffn_norm, c.rms_eps)
             x = x + d
         last = x[bounds[1:] - 1]
-        for slot, n, s in zip(slots, lens, starts):
-            self.lengths[slot] = s + n
         return (rms_norm(last, self.output_norm, c.rms_eps) @ self.output.T).astype(np.float32)
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
@@ -282,10 +317,12 @@ class CPUBackend:
                 counts.append(None)
         return sample_rows(logits, rows, counts)
 
-    def reset_counts(self, slot: int, prompt: np.ndarray) -> None:
+    def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         c = self._counts()
         c[slot] = 0
         c[slot, np.asarray(prompt, np.int64)] = 1
+        if generated is not None:
+            np.add.at(c[slot], np.asarray(generated, np.int64), 2)
 
     def _counts(self) -> np.ndarray:
         if self.counts is None:
@@ -293,11 +330,11 @@ class CPUBackend:
         return self.counts
 
     def release(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        self.tables[slot] = np.zeros(0, np.int64)
 
     def stats(self) -> dict[str, Any]:
         return {"graph_status": {"all": "disabled"}, "pool_bytes": 0, "device_memory_bytes": 0}
 
     def close(self) -> None:
-        self.k_cache.clear()
-        self.v_cache.clear()
+        self.k_pool.clear()
+        self.v_pool.clear()

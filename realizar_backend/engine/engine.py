@@ -1,11 +1,13 @@
 """The engine: an async generate API over a step loop that batches every running sequence.
 
-One background thread owns the backend and runs steps: admit waiting requests into free KV
-slots and prefill them (each sequence's first token is drawn here, from the prefill's logits),
-then decode every running sequence in one batched call that the backend also samples
-(engine/sampling.py defines how), and hand each sequence's new text to its caller. Callers iterate asynchronously (`generate`) or
-synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels the
-sequence and frees its slot at once.
+One background thread owns the backend and runs steps. The scheduler (engine/scheduler.py) plans
+each step over the paged KV cache (engine/kv_manager.py); the engine carries it out: it gives the
+backend the block tables that changed, decodes every running sequence in one batched call that
+the backend also samples (backends/sampling.py defines how), then prefills the planned prompt
+chunks (a sequence's first token is drawn here, from its last chunk's logits), and hands each
+sequence's new text to its caller (engine/outputs.py). Callers iterate asynchronously
+(`generate`) or synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels
+the sequence and frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Protocol
 
@@ -28,40 +29,14 @@ from ..errors import ContextOverflowError, RequestError
 from ..formats import open_model
 from ..model.default import default_model_path
 from ..settings import Settings
+from .kv_manager import KVManager
+from .outputs import RequestOutput, add_text, drain_merged, drain_text
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    text: str                     # new text since the previous output (stop strings cut)
-    token_ids: list[int]          # new token ids
-    finish_reason: str | None     # None while running; "stop" | "length" | "abort"
-    prompt_tokens: int
-    completion_tokens: int        # cumulative
-    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
-
-    def merged(self, later: "RequestOutput") -> "RequestOutput":
-        """This output followed by a later one of the same sequence, as one output: a consumer
-        that fell behind takes everything queued in one piece (one SSE chunk, not many)."""
-        lp = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
-                             later.finish_reason, later.prompt_tokens, later.completion_tokens, lp)
-
-
-def drain_merged(q: asyncio.Queue, item):
-    """`item` merged with the outputs already waiting in q, up to the end of the sequence or an
-    exception; returns (item, held) where held is an exception (or None) to raise next."""
-    while isinstance(item, RequestOutput) and item.finish_reason is None and not q.empty():
-        nxt = q.get_nowait()
-        if isinstance(nxt, BaseException):
-            return item, nxt
-        item = item.merged(nxt)
-    return item, None
+__all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
 class EngineObserver(Protocol):
@@ -94,12 +69,16 @@ class Engine:
         self.model_name = model_name
         self.observer = observer or NullObserver()
         self.max_context = backend.max_context
-        self.scheduler = Scheduler(backend.max_slots, backend.max_context, self.settings.max_waiting)
+        self.kv = KVManager(backend.num_blocks, backend.block_size, self.settings.enable_prefix_caching)
+        self.kv_capacity = backend.num_blocks * backend.block_size      # tokens
+        self.scheduler = Scheduler(self.kv, backend.max_slots, self.settings.max_waiting,
+                                   self.settings.prefill_chunk_tokens)
         self._stop = False
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
         self._ahead: tuple[list[Sequence], Any] | None = None  # a greedy step started ahead (_greedy_step)
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
+        self._said_preempt = False
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
         self._thread.start()
 
@@ -150,16 +129,25 @@ class Engine:
         if room < 1:
             raise ContextOverflowError(f"prompt has {len(ids)} tokens; this server's context is "
                                        f"{self.max_context} tokens", param="prompt")
+        # one sequence must fit in the whole KV pool, or it could never finish
+        pool_room = self.kv_capacity - len(ids)
+        if pool_room < 1:
+            raise ContextOverflowError(f"prompt has {len(ids)} tokens; this server's KV cache holds "
+                                       f"{self.kv_capacity} tokens", param="prompt")
         if params.max_tokens is None:
-            params.max_tokens = room
+            params.max_tokens = min(room, pool_room)
         elif params.max_tokens > room:
             raise ContextOverflowError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                                        f"exceeds this server's context of {self.max_context} tokens")
+        elif params.max_tokens > pool_room:
+            raise ContextOverflowError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                                       f"exceeds this server's KV cache of {self.kv_capacity} tokens")
         return ids
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None, sink) -> Sequence:
-        if params.max_tokens is None or len(ids) + params.max_tokens > self.max_context:
-            raise ContextOverflowError(f"prompt plus max_tokens exceeds the context of {self.max_context}")
+        if params.max_tokens is None or len(ids) + params.max_tokens > min(self.max_context, self.kv_capacity):
+            raise ContextOverflowError(f"prompt plus max_tokens exceeds the context of {self.max_context} "
+                                       f"tokens or the KV cache of {self.kv_capacity}")
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
                         sampler=Sampler(params, ids, self.config.vocab_size), sink=sink,
                         detok=self.tokenizer.detokenizer(ids))
@@ -168,8 +156,13 @@ class Engine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        seq = self._new_sequence(prompt_ids, params, request_id,
-                                 lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        def sink(item) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:    # the caller's event loop is closed: it is gone, its abort queued
+                pass
+
+        seq = self._new_sequence(prompt_ids, params, request_id, sink)
         self.scheduler.submit(seq)
         done = False
         held = None
@@ -213,13 +206,19 @@ class Engine:
         self.scheduler.abort(request_id)
 
     def stats(self) -> dict[str, Any]:
-        s = self.scheduler
+        s, kv = self.scheduler, self.kv
         b = self.backend.stats()
         return {
             "backend": self.backend.name,
             "running": len(s.running),
             "waiting": len(s.waiting),
-            "kv_usage": s.kv_usage(),
+            "kv_usage": kv.usage,                 # blocks in use / blocks in the pool
+            "kv_used_blocks": kv.used_blocks,
+            "kv_used_tokens": kv.used_tokens,
+            "kv_total_blocks": kv.num_blocks,
+            "preemptions": s.preemptions,         # the three counts are cumulative
+            "prefix_cache_queried_tokens": kv.queried_tokens,
+            "prefix_cache_hit_tokens": kv.hit_tokens,
             "decode_tokens_per_s": self._decode_rate(),
             "graph_status": b.get("graph_status", {}),
             "pool_bytes": b.get("pool_bytes", 0),
@@ -247,14 +246,11 @@ class Engine:
                     break
             try:
                 self._step()
-            except Exception as e:  # a backend failure must not kill the loop or the others' streams
+            except Exception as e:  # a backend failure must not kill the loop or the waiting requests
                 log.exception("engine step failed; failing the running requests")
                 self._ahead = None
                 for seq in list(sch.running):
-                    seq.finish_reason = "error"
-                    self.backend.release(seq.slot)
-                    sch.remove(seq)
-                    seq.sink(e)
+                    self._fail(seq, e)
             # gauges: on every change of the batch's make-up, else at most every 50 ms, so that a
             # fast GPU step does not pay for a stats() call per token
             shape = (len(sch.running), len(sch.waiting))
@@ -265,28 +261,64 @@ class Engine:
 
     def _step(self) -> None:
         sch = self.scheduler
-        for rid in sch.take_aborts():
+        aborts = sch.take_aborts()
+        if aborts:
+            self._drop_ahead()
+        for rid in aborts:
             seq = sch.find(rid)
             if seq is not None:
                 self._finish(seq, "abort")
-        new = sch.admit()
-        if new:
-            logits = self.backend.prefill([PrefillItem(s.slot, np.asarray(s.prompt_ids, dtype=np.int32), 0)
-                                           for s in new])
-            for seq, row in zip(new, logits):
-                if seq.sampler.needs_counts:
-                    self.backend.reset_counts(seq.slot, np.asarray(seq.prompt_ids, dtype=np.int32))
-                self._accept(seq, row, None)    # the first token: drawn here by the twin
-        batch = [s for s in sch.running if not s.finished and s not in new]
-        if not batch:
+        plan = sch.schedule()
+        # a step started ahead is used only by the same batch; anything else waits for it first,
+        # so that no slot or block it writes changes hands under it
+        if self._ahead is not None and not _same(self._ahead[0], plan.decode):
             self._drop_ahead()
-            return
+        for slot in plan.released:
+            self.backend.release(slot)
+        for seq, err in plan.failed:
+            self._fail(seq, err)
+        if plan.preempted:
+            # said once at INFO (a sign the pool is small for the load); the metrics count them all
+            log.log(logging.DEBUG if self._said_preempt else logging.INFO,
+                    "KV cache full (%d blocks): preempted %d sequence(s), recomputed when blocks free up",
+                    self.kv.num_blocks, len(plan.preempted))
+            self._said_preempt = True
+        for slot, table in plan.tables.items():
+            self.backend.set_block_table(slot, table)
+        if plan.decode:
+            self._decode(plan.decode, go_ahead=not plan.prefill)
+        else:
+            self._drop_ahead()
+        if plan.prefill:
+            self._prefill(plan.prefill)
+
+    def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:
+        """The step's prompt chunks in one call; a sequence whose prompt is then complete draws
+        its first token from its chunk's logits (or, recomputed after a preemption, decodes on)."""
+        items = [PrefillItem(seq.slot, np.asarray(seq.tokens(start, start + n), np.int32), start)
+                 for seq, start, n in chunks]
+        logits = self.backend.prefill(items)
+        for (seq, _, n), row in zip(chunks, logits):
+            self.scheduler.computed(seq, n)
+            if seq.prefilling:
+                continue
+            if seq.sampler.needs_counts:
+                prompt = np.asarray(seq.prompt_ids, np.int32)
+                if len(seq.output_ids) > 1:      # resumed: counts of what it had generated
+                    self.backend.reset_counts(seq.slot, prompt, np.asarray(seq.output_ids[:-1], np.int32))
+                else:
+                    self.backend.reset_counts(seq.slot, prompt)
+            if not seq.output_ids:
+                self._accept(seq, row, None)     # the first token: drawn here by the twin
+
+    def _decode(self, batch: list[Sequence], go_ahead: bool) -> None:
         slots = [s.slot for s in batch]
         toks = [s.output_ids[-1] for s in batch]
-        pos = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in batch]
+        pos = [s.num_computed for s in batch]
         if all(s.params.greedy and not s.sampler.needs_counts and s.params.logprobs is None for s in batch):
-            ids = self._greedy_step(batch, slots, toks, pos)
+            ids = self._greedy_step(batch, slots, toks, pos, go_ahead)
             for seq, tok in zip(batch, ids):
+                self.scheduler.computed(seq, 1)
                 self._accept(seq, None, int(tok))
         else:
             self._drop_ahead()
@@ -299,26 +331,27 @@ class Engine:
                 if seq.params.logprobs in (0, 1):
                     top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
                     lp = (float(res.logprobs[i]), top)
+                self.scheduler.computed(seq, 1)
                 self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp)
         self._decode_window.append((time.perf_counter(), len(batch)))
         del self._decode_window[:-64]
 
-    def _greedy_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int]) -> np.ndarray:
+    def _greedy_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int],
+                     go_ahead: bool) -> np.ndarray:
         """A greedy step, pipelined: the step after it is started (on the device's own argmax
         tokens) before this one's tokens are read, so the GPU does not wait for the host's per-token
-        work. A step started ahead is used when the batch is unchanged (the same sequences in the
-        same order), else waited for and dropped: its cache rows are rewritten or never read."""
+        work. `_step` keeps a step started ahead only for the same batch (the same sequences in the
+        same order). No step goes ahead across a prefill (go_ahead False), nor when a sequence
+        must stop after this step or the pool has no block for a sequence's next position."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and len(ahead[0]) == len(batch) and all(a is b for a, b in zip(ahead[0], batch)):
-            h = ahead[1]
-        else:
-            if ahead is not None:
-                self.backend.decode_argmax_finish(ahead[1])
-            h = self.backend.decode_argmax_start(slots, toks, pos)
-        # the next step goes ahead unless a sequence must stop after this one (length or context)
-        if all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
-               for s, p in zip(batch, pos)):
-            self._ahead = (batch, self.backend.decode_argmax_start(slots))
+        h = ahead[1] if ahead is not None else self.backend.decode_argmax_start(slots, toks, pos)
+        if go_ahead and all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
+                            for s, p in zip(batch, pos)):
+            tables = self.scheduler.grow_for_next_step(batch)
+            if tables is not None:
+                for slot, table in tables.items():
+                    self.backend.set_block_table(slot, table)
+                self._ahead = (batch, self.backend.decode_argmax_start(slots))
         return self.backend.decode_argmax_finish(h)
 
     def _drop_ahead(self) -> None:
@@ -365,48 +398,17 @@ class Engine:
             text = seq.pending_text + seq.detok.flush()
             seq.pending_text = ""
         else:
-            text, hit = self._add_text(seq, seq.detok.add(token))
+            text, hit = add_text(seq, seq.detok.add(token))
             if hit:
                 reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens:
                 reason = "length"
-                text += self._drain(seq)
+                text += drain_text(seq)
         seq.emitted_text += text
         seq.sink(RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
                                len(seq.output_ids), lp))
         if reason is not None:
             self._finish(seq, reason, notify=False)
-
-    def _drain(self, seq: Sequence) -> str:
-        """End of a sequence: release what the detokenizer and the stop-string check held back."""
-        text, hit = self._add_text(seq, seq.detok.flush())
-        if not hit:
-            text += seq.pending_text
-        seq.pending_text = ""
-        return text
-
-    def _add_text(self, seq: Sequence, delta: str) -> tuple[str, bool]:
-        """Stop-string handling: returns (text safe to emit, whether a stop string was hit)."""
-        stops = seq.params.stop
-        if not stops:
-            return delta, False
-        pending = seq.pending_text + delta
-        # search from where a stop string could start: it may straddle emitted and pending text
-        tail = seq.emitted_text[-(max(map(len, stops)) - 1):] if max(map(len, stops)) > 1 else ""
-        window = tail + pending
-        hits = [i for i in (window.find(s) for s in stops) if i >= 0]
-        if hits:
-            cut = min(hits) - len(tail)
-            seq.pending_text = ""
-            return pending[:max(cut, 0)], True
-        hold = 0
-        for s in stops:
-            for k in range(min(len(s) - 1, len(window)), 0, -1):
-                if window.endswith(s[:k]):
-                    hold = max(hold, min(k, len(pending)))
-                    break
-        seq.pending_text = pending[len(pending) - hold:] if hold else ""
-        return pending[:len(pending) - hold], False
 
     def _finish(self, seq: Sequence, reason: str, notify: bool = True) -> None:
         seq.finish_reason = reason
@@ -419,3 +421,18 @@ class Engine:
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         self.observer.on_request_finished(reason, len(seq.prompt_ids), n_out,
                                           time.perf_counter() - seq.arrival, ttft)
+
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        """End a sequence with an error its caller receives (the other sequences go on)."""
+        seq.finish_reason = "error"
+        if seq.slot >= 0:
+            self.backend.release(seq.slot)
+        self.scheduler.remove(seq)
+        seq.sink(err)
+        ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
+        self.observer.on_request_finished("error", len(seq.prompt_ids), len(seq.output_ids),
+                                          time.perf_counter() - seq.arrival, ttft)
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

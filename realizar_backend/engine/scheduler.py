@@ -1,23 +1,41 @@
-"""Continuous batching: which sequences wait, which run, and which KV slot each one holds.
+"""Continuous batching over a paged KV cache: which sequences wait, which run, what each step does.
 
-A request waits until a KV slot is free, is prefilled, joins the running decode batch and
-leaves on stop, length or cancel, freeing its slot at once. Everything here runs on the
+Every step (`schedule`) plans, in this order:
+1. decode: every running sequence whose prompt is in the cache feeds its newest token at its next
+   position. A sequence whose next position crosses a block boundary takes a block; when none is
+   free, the running sequence that arrived last is preempted (vLLM's recompute policy: its blocks
+   are freed and it waits again at the front of the queue; readmitted, it prefills its prompt and
+   all its generated tokens but the last, then decodes on, and its client sees only a delay).
+2. prefill: sequences whose prompt is not yet (all) in the cache get its next chunk, within a
+   budget of `prefill_chunk_tokens` tokens per step shared in arrival order; so a long prompt
+   runs over several steps and every step still decodes the others.
+3. admission, strictly first come first served (no request starves): while a slot is free, the
+   budget is not spent, and the pool has blocks for the whole prompt (after the prefix cache's
+   hits, keeping a small reserve for the running sequences' growth), the first waiting sequence
+   is admitted and gets its first chunk. Nothing is admitted in a step that preempted.
+
+A slot is a row of the backend's block tables (0 .. max_slots-1). Everything here runs on the
 engine's step thread; `submit` and `abort` are the only entry points from other threads.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import CapacityError
+from ..errors import CapacityError, ContextOverflowError, RealizarError
+from .kv_manager import KVManager
 from .sampling import Sampler, SamplingParams
 
+_ids = itertools.count()
 
-@dataclass
+
+@dataclass(eq=False)      # a sequence is itself: list membership and removal go by identity
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -26,39 +44,73 @@ class Sequence:
     sink: Callable[[Any], None]          # delivers RequestOutput / exceptions to the caller
     detok: Any                           # IncrementalDetokenizer
     arrival: float = field(default_factory=time.perf_counter)
+    seq_id: int = field(default_factory=lambda: next(_ids))   # arrival order; the KV manager's key
     slot: int = -1
+    num_computed: int = 0                # leading tokens whose K/V are in the cache
     output_ids: list[int] = field(default_factory=list)
     emitted_text: str = ""               # text already handed to the caller
     pending_text: str = ""               # held back: may be the start of a stop string
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
+    preemptions: int = 0
+    synced_blocks: int = 0               # entries of its block table the backend has been given
 
     @property
-    def length(self) -> int:
-        """Tokens whose K/V are (or will be, after this step) in the cache."""
+    def kv_target(self) -> int:
+        """Tokens that must be in the cache before the sequence decodes: its prompt, plus (after a
+        preemption) what it had generated except the newest token, which the next decode feeds."""
         return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.kv_target
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):end - n]
+
+    @property
+    def order(self) -> tuple[float, int]:
+        return (self.arrival, self.seq_id)
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)       # in arrival order
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)   # (seq, start, n tokens)
+    tables: dict[int, list[int]] = field(default_factory=dict)  # slot -> block table to set
+    released: list[int] = field(default_factory=list)           # slots whose sequence was preempted
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, RealizarError]] = field(default_factory=list)
+
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_context: int, max_waiting: int,
-                 max_prefill_tokens: int | None = None):
+    def __init__(self, kv: KVManager, max_slots: int, max_waiting: int,
+                 prefill_chunk_tokens: int = 512):
+        self.kv = kv
         self.max_slots = max_slots
-        self.max_context = max_context
         self.max_waiting = max_waiting
-        # bounds one step's prefill so running sequences keep streaming while others arrive
-        self.max_prefill_tokens = max_prefill_tokens or max(max_context, 2048)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        # blocks left free at admission while others run, so that they can grow for a while
+        # before a newcomer forces a preemption (vLLM's watermark)
+        self.reserve_blocks = max(1, kv.num_blocks // 100)
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []          # arrival order
         self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.preemptions = 0                       # cumulative
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self.wakeup = threading.Condition(self._lock)
 
+    # ------------------------------------------------------------ other threads
     def submit(self, seq: Sequence) -> None:
         with self._lock:
             if len(self.waiting) >= self.max_waiting:
@@ -72,29 +124,90 @@ class Scheduler:
             self._aborts.add(request_id)
             self.wakeup.notify()
 
+    # ------------------------------------------------------------ the step thread
     def take_aborts(self) -> set[str]:
         with self._lock:
             ids, self._aborts = self._aborts, set()
         return ids
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free slots, up to the step's prefill budget."""
-        admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        with self._lock:
-            while self.waiting and self.free_slots:
-                n = len(self.waiting[0].prompt_ids)
-                if admitted and n > budget:
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._aborts)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        # 1. decode: a block for each decoding sequence's next position, preempting if need be
+        for seq in list(self.running):
+            if seq not in self.running or seq.prefilling:
+                continue
+            while not self.kv.append(seq.seq_id, seq.num_computed + 1):
+                victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    plan.failed.append((seq, self._too_big(seq)))
+                    self._drop(seq, plan)
                     break
-                seq = self.waiting.popleft()
-                seq.slot = self.free_slots.pop()
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            else:
+                plan.decode.append(seq)
+        # 2. prefill: the next chunks of the sequences being prefilled, in arrival order
+        budget = self.prefill_chunk_tokens
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.prefilling:
+                n = min(seq.kv_target - seq.num_computed, budget)
+                plan.prefill.append((seq, seq.num_computed, n))
                 budget -= n
-                admitted.append(seq)
-        self.running.extend(admitted)
-        return admitted
+        # 3. admission, first come first served
+        with self._lock:
+            while self.waiting and budget > 0 and self.free_slots and not plan.preempted:
+                seq = self.waiting[0]
+                target = seq.kv_target
+                if self.kv.blocks_for(target) > self.kv.num_blocks:
+                    self.waiting.popleft()
+                    plan.failed.append((seq, self._too_big(seq)))
+                    continue
+                if not self.kv.can_allocate(seq.tokens, target, self.reserve_blocks if self.running else 0):
+                    break
+                self.waiting.popleft()
+                seq.num_computed = self.kv.allocate(seq.seq_id, seq.tokens, target)
+                seq.slot = self.free_slots.pop()
+                seq.synced_blocks = 0
+                self.running.insert(bisect.bisect([s.order for s in self.running], seq.order), seq)
+                n = min(target - seq.num_computed, budget)
+                plan.prefill.append((seq, seq.num_computed, n))
+                budget -= n
+        plan.tables = self.unsynced_tables(self.running)
+        return plan
+
+    def unsynced_tables(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """slot -> block table of each sequence whose table grew (or that is new in its slot) since
+        the backend last had it; the caller gives them to the backend before the next step."""
+        out = {}
+        for seq in seqs:
+            table = self.kv.table(seq.seq_id)
+            if len(table) != seq.synced_blocks:
+                out[seq.slot] = list(table)
+                seq.synced_blocks = len(table)
+        return out
+
+    def grow_for_next_step(self, batch: list[Sequence]) -> dict[int, list[int]] | None:
+        """Blocks for the position after this step's of each sequence in `batch` (a step started
+        ahead writes there); the tables to give the backend, or None when the pool is out of
+        blocks (then no step goes ahead; the next `schedule` preempts if it must)."""
+        for seq in batch:
+            if not self.kv.append(seq.seq_id, seq.num_computed + 2):
+                return None
+        return self.unsynced_tables(batch)
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """n more of the sequence's tokens are in the cache (a prefill chunk or a decode step)."""
+        seq.num_computed += n
+        self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence from wherever it is; returns its slot to the pool."""
+        """Drop a sequence from wherever it is; its KV blocks and slot are free at once."""
         with self._lock:
             try:
                 self.waiting.remove(seq)
@@ -102,16 +215,10 @@ class Scheduler:
                 pass
         if seq in self.running:
             self.running.remove(seq)
+        self.kv.free(seq.seq_id)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts)
-
-    def kv_usage(self) -> float:
-        used = sum(s.length for s in self.running)
-        return used / float(self.max_slots * self.max_context)
 
     def find(self, request_id: str) -> Sequence | None:
         for s in self.running:
@@ -122,3 +229,26 @@ class Scheduler:
                 if s.request_id == request_id:
                     return s
         return None
+
+    # ------------------------------------------------------------ internals
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        plan.released.append(seq.slot)
+        self.remove(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        plan.preempted.append(seq)
+        if seq in plan.decode:
+            plan.decode.remove(seq)
+        with self._lock:            # back in the queue, in arrival order (ahead of later arrivals)
+            keys = [s.order for s in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, seq.order), seq)
+
+    def _drop(self, seq: Sequence, plan: StepPlan) -> None:
+        plan.released.append(seq.slot)
+        self.remove(seq)
+
+    def _too_big(self, seq: Sequence) -> RealizarError:
+        pool = self.kv.num_blocks * self.kv.block_size
+        return ContextOverflowError(f"the sequence needs more than this server's whole KV cache "
+                                    f"({pool} tokens)", param=None)

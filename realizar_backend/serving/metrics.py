@@ -37,6 +37,9 @@ COUNTERS = {
     "generation_tokens_total": "Tokens generated",
     "graph_replays_total": "CUDA graph replays of the decode step",
     "graph_captures_total": "CUDA graph captures of the decode step",
+    "preemptions_total": "Running sequences preempted for want of KV blocks (recomputed later)",
+    "prefix_cache_queried_tokens_total": "Prompt tokens looked up in the KV prefix cache",
+    "prefix_cache_hit_tokens_total": "Prompt tokens found in the KV prefix cache (not prefilled again)",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time from arrival to the first generated token",
@@ -46,8 +49,10 @@ HISTOGRAMS = {
 }
 GAUGES = {
     "requests_running": "Sequences in the running batch",
-    "requests_waiting": "Sequences queued for a KV-cache slot",
-    "kv_cache_usage_ratio": "Fraction of the KV-cache budget in use (0..1)",
+    "requests_waiting": "Sequences queued for KV-cache blocks",
+    "kv_cache_usage_ratio": "KV-cache blocks in use over the blocks of the pool (0..1)",
+    "kv_cache_used_blocks": "KV-cache blocks held by sequences",
+    "kv_cache_used_tokens": "KV-cache positions held by sequences (a shared block counted once)",
     "decode_tokens_per_second": "Recent decode throughput over all running sequences",
     "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
     "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
@@ -71,6 +76,10 @@ class Metrics:
         self.generation_tokens = pc.Counter(p + "generation_tokens", COUNTERS["generation_tokens_total"], **kw)
         self.graph_replays = pc.Counter(p + "graph_replays", COUNTERS["graph_replays_total"], **kw)
         self.graph_captures = pc.Counter(p + "graph_captures", COUNTERS["graph_captures_total"], **kw)
+        self.preemptions = pc.Counter(p + "preemptions", COUNTERS["preemptions_total"], **kw)
+        self.prefix_queried = pc.Counter(p + "prefix_cache_queried_tokens",
+                                         COUNTERS["prefix_cache_queried_tokens_total"], **kw)
+        self.prefix_hits = pc.Counter(p + "prefix_cache_hit_tokens", COUNTERS["prefix_cache_hit_tokens_total"], **kw)
         self.ttft = pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
                                  buckets=TTFT_BUCKETS, **kw)
         self.tpot = pc.Histogram(p + "time_per_output_token_seconds",
@@ -87,6 +96,10 @@ class Metrics:
                                 multiprocess_mode="livesum", **kw)
         self.kv_usage = pc.Gauge(p + "kv_cache_usage_ratio", GAUGES["kv_cache_usage_ratio"],
                                  multiprocess_mode="livemax", **kw)
+        self.kv_used_blocks = pc.Gauge(p + "kv_cache_used_blocks", GAUGES["kv_cache_used_blocks"],
+                                       multiprocess_mode="livesum", **kw)
+        self.kv_used_tokens = pc.Gauge(p + "kv_cache_used_tokens", GAUGES["kv_cache_used_tokens"],
+                                       multiprocess_mode="livesum", **kw)
         self.decode_rate = pc.Gauge(p + "decode_tokens_per_second", GAUGES["decode_tokens_per_second"],
                                     multiprocess_mode="livesum", **kw)
         self.graph_status = pc.Gauge(p + "graph_status", GAUGES["graph_status"], ["bucket", "status"],
@@ -102,6 +115,10 @@ class Metrics:
         self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
         self._last_replays = 0
         self._last_captures = 0
+        # the engine's cumulative KV totals: stats key -> (counter, last total seen)
+        self._kv_totals = {"preemptions": (self.preemptions, 0),
+                           "prefix_cache_queried_tokens": (self.prefix_queried, 0),
+                           "prefix_cache_hit_tokens": (self.prefix_hits, 0)}
 
     # ---------------------------------------------------------------- EngineObserver
 
@@ -123,6 +140,8 @@ class Metrics:
             self.running.set(stats.get("running", 0))
             self.waiting.set(stats.get("waiting", 0))
             self.kv_usage.set(stats.get("kv_usage", 0.0))
+            self.kv_used_blocks.set(stats.get("kv_used_blocks", 0))
+            self.kv_used_tokens.set(stats.get("kv_used_tokens", 0))
             self.decode_rate.set(stats.get("decode_tokens_per_s", 0.0))
             self.pool_bytes.set(stats.get("pool_bytes", 0))
             self.gpu_memory.set(stats.get("device_memory_bytes", 0))
@@ -138,6 +157,11 @@ class Metrics:
             if captures > self._last_captures:
                 self.graph_captures.inc(captures - self._last_captures)
                 self._last_captures = captures
+            for key, (counter, last) in self._kv_totals.items():
+                total = int(stats.get(key, 0))
+                if total > last:
+                    counter.inc(total - last)
+                    self._kv_totals[key] = (counter, total)
 
     # ---------------------------------------------------------------- serving side
 

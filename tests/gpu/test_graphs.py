@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kv_tables import assign_blocks
+from paging import contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +41,8 @@ def test_eager_equals_replay(name, batch, programmatic, rng):
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model(name)
-    gpu = CUDABackend(model, max_slots=4, max_context=128,
-                      settings=Settings(self_check=False, programmatic_launch=programmatic))
-    assign_blocks(gpu, rng=rng)
+    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=128,
+                                        settings=Settings(self_check=False, programmatic_launch=programmatic)))
     expect_pdl = programmatic and int(cupy.cuda.Device().compute_capability) >= 90
     V = model.config.vocab_size
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 9 + s).astype(np.int32)) for s in range(batch)])
@@ -67,9 +66,9 @@ def test_real_smollm2_greedy_graphs_off_equals_cpu():
     from realizar_backend.settings import Settings
     model = _model("real")
     prompt = np.array([1, 9690, 314, 253, 2377, 30, 1073, 314, 260, 3575, 282, 4649, 47], np.int32)
-    cpu = CPUBackend(model, max_slots=1, max_context=64)
-    gpu = CUDABackend(model, max_slots=1, max_context=64, settings=Settings(self_check=False, cuda_graphs=False))
-    assign_blocks(cpu, gpu)
+    cpu = contiguous_tables(CPUBackend(model, max_slots=1, max_context=64))
+    gpu = contiguous_tables(CUDABackend(model, max_slots=1, max_context=64,
+                                        settings=Settings(self_check=False, cuda_graphs=False)))
     tc = [int(np.argmax(cpu.prefill([PrefillItem(0, prompt)])[0]))]
     tg = [int(np.argmax(gpu.prefill([PrefillItem(0, prompt)])[0]))]
     for i in range(31):
@@ -99,9 +98,8 @@ def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
     slots = list(range(batch))
     runs = []
     for chained in (False, True):
-        gpu = CUDABackend(model, max_slots=4, max_context=128,
-                          settings=Settings(self_check=False, cuda_graphs=graphs))
-        assign_blocks(gpu)
+        gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=128,
+                                            settings=Settings(self_check=False, cuda_graphs=graphs)))
         first = gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)
         toks, pos, out = [int(t) for t in first], [len(p) for p in prompts], []
         if chained:
@@ -134,8 +132,7 @@ def test_more_steps_in_flight_than_token_ring_rows(rng):
     V = model.config.vocab_size
     prompts = [rng.integers(0, V, 9 + s).astype(np.int32) for s in range(2)]
     slots = [0, 1]
-    gpu = CUDABackend(model, max_slots=2, max_context=128, settings=Settings(self_check=False))
-    assign_blocks(gpu)
+    gpu = contiguous_tables(CUDABackend(model, max_slots=2, max_context=128, settings=Settings(self_check=False)))
     first = [int(t) for t in gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)]
     pos = [len(p) for p in prompts]
     want, toks = [], first
@@ -161,8 +158,7 @@ def test_graph_counters_count(rng):
     from realizar_backend.settings import Settings
     model = _model("smol135")
     V = model.config.vocab_size
-    gpu = CUDABackend(model, max_slots=4, max_context=64, settings=Settings(self_check=False))
-    assign_blocks(gpu, rng=rng)
+    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=64, settings=Settings(self_check=False)))
     assert (gpu.stats()["graph_captures"], gpu.stats()["graph_replays"]) == (0, 0)
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 5).astype(np.int32)) for s in range(3)])
     toks = [int(t) for t in rng.integers(0, V, 3)]

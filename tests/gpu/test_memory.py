@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kv_tables import assign_blocks
+from paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -26,8 +26,7 @@ def test_memory_flat_over_sequential_completions(rng):
     from realizar_backend.formats import open_model
     from realizar_backend.settings import Settings
     model = open_model(path)
-    gpu = CUDABackend(model, max_slots=4, max_context=256, settings=Settings(self_check=False))
-    assign_blocks(gpu)
+    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=256, settings=Settings(self_check=False)))
     pool = cupy.get_default_memory_pool()
     V = model.config.vocab_size
 
@@ -39,6 +38,7 @@ def test_memory_flat_over_sequential_completions(rng):
         for s in range(8):
             tok = int(gpu.decode_argmax([slot], [tok], [len(prompt) + s])[0])
         gpu.release(slot)
+        contiguous_table(gpu, slot)
 
     def measure() -> tuple[int, int]:
         cupy.cuda.Device().synchronize()

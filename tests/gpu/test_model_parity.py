@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kv_tables import assign_blocks
+from paging import contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -72,9 +72,9 @@ def _backends(model, slots=2, ctx=256, **gpu_kw):
     # the oracle stores K/V in fp16 as the GPU does: on the gemma270 twin, rounding K/V to fp16
     # alone moves the oracle's own prompt logits to cosine 0.9972 for some prompts (its attention
     # is nearly one-hot), so a float32-KV oracle would measure the storage format, not the kernels
-    cpu = CPUBackend(model, max_slots=slots, max_context=ctx, kv_dtype=np.float16)
-    gpu = CUDABackend(model, max_slots=slots, max_context=ctx, settings=Settings(self_check=True, **gpu_kw))
-    assign_blocks(cpu, gpu, rng=np.random.default_rng(ctx))
+    cpu = contiguous_tables(CPUBackend(model, max_slots=slots, max_context=ctx, kv_dtype=np.float16))
+    gpu = contiguous_tables(CUDABackend(model, max_slots=slots, max_context=ctx,
+                                        settings=Settings(self_check=True, **gpu_kw)))
     return cpu, gpu
 
 
@@ -168,8 +168,7 @@ def test_decode_argmax_matches_logits(rng):
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _open(path)
-    gpu = CUDABackend(model, max_slots=3, max_context=128, settings=Settings(self_check=False))
-    assign_blocks(gpu, rng=rng)
+    gpu = contiguous_tables(CUDABackend(model, max_slots=3, max_context=128, settings=Settings(self_check=False)))
     V = model.config.vocab_size
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 5 + s).astype(np.int32)) for s in range(3)])
     # the same step twice (same cache rows rewritten): logits then argmax must agree

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from kv_tables import assign_blocks
+from paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -323,6 +323,8 @@ def test_split16_model_parity(name, rng):
         for s in slots:
             cpu.release(s)
             gpu.release(s)
+            contiguous_table(cpu, s)
+            contiguous_table(gpu, s)
         dec_min = min(r.min() for r in dec_rows)
         print(f"{name} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; decode min {dec_min:.7f}")
         rows += [pre, *dec_rows]
@@ -348,9 +350,8 @@ def test_split_weight_cache_gives_the_same_logits(name, rng):
              PrefillItem(1, rng.integers(0, V, 23).astype(np.int32))]
     out = {}
     for cache in ("on", "off"):
-        be = CUDABackend(model, max_slots=2, max_context=64,
-                         settings=Settings(self_check=False, prefill_weight_cache=cache))
-        assign_blocks(be)
+        be = contiguous_tables(CUDABackend(model, max_slots=2, max_context=64,
+                                           settings=Settings(self_check=False, prefill_weight_cache=cache)))
         assert len(be.fwd.gemm.cached) == (4 * model.config.n_layers if cache == "on" else 0)
         out[cache] = be.prefill(items)
         be.close()

@@ -218,11 +218,14 @@ def test_engine_greedy_is_unchanged(cuda_engine):
     text, toks, _ = _run(cuda_engine, prompt, max_tokens=12, temperature=0)
     be = cuda_engine.backend
     ids = cuda_engine.tokenizer.encode(prompt)
-    slot = be.max_slots - 1
+    slot = be.max_slots - 1   # the engine is idle: any slot and free block is ours for a moment
+    cuda_engine.kv.allocate("plain", lambda a, b: ids[a:b], len(ids) + 12)
+    be.set_block_table(slot, cuda_engine.kv.table("plain"))
     want = [int(np.argmax(be.prefill([PrefillItem(slot, np.array(ids, np.int32))])[0]))]
     for i in range(11):
         want.append(int(be.decode_argmax([slot], [want[-1]], [len(ids) + i])[0]))
     be.release(slot)
+    cuda_engine.kv.free("plain")
     assert toks == want
     # greedy with logprobs goes through the sampling kernels: same tokens, the chosen one on top
     _, toks_lp, outs = _run(cuda_engine, prompt, max_tokens=12, temperature=0, logprobs=1)

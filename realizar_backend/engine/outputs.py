@@ -1,0 +1,73 @@
+"""What a sequence hands its caller: RequestOutput pieces, and the text in them (incremental
+detokenization with stop strings held back until they can no longer start one)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from .scheduler import Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str                     # new text since the previous output (stop strings cut)
+    token_ids: list[int]          # new token ids
+    finish_reason: str | None     # None while running; "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    completion_tokens: int        # cumulative
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
+
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same sequence, as one output: a consumer
+        that fell behind takes everything queued in one piece (one SSE chunk, not many)."""
+        lp = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
+                             later.finish_reason, later.prompt_tokens, later.completion_tokens, lp)
+
+
+def drain_merged(q: asyncio.Queue, item):
+    """`item` merged with the outputs already waiting in q, up to the end of the sequence or an
+    exception; returns (item, held) where held is an exception (or None) to raise next."""
+    while isinstance(item, RequestOutput) and item.finish_reason is None and not q.empty():
+        nxt = q.get_nowait()
+        if isinstance(nxt, BaseException):
+            return item, nxt
+        item = item.merged(nxt)
+    return item, None
+
+
+def add_text(seq: Sequence, delta: str) -> tuple[str, bool]:
+    """Stop-string handling: returns (text safe to emit, whether a stop string was hit)."""
+    stops = seq.params.stop
+    if not stops:
+        return delta, False
+    pending = seq.pending_text + delta
+    # search from where a stop string could start: it may straddle emitted and pending text
+    longest = max(map(len, stops))
+    tail = seq.emitted_text[-(longest - 1):] if longest > 1 else ""
+    window = tail + pending
+    hits = [i for i in (window.find(s) for s in stops) if i >= 0]
+    if hits:
+        cut = min(hits) - len(tail)
+        seq.pending_text = ""
+        return pending[:max(cut, 0)], True
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(window)), 0, -1):
+            if window.endswith(s[:k]):
+                hold = max(hold, min(k, len(pending)))
+                break
+    seq.pending_text = pending[len(pending) - hold:] if hold else ""
+    return pending[:len(pending) - hold], False
+
+
+def drain_text(seq: Sequence) -> str:
+    """End of a sequence: release what the detokenizer and the stop-string check held back."""
+    text, hit = add_text(seq, seq.detok.flush())
+    if not hit:
+        text += seq.pending_text
+    seq.pending_text = ""
+    return text

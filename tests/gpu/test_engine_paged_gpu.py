@@ -1,0 +1,112 @@
+"""The engine's paged-KV call pattern on the CUDA backend, real SmolLM2: block tables that grow
+while a greedy step started ahead is in flight, prompts in chunks between decode steps, prefix
+blocks shared between slots, preemption and recompute under a tiny pool. Each run must write the
+text the same engine writes with room to spare (and, for the greedy runs, the CPU oracle's)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _smol_path():
+    p = os.environ.get("REALIZAR_REAL_SMOL")
+    if p and Path(p).exists():
+        return p
+    try:
+        from realizar_backend.model.default import default_model_path
+        return str(default_model_path())
+    except Exception:
+        return None
+
+
+def _engine(**kw):
+    from realizar_backend.engine.engine import Engine
+    from realizar_backend.settings import Settings
+    path = _smol_path()
+    if path is None:
+        pytest.skip("SmolLM2 not on this machine")
+    return Engine.from_settings(Settings(model=path, max_num_seqs=8, context_length=512, self_check=False, **kw))
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    eng = _engine(backend="cuda")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Eight blocks of 16 tokens for eight sequences; prompts in chunks of 16 tokens."""
+    eng = _engine(backend="cuda", kv_cache_tokens=128, prefill_chunk_tokens=16)
+    assert eng.kv.num_blocks * eng.backend.block_size <= 128
+    yield eng
+    eng.shutdown()
+
+
+def _together(engine, jobs):
+    from realizar_backend.engine.sampling import SamplingParams
+
+    async def one(prompt, kw):
+        params = SamplingParams(**kw)
+        ids = engine.prepare(prompt, params)
+        return "".join([o.text async for o in engine.generate(ids, params)])
+
+    async def go():
+        return await asyncio.gather(*[one(p, kw) for p, kw in jobs])
+    return asyncio.run(go())
+
+
+GREEDY = dict(max_tokens=40, temperature=0, ignore_eos=True)
+JOBS = [(f"Story {i}: the {w} cat sat on the", GREEDY) for i, w in enumerate(["black", "small", "happy"])]
+JOBS.append(("A list of fruits: apple, banana,", dict(max_tokens=40, temperature=0.8, seed=11,
+                                                     repetition_penalty=1.3, frequency_penalty=0.5,
+                                                     ignore_eos=True)))
+JOBS += [(f"Story {i}: the {w} dog ran to the", GREEDY) for i, w in enumerate(["old", "big"])]
+
+
+def test_preemption_and_chunks_on_the_gpu_give_the_roomy_text(roomy, tiny):
+    want = _together(roomy, JOBS)
+    before = tiny.stats()["preemptions"]
+    got = _together(tiny, JOBS)
+    st = tiny.stats()
+    print(f"preemptions {st['preemptions'] - before}")
+    assert st["preemptions"] > before
+    assert got == want
+    for _ in range(100):
+        if tiny.stats()["running"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    st = tiny.stats()
+    assert (st["running"], st["kv_used_blocks"], st["kv_used_tokens"]) == (0, 0, 0)
+
+
+def test_greedy_batch_with_growing_tables_equals_the_cpu_oracle(roomy):
+    """Greedy sequences that cross several block boundaries while steps run ahead: the CPU
+    engine's text (both keep fp32-class numerics; SmolLM2 has no near-tie in these prompts)."""
+    cpu = _engine(backend="cpu")
+    try:
+        jobs = [(p, GREEDY) for p, kw in JOBS if kw is GREEDY]
+        assert _together(roomy, jobs) == _together(cpu, jobs)
+    finally:
+        cpu.shutdown()
+
+
+def test_a_shared_prefix_is_reused_on_the_gpu(roomy):
+    system = ("You are a meticulous assistant for a botanical garden. Answer visitors' questions about "
+              "plants, opening hours and events in one short sentence, and never make anything up.\n")
+    prompts = [system + "Q: When do you open?\nA:", system + "Q: Do you have cacti?\nA:"]
+    h0 = roomy.stats()["prefix_cache_hit_tokens"]
+    with_cache = [_together(roomy, [(p, dict(max_tokens=16, temperature=0))])[0] for p in prompts]
+    assert roomy.stats()["prefix_cache_hit_tokens"] - h0 >= 2 * roomy.backend.block_size
+    off = _engine(backend="cuda", enable_prefix_caching=False)
+    try:
+        assert [_together(off, [(p, dict(max_tokens=16, temperature=0))])[0] for p in prompts] == with_cache
+    finally:
+        off.shutdown()
