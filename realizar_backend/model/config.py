@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from .arch import ARCHITECTURES, HF_ARCHITECTURES, supported_list
+from .metadata import Metadata
 
 
 @dataclass(frozen=True)
@@ -57,23 +58,6 @@ class ModelConfig:
         return self.attn_scale or self.head_dim ** -0.5
 
 
-def _req(path, md: dict, key: str):
-    if key not in md:
-        raise ModelFormatError(path, f"missing required metadata key {key!r}")
-    return md[key]
-
-
-def _number(path, key: str, value, kind):
-    """A metadata value that must be a number; bools and strings are format errors."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if not ok:
-        raise ModelFormatError(path, f"metadata key {key!r} should be {'an integer' if kind is int else 'a number'}, "
-                                     f"got {type(value).__name__} {str(value)[:40]!r}")
-    return kind(value)
-
-
 def _check_dims(path, c: dict[str, Any]) -> None:
     """Self-consistency of the numbers (the tensor shapes are checked by the format loaders)."""
     dims = {k: c[k] for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")}
@@ -87,44 +71,36 @@ def _check_dims(path, c: dict[str, Any]) -> None:
                                      f"context_length={c['context_length']} must all be positive")
 
 
+MAX_DIM = 1 << 20            # hidden, FFN and head sizes: far above any real model, far below 2**63
+MAX_CONTEXT = (1 << 31) - 1  # positions are int32 on every backend
+
+
 def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    arch = md.get("general.architecture")
-    if arch is None:
-        raise ModelFormatError(path, "missing required metadata key 'general.architecture'")
-    if not isinstance(arch, str):
-        raise ModelFormatError(path, f"general.architecture should be a string, got {arch!r:.40}")
+    m = Metadata(path, md)
+    arch = m.string("general.architecture", required=True)
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(path, f"architecture {arch!r} is not supported; supported: {supported_list()}")
     spec = ARCHITECTURES[arch]
+    a = arch + "."
 
-    def get(k, default=None, required=True, kind=int):
-        key = f"{arch}.{k}"
-        if key in md:
-            return _number(path, key, md[key], kind)
-        if required and default is None:
-            raise ModelFormatError(path, f"missing required metadata key {key!r}")
-        return default
-
-    hidden = get("embedding_length")
-    n_heads = get("attention.head_count")
-    n_kv = get("attention.head_count_kv", n_heads)
-    head_dim = get("attention.key_length", hidden // max(n_heads, 1))
-    n_layers = get("block_count")
-    if "tokenizer.ggml.tokens" in md:
-        tokens = md["tokenizer.ggml.tokens"]
-        if not isinstance(tokens, list):
-            raise ModelFormatError(path, "tokenizer.ggml.tokens should be an array of strings")
-        vocab = len(tokens)
+    hidden = m.integer(a + "embedding_length", required=True, lo=1, hi=MAX_DIM)
+    n_heads = m.integer(a + "attention.head_count", required=True, lo=1, hi=hidden)
+    n_kv = m.integer(a + "attention.head_count_kv", n_heads, lo=1, hi=n_heads)
+    head_dim = m.integer(a + "attention.key_length", hidden // n_heads, lo=1, hi=MAX_DIM)
+    n_layers = m.integer(a + "block_count", required=True, lo=1)
+    if "tokenizer.ggml.tokens" in m:
+        vocab = len(m.strings("tokenizer.ggml.tokens", nonempty=True))
     else:
-        vocab = get("vocab_size")
+        vocab = m.integer(a + "vocab_size", required=True, lo=1, hi=MAX_DIM * 16)
     cfg = dict(
         arch=arch, n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv,
-        head_dim=head_dim, ffn_dim=get("feed_forward_length"), vocab_size=vocab,
-        context_length=get("context_length", 2048, required=False),
-        rms_eps=get("attention.layer_norm_rms_epsilon", 1e-6, required=False, kind=float),
-        rope_theta=get("rope.freq_base", 10000.0, required=False, kind=float),
+        head_dim=head_dim, ffn_dim=m.integer(a + "feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
+        vocab_size=vocab,
+        context_length=m.integer(a + "context_length", 2048, lo=1, hi=MAX_CONTEXT),
+        rms_eps=m.number(a + "attention.layer_norm_rms_epsilon", 1e-6, positive=True),
+        rope_theta=m.number(a + "rope.freq_base", 10000.0, positive=True),
         rope_style=spec.gguf_rope_style,
-        rope_dim=get("rope.dimension_count", head_dim, required=False),
+        rope_dim=m.integer(a + "rope.dimension_count", head_dim, lo=1, hi=head_dim),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -132,7 +108,7 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str]) -> ModelC
     _check_dims(path, cfg)
     if arch == "gemma3":
         cfg.update(activation="gelu_tanh", embed_scale=hidden ** 0.5, post_norms=True,
-                   sliding_window=get("attention.sliding_window", 0, required=False),
+                   sliding_window=m.integer(a + "attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT),
                    sliding_pattern=6, rope_theta_local=10000.0)
     return ModelConfig(**cfg)
 
