@@ -207,7 +207,11 @@ def load_like_the_server(path: str) -> None:
 
 
 def _worker(conn) -> None:
+    import logging
+
     from realizar_backend.errors import RealizarError
+
+    logging.disable(logging.WARNING)      # mutants warn a lot (unknown pre-tokenizers); outcomes say enough
 
     while True:
         try:
