@@ -14,6 +14,7 @@ import pytest
 from realizar_backend.errors import ModelFormatError, RequestError, UnsupportedModelError
 from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits
 from realizar_backend.model.tokenizer import Tokenizer
+from hostile_templates import TRAP_CODES, trapped
 from tokenizer_corpus import CONVERSATIONS, model_file, ours, reference
 
 TEMPLATED = ["smol135", "qwen05", "qwen15"]   # gemma270's GGUF carries no chat template
@@ -107,31 +108,15 @@ def test_broken_template_fails_the_load():
         assert str(model_file("smol135").path) in str(e.value)
 
 
-# A template that behaves on the load-time trial conversation and runs away when a message asks
-# it to: what a hostile model file can do to one request.
-TRAPPED = (
-    "{% for m in messages %}"
-    "{% if m.content == 'loop' %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
-    "{% if m.content == 'big' %}{{ 'x' * 30000000 }}{% endif %}"
-    "{% if m.content == 'memory' %}{{ 'x' | center(4000000000) }}{% endif %}"
-    "{% if m.content == 'double' %}{% set ns = namespace(s='x') %}{% for i in range(40) %}"
-    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}{% endif %}"
-    "{% if m.content == 'recurse' %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}{% endif %}"
-    "{% if m.content == 'range' %}{{ range(10 ** 9) | list }}{% endif %}"
-    "{% if m.content == 'divide' %}{{ 1 / 0 }}{% endif %}"
-    "<{{ m.role }}>{{ m.content }}"
-    "{% endfor %}"
-)
+# What a hostile model file can do to one request (the loader's trial render does not trip it).
+TRAPPED = trapped("<{{ m.role }}>{{ m.content }}")
 LIMITS = TemplateLimits(timeout_s=1.0, max_chars=1 << 20, memory_mb=512, workers=2)
 
 
 def test_runaway_templates_are_stopped_per_request():
     tok = _with_template("smol135", TRAPPED, LIMITS)
     rss0 = _rss_mb()
-    for content, code in [("loop", "chat_template_limit"), ("big", "chat_template_limit"),
-                          ("memory", "chat_template_limit"), ("double", "chat_template_limit"),
-                          ("recurse", "chat_template_error"), ("range", "chat_template_error"),
-                          ("divide", "chat_template_error")]:
+    for content, code in TRAP_CODES.items():
         t0 = time.monotonic()
         with pytest.raises(RequestError) as e:
             tok.apply_chat_template([{"role": "user", "content": content}])

@@ -17,6 +17,7 @@ import pytest
 from gguf import GGUFValueType as V
 
 import gguf_kv
+from hostile_templates import TRAP_CODES, trapped
 from real_models import smollm2_path
 from server_util import LivezProbe, sample, start_server
 
@@ -26,19 +27,8 @@ MODEL = "hostile-smol"
 LIVEZ_BOUND_S = 0.1
 TEMPLATE_TIMEOUT_S = 2
 MAX_WAITING = 4
-TRAPPED = (
-    "{% for m in messages %}"
-    "{% if m.content == 'loop' %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{% endif %}"
-    "{% if m.content == 'big' %}{{ 'x' * 30000000 }}{% endif %}"
-    "{% if m.content == 'memory' %}{{ 'x' | center(4000000000) }}{% endif %}"
-    "{% if m.content == 'double' %}{% set ns = namespace(s='x') %}{% for i in range(40) %}"
-    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}{% endif %}"
-    "{% if m.content == 'recurse' %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}{% endif %}"
-    "{% if m.content == 'range' %}{{ range(10 ** 9) | list }}{% endif %}"
-    "{% if m.content == 'divide' %}{{ 1 / 0 }}{% endif %}"
-    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+TRAPPED = trapped("<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n",
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +61,7 @@ FOUR_MB = 4 << 20
 
 # id, path, body bytes (or a callable giving an iterator: a chunked body), headers, status, param or code
 ATTACKS = [
-    *[(f"template-{t}", CH, chat(t), JSON, 400, code) for t, code in [
-        ("loop", "chat_template_limit"), ("big", "chat_template_limit"), ("memory", "chat_template_limit"),
-        ("double", "chat_template_limit"), ("recurse", "chat_template_error"), ("range", "chat_template_error"),
-        ("divide", "chat_template_error")]],
+    *[(f"template-{t}", CH, chat(t), JSON, 400, code) for t, code in TRAP_CODES.items()],
     ("prompt-4mb-text", C, _json(comp(prompt="word " * (FOUR_MB // 5 - 100))), JSON, 400, "context_length_exceeded"),
     ("prompt-2m-token-ids", C, b'{"model": "%s", "prompt": [%s]}' % (MODEL.encode(), b",".join([b"1"] * 2_000_000)),
      JSON, 400, "prompt"),

@@ -104,31 +104,22 @@ class Metadata:
             raise self.fail(key, "is an empty array")
         return v
 
-    def strings(self, key: str, default: Any = None, **kw) -> Any:
-        v = self.array(key, _MISSING, **kw)
-        if v is _MISSING:
-            return default
-        for i, s in enumerate(v):
-            if not isinstance(s, str):
-                raise self.fail(key, f"should be an array of strings; entry {i} is {_show(s)}")
-        return v
-
-    def integers(self, key: str, default: Any = None, *, lo: int | None = None, hi: int | None = None,
-                 **kw) -> Any:
+    def _items(self, key: str, default: Any, ok, what: str, kw: dict) -> Any:
         v = self.array(key, _MISSING, **kw)
         if v is _MISSING:
             return default
         for i, x in enumerate(v):
-            if isinstance(x, bool) or not isinstance(x, int) or (lo is not None and x < lo) \
-                    or (hi is not None and x > hi):
-                raise self.fail(key, f"should be an array of integers in [{lo}, {hi}]; entry {i} is {_show(x)}")
+            if not ok(x):
+                raise self.fail(key, f"should be an array of {what}; entry {i} is {_show(x)}")
         return v
+
+    def strings(self, key: str, default: Any = None, **kw) -> Any:
+        return self._items(key, default, lambda x: isinstance(x, str), "strings", kw)
+
+    def integers(self, key: str, default: Any = None, *, lo: int, hi: int, **kw) -> Any:
+        return self._items(key, default, lambda x: isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi,
+                           f"integers in [{lo}, {hi}]", kw)
 
     def numbers(self, key: str, default: Any = None, **kw) -> Any:
-        v = self.array(key, _MISSING, **kw)
-        if v is _MISSING:
-            return default
-        for i, x in enumerate(v):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-                raise self.fail(key, f"should be an array of finite numbers; entry {i} is {_show(x)}")
-        return v
+        return self._items(key, default, lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+                           and math.isfinite(x), "finite numbers", kw)
