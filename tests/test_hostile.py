@@ -100,18 +100,23 @@ def test_attacks_get_4xx_and_the_server_stays_responsive(server):
     rss0 = worker.memory_info().rss
     report = []
     for name, path, body, headers, status, what in ATTACKS:
-        with LivezProbe(server.url) as probe:
-            r = _post(server, path, body, headers)
-        report.append(f"{name}: {r.status_code}, /livez worst {probe.worst() * 1000:.0f} ms "
-                      f"over {len(probe.samples)} probes")
-        assert r.status_code == status, (name, r.text[:500])
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
-        assert what in (err["param"], err["code"]), (name, err)
-        assert probe.statuses() == {"200"}, (name, probe.samples)
+        # an attack that stalls the server does so every time; a slow probe on a busy machine
+        # rarely twice in a row: a probe over the bound gets one more try
+        for attempt in range(2):
+            with LivezProbe(server.url) as probe:
+                r = _post(server, path, body, headers)
+            report.append(f"{name}: {r.status_code}, /livez worst {probe.worst() * 1000:.0f} ms "
+                          f"over {len(probe.samples)} probes")
+            assert r.status_code == status, (name, r.text[:500])
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
+            assert what in (err["param"], err["code"]), (name, err)
+            assert probe.statuses() == {"200"}, (name, probe.samples)
+            if probe.worst() < LIVEZ_BOUND_S:
+                break
         assert probe.worst() < LIVEZ_BOUND_S, "\n".join(report)
-    print("\n".join(report))
     grown = (worker.memory_info().rss - rss0) / 2 ** 20
+    print("\n".join(report), f"\nworker memory grew by {grown:.0f} MB", sep="")
     assert grown < 512, f"the worker grew by {grown:.0f} MB"
     # still serving, and the chat template still renders for ordinary messages
     r = httpx.post(server.url + CH, content=chat("hi", temperature=0), headers={**JSON, **server.auth}, timeout=120)

@@ -54,8 +54,9 @@ class ServerState:
     started: float = 0.0
     draining: bool = False                # SIGTERM seen: new requests get 503 (service.py)
     active: int = 0                       # /v1 requests in flight (read on the event loop only)
-    # tokenizing, template renders, large JSON: blocking work that must not run on the event loop
-    work: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(8, "realizar-request"))
+    # parsing, tokenizing, template renders, large JSON: blocking work kept off the event loop
+    # (many threads: most of them wait, on a template worker or the GIL-free tokenizer)
+    work: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(32, "realizar-request"))
 
     async def offload(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.work, _without_frames, fn, *args)
