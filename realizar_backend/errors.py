@@ -8,6 +8,10 @@ class RealizarError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+class SettingsError(RealizarError, ValueError):
+    """A configuration value is out of range or of the wrong type; names the REALIZAR_ variable."""
+
+
 class ModelFormatError(RealizarError):
     """A model file is corrupt, truncated or self-contradictory. Always names the file."""
 

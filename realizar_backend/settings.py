@@ -4,9 +4,12 @@ field here, filled from `REALIZAR_<FIELD>` environment variables or set by the c
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
+
+from .errors import SettingsError
 
 
 def _parse(kind: Any, raw: str):
@@ -16,14 +19,24 @@ def _parse(kind: Any, raw: str):
             return True
         if v in ("0", "false", "no", "off", ""):
             return False
-        raise ValueError(f"not a boolean: {raw!r}")
+        raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
     if kind in (int, "int"):
-        return int(raw)
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ValueError("not an integer") from None
     if kind in (float, "float"):
-        return float(raw)
+        try:
+            return float(raw.strip())
+        except ValueError:
+            raise ValueError("not a number") from None
     if kind in ("str | None", "Optional[str]"):
         return raw or None
     return raw
+
+
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str, type(None))}
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass
@@ -42,8 +55,7 @@ class Settings:
     max_num_seqs: int = 256            # sequences running at once (decode batch up to this)
     # KV cache: one pool of blocks of block_size positions, shared by every sequence. On the GPU the
     # pool takes what gpu_memory_utilization of the device's memory leaves after the weights and
-    # the workspace; kv_cache_tokens (> 0) caps it, in tokens. On the CPU it sets the pool (0: what
-    # fits in 1 GiB, at least one full context, at most max_num_seqs full contexts)
+    # the workspace; kv_cache_tokens (> 0) caps it, in tokens (on the CPU it sets the pool)
     kv_cache_tokens: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.90
@@ -55,6 +67,20 @@ class Settings:
     enable_prefix_caching: bool = True
     max_waiting: int = 256             # queued requests beyond which the server answers 503
     api_key: str | None = None         # when set, requests must carry `Authorization: Bearer <key>`
+    # request limits: a body larger than this is refused with 413 before it is read; each stop
+    # string is at most max_stop_chars characters (the engine searches every one per token)
+    max_request_bytes: int = 4 << 20
+    max_stop_chars: int = 256
+    # chat templates come with the model file and may do anything Jinja can: each render runs in
+    # a separate process (chat_template_workers of them) and is stopped after this many seconds,
+    # this many characters of output or this much address space
+    chat_template_timeout_s: float = 5.0
+    chat_template_max_chars: int = 8 << 20
+    chat_template_memory_mb: int = 1024
+    chat_template_workers: int = 2
+    # on SIGTERM: refuse new requests (503), let running ones finish for this long, then end
+    # them with a final chunk and exit
+    shutdown_grace_s: float = 20.0
     cuda_graphs: bool = True
     # decode graphs link their kernels by programmatic dependent launch (compute capability 9.0+):
     # each kernel starts, and prefetches its weights, while the one before finishes
@@ -85,50 +111,82 @@ class Settings:
 
     ENV_PREFIX = "REALIZAR_"
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def env_name(cls, field_name: str) -> str:
+        return cls.ENV_PREFIX + field_name.upper()
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Settings":
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
-            key = cls.ENV_PREFIX + f.name.upper()
+            key = cls.env_name(f.name)
             if key in env:
                 try:
                     values[f.name] = _parse(f.type, env[key])
                 except ValueError as e:
-                    raise ValueError(f"{key}: {e}") from None
+                    raise SettingsError(f"{key}={env[key]!r}: {e}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
-        s = cls(**values)
-        s.validate()
-        return s
+        return cls(**values)
+
+    def _bad(self, name: str, why: str) -> SettingsError:
+        shown = "<hidden>" if name == "api_key" else repr(getattr(self, name))
+        return SettingsError(f"{self.env_name(name)}={shown}: {why}")
 
     def validate(self) -> None:
-        if self.backend not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"backend must be auto, cuda or cpu, not {self.backend!r}")
-        if self.context_length < 0:
-            raise ValueError("context_length must be >= 0 (0: the model's own)")
-        for name in ("max_num_seqs", "block_size", "prefill_chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        """Every field: its type, then its range. The message names the environment variable,
+        so a bad deployment stops at start with the line to fix."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, _TYPES[f.type]) or (f.type in ("int", "float") and isinstance(v, bool)):
+                raise self._bad(f.name, f"expected {f.type}")
+            if f.type == "float" and not math.isfinite(v):
+                raise self._bad(f.name, "must be a finite number")
+
+        def at_least(name: str, lo: float, hi: float | None = None) -> None:
+            v = getattr(self, name)
+            if v < lo or (hi is not None and v > hi):
+                raise self._bad(name, f"must be at least {lo}" if hi is None else f"must be between {lo} and {hi}")
+
+        def one_of(name: str, *allowed: str) -> None:
+            if getattr(self, name) not in allowed:
+                raise self._bad(name, f"must be one of {', '.join(allowed)}")
+
+        for name in ("model", "model_name", "api_key", "model_cache"):
+            v = getattr(self, name)
+            if v is not None and (not v.strip() or v != v.strip()):
+                raise self._bad(name, "must not be empty or start or end with white space")
+        one_of("backend", "auto", "cuda", "cpu")
+        at_least("device", 0)
+        at_least("context_length", 0, 1 << 24)           # 0: the model's own
+        at_least("max_num_seqs", 1, 1 << 16)
+        at_least("block_size", 1, 1024)
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, not {self.block_size}")
+            raise self._bad("block_size", "must be a power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
-        if self.decode_activations not in ("int8", "int8-fp32-down", "fp32"):
-            raise ValueError("decode_activations must be int8, int8-fp32-down or fp32, "
-                             f"not {self.decode_activations!r}")
-        if self.prefill_precision not in ("split16", "fp32", "fp16"):
-            raise ValueError(f"prefill_precision must be split16, fp32 or fp16, not {self.prefill_precision!r}")
-        if self.attention not in ("flash", "classic"):
-            raise ValueError(f"attention must be flash or classic, not {self.attention!r}")
-        if self.prefill_weight_cache not in ("auto", "on", "off"):
-            raise ValueError(f"prefill_weight_cache must be auto, on or off, not {self.prefill_weight_cache!r}")
-        if not self.model_cache:
-            raise ValueError("model_cache must name a directory")
-        if self.kv_cache_tokens < 0:
-            raise ValueError("kv_cache_tokens must be >= 0")
+            raise self._bad("gpu_memory_utilization", "must be in (0, 1]")
+        at_least("kv_cache_tokens", 0)
         if 0 < self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) is less than one block "
-                             f"({self.block_size} tokens)")
+            raise self._bad("kv_cache_tokens", f"is less than one block ({self.block_size} tokens)")
+        at_least("prefill_chunk_tokens", 1)
+        at_least("max_waiting", 1)
+        at_least("max_request_bytes", 1024, 1 << 30)
+        at_least("max_stop_chars", 1, 1 << 16)
+        if self.chat_template_timeout_s <= 0:
+            raise self._bad("chat_template_timeout_s", "must be greater than 0")
+        at_least("chat_template_max_chars", 1024)
+        at_least("chat_template_memory_mb", 256)
+        at_least("chat_template_workers", 1, 64)
+        at_least("shutdown_grace_s", 0)
+        one_of("decode_activations", "int8", "int8-fp32-down", "fp32")
+        one_of("prefill_precision", "split16", "fp32", "fp16")
+        one_of("attention", "flash", "classic")
+        one_of("prefill_weight_cache", "auto", "on", "off")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise self._bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

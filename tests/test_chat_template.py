@@ -1,15 +1,20 @@
 """Chat templates render exactly as transformers' apply_chat_template(tokenize=False) renders them,
-in a jinja2 sandbox, and bad conversations or missing templates fail with typed errors."""
+in a jinja2 sandbox in worker processes with limits; bad conversations, missing templates and
+runaway templates fail with typed errors (at load when the template is broken for every request)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import pytest
 
-from realizar_backend.errors import RequestError, UnsupportedModelError
+from realizar_backend.errors import ModelFormatError, RequestError, UnsupportedModelError
+from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits
 from realizar_backend.model.tokenizer import Tokenizer
+from hostile_templates import TRAP_CODES, trapped
 from tokenizer_corpus import CONVERSATIONS, model_file, ours, reference
 
 TEMPLATED = ["smol135", "qwen05", "qwen15"]   # gemma270's GGUF carries no chat template
@@ -41,10 +46,10 @@ CUSTOM = [
 ]
 
 
-def _with_template(tok_name: str, template: str) -> Tokenizer:
+def _with_template(tok_name: str, template: str, limits: TemplateLimits | None = None) -> Tokenizer:
     mf = model_file(tok_name)
     return Tokenizer.from_model_file(dataclasses.replace(
-        mf, metadata=dict(mf.metadata, **{"tokenizer.chat_template": template})))
+        mf, metadata=dict(mf.metadata, **{"tokenizer.chat_template": template})), limits)
 
 
 # ---------------------------------------------------------------- fast
@@ -95,10 +100,63 @@ def test_bad_messages_are_request_errors(smol_model):
         tok.apply_chat_template([{"role": "user"}])
 
 
-def test_broken_template_is_unsupported():
-    for template in ("{% for m in messages %}", "{% break %}"):   # jinja2 syntax error; Python syntax error
-        with pytest.raises(UnsupportedModelError, match="chat template"):
-            _with_template("smol135", template).apply_chat_template([{"role": "user", "content": "x"}])
+def test_broken_template_fails_the_load():
+    # jinja2 syntax error; Python syntax error (a break outside a loop); a template over the size limit
+    for template in ("{% for m in messages %}", "{% break %}", "x" * (MAX_TEMPLATE_CHARS + 1)):
+        with pytest.raises(ModelFormatError, match="'tokenizer.chat_template'") as e:
+            _with_template("smol135", template)
+        assert str(model_file("smol135").path) in str(e.value)
+
+
+# What a hostile model file can do to one request (the loader's trial render does not trip it).
+TRAPPED = trapped("<{{ m.role }}>{{ m.content }}")
+LIMITS = TemplateLimits(timeout_s=1.0, max_chars=1 << 20, memory_mb=512, workers=2)
+
+
+def test_runaway_templates_are_stopped_per_request():
+    tok = _with_template("smol135", TRAPPED, LIMITS)
+    rss0 = _rss_mb()
+    for content, code in TRAP_CODES.items():
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            tok.apply_chat_template([{"role": "user", "content": content}])
+        assert (e.value.status, e.value.param, e.value.code) == (400, "messages", code), (content, e.value)
+        # the time limit, plus the start of a fresh worker after a kill, on a loaded machine
+        assert time.monotonic() - t0 < LIMITS.timeout_s + 20, content
+        # and the next render is served at once, by the same or a fresh worker
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
+    assert _rss_mb() - rss0 < 200, "the runaway renders grew this process"
+
+
+def test_a_runaway_render_does_not_hold_up_the_others():
+    limits = dataclasses.replace(LIMITS, timeout_s=6.0)
+    tok = _with_template("smol135", TRAPPED, limits)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(tok.apply_chat_template, [{"role": "user", "content": "loop"}])
+        time.sleep(0.2)
+        for _ in range(20):
+            assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi"
+        assert not slow.done(), "the good renders waited for the runaway one"
+        with pytest.raises(RequestError, match="did not finish within 6 s"):
+            slow.result()
+
+
+def test_a_template_that_runs_away_at_load_fails_the_load():
+    for template in ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+                     "{{ 'x' * 2000000 }}"):
+        with pytest.raises(ModelFormatError, match="'tokenizer.chat_template': the chat template"):
+            _with_template("smol135", template, LIMITS)
+
+
+def test_a_template_that_refuses_the_trial_still_loads():
+    tok = _with_template("smol135", "{% if messages | length > 1 %}{{ raise_exception('one message only') }}"
+                                    "{% endif %}{{ messages[0].content }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def test_strftime_now():

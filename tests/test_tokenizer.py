@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from realizar_backend.errors import UnsupportedModelError
+from realizar_backend.errors import ContextOverflowError, RequestError, UnsupportedModelError
 from realizar_backend.model.tokenizer import Tokenizer
 from tokenizer_corpus import CORPUS, MODELS, ours, reference, reference_smollm_fixed
 
@@ -31,6 +31,23 @@ def test_smol_basic_properties(smol):
     # <|im_end|> (eos) and <|endoftext|> both end generation
     assert {smol.encode("<|im_end|>")[0], smol.encode("<|endoftext|>")[0]} <= smol.stop_ids
     assert smol.has_chat_template
+
+
+def test_encode_with_a_limit(smol):
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    n = len(smol.encode(text))
+    assert smol.encode(text, limit=n) == smol.encode(text)
+    with pytest.raises(ContextOverflowError, match=f"has {n} tokens"):
+        smol.encode(text, limit=n - 1)
+    # far beyond any limit: refused from its length alone, without tokenizing
+    with pytest.raises(ContextOverflowError, match="far beyond"):
+        smol.encode("a" * 10_000_000, limit=512)
+
+
+def test_a_lone_surrogate_is_a_request_error(smol):
+    with pytest.raises(RequestError) as e:
+        smol.encode("abc\ud800def")
+    assert e.value.code == "invalid_unicode"
 
 
 def test_special_tokens_are_single_ids(smol):

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from ..backends import Backend, PrefillItem, create_backend, start_device
-from ..errors import ContextOverflowError, RequestError
+from ..errors import CapacityError, ContextOverflowError, RequestError
 from ..formats import open_model
 from ..model.default import default_model_path
 from ..settings import Settings
@@ -74,6 +74,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, backend.max_slots, self.settings.max_waiting,
                                    self.settings.prefill_chunk_tokens)
         self._stop = False
+        self._closing: str | None = None      # finish_all(reason): end everything, take nothing new
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
         self._ahead: tuple[list[Sequence], Any] | None = None  # a greedy step started ahead (_greedy_step)
         self._last_shape: tuple[int, int] = (-1, -1)
@@ -84,6 +85,7 @@ class Engine:
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None) -> "Engine":
+        from ..model.chat_template import TemplateLimits
         from ..model.tokenizer import Tokenizer
         settings = settings or Settings.from_env()
         path = Path(settings.model) if settings.model else default_model_path(settings)
@@ -92,7 +94,7 @@ class Engine:
         model = open_model(path)
         # the tokenizer (a vocabulary of 150k+ entries: ~0.5 s) builds while the backend starts
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-            tok = pool.submit(Tokenizer.from_model_file, model)
+            tok = pool.submit(Tokenizer.from_model_file, model, TemplateLimits.from_settings(settings))
             backend = create_backend(model, settings)
             try:
                 tokenizer = tok.result()
@@ -112,9 +114,9 @@ class Engine:
         Raises RequestError / ContextOverflowError before anything is queued."""
         if messages is not None:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_context)
         elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True, limit=self.max_context)
         elif isinstance(prompt, list):
             vocab = self.config.vocab_size
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
@@ -145,6 +147,8 @@ class Engine:
         return ids
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None, sink) -> Sequence:
+        if self._closing is not None:
+            raise CapacityError("the server is shutting down; retry on another replica", retry_after_s=5)
         if params.max_tokens is None or len(ids) + params.max_tokens > min(self.max_context, self.kv_capacity):
             raise ContextOverflowError(f"prompt plus max_tokens exceeds the context of {self.max_context} "
                                        f"tokens or the KV cache of {self.kv_capacity}")
@@ -227,6 +231,15 @@ class Engine:
             "graph_captures": b.get("graph_captures", 0),
         }
 
+    def finish_all(self, reason: str = "shutdown") -> None:
+        """End every sequence at the next step and take no new ones (a graceful shutdown's
+        deadline): a running sequence gets a final output with `reason` as its finish_reason and
+        the text held back for stop strings; a waiting one, which produced nothing yet, fails with
+        CapacityError so that its client may retry elsewhere."""
+        with self.scheduler.wakeup:
+            self._closing = reason
+            self.scheduler.wakeup.notify()
+
     def shutdown(self) -> None:
         with self.scheduler.wakeup:
             self._stop = True
@@ -261,6 +274,9 @@ class Engine:
 
     def _step(self) -> None:
         sch = self.scheduler
+        if self._closing is not None:
+            self._end_all(self._closing)
+            return
         aborts = sch.take_aborts()
         if aborts:
             self._drop_ahead()
@@ -335,6 +351,18 @@ class Engine:
                 self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp)
         self._decode_window.append((time.perf_counter(), len(batch)))
         del self._decode_window[:-64]
+
+    def _end_all(self, reason: str) -> None:
+        self._drop_ahead()
+        for seq in list(self.scheduler.running):
+            text = drain_text(seq)
+            seq.emitted_text += text
+            seq.sink(RequestOutput(seq.request_id, text, [], reason, len(seq.prompt_ids), len(seq.output_ids)))
+            self._finish(seq, reason, notify=False)
+        for seq in list(self.scheduler.waiting):
+            seq.sink(CapacityError("the server is shutting down; retry on another replica", retry_after_s=5))
+            self._finish(seq, reason, notify=False)
+        self.scheduler.take_aborts()
 
     def _greedy_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int],
                      go_ahead: bool) -> np.ndarray:

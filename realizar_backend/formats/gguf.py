@@ -319,7 +319,3 @@ def validate_model(mf: ModelFile) -> None:
         if t is not None and tuple(t.shape) != shape:
             raise ModelFormatError(mf.path, f"tensor {name!r} has shape {list(t.shape)} but the metadata "
                                             f"implies {list(shape)}")
-
-
-# kept for callers of the first version of this module
-validate_shapes = validate_model

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from .arch import ARCHITECTURES, HF_ARCHITECTURES, supported_list
+from .metadata import Metadata
 
 
 @dataclass(frozen=True)
@@ -91,23 +92,6 @@ class ModelConfig:
         return self.attn_scale or self.head_dim ** -0.5
 
 
-def _req(path, md: dict, key: str):
-    if key not in md:
-        raise ModelFormatError(path, f"missing required metadata key {key!r}")
-    return md[key]
-
-
-def _number(path, key: str, value, kind):
-    """A metadata value that must be a number; bools and strings are format errors."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if not ok:
-        raise ModelFormatError(path, f"metadata key {key!r} should be {'an integer' if kind is int else 'a number'}, "
-                                     f"got {type(value).__name__} {str(value)[:40]!r}")
-    return kind(value)
-
-
 def _check_dims(path, c: dict[str, Any]) -> None:
     """Self-consistency of the numbers (the tensor shapes are checked by the format loaders)."""
     dims = {k: c[k] for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")}
@@ -121,17 +105,17 @@ def _check_dims(path, c: dict[str, Any]) -> None:
                                      f"context_length={c['context_length']} must all be positive")
 
 
-def _gguf_rope_scaling(path, arch: str, md: dict[str, Any], get, context_length: int, rope_dim: int,
-                       rope_freqs) -> RopeScaling | None:
+MAX_DIM = 1 << 20            # hidden, FFN and head sizes: far above any real model, far below 2**63
+MAX_CONTEXT = (1 << 31) - 1  # positions are int32 on every backend
+
+
+def _gguf_rope_scaling(path, m: Metadata, a: str, context_length: int, rope_dim: int, rope_freqs) -> RopeScaling | None:
     """llama.cpp's keys: {arch}.rope.scaling.type (none | linear | yarn), .factor (or the older
     {arch}.rope.scale_linear), .original_context_length, .attn_factor, .yarn_ext_factor,
     .yarn_attn_factor, .yarn_beta_fast, .yarn_beta_slow; and the rope_freqs tensor (per-pair divisors)."""
-    key = f"{arch}.rope.scaling.type"
-    kind = md.get(key, None)
-    if kind is not None and not isinstance(kind, str):
-        raise ModelFormatError(path, f"metadata key {key!r} should be a string, got {kind!r:.40}")
-    factor = get("rope.scaling.factor", 0.0, required=False, kind=float) or get("rope.scale_linear", 0.0,
-                                                                                required=False, kind=float)
+    key = a + "rope.scaling.type"
+    kind = m.string(key, None)
+    factor = m.number(a + "rope.scaling.factor", 0.0) or m.number(a + "rope.scale_linear", 0.0)
     if kind is None:
         kind = "linear" if factor and factor != 1.0 else "none"
     freqs = None
@@ -146,21 +130,20 @@ def _gguf_rope_scaling(path, arch: str, md: dict[str, Any], get, context_length:
     if kind not in ("linear", "yarn"):
         raise UnsupportedModelError(path, f"RoPE scaling {kind!r} ({key}) is not supported; supported: linear, yarn")
     if not factor or factor <= 0:
-        raise ModelFormatError(path, f"RoPE scaling {kind!r} needs a positive {arch}.rope.scaling.factor")
+        raise ModelFormatError(path, f"RoPE scaling {kind!r} needs a positive {a}rope.scaling.factor")
     if kind == "linear":
         return RopeScaling("linear", factor=factor, freq_factors=freqs)
-    if get("rope.scaling.yarn_log_multiplier", 0.0, required=False, kind=float):
+    if m.number(a + "rope.scaling.yarn_log_multiplier", 0.0):
         raise UnsupportedModelError(path, "YaRN with a log multiplier (rope.scaling.yarn_log_multiplier) "
                                           "is not supported")
-    ext = get("rope.scaling.yarn_ext_factor", 1.0, required=False, kind=float)
+    ext = m.number(a + "rope.scaling.yarn_ext_factor", 1.0)
     # llama.cpp: cos/sin times yarn_attn_factor * attn_factor * (1 + 0.1 ln factor) when the ramp is on
-    attn = (get("rope.scaling.yarn_attn_factor", 1.0, required=False, kind=float)
-            * get("rope.scaling.attn_factor", 1.0, required=False, kind=float))
+    attn = m.number(a + "rope.scaling.yarn_attn_factor", 1.0) * m.number(a + "rope.scaling.attn_factor", 1.0)
     return RopeScaling("yarn", factor=factor,
-                       original_context=get("rope.scaling.original_context_length", context_length,
-                                            required=False),
-                       ext_factor=ext, beta_fast=get("rope.scaling.yarn_beta_fast", 32.0, required=False, kind=float),
-                       beta_slow=get("rope.scaling.yarn_beta_slow", 1.0, required=False, kind=float),
+                       original_context=m.integer(a + "rope.scaling.original_context_length", context_length,
+                                                  lo=1, hi=MAX_CONTEXT),
+                       ext_factor=ext, beta_fast=m.number(a + "rope.scaling.yarn_beta_fast", 32.0),
+                       beta_slow=m.number(a + "rope.scaling.yarn_beta_slow", 1.0),
                        mscale=attn * (_yarn_mscale(factor) if ext else 1.0), freq_factors=freqs)
 
 
@@ -170,53 +153,40 @@ def _yarn_mscale(factor: float, m: float = 1.0) -> float:
 
 def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freqs=None) -> ModelConfig:
     """rope_freqs: the data of the rope_freqs.weight tensor, when the file has one."""
-    arch = md.get("general.architecture")
-    if arch is None:
-        raise ModelFormatError(path, "missing required metadata key 'general.architecture'")
-    if not isinstance(arch, str):
-        raise ModelFormatError(path, f"general.architecture should be a string, got {arch!r:.40}")
+    m = Metadata(path, md)
+    arch = m.string("general.architecture", required=True)
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(path, f"architecture {arch!r} is not supported; supported: {supported_list()}")
     spec = ARCHITECTURES[arch]
+    a = arch + "."
 
-    def get(k, default=None, required=True, kind=int):
-        key = f"{arch}.{k}"
-        if key in md:
-            return _number(path, key, md[key], kind)
-        if required and default is None:
-            raise ModelFormatError(path, f"missing required metadata key {key!r}")
-        return default
-
-    hidden = get("embedding_length")
-    n_heads = get("attention.head_count")
-    n_kv = get("attention.head_count_kv", n_heads)
-    head_dim = get("attention.key_length", hidden // max(n_heads, 1))
-    n_layers = get("block_count")
-    if "tokenizer.ggml.tokens" in md:
-        tokens = md["tokenizer.ggml.tokens"]
-        if not isinstance(tokens, list):
-            raise ModelFormatError(path, "tokenizer.ggml.tokens should be an array of strings")
-        vocab = len(tokens)
+    hidden = m.integer(a + "embedding_length", required=True, lo=1, hi=MAX_DIM)
+    n_heads = m.integer(a + "attention.head_count", required=True, lo=1, hi=hidden)
+    n_kv = m.integer(a + "attention.head_count_kv", n_heads, lo=1, hi=n_heads)
+    head_dim = m.integer(a + "attention.key_length", hidden // n_heads, lo=1, hi=MAX_DIM)
+    n_layers = m.integer(a + "block_count", required=True, lo=1)
+    if "tokenizer.ggml.tokens" in m:
+        vocab = len(m.strings("tokenizer.ggml.tokens", nonempty=True))
     else:
-        vocab = get("vocab_size")
+        vocab = m.integer(a + "vocab_size", required=True, lo=1, hi=MAX_DIM * 16)
     cfg = dict(
         arch=arch, n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv,
-        head_dim=head_dim, ffn_dim=get("feed_forward_length"), vocab_size=vocab,
-        context_length=get("context_length", 2048, required=False),
-        rms_eps=get("attention.layer_norm_rms_epsilon", 1e-6, required=False, kind=float),
-        rope_theta=get("rope.freq_base", 10000.0, required=False, kind=float),
+        head_dim=head_dim, ffn_dim=m.integer(a + "feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
+        vocab_size=vocab,
+        context_length=m.integer(a + "context_length", 2048, lo=1, hi=MAX_CONTEXT),
+        rms_eps=m.number(a + "attention.layer_norm_rms_epsilon", 1e-6, positive=True),
+        rope_theta=m.number(a + "rope.freq_base", 10000.0, positive=True),
         rope_style=spec.gguf_rope_style,
-        rope_dim=get("rope.dimension_count", head_dim, required=False),
+        rope_dim=m.integer(a + "rope.dimension_count", head_dim, lo=1, hi=head_dim),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
     _check_dims(path, cfg)
-    cfg["rope_scaling"] = _gguf_rope_scaling(path, arch, md, get, cfg["context_length"], cfg["rope_dim"],
-                                             rope_freqs)
+    cfg["rope_scaling"] = _gguf_rope_scaling(path, m, a, cfg["context_length"], cfg["rope_dim"], rope_freqs)
     if arch == "gemma3":
         cfg.update(activation="gelu_tanh", embed_scale=hidden ** 0.5, post_norms=True,
-                   sliding_window=get("attention.sliding_window", 0, required=False),
+                   sliding_window=m.integer(a + "attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT),
                    sliding_pattern=6, rope_theta_local=10000.0)
     return ModelConfig(**cfg)
 

@@ -9,27 +9,26 @@ The tokenizer is built with Hugging Face `tokenizers` (Rust) from what the model
 Control (type 3) and user-defined (type 4) tokens are matched whole in text, as llama.cpp does.
 The token ids equal transformers' tokenizer for the same file (checked in tests/test_tokenizer.py).
 
-Chat templates render in a jinja2 ImmutableSandboxedEnvironment set up as transformers sets it up
-(same globals, filters and options), so the prompt string is the one transformers would build.
+Chat templates render as transformers renders them, in worker processes with time, output and
+memory limits (chat_template.py); every metadata value is read through model/metadata.py, so a
+malformed vocabulary is a ModelFormatError naming the key.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..errors import ModelFormatError, RequestError, UnsupportedModelError
+from ..errors import CapacityError, ContextOverflowError, ModelFormatError, RequestError, UnsupportedModelError
+from ..settings import Settings
+from .chat_template import (MAX_TEMPLATE_CHARS, ChatTemplateError, TemplateLimits, TemplateRenderer,
+                            alias_reasoning, plain, renderer)
+from .metadata import Metadata
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,9 @@ _EOG_TEXTS = {
     "<｜end▁of▁sentence｜>", "<EOT>", "_<EOT>", "<|endofturn|>",
 }
 _SPM_SPACE = "\u2581"
+# a normalizer may shorten text (NFC composes pairs of characters): the character bound on the
+# tokens of a text allows for that much
+_NORMALIZE_SLACK = 4
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -101,7 +103,7 @@ class Tokenizer:
 
     def __init__(self, tk: HFTokenizer, *, path: str, vocab_size: int, bos_id: int | None, eos_id: int | None,
                  add_bos: bool, add_eos: bool, manual_specials: bool, special_tokens: dict[str, str],
-                 stop_ids: set[int], chat_template: str | None, spm_pieces: bool):
+                 stop_ids: set[int], chat_template: str | None, spm_pieces: bool, max_piece_chars: int):
         self._tk = tk
         self._path = path
         self.vocab_size = vocab_size
@@ -114,7 +116,8 @@ class Tokenizer:
         self.stop_ids = stop_ids
         self.chat_template = chat_template
         self._spm_pieces = spm_pieces             # token pieces spell a space as U+2581
-        self._template: jinja2.Template | None = None
+        self._max_piece_chars = max(1, max_piece_chars)   # no token covers more characters of text
+        self._renderer: TemplateRenderer | None = None    # set by from_model_file once the template passed
         self._special_ids = {i for i, t in tk.get_added_tokens_decoder().items() if t.special}
         # byte-fallback pieces (<0xE4>): the streaming detokenizer treats a run of them as one unit
         self._byte_ids: frozenset[int] = frozenset()
@@ -124,82 +127,89 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_model_file(cls, mf) -> "Tokenizer":
+    def from_model_file(cls, mf, template_limits: TemplateLimits | None = None) -> "Tokenizer":
+        """The model's tokenizer; its chat template (if any) is compiled and trial-rendered here,
+        within `template_limits` (default: Settings' defaults), so a broken or runaway template
+        fails the load with a ModelFormatError naming the key."""
         if mf.format == "gguf":
             tok = cls._from_gguf(mf.path, mf.metadata)
         elif mf.tokenizer_json is not None:
             tok = cls._from_tokenizer_json(mf.path, mf.tokenizer_json, mf.tokenizer_config or {}, mf.metadata)
         else:
             raise UnsupportedModelError(mf.path, "the model directory has no tokenizer.json")
+        if tok.chat_template:
+            tok._renderer = renderer(template_limits or TemplateLimits.from_settings(Settings()))
+            try:
+                tok._renderer.check(tok.chat_template, tok.special_tokens)
+            except ChatTemplateError as e:
+                if e.kind in ("syntax", "limit"):
+                    raise ModelFormatError(mf.path, f"metadata key 'tokenizer.chat_template': {e.message}") from None
+                if e.kind == "unavailable":
+                    raise
+                # a template may refuse a conversation (raise_exception); requests will say so
+                log.warning("%s: the chat template fails on a plain conversation: %s", mf.path, e.message)
         log.debug("%s: tokenizer with %d tokens, bos=%s eos=%s add_bos=%s stop=%s, chat template: %s", mf.path,
                   tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, sorted(tok.stop_ids), tok.has_chat_template)
         return tok
 
     @classmethod
     def _from_gguf(cls, path, md: Mapping[str, Any]) -> "Tokenizer":
-        kind = md.get("tokenizer.ggml.model")
-        tokens = md.get("tokenizer.ggml.tokens")
-        if kind is None or tokens is None:
+        m = Metadata(path, md)
+        if "tokenizer.ggml.model" not in m or "tokenizer.ggml.tokens" not in m:
             raise UnsupportedModelError(path, "the model file has no tokenizer (tokenizer.ggml.model / tokens missing)")
-        tokens = [str(t) for t in tokens]
+        kind = m.string("tokenizer.ggml.model")
+        tokens = m.strings("tokenizer.ggml.tokens", nonempty=True)
         n = len(tokens)
-        raw_types = md.get("tokenizer.ggml.token_type")
-        types = [int(t) for t in raw_types] if raw_types is not None else [_NORMAL] * n
-        if len(types) != n:
-            raise ModelFormatError(path, f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        types = m.integers("tokenizer.ggml.token_type", None, lo=0, hi=_BYTE, length=n) or [_NORMAL] * n
+        if len(set(tokens)) != n:
+            log.warning("%s: tokenizer.ggml.tokens holds %d duplicate token texts", path, n - len(set(tokens)))
 
-        def tid(key: str) -> int | None:
-            v = md.get(f"tokenizer.ggml.{key}")
-            if v is None:
-                return None
-            v = int(v)
-            if not 0 <= v < n:
-                raise ModelFormatError(path, f"tokenizer.ggml.{key} = {v} is outside the vocabulary of {n}")
-            return v
-
-        bos, eos, unk, pad = tid("bos_token_id"), tid("eos_token_id"), tid("unknown_token_id"), tid("padding_token_id")
-        add_bos = md.get("tokenizer.ggml.add_bos_token")
+        bos, eos = m.token_id("tokenizer.ggml.bos_token_id", n), m.token_id("tokenizer.ggml.eos_token_id", n)
+        unk, pad = m.token_id("tokenizer.ggml.unknown_token_id", n), m.token_id("tokenizer.ggml.padding_token_id", n)
+        eot, eom = m.token_id("tokenizer.ggml.eot_token_id", n), m.token_id("tokenizer.ggml.eom_token_id", n)
+        add_bos = m.boolean("tokenizer.ggml.add_bos_token")
         if kind == "gpt2":
-            tk = cls._gguf_byte_level(path, md, tokens, types)
-            add_bos = bool(add_bos) if add_bos is not None else False
+            tk = cls._gguf_byte_level(path, m, tokens, types)
+            add_bos = bool(add_bos)
             spm = False
         elif kind == "llama":
-            tk = cls._gguf_sentencepiece(path, md, tokens, types, unk)
+            tk = cls._gguf_sentencepiece(path, m, tokens, types, unk)
             # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
-            add_bos = bool(add_bos) if add_bos is not None else True
+            add_bos = True if add_bos is None else add_bos
             spm = True
         else:
             raise UnsupportedModelError(path, f"tokenizer type {kind!r} is not supported (supported: gpt2, llama)")
 
         specials = {name: tokens[i] for name, i in
                     (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)) if i is not None}
-        stops = {i for i in (eos, tid("eot_token_id"), tid("eom_token_id")) if i is not None}
+        stops = {i for i in (eos, eot, eom) if i is not None}
         stops |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS}
-        template = md.get("tokenizer.chat_template")
+        template = m.string("tokenizer.chat_template", max_len=MAX_TEMPLATE_CHARS) or None
         return cls(tk, path=str(path), vocab_size=n, bos_id=bos, eos_id=eos, add_bos=add_bos,
-                   add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)), manual_specials=True,
-                   special_tokens=specials, stop_ids=stops, chat_template=str(template) if template else None,
-                   spm_pieces=spm)
+                   add_eos=m.boolean("tokenizer.ggml.add_eos_token", False), manual_specials=True,
+                   special_tokens=specials, stop_ids=stops, chat_template=template, spm_pieces=spm,
+                   max_piece_chars=max(map(len, tokens)))
 
     @staticmethod
-    def _gguf_byte_level(path, md, tokens: list[str], types: list[int]) -> HFTokenizer:
+    def _gguf_byte_level(path, m: Metadata, tokens: list[str], types: list[int]) -> HFTokenizer:
         alphabet = bytes_to_unicode()
         spelled = set(alphabet.values())
         # A token outside the byte alphabet (rare: some added tokens) is respelled byte by byte,
         # so the vocabulary the BPE model sees is all in one alphabet.
         vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
                  for i, t in enumerate(tokens)}
-        merges_raw = md.get("tokenizer.ggml.merges")
-        if merges_raw is None or len(merges_raw) == 0:
+        merges_raw = m.strings("tokenizer.ggml.merges")
+        if not merges_raw:
             raise ModelFormatError(path, "byte-level BPE vocabulary without tokenizer.ggml.merges")
         merges = []
-        for m in merges_raw:
-            a, sep, b = str(m).partition(" ")
+        for i, mg in enumerate(merges_raw):
+            a, sep, b = mg.partition(" ")
             if not sep:
-                raise ModelFormatError(path, f"malformed merge {m!r}")
+                raise m.fail("tokenizer.ggml.merges", f"entry {i} ({mg[:40]!r}) is not two tokens separated by a space")
             merges.append((a, b))
-        tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        pre = str(md.get("tokenizer.ggml.pre") or "default")
+        tk = _built(m, "tokenizer.ggml.merges", "does not fit tokenizer.ggml.tokens",
+                    lambda: HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)))
+        pre = m.string("tokenizer.ggml.pre") or "default"
         if pre not in _PRE_SPLITS:
             log.warning("%s: pre-tokenizer %r is not known; splitting with the GPT-2 regex", path, pre)
         split = _PRE_SPLITS.get(pre, _GPT2)
@@ -216,52 +226,54 @@ class Tokenizer:
         tk.decoder = decoders.ByteLevel()
         # A control token spelled outside the byte alphabet is a mislabelled ordinary token: as a
         # special token it would get a new id past the model's vocabulary, so it stays ordinary.
-        Tokenizer._add_gguf_added_tokens(tk, tokens, types, lambda t: set(t) <= spelled, vocab)
+        Tokenizer._add_gguf_added_tokens(m, tk, tokens, types, lambda t: set(t) <= spelled, vocab)
         return tk
 
     @staticmethod
-    def _gguf_sentencepiece(path, md, tokens: list[str], types: list[int], unk: int | None) -> HFTokenizer:
-        arch = str(md.get("general.architecture", ""))
+    def _gguf_sentencepiece(path, m: Metadata, tokens: list[str], types: list[int], unk: int | None) -> HFTokenizer:
+        arch = m.string("general.architecture", "")
         gemma = arch.startswith("gemma")
         if gemma:
             # Gemma stores its runs-of-spaces pieces with real spaces; the BPE sees U+2581 instead.
             tokens = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
             rank = {t: -float(i) for i, t in enumerate(tokens)}   # Gemma's merge order is file order
         else:
-            scores = md.get("tokenizer.ggml.scores")
-            if scores is None or len(scores) != len(tokens):
-                raise ModelFormatError(path, "SentencePiece vocabulary without one score per token")
+            scores = m.numbers("tokenizer.ggml.scores", required=True, length=len(tokens))
             rank = {t: float(s) for t, s in zip(tokens, scores)}
         vocab = {t: i for i, t in enumerate(tokens)}
-        tk = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, rank), fuse_unk=True, byte_fallback=True,
-                                    unk_token=tokens[unk] if unk is not None else None))
+        merges = _spm_merges(tokens, rank)
+        tk = _built(m, "tokenizer.ggml.tokens", "does not make a SentencePiece vocabulary",
+                    lambda: HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                                   unk_token=tokens[unk] if unk is not None else None)))
         if gemma:
             tk.normalizer = normalizers.Replace(" ", _SPM_SPACE)
             tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
             tk.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
         else:
-            prepend = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+            prepend = m.boolean("tokenizer.ggml.add_space_prefix", True)
             tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPM_SPACE, prepend_scheme="first" if prepend else "never",
                                                         split=False)
             steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
             if prepend:
                 steps.append(decoders.Strip(" ", 1, 0))
             tk.decoder = decoders.Sequence(steps)
-        Tokenizer._add_gguf_added_tokens(tk, tokens, types, lambda t: True, vocab)
+        Tokenizer._add_gguf_added_tokens(m, tk, tokens, types, lambda t: True, vocab)
         return tk
 
     @staticmethod
-    def _add_gguf_added_tokens(tk: HFTokenizer, tokens, types, may_be_special, vocab) -> None:
+    def _add_gguf_added_tokens(m: Metadata, tk: HFTokenizer, tokens, types, may_be_special, vocab) -> None:
         """Control tokens (like <|im_start|>) become special added tokens and user-defined ones
         (like <tool_call>) plain added tokens: both are then matched whole in the text."""
         control = [AddedToken(t, normalized=False, special=True)
-                   for t, ty in zip(tokens, types) if ty == _CONTROL and may_be_special(t)]
+                   for t, ty in zip(tokens, types) if ty == _CONTROL and t and may_be_special(t)]
         if control:
-            tk.add_special_tokens(control)
+            _built(m, "tokenizer.ggml.token_type", "marks control tokens the vocabulary cannot hold",
+                   lambda: tk.add_special_tokens(control))
         user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t and t in vocab]
         if user:
-            tk.add_tokens(user)
+            _built(m, "tokenizer.ggml.token_type", "marks user-defined tokens the vocabulary cannot hold",
+                   lambda: tk.add_tokens(user))
 
     @classmethod
     def _from_tokenizer_json(cls, path, tokenizer_json: Path, cfg: Mapping[str, Any],
@@ -276,16 +288,18 @@ class Tokenizer:
                 v = v.get("content")
             return str(v) if v is not None else None
 
+        n = tk.get_vocab_size(with_added_tokens=True)
+        m = Metadata(path, md)
         specials = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                     if (s := token_str(cfg.get(k))) is not None}
         bos = tk.token_to_id(specials["bos_token"]) if "bos_token" in specials else None
         eos = tk.token_to_id(specials["eos_token"]) if "eos_token" in specials else None
         # else the ids config.json / generation_config.json gave (the loader puts them in metadata)
-        bos = bos if bos is not None else md.get("tokenizer.ggml.bos_token_id")
-        eos = eos if eos is not None else md.get("tokenizer.ggml.eos_token_id")
+        bos = bos if bos is not None else m.token_id("tokenizer.ggml.bos_token_id", n)
+        eos = eos if eos is not None else m.token_id("tokenizer.ggml.eos_token_id", n)
         for name, i in (("bos_token", bos), ("eos_token", eos)):
-            if i is not None and name not in specials and tk.id_to_token(int(i)) is not None:
-                specials[name] = tk.id_to_token(int(i))
+            if i is not None and name not in specials and tk.id_to_token(i) is not None:
+                specials[name] = tk.id_to_token(i)
         stops = {eos} if eos is not None else set()
         stops |= {i for i, t in tk.get_added_tokens_decoder().items() if t.special and t.content in _EOG_TEXTS}
         # generation_config.json lists the ids the model was trained to stop on
@@ -293,8 +307,13 @@ class Tokenizer:
         if gen.is_file():
             try:
                 ids = json.loads(gen.read_text()).get("eos_token_id")
-                stops |= set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-            except (ValueError, OSError) as e:
+                ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+                for i in ids:
+                    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                        raise ModelFormatError(gen, f"eos_token_id holds {i!r}, not a token id of the "
+                                                    f"vocabulary of {n}")
+                stops |= set(ids)
+            except (ValueError, OSError, AttributeError) as e:
                 log.warning("%s: unreadable generation_config.json: %s", path, e)
         template = cfg.get("chat_template")
         if isinstance(template, list):   # named templates: [{"name": ..., "template": ...}]
@@ -303,22 +322,45 @@ class Tokenizer:
         jinja_file = Path(tokenizer_json).parent / "chat_template.jinja"
         if not template and jinja_file.is_file():
             template = jinja_file.read_text()
-        return cls(tk, path=str(path), vocab_size=tk.get_vocab_size(with_added_tokens=True), bos_id=bos, eos_id=eos,
+        if template is not None and not isinstance(template, str) or template and len(template) > MAX_TEMPLATE_CHARS:
+            raise ModelFormatError(path, f"chat_template should be a string of at most {MAX_TEMPLATE_CHARS} "
+                                         f"characters, got {type(template).__name__}")
+        return cls(tk, path=str(path), vocab_size=n, bos_id=bos, eos_id=eos,
                    add_bos=bool(cfg.get("add_bos_token", False)), add_eos=bool(cfg.get("add_eos_token", False)),
-                   manual_specials=False, special_tokens=specials, stop_ids={int(i) for i in stops},
-                   chat_template=template or None, spm_pieces=False)
+                   manual_specials=False, special_tokens=specials, stop_ids=stops,
+                   chat_template=template or None, spm_pieces=False,
+                   max_piece_chars=max(map(len, tk.get_vocab(with_added_tokens=True)), default=1))
 
     # ------------------------------------------------------------------ text <-> ids
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._manual_specials:
-            ids = self._tk.encode(text, add_special_tokens=False).ids
-            if add_special_tokens:
-                if self.add_bos and self.bos_id is not None:
-                    ids.insert(0, self.bos_id)
-                if self.add_eos and self.eos_id is not None:
-                    ids.append(self.eos_id)
-            return ids
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Token ids of `text`. With `limit`, a text of more than `limit` tokens raises
+        ContextOverflowError, before the ids are built (the cheap bound on the characters a token
+        can cover refuses a huge text without tokenizing it). The work runs with the GIL released,
+        so other threads (the event loop) keep running during a long text."""
+        if limit is not None and len(text) > self._max_piece_chars * _NORMALIZE_SLACK * (limit + 2):
+            raise ContextOverflowError(f"the prompt ({len(text)} characters) is far beyond this server's "
+                                       f"context of {limit} tokens", param="prompt")
+        specials = add_special_tokens and not self._manual_specials
+        try:
+            enc = self._tk.encode_batch([text], add_special_tokens=specials)[0]
+        except TypeError:     # the Rust side refuses text that is not valid Unicode
+            if isinstance(text, str) and _has_surrogate(text):
+                raise RequestError("the text holds a lone UTF-16 surrogate (not valid Unicode)",
+                                   param="prompt", code="invalid_unicode") from None
+            raise
+        extra = 0
+        if add_special_tokens and self._manual_specials:
+            extra = int(self.add_bos and self.bos_id is not None) + int(self.add_eos and self.eos_id is not None)
+        if limit is not None and len(enc) + extra > limit:
+            raise ContextOverflowError(f"the prompt has {len(enc) + extra} tokens; this server's context is "
+                                       f"{limit} tokens", param="prompt")
+        ids = enc.ids
+        if add_special_tokens and self._manual_specials:
+            if self.add_bos and self.bos_id is not None:
+                ids.insert(0, self.bos_id)
+            if self.add_eos and self.eos_id is not None:
+                ids.append(self.eos_id)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -349,136 +391,52 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt string transformers' `apply_chat_template(messages, tokenize=False, ...)` renders.
-        Extra keyword arguments (tools, documents, enable_thinking, ...) are visible to the template."""
+        Extra keyword arguments (tools, documents, enable_thinking, ...) are visible to the template.
+        It renders in a worker process within the limits (chat_template.py); a template that fails
+        or exceeds a limit on these messages is a RequestError (400) for this request."""
         if not self.chat_template:
             raise UnsupportedModelError(self._path, "the model has no chat template (tokenizer.chat_template); "
                                                     "use the completions endpoint with a plain prompt")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
-        if self._template is None:
-            try:
-                self._template = _jinja_env().from_string(self.chat_template)
-            except (jinja2.TemplateSyntaxError, SyntaxError) as e:   # SyntaxError: e.g. a break outside a loop
-                raise UnsupportedModelError(self._path, f"the chat template does not parse: {e}") from None
         chat = []
         for m in messages:
             if not isinstance(m, Mapping):
                 raise RequestError(f"every message must be an object, got {type(m).__name__}", param="messages")
             # A None value (OpenAI's content=None, tool_calls=None) is dropped, as transformers does.
-            chat.append(_alias_reasoning(_plain({k: v for k, v in m.items() if v is not None})))
-        tools = _plain(kwargs.pop("tools", None))
-        documents = _plain(kwargs.pop("documents", None))
-        context = {**self.special_tokens, **_plain(kwargs)}
+            chat.append(alias_reasoning(plain({k: v for k, v in m.items() if v is not None})))
+        context = {**self.special_tokens, **plain(kwargs), "messages": chat, "tools": plain(kwargs.get("tools")),
+                   "documents": plain(kwargs.get("documents")), "add_generation_prompt": add_generation_prompt}
+        if self._renderer is None:
+            self._renderer = renderer(TemplateLimits.from_settings(Settings()))
         try:
-            return self._template.render(messages=chat, tools=tools, documents=documents,
-                                         add_generation_prompt=add_generation_prompt, **context)
-        except jinja2.TemplateError as e:
-            # raise_exception() in the template (e.g. "roles must alternate"), or a sandbox refusal
-            raise RequestError(f"chat template error: {e}", param="messages") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            raise RequestError(f"the messages do not fit the model's chat template: {e}", param="messages") from None
+            return self._renderer.render(self.chat_template, context)
+        except ChatTemplateError as e:
+            if e.kind == "unavailable":
+                raise CapacityError(f"chat templates cannot be rendered now: {e.message}", retry_after_s=5) from None
+            if e.kind == "syntax":
+                raise UnsupportedModelError(self._path, e.message) from None
+            code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
+            raise RequestError(f"{e.message} (with these messages)", param="messages", code=code) from None
 
 
-# ---------------------------------------------------------------------- jinja environment
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering
-    just emits the body, as transformers does when it is not tracking."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
+def _built(m: Metadata, key: str, problem: str, build):
+    """Run a `tokenizers` constructor on metadata-derived input; its refusals (plain Exception, or
+    a Rust panic, a BaseException) become ModelFormatError naming the key."""
+    try:
+        return build()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise m.fail(key, f"{problem}: {str(e)[:200]}") from None
 
 
-class _TemplateDict:
-    """`dict(...)` for templates without handing them the dict type itself."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """A namespace that refuses underscore names, so a template cannot reach Python internals."""
-
-    def __init__(*args, **kwargs):  # noqa: N805 (same signature trick as jinja2's Namespace)
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"templates cannot store underscore attributes ({name!r})")
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja2's own tojson escapes HTML characters; chat templates expect plain json.dumps
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
-
-
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       dict=_TemplateDict(), namespace=_TemplateNamespace)
-    return env
-
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _alias_reasoning(message: dict) -> dict:
-    # Templates read reasoning under different names; fill them all from whichever was given.
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
-        return message
-    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild template inputs from plain JSON types: the sandbox does not know which methods of a
-    rich object are dangerous, so none reach the template."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if hasattr(value, "item") and callable(value.item) and type(value).__module__ == "numpy":
-        return _plain(value.item())
-    if callable(getattr(value, "model_dump", None)):   # pydantic models (the OpenAI schemas)
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 # ---------------------------------------------------------------------- streaming
@@ -535,6 +493,7 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._prefix, self._read)
         self.text += new
         return new
+
 
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer"]

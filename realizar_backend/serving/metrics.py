@@ -31,7 +31,7 @@ GRAPH_STATUSES = ("captured", "eager-fallback", "disabled")
 
 # (name, documentation): the public list, also used by the docs and the tests
 COUNTERS = {
-    "requests_total": "Finished sequences by finish reason (stop, length, abort, error)",
+    "requests_total": "Finished sequences by finish reason (stop, length, abort, error, shutdown)",
     "request_errors_total": "Requests answered with an HTTP error, by status code",
     "prompt_tokens_total": "Prompt tokens prefilled",
     "generation_tokens_total": "Tokens generated",
@@ -108,7 +108,7 @@ class Metrics:
                                    multiprocess_mode="livesum", **kw)
         self.gpu_memory = pc.Gauge(p + "gpu_memory_used_bytes", GAUGES["gpu_memory_used_bytes"],
                                    multiprocess_mode="livesum", **kw)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in ("stop", "length", "abort", "error", "shutdown"):
             self.requests.labels(reason)          # present at 0 before the first request
         for status in ("400", "401", "404", "503"):
             self.request_errors.labels(status)

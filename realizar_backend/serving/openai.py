@@ -1,9 +1,11 @@
-"""OpenAI-compatible HTTP API: request parsing, response shapes and the route handlers.
+"""OpenAI-compatible HTTP API: response shapes and the route handlers (request bodies are read
+and checked in requests.py).
 
 A plain Starlette app (BentoML mounts it with `bentoml.asgi_app`), so paths, status codes and
 server-sent events are exactly OpenAI's: /v1/models, /v1/completions, /v1/chat/completions.
-Requests are parsed by hand rather than through a schema library so that every bad field
-becomes a 400 naming that field (`param`), in OpenAI's error shape, never a 422 or a 500.
+Nothing heavy runs on the event loop: tokenizing, chat template renders (themselves in worker
+processes) and large JSON go to `ServerState.work`, so /livez and every stream keep flowing
+while one request carries megabytes.
 
 Each choice is one engine sequence; the engine batches all of them, across clients. A response
 does not start until the first token exists, so every error that can happen before that
@@ -21,8 +23,9 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
 import anyio
 from starlette.applications import Starlette
@@ -33,12 +36,12 @@ from starlette.routing import Route
 
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from ..errors import CapacityError, RequestError
+from . import requests as rq
+from .requests import bad, error_body
 
 log = logging.getLogger(__name__)
 
-MAX_N = 16                   # choices per request (each is a sequence)
-MAX_SEQUENCES = 64           # choices x prompts per request
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_LARGE_JSON_CHARS = 256 << 10      # a response body this large is serialised off the event loop
 
 
 @dataclass
@@ -49,14 +52,27 @@ class ServerState:
     metrics: Any = None                   # serving.metrics.Metrics
     load_error: str | None = None
     started: float = 0.0
+    draining: bool = False                # SIGTERM seen: new requests get 503 (service.py)
+    active: int = 0                       # /v1 requests in flight (read on the event loop only)
+    # parsing, tokenizing, template renders, large JSON: blocking work kept off the event loop
+    # (many threads: most of them wait, on a template worker or the GIL-free tokenizer)
+    work: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(32, "realizar-request"))
+
+    async def offload(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.work, _without_frames, fn, *args)
+
+
+def _without_frames(fn, *args):
+    """fn(*args); an exception leaves without the frames it passed through, so that what they
+    held (a parsed body of megabytes) is freed here, on the worker thread, not on the loop."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        e.__traceback__ = None
+        raise
 
 
 # ------------------------------------------------------------------------------ errors
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
 
 def _error_response(state: ServerState, exc: BaseException) -> JSONResponse:
     headers = {}
@@ -74,156 +90,8 @@ def _error_response(state: ServerState, exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _bad(param: str | None, message: str, code: str | None = None) -> RequestError:
-    return RequestError(message, status=400, param=param, code=code)
-
-
 class _NotReady(Exception):
     pass
-
-
-# ------------------------------------------------------------------------------ parsing
-
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "a boolean"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "dict": (lambda v: isinstance(v, dict), "an object"),
-    "list": (lambda v: isinstance(v, list), "an array"),
-    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-             "a string or an array of strings"),
-    "ints": (lambda v: isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v),
-             "an array of integers"),
-}
-
-
-class _Body:
-    """Typed access to a JSON request body; a missing or null field takes its default."""
-
-    def __init__(self, data: dict):
-        self.data = data
-
-    def get(self, name: str, kind: str, default: Any = None) -> Any:
-        v = self.data.get(name)
-        if v is None:
-            return default
-        ok, what = _KINDS[kind]
-        if not ok(v):
-            raise _bad(name, f"{name}: expected {what}, got {type(v).__name__} {json.dumps(v)[:60]}",
-                       "invalid_type")
-        return v
-
-    def require(self, name: str, kind: str) -> Any:
-        v = self.get(name, kind)
-        if v is None:
-            raise _bad(name, f"{name}: this field is required", "missing_required_parameter")
-        return v
-
-    def unsupported(self, name: str, allowed: Callable[[Any], bool] = lambda v: not v) -> None:
-        v = self.data.get(name)
-        if v is not None and not allowed(v):
-            raise _bad(name, f"{name}: not supported by this server", "unsupported_parameter")
-
-
-async def _read_json(request: Request) -> _Body:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise _bad(None, "the request body is not valid JSON", "invalid_json") from None
-    if not isinstance(data, dict):
-        raise _bad(None, "the request body must be a JSON object", "invalid_json")
-    return _Body(data)
-
-
-def _check_model(body: _Body, engine) -> None:
-    model = body.require("model", "str")
-    if model != engine.model_name:
-        raise RequestError(f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
-                           status=400, param="model", code="model_not_found")
-
-
-def _sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The engine's sampling fields under their OpenAI names (and vLLM's for the extras);
-    ranges are checked by SamplingParams.validate inside engine.prepare."""
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.get("temperature", "number", 1.0),
-        top_p=body.get("top_p", "number", 1.0),
-        top_k=body.get("top_k", "int", 0),
-        min_p=body.get("min_p", "number", 0.0),
-        repetition_penalty=body.get("repetition_penalty", "number", 1.0),
-        presence_penalty=body.get("presence_penalty", "number", 0.0),
-        frequency_penalty=body.get("frequency_penalty", "number", 0.0),
-        seed=body.get("seed", "int"),
-        stop=body.get("stop", "stop", []),
-        stop_token_ids=body.get("stop_token_ids", "ints", []),
-        ignore_eos=body.get("ignore_eos", "bool", False),
-        logprobs=logprobs,
-    )
-
-
-def _n(body: _Body, prompts: int) -> int:
-    n = body.get("n", "int", 1)
-    if not 1 <= n <= MAX_N:
-        raise _bad("n", f"n: must be between 1 and {MAX_N}, got {n}")
-    if n * prompts > MAX_SEQUENCES:
-        raise _bad("n", f"n x prompts must be at most {MAX_SEQUENCES}, got {n * prompts}")
-    return n
-
-
-def _stream_options(body: _Body, stream: bool) -> bool:
-    opts = body.get("stream_options", "dict")
-    if opts is None:
-        return False
-    if not stream:
-        raise _bad("stream_options", "stream_options: only allowed when stream is true")
-    inc = opts.get("include_usage", False)
-    if not isinstance(inc, bool):
-        raise _bad("stream_options", "stream_options.include_usage: expected a boolean", "invalid_type")
-    return inc
-
-
-def _prompts(body: _Body) -> list[str | list[int]]:
-    p = body.data.get("prompt")
-    if p is None:
-        raise _bad("prompt", "prompt: this field is required", "missing_required_parameter")
-    if isinstance(p, str) or _KINDS["ints"][0](p) and p:
-        return [p]
-    if isinstance(p, list) and p and all(isinstance(x, str) or (_KINDS["ints"][0](x) and x) for x in p):
-        return list(p)
-    raise _bad("prompt", "prompt: expected a string, an array of strings, an array of token ids "
-                         "or an array of arrays of token ids", "invalid_type")
-
-
-def _messages(body: _Body) -> list[dict]:
-    msgs = body.require("messages", "list")
-    if not msgs:
-        raise _bad("messages", "messages: must contain at least one message")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(where, f"{where}: expected an object", "invalid_type")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise _bad(f"{where}.role", f"{where}.role: must be one of {sorted(CHAT_ROLES)}, got {role!r}")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise _bad(f"{where}.content", f"{where}.content: only text parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None and role == "assistant":
-            content = ""
-        elif not isinstance(content, str):
-            raise _bad(f"{where}.content", f"{where}.content: expected a string or an array of text parts",
-                       "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
 
 
 # ------------------------------------------------------------------------------ running
@@ -295,12 +163,9 @@ class _Guarded:
         if not self.started:
             # The client left before any response. Something must still be sent: BentoML's
             # timeout middleware waits for a first send, and would hold the request (and a
-            # graceful shutdown) until its timeout. 499 is nginx's "client closed request".
+            # graceful shutdown) until its timeout.
             try:
-                await send({"type": "http.response.start", "status": 499,
-                            "headers": [(b"content-type", b"application/json")]})
-                await send({"type": "http.response.body", "body": json.dumps(
-                    error_body("client closed the request", code="client_closed_request")).encode()})
+                await _client_closed_response()(scope, receive, send)
             except Exception:  # the connection is gone; failing to write to it is expected
                 pass
 
@@ -338,8 +203,9 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 def _finish(reason: str | None) -> str | None:
+    # a sequence cut short by the server's shutdown reads as "length" (the output is incomplete);
     # "abort" only reaches a client whose request was cancelled server-side; report it as stop
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    return None if reason is None else ("length" if reason in ("length", "shutdown") else "stop")
 
 
 class _CompletionLogprobs:
@@ -402,6 +268,10 @@ def create_app(state: ServerState) -> Starlette:
                     state.metrics.on_http_error(503)
                 return JSONResponse(error_body(str(e), "server_error", None, "model_not_ready"),
                                     status_code=503, headers={"Retry-After": "5"})
+            except rq.ClientGone:
+                log.info("%s %s: the client left while sending its request body", request.method,
+                         request.url.path)
+                return _client_closed_response()
             except Exception as e:       # typed errors keep their status; anything else is a logged 500
                 return _error_response(state, e)
         return handler
@@ -420,59 +290,26 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse(model_card(engine))
 
     async def completions(request: Request, engine) -> Response:
-        body = await _read_json(request)
-        _check_model(body, engine)
-        for name in ("suffix", "logit_bias"):
-            body.unsupported(name)
-        body.unsupported("echo", lambda v: v is False)
-        prompts = _prompts(body)
-        n = _n(body, len(prompts))
-        body.unsupported("best_of", lambda v: v == n)
-        stream = body.get("stream", "bool", False)
-        include_usage = _stream_options(body, stream)
-        logprobs = body.get("logprobs", "int")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise _bad("logprobs", f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
-        max_tokens = body.get("max_tokens", "int", 16)
-        jobs, prompt_tokens = _jobs(engine, body, prompts, n, max_tokens, logprobs)
+        raw = await rq.read_body(request, state.settings.max_request_bytes)
+        plan = await state.offload(_completion_plan, raw, engine, state.settings)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
-        if stream:
-            return _Guarded(state, _stream_completion(engine, jobs, head, prompt_tokens, include_usage),
-                            "text/event-stream", SSE_HEADERS)
-        return _Guarded(state, _full_completion(engine, jobs, head, prompt_tokens, logprobs is not None),
+        if plan.stream:
+            return _Guarded(state, _stream_completion(engine, plan.jobs, head, plan.prompt_tokens,
+                                                      plan.include_usage), "text/event-stream", SSE_HEADERS)
+        return _Guarded(state, _full_completion(state, engine, plan.jobs, head, plan.prompt_tokens, plan.logprobs),
                         "application/json")
 
     async def chat(request: Request, engine) -> Response:
-        body = await _read_json(request)
-        _check_model(body, engine)
-        for name in ("tools", "functions", "logit_bias", "audio"):
-            body.unsupported(name)
-        body.unsupported("tool_choice", lambda v: v == "none")
-        body.unsupported("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
-        messages = _messages(body)
-        n = _n(body, 1)
-        stream = body.get("stream", "bool", False)
-        include_usage = _stream_options(body, stream)
-        want_lp = body.get("logprobs", "bool", False)
-        top = body.get("top_logprobs", "int")
-        if top is not None and not want_lp:
-            raise _bad("top_logprobs", "top_logprobs: requires logprobs to be true")
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise _bad("top_logprobs", f"top_logprobs: must be between 0 and {MAX_LOGPROBS}, got {top}")
-        max_tokens = body.get("max_completion_tokens", "int")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens", "int")
-        if not getattr(engine.tokenizer, "has_chat_template", True):
-            raise _bad("messages", "this model has no chat template; use /v1/completions")
-        jobs, prompt_tokens = _jobs(engine, body, [None], n, max_tokens,
-                                    (top or 0) if want_lp else None, messages=messages)
+        raw = await rq.read_body(request, state.settings.max_request_bytes)
+        plan = await state.offload(_chat_plan, raw, engine, state.settings)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "created": created, "model": engine.model_name}
-        if stream:
-            return _Guarded(state, _stream_chat(engine, jobs, head, prompt_tokens, include_usage),
+        if plan.stream:
+            return _Guarded(state, _stream_chat(engine, plan.jobs, head, plan.prompt_tokens, plan.include_usage),
                             "text/event-stream", SSE_HEADERS)
-        return _Guarded(state, _full_chat(engine, jobs, head, prompt_tokens, want_lp), "application/json")
+        return _Guarded(state, _full_chat(state, engine, plan.jobs, head, plan.prompt_tokens, plan.logprobs),
+                        "application/json")
 
     routes = [
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
@@ -501,15 +338,109 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", param=None,
                                        code=code), status_code=exc.status_code, headers=exc.headers)
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return _InFlight(Starlette(routes=routes, exception_handlers={HTTPException: http_error}), state)
 
 
-def _jobs(engine, body: _Body, prompts, n: int, max_tokens, logprobs, messages=None):
-    """Validate and tokenize every prompt once, then one job (sequence) per choice; seeded
-    choices get seed + i so that n > 1 gives n different, reproducible samples."""
+class _InFlight:
+    """Counts the /v1 requests in flight (a graceful shutdown waits for them) and, once the
+    server drains, answers new ones 503 with Retry-After at once."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            if self.state.metrics is not None:
+                self.state.metrics.on_http_error(503)
+            response = JSONResponse(error_body("the server is shutting down; retry on another replica",
+                                               "server_error", None, "server_shutting_down"),
+                                    status_code=503, headers={"Retry-After": "5", "Connection": "close"})
+            return await response(scope, receive, send)
+        self.state.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.active -= 1
+
+
+def _client_closed_response() -> Response:
+    # nobody reads it; BentoML's middlewares wait for a response to close the request.
+    # 499 is nginx's "client closed request".
+    return JSONResponse(error_body("client closed the request", code="client_closed_request"), status_code=499)
+
+
+@dataclass
+class _Plan:
+    """A checked request, tokenized: one job (prompt ids, sampling) per sequence."""
+    jobs: list[tuple[list[int], SamplingParams]]
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+# The two request builders run on a worker thread (ServerState.offload): parsing, checking
+# and tokenizing a body of megabytes takes the CPU for a while, never the event loop.
+
+def _completion_plan(raw: bytes, engine, settings) -> _Plan:
+    body = rq.parse_json(raw)
+    body.only(rq.COMPLETION_FIELDS)
+    rq.check_model(body, engine)
+    for name in ("suffix", "logit_bias"):
+        body.unsupported(name)
+    body.unsupported("echo", lambda v: v is False)
+    prompts = rq.prompts(body)
+    n = rq.choices(body, len(prompts), settings.max_waiting)
+    body.unsupported("best_of", lambda v: v == n)
+    stream = body.get("stream", "bool", False)
+    include_usage = rq.stream_options(body, stream)
+    logprobs = body.get("logprobs", "int")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    params = rq.sampling(body, body.get("max_tokens", "int", 16), logprobs, settings.max_stop_chars)
+    jobs, prompt_tokens = _jobs(engine, params, prompts, n, None)
+    return _Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None)
+
+
+def _chat_plan(raw: bytes, engine, settings) -> _Plan:
+    body = rq.parse_json(raw)
+    body.only(rq.CHAT_FIELDS)
+    rq.check_model(body, engine)
+    for name in ("tools", "functions", "function_call", "logit_bias", "audio", "prediction",
+                 "web_search_options", "reasoning_effort", "verbosity"):
+        body.unsupported(name)
+    body.unsupported("tool_choice", lambda v: v == "none")
+    body.unsupported("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
+    body.unsupported("modalities", lambda v: v == ["text"])
+    messages = rq.messages(body)
+    n = rq.choices(body, 1, settings.max_waiting)
+    stream = body.get("stream", "bool", False)
+    include_usage = rq.stream_options(body, stream)
+    want_lp = body.get("logprobs", "bool", False)
+    top = body.get("top_logprobs", "int")
+    if top is not None and not want_lp:
+        raise bad("top_logprobs", "top_logprobs: requires logprobs to be true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"top_logprobs: must be between 0 and {MAX_LOGPROBS}, got {top}")
+    max_tokens = body.get("max_completion_tokens", "int")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", "int")
+    if not getattr(engine.tokenizer, "has_chat_template", True):
+        raise bad("messages", "this model has no chat template; use /v1/completions")
+    params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
+    jobs, prompt_tokens = _jobs(engine, params, [None], n, messages)
+    return _Plan(jobs, prompt_tokens, stream, include_usage, want_lp)
+
+
+def _jobs(engine, base: SamplingParams, prompts, n: int, messages):
+    """Validate and tokenize every prompt once (blocking: tokenizing and template rendering run
+    here, on a worker thread), then one job (sequence) per choice; seeded choices get seed + i
+    so that n > 1 gives n different, reproducible samples."""
     jobs, prompt_tokens = [], 0
     for prompt in prompts:
-        params = _sampling(body, max_tokens, logprobs)
+        params = dataclasses.replace(base)
         ids = engine.prepare(prompt, params, messages)
         prompt_tokens += len(ids)
         for i in range(n):
@@ -532,23 +463,29 @@ async def _collect(engine, jobs):
     return texts, reasons, lps, sum(done_tokens)
 
 
-async def _full_completion(engine, jobs, head, prompt_tokens, with_lp) -> AsyncIterator[bytes]:
+async def _dumps(state: ServerState, obj: dict, size: int) -> bytes:
+    def dump() -> bytes:
+        return json.dumps(obj, ensure_ascii=False).encode()
+    return dump() if size < _LARGE_JSON_CHARS else await state.offload(dump)
+
+
+async def _full_completion(state, engine, jobs, head, prompt_tokens, with_lp) -> AsyncIterator[bytes]:
     texts, reasons, lps, completion_tokens = await _collect(engine, jobs)
     choices = []
     for i, text in enumerate(texts):
         lp = _CompletionLogprobs().add(lps[i]) if with_lp else None
         choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(reasons[i])})
-    yield json.dumps({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)},
-                     ensure_ascii=False).encode()
+    yield await _dumps(state, {**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)},
+                       sum(map(len, texts)))
 
 
-async def _full_chat(engine, jobs, head, prompt_tokens, with_lp) -> AsyncIterator[bytes]:
+async def _full_chat(state, engine, jobs, head, prompt_tokens, with_lp) -> AsyncIterator[bytes]:
     texts, reasons, lps, completion_tokens = await _collect(engine, jobs)
     choices = [{"index": i, "message": {"role": "assistant", "content": text},
                 "logprobs": {"content": _chat_logprobs(lps[i])} if with_lp else None,
                 "finish_reason": _finish(reasons[i])} for i, text in enumerate(texts)]
-    yield json.dumps({**head, "object": "chat.completion", "choices": choices,
-                      "usage": _usage(prompt_tokens, completion_tokens)}, ensure_ascii=False).encode()
+    yield await _dumps(state, {**head, "object": "chat.completion", "choices": choices,
+                               "usage": _usage(prompt_tokens, completion_tokens)}, sum(map(len, texts)))
 
 
 async def _stream(engine, jobs, prompt_tokens, include_usage, head, make_choice) -> AsyncIterator[bytes]:

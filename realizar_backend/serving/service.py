@@ -15,7 +15,13 @@ codes and SSE framing are exactly OpenAI's; BentoML itself serves /livez, /ready
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
+import os
+import shutil
+import signal
+import tempfile
 import threading
 import time
 
@@ -26,8 +32,24 @@ from realizar_backend.settings import Settings
 
 log = logging.getLogger("realizar_backend.service")
 
-SETTINGS = Settings.from_env()
+SETTINGS = Settings.from_env()       # a bad REALIZAR_* value stops `bentoml serve` here, naming it
 logging.getLogger("realizar_backend").setLevel(SETTINGS.log_level.upper())
+
+
+def _own_metrics_dir() -> None:
+    """Give this server its own Prometheus multiprocess directory. BentoML's default is one
+    directory under BENTOML_HOME, which every `bentoml serve` empties at start: a second server
+    on the host (one per GPU, as the docs advise) would wipe the first one's counters and then
+    share its files. `bentoml serve` imports this module before it prepares that directory, so
+    the path set here is the one its workers get; a worker's own value is never used."""
+    from bentoml._internal.configuration.containers import BentoMLContainer
+
+    path = os.path.join(tempfile.gettempdir(), f"realizar-metrics-{os.getpid()}")
+    BentoMLContainer.prometheus_multiproc_dir.set(path)
+    atexit.register(shutil.rmtree, path, True)
+
+
+_own_metrics_dir()
 
 
 def _gpu_present() -> bool:
@@ -97,6 +119,7 @@ class Realizar:
         # created here, not at import: BentoML sets the multiprocess metrics dir before this runs
         STATE.metrics = get_metrics()
         STATE.started = time.time()
+        _drain_on_sigterm()
         # load in the background so /livez answers at once and /readyz turns ready when done
         self._loader = threading.Thread(target=self._load, name="realizar-load", daemon=True)
         self._loader.start()
@@ -125,10 +148,11 @@ class Realizar:
             if STATE.engine is engine:
                 STATE.metrics.on_step(engine.stats())
 
-    def __is_ready__(self) -> bool:
-        return STATE.engine is not None
+    # async, so that the probes never wait for a worker thread
+    async def __is_ready__(self) -> bool:
+        return STATE.engine is not None and not STATE.draining
 
-    def __is_alive__(self) -> bool:
+    async def __is_alive__(self) -> bool:
         return STATE.load_error is None
 
     @bentoml.on_shutdown
@@ -136,3 +160,60 @@ class Realizar:
         engine, STATE.engine = STATE.engine, None
         if engine is not None:
             engine.shutdown()
+
+
+# ------------------------------------------------------------------------------ graceful shutdown
+_FINAL_FLUSH_S = 5.0     # after the grace period: for the final chunks to reach their clients
+_HANDOVER_S = 3          # then uvicorn's own graceful shutdown, bounded (slow uploads, idle sockets)
+_WATCHDOG_S = 15.0       # the last resort past the grace period
+
+
+def _drain_on_sigterm() -> None:
+    """On SIGTERM: answer new requests 503 (Retry-After) while running ones finish, for up to
+    Settings.shutdown_grace_s; then end what still runs with a final chunk (finish_reason
+    "length", and [DONE] for streams) and hand over to uvicorn's own shutdown. uvicorn alone
+    would stop accepting at once (new connections then hang in the listen queue BentoML's
+    arbiter keeps open) and wait for every stream without a limit. Runs in the worker's main
+    thread (the service is created there, on the event loop), after uvicorn set its handlers."""
+    loop = asyncio.get_running_loop()
+    uvicorn_handler = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame) -> None:
+        if not STATE.draining:
+            STATE.draining = True
+            loop.call_soon_threadsafe(lambda: loop.create_task(_drain(uvicorn_handler)))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+async def _drain(uvicorn_handler) -> None:
+    loop = asyncio.get_running_loop()
+    grace = SETTINGS.shutdown_grace_s
+    log.info("SIGTERM: refusing new requests; %d in flight may run for up to %g s", STATE.active, grace)
+    watchdog = threading.Timer(grace + _WATCHDOG_S, _force_exit)
+    watchdog.daemon = True
+    watchdog.start()
+    deadline = loop.time() + grace
+    while STATE.active and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if STATE.active:
+        log.info("grace period over: ending %d requests with a final chunk", STATE.active)
+        if STATE.engine is not None:
+            STATE.engine.finish_all("shutdown")
+        deadline = loop.time() + _FINAL_FLUSH_S
+        while STATE.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    server = getattr(uvicorn_handler, "__self__", None)
+    if server is not None and hasattr(server, "config"):
+        server.config.timeout_graceful_shutdown = _HANDOVER_S
+    if callable(uvicorn_handler):
+        uvicorn_handler(signal.SIGTERM, None)
+    else:                                # not under uvicorn: the default action ends the process
+        signal.signal(signal.SIGTERM, uvicorn_handler or signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+
+def _force_exit() -> None:
+    log.error("still running %g s after the grace period; exiting now", _WATCHDOG_S)
+    logging.shutdown()
+    os._exit(1)

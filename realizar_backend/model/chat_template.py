@@ -1,0 +1,330 @@
+"""Chat templates: rendered as transformers renders them, but never in the server's own process.
+
+A GGUF file can carry any Jinja, and the jinja2 sandbox only stops attribute escapes: a template
+can loop for ever, recurse, or build a string of gigabytes. So every render runs in a small worker
+process (`python -c` importing only this module and jinja2) that the caller can abandon:
+- a wall-clock limit: the caller stops waiting and kills the worker (a fresh one starts on the
+  next render);
+- an output limit: the render is consumed chunk by chunk and stopped past `max_chars`;
+- a memory limit: the worker's address space is capped (RLIMIT_AS), so a runaway allocation is a
+  MemoryError there instead of swap here.
+The environment inside is set up as transformers sets it up (same globals, filters and options),
+so the prompt string is the one transformers would build.
+
+`TemplateRenderer.check` compiles and trial-renders a template at load, so a template that does
+not parse or that runs away on a plain conversation is refused with the model, not per request.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<Q")
+MAX_TEMPLATE_CHARS = 1 << 20   # the template's own source; real ones are a few kB
+_START_TIMEOUT_S = 60.0        # a fresh worker imports jinja2; slow only on a starved machine
+TRIAL_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "Hello!"},
+                  {"role": "assistant", "content": "Hi! How can I help?"},
+                  {"role": "user", "content": "Tell me a joke."}]
+
+
+class ChatTemplateError(Exception):
+    """A render that failed. kind: "syntax" (the template does not parse), "render" (it raised:
+    raise_exception, a sandbox refusal, a type error on these messages), "limit" (time, output
+    size or memory), "unavailable" (no worker process could be started)."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        self.message = message
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class TemplateLimits:
+    timeout_s: float
+    max_chars: int
+    memory_mb: int
+    workers: int
+
+    @classmethod
+    def from_settings(cls, settings) -> "TemplateLimits":
+        return cls(settings.chat_template_timeout_s, settings.chat_template_max_chars,
+                   settings.chat_template_memory_mb, settings.chat_template_workers)
+
+
+# ---------------------------------------------------------------------- context preparation
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def alias_reasoning(message: dict) -> dict:
+    # Templates read reasoning under different names; fill them all from whichever was given.
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def plain(value: Any) -> Any:
+    """Rebuild template inputs from plain JSON types: the sandbox does not know which methods of a
+    rich object are dangerous, so none reach the template (and the inputs cross a pipe as JSON)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and type(value).__module__ == "numpy":
+        return plain(value.item())
+    if callable(getattr(value, "model_dump", None)):   # pydantic models (the OpenAI schemas)
+        return plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+# ---------------------------------------------------------------------- the parent side
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from realizar_backend.model.chat_template import worker_main; worker_main(sys.argv[2:])")
+
+
+class _Worker:
+    """One render process and the pipe to it. Not thread-safe: the pool lends it to one caller."""
+
+    def __init__(self, limits: TemplateLimits):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, _package_root(), str(limits.max_chars), str(limits.memory_mb)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self._buf = b""
+        try:
+            hello = self._read(time.monotonic() + _START_TIMEOUT_S)
+        except ChatTemplateError:
+            self.kill()
+            raise ChatTemplateError("unavailable", "the chat template worker process did not start") from None
+        if hello != {"ready": True}:
+            self.kill()
+            raise ChatTemplateError("unavailable", f"the chat template worker said {hello!r} at start")
+
+    def call(self, request: bytes, timeout_s: float) -> dict:
+        try:
+            self.proc.stdin.write(_LEN.pack(len(request)) + request)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise ChatTemplateError("unavailable", "the chat template worker process exited") from None
+        return self._read(time.monotonic() + timeout_s)
+
+    def _read(self, deadline: float) -> dict:
+        n = None
+        while True:
+            if n is None and len(self._buf) >= _LEN.size:
+                (n,) = _LEN.unpack_from(self._buf)
+                self._buf = self._buf[_LEN.size:]
+            if n is not None and len(self._buf) >= n:
+                msg, self._buf = self._buf[:n], self._buf[n:]
+                return json.loads(msg.decode("utf-8", "surrogatepass"))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChatTemplateError("limit", "timeout")
+            fd = self.proc.stdout.fileno()
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    raise ChatTemplateError("unavailable", "the chat template worker process exited")
+                self._buf += chunk
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Let the worker end on its own (end of input), or stop it."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+
+
+class TemplateRenderer:
+    """A pool of render workers with one set of limits. Renders are blocking calls (run them off
+    the event loop); up to `limits.workers` run at once, the rest wait for a free worker."""
+
+    def __init__(self, limits: TemplateLimits):
+        self.limits = limits
+        self._idle: list[_Worker | None] = [None] * limits.workers   # None: not started yet
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def render(self, source: str, context: dict[str, Any]) -> str:
+        """The template rendered with `context` (plain JSON values); raises ChatTemplateError."""
+        request = json.dumps({"template": source, "context": context},
+                             ensure_ascii=False).encode("utf-8", "surrogatepass")
+        worker = self._acquire()
+        try:
+            if worker is None:
+                worker = _Worker(self.limits)
+            try:
+                reply = worker.call(request, self.limits.timeout_s)
+            except ChatTemplateError as e:
+                worker.kill()
+                worker = None
+                if e.message == "timeout":
+                    raise ChatTemplateError("limit", f"the chat template did not finish within "
+                                                     f"{self.limits.timeout_s:g} s") from None
+                raise
+            if "ok" in reply:
+                return reply["ok"]
+            if reply.get("restart"):            # after a MemoryError nothing there is trusted
+                worker.kill()
+                worker = None
+            raise ChatTemplateError(reply["error"], reply["message"])
+        finally:
+            self._release(worker)
+
+    def check(self, source: str, special_tokens: Mapping[str, str]) -> None:
+        """Compile and render the template on a plain conversation, within the limits."""
+        context = {"messages": TRIAL_MESSAGES, "tools": None, "documents": None,
+                   "add_generation_prompt": True, **special_tokens}
+        self.render(source, context)
+        self._start_idle()
+
+    def _start_idle(self) -> None:
+        """Start the workers not started yet, so that the first requests do not wait for them."""
+        with self._cond:
+            missing = [i for i, w in enumerate(self._idle) if w is None]
+            for i in reversed(missing):
+                del self._idle[i]
+        for _ in missing:
+            try:
+                self._release(_Worker(self.limits))
+            except ChatTemplateError:
+                self._release(None)
+
+    def _acquire(self) -> _Worker | None:
+        with self._cond:
+            while not self._idle:
+                if self._closed:
+                    raise ChatTemplateError("unavailable", "the chat template renderer is closed")
+                self._cond.wait()
+            if self._closed:
+                raise ChatTemplateError("unavailable", "the chat template renderer is closed")
+            return self._idle.pop()
+
+    def _release(self, worker: _Worker | None) -> None:
+        with self._cond:
+            if self._closed:
+                if worker is not None:
+                    worker.close()
+                return
+            self._idle.append(worker)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for w in idle:
+            if w is not None:
+                w.close()
+
+
+_renderers: dict[TemplateLimits, TemplateRenderer] = {}
+_renderers_lock = threading.Lock()
+
+
+def renderer(limits: TemplateLimits) -> TemplateRenderer:
+    """The process's renderer for these limits (tokenizers of one server share its workers)."""
+    with _renderers_lock:
+        r = _renderers.get(limits)
+        if r is None:
+            r = _renderers[limits] = TemplateRenderer(limits)
+        return r
+
+
+@atexit.register
+def _close_renderers() -> None:
+    with _renderers_lock:
+        rs = list(_renderers.values())
+        _renderers.clear()
+    for r in rs:
+        r.close()
+
+
+# ---------------------------------------------------------------------- the worker side
+def worker_main(argv: list[str]) -> None:
+    """The render loop of a worker process: length-prefixed JSON requests on stdin, replies on
+    stdout, until stdin ends."""
+    import resource
+    import signal
+
+    max_chars, memory_mb = int(argv[0]), int(argv[1])
+    # the server's process group may be signalled as a whole; the server decides when we end
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    limit = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from . import jinja_env   # imported after the limit: its cost counts against it too
+
+    env = jinja_env.make_environment()
+    compiled: dict[str, Any] = {}
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+
+    def reply(obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        out.write(_LEN.pack(len(data)) + data)
+        out.flush()
+
+    reply({"ready": True})
+    while True:
+        head = inp.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return
+        (n,) = _LEN.unpack(head)
+        body = inp.read(n)
+        if len(body) < n:
+            return
+        try:
+            req = json.loads(body.decode("utf-8", "surrogatepass"))
+            reply({"ok": jinja_env.render(env, compiled, req["template"], req["context"], max_chars)})
+        except MemoryError:
+            compiled.clear()
+            reply({"error": "limit", "restart": True,
+                   "message": f"the chat template needed more than {memory_mb} MB of memory"})
+        except ChatTemplateError as e:
+            reply({"error": e.kind, "message": e.message})
+        except RecursionError:
+            reply({"error": "render", "message": "the chat template recursed too deeply"})
+        except Exception as e:  # anything a template can raise on some input is that render's failure
+            reply({"error": "render", "message": f"{type(e).__name__}: {e}"})
+        del body

@@ -1,0 +1,154 @@
+"""The key/value section of a GGUF file as a list that tests can change and write back.
+
+    parts = read(path)                       # header pieces of a real file
+    kvs = parts.kvs.copy(); kvs[3] = KV("tokenizer.ggml.merges", V.UINT32, 255)
+    write(parts, kvs, dst, data="sparse")    # the same tensors; the data region a hole
+
+Values are written as their declared type says, so a test can declare anything (an integer
+where an array belongs, duplicate keys) that `gguf.GGUFWriter` would refuse to write. With
+data="sparse" the tensor bytes are a hole in the file (zeros, no disk, no copy): enough for
+the loader, which maps tensors without reading them; data="copy" copies the real weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFValueType as V
+from gguf.constants import GGUF_DEFAULT_ALIGNMENT
+
+_SCALAR_FMT = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
+               V.FLOAT32: "<f", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d", V.BOOL: "<?"}
+
+
+@dataclass
+class KV:
+    key: str
+    vtype: int                   # a GGUFValueType (or any u32, to write an unknown type)
+    value: Any
+    itype: int | None = None     # item type of an ARRAY
+
+
+@dataclass
+class Parts:
+    path: Path
+    version: int
+    kvs: list[KV]
+    n_tensors: int
+    tensor_info: bytes           # the tensor table, verbatim
+    data_start: int
+    size: int
+
+
+class _Cursor:
+    def __init__(self, buf: bytes):
+        self.buf, self.off = buf, 0
+
+    def take(self, fmt: str):
+        (v,) = struct.unpack_from(fmt, self.buf, self.off)
+        self.off += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        s = self.buf[self.off:self.off + n].decode("utf-8", "surrogateescape")
+        self.off += n
+        return s
+
+    def value(self, vtype: int):
+        if vtype == V.STRING:
+            return self.string(), None
+        if vtype in _SCALAR_FMT:
+            return self.take(_SCALAR_FMT[vtype]), None
+        itype, n = self.take("<I"), self.take("<Q")
+        return [self.value(itype)[0] for _ in range(n)], itype
+
+
+def read(path: str | Path, header_bytes: int = 64 << 20) -> Parts:
+    path = Path(path)
+    with open(path, "rb") as f:
+        buf = f.read(header_bytes)
+    c = _Cursor(buf)
+    assert c.take("<I") == 0x46554747, "not a GGUF file"
+    version, n_tensors, n_kv = c.take("<I"), c.take("<Q"), c.take("<Q")
+    kvs = []
+    for _ in range(n_kv):
+        key = c.string()
+        vtype = c.take("<I")
+        value, itype = c.value(vtype)
+        kvs.append(KV(key, vtype, value, itype))
+    info_start = c.off
+    for _ in range(n_tensors):
+        c.string()
+        n_dims = c.take("<I")
+        c.off += 8 * n_dims + 4 + 8
+    alignment = next((kv.value for kv in kvs if kv.key == "general.alignment"), GGUF_DEFAULT_ALIGNMENT)
+    data_start = -(-c.off // alignment) * alignment
+    return Parts(path, version, kvs, n_tensors, buf[info_start:c.off], data_start, path.stat().st_size)
+
+
+def _encode(vtype: int, value: Any, itype: int | None, out: bytearray) -> None:
+    if vtype == V.STRING:
+        b = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+        out += struct.pack("<Q", len(b)) + b
+    elif vtype in _SCALAR_FMT:
+        out += struct.pack(_SCALAR_FMT[vtype], value)
+    elif vtype == V.ARRAY:
+        out += struct.pack("<IQ", itype, len(value))
+        for item in value:
+            _encode(itype, item, None, out)
+    else:
+        raise ValueError(f"cannot encode value type {vtype}")
+
+
+def encode_kvs(kvs: list[KV]) -> bytes:
+    out = bytearray()
+    for kv in kvs:
+        k = kv.key.encode("utf-8", "surrogateescape")
+        out += struct.pack("<Q", len(k)) + k + struct.pack("<I", kv.vtype)
+        _encode(kv.vtype, kv.value, kv.itype, out)
+    return bytes(out)
+
+
+def write(parts: Parts, kvs: list[KV] | bytes, dst: str | Path, data: str = "sparse",
+          n_kv: int | None = None) -> Path:
+    """A file with parts' tensors and these key/values (or raw key/value bytes, then n_kv says
+    how many entries the header claims)."""
+    dst = Path(dst)
+    body = kvs if isinstance(kvs, bytes) else encode_kvs(kvs)
+    count = n_kv if n_kv is not None else len(kvs)
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    if not isinstance(kvs, bytes):
+        alignment = next((kv.value for kv in kvs if kv.key == "general.alignment" and isinstance(kv.value, int)
+                          and kv.value > 0), GGUF_DEFAULT_ALIGNMENT)
+    head = struct.pack("<IIQQ", 0x46554747, parts.version, parts.n_tensors, count) + body + parts.tensor_info
+    start = -(-len(head) // alignment) * alignment
+    data_len = parts.size - parts.data_start
+    with open(dst, "wb") as f:
+        f.write(head)
+        f.write(b"\0" * (start - len(head)))
+        if data == "copy":
+            with open(parts.path, "rb") as src:
+                src.seek(parts.data_start)
+                shutil.copyfileobj(src, f, 16 << 20)
+        else:
+            f.truncate(start + data_len)
+    return dst
+
+
+def replaced(kvs: list[KV], key: str, vtype: int | None = None, value: Any = None, itype: int | None = None,
+             drop: bool = False) -> list[KV]:
+    """kvs with `key` given a new (type, value), or dropped."""
+    out = []
+    for kv in kvs:
+        if kv.key != key:
+            out.append(kv)
+        elif not drop:
+            out.append(KV(key, vtype, value, itype))
+    if not drop and all(kv.key != key for kv in kvs):
+        out.append(KV(key, vtype, value, itype))
+    return out

@@ -1,0 +1,129 @@
+"""A server's life outside single requests, each with real `bentoml serve` processes: a bad
+setting stops the start naming its variable; SIGTERM drains (new requests 503, running streams
+ended with a final chunk at the grace period) and the process exits soon after; two servers on
+one host with the same BentoML home keep their own metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_util import CONTEXT, start_server, wait_for
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+GRACE_S = 4
+
+
+@pytest.mark.parametrize("env", [{"REALIZAR_MAX_WAITING": "0"}, {"REALIZAR_MAX_WAITING": "-5"},
+                                 {"REALIZAR_SHUTDOWN_GRACE_S": "soon"}])
+def test_a_bad_setting_stops_the_start_naming_it(env):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited") as e:
+        start_server(env, timeout=120)
+    var = next(iter(env))
+    assert f"{var}={env[var]!r}" in str(e.value) or f"{var}={env[var]}" in str(e.value), str(e.value)[-2000:]
+    assert time.monotonic() - t0 < 120
+
+
+def _stream(server, body, out: dict) -> None:
+    """Read an SSE stream to its end, recording every data line and when the stream ended."""
+    lines = out.setdefault("lines", [])
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.auth, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+    out["ended"] = time.monotonic()
+
+
+def test_sigterm_drains_then_ends_running_streams_and_exits():
+    server = start_server({"REALIZAR_SHUTDOWN_GRACE_S": str(GRACE_S)})
+    try:
+        long = {"model": MODEL, "prompt": "Count slowly to one thousand:", "max_tokens": CONTEXT - 32,
+                "ignore_eos": True, "temperature": 0}
+        streams = [{} for _ in range(2)]
+        threads = [threading.Thread(target=_stream, args=(server, {**long, "stream": True,
+                                                                   "stream_options": {"include_usage": True}}, s))
+                   for s in streams]
+        full: dict = {}
+
+        def full_request():
+            r = httpx.post(server.url + "/v1/completions", json=long, headers=server.auth, timeout=120)
+            full.update(status=r.status_code, body=r.json(), ended=time.monotonic())
+
+        threads.append(threading.Thread(target=full_request))
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: all(len(s.get("lines", [])) >= 2 for s in streams), 120), server.log_tail()
+
+        t0 = time.monotonic()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        # new requests are refused at once, on a new connection, while the streams run on
+        r = httpx.post(server.url + "/v1/completions", json={**long, "max_tokens": 2}, headers=server.auth,
+                       timeout=10)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+        assert r.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(server.url + "/readyz", timeout=10).status_code == 503
+        assert httpx.get(server.url + "/livez", timeout=10).status_code == 200
+        assert all("ended" not in s for s in streams), "a stream ended before the grace period"
+
+        for t in threads:
+            t.join(GRACE_S + 30)
+        for s in streams:
+            assert s["status"] == 200
+            assert s["lines"][-1] == "[DONE]", s["lines"][-3:]
+            chunks = [json.loads(x) for x in s["lines"][:-1]]
+            finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+            assert [c["choices"][0]["finish_reason"] for c in finals] == ["length"]
+            usage = chunks[-1]["usage"]
+            assert 0 < usage["completion_tokens"] < long["max_tokens"], usage     # cut short, and counted
+            assert GRACE_S - 0.5 <= s["ended"] - t0 <= GRACE_S + 8
+        assert full["status"] == 200 and full["body"]["choices"][0]["finish_reason"] == "length"
+        assert 0 < full["body"]["usage"]["completion_tokens"] < long["max_tokens"]
+
+        server.proc.wait(timeout=GRACE_S + 30)
+        exited = time.monotonic() - t0
+        assert exited <= GRACE_S + 10, f"exited {exited:.1f} s after SIGTERM (grace {GRACE_S} s)"
+        assert "ending 3 requests with a final chunk" in server.log_tail(200)
+    finally:
+        server.stop()
+
+
+def _finished(server) -> float:
+    return sum(v for (name, _), v in server.metrics().items() if name == "realizar_requests_total")
+
+
+def _complete(server, n: int) -> None:
+    for _ in range(n):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                       headers=server.auth, timeout=120)
+        assert r.status_code == 200, r.text
+
+
+def test_two_servers_on_one_home_keep_their_own_metrics(tmp_path):
+    home = tmp_path / "bentoml"
+    a = start_server(bentoml_home=home)
+    try:
+        _complete(a, 3)
+        assert wait_for(lambda: _finished(a) == 3, 30), a.metrics()
+        b = start_server(bentoml_home=home)
+        try:
+            assert _finished(a) == 3 and _finished(b) == 0
+            _complete(b, 1)
+            assert wait_for(lambda: _finished(b) == 1, 30)
+            assert _finished(a) == 3
+        finally:
+            b.stop()
+        _complete(a, 1)
+        assert wait_for(lambda: _finished(a) == 4, 30)
+    finally:
+        a.stop()
