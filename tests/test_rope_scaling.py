@@ -13,6 +13,7 @@ import synth
 from realizar_backend.backends.cpu import CPUBackend, rope_angles, rope_frequencies
 from realizar_backend.errors import UnsupportedModelError
 from realizar_backend.formats import open_model
+from paging import contiguous_tables
 
 torch = pytest.importorskip("torch")
 
@@ -157,7 +158,7 @@ def test_cpu_backend_applies_the_scaling(tmp_path):
                                  "qwen2.rope.scaling.original_context_length": 64})):
         m = synth.write_gguf(tmp_path / f"m{i}.gguf", "qwen2", context_length=2048, extra_metadata=md,
                              weights=w, **dims)
-        cfgs.append(CPUBackend(open_model(m.path), max_slots=1, max_context=512))
+        cfgs.append(contiguous_tables(CPUBackend(open_model(m.path), max_slots=1, max_context=512)))
     toks = list(range(3, 40)) * 8
     from realizar_backend.backends.base import PrefillItem
     outs = [b.prefill([PrefillItem(0, np.array(toks, np.int32), 0)])[-1] for b in cfgs]
