@@ -342,6 +342,10 @@ class Tokenizer:
     def detokenizer(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as HF tokenizer.json text (what llguidance builds its vocabulary from)."""
+        return self._tk.to_str()
+
     # ------------------------------------------------------------------ chat templates
     @property
     def has_chat_template(self) -> bool:
@@ -365,7 +369,7 @@ class Tokenizer:
             if not isinstance(m, Mapping):
                 raise RequestError(f"every message must be an object, got {type(m).__name__}", param="messages")
             # A None value (OpenAI's content=None, tool_calls=None) is dropped, as transformers does.
-            chat.append(_alias_reasoning(_plain({k: v for k, v in m.items() if v is not None})))
+            chat.append(_alias_reasoning(_tool_call_arguments(_plain({k: v for k, v in m.items() if v is not None}))))
         tools = _plain(kwargs.pop("tools", None))
         documents = _plain(kwargs.pop("documents", None))
         context = {**self.special_tokens, **_plain(kwargs)}
@@ -447,6 +451,28 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _tool_call_arguments(message: dict) -> dict:
+    """OpenAI sends a tool call's arguments as a JSON string; templates write them with `tojson`
+    and expect the object (as transformers documents), so a string that parses becomes it."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        nested = isinstance(call, dict) and isinstance(call.get("function"), dict)
+        fn = call["function"] if nested else call
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                parsed = json.loads(fn["arguments"])
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fn = {**fn, "arguments": parsed}
+                call = {**call, "function": fn} if nested else fn
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 def _alias_reasoning(message: dict) -> dict:
