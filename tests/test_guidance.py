@@ -43,6 +43,9 @@ def guidance_for(name: str) -> Guidance:
     return Guidance(ours(name), model_file(name).config.vocab_size)
 
 
+_BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
+
+
 def expected_bytes(tok, i: int) -> bytes | None:
     """A token's bytes as our tokenizer spells it (None: a special token)."""
     if tok.is_special(i):
@@ -52,8 +55,7 @@ def expected_bytes(tok, i: int) -> bytes | None:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
-    inv = {c: b for b, c in bytes_to_unicode().items()}
-    return bytes(inv[c] for c in piece) if all(c in inv for c in piece) else piece.encode()
+    return bytes(_BYTE_OF[c] for c in piece) if all(c in _BYTE_OF for c in piece) else piece.encode()
 
 
 @pytest.mark.parametrize("name", ["smol135", "qwen05", "gemma270"])
@@ -178,3 +180,36 @@ def test_sampled_constrained_generation_validates_and_free_text_would_not():
     # the same prompt without the constraint: the model wraps its JSON in a markdown fence
     free, _ = generate(backend, tok, g, ids, None, max_tokens=8, temperature=0)
     assert not tok.decode(free).startswith("{")
+
+
+def test_pydantic_schemas_compile():
+    """The schema a pydantic model gives (what openai's `parse` helper sends: $defs and $ref,
+    enums, nested objects, arrays, field limits) compiles, and its instances' JSON walks through."""
+    from enum import Enum
+
+    from pydantic import BaseModel, Field
+
+    class Kind(str, Enum):
+        cat = "cat"
+        dog = "dog"
+
+    class Owner(BaseModel):
+        city: str = Field(max_length=24)
+        verified: bool
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=20)
+        kind: Kind
+        age: int = Field(ge=0, le=30)
+        owner: Owner
+        tags: list[str] = Field(max_length=3)
+        weight: float | None = None
+
+    schema = Pet.model_json_schema()
+    assert "$defs" in schema
+    g = guidance_for("qwen05")
+    pet = Pet(name="Rex", kind=Kind.dog, age=4, owner=Owner(city="Oslo", verified=True), tags=["a", "b"], weight=3.5)
+    ok, guide = walk(g, Constraint("json_schema", schema), json.dumps(pet.model_dump(mode="json")))
+    assert ok and guide.accepting
+    assert not walk(g, Constraint("json_schema", schema), '{"name": "Rex", "kind": "cow"')[0]
+    assert not walk(g, Constraint("json_schema", schema), '{"name": "Rex", "kind": "dog", "age": 31')[0]

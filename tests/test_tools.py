@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 
 from realizar_backend.errors import RequestError
@@ -30,7 +29,8 @@ TOOLS = [WEATHER, CALC]
 # the shape of Llama 3.1's template around tools (written for this test, not Meta's text)
 LLAMA3_TEMPLATE = ("{% if tools is not none %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
                    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
-                   "{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}{{ c.function.arguments | tojson }}"
+                   "{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}"
+                   "{{ c.function.arguments | tojson }}"
                    "{{ '}' }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
 PLAIN_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
 
@@ -91,8 +91,8 @@ def test_bad_tool_requests_name_the_field(qwen_tok, tools, choice, param):
 def test_tool_request_choices(qwen_tok):
     t = qwen_tok[0].chat_template
     r = parse_tool_request(TOOLS, None, None, t)
-    assert (r.choice, r.named, r.parallel) == ("auto", None, True) and [x["function"]["name"] for x in r.template_tools] \
-        == ["get_weather", "calculate"]
+    assert (r.choice, r.named, r.parallel) == ("auto", None, True)
+    assert [x["function"]["name"] for x in r.template_tools] == ["get_weather", "calculate"]
     r = parse_tool_request(TOOLS, {"type": "function", "function": {"name": "calculate"}}, False, t)
     assert (r.choice, r.named, r.parallel) == ("function", "calculate", False)
     with pytest.raises(RequestError) as e:
@@ -138,7 +138,8 @@ HERMES_CASES = [
     (CALL_W, None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
     (CALL_W + "\n" + CALL_C, None, [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
                                     ("calculate", '{"expression": "2 * (3 + 4)"}')]),
-    ("Let me look that up.\n" + CALL_W, "Let me look that up.", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ("Let me look that up.\n" + CALL_W, "Let me look that up.",
+     [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
     ("  It is sunny in Paris.\n", "  It is sunny in Paris.\n", []),
     # cut short (max_tokens): the call and the arguments so far, as OpenAI returns them
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', None, [("get_weather", '{"city": "Pa')]),
@@ -228,7 +229,8 @@ def test_llama3_json_replies():
     cases = [('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}', None,
               [("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
              ('{"name": "calculate", "parameters": {"expression": "1"}}\n{"name": "calculate", "parameters": '
-              '{"expression": "2"}}', None, [("calculate", '{"expression": "1"}'), ("calculate", '{"expression": "2"}')]),
+              '{"expression": "2"}}', None,
+              [("calculate", '{"expression": "1"}'), ("calculate", '{"expression": "2"}')]),
              ("Oslo is cold today.", "Oslo is cold today.", []),
              ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
              ('  {"a": 1} and more', '  {"a": 1} and more', [])]
@@ -259,7 +261,8 @@ def test_qwen_template_renders_tools_calls_and_results(qwen_tok):
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tools=req.template_tools)
     assert '"name": "get_weather"' in text and '"description": "Evaluate an arithmetic expression"' in text
     # the call renders as the model writes it: arguments an object, not a JSON string in a string
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    assert call in text
     assert '<tool_response>\n{"temperature": 18}\n</tool_response>' in text
     assert text.endswith("<|im_start|>assistant\n")
 
