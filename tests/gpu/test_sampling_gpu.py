@@ -171,6 +171,7 @@ def test_constrained_rows_match_twin(kernels, rng, V):
             return _mask_words(allowed)
 
         def bias(n):
+            n = min(n, V // 2)
             return LogitBias(rng.choice(V, n, replace=False).astype(np.int32),
                              rng.uniform(-100, 100, n).astype(np.float32))
 
