@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from realizar_backend.backends.base import SampleRow
-from realizar_backend.backends.sampling import kernel_params, raw_logprobs, sample_logits
+from realizar_backend.backends.sampling import (BIAS_ROW_WORDS, kernel_params, mask_words, pack_bias, pack_masks,
+                                                raw_logprobs, sample_logits)
 
 ROOT = Path(__file__).resolve().parents[1]
 GXX = shutil.which("g++")
@@ -38,10 +39,15 @@ def run_emu(exe, tmp, logits, rows, slots, counts, tokens_in, cap=8192, threads=
     n, V = logits.shape
     slice_ = slice_ or max(1024, -(-V // 4))
     G = -(-V // slice_)
-    hdr = np.array([V, n, counts.shape[0], G, slice_, cap, *threads], np.int32)
+    masks = np.zeros((n, mask_words(V)), np.int32)
+    n_masks = pack_masks(rows, masks)
+    bias = np.zeros(n * BIAS_ROW_WORDS, np.int32)
+    n_bias = pack_bias(rows, bias)
+    hdr = np.array([V, n, counts.shape[0], G, slice_, cap, *threads, n_masks, n_bias], np.int32)
     fin, fout = tmp / "in.bin", tmp / "out.bin"
     with open(fin, "wb") as f:
-        for a in (hdr, logits.astype(np.float32), kernel_params(rows, V, slots, tokens_in), counts.astype(np.int32)):
+        for a in (hdr, logits.astype(np.float32), kernel_params(rows, V, slots, tokens_in), counts.astype(np.int32),
+                  masks[:n_masks], bias[:n_bias]):
             a.tofile(f)
     r = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr)    # 3: the scratch was not left zeroed
@@ -140,3 +146,49 @@ def test_production_block_sizes(emu, tmp_path):
     lg = (rng.standard_normal((2, 49152)) * 2.5).astype(np.float32)
     rows = [SampleRow(seed=9, step=1, top_p=0.95), SampleRow(seed=3, step=0, top_k=50, min_p=0.05)]
     check(emu, tmp_path, lg, rows, threads=(512, 1024), slice_=8192)
+
+
+
+def as_words(allowed_bytes, V):
+    words = np.zeros(-(-V // 32) * 4, np.uint8)
+    words[:allowed_bytes.size] = allowed_bytes
+    return words.view(np.int32)
+
+
+def test_masks_and_biases(emu, tmp_path):
+    """Constrained rows (grammar masks, logit biases, both, with penalties) among plain ones: the
+    kernels pick the twin's token on every row, greedy and sampled."""
+    from realizar_backend.backends.base import LogitBias
+    rng = np.random.default_rng(6)
+    V = 3001
+    lg = (rng.standard_normal((10, V)) * 3).astype(np.float32)
+    best = np.argmax(lg, axis=1)
+
+    def mask(r, density, force=()):
+        allowed = rng.random(V) < density
+        allowed[best[r]] = False                         # the raw argmax is never allowed
+        allowed[list(force)] = True
+        return as_words(np.packbits(allowed, bitorder="little"), V)
+
+    def bias(n, lo=-100, hi=100):
+        ids = rng.choice(V, n, replace=False).astype(np.int32)
+        return LogitBias(ids, rng.uniform(lo, hi, n).astype(np.float32))
+
+    combos = [dict(temperature=0.0, mask=mask(0, 0.3)), dict(mask=mask(1, 0.01)),
+              dict(top_p=0.9, mask=mask(2, 0.5)), dict(temperature=0.0, mask=mask(3, 0.0, force=[17])),
+              dict(), dict(temperature=0.0),
+              dict(temperature=0.0, logit_bias=bias(5, 20, 40)), dict(top_k=5, logit_bias=bias(40)),
+              dict(temperature=0.8, mask=mask(8, 0.2), logit_bias=bias(300), repetition_penalty=1.3,
+                   frequency_penalty=0.4, logprobs=True),
+              dict(temperature=0.0, mask=mask(9, 0.05), presence_penalty=1.5)]
+    counts = np.zeros((10, V), np.int32)
+    counts[:, rng.integers(0, V, 200)] = 1
+    tokens_in = [int(t) for t in rng.integers(0, V, 10)]
+    rows = _rows(rng, combos)
+    check(emu, tmp_path, lg, rows, counts=counts, tokens_in=tokens_in, cap=512)
+    # the twin itself: no row drew a token its mask forbids
+    from realizar_backend.backends.sampling import allowed_tokens
+    for i, row in enumerate(rows):
+        if row.mask is not None:
+            tok = sample_logits(lg[i], row, counts[i] + (2 * (np.arange(V) == tokens_in[i]) if row.penalties else 0))
+            assert allowed_tokens(row.mask, V)[tok], i

@@ -85,7 +85,8 @@ def test_kernel_spells_the_same_constants():
         return f"0x{int(np.float32(x).view(np.uint32)):08X}u"
     for c in (LOG2E, LN2_HI, LN2_LO, *EXP_POLY):
         assert bits(c) in src, bits(c)
-    for word, value in {"SAMPLE_PW": 16, "F_GREEDY": 1, "F_PEN": 2, "F_LP": 4, "F_TOPP": 8, "F_MINP": 16}.items():
+    for word, value in {"SAMPLE_PW": 16, "F_GREEDY": 1, "F_PEN": 2, "F_LP": 4, "F_TOPP": 8, "F_MINP": 16,
+                        "F_MASK": 32, "F_BIAS": 64, "PW_MASK": 14, "PW_BIAS": 15}.items():
         assert re.search(rf"#define {word} {value}\b", src), word
 
 

@@ -42,6 +42,16 @@ class PrefillItem:
                             # (a later chunk of its prompt, or a prompt whose prefix is cached)
 
 
+@dataclass(frozen=True)
+class LogitBias:
+    """Additive biases for a few tokens (OpenAI's logit_bias): ids unique, in [0, vocab)."""
+    ids: np.ndarray                 # int32 [n]
+    values: np.ndarray              # float32 [n]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 @dataclass
 class SampleRow:
     """How one row of a decode step is sampled (the fields of engine.sampling.SamplingParams that
@@ -57,6 +67,17 @@ class SampleRow:
     step: int = 0                   # index of the token being drawn within its sequence
     logprobs: bool = False          # return the chosen token's logprob and the top-1 (raw distribution)
     want_logits: bool = False       # also return the row's raw logits (top logprobs beyond one)
+    # constrained decoding: the tokens the row may draw, as int32 words [ceil(vocab / 32)] (token
+    # i allowed when bit i % 32 of word i // 32 is set; tokens past the mask's end are not).
+    # None: every token. A backend copies it when the step starts, so the caller may reuse it.
+    mask: np.ndarray | None = None
+    logit_bias: LogitBias | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """A mask or a bias changes the row's logits before the penalties (and makes a greedy
+        row take the argmax of the changed logits, not the forward pass's)."""
+        return self.mask is not None or (self.logit_bias is not None and len(self.logit_bias) > 0)
 
     @property
     def greedy(self) -> bool:

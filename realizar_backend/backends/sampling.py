@@ -1,15 +1,18 @@
 """The sampling algorithm both backends implement, and its NumPy twin: the contract between the
 engine (which decides the parameters) and a backend (which draws the tokens).
 
-Order of operations, the same as vLLM's: penalties on the raw logits, then temperature, then
-top-k, top-p and min-p filters, then a seeded draw. Temperature 0 is greedy. Logprobs are
-reported from the raw (unpenalised, unscaled) distribution.
+Order of operations, the same as vLLM's: the constraints (an allowed-token mask from a grammar,
+a logit bias), then penalties, then temperature, then top-k, top-p and min-p filters, then a
+seeded draw. Temperature 0 is greedy. Logprobs are reported from the raw (unconstrained,
+unpenalised, unscaled) distribution.
 
 The algorithm is defined so that the CUDA kernels (kernels/sampling.cu) can reproduce it bit for
 bit without sorting the vocabulary: every float operation is a single IEEE-rounded float32
 operation (no fused multiply-add, no library exp), and probability masses are 40-bit fixed-point
 integers, whose sums do not depend on the order of summation. Per row:
 
+0. constraints (float32): a token the row's mask does not allow gets -inf, then the logit bias
+   is added (x + b, one float32 addition). A row without either skips this step entirely.
 1. penalties (float32): a token seen in the prompt or output has x / r (x > 0) or x * r (repetition
    penalty r), then x - (f * count + p * [count > 0]) over output counts (frequency f, presence p).
 2. temperature 0: the first index of the maximum. Otherwise z = x * float32(1 / temperature)
@@ -123,21 +126,51 @@ def row_constants(row: SampleRow, vocab: int) -> RowConstants:
 
 # the parameter block kernels/sampling.cu reads: SAMPLE_PW int32 words per row
 PARAM_WORDS = 16
-F_GREEDY, F_PEN, F_LP, F_TOPP, F_MINP = 1, 2, 4, 8, 16
+F_GREEDY, F_PEN, F_LP, F_TOPP, F_MINP, F_MASK, F_BIAS = 1, 2, 4, 8, 16, 32, 64
+MAX_LOGIT_BIAS = 1024              # biased tokens per row (the device's per-row bias area)
+BIAS_ROW_WORDS = 1 + 2 * MAX_LOGIT_BIAS
+
+
+def mask_words(vocab: int) -> int:
+    return -(-vocab // 32)
+
+
+def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool [vocab] from an allowed-token bitmask (int32 words, bit i % 32 of word i // 32)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<i4").view(np.uint8), bitorder="little")
+    out = np.zeros(vocab, bool)
+    n = min(vocab, bits.size)
+    out[:n] = bits[:n].astype(bool)
+    return out
+
+
+def _has_bias(row: SampleRow) -> bool:
+    return row.logit_bias is not None and len(row.logit_bias) > 0
 
 
 def kernel_params(rows, vocab: int, slots, tokens_in) -> np.ndarray:
     """int32 [len(rows), PARAM_WORDS]: slot, flags, top_k, top_p (2**32 fixed point),
     1/temperature, repetition, frequency, presence, log(min_p) (float32 bits), seed and step
-    (two words each, low first), and the token fed to this step (counted when the row has
-    penalties; -1: none)."""
+    (two words each, low first), the token fed to this step (counted when the row has
+    penalties; -1: none), and for constrained rows where their mask and bias lie in the step's
+    packed buffers (word 14: the mask's row in `pack_masks`; word 15: the bias's offset in
+    `pack_bias`)."""
     out = np.zeros((len(rows), PARAM_WORDS), np.int32)
     u = out.view(np.uint32)
+    n_mask = bias_off = 0
     for i, row in enumerate(rows):
         rc = row_constants(row, vocab)
         flags = ((F_GREEDY if rc.greedy else 0) | (F_PEN if rc.penalties else 0)
                  | (F_LP if row.logprobs else 0) | (F_TOPP if rc.top_p_fx < (1 << 32) else 0)
                  | (F_MINP if rc.min_p_log is not None else 0))
+        if row.mask is not None:
+            flags |= F_MASK
+            out[i, 14] = n_mask
+            n_mask += 1
+        if _has_bias(row):
+            flags |= F_BIAS
+            out[i, 15] = bias_off
+            bias_off += 1 + 2 * len(row.logit_bias)
         u[i, 0] = int(slots[i])
         u[i, 1] = flags
         u[i, 2] = rc.top_k
@@ -149,6 +182,52 @@ def kernel_params(rows, vocab: int, slots, tokens_in) -> np.ndarray:
         u[i, 11], u[i, 12] = rc.step & 0xFFFFFFFF, rc.step >> 32
         out[i, 13] = int(tokens_in[i]) if rc.penalties and tokens_in is not None else -1
     return out
+
+
+def pack_masks(rows, out: np.ndarray) -> int:
+    """The masks of the constrained rows, in row order, into out [>= their number, words]
+    (the rows `kernel_params` names); returns how many. A short mask is padded with zero
+    words (its tokens past the end are not allowed)."""
+    k = 0
+    for row in rows:
+        if row.mask is not None:
+            m = np.asarray(row.mask, np.int32).reshape(-1)
+            n = min(m.size, out.shape[1])
+            out[k, :n] = m[:n]
+            out[k, n:] = 0
+            k += 1
+    return k
+
+
+def pack_bias(rows, out: np.ndarray) -> int:
+    """The logit biases of the rows that have one, in row order, into the flat int32 buffer
+    `out`: per row [n, ids[n], float32 bits of values[n]] at the offset `kernel_params` gives;
+    returns the words used."""
+    off = 0
+    for row in rows:
+        if _has_bias(row):
+            b = row.logit_bias
+            n = len(b)
+            if n > MAX_LOGIT_BIAS:
+                raise ValueError(f"{n} biased tokens; at most {MAX_LOGIT_BIAS} per row")
+            out[off] = n
+            out[off + 1:off + 1 + n] = b.ids
+            out[off + 1 + n:off + 1 + 2 * n] = np.asarray(b.values, np.float32).view(np.int32)
+            off += 1 + 2 * n
+    return off
+
+
+def constrain(x: np.ndarray, row: SampleRow) -> np.ndarray:
+    """Step 0: masked-out tokens to -inf, then the logit bias added (float32)."""
+    if not row.constrained:
+        return x
+    x = np.array(x, np.float32)
+    if row.mask is not None:
+        x[~allowed_tokens(row.mask, x.shape[-1])] = -np.inf
+    if _has_bias(row):
+        ids = np.asarray(row.logit_bias.ids, np.int64)
+        x[ids] = x[ids] + np.asarray(row.logit_bias.values, np.float32)
+    return x
 
 
 def penalize(x: np.ndarray, counts: np.ndarray, rc: RowConstants) -> np.ndarray:
@@ -190,7 +269,7 @@ def draw_detail(logits: np.ndarray, row: SampleRow, counts: np.ndarray | None = 
     with no finite logit (both answered without a draw by `sample_logits`)."""
     V = logits.shape[-1]
     rc = row_constants(row, V)
-    x = np.asarray(logits, np.float32)
+    x = constrain(np.asarray(logits, np.float32), row)
     if rc.penalties:
         if counts is None:
             raise ValueError("a row with penalties needs its token counts")
@@ -234,7 +313,7 @@ def sample_logits(logits: np.ndarray, row: SampleRow, counts: np.ndarray | None 
     if dr is not None:
         return dr.token
     if row.greedy:
-        x = np.asarray(logits, np.float32)
+        x = constrain(np.asarray(logits, np.float32), row)
         if row.penalties:
             x = penalize(x, counts, row_constants(row, logits.shape[-1]))
         return int(np.argmax(np.where(np.isnan(x), np.float32(-np.inf), x)))

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backends.base import SampleRow
-from ..backends.sampling import log_softmax, penalize, row_constants, sample_logits
+from ..backends.base import LogitBias, SampleRow
+from ..backends.sampling import MAX_LOGIT_BIAS, log_softmax, penalize, row_constants, sample_logits
 from ..errors import RequestError
 
 MAX_LOGPROBS = 20
@@ -56,6 +56,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # None: off; k: chosen token plus the top k
+    logit_bias: dict | None = None  # token id (int, or its decimal string as in JSON) -> bias in [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,7 +94,35 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size and t >= vocab_size):
                 bad("stop_token_ids", f"not a token id of this model: {t!r}")
+        if self.logit_bias is not None:
+            self.logit_bias_table(vocab_size)
         return self
+
+    def logit_bias_table(self, vocab_size: int | None = None) -> LogitBias | None:
+        """logit_bias as the backends take it (ids ascending); RequestError for a bad entry."""
+        lb = self.logit_bias
+        if lb is None:
+            return None
+        if not isinstance(lb, dict):
+            raise RequestError("logit_bias: expected an object mapping token ids to biases", param="logit_bias")
+        if len(lb) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(lb)}", param="logit_bias")
+        table: dict[int, float] = {}
+        for k, v in lb.items():
+            tid = k
+            if isinstance(k, str):
+                try:
+                    tid = int(k)
+                except ValueError:
+                    pass
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0 or (vocab_size and tid >= vocab_size):
+                raise RequestError(f"logit_bias: {k!r} is not a token id of this model", param="logit_bias")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+                raise RequestError(f"logit_bias: the bias of token {k} must be a number in [-100, 100], got {v!r}",
+                                   param="logit_bias")
+            table[tid] = float(v)
+        ids = np.array(sorted(table), np.int32)
+        return LogitBias(ids, np.array([table[int(i)] for i in ids], np.float32))
 
     @property
     def greedy(self) -> bool:
@@ -116,13 +145,17 @@ class Sampler:
         if self.needs_counts:
             self.counts = np.zeros(vocab_size, np.int32)
             self.counts[np.asarray(prompt_ids, dtype=np.int64)] = 1
+        self.logit_bias = params.logit_bias_table(vocab_size)
 
-    def row(self, step: int | None = None, logprobs: bool = False, want_logits: bool = False) -> SampleRow:
+    def row(self, step: int | None = None, logprobs: bool = False, want_logits: bool = False,
+            mask: np.ndarray | None = None) -> SampleRow:
+        """mask: the sequence's allowed-token bitmask for this draw (engine/guidance.py), if any."""
         p = self.p
         return SampleRow(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                          repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                          frequency_penalty=p.frequency_penalty, seed=self.seed,
-                         step=self.step if step is None else step, logprobs=logprobs, want_logits=want_logits)
+                         step=self.step if step is None else step, logprobs=logprobs, want_logits=want_logits,
+                         mask=mask, logit_bias=self.logit_bias)
 
     def observe(self, token: int) -> None:
         """`token` was generated: count it (presence / frequency / repetition penalties)."""
@@ -135,10 +168,10 @@ class Sampler:
             return x
         return penalize(x, self.counts, row_constants(self.row(), self.vocab))
 
-    def sample(self, logits: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
         """Draw this sequence's next token from raw logits on the host (the twin of the kernels);
         each call uses the next draw of the sequence's random stream."""
-        tok = sample_logits(np.asarray(logits[: self.vocab], np.float32), self.row(), self.counts)
+        tok = sample_logits(np.asarray(logits[: self.vocab], np.float32), self.row(mask=mask), self.counts)
         self.step += 1
         return tok
 

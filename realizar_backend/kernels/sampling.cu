@@ -11,10 +11,16 @@
 // the bins that matter are gathered into shared memory and sorted; a bin too dense for that is
 // resolved by a radix select on the keys, and ties by their index order.
 //
+// Constrained rows (an allowed-token bitmask from a grammar, a logit bias) are penalised rows
+// without counts: sample_prep writes their changed logits into zbuf (a masked-out token is -inf,
+// which every later pass already treats as a token of weight 0), and the rest reads zbuf. A row
+// without constraints reads neither the masks nor the biases.
+//
 // Three launches per step, each over the rows of the batch:
-//   sample_prep      several blocks per row (rows that sample or have penalties): the row's max
-//                    into rowmax (atomicMax); with penalties it first counts the newest token and
-//                    writes the penalised, scaled logits into zbuf;
+//   sample_prep      several blocks per row (rows that sample, have penalties or constraints):
+//                    the row's max into rowmax (atomicMax); with penalties it first counts the
+//                    newest token; with penalties or constraints it writes the changed, scaled
+//                    logits into zbuf;
 //   sample_hist      several blocks per row: per-bin count / weight, the min-p mass, and the
 //                    pieces of the raw log-sum-exp (for logprobs);
 //   sample_final     one block per row: the cuts, the draw, the outputs; it leaves the per-row
@@ -38,12 +44,18 @@
 #define PW_SEED 9                   // two words, low first
 #define PW_STEP 11                  // two words, low first
 #define PW_TOKIN 13                 // token fed to this step, counted as generated; -1: none
+#define PW_MASK 14                  // row of the step's packed masks (with F_MASK)
+#define PW_BIAS 15                  // offset of the row's bias in the step's packed biases (with F_BIAS):
+                                    // [n, ids[n], float32 bits of the values[n]]
 
 #define F_GREEDY 1
 #define F_PEN 2
 #define F_LP 4
 #define F_TOPP 8
 #define F_MINP 16
+#define F_MASK 32
+#define F_BIAS 64
+#define F_ZBUF (F_PEN | F_MASK | F_BIAS)   // sample_prep writes the row's logits into zbuf
 
 #define FULL_MASK 0xffffffffu
 
@@ -243,26 +255,47 @@ __device__ __forceinline__ int first_at(const T* a, int n, u64 t, bool ge) {
 
 // ------------------------------------------------------------------ 1. penalties and the max
 
-// grid (G, rows): block g of row r handles [g * slice, (g + 1) * slice)
+__device__ __forceinline__ bool mask_allows(const u32* mk, int i) { return (mk[i >> 5] >> (i & 31)) & 1u; }
+
+// grid (G, rows): block g of row r handles [g * slice, (g + 1) * slice).
+// masks: [.., mwords] the step's packed allowed-token bitmasks; bias: the step's packed biases.
 extern "C" __global__ void sample_prep(const float* __restrict__ logits, int ld, int V,
                                        const int* __restrict__ params, int* __restrict__ counts,
+                                       const u32* __restrict__ masks, int mwords, const int* __restrict__ bias,
                                        float* __restrict__ zbuf, u64* __restrict__ rowmax, int slice) {
     __shared__ u64 tmp[33];
     int r = blockIdx.y;
     const int* P = params + r * SAMPLE_PW;
     int flags = P[PW_FLAGS];
     bool greedy = flags & F_GREEDY, pen = flags & F_PEN;
-    if (greedy && !pen) return;        // the forward pass's argmax is the answer
+    if (greedy && !(flags & F_ZBUF)) return;   // the forward pass's argmax is the answer
     const float* x = logits + (long long)r * ld;
     int* cnt = counts + (long long)P[PW_SLOT] * V;
     float* z = zbuf + (long long)r * V;
+    const u32* mk = (flags & F_MASK) ? masks + (long long)P[PW_MASK] * mwords : nullptr;
+    const int* bl = (flags & F_BIAS) ? bias + P[PW_BIAS] : nullptr;
     int tin = P[PW_TOKIN];
     float inv_t = __int_as_float(P[PW_INVT]), rep = __int_as_float(P[PW_REP]);
     float freq = __int_as_float(P[PW_FREQ]), pres = __int_as_float(P[PW_PRES]);
     int lo = blockIdx.x * slice, hi = min(V, lo + slice);
+    if (bl) {
+        // the biased tokens are anywhere in the slice: first the masked logits into zbuf, then
+        // the biases added there (ids are unique: one writer each), then the pass below reads zbuf
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x)
+            z[i] = (mk && !mask_allows(mk, i)) ? -INFINITY : x[i];
+        __syncthreads();
+        int nb = bl[0];
+        for (int j = threadIdx.x; j < nb; j += blockDim.x) {
+            int id = bl[1 + j];
+            if (id >= lo && id < hi) z[id] = __fadd_rn(z[id], __int_as_float(bl[1 + nb + j]));
+        }
+        __syncthreads();
+    }
     u64 best = 0;
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        float v = x[i];
+        float v;
+        if (bl) v = z[i];
+        else v = (mk && !mask_allows(mk, i)) ? -INFINITY : x[i];
         if (pen) {
             int c = cnt[i];
             if (i == tin) {            // the one thread that owns it: no other reader this step
@@ -277,7 +310,7 @@ extern "C" __global__ void sample_prep(const float* __restrict__ logits, int ld,
             key = ((u64)fkey(v) << 32) | (u64)(0xFFFFFFFFu - (u32)i);
         } else {
             v = make_z(v, inv_t);
-            if (pen) z[i] = v;
+            if (flags & F_ZBUF) z[i] = v;
             key = (u64)fkey(v) << 32;
         }
         best = best > key ? best : key;
@@ -305,7 +338,7 @@ extern "C" __global__ void sample_hist(const float* __restrict__ logits, int ld,
     const float* x = logits + (long long)r * ld;
     RowIn R;
     R.x = x;
-    R.z = (flags & F_PEN) ? zbuf + (long long)r * V : nullptr;
+    R.z = (flags & F_ZBUF) ? zbuf + (long long)r * V : nullptr;
     R.inv_t = __int_as_float(P[PW_INVT]);
     bool hist = !(flags & F_GREEDY);
     if (hist) {
@@ -592,7 +625,7 @@ sample_final(const float* __restrict__ logits, int ld, int V, const int* __restr
     int tok = 0;
     if (flags & F_GREEDY) {
         if (threadIdx.x == 0) {
-            if (flags & F_PEN) {
+            if (flags & F_ZBUF) {       // the argmax of the changed logits, from sample_prep
                 tok = (int)(0xFFFFFFFFu - (u32)rowmax[r]);
                 rowmax[r] = 0;
             } else {
@@ -604,7 +637,7 @@ sample_final(const float* __restrict__ logits, int ld, int V, const int* __restr
         F.V = V;
         F.cap = cap;
         F.R.x = x;
-        F.R.z = (flags & F_PEN) ? zbuf + (long long)r * V : nullptr;
+        F.R.z = (flags & F_ZBUF) ? zbuf + (long long)r * V : nullptr;
         F.R.inv_t = __int_as_float(P[PW_INVT]);
         F.R.m = row_max(rowmax, r);
         F.cw = dyn;

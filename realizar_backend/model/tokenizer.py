@@ -384,6 +384,10 @@ class Tokenizer:
     def detokenizer(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as HF tokenizer.json text (what llguidance builds its vocabulary from)."""
+        return self._tk.to_str()
+
     # ------------------------------------------------------------------ chat templates
     @property
     def has_chat_template(self) -> bool:
@@ -404,7 +408,7 @@ class Tokenizer:
             if not isinstance(m, Mapping):
                 raise RequestError(f"every message must be an object, got {type(m).__name__}", param="messages")
             # A None value (OpenAI's content=None, tool_calls=None) is dropped, as transformers does.
-            chat.append(alias_reasoning(plain({k: v for k, v in m.items() if v is not None})))
+            chat.append(alias_reasoning(_tool_call_arguments(plain({k: v for k, v in m.items() if v is not None}))))
         context = {**self.special_tokens, **plain(kwargs), "messages": chat, "tools": plain(kwargs.get("tools")),
                    "documents": plain(kwargs.get("documents")), "add_generation_prompt": add_generation_prompt}
         if self._renderer is None:
@@ -437,6 +441,28 @@ def _has_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def _tool_call_arguments(message: dict) -> dict:
+    """OpenAI sends a tool call's arguments as a JSON string; templates write them with `tojson`
+    and expect the object (as transformers documents), so a string that parses becomes it."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        nested = isinstance(call, dict) and isinstance(call.get("function"), dict)
+        fn = call["function"] if nested else call
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                parsed = json.loads(fn["arguments"])
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fn = {**fn, "arguments": parsed}
+                call = {**call, "function": fn} if nested else fn
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 # ---------------------------------------------------------------------- streaming

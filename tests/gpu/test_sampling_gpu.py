@@ -1,7 +1,8 @@
 """GPU sampling (kernels/sampling.cu through backends/cuda/sampling.py) against the NumPy twin
 (backends/sampling.py) on fresh random logits: same tokens (the twin is bit-exact by design; any
 disagreement must sit on a CDF boundary), device token counts for the penalties, logprobs,
-outputs poisoned before every launch and the per-row scratch left zeroed; then the whole engine
+outputs poisoned before every launch and the per-row scratch left zeroed, constrained rows (masks
+and logit biases) among plain ones; then the whole engine
 on the CUDA backend: seeded requests reproduce and greedy output is unchanged."""
 
 from __future__ import annotations
@@ -138,6 +139,97 @@ def test_penalties_with_device_counts(kernels, rng):
         fed = [int(t) for t in toks]
     for slot in slots:
         assert np.array_equal(s.counts[slot].get(), host[slot])
+
+
+def _mask_words(allowed):
+    from realizar_backend.backends.sampling import mask_words
+    words = np.zeros(mask_words(allowed.size) * 4, np.uint8)
+    packed = np.packbits(allowed, bitorder="little")
+    words[:packed.size] = packed
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("V", [1000, 32001, 151936, 262144])
+def test_constrained_rows_match_twin(kernels, rng, V):
+    """Rows with an allowed-token mask (grammar), a logit bias, both, and with penalties, beside
+    plain rows: the GPU draws the twin's token, never a masked one, and the plain rows draw what
+    they draw in a batch without constrained rows."""
+    import cupy
+
+    from realizar_backend.backends.base import LogitBias
+    from realizar_backend.backends.sampling import allowed_tokens
+    s = sampler(V)
+    stream = cupy.cuda.get_current_stream()
+    for rep in range(3):
+        logits = llm_like(rng, MAX_ROWS, V)
+        best = np.argmax(logits, axis=1)
+
+        def mask(r, density):
+            allowed = rng.random(V) < density
+            allowed[best[r]] = False                 # the raw favourite is forbidden
+            allowed[rng.integers(0, V)] = True
+            return _mask_words(allowed)
+
+        def bias(n):
+            n = min(n, V // 2)
+            return LogitBias(rng.choice(V, n, replace=False).astype(np.int32),
+                             rng.uniform(-100, 100, n).astype(np.float32))
+
+        kinds = [dict(temperature=0.0, mask=mask(0, 0.3)), dict(temperature=0.8, top_p=0.9, mask=mask(1, 0.001)),
+                 dict(), dict(top_k=40, logit_bias=bias(300)), dict(temperature=0.0),
+                 dict(temperature=0.0, logit_bias=LogitBias(np.array([V - 1], np.int32), np.array([100.0], np.float32))),
+                 dict(min_p=0.05, mask=mask(6, 0.5), logit_bias=bias(1024), repetition_penalty=1.2, logprobs=True),
+                 dict(temperature=0.0, mask=mask(7, 0.02), frequency_penalty=0.5)]
+        rows = [SampleRow(seed=int(rng.integers(0, 2 ** 63)), step=rep, **k) for k in kinds]
+        slots = list(range(MAX_ROWS))
+        fed = [int(t) for t in rng.integers(0, V, MAX_ROWS)]
+        host = np.zeros((MAX_ROWS, V), np.int32)
+        for i, row in enumerate(rows):
+            if row.penalties:
+                s.reset_counts(slots[i], np.zeros(0, np.int32), stream)
+                host[i, fed[i]] += 2
+        toks, top, lp, top_lp = gpu_sample(kernels, s, logits, rows, slots, fed)
+        for i, row in enumerate(rows):
+            want = sample_logits(logits[i], row, host[i] if row.penalties else None)
+            if row.mask is not None:
+                assert allowed_tokens(row.mask, V)[toks[i]], (V, i)
+            if toks[i] != want:
+                dr = draw_detail(logits[i], row, host[i] if row.penalties else None)
+                assert dr is not None and dr.boundary_distance() < 1e-6, (V, i, toks[i], want)
+                print(f"near-tie disagreement V={V} row {i}: gpu {toks[i]} twin {want}")
+        plain = [i for i, r in enumerate(rows) if not r.constrained and not r.penalties]
+        alone = gpu_sample(kernels, s, logits[plain], [rows[i] for i in plain])[0]
+        assert alone.tolist() == [int(toks[i]) for i in plain]
+
+
+def test_sampling_time(kernels, rng):
+    """Per-step time of the sampling launches at vocab 151,936 (printed, not asserted)."""
+    import cupy
+    V = 151936
+    s = sampler(V)
+    x = cupy.asarray(llm_like(rng, MAX_ROWS, V))
+    am = cupy.zeros(MAX_ROWS, cupy.int32)
+    from realizar_backend.backends.cuda import ops
+    ops.argmax_rows(kernels, x.data.ptr, V, V, am.data.ptr, MAX_ROWS)
+    stream = cupy.cuda.get_current_stream()
+    full = _mask_words(np.ones(V, bool))
+    for name, kw in [("top_p=0.9 T=0.7", dict(top_p=0.9, temperature=0.7)), ("plain T=1", dict()),
+                     ("top_k=50 + penalties", dict(top_k=50, repetition_penalty=1.1)),
+                     ("greedy + mask", dict(temperature=0.0, mask=full)),
+                     ("top_p=0.9 T=0.7 + mask", dict(top_p=0.9, temperature=0.7, mask=full))]:
+        for n in (1, 8):
+            rows = [SampleRow(seed=i, step=0, **kw) for i in range(n)]
+            for _ in range(3):
+                s.launch(x.data.ptr, V, am.data.ptr, rows, list(range(n)), [0] * n, stream)
+            stream.synchronize()
+            t0, t1 = cupy.cuda.Event(), cupy.cuda.Event()
+            t0.record(stream)
+            for _ in range(20):
+                s.launch(x.data.ptr, V, am.data.ptr, rows, list(range(n)), [0] * n, stream)
+            t1.record(stream)
+            t1.synchronize()
+            us = cupy.cuda.get_elapsed_time(t0, t1) * 1000 / 20
+            print(f"sampling {name}, batch {n}: {us:.1f} us per step (GPU time incl. launch gaps)")
 
 
 # ------------------------------------------------------------------ the whole engine on CUDA

@@ -4,8 +4,9 @@
 // by tests/test_sampling_emu.py, which compares the result with the NumPy twin.
 //
 // usage: sampling_emu IN OUT
-//   IN:  int32 header {V, n, slots, G, slice, cap, block_hist, block_final},
-//        float32 logits [n, V], int32 params [n, 16], int32 counts [slots, V]
+//   IN:  int32 header {V, n, slots, G, slice, cap, block_hist, block_final, mask_rows, bias_words},
+//        float32 logits [n, V], int32 params [n, 16], int32 counts [slots, V],
+//        int32 masks [mask_rows, ceil(V / 32)], int32 biases [bias_words]
 //   OUT: int32 out [n, 4], int32 counts [slots, V]
 #include <algorithm>
 #include <atomic>
@@ -149,14 +150,19 @@ int main(int argc, char** argv) {
     if (argc != 3) return 2;
     FILE* f = std::fopen(argv[1], "rb");
     if (!f) return 2;
-    int h[8];
-    if (std::fread(h, 4, 8, f) != 8) return 2;
+    int h[10];
+    if (std::fread(h, 4, 10, f) != 10) return 2;
     int V = h[0], n = h[1], slots = h[2], G = h[3], slice = h[4], cap = h[5], bh = h[6], bf = h[7];
+    int mwords = (V + 31) / 32, mask_rows = h[8], bias_words = h[9];
     std::vector<float> logits((size_t)n * V);
     std::vector<int> params((size_t)n * SAMPLE_PW), counts((size_t)slots * V);
+    std::vector<u32> masks((size_t)std::max(mask_rows, 1) * mwords, 0xA5A5A5A5u);
+    std::vector<int> bias(std::max(bias_words, 1), 0x7fc00000);
     if (std::fread(logits.data(), 4, logits.size(), f) != logits.size()) return 2;
     if (std::fread(params.data(), 4, params.size(), f) != params.size()) return 2;
     if (std::fread(counts.data(), 4, counts.size(), f) != counts.size()) return 2;
+    if (std::fread(masks.data(), 4, (size_t)mask_rows * mwords, f) != (size_t)mask_rows * mwords) return 2;
+    if (std::fread(bias.data(), 4, bias_words, f) != (size_t)bias_words) return 2;
     std::fclose(f);
 
     // the forward pass's argmax_rows: first index of the max, NaN never wins
@@ -177,7 +183,8 @@ int main(int argc, char** argv) {
     std::vector<int> out((size_t)n * 4, 0x7fc00000);
 
     launch(dim3e{(unsigned)G, (unsigned)n, 1}, bh, 0, [&] {
-        sample_prep(logits.data(), V, V, params.data(), counts.data(), zbuf.data(), rowmax.data(), slice);
+        sample_prep(logits.data(), V, V, params.data(), counts.data(), masks.data(), mwords, bias.data(), zbuf.data(),
+                    rowmax.data(), slice);
     });
     launch(dim3e{(unsigned)G, (unsigned)n, 1}, bh, SAMPLE_NB * 12, [&] {
         sample_hist(logits.data(), V, V, params.data(), zbuf.data(), rowmax.data(), hcnt.data(),

@@ -5,6 +5,8 @@ and seed). A step is up to three launches on the caller's stream after the forwa
 small copy back: token, raw argmax and two logprobs per row (16 bytes), never the logits.
 Everything the kernels keep between steps lives here at fixed addresses: per-slot token counts
 for the penalties, and per-row scratch that sample_final leaves zeroed for the next step.
+Constrained rows (an allowed-token bitmask, a logit bias) have theirs packed and uploaded with
+the step's parameters, in one copy each; a step without them copies and reads nothing more.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Sequence
 import cupy
 import numpy as np
 
-from ..sampling import PARAM_WORDS, kernel_params
+from ..sampling import BIAS_ROW_WORDS, PARAM_WORDS, kernel_params, mask_words, pack_bias, pack_masks
 from ..base import SampleRow
 from .modules import load_module
 
@@ -61,11 +63,18 @@ class GpuSampler:
             self.lsep = cupy.zeros((max_rows, self.G, 2), cupy.float32)
             self.zbuf = cupy.empty((max_rows, vocab), cupy.float32)
             self.counts = cupy.zeros((max_slots, vocab), cupy.int32)
+            self.mwords = mask_words(vocab)
+            self.masks = cupy.zeros((max_rows, self.mwords), cupy.int32)
+            self.bias = cupy.zeros(max_rows * BIAS_ROW_WORDS, cupy.int32)
         # pinned host buffers: the per-step copies are true async copies
         self._p_mem = cupy.cuda.alloc_pinned_memory(self.params.nbytes)
         self._p_host = np.frombuffer(self._p_mem, np.int32, self.params.size).reshape(self.params.shape)
         self._o_mem = cupy.cuda.alloc_pinned_memory(self.out.nbytes)
         self._o_host = np.frombuffer(self._o_mem, np.int32, self.out.size).reshape(self.out.shape)
+        self._m_mem = cupy.cuda.alloc_pinned_memory(self.masks.nbytes)
+        self._m_host = np.frombuffer(self._m_mem, np.int32, self.masks.size).reshape(self.masks.shape)
+        self._b_mem = cupy.cuda.alloc_pinned_memory(self.bias.nbytes)
+        self._b_host = np.frombuffer(self._b_mem, np.int32, self.bias.size)
         self._asked = np.zeros(max_rows, bool)      # rows of the last launch that want logprobs
         log.info("gpu sampler: vocab %d, %d blocks per row, gathers up to %d tokens per row in shared memory",
                  vocab, self.G, cap)
@@ -88,7 +97,7 @@ class GpuSampler:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.params, self.out, self.hcnt, self.hw, self.rowmax, self.zmass,
-                                      self.lsep, self.zbuf, self.counts))
+                                      self.lsep, self.zbuf, self.counts, self.masks, self.bias))
 
     def reset_counts(self, slot: int, prompt: np.ndarray, stream: cupy.cuda.Stream,
                      generated: np.ndarray | None = None) -> None:
@@ -113,11 +122,15 @@ class GpuSampler:
                tokens_in: Sequence[int] | None, stream: cupy.cuda.Stream) -> None:
         """Sample rows[i] from logits row i (device pointer, row stride ld floats); argmax: the raw
         argmax per row (int32 device pointer, the forward pass's). tokens_in[i] is counted for rows
-        with penalties before they apply. Results stay on the device until `fetch`."""
+        with penalties before they apply. The rows' masks and biases are copied out before this
+        returns (the caller may reuse them). Results stay on the device until `fetch`."""
         n = len(rows)
         if not 0 < n <= self.max_rows:
             raise ValueError(f"{n} rows; this sampler takes 1..{self.max_rows}")
         self._p_host[:n] = kernel_params(rows, self.V, slots, tokens_in)
+        constrained = any(r.constrained for r in rows)
+        n_masks = pack_masks(rows, self._m_host) if constrained else 0
+        n_bias = pack_bias(rows, self._b_host) if constrained else 0
         self._asked[:n] = [r.logprobs for r in rows]
         P, z, rm = _U64(self.params.data.ptr), _U64(self.zbuf.data.ptr), _U64(self.rowmax.data.ptr)
         x, V, ldi, sl = _U64(logits), _I32(self.V), _I32(ld), _I32(self.slice)
@@ -125,8 +138,14 @@ class GpuSampler:
         grid = (self.G, n)
         with stream:   # launches go to the current stream
             self.params[:n].set(self._p_host[:n], stream=stream)
-            if any(r.penalties or not r.greedy for r in rows):
-                self._fn("sample_prep")(grid, (PREP_THREADS,), (x, ldi, V, P, _U64(self.counts.data.ptr), z, rm, sl))
+            if n_masks:
+                self.masks[:n_masks].set(self._m_host[:n_masks], stream=stream)
+            if n_bias:
+                self.bias[:n_bias].set(self._b_host[:n_bias], stream=stream)
+            if constrained or any(r.penalties or not r.greedy for r in rows):
+                self._fn("sample_prep")(grid, (PREP_THREADS,), (x, ldi, V, P, _U64(self.counts.data.ptr),
+                                                                _U64(self.masks.data.ptr), _I32(self.mwords),
+                                                                _U64(self.bias.data.ptr), z, rm, sl))
             if any(r.logprobs or not r.greedy for r in rows):
                 self._fn("sample_hist")(grid, (PREP_THREADS,), (x, ldi, V, P, z, rm, hc, hw, zm, ls, sl),
                            shared_mem=self.smem_hist)

@@ -1,0 +1,216 @@
+"""Constrained decoding: a request's grammar (a JSON schema, any JSON object, a Lark or GBNF
+grammar, a regex, a list of choices) becomes, per sequence, the set of tokens allowed at each
+step, as a bitmask the sampling step applies (backends/sampling.py: SampleRow.mask).
+
+llguidance does the work (the grammar engine llama.cpp and vLLM use): its tokenizer is built once
+per model from ours, a request's grammar is compiled and checked once (cached by its text), and
+each constrained sequence gets a `Guide` (an llguidance matcher) that gives the mask for its next
+token and consumes the token drawn.
+
+How the engine drives a Guide (the mask for step t+1 is host work that can run while the device
+runs step t's forward pass, since it only needs step t's token):
+    guide = guidance.guide(constraint)           # at admission; compile errors were raised earlier
+    mask = guide.compute_mask()                  # the first token's mask (prefill logits)
+    token = sampler.sample(logits, mask=mask)
+    loop:
+        if not guide.consume(token): fail the sequence (cannot happen when the mask was applied)
+        if guide.finished: finish with "stop"     # the grammar is complete: only EOS could follow
+        mask = guide.compute_mask()               # <- overlaps the device's next forward pass
+        row = sampler.row(..., mask=mask); token = backend.decode_sample(..., [row, ...])
+Stop tokens (the model's EOS set) are allowed exactly when the grammar accepts, so a sequence that
+draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads.
+Sequences without a constraint have no Guide and cost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import llguidance
+import numpy as np
+
+from ..backends.sampling import mask_words
+from ..errors import RequestError
+
+log = logging.getLogger(__name__)
+
+# JSON is generated compact, the way json.dumps writes it: free whitespace lets a small model
+# spend its tokens on newlines and indentation (or never stop).
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_object", "json_schema", "lark", "regex", "choice")
+_WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
+         "choice": "choice list"}
+CACHE_SIZE = 256          # compiled grammars kept (by their text)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request constrains its output to.
+    kind: json_object (any JSON object), json_schema (spec: the schema, a dict), lark (spec: a
+    Lark grammar in llguidance's dialect, or GBNF), regex (spec: the pattern), choice (spec: a
+    list of strings). param: the request field it came from, named in errors."""
+    kind: str
+    spec: Any = None
+    param: str = "response_format"
+    key: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"constraint kind {self.kind!r} is not one of {KINDS}")
+        try:
+            key = json.dumps([self.kind, self.spec], sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{self.param}: not JSON data: {e}", param=self.param) from None
+        object.__setattr__(self, "key", key)
+
+
+def grammar_source(c: Constraint) -> str:
+    """llguidance's grammar for a constraint (not yet checked). ValueError for malformed input."""
+    if c.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_STYLE)
+    if c.kind == "json_schema":
+        if isinstance(c.spec, bool):     # JSON Schema allows true / false as whole schemas
+            raise ValueError("the schema must be an object")
+        if not isinstance(c.spec, (dict, str)):
+            raise ValueError("the schema must be an object")
+        # the request's own x-guidance options come after ours (defaults), so they win
+        return llguidance.LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_STYLE)
+    if c.kind == "lark":
+        if not isinstance(c.spec, str) or not c.spec.strip():
+            raise ValueError("the grammar must be a non-empty string")
+        return llguidance.grammar_from("grammar", c.spec)   # Lark, or GBNF (converted)
+    if c.kind == "regex":
+        if not isinstance(c.spec, str):
+            raise ValueError("the regex must be a string")
+        return llguidance.LLMatcher.grammar_from_regex(c.spec)
+    if not (isinstance(c.spec, list) and c.spec and all(isinstance(s, str) for s in c.spec)):
+        raise ValueError("choices must be a non-empty list of strings")
+    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in c.spec))
+
+
+class Guide:
+    """One sequence's grammar state (an llguidance matcher) and its current mask."""
+
+    def __init__(self, matcher: "llguidance.LLMatcher", words: int):
+        self._m = matcher
+        self.mask = np.zeros(words, np.int32)     # the latest compute_mask(); reused in place
+
+    def compute_mask(self) -> np.ndarray:
+        """The tokens allowed next (int32 words, SampleRow.mask's layout), into self.mask. A
+        backend copies the mask when its step starts, so the next call may overwrite it."""
+        self._m.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        return self.mask
+
+    def consume(self, token: int) -> bool:
+        """Advance past the drawn token; False if the grammar does not allow it (the matcher is
+        then in its error state: `error` says why)."""
+        return self._m.consume_token(int(token))
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and nothing but EOS may follow: end the sequence here."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete match (EOS is allowed now)."""
+        return self._m.is_accepting()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+
+class Guidance:
+    """A model's constrained decoding: llguidance's tokenizer for its vocabulary (built on first
+    use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
+        self.words = mask_words(self.vocab_size)
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache_size = cache_size
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def ll_tokenizer(self) -> "llguidance.LLTokenizer":
+        if self._ll is None:
+            with self._lock:
+                if self._ll is None:
+                    # llguidance reads the same HF tokenizer definition we tokenize with, so its
+                    # idea of every token's bytes is ours; the stop tokens act as its EOS
+                    self._ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                      eos_token=sorted(self.tokenizer.stop_ids))
+                    log.info("guidance: tokenizer of %d tokens ready", self.vocab_size)
+        return self._ll
+
+    def prewarm(self) -> None:
+        """Build llguidance's tokenizer now (0.2-3 s for 50k-260k tokens), e.g. on a thread at start-up."""
+        _ = self.ll_tokenizer
+
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one token that grammars must name as a special token (<text>)
+        rather than spell as a string: llguidance treats every added token that way."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0])
+
+    def compile(self, c: Constraint) -> str:
+        """The checked grammar of a constraint; RequestError (400, naming c.param and the
+        problem) for a malformed or unsupported one. Cached by the constraint's text."""
+        with self._lock:
+            g = self._cache.get(c.key)
+            if g is not None:
+                self._cache.move_to_end(c.key)
+                return g
+        what = _WHAT[c.kind]
+        try:
+            g = grammar_source(c)
+        except ValueError as e:
+            raise RequestError(f"{c.param}: invalid {what}: {e}", param=c.param, code="invalid_grammar") from None
+        failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g, self.ll_tokenizer)
+        if failed:
+            raise RequestError(f"{c.param}: this {what} cannot be used: {_first_line(msgs)}",
+                               param=c.param, code="invalid_grammar")
+        for m in msgs:
+            log.debug("guidance: %s warning: %s", what, m)
+        with self._lock:
+            self._cache[c.key] = g
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return g
+
+    def guide(self, c: Constraint) -> Guide:
+        """A new sequence's Guide (compiles, or takes the cached grammar)."""
+        m = llguidance.LLMatcher(self.ll_tokenizer, self.compile(c), log_level=0)
+        if m.is_error():   # compile() checked the grammar: only a resource limit gets here
+            raise RequestError(f"{c.param}: this {_WHAT[c.kind]} cannot be used: {m.get_error()}",
+                               param=c.param, code="invalid_grammar")
+        return Guide(m, self.words)
+
+    def fill_masks(self, guides: Sequence[Guide], out: np.ndarray) -> np.ndarray:
+        """Every guide's next mask at once, on llguidance's threads: guides[i]'s into out[i]
+        (int32 [>= len(guides), words], C-contiguous)."""
+        if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != self.words or not out.flags.c_contiguous \
+                or out.shape[0] < len(guides):
+            raise ValueError(f"out must be C-contiguous int32 [>= {len(guides)}, {self.words}]")
+        if len(guides) == 1:
+            guides[0]._m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
+            return out
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(guides)], out.ctypes.data,
+                                               self.words * 4, out.shape[0])
+        return out
+
+
+def _first_line(msgs: list[str]) -> str:
+    msg = (msgs[0] if msgs else "unknown error").strip()
+    return " ".join(msg.split()) if len(msg) < 400 else " ".join(msg[:400].split()) + " ..."
