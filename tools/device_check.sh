@@ -86,7 +86,8 @@ fi
 # ---------------------------------------------------------------- kernel benchmarks
 if has kbench; then
   python3 tools/mmq_bench.py --json /tmp/bench/k_mmq.json 2>&1 | tail -60 || echo "mmq_bench failed"
-  python3 tools/attn_bench.py --json /tmp/bench/k_attn.json 2>&1 | tail -40 || echo "attn_bench failed"
+  python3 tools/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
+  tail -40 /tmp/attn_bench.txt
   python3 - "$OUT" <<'PY'
 import json, sys, os
 out = {}
