@@ -9,7 +9,7 @@
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
 #   tests    pytest -m gpu over $PYTEST_PATHS (default tests/gpu), no -x: the full report
-#   kbench   the kernel benchmarks: tools/mmq_bench.py, tools/attn_bench.py
+#   kbench   the kernel benchmarks ($KBENCH, default both): tools/mmq_bench.py ($MMQ_BENCH_ARGS), tools/attn_bench.py
 #   bench    `realizar bench` on each twin (pp512, tg128) and on qwen15 at every batch of $BATCHES
 #            (128-token prompts, 128 new tokens each), and at depth ($DEPTHS) for issue 19's figures
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
@@ -85,9 +85,13 @@ fi
 
 # ---------------------------------------------------------------- kernel benchmarks
 if has kbench; then
-  python3 tools/mmq_bench.py --json /tmp/bench/k_mmq.json 2>&1 | tail -60 || echo "mmq_bench failed"
-  python3 tools/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
-  tail -40 /tmp/attn_bench.txt
+  if [[ " ${KBENCH:-mmq attn} " == *" mmq "* ]]; then
+    python3 tools/mmq_bench.py ${MMQ_BENCH_ARGS:-} --json /tmp/bench/k_mmq.json 2>&1 | tail -70 || echo "mmq_bench failed"
+  fi
+  if [[ " ${KBENCH:-mmq attn} " == *" attn "* ]]; then
+    python3 tools/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
+    tail -40 /tmp/attn_bench.txt
+  fi
   python3 - "$OUT" <<'PY'
 import json, sys, os
 out = {}
