@@ -99,6 +99,10 @@ class Settings:
     # of redoing that in each prefill (qwen15 pp512: 2.5 of 19.8 ms): "on", "off", or "auto" (on
     # when the copy takes at most a quarter of the device memory free at start)
     prefill_weight_cache: str = "auto"
+    # decode steps of many rows (buckets of 8+): the tensor-core matrix multiply on the quantized
+    # blocks ("mmq"), or from 16 rows the split16 GEMMs on the prefill's kept split weights
+    # ("split16": 4 bytes a weight per step, read at GEMM speed; needs prefill_weight_cache)
+    batched_decode: str = "mmq"
     # attention kernels of the CUDA path: "flash" (tensor cores: tiled flash attention for prompts,
     # flash-decoding split over the sequence for long decode rows) or "classic" (CUDA cores: one
     # block per row and head for decode, 16-row tiles for prompts)
@@ -184,6 +188,7 @@ class Settings:
         one_of("decode_activations", "int8", "int8-fp32-down", "fp32")
         one_of("prefill_precision", "split16", "fp32", "fp16")
         one_of("attention", "flash", "classic")
+        one_of("batched_decode", "mmq", "split16")
         one_of("prefill_weight_cache", "auto", "on", "off")
         if self.log_level.upper() not in _LOG_LEVELS:
             raise self._bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")

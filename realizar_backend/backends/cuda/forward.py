@@ -38,6 +38,9 @@ GEMM_MIN_TOKENS = 16
 # decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
 # which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
 MMQ_MIN_ROWS = 8
+# with Settings.batched_decode "split16", decode steps of this many rows or more run the prefill's
+# split16 GEMMs on its kept split weights
+SPLIT16_MIN_ROWS = 16
 
 
 class Forward:
@@ -54,6 +57,8 @@ class Forward:
         self.gemv = GemvProjections(self.ctx, settings.decode_activations)
         self.gemm = GemmProjections(self.ctx, settings.prefill_precision, settings.prefill_weight_cache)
         self.mmq = MmqProjections(self.ctx, ws.max_rows, self.gemv) if ws.max_rows >= MMQ_MIN_ROWS else None
+        self.split16_decode = (settings.batched_decode == "split16" and self.gemm.prefill == "split16"
+                               and bool(self.gemm.cached))
         int8 = settings.decode_activations != "fp32"
         self.head_q8 = ops.blocks_ok(w.output) and self.ctx.norm16 and int8
         self.head_f32 = ops.blocks_ok(w.output)
@@ -164,14 +169,14 @@ class Forward:
         for li, lw in enumerate(self.w.layers):
             self.block(li, lw, p, T, pos, slots, decode)
 
-    def head(self, rows: cupy.ndarray, n: int, io: cupy.ndarray | None = None, p: Projections | None = None) -> None:
-        """Final norm + LM head + greedy argmax for rows[:n] -> ws.logits, ws.argmax; io: the decode
-        inputs (ws.dec_io), which also receive the argmax tokens and advanced positions. p: the
-        step's projections (the tensor-core LM head for a batched decode step)."""
+    def head(self, rows: cupy.ndarray, n: int, io: cupy.ndarray | None = None) -> None:
+        """Final norm + LM head + greedy argmax for rows[:n] -> ws.logits, ws.argmax (MMQ_MIN_ROWS rows
+        or more: on the tensor cores, mmq.py); io: the decode inputs (ws.dec_io), which also receive
+        the argmax tokens and advanced positions."""
         c, ws, g = self.c, self.ws, self.gemv
         feed = (io.data.ptr, io.shape[1], *self.token_ring) if io is not None else (0, 0, 0, 0)
-        if p is self.mmq and p is not None and p.head_ok:
-            p.head(rows, n, self.w.output_norm, ws.logits, self.am_key.data.ptr)
+        if self.mmq is not None and n >= MMQ_MIN_ROWS and self.mmq.head_ok:
+            self.mmq.head(rows, n, self.w.output_norm, ws.logits, self.am_key.data.ptr)
             ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
             return
         if self.head_q8:
@@ -196,9 +201,17 @@ class Forward:
         The step ends by writing its argmax tokens and the next positions into ws.dec_io[0/1]: the
         next step's inputs when the host feeds none."""
         io = self.ws.dec_io
-        p = self.mmq if self.mmq is not None and b >= MMQ_MIN_ROWS else self.gemv
+        p = self.decode_projections(b)
         self.layers(p, b, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
-        self.head(self.ws.x, b, io, p)
+        self.head(self.ws.x, b, io)
+
+    def decode_projections(self, b: int) -> Projections:
+        """How a decode step of b rows runs its projections (fixed per bucket: captured once)."""
+        if self.split16_decode and b >= SPLIT16_MIN_ROWS:
+            return self.gemm
+        if self.mmq is not None and b >= MMQ_MIN_ROWS:
+            return self.mmq
+        return self.gemv
 
     def prefill_step(self, T: int, n_items: int, max_pos: int) -> None:
         """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row;
