@@ -55,7 +55,7 @@ def test_batched_rows_match_the_oracle(name, mode, rng):
     print(f"{name} [{mode}] {ROWS} rows: decode cos min {cos.min():.6f} median {np.median(cos):.7f}; "
           f"graphs {st['graph_status']}")
     _assert_parity(name, cos, COS_MIN)
-    assert 32 in st["graph_status"]
+    assert any(k.startswith("32") for k in st["graph_status"])
 
 
 @pytest.mark.parametrize("mode", ["mmq", "split16"])

@@ -78,7 +78,7 @@ def test_real_smollm2_greedy_graphs_off_equals_cpu():
     st = gpu.stats()["graph_status"]
     gpu.close()
     print(f"greedy cpu {tc}\ngreedy gpu (graphs off) {tg}")
-    assert st.get(1) == "disabled"
+    assert st.get("1") == "disabled"
     assert tc == tg
 
 
@@ -166,6 +166,25 @@ def test_graph_counters_count(rng):
         toks = gpu.decode_argmax([0, 1, 2], toks, [5 + i] * 3).tolist()
     gpu.decode_argmax([0], toks[:1], [11])   # bucket 1: one capture, no replay yet
     st = gpu.stats()
-    assert st["graph_status"] == {1: "captured", 4: "captured"}
+    assert st["graph_status"] == {"1": "captured", "4": "captured"}      # short rows: attention.cu
     assert (st["graph_captures"], st["graph_replays"]) == (2, 5)
     gpu.close()
+
+
+def test_long_rows_replay_their_own_graph(rng):
+    """Rows deep in their context take the long-row attention (flash-decoding): a graph of its own
+    per bucket ("N-long"), whose replay gives the eager step's logits bit for bit."""
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.backends.cuda.backend import LONG_ATTENTION_POS
+    from realizar_backend.settings import Settings
+    model = _model("qwen05")
+    V = model.config.vocab_size
+    n = LONG_ATTENTION_POS + 100
+    gpu = contiguous_tables(CUDABackend(model, max_slots=2, max_context=n + 8, settings=Settings(self_check=False)))
+    gpu.prefill([PrefillItem(s, rng.integers(0, V, n).astype(np.int32)) for s in range(2)])
+    eager, replay = gpu.graph_ab_check([0, 1], [int(t) for t in rng.integers(0, V, 2)], [n, n])
+    st = gpu.stats()["graph_status"]
+    gpu.close()
+    assert st.get("2-long") == "captured", st
+    assert np.array_equal(eager, replay), f"max diff {np.abs(eager - replay).max()}"

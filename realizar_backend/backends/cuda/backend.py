@@ -18,6 +18,7 @@ from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow
 from . import pdl
 from .forward import Forward
+from .graphs import DecodeGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .sampling import GpuSampler
@@ -28,6 +29,11 @@ from .workspace import Workspace, next_pow2
 log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = 512   # initial prefill capacity per step; the workspace grows past it on demand
+# decode steps take the long-row attention (flash-decoding, split over the sequence) from this many
+# rows, or when a row is this deep in its context; below both, attention.cu's one block per row and
+# head is faster (H100, qwen15 shapes: 5.7 us a layer at depth 128, batch 1, against 8.6)
+LONG_ATTENTION_ROWS = 16
+LONG_ATTENTION_POS = 384
 
 
 class CUDABackend:
@@ -63,16 +69,12 @@ class CUDABackend:
         self.block_size = self.settings.block_size
         self.num_blocks = self._pool_blocks()
         self.kv = self.fwd.kv = KVCache(c, self.num_blocks, self.block_size, self.max_slots, self.max_context)
-        self.graphs: dict[int, Any] = {}
         # programmatic dependent launches inside the decode graphs (sm_90+, pdl.py)
-        self.pdl = (self.settings.cuda_graphs and self.settings.programmatic_launch
-                    and int(self.device.compute_capability) >= 90 and pdl.launcher() is not None)
-        self.graph_status: dict[int, str] = {b: ("disabled" if not self.settings.cuda_graphs else "pending")
-                                             for b in self.buckets}
-        self.graph_replays = 0
-        self.graph_captures = 0
-        self._warned_fallback = False
-        self.ws.listeners.append(self._drop_graphs)
+        use_pdl = (self.settings.cuda_graphs and self.settings.programmatic_launch
+                   and int(self.device.compute_capability) >= 90 and pdl.launcher() is not None)
+        self.graphs = DecodeGraphs(self.stream, self.fwd.decode_step, self.settings.cuda_graphs,
+                                   lambda on: setattr(self.fwd, "pdl", on), use_pdl)
+        self.ws.listeners.append(self.graphs.drop)
         # pinned host buffers: the per-step copies in and out are true async copies
         self._io_mem = cupy.cuda.alloc_pinned_memory(self.ws.dec_io.nbytes)
         self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
@@ -112,59 +114,10 @@ class CUDABackend:
         return [t for n, t in model.tensors.items() if len(t.shape) == 2]
 
     # ------------------------------------------------------------ graphs
-    def _drop_graphs(self) -> None:
-        self.stream.synchronize()        # a step started ahead may still be replaying one of them
-        self.graphs.clear()
-        for b, s in self.graph_status.items():
-            if s == "captured":
-                self.graph_status[b] = "pending"
-
-    def _capture(self, b: int):
-        """The decode step of bucket b as a graph; with programmatic dependent launches where they
-        are on, and without them (for good, said once) if such a capture fails."""
-        while True:
-            self.fwd.pdl = self.pdl
-            try:
-                # relaxed (CuPy's default, said here on purpose): kernel modules of other families may
-                # finish loading on the compile threads meanwhile (modules.py)
-                self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-                try:
-                    self.fwd.decode_step(b)
-                finally:
-                    graph = self.stream.end_capture()
-                return graph
-            except Exception as e:
-                if not self.pdl:
-                    raise
-                log.warning("decode graph capture with programmatic dependent launches failed (%s): "
-                            "capturing plain launches", e)
-                self.pdl = False
-            finally:
-                self.fwd.pdl = False
-
-    def _run_decode(self, b: int) -> None:
-        status = self.graph_status[b]
-        if status == "captured":
-            self.graphs[b].launch(self.stream)
-            self.graph_replays += 1
-            return
-        if status == "pending":
-            # run once eagerly (its results are this step's), then capture for the next steps;
-            # replaying the capture needs nothing from this step but the buffers it reads
-            self.fwd.decode_step(b)      # also loads every kernel the step launches
-            try:
-                self.graphs[b] = self._capture(b)
-                self.graph_status[b] = "captured"
-                self.graph_captures += 1
-                log.info("cuda graph captured for decode bucket %d%s", b,
-                         " (programmatic dependent launches)" if self.pdl else "")
-            except Exception as e:  # capture unsupported here: eager from now on, said once
-                self.graph_status[b] = "eager-fallback"
-                if not self._warned_fallback:
-                    log.warning("cuda graph capture failed (bucket %d): %s; decode runs eager", b, e)
-                    self._warned_fallback = True
-            return
-        self.fwd.decode_step(b)
+    def _long(self, b: int, positions: Sequence[int]) -> bool:
+        """Whether a decode step's attention takes the long-row kernels (flash-decoding): batches
+        of many rows, or any row deep in its context."""
+        return self.fwd.flash and (b >= LONG_ATTENTION_ROWS or max(positions) >= LONG_ATTENTION_POS)
 
     # ------------------------------------------------------------ protocol
     def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
@@ -227,7 +180,7 @@ class CUDABackend:
         io[0, :n], io[1, :n], io[2, :n] = tokens, positions, slots
         self.ws.dec_io.set(io, stream=self.stream)
         self._io_copied.record(self.stream)
-        self._run_decode(b)
+        self.graphs.run(b, self._long(b, positions))
         self._last_step = (b, [int(s) for s in slots], [int(p) for p in positions])
         return n
 
@@ -255,7 +208,7 @@ class CUDABackend:
                 for s, p in zip(sl, pos):
                     self._check(s, p)
                 self.token_ring.before_step(continues=True)
-                self._run_decode(b)
+                self.graphs.run(b, self._long(b, pos))
                 self._last_step = (b, sl, pos)
             else:
                 self._decode(slots, tokens, positions)
@@ -293,14 +246,13 @@ class CUDABackend:
             n = self._decode(slots, tokens, positions)          # captures if pending
             inputs = cupy.asarray(self._io_host)                # each step advances dec_io: restore it
             b = next(x for x in self.buckets if x >= n)
+            long = self._long(b, positions)
             self.ws.dec_io[...] = inputs
-            self.fwd.decode_step(b)
+            self.fwd.decode_step(b, long)
             eager = self.ws.logits[:n].get()
-            if self.graph_status[b] != "captured":
-                raise RuntimeError(f"bucket {b} has no captured graph ({self.graph_status[b]})")
             self.ws.logits.fill(float("nan"))
             self.ws.dec_io[...] = inputs
-            self.graphs[b].launch(self.stream)
+            self.graphs.replay(b, long)
             replay = self.ws.logits[:n].get()
         return eager, replay
 
@@ -311,9 +263,9 @@ class CUDABackend:
     def stats(self) -> dict[str, Any]:
         free, total = cupy.cuda.runtime.memGetInfo()
         # buckets not yet run report nothing; the rest: captured | eager-fallback | disabled
-        return {"graph_status": {b: s for b, s in self.graph_status.items() if s != "pending"},
-                "graph_replays": self.graph_replays, "graph_captures": self.graph_captures,
-                "programmatic_launch": self.pdl,
+        return {"graph_status": self.graphs.report(),
+                "graph_replays": self.graphs.replays, "graph_captures": self.graphs.captures,
+                "programmatic_launch": self.graphs.pdl,
                 "pool_bytes": int(self.ws.nbytes + self.kv.nbytes + self.fwd.nbytes
                                   + (self.sampler.nbytes if self.sampler else 0)),
                 "kv_pool_bytes": int(self.kv.nbytes),

@@ -89,6 +89,7 @@ class Forward:
             self.dec_scratch.ensure(*self.dec_plans.values())
             self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
         self.max_pos = 0          # largest position of the prompt rows being run (prefill_step)
+        self.long_decode = False  # this decode step's attention: flash-decoding (long rows) or attention.cu
 
     def _prefill_plan(self, T: int, keys: int) -> "flash.Plan":
         c = self.c
@@ -137,7 +138,7 @@ class Forward:
                  self.rope_tables[li].data.ptr) if fuse_rope else None)
         args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
                 c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window)
-        if self.flash and fuse_rope:
+        if self.flash and fuse_rope and self.long_decode:
             flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, o16=o16, oq=oq, od=od,
                          pdl=self.pdl)
         elif self.flash and not oq:
@@ -196,10 +197,12 @@ class Forward:
         ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n, *feed)
 
     # ------------------------------------------------------------ whole steps
-    def decode_step(self, b: int) -> None:
+    def decode_step(self, b: int, long: bool = False) -> None:
         """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots).
-        The step ends by writing its argmax tokens and the next positions into ws.dec_io[0/1]: the
-        next step's inputs when the host feeds none."""
+        long: the rows' attention on the flash-decoding kernels (split over long sequences), else on
+        attention.cu's. The step ends by writing its argmax tokens and the next positions into
+        ws.dec_io[0/1]: the next step's inputs when the host feeds none."""
+        self.long_decode = long
         io = self.ws.dec_io
         p = self.decode_projections(b)
         self.layers(p, b, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
