@@ -55,7 +55,8 @@ def run_bench(args) -> int:
     t0 = time.perf_counter()        # load = open (mmap, parse) + backend up (upload, compile, self-check)
     mf = open_model(path)
     batch = max(1, args.batch)
-    ctx = max(args.prompt_tokens, DECODE_PRIME) + args.gen_tokens + 1
+    depth = max(DECODE_PRIME, getattr(args, "depth", 0) or 0)
+    ctx = max(args.prompt_tokens, depth) + args.gen_tokens + 1
     settings = Settings.from_env(model=path, backend=args.backend, max_num_seqs=batch + 1, context_length=ctx)
     backend = create_backend(mf, settings)
     load_s = time.perf_counter() - t0
@@ -82,13 +83,14 @@ def run_bench(args) -> int:
 
     def decode_once(steps: int) -> float:
         slots = list(range(batch))
-        for s in slots:                      # a short context to decode after
-            ids = rng.integers(0, vocab, size=DECODE_PRIME, dtype=np.int32)
-            take(s, ids, DECODE_PRIME + steps + 1)     # +1: the step the last one starts ahead
-            backend.prefill([PrefillItem(s, ids, 0)])
+        for s in slots:                      # the context to decode after (--depth; default a short one)
+            ids = rng.integers(0, vocab, size=depth, dtype=np.int32)
+            take(s, ids, depth + steps + 1)            # +1: the step the last one starts ahead
+            for a in range(0, depth, 4096):            # long contexts in chunks, as the engine runs them
+                backend.prefill([PrefillItem(s, ids[a:a + 4096], a)])
         toks = rng.integers(0, vocab, size=batch).tolist()
         t = time.perf_counter()
-        h = backend.decode_argmax_start(slots, toks, [DECODE_PRIME] * batch)
+        h = backend.decode_argmax_start(slots, toks, [depth] * batch)
         for _ in range(steps - 1):           # as the engine runs greedy steps: the next one is
             nxt = backend.decode_argmax_start(slots)      # started before this one's tokens are read
             backend.decode_argmax_finish(h)
@@ -116,7 +118,7 @@ def run_bench(args) -> int:
         "backend": backend.name, **_device_info(backend.name),
         "graph_status": stats.get("graph_status", {}),
         "programmatic_launch": stats.get("programmatic_launch", False),
-        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "batch": batch,
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "batch": batch, "depth": depth,
         "block_size": backend.block_size, "kv_blocks": backend.num_blocks,
         "repetitions": args.repetitions, "load_s": load_s,
         "pp_tok_s": _summary(pp) if pp else None,
@@ -130,7 +132,8 @@ def run_bench(args) -> int:
     for name, key, n in (("pp", "pp_tok_s", args.prompt_tokens), ("tg", "tg_tok_s", args.gen_tokens)):
         r = result[key]
         if r:
-            print(f"| {mf.name} | {backend.name} | {batch} | {name}{n} | {r['median']:.1f} | "
+            at = f" @ d{depth}" if name == "tg" and depth > DECODE_PRIME else ""
+            print(f"| {mf.name} | {backend.name} | {batch} | {name}{n}{at} | {r['median']:.1f} | "
                   f"{r['min']:.1f} | {r['max']:.1f} |")
     print(json.dumps(result))
     if args.json:

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-tokens", type=int, default=128)
     b.add_argument("--repetitions", type=int, default=5)
     b.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
+    b.add_argument("--depth", type=int, default=0,
+                   help="tokens already in each sequence's context when the timed decode starts "
+                        "(llama-bench -d; default: a few)")
     b.add_argument("--json", help="write the results as JSON to this file")
     b.set_defaults(func=cmd_bench)
 

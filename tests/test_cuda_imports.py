@@ -9,7 +9,7 @@ import pytest
 def test_cuda_modules_import():
     pytest.importorskip("cupy")
     mods = {n: importlib.import_module(f"realizar_backend.backends.cuda.{n}")
-            for n in ("modules", "ops", "forward", "projections", "prefill", "kv_cache", "sampling", "backend",
+            for n in ("modules", "ops", "forward", "projections", "prefill", "kv_cache", "graphs", "sampling", "backend",
                       "selfcheck", "profile")}
     for name in ("get_kernels", "load_module", "Kernels", "QTYPES"):
         assert callable(getattr(mods["modules"], name)) or isinstance(getattr(mods["modules"], name), dict)
