@@ -122,22 +122,23 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,
               window: int = 0) -> np.ndarray:
     """q: [T, H, D] at absolute positions q_pos; k, v: [S, KVH, D] for positions 0..S-1.
-    Causal (and sliding-window when window > 0) softmax attention with grouped KV heads."""
+    Causal (and sliding-window when window > 0) softmax attention with grouped KV heads (the
+    products as batched matrix products: BLAS, so long prompts stay affordable)."""
     T, H, D = q.shape
     kvh = k.shape[1]
     group = H // kvh
-    qg = q.reshape(T, kvh, group, D)
-    scores = np.einsum("tkgd,skd->kgts", qg, k) * scale            # [KVH, G, T, S]
+    qg = q.reshape(T, kvh, group, D).transpose(1, 2, 0, 3)                 # [KVH, G, T, D]
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None]) * scale          # [KVH, G, T, S]
     kpos = np.arange(k.shape[0])
     mask = kpos[None, :] > q_pos[:, None]
     if window:
         mask |= kpos[None, :] <= q_pos[:, None] - window
-    scores = np.where(mask[None, None], -np.inf, scores)
+    scores += np.where(mask, np.float32(-np.inf), np.float32(0.0))      # [T, S], broadcast
     scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    out = np.einsum("kgts,skd->tkgd", p, v)
-    return out.reshape(T, H * D).astype(np.float32)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])                  # [KVH, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32)
 
 
 def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:

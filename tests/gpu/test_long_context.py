@@ -14,6 +14,9 @@ from test_model_parity import COS_MIN, TWINS, _assert_parity, _cos, _open, _real
 pytestmark = pytest.mark.gpu
 
 PROMPT = 4000
+# the oracle's cost grows with the model: the 1.5B twin's prompt is shorter (still 4x the 384 deep
+# rows start at and many times gemma3's 512 window on the others)
+PROMPTS = {"qwen15": 2000}
 
 
 def _model(name):
@@ -30,21 +33,22 @@ def test_long_prompt_and_deep_decode_match_the_oracle(name, rng):
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model(name)
-    ctx = PROMPT + 16
+    n = PROMPTS.get(name, PROMPT)
+    ctx = n + 16
     cpu = contiguous_tables(CPUBackend(model, max_slots=1, max_context=ctx, kv_dtype=np.float16))
     gpu = contiguous_tables(CUDABackend(model, max_slots=1, max_context=ctx, settings=Settings(self_check=False)))
     assert gpu.fwd.flash
-    ids = rng.integers(0, model.config.vocab_size, PROMPT).astype(np.int32)
+    ids = rng.integers(0, model.config.vocab_size, n).astype(np.int32)
     lc, lg = cpu.prefill([PrefillItem(0, ids)]), gpu.prefill([PrefillItem(0, ids)])
     rows = [_cos(lc, lg)]
     for i in range(3):                 # deep rows: the long-row attention (flash-decoding) graph
         tok = [int(np.argmax(lc[0]))]
-        lc, lg = cpu.decode([0], tok, [PROMPT + i]), gpu.decode([0], tok, [PROMPT + i])
+        lc, lg = cpu.decode([0], tok, [n + i]), gpu.decode([0], tok, [n + i])
         rows.append(_cos(lc, lg))
     st = gpu.stats()
     gpu.close()
     cos = np.concatenate(rows)
-    print(f"{name}: {PROMPT}-token prompt cos {rows[0].min():.6f}; deep decode cos {cos[1:].min():.6f}; "
+    print(f"{name}: {n}-token prompt cos {rows[0].min():.6f}; deep decode cos {cos[1:].min():.6f}; "
           f"graphs {st['graph_status']}")
     assert "1-long" in st["graph_status"]
     _assert_parity(name, cos, COS_MIN)
