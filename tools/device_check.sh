@@ -11,7 +11,8 @@
 #   tests    pytest -m gpu over $PYTEST_PATHS (default tests/gpu), no -x: the full report
 #   kbench   the kernel benchmarks ($KBENCH, default both): tools/mmq_bench.py ($MMQ_BENCH_ARGS), tools/attn_bench.py
 #   bench    `realizar bench` on each twin (pp512, tg128) and on qwen15 at every batch of $BATCHES
-#            (128-token prompts, 128 new tokens each), and at depth ($DEPTHS) for issue 19's figures
+#            (128-token prompts, 128 new tokens each), at depth ($DEPTHS: prefill and decode at that depth)
+#            and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
 #            $LT_CLIENTS clients, and a soak with random cancels ($SOAK_REQUESTS completions)
@@ -120,6 +121,9 @@ if has bench; then
     done
     for d in $DEPTHS; do
       bench qwen15 depth$d --depth $d --prompt-tokens $d --gen-tokens 128 --repetitions 2
+    done
+    for bd in ${DEPTH_BATCHES:-}; do        # BATCH:DEPTH, e.g. 16:4096
+      bench qwen15 b${bd%%:*}d${bd##*:} --batch ${bd%%:*} --depth ${bd##*:} --prompt-tokens 0 --gen-tokens 128 --repetitions 2
     done
   fi
 fi
