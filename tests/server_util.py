@@ -81,8 +81,8 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
-    def workers(self) -> dict[int, "psutil.Process"]:
-        """The BentoML worker processes that hold the engines, by worker index."""
+    def workers(self) -> dict:
+        """The BentoML worker processes that hold the engines (psutil.Process), by worker index."""
         import psutil
         out = {}
         for p in psutil.Process(self.proc.pid).children(recursive=True):

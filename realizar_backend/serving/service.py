@@ -8,10 +8,10 @@ The class lives in the package (not in the repo's service.py, which re-exports i
 installed package can serve without a checkout.
 
 Configuration is Settings.from_env() (REALIZAR_* variables; see realizar_backend/settings.py).
-Settings.workers worker processes each load the model (one per GPU; see "Workers" below); they
-share the port, so requests spread over them. The OpenAI routes are a Starlette app mounted with `bentoml.asgi_app`, so their paths, status
-codes and SSE framing are exactly OpenAI's; BentoML itself serves /livez, /readyz and /metrics
-(ours included: see realizar_backend/serving/metrics.py).
+Settings.workers worker processes each load the model, one per GPU (see "workers" below); they
+share the port, so requests spread over them. The OpenAI routes are a Starlette app mounted with
+`bentoml.asgi_app`, so their paths, status codes and SSE framing are exactly OpenAI's; BentoML
+itself serves /livez, /readyz and /metrics (ours included: see realizar_backend/serving/metrics.py).
 """
 
 from __future__ import annotations
