@@ -85,7 +85,11 @@ def _by_worker(metrics, name, **labels) -> dict[str, float]:
 
 
 def _finished(metrics) -> dict[str, float]:
-    return {w: v for w, v in _by_worker(metrics, "realizar_requests_total").items()}
+    return _by_worker(metrics, "realizar_requests_total")
+
+
+def delta_sum(after, before, name) -> float:
+    return sample(after, name) - sample(before, name)
 
 
 @pytest.mark.server
@@ -126,10 +130,6 @@ def test_two_workers_share_the_port_and_their_metrics_add_up():
             assert set(_by_worker(after, "realizar_requests_running")) == {"1", "2"}
     finally:
         server.stop()
-
-
-def delta_sum(after, before, name) -> float:
-    return sample(after, name) - sample(before, name)
 
 
 @pytest.mark.server

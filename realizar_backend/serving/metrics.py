@@ -227,7 +227,10 @@ def forget_dead_processes() -> None:
             pids.add(int(m.group(1)))
     for pid in pids:
         if not psutil.pid_exists(pid):
-            mp.mark_process_dead(pid, path)
+            try:
+                mp.mark_process_dead(pid, path)
+            except FileNotFoundError:        # another worker removed them first
+                pass
 
 
 def worker_statuses() -> dict[str, str]:

@@ -79,7 +79,7 @@ USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPU
 WORKERS = serve_workers(SETTINGS, GPUS, USE_GPU)      # too many for the GPUs stops the start here
 RESOURCES = {"gpu": WORKERS} if USE_GPU else {}
 WORKER = bentoml.server_context.worker_index or 1
-DEVICE = "cpu"
+DEVICE = "cuda" if USE_GPU else "cpu"                  # then cuda:<its CUDA_VISIBLE_DEVICES entry>
 _bind_error: SettingsError | None = None               # reported as this worker's load failure
 if USE_GPU and bentoml.server_context.worker_index is not None:
     try:
@@ -230,7 +230,7 @@ def _stand_aside(error: Exception) -> None:
     while others and not STATE.draining:
         try:
             statuses = worker_statuses()
-        except OSError as e:         # a metric file that went away while it was read
+        except Exception as e:       # e.g. a metric file that went away while it was read: again later
             log.debug("worker statuses not read: %s", e)
             statuses = None
         if statuses is not None:
@@ -256,9 +256,12 @@ def _stop_accepting() -> bool:
             server.close()
         return bool(servers)
 
-    if _loop is None:
+    if _loop is None or _loop.is_closed():
         return False
-    return asyncio.run_coroutine_threadsafe(close(), _loop).result(timeout=10)
+    try:
+        return asyncio.run_coroutine_threadsafe(close(), _loop).result(timeout=10)
+    except (RuntimeError, TimeoutError):      # the loop stopped or is stuck: try again later
+        return False
 
 
 # ------------------------------------------------------------------------------ graceful shutdown
