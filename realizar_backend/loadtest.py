@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RealizarError
+from .serving.metrics import WORKER_LABEL
 
 # Random prompt ids come from this range: above the special and byte tokens that open most
 # vocabularies, below the specials some put at the end, and inside every common vocabulary.
@@ -148,8 +149,16 @@ def _has_text(chunk: dict, chat: bool) -> bool:
 
 # ------------------------------------------------------------------------------ server side
 
+def _key(name: str, labels: dict[str, str]) -> str:
+    shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{shown}}}" if shown else name
+
+
 async def _server_metrics(root: str, headers: dict[str, str]) -> dict[str, dict[str, float]] | None:
-    """Gauges and counters of the known server families on /metrics; None when there are none."""
+    """Gauges and counters of the known server families on /metrics; None when there are none.
+    This package's server labels each series with its worker (one per GPU): the values are
+    given for the whole server (summed over the workers; a ratio gauge averaged) and, where
+    there are several workers, for each of them too."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     try:
@@ -162,15 +171,32 @@ async def _server_metrics(root: str, headers: dict[str, str]) -> dict[str, dict[
         return None
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
+    per_worker: dict[tuple[bool, str], list[float]] = {}
+    workers: set[str] = set()
+    worker_keys: list[tuple[dict, str]] = []
     for fam in families:
         if not fam.name.startswith(METRIC_PREFIXES) or fam.type not in ("gauge", "counter"):
             continue
+        gauge = fam.type == "gauge"
+        out = gauges if gauge else counters
         for s in fam.samples:
-            if fam.type == "counter" and not s.name.endswith("_total"):
+            if not gauge and not s.name.endswith("_total"):
                 continue                     # _created timestamps
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            key = f"{s.name}{{{labels}}}" if labels else s.name
-            (gauges if fam.type == "gauge" else counters)[key] = s.value
+            labels = dict(s.labels)
+            worker = labels.pop(WORKER_LABEL, None) if s.name.startswith("realizar_") else None
+            if worker is None:
+                out[_key(s.name, labels)] = s.value
+                continue
+            workers.add(worker)
+            out[_key(s.name, s.labels)] = s.value
+            worker_keys.append((out, _key(s.name, s.labels)))
+            per_worker.setdefault((gauge, _key(s.name, labels)), []).append(s.value)
+    if len(workers) < 2:                     # one worker: its values are the server's
+        for out, k in worker_keys:
+            del out[k]
+    for (gauge, key), values in per_worker.items():
+        ratio = gauge and key.split("{")[0].endswith("_ratio")
+        (gauges if gauge else counters)[key] = sum(values) / len(values) if ratio else sum(values)
     if not gauges and not counters:
         return None
     return {"gauges": gauges, "counters": counters}

@@ -50,7 +50,8 @@ class Settings:
     # "~" is the user's home
     model_cache: str = "~/.cache/realizar-backend/models"
     backend: str = "auto"              # auto | cuda | cpu
-    device: int = 0                    # CUDA device ordinal
+    # CUDA device ordinal, for the CLI; under `bentoml serve` each worker takes its own (workers)
+    device: int = 0
     context_length: int = 0            # per-sequence context; 0 = the model's own (and never more)
     max_num_seqs: int = 256            # sequences running at once (decode batch up to this)
     # KV cache: one pool of blocks of block_size positions, shared by every sequence. On the GPU the
@@ -112,6 +113,10 @@ class Settings:
     # where they match the sources; off: compile every module with NVRTC at start-up
     prebuilt_kernels: bool = True
     log_level: str = "INFO"
+    # `bentoml serve` runs this many worker processes, each with its own engine and copy of the
+    # model; requests spread over them. With a GPU, one worker per GPU (worker i on the i-th
+    # visible one) and 0 = every visible GPU; on the CPU 0 = 1
+    workers: int = 0
 
     ENV_PREFIX = "REALIZAR_"
 
@@ -190,8 +195,63 @@ class Settings:
         one_of("attention", "flash", "classic")
         one_of("batched_decode", "mmq", "split16")
         one_of("prefill_weight_cache", "auto", "on", "off")
+        at_least("workers", 0, 256)
         if self.log_level.upper() not in _LOG_LEVELS:
             raise self._bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
+
+
+# ------------------------------------------------------------------------------ GPUs of `bentoml serve`
+# The one place CUDA_VISIBLE_DEVICES is read and set. BentoML gives every worker of a service the
+# same CUDA_VISIBLE_DEVICES (all the GPUs its resources ask for), so each worker narrows it to its
+# own GPU before anything starts CUDA in the process, and then uses device 0.
+
+def visible_gpus(driver_gpus: int, environ: dict[str, str] | None = None) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's, up to
+    the first entry CUDA would reject (a negative index hides the rest), when it is set; else
+    each of the `driver_gpus` GPUs the driver reports, by index."""
+    env = os.environ if environ is None else environ
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return [str(i) for i in range(driver_gpus)]
+    out = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry or entry.lstrip("-").isdigit() and int(entry) < 0:
+            break
+        out.append(entry)
+    return out
+
+
+def serve_workers(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
+    """How many workers `bentoml serve` starts: one per GPU with a GPU (settings.workers of them,
+    or every visible one), settings.workers (at least 1) on the CPU. Asking for more GPUs than
+    are visible stops the start; none visible (a build machine) leaves the count to the setting."""
+    if not use_gpu:
+        return settings.workers or 1
+    if settings.device:
+        raise settings._bad("device", "under `bentoml serve` worker i takes the i-th visible GPU; "
+                                      "choose the GPUs with CUDA_VISIBLE_DEVICES")
+    n = settings.workers or max(1, len(gpus))
+    if gpus and n > len(gpus):
+        raise settings._bad("workers", f"one GPU per worker, and {len(gpus)} are visible "
+                                       f"(CUDA_VISIBLE_DEVICES entries {','.join(gpus)})")
+    return n
+
+
+def worker_gpu(worker: int, gpus: list[str]) -> str:
+    """The GPU of BentoML worker `worker` (numbered from 1): the worker-th of the visible ones."""
+    if not 1 <= worker <= len(gpus):
+        shown = ",".join(gpus) or "none"
+        raise SettingsError(f"worker {worker} has no GPU of its own: the visible GPUs are {shown}")
+    return gpus[worker - 1]
+
+
+def bind_worker_gpu(settings: Settings, worker: int, gpus: list[str],
+                    environ: dict[str, str] | None = None) -> tuple[Settings, str]:
+    """Make worker_gpu(worker, gpus) the only GPU this process sees (CUDA_VISIBLE_DEVICES) and
+    return the settings that use it (device 0) with its entry. Call before CUDA starts."""
+    gpu = worker_gpu(worker, gpus)
+    (os.environ if environ is None else environ)["CUDA_VISIBLE_DEVICES"] = gpu
+    return settings.replace(device=0), gpu

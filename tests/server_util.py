@@ -3,6 +3,11 @@
 `shared_server()` starts one server per test process (CPU backend, the default SmolLM2 model,
 an API key) on a free local port and waits for /readyz; every server test module uses it, so
 the model loads once per pytest run. The process is stopped at interpreter exit.
+
+`start_server(worker_env=...)` gives single workers their own environment, as a machine whose
+GPUs differ would: BentoML gives every worker the same one, so a `sitecustomize` module on the
+server's PYTHONPATH adds it in the worker it names (BentoML starts a worker as
+`python -m _bentoml_impl.worker.service ... --worker-id N`).
 """
 
 from __future__ import annotations
@@ -76,13 +81,27 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
+    def workers(self) -> dict:
+        """The BentoML worker processes that hold the engines (psutil.Process), by worker index."""
+        import psutil
+        out = {}
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            cmd = p.cmdline()
+            if any("_bentoml_impl.worker" in part for part in cmd):
+                out[int(cmd[cmd.index("--worker-id") + 1])] = p
+        return out
+
     def worker(self):
         """The BentoML worker process that holds the engine (a psutil.Process)."""
-        import psutil
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            if any("_bentoml_impl.worker" in part for part in p.cmdline()):
-                return p
-        raise RuntimeError("no worker process under the server")
+        workers = self.workers()
+        if not workers:
+            raise RuntimeError("no worker process under the server")
+        return workers[min(workers)]
+
+    def worker_statuses(self) -> dict[str, str]:
+        """{worker: loading | ready | failed} from realizar_worker_status on /metrics."""
+        return {labels["worker"]: labels["status"] for (name, key), v in self.metrics().items()
+                if name == "realizar_worker_status" and v == 1.0 for labels in [dict(key)]}
 
     def stop(self) -> None:
         if self.proc.poll() is not None:
@@ -96,13 +115,37 @@ class Server:
             self.proc.wait(timeout=10)
 
 
+_SITECUSTOMIZE = """
+import os, sys
+_env = {worker_env!r}
+if "--worker-id" in sys.argv:
+    os.environ.update(_env.get(sys.argv[sys.argv.index("--worker-id") + 1], {{}}))
+# then the sitecustomize this one hides, if the interpreter has one
+import importlib.machinery, importlib.util
+_here = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+if _spec is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+"""
+
+
 def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
-                 bentoml_home: Path | None = None) -> Server:
-    """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one."""
+                 bentoml_home: Path | None = None, worker_env: dict[int, dict[str, str]] | None = None,
+                 wait_ready: bool = True) -> Server:
+    """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one.
+    worker_env: more environment for single workers, by index (from 1). wait_ready=False
+    returns once the server answers /livez, ready or not."""
     port = free_port()
     home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
     full_env = {**os.environ, **SERVER_ENV, **(env or {}),
                 "BENTOML_HOME": str(bentoml_home or home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
+    if worker_env:
+        site = home / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(
+            worker_env={str(k): v for k, v in worker_env.items()}))
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))
     log_path = home / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -115,7 +158,10 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         if proc.poll() is not None:
             raise RuntimeError(f"bentoml serve exited with {proc.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(server.url + "/readyz", timeout=5).status_code == 200:
+            if wait_ready and httpx.get(server.url + "/readyz", timeout=5).status_code == 200:
+                return server
+            if not wait_ready:
+                httpx.get(server.url + "/livez", timeout=5)
                 return server
         except httpx.HTTPError:
             pass            # not listening yet
@@ -147,7 +193,10 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
 
 
 def sample(metrics: dict, name: str, **labels) -> float:
-    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The value of `name` with these labels, summed over the labels not named: over the
+    server's workers, unless `worker=` names one."""
+    want = set(labels.items())
+    return sum(v for (n, key), v in metrics.items() if n == name and want <= set(key))
 
 
 class LivezProbe:

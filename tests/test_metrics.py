@@ -1,6 +1,6 @@
 """/metrics of a real server, read with prometheus_client's parser: every realizar_ metric is
-there next to BentoML's own, and after traffic each moved the right way (the token counters
-by exactly the usage the clients were told)."""
+there next to BentoML's own, labelled with its worker, and after traffic each moved the right way
+(the token counters by exactly the usage the clients were told). Several workers: test_workers.py."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def test_every_metric_is_exposed_with_prometheus_names(server):
     for n in HISTOGRAMS:
         assert n.endswith(("_seconds", "_tokens"))
     assert sample(server.metrics(), "realizar_graph_status", bucket="all", status="disabled") == 1.0
+    # one worker: every series says so, and the worker says where it runs
+    ours = [s for f in families.values() if f.name.startswith("realizar_") for s in f.samples]
+    assert ours and all(s.labels.get("worker") == "1" for s in ours)
+    assert server.worker_statuses() == {"1": "ready"}
+    assert sample(server.metrics(), "realizar_worker_status", worker="1", device="cpu", status="ready") == 1.0
 
 
 def test_metrics_move_with_traffic(server):

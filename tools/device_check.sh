@@ -17,6 +17,10 @@
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
 #            $LT_CLIENTS clients, and a soak with random cancels ($SOAK_REQUESTS completions)
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
+#   workers  one worker per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients ($((8 * LT_CLIENTS)) requests,
+#            after a warm-up run) through `bentoml serve` on the qwen15 twin with REALIZAR_WORKERS=1 (GPU 0),
+#            then =2 (GPUs 0 and 1); /metrics and nvidia-smi's processes of each; the speed-up of generation
+#            tok/s (2 vs 1), the errors and the per-worker split in serve.json ("workers") and the log
 # `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
 # Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
 #         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz
@@ -168,10 +172,54 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
     curl -s 127.0.0.1:3902/metrics | grep -E '^realizar_(graph|kv|requests_running|gpu_memory|preempt)' | head -20
     serve_down 3902
   fi
+fi
+
+# ---------------------------------------------------------------- one worker per GPU
+if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2>/dev/null; then
+  echo "GPUs: $(nvidia-smi -L | wc -l)"
+  for n in 1 2; do
+    serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n || continue
+    for i in $(seq 1 240); do   # /readyz says one worker is ready: wait for all of them
+      [ "$(curl -s 127.0.0.1:3903/metrics | grep -c '^realizar_worker_status{.*status="ready".*} 1.0')" = "$n" ] && break
+      sleep 0.5
+    done
+    curl -s 127.0.0.1:3903/metrics | grep '^realizar_worker_status' | grep ' 1.0$'
+    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $LT_CLIENTS \
+      --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1      # warm-up: graph captures, allocator
+    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $((8 * LT_CLIENTS)) \
+      --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/workers$n.json 2>/dev/null | tail -40
+    curl -s 127.0.0.1:3903/metrics | grep -E '^realizar_(worker_status|requests_total|generation_tokens_total|gpu_memory_used_bytes|requests_running)' \
+      | grep -v ' 0.0$' | tee /tmp/bench/workers${n}_metrics.txt
+    nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader
+    serve_down 3903
+  done
+  python3 - <<'PY'
+import json
+r = {}
+for n in (1, 2):
+    try:
+        rep = json.load(open(f"/tmp/bench/workers{n}.json"))
+    except Exception as e:
+        r[f"workers{n}"] = {"error": str(e)}
+        continue
+    delta = (rep.get("server") or {}).get("counters_delta", {})
+    r[f"workers{n}"] = {"tok_s": rep["output_tokens_per_s"], "errors": rep["requests"]["errors"],
+                        "completed": rep["requests"]["completed"], "tpot_p50_s": (rep["tpot_s"] or {}).get("p50"),
+                        "requests_by_worker": {k: v for k, v in delta.items() if k.startswith("realizar_requests_total")
+                                               and 'worker="' in k and v},
+                        "metrics": open(f"/tmp/bench/workers{n}_metrics.txt").read().splitlines()}
+if all("tok_s" in r.get(f"workers{n}", {}) for n in (1, 2)):
+    r["speedup"] = r["workers2"]["tok_s"] / r["workers1"]["tok_s"]
+    print(f"WORKERS_SPEEDUP {r['speedup']:.2f}x (2 GPUs {r['workers2']['tok_s']:.0f} vs 1 GPU "
+          f"{r['workers1']['tok_s']:.0f} tok/s; errors {r['workers1']['errors']} / {r['workers2']['errors']})")
+json.dump(r, open("/tmp/bench/workers.json", "w"), indent=1)
+PY
+fi
+if has serve || has workers; then
   python3 - "$OUT" <<'PY'
 import json, sys
 out = {}
-for n in ("lt", "soak"):
+for n in ("lt", "soak", "workers"):
     try:
         out[n] = json.load(open(f"/tmp/bench/{n}.json"))
     except Exception:

@@ -9,11 +9,18 @@ has set the directory, i.e. when the service instance is created (`get_metrics()
 
 `Metrics` is the engine's observer (see engine.EngineObserver): the engine calls it when a
 sequence finishes, per output token and after every step.
+
+A server may run several workers (one per GPU, serving/service.py). Every series carries a
+`worker` label (BentoML's worker index, from 1), so /metrics shows each worker and a sum over the
+label gives the server's total; `realizar_worker_status` also names each worker's device.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
+import re
 import threading
 from typing import Any
 
@@ -28,6 +35,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 PROMPT_BUCKETS = tuple(float(2 ** i) for i in range(0, 18))      # 1 .. 131072 tokens
 
 GRAPH_STATUSES = ("captured", "eager-fallback", "disabled")
+WORKER_STATUSES = ("loading", "ready", "failed")
+WORKER_LABEL = "worker"
 
 # (name, documentation): the public list, also used by the docs and the tests
 COUNTERS = {
@@ -57,61 +66,69 @@ GAUGES = {
     "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
     "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
     "gpu_memory_used_bytes": "Device memory in use by this process",
+    "worker_status": "The worker's state (1 for the current one: loading, ready, failed) and its device",
 }
 
 
 class Metrics:
-    """The server's metrics; implements the engine's observer protocol."""
+    """One worker's metrics; implements the engine's observer protocol."""
 
-    def __init__(self, registry=None):
+    def __init__(self, registry=None, worker: str = "1", device: str = "cpu"):
         import prometheus_client as pc
 
         kw: dict[str, Any] = {} if registry is None else {"registry": registry}
-        p = PREFIX
-        # Counters and histograms sum naturally over worker processes.
-        self.requests = pc.Counter(p + "requests", COUNTERS["requests_total"], ["finish_reason"], **kw)
+        p, w = PREFIX, WORKER_LABEL
+        self.worker, self.device = worker, device
+
+        def mine(metric):            # the worker's own child of a metric with no other label
+            return metric.labels(**{w: worker})
+
+        # Counters and histograms sum naturally over worker processes (a worker that starts again
+        # adds to the counts of the one before it).
+        self.requests = pc.Counter(p + "requests", COUNTERS["requests_total"], ["finish_reason", w], **kw)
         self.request_errors = pc.Counter(p + "request_errors", COUNTERS["request_errors_total"],
-                                         ["status_code"], **kw)
-        self.prompt_tokens = pc.Counter(p + "prompt_tokens", COUNTERS["prompt_tokens_total"], **kw)
-        self.generation_tokens = pc.Counter(p + "generation_tokens", COUNTERS["generation_tokens_total"], **kw)
-        self.graph_replays = pc.Counter(p + "graph_replays", COUNTERS["graph_replays_total"], **kw)
-        self.graph_captures = pc.Counter(p + "graph_captures", COUNTERS["graph_captures_total"], **kw)
-        self.preemptions = pc.Counter(p + "preemptions", COUNTERS["preemptions_total"], **kw)
-        self.prefix_queried = pc.Counter(p + "prefix_cache_queried_tokens",
-                                         COUNTERS["prefix_cache_queried_tokens_total"], **kw)
-        self.prefix_hits = pc.Counter(p + "prefix_cache_hit_tokens", COUNTERS["prefix_cache_hit_tokens_total"], **kw)
-        self.ttft = pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
-                                 buckets=TTFT_BUCKETS, **kw)
-        self.tpot = pc.Histogram(p + "time_per_output_token_seconds",
-                                 HISTOGRAMS["time_per_output_token_seconds"], buckets=TPOT_BUCKETS, **kw)
-        self.e2e = pc.Histogram(p + "e2e_request_latency_seconds", HISTOGRAMS["e2e_request_latency_seconds"],
-                                buckets=E2E_BUCKETS, **kw)
-        self.prompt_length = pc.Histogram(p + "prompt_length_tokens", HISTOGRAMS["prompt_length_tokens"],
-                                          buckets=PROMPT_BUCKETS, **kw)
-        # Gauges: in multiprocess mode each needs an aggregation over live workers (one worker per
-        # GPU): counts and bytes add up, a usage ratio takes the worst worker.
-        self.running = pc.Gauge(p + "requests_running", GAUGES["requests_running"],
-                                multiprocess_mode="livesum", **kw)
-        self.waiting = pc.Gauge(p + "requests_waiting", GAUGES["requests_waiting"],
-                                multiprocess_mode="livesum", **kw)
-        self.kv_usage = pc.Gauge(p + "kv_cache_usage_ratio", GAUGES["kv_cache_usage_ratio"],
-                                 multiprocess_mode="livemax", **kw)
-        self.kv_used_blocks = pc.Gauge(p + "kv_cache_used_blocks", GAUGES["kv_cache_used_blocks"],
-                                       multiprocess_mode="livesum", **kw)
-        self.kv_used_tokens = pc.Gauge(p + "kv_cache_used_tokens", GAUGES["kv_cache_used_tokens"],
-                                       multiprocess_mode="livesum", **kw)
-        self.decode_rate = pc.Gauge(p + "decode_tokens_per_second", GAUGES["decode_tokens_per_second"],
-                                    multiprocess_mode="livesum", **kw)
-        self.graph_status = pc.Gauge(p + "graph_status", GAUGES["graph_status"], ["bucket", "status"],
-                                     multiprocess_mode="livemax", **kw)
-        self.pool_bytes = pc.Gauge(p + "buffer_pool_bytes", GAUGES["buffer_pool_bytes"],
-                                   multiprocess_mode="livesum", **kw)
-        self.gpu_memory = pc.Gauge(p + "gpu_memory_used_bytes", GAUGES["gpu_memory_used_bytes"],
-                                   multiprocess_mode="livesum", **kw)
+                                         ["status_code", w], **kw)
+        self.prompt_tokens = mine(pc.Counter(p + "prompt_tokens", COUNTERS["prompt_tokens_total"], [w], **kw))
+        self.generation_tokens = mine(pc.Counter(p + "generation_tokens", COUNTERS["generation_tokens_total"],
+                                                 [w], **kw))
+        self.graph_replays = mine(pc.Counter(p + "graph_replays", COUNTERS["graph_replays_total"], [w], **kw))
+        self.graph_captures = mine(pc.Counter(p + "graph_captures", COUNTERS["graph_captures_total"], [w], **kw))
+        self.preemptions = mine(pc.Counter(p + "preemptions", COUNTERS["preemptions_total"], [w], **kw))
+        self.prefix_queried = mine(pc.Counter(p + "prefix_cache_queried_tokens",
+                                              COUNTERS["prefix_cache_queried_tokens_total"], [w], **kw))
+        self.prefix_hits = mine(pc.Counter(p + "prefix_cache_hit_tokens",
+                                           COUNTERS["prefix_cache_hit_tokens_total"], [w], **kw))
+        self.ttft = mine(pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
+                                      [w], buckets=TTFT_BUCKETS, **kw))
+        self.tpot = mine(pc.Histogram(p + "time_per_output_token_seconds",
+                                      HISTOGRAMS["time_per_output_token_seconds"], [w], buckets=TPOT_BUCKETS, **kw))
+        self.e2e = mine(pc.Histogram(p + "e2e_request_latency_seconds", HISTOGRAMS["e2e_request_latency_seconds"],
+                                     [w], buckets=E2E_BUCKETS, **kw))
+        self.prompt_length = mine(pc.Histogram(p + "prompt_length_tokens", HISTOGRAMS["prompt_length_tokens"],
+                                               [w], buckets=PROMPT_BUCKETS, **kw))
+        # Gauges: in multiprocess mode each needs an aggregation over processes. With the worker
+        # label each series has one live process (a worker started again replaces the old one,
+        # whose files forget_dead_processes() removes), so "live" modes give that worker's value
+        # and drop the series of a worker that is gone; sum for counts and bytes, max for a ratio
+        # or a status flag.
+        def gauge(name: str, mode: str, labels=()):
+            g = pc.Gauge(p + name, GAUGES[name], [*labels, w], multiprocess_mode=mode, **kw)
+            return g if labels else mine(g)
+
+        self.running = gauge("requests_running", "livesum")
+        self.waiting = gauge("requests_waiting", "livesum")
+        self.kv_usage = gauge("kv_cache_usage_ratio", "livemax")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "livesum")
+        self.kv_used_tokens = gauge("kv_cache_used_tokens", "livesum")
+        self.decode_rate = gauge("decode_tokens_per_second", "livesum")
+        self.graph_status = gauge("graph_status", "livemax", ["bucket", "status"])
+        self.pool_bytes = gauge("buffer_pool_bytes", "livesum")
+        self.gpu_memory = gauge("gpu_memory_used_bytes", "livesum")
+        self.worker_status = gauge("worker_status", "livemax", ["status", "device"])
         for reason in ("stop", "length", "abort", "error", "shutdown"):
-            self.requests.labels(reason)          # present at 0 before the first request
+            self.requests.labels(reason, worker)          # present at 0 before the first request
         for status in ("400", "401", "404", "503"):
-            self.request_errors.labels(status)
+            self.request_errors.labels(status, worker)
         self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
         self._last_replays = 0
         self._last_captures = 0
@@ -124,7 +141,7 @@ class Metrics:
 
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                             e2e_s: float, ttft_s: float | None) -> None:
-        self.requests.labels(finish_reason).inc()
+        self.requests.labels(finish_reason, self.worker).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.prompt_length.observe(prompt_tokens)
@@ -148,7 +165,7 @@ class Metrics:
             graphs = stats.get("graph_status") or {}
             for bucket, status in graphs.items():
                 for known in {*GRAPH_STATUSES, status}:
-                    self.graph_status.labels(str(bucket), known).set(1.0 if known == status else 0.0)
+                    self.graph_status.labels(str(bucket), known, self.worker).set(1.0 if known == status else 0.0)
             # the backend reports cumulative totals; counters only move forward by the delta
             replays, captures = int(stats.get("graph_replays", 0)), int(stats.get("graph_captures", 0))
             if replays > self._last_replays:
@@ -166,20 +183,74 @@ class Metrics:
     # ---------------------------------------------------------------- serving side
 
     def on_http_error(self, status: int) -> None:
-        self.request_errors.labels(str(status)).inc()
+        self.request_errors.labels(str(status), self.worker).inc()
+
+    def set_worker_status(self, status: str) -> None:
+        for known in WORKER_STATUSES:
+            self.worker_status.labels(known, self.device, self.worker).set(1.0 if known == status else 0.0)
 
 
 _metrics: Metrics | None = None
 _metrics_lock = threading.Lock()
 
 
-def get_metrics() -> Metrics:
-    """The process-wide Metrics (created on first use; registering twice would raise)."""
+def get_metrics(worker: str = "1", device: str = "cpu") -> Metrics:
+    """The process-wide Metrics of this worker (created on first use; registering twice would
+    raise). Clears what crashed workers left behind first."""
     global _metrics
     with _metrics_lock:
         if _metrics is None:
-            _metrics = Metrics()
+            forget_dead_processes()
+            _metrics = Metrics(worker=worker, device=device)
         return _metrics
+
+
+def _multiproc_dir() -> str | None:
+    # the directory BentoML gave its workers; prometheus_client reads the same variable
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
+def forget_dead_processes() -> None:
+    """Remove the "live" gauge files of processes that no longer run. A worker that exits
+    cleanly does this itself; one that was killed (or crashed) leaves them, and their last
+    values would otherwise be added to those of the worker that replaces it."""
+    import prometheus_client.multiprocess as mp
+    import psutil
+
+    path = _multiproc_dir()
+    if not path:
+        return
+    pids = set()
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        m = re.search(r"_(\d+)\.db$", f)
+        if m:
+            pids.add(int(m.group(1)))
+    for pid in pids:
+        if not psutil.pid_exists(pid):
+            try:
+                mp.mark_process_dead(pid, path)
+            except FileNotFoundError:        # another worker removed them first
+                pass
+
+
+def worker_statuses() -> dict[str, str]:
+    """{worker: loading | ready | failed} of every live worker of this server, read from the
+    metric files all of them share (the same values /metrics aggregates)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    if not _multiproc_dir():
+        return {}
+    forget_dead_processes()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    out: dict[str, str] = {}
+    for family in registry.collect():
+        if family.name == PREFIX + "worker_status":
+            for s in family.samples:
+                if s.value == 1.0:
+                    out[s.labels[WORKER_LABEL]] = s.labels["status"]
+    return out
 
 
 def metric_names() -> list[str]:

@@ -266,8 +266,9 @@ def create_app(state: ServerState) -> Starlette:
             except _NotReady as e:
                 if state.metrics is not None:
                     state.metrics.on_http_error(503)
+                # a new connection may reach another worker that is ready (serving/service.py)
                 return JSONResponse(error_body(str(e), "server_error", None, "model_not_ready"),
-                                    status_code=503, headers={"Retry-After": "5"})
+                                    status_code=503, headers={"Retry-After": "5", "Connection": "close"})
             except rq.ClientGone:
                 log.info("%s %s: the client left while sending its request body", request.method,
                          request.url.path)

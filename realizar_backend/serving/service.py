@@ -8,9 +8,10 @@ The class lives in the package (not in the repo's service.py, which re-exports i
 installed package can serve without a checkout.
 
 Configuration is Settings.from_env() (REALIZAR_* variables; see realizar_backend/settings.py).
-The OpenAI routes are a Starlette app mounted with `bentoml.asgi_app`, so their paths, status
-codes and SSE framing are exactly OpenAI's; BentoML itself serves /livez, /readyz and /metrics
-(ours included: see realizar_backend/serving/metrics.py).
+Settings.workers worker processes each load the model, one per GPU (see "workers" below); they
+share the port, so requests spread over them. The OpenAI routes are a Starlette app mounted with
+`bentoml.asgi_app`, so their paths, status codes and SSE framing are exactly OpenAI's; BentoML
+itself serves /livez, /readyz and /metrics (ours included: see realizar_backend/serving/metrics.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import time
 
 import bentoml
 
+from realizar_backend.errors import SettingsError
 from realizar_backend.serving.openai import ServerState, create_app
-from realizar_backend.settings import Settings
+from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
 
@@ -52,29 +54,39 @@ def _own_metrics_dir() -> None:
 _own_metrics_dir()
 
 
-def _gpu_present() -> bool:
-    """Whether this host has an NVIDIA GPU, asked through NVML (a BentoML dependency) so that the
-    process that reads the service definition does not initialise CUDA."""
+def _driver_gpus() -> int:
+    """How many NVIDIA GPUs the driver reports, asked through NVML (a BentoML dependency) so that
+    no process here starts CUDA before its worker has picked its GPU."""
     try:
         import pynvml
         pynvml.nvmlInit()
         try:
-            return pynvml.nvmlDeviceGetCount() > 0
+            return pynvml.nvmlDeviceGetCount()
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no driver or no library: no GPU to ask for
-        return False
+        return 0
 
 
-def _wants_gpu(settings: Settings) -> bool:
-    if settings.backend == "cpu":
-        return False
-    return settings.backend == "cuda" or _gpu_present()
-
-
-# BentoML assigns the GPU (CUDA_VISIBLE_DEVICES) to the worker from these resources; asking for
-# one on a host without any would only produce warnings, so the request depends on the host.
-RESOURCES = {"gpu": 1} if _wants_gpu(SETTINGS) else {}
+# ------------------------------------------------------------------------------ workers
+# One worker per GPU. This module is read by `bentoml serve`'s own process (which starts WORKERS
+# workers and gives them the GPUs RESOURCES asks for, all of them in one CUDA_VISIBLE_DEVICES),
+# by `bentoml build` (the Bento records the same resources), and by every worker, which BentoML
+# numbers from 1 (server_context.worker_index) before it imports the service: worker i narrows
+# CUDA_VISIBLE_DEVICES to the i-th GPU here, before anything in it starts CUDA.
+GPUS = visible_gpus(_driver_gpus())
+USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPUS))
+WORKERS = serve_workers(SETTINGS, GPUS, USE_GPU)      # too many for the GPUs stops the start here
+RESOURCES = {"gpu": WORKERS} if USE_GPU else {}
+WORKER = bentoml.server_context.worker_index or 1
+DEVICE = "cuda" if USE_GPU else "cpu"                  # then cuda:<its CUDA_VISIBLE_DEVICES entry>
+_bind_error: SettingsError | None = None               # reported as this worker's load failure
+if USE_GPU and bentoml.server_context.worker_index is not None:
+    try:
+        SETTINGS, _gpu = bind_worker_gpu(SETTINGS, WORKER, GPUS)
+        DEVICE = f"cuda:{_gpu}"
+    except SettingsError as e:
+        _bind_error = e
 
 # The container image (`bentoml build` + `bentoml containerize`): a CUDA runtime base (the kernels
 # come prebuilt for common GPUs, and CuPy's NVRTC compiles any other at start-up: no toolkit, no C
@@ -100,14 +112,39 @@ IMAGE = (
 
 REFRESH_S = 2.0
 STATE = ServerState(settings=SETTINGS)
-app = create_app(STATE)
+
+
+class _ConnectionPerRequest:
+    """With several workers: every /v1 response asks the client to close its connection, so that
+    each request is accepted afresh by whichever worker takes it first. The workers accept on one
+    shared socket, and a kept-alive connection stays with the worker that accepted it: a client
+    pool that connects in a burst (a load test, a proxy) would otherwise stay split unevenly for
+    as long as it lives. A new local connection costs well under a millisecond."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+            return await self.app(scope, receive, send)
+
+        async def send_closing(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
+
+
+app = create_app(STATE) if WORKERS == 1 else _ConnectionPerRequest(create_app(STATE))
 
 
 @bentoml.service(
     name="realizar",
     image=IMAGE,
     resources=RESOURCES,
-    workers=1,
+    workers=WORKERS,
     # the timeout runs until a response starts; a long non-streaming CPU generation needs minutes
     traffic={"timeout": 900},
 )
@@ -117,7 +154,8 @@ class Realizar:
         from realizar_backend.serving.metrics import get_metrics
 
         # created here, not at import: BentoML sets the multiprocess metrics dir before this runs
-        STATE.metrics = get_metrics()
+        STATE.metrics = get_metrics(worker=str(WORKER), device=DEVICE)
+        STATE.metrics.set_worker_status("loading")
         STATE.started = time.time()
         _drain_on_sigterm()
         # load in the background so /livez answers at once and /readyz turns ready when done
@@ -128,19 +166,21 @@ class Realizar:
         from realizar_backend.engine.engine import Engine
 
         t0 = time.perf_counter()
-        log.info("loading %s (backend=%s, context=%d, max_num_seqs=%d)",
-                 SETTINGS.model or "the default model", SETTINGS.backend,
+        log.info("worker %d of %d (%s): loading %s (backend=%s, context=%d, max_num_seqs=%d)",
+                 WORKER, WORKERS, DEVICE, SETTINGS.model or "the default model", SETTINGS.backend,
                  SETTINGS.context_length, SETTINGS.max_num_seqs)
         try:
+            if _bind_error is not None:
+                raise _bind_error
             engine = Engine.from_settings(SETTINGS, observer=STATE.metrics)
-        except Exception as e:  # reported by /livez (dead) and by every request (503)
-            STATE.load_error = f"{type(e).__name__}: {e}"
-            log.exception("model load failed")
+        except Exception as e:
+            _stand_aside(e)
             return
         STATE.metrics.on_step(engine.stats())       # gauges exist before the first step
         STATE.engine = engine
-        log.info("ready: serving %s on %s in %.1f s", engine.model_name, engine.stats().get("backend"),
-                 time.perf_counter() - t0)
+        STATE.metrics.set_worker_status("ready")
+        log.info("worker %d of %d (%s) ready: serving %s on %s in %.1f s", WORKER, WORKERS, DEVICE,
+                 engine.model_name, engine.stats().get("backend"), time.perf_counter() - t0)
         # the engine updates the gauges after each step; an idle engine takes no steps, so refresh
         # them now and then (decode tokens/s must fall to 0 when traffic stops)
         while STATE.engine is engine:
@@ -153,13 +193,75 @@ class Realizar:
         return STATE.engine is not None and not STATE.draining
 
     async def __is_alive__(self) -> bool:
-        return STATE.load_error is None
+        # a worker that failed to load is dead only when no worker of the server can serve
+        return STATE.load_error is None or not _NO_WORKER_CAN_SERVE.is_set()
 
     @bentoml.on_shutdown
     def shutdown(self) -> None:
         engine, STATE.engine = STATE.engine, None
         if engine is not None:
             engine.shutdown()
+
+
+# ------------------------------------------------------------------------------ a worker that failed
+_NO_WORKER_CAN_SERVE = threading.Event()
+_uvicorn = None               # this worker's uvicorn.Server and event loop (set by _drain_on_sigterm)
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _stand_aside(error: Exception) -> None:
+    """This worker could not load the model (a bad file, a GPU that is missing or fails the
+    self-check). It does not exit: BentoML would start it again, outside a container without
+    end, each time loading and failing anew. It stays up without an engine: requests that reach
+    it get 503 with the error (and Connection: close, so a retry may reach another worker),
+    /readyz says not ready, and /livez says dead only once every worker has failed (then the
+    whole server is of no use, and an orchestrator should restart it). As soon as another worker
+    is ready this one stops accepting connections, so that every request reaches one that serves.
+    Runs on the loader thread; the other workers never notice."""
+    from realizar_backend.serving.metrics import worker_statuses
+
+    log.error("worker %d of %d (%s) failed to load the model: %s: %s", WORKER, WORKERS, DEVICE,
+              type(error).__name__, error, exc_info=error)
+    STATE.metrics.set_worker_status("failed")
+    others = [str(w) for w in range(1, WORKERS + 1) if w != WORKER]
+    if not others:
+        _NO_WORKER_CAN_SERVE.set()
+    STATE.load_error = f"worker {WORKER} ({DEVICE}): {type(error).__name__}: {error}"
+    while others and not STATE.draining:
+        try:
+            statuses = worker_statuses()
+        except Exception as e:       # e.g. a metric file that went away while it was read: again later
+            log.debug("worker statuses not read: %s", e)
+            statuses = None
+        if statuses is not None:
+            # a worker not started yet (or started again) counts as loading
+            states = [statuses.get(w, "loading") for w in others]
+            if all(s == "failed" for s in states):
+                _NO_WORKER_CAN_SERVE.set()
+            else:
+                _NO_WORKER_CAN_SERVE.clear()
+            if "ready" in states and _stop_accepting():
+                log.warning("worker %d of %d (%s) stopped accepting connections; worker(s) %s serve",
+                            WORKER, WORKERS, DEVICE, ", ".join(w for w in others if statuses.get(w) == "ready"))
+                return
+        time.sleep(REFRESH_S)
+
+
+def _stop_accepting() -> bool:
+    """Close this worker's copy of the listening socket the workers share (the others keep
+    accepting on theirs). False when uvicorn has not opened it yet."""
+    async def close() -> bool:
+        servers = getattr(_uvicorn, "servers", None) or []
+        for server in servers:
+            server.close()
+        return bool(servers)
+
+    if _loop is None or _loop.is_closed():
+        return False
+    try:
+        return asyncio.run_coroutine_threadsafe(close(), _loop).result(timeout=10)
+    except (RuntimeError, TimeoutError):      # the loop stopped or is stuck: try again later
+        return False
 
 
 # ------------------------------------------------------------------------------ graceful shutdown
@@ -175,8 +277,10 @@ def _drain_on_sigterm() -> None:
     would stop accepting at once (new connections then hang in the listen queue BentoML's
     arbiter keeps open) and wait for every stream without a limit. Runs in the worker's main
     thread (the service is created there, on the event loop), after uvicorn set its handlers."""
+    global _uvicorn, _loop
     loop = asyncio.get_running_loop()
     uvicorn_handler = signal.getsignal(signal.SIGTERM)
+    _uvicorn, _loop = getattr(uvicorn_handler, "__self__", None), loop
 
     def on_sigterm(signum, frame) -> None:
         if not STATE.draining:
