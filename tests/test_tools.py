@@ -12,7 +12,7 @@ import pytest
 
 from realizar_backend.errors import RequestError
 from realizar_backend.serving.tools import (HERMES, LLAMA3_JSON, ToolStreamParser, check_tool_messages,
-                                            detect_format, finish_reason, merge_deltas, parse_reply,
+                                            delta_chunks, detect_format, finish_reason, parse_reply,
                                             parse_tool_request)
 
 WEATHER = {"type": "function", "function": {
@@ -219,9 +219,20 @@ def test_streamed_arguments_arrive_as_they_are_generated(hermes):
     p = ToolStreamParser(hermes)
     head = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12'
     assert _assemble(p.feed(head)) == (None, [("calculate", '{"expression": "12')])
-    assert merge_deltas(p.feed(' + 30"}}\n</tool_call>')) == {
-        "tool_calls": [{"index": 0, "function": {"arguments": ' + 30"}'}}]}
+    assert delta_chunks(p.feed(' + 30"}}\n</tool_call>')) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": ' + 30"}'}}]}]
     assert p.finish() == []
+
+
+def test_stream_chunks_are_shaped_as_openai_sends_them(hermes):
+    """A call's header alone in its chunk, its argument pieces joined in the next; content joined."""
+    text = "Hi " + CALL_C + "\n" + CALL_C
+    chunks = delta_chunks(ToolStreamParser(hermes).feed(text))
+    assert [sorted(c) for c in chunks] == [["content"], ["tool_calls"], ["tool_calls"], ["tool_calls"], ["tool_calls"]]
+    heads = [c["tool_calls"][0] for c in chunks[1::2]]
+    assert [(h["index"], h["function"]["arguments"], h["type"]) for h in heads] == [(0, "", "function"), (1, "", "function")]
+    assert all(len(c["tool_calls"]) == 1 and "id" not in c["tool_calls"][0] for c in chunks[2::2])
+    assert _assemble(chunks) == ("Hi", [("calculate", '{"expression": "2 * (3 + 4)"}')] * 2)
 
 
 def test_llama3_json_replies():
