@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-tokens", type=int, default=128)
     b.add_argument("--repetitions", type=int, default=5)
     b.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
+    b.add_argument("--constrained", choices=["all", "half"],
+                   help="also decode with a JSON schema on every row (all) or on every other row (half), "
+                        "beside the plain decode and the same batch sampled without masks")
+    b.add_argument("--schema", help="the JSON schema file for --constrained (default: a small nested object)")
     b.add_argument("--json", help="write the results as JSON to this file")
     b.set_defaults(func=cmd_bench)
 
