@@ -42,7 +42,8 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 def server():
     from real_models import real_model
     s = start_server({"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20"})
+                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20",
+                      "REALIZAR_MAX_WAITING": "32"})
     yield s
     s.stop()
 
