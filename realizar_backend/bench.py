@@ -6,6 +6,14 @@ sequences at once, pipelined as the engine runs them (each step's tokens are rea
 next step has been started on the device's own argmax). KV blocks come from the engine's block
 manager, as in serving; each sequence gets the blocks for all its positions before the clock
 starts. Prints a table and optionally writes JSON.
+
+`--constrained all|half` adds two decode measurements of the same batch, both run as the engine
+runs a batch that has constrained rows (backends' decode_sample; greedy): "sampled", no row
+constrained, and "constrained", a JSON schema on every row (all) or every other row (half), each
+constrained row's mask filled by llguidance while the step's forward pass runs and its token
+consumed after (a grammar that completes starts over: a new object). The table then shows all
+three, the constrained rate as a fraction of the plain one, and the host time of the masks per
+step (hidden behind the forward pass when it is shorter).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .backends import PrefillItem, create_backend
+from .backends.base import SampleRow
 from .engine.kv_manager import KVManager
 from .formats import open_model
 from .progress import progress
@@ -45,6 +54,52 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 DECODE_PRIME = 8     # prompt tokens in a slot before its timed decode steps
+# --constrained without --schema: an object with nested objects, enums, arrays and bounded strings
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "kind": {"enum": ["cat", "dog", "bird", "fish"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 40},
+        "owner": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                   "verified": {"type": "boolean"}},
+                  "required": ["city", "verified"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+    "required": ["name", "kind", "age", "owner", "tags"],
+    "additionalProperties": False,
+}
+
+
+class _Constrained:
+    """The engine's constrained decode step, for the bench: rows of `slots` named in `guided`
+    follow the schema (fresh guides; a finished one starts over), the rest are plain greedy rows."""
+
+    def __init__(self, guidance, constraint, slots: list[int], guided: set[int]):
+        self.guidance, self.constraint = guidance, constraint
+        self.guides = {s: guidance.guide(constraint) for s in slots if s in guided}
+        self.masks = np.zeros((max(1, len(self.guides)), guidance.words), np.int32)
+        order = {s: k for k, s in enumerate(self.guides)}
+        self.rows = [SampleRow(temperature=0.0, seed=s, mask=self.masks[order[s]] if s in order else None)
+                     for s in slots]
+        self.mask_s: list[float] = []
+        self.restarts = 0
+
+    def fill(self) -> None:
+        t = time.perf_counter()
+        self.guidance.fill_masks(list(self.guides.values()), self.masks)
+        self.mask_s.append(time.perf_counter() - t)
+
+    def consume(self, slots: list[int], tokens) -> None:
+        for s, tok in zip(slots, tokens):
+            g = self.guides.get(s)
+            if g is None:
+                continue
+            if not g.consume(int(tok)):
+                raise RuntimeError(f"slot {s}: token {int(tok)} broke the grammar: {g.error}")
+            if g.finished:
+                self.guides[s] = self.guidance.guide(self.constraint)
+                self.restarts += 1
 
 
 def run_bench(args) -> int:
@@ -81,7 +136,8 @@ def run_bench(args) -> int:
         give_back(slot)
         return dt
 
-    def decode_once(steps: int) -> float:
+    def decode_once(steps: int, guided: set[int] | None = None) -> float:
+        """guided None: the pipelined greedy path; else the sampled path with those slots constrained."""
         slots = list(range(batch))
         for s in slots:                      # the context to decode after (--depth; default a short one)
             ids = rng.integers(0, vocab, size=depth, dtype=np.int32)
@@ -89,21 +145,53 @@ def run_bench(args) -> int:
             for a in range(0, depth, 4096):            # long contexts in chunks, as the engine runs them
                 backend.prefill([PrefillItem(s, ids[a:a + 4096], a)])
         toks = rng.integers(0, vocab, size=batch).tolist()
-        t = time.perf_counter()
-        h = backend.decode_argmax_start(slots, toks, [depth] * batch)
-        for _ in range(steps - 1):           # as the engine runs greedy steps: the next one is
-            nxt = backend.decode_argmax_start(slots)      # started before this one's tokens are read
+        if guided is not None:
+            run = _Constrained(guidance, constraint, slots, guided)
+            t = time.perf_counter()
+            for i in range(steps):
+                res = backend.decode_sample(slots, toks, [depth + i] * batch, run.rows,
+                                            run.fill if run.guides else None)
+                run.consume(slots, res.tokens)
+                toks = res.tokens.tolist()
+            dt = time.perf_counter() - t
+            mask_ms.extend(1000 * x for x in run.mask_s)
+            restarts.append(run.restarts)
+        else:
+            t = time.perf_counter()
+            h = backend.decode_argmax_start(slots, toks, [depth] * batch)
+            for _ in range(steps - 1):           # as the engine runs greedy steps: the next one is
+                nxt = backend.decode_argmax_start(slots)      # started before this one's tokens are read
+                backend.decode_argmax_finish(h)
+                h = nxt
             backend.decode_argmax_finish(h)
-            h = nxt
-        backend.decode_argmax_finish(h)
-        dt = time.perf_counter() - t
+            dt = time.perf_counter() - t
         for s in slots:
             give_back(s)
         return dt
 
+    guidance = constraint = None
+    guided_slots: set[int] = set()
+    mask_ms: list[float] = []
+    restarts: list[int] = []
+    if args.constrained:
+        from .engine.guidance import Constraint, Guidance
+        from .model.tokenizer import Tokenizer
+        schema = BENCH_SCHEMA
+        if args.schema:
+            with open(args.schema) as f:
+                schema = json.load(f)
+        guidance = Guidance(Tokenizer.from_model_file(mf), vocab)
+        constraint = Constraint("json_schema", schema, param="--schema")
+        guidance.compile(constraint)
+        guided_slots = set(range(batch)) if args.constrained == "all" else set(range(0, batch, 2))
+
     prefill_once(max(1, min(32, args.prompt_tokens)), 0)   # warm-up: compilation, graphs, pools
     decode_once(min(4, args.gen_tokens))
-    pp, tg = [], []
+    if args.constrained:
+        decode_once(min(4, args.gen_tokens), guided_slots)
+        mask_ms.clear()
+        restarts.clear()
+    pp, tg, tg_sampled, tg_constrained = [], [], [], []
     with progress(f"bench {mf.name} on {backend.name}", total=args.repetitions, unit="repetitions",
                   log=log) as advance:
         for _ in range(args.repetitions):
@@ -111,6 +199,9 @@ def run_bench(args) -> int:
                 pp.append(args.prompt_tokens / prefill_once(args.prompt_tokens, 0))
             if args.gen_tokens:
                 tg.append(batch * args.gen_tokens / decode_once(args.gen_tokens))
+                if args.constrained:
+                    tg_sampled.append(batch * args.gen_tokens / decode_once(args.gen_tokens, set()))
+                    tg_constrained.append(batch * args.gen_tokens / decode_once(args.gen_tokens, guided_slots))
             advance(1)
     stats = backend.stats()
     result = {
@@ -126,15 +217,33 @@ def run_bench(args) -> int:
         "ms_per_token": (1000.0 * batch / statistics.median(tg)) if tg else None,
         "device_memory_bytes": stats.get("device_memory_bytes", 0),
     }
+    if args.constrained:
+        result.update({
+            "constrained": args.constrained, "constrained_rows": len(guided_slots),
+            "schema": args.schema or "built-in",
+            "tg_sampled_tok_s": _summary(tg_sampled) if tg_sampled else None,
+            "tg_constrained_tok_s": _summary(tg_constrained) if tg_constrained else None,
+            "constrained_vs_plain": (statistics.median(tg_constrained) / statistics.median(tg)) if tg else None,
+            "mask_ms_per_step": _summary(mask_ms) if mask_ms else None,
+            "grammar_restarts_per_run": statistics.median(restarts) if restarts else None,
+        })
     backend.close()
     print("| model | backend | batch | test | tok/s (median) | min | max |")
     print("|---|---|---|---|---|---|---|")
-    for name, key, n in (("pp", "pp_tok_s", args.prompt_tokens), ("tg", "tg_tok_s", args.gen_tokens)):
-        r = result[key]
+    tests = [("pp", "pp_tok_s", args.prompt_tokens), ("tg", "tg_tok_s", args.gen_tokens)]
+    if args.constrained:
+        tests += [("tg", "tg_sampled_tok_s", f"{args.gen_tokens} sampled path"),
+                  ("tg", "tg_constrained_tok_s", f"{args.gen_tokens} json schema ({args.constrained} rows)")]
+    for name, key, n in tests:
+        r = result.get(key)
         if r:
             at = f" @ d{depth}" if name == "tg" and depth > DECODE_PRIME else ""
             print(f"| {mf.name} | {backend.name} | {batch} | {name}{n}{at} | {r['median']:.1f} | "
                   f"{r['min']:.1f} | {r['max']:.1f} |")
+    if args.constrained and tg:
+        m = result["mask_ms_per_step"]
+        print(f"constrained / plain decode: {result['constrained_vs_plain']:.3f}; masks: "
+              f"{m['median']:.3f} ms per step (median, max {m['max']:.3f}) on the host" if m else "")
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

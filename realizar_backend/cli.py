@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--depth", type=int, default=0,
                    help="tokens already in each sequence's context when the timed decode starts "
                         "(llama-bench -d; default: a few)")
+    b.add_argument("--constrained", choices=["all", "half"],
+                   help="also decode with a JSON schema on every row (all) or on every other row (half), "
+                        "beside the plain decode and the same batch sampled without masks")
+    b.add_argument("--schema", help="the JSON schema file for --constrained (default: a small nested object)")
     b.add_argument("--json", help="write the results as JSON to this file")
     b.set_defaults(func=cmd_bench)
 

@@ -59,6 +59,11 @@ class CapacityError(RealizarError):
         super().__init__(message)
 
 
+class GrammarError(RealizarError):
+    """A sampled token that the request's grammar does not allow (constrained decoding): the
+    sampling step did not apply the sequence's mask. The sequence fails; the others go on."""
+
+
 class BackendError(RealizarError):
     """A backend could not be created or failed its self-check."""
 

@@ -1,8 +1,8 @@
 """Constrained decoding (engine/guidance.py) on the real vocabularies: llguidance's view of every
 token is our tokenizer's (byte-level BPE: SmolLM2, Qwen2.5; SentencePiece: Gemma 3), masks walk
 a valid output and block an invalid one, bad grammars are 400s that name the problem, and greedy
-and sampled generation of Qwen2.5-Coder-0.5B through the CPU backend gives JSON that validates
-against a nested schema with enums and arrays."""
+and sampled generation of Qwen2.5-Coder-0.5B on the CPU backend gives JSON that validates
+against a nested schema with enums and arrays (through the engine, as a request runs)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from guided_decode import chat_ids, generate, qwen05_cpu
 from realizar_backend.backends.sampling import allowed_tokens
 from realizar_backend.engine.guidance import Constraint, Guidance
 from realizar_backend.errors import RequestError
@@ -156,30 +155,43 @@ PROMPTS = ["Invent a pet and describe it as JSON.",
            "A small bird named Kiwi, 2 years old, owner in Lima (verified). JSON please."]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("i", range(len(PROMPTS)))
-def test_greedy_constrained_generation_validates(i):
-    backend, tok, g = qwen05_cpu()
-    ids = chat_ids(tok, [{"role": "user", "content": PROMPTS[i]}])
-    out, reason = generate(backend, tok, g, ids, Constraint("json_schema", PET), max_tokens=80, temperature=0)
-    text = tok.decode(out)
-    print(text)
-    assert reason == "stop"
-    jsonschema.validate(json.loads(text), PET)
+@pytest.fixture(scope="module")
+def qwen_engine():
+    from real_models import real_model
+
+    from realizar_backend.engine.engine import Engine
+    from realizar_backend.settings import Settings
+    eng = Engine.from_settings(Settings(model=str(real_model("qwen05")), backend="cpu", max_num_seqs=4,
+                                        context_length=512))
+    yield eng
+    eng.shutdown()
+
+
+def generate(engine, prompt, constraint, **sampling):
+    """(text, finish_reason) of one chat reply through the engine."""
+    from realizar_backend.engine.sampling import SamplingParams
+    params = SamplingParams(constraint=constraint, **sampling)
+    ids = engine.prepare(None, params, [{"role": "user", "content": prompt}])
+    outs = list(engine.generate_sync(ids, params))
+    return "".join(o.text for o in outs), outs[-1].finish_reason
 
 
 @pytest.mark.slow
-def test_sampled_constrained_generation_validates_and_free_text_would_not():
-    backend, tok, g = qwen05_cpu()
-    ids = chat_ids(tok, [{"role": "user", "content": PROMPTS[0]}])
-    for seed in (1, 2):
-        out, reason = generate(backend, tok, g, ids, Constraint("json_schema", PET), max_tokens=80,
-                               temperature=0.9, top_p=0.95, seed=seed)
+def test_greedy_and_sampled_constrained_generation_validates_and_free_text_would_not(qwen_engine):
+    from concurrent.futures import ThreadPoolExecutor
+    c = Constraint("json_schema", PET)
+    # (greedy output on 20 prompts: tests/test_structured_server.py)
+    jobs = [(PROMPTS[2], dict(temperature=0))] + \
+           [(PROMPTS[0], dict(temperature=0.9, top_p=0.95, seed=seed)) for seed in (1, 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:      # one batch: constrained rows decode together
+        results = list(pool.map(lambda job: generate(qwen_engine, job[0], c, max_tokens=80, **job[1]), jobs))
+    for text, reason in results:
+        print(text)
         assert reason == "stop"
-        jsonschema.validate(json.loads(tok.decode(out)), PET)
+        jsonschema.validate(json.loads(text), PET)
     # the same prompt without the constraint: the model wraps its JSON in a markdown fence
-    free, _ = generate(backend, tok, g, ids, None, max_tokens=8, temperature=0)
-    assert not tok.decode(free).startswith("{")
+    free, _ = generate(qwen_engine, PROMPTS[0], None, max_tokens=8, temperature=0)
+    assert not free.startswith("{")
 
 
 def test_pydantic_schemas_compile():

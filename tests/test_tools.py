@@ -12,7 +12,7 @@ import pytest
 
 from realizar_backend.errors import RequestError
 from realizar_backend.serving.tools import (HERMES, LLAMA3_JSON, ToolStreamParser, check_tool_messages,
-                                            detect_format, finish_reason, merge_deltas, parse_reply,
+                                            delta_chunks, detect_format, finish_reason, parse_reply,
                                             parse_tool_request)
 
 WEATHER = {"type": "function", "function": {
@@ -219,9 +219,20 @@ def test_streamed_arguments_arrive_as_they_are_generated(hermes):
     p = ToolStreamParser(hermes)
     head = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12'
     assert _assemble(p.feed(head)) == (None, [("calculate", '{"expression": "12')])
-    assert merge_deltas(p.feed(' + 30"}}\n</tool_call>')) == {
-        "tool_calls": [{"index": 0, "function": {"arguments": ' + 30"}'}}]}
+    assert delta_chunks(p.feed(' + 30"}}\n</tool_call>')) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": ' + 30"}'}}]}]
     assert p.finish() == []
+
+
+def test_stream_chunks_are_shaped_as_openai_sends_them(hermes):
+    """A call's header alone in its chunk, its argument pieces joined in the next; content joined."""
+    text = "Hi " + CALL_C + "\n" + CALL_C
+    chunks = delta_chunks(ToolStreamParser(hermes).feed(text))
+    assert [sorted(c) for c in chunks] == [["content"], ["tool_calls"], ["tool_calls"], ["tool_calls"], ["tool_calls"]]
+    heads = [c["tool_calls"][0] for c in chunks[1::2]]
+    assert [(h["index"], h["function"]["arguments"], h["type"]) for h in heads] == [(0, "", "function"), (1, "", "function")]
+    assert all(len(c["tool_calls"]) == 1 and "id" not in c["tool_calls"][0] for c in chunks[2::2])
+    assert _assemble(chunks) == ("Hi", [("calculate", '{"expression": "2 * (3 + 4)"}')] * 2)
 
 
 def test_llama3_json_replies():
@@ -334,51 +345,3 @@ def test_bad_parameter_schema_is_a_400(qwen_tok, guidance):
         guidance.compile(req.constraint(guidance))
     assert e.value.status == 400 and e.value.param == "tools" and "not" in e.value.message
 
-
-# ------------------------------------------------------------------ the real model calling tools
-
-ROUND_TRIPS = [("What's the weather like in Paris right now?", "get_weather", "auto", '{"temperature": 18}'),
-               ("What is 12 times 7 plus 3?", "calculate", "required", '{"result": 87}'),
-               ("What's the weather like in Paris right now?", "get_weather", "named", '{"temperature": 18}')]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", range(len(ROUND_TRIPS)))
-def test_tool_round_trip_on_qwen(case):
-    """Qwen2.5-Coder-0.5B through the CPU backend: the call parses into tool_calls whose arguments
-    validate against the tool's schema (greedy, so the same call every run), streamed the same;
-    the follow-up with the tool's result renders through the template and ends in text.
-
-    (This 0.5B model does not use a tool's result: after one it repeats its call, with or without
-    tools in the prompt, so the follow-up asks with tool_choice none and checks only its shape.)"""
-    import jsonschema
-
-    from guided_decode import chat_ids, generate, qwen05_cpu
-    backend, tok, guidance = qwen05_cpu()
-    question, fn, choice, result = ROUND_TRIPS[case]
-    tool_choice = {"type": "function", "function": {"name": fn}} if choice == "named" else choice
-    req = parse_tool_request(TOOLS, tool_choice, None, tok.chat_template)
-    messages = [{"role": "user", "content": question}]
-    ids = chat_ids(tok, messages, tools=req.template_tools)
-    out, reason = generate(backend, tok, guidance, ids, req.constraint(guidance), max_tokens=60, temperature=0)
-    text = tok.decode(out)
-    content, calls = parse_reply(text, req)
-    print(repr(text))
-    assert finish_reason(reason, len(calls)) == "tool_calls" and content is None
-    assert [c.name for c in calls] == [fn]
-    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[fn]
-    jsonschema.validate(json.loads(calls[0].arguments), schema)
-    assert _assemble(_streamed(req, text, list(range(1, len(text), 3)))[0]) == (None, [(fn, calls[0].arguments)])
-
-    messages += [{"role": "assistant", "content": None, "tool_calls": [calls[0].to_openai()]},
-                 {"role": "tool", "tool_call_id": calls[0].id, "content": result}]
-    extra = check_tool_messages(messages)
-    msgs = [{"role": m["role"], "content": m["content"] or "", **x} for m, x in zip(messages, extra)]
-    follow = parse_tool_request(TOOLS, "none", None, tok.chat_template)
-    ids = chat_ids(tok, msgs, tools=follow.template_tools)
-    assert f'<tool_call>\n{{"name": "{fn}", "arguments": {calls[0].arguments}}}\n</tool_call>' in tok.decode(ids)
-    assert follow.constraint(guidance) is None
-    out, reason = generate(backend, tok, guidance, ids, None, max_tokens=40, temperature=0)
-    answer, calls = parse_reply(tok.decode(out), follow)
-    print(repr(answer))
-    assert calls == [] and answer.strip()

@@ -27,7 +27,7 @@ runs them asynchronously knows what may happen while one is in flight:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -132,10 +132,12 @@ class Backend(Protocol):
         """The ids (int32 [n]) of a started step; waits for it."""
 
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                      rows: Sequence[SampleRow]) -> SampleResult:
+                      rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
         """One step sampled on the backend: only token ids (and logprobs where asked) come back.
         For rows with penalties, tokens[i] (the sequence's newest token) is counted as generated
-        before the penalties of this step apply."""
+        before the penalties of this step apply. prepare: called once, after the step's forward
+        pass is started and before the rows' masks are read; the caller fills the masks there,
+        so that this host work overlaps a device's forward pass."""
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         """A sequence with penalties starts (or, after a preemption, resumes) in `slot`: forget the

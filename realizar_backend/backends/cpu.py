@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -305,10 +305,12 @@ class CPUBackend:
         return handle
 
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                      rows: Sequence[SampleRow]) -> SampleResult:
+                      rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
         """The step's logits sampled by the NumPy twin of the GPU's sampling kernels."""
         from .sampling import sample_rows
         logits = self.decode(slots, tokens, positions)[:, :self.config.vocab_size]
+        if prepare is not None:
+            prepare()
         counts: list[np.ndarray | None] = []
         for s, t, r in zip(slots, tokens, rows):
             if r.penalties:

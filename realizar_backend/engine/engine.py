@@ -5,7 +5,13 @@ each step over the paged KV cache (engine/kv_manager.py); the engine carries it 
 backend the block tables that changed, decodes every running sequence in one batched call that
 the backend also samples (backends/sampling.py defines how), then prefills the planned prompt
 chunks (a sequence's first token is drawn here, from its last chunk's logits), and hands each
-sequence's new text to its caller (engine/outputs.py). Callers iterate asynchronously
+sequence's new text to its caller (engine/outputs.py).
+
+Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
+its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
+sequence. A batch with a constrained row is sampled by the backend with the rows' masks, which
+are computed while the step's forward pass runs (`decode_sample`'s prepare); a batch without one
+keeps the pipelined greedy path, and its rows never see a mask. Callers iterate asynchronously
 (`generate`) or synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels
 the sequence and frees its KV blocks at once.
 """
@@ -25,10 +31,11 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from ..backends import Backend, PrefillItem, create_backend, start_device
-from ..errors import CapacityError, ContextOverflowError, RequestError
+from ..errors import CapacityError, ContextOverflowError, GrammarError, RequestError
 from ..formats import open_model
 from ..model.default import default_model_path
 from ..settings import Settings
+from .guidance import Guidance
 from .kv_manager import KVManager
 from .outputs import RequestOutput, add_text, drain_merged, drain_text
 from .sampling import Sampler, SamplingParams, token_logprobs
@@ -80,8 +87,18 @@ class Engine:
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
+        self.guidance = Guidance(tokenizer, self.config.vocab_size)
+        self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
+        # llguidance's view of the vocabulary takes 0.2-3 s to build: not on the first request
+        threading.Thread(target=self._prewarm_guidance, name="realizar-guidance", daemon=True).start()
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
         self._thread.start()
+
+    def _prewarm_guidance(self) -> None:
+        try:
+            self.guidance.prewarm()
+        except Exception:       # said now; a constrained request meets the same error
+            log.warning("constrained decoding (llguidance) could not read this tokenizer", exc_info=True)
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None) -> "Engine":
@@ -109,11 +126,14 @@ class Engine:
     # ------------------------------------------------------------------ request side
 
     def prepare(self, prompt: str | list[int] | None, params: SamplingParams,
-                messages: list[dict] | None = None) -> list[int]:
-        """Tokenize and validate a request; fills params.max_tokens when it is None.
-        Raises RequestError / ContextOverflowError before anything is queued."""
+                messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+        """Tokenize and validate a request; fills params.max_tokens when it is None, and compiles
+        params.constraint (cached). Blocking work: call it off the event loop. Raises
+        RequestError / ContextOverflowError before anything is queued. tools: the chat
+        template's `tools` (OpenAI's function definitions), rendered with the messages."""
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            kwargs = {"tools": tools} if tools else {}
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_context)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True, limit=self.max_context)
@@ -144,6 +164,8 @@ class Engine:
         elif params.max_tokens > pool_room:
             raise ContextOverflowError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                                        f"exceeds this server's KV cache of {self.kv_capacity} tokens")
+        if params.constraint is not None:
+            self.guidance.compile(params.constraint)     # a 400 naming the field, or cached for the guide
         return ids
 
     def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None, sink) -> Sequence:
@@ -152,9 +174,10 @@ class Engine:
         if params.max_tokens is None or len(ids) + params.max_tokens > min(self.max_context, self.kv_capacity):
             raise ContextOverflowError(f"prompt plus max_tokens exceeds the context of {self.max_context} "
                                        f"tokens or the KV cache of {self.kv_capacity}")
+        guide = self.guidance.guide(params.constraint) if params.constraint is not None else None
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
                         sampler=Sampler(params, ids, self.config.vocab_size), sink=sink,
-                        detok=self.tokenizer.detokenizer(ids))
+                        detok=self.tokenizer.detokenizer(ids), guide=guide)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -331,17 +354,28 @@ class Engine:
         slots = [s.slot for s in batch]
         toks = [s.output_ids[-1] for s in batch]
         pos = [s.num_computed for s in batch]
-        if all(s.params.greedy and not s.sampler.needs_counts and s.params.logprobs is None for s in batch):
+        if all(s.params.greedy and not s.sampler.needs_counts and s.params.logprobs is None
+               and not s.constrained for s in batch):
             ids = self._greedy_step(batch, slots, toks, pos, go_ahead)
             for seq, tok in zip(batch, ids):
                 self.scheduler.computed(seq, 1)
                 self._accept(seq, None, int(tok))
         else:
             self._drop_ahead()
-            # sampled by the backend; only rows asking for top logprobs beyond one get logits back
-            rows = [s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
-                                  want_logits=(s.params.logprobs or 0) > 1) for s in batch]
-            res = self.backend.decode_sample(slots, toks, pos, rows)
+            # sampled by the backend; only rows asking for top logprobs beyond one get logits back.
+            # Constrained rows name their row of self._masks, filled by `prepare` while the
+            # step's forward pass runs (each guide has consumed the token this step feeds).
+            guides = [s.guide for s in batch if s.guide is not None]
+            masks = self._mask_rows(len(guides)) if guides else None
+            rows, k = [], 0
+            for s in batch:
+                mask = None
+                if s.guide is not None:
+                    mask, k = masks[k], k + 1
+                rows.append(s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
+                                          want_logits=(s.params.logprobs or 0) > 1, mask=mask))
+            prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
+            res = self.backend.decode_sample(slots, toks, pos, rows, prepare)
             for i, seq in enumerate(batch):
                 lp = None
                 if seq.params.logprobs in (0, 1):
@@ -387,6 +421,11 @@ class Engine:
             ahead, self._ahead = self._ahead, None
             self.backend.decode_argmax_finish(ahead[1])
 
+    def _mask_rows(self, n: int) -> np.ndarray:
+        if self._masks is None:
+            self._masks = np.zeros((self.backend.max_slots, self.guidance.words), np.int32)
+        return self._masks[:n]
+
     def _decode_rate(self) -> float:
         w = self._decode_window
         if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
@@ -399,8 +438,14 @@ class Engine:
         """Sample (unless the backend already did), then emit and check stop conditions.
         logprobs: (chosen, top) when the backend computed them; else they come from `logits`."""
         p = seq.params
+        guide = seq.guide
         if token is None:
-            token = seq.sampler.sample(logits)
+            token = seq.sampler.sample(logits, mask=guide.compute_mask() if guide is not None else None)
+        if guide is not None and not guide.consume(token):
+            self._fail(seq, GrammarError(f"constrained decoding: token {token} ({self.tokenizer.token_text(token)!r}) "
+                                         f"was sampled where the grammar ({p.constraint.param}) does not "
+                                         f"allow it: {guide.error}"))
+            return
         seq.sampler.observe(token)
         seq.output_ids.append(token)
         now = time.perf_counter()
@@ -418,7 +463,10 @@ class Engine:
             tt = self.tokenizer.token_text
             lp = [(tt(token), chosen, [(tt(i), v) for i, v in top])]
 
-        stop_tok = token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.stop_ids)
+        # with a grammar, a stop token is drawn only where the grammar is complete: it ends the
+        # sequence even with ignore_eos
+        stop_tok = token in p.stop_token_ids or (token in self.tokenizer.stop_ids
+                                                 and (not p.ignore_eos or guide is not None))
         reason = None
         if stop_tok:
             # the stop token's own text is never shown; whatever was held back is now final
@@ -429,6 +477,9 @@ class Engine:
             text, hit = add_text(seq, seq.detok.add(token))
             if hit:
                 reason = "stop"
+            elif guide is not None and guide.finished:     # nothing but a stop token could follow
+                reason = "stop"
+                text += drain_text(seq)
             elif len(seq.output_ids) >= p.max_tokens:
                 reason = "length"
                 text += drain_text(seq)

@@ -3,20 +3,21 @@ grammar, a regex, a list of choices) becomes, per sequence, the set of tokens al
 step, as a bitmask the sampling step applies (backends/sampling.py: SampleRow.mask).
 
 llguidance does the work (the grammar engine llama.cpp and vLLM use): its tokenizer is built once
-per model from ours, a request's grammar is compiled and checked once (cached by its text), and
-each constrained sequence gets a `Guide` (an llguidance matcher) that gives the mask for its next
-token and consumes the token drawn.
+per model from ours (`prewarm`, on a thread at start-up), a request's grammar is compiled and
+checked once (cached by its text, with a pristine matcher), and each constrained sequence gets a
+`Guide` (a copy of that matcher, ~1 us) that gives the mask for its next token and consumes the
+token drawn.
 
-How the engine drives a Guide (the mask for step t+1 is host work that can run while the device
-runs step t's forward pass, since it only needs step t's token):
-    guide = guidance.guide(constraint)           # at admission; compile errors were raised earlier
-    mask = guide.compute_mask()                  # the first token's mask (prefill logits)
-    token = sampler.sample(logits, mask=mask)
+How the engine drives a Guide (engine/engine.py):
+    compile(constraint)                          # in Engine.prepare, off the event loop: 400s here
+    guide = guidance.guide(constraint)           # when the sequence is made (cached: a copy)
+    token = sampler.sample(prefill logits, mask=guide.compute_mask())      # the first token
     loop:
-        if not guide.consume(token): fail the sequence (cannot happen when the mask was applied)
+        if not guide.consume(token): fail the sequence (only a broken backend gets here)
         if guide.finished: finish with "stop"     # the grammar is complete: only EOS could follow
-        mask = guide.compute_mask()               # <- overlaps the device's next forward pass
-        row = sampler.row(..., mask=mask); token = backend.decode_sample(..., [row, ...])
+        backend.decode_sample(..., rows with masks, prepare=fill_masks)
+            # fill_masks computes every guide's next mask after the step's forward pass is
+            # queued and before the sampling reads the masks: on a GPU it overlaps the forward
 Stop tokens (the model's EOS set) are allowed exactly when the grammar accepts, so a sequence that
 draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads.
 Sequences without a constraint have no Guide and cost nothing.
@@ -136,7 +137,8 @@ class Guidance:
         self.words = mask_words(self.vocab_size)
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        # constraint key -> (checked grammar, a matcher at its start that guides copy)
+        self._cache: OrderedDict[str, tuple[str, llguidance.LLMatcher]] = OrderedDict()
         self._cache_size = cache_size
         self._executor: llguidance.LLExecutor | None = None
 
@@ -165,11 +167,14 @@ class Guidance:
     def compile(self, c: Constraint) -> str:
         """The checked grammar of a constraint; RequestError (400, naming c.param and the
         problem) for a malformed or unsupported one. Cached by the constraint's text."""
+        return self._entry(c)[0]
+
+    def _entry(self, c: Constraint) -> tuple[str, "llguidance.LLMatcher"]:
         with self._lock:
-            g = self._cache.get(c.key)
-            if g is not None:
+            hit = self._cache.get(c.key)
+            if hit is not None:
                 self._cache.move_to_end(c.key)
-                return g
+                return hit
         what = _WHAT[c.kind]
         try:
             g = grammar_source(c)
@@ -181,19 +186,19 @@ class Guidance:
                                param=c.param, code="invalid_grammar")
         for m in msgs:
             log.debug("guidance: %s warning: %s", what, m)
+        m = llguidance.LLMatcher(self.ll_tokenizer, g, log_level=0)
+        if m.is_error():   # validated above: only a resource limit gets here
+            raise RequestError(f"{c.param}: this {what} cannot be used: {m.get_error()}",
+                               param=c.param, code="invalid_grammar")
         with self._lock:
-            self._cache[c.key] = g
+            self._cache[c.key] = (g, m)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return g
+        return g, m
 
     def guide(self, c: Constraint) -> Guide:
-        """A new sequence's Guide (compiles, or takes the cached grammar)."""
-        m = llguidance.LLMatcher(self.ll_tokenizer, self.compile(c), log_level=0)
-        if m.is_error():   # compile() checked the grammar: only a resource limit gets here
-            raise RequestError(f"{c.param}: this {_WHAT[c.kind]} cannot be used: {m.get_error()}",
-                               param=c.param, code="invalid_grammar")
-        return Guide(m, self.words)
+        """A new sequence's Guide: a copy of the grammar's pristine matcher (compiles on a miss)."""
+        return Guide(self._entry(c)[1].deep_copy(), self.words)
 
     def fill_masks(self, guides: Sequence[Guide], out: np.ndarray) -> np.ndarray:
         """Every guide's next mask at once, on llguidance's threads: guides[i]'s into out[i]

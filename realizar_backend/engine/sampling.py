@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # None: off; k: chosen token plus the top k
     logit_bias: dict | None = None  # token id (int, or its decimal string as in JSON) -> bias in [-100, 100]
+    constraint: Any = None          # engine.guidance.Constraint the output follows (a grammar), or None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -145,7 +147,8 @@ class Sampler:
         if self.needs_counts:
             self.counts = np.zeros(vocab_size, np.int32)
             self.counts[np.asarray(prompt_ids, dtype=np.int64)] = 1
-        self.logit_bias = params.logit_bias_table(vocab_size)
+        bias = params.logit_bias_table(vocab_size)
+        self.logit_bias = bias if bias is not None and len(bias) else None
 
     def row(self, step: int | None = None, logprobs: bool = False, want_logits: bool = False,
             mask: np.ndarray | None = None) -> SampleRow:

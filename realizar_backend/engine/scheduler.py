@@ -55,6 +55,14 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     synced_blocks: int = 0               # entries of its block table the backend has been given
+    # constrained decoding (engine/guidance.py): the grammar's state after the tokens generated
+    # so far. A preempted sequence keeps it: its output (all consumed) is kept too.
+    guide: Any = None
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar or a logit bias changes this sequence's logits before each draw."""
+        return self.guide is not None or self.sampler.logit_bias is not None
 
     @property
     def kv_target(self) -> int:

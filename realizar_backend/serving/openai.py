@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP API: response shapes and the route handlers (request bodies are read
-and checked in requests.py).
+and checked in requests.py; structured output in structured.py, tool calls in tools.py, the
+token routes in tokens.py).
 
 A plain Starlette app (BentoML mounts it with `bentoml.asgi_app`), so paths, status codes and
-server-sent events are exactly OpenAI's: /v1/models, /v1/completions, /v1/chat/completions.
+server-sent events are exactly OpenAI's: /v1/models, /v1/completions, /v1/chat/completions; and
+vLLM's /tokenize and /detokenize.
 Nothing heavy runs on the event loop: tokenizing, chat template renders (themselves in worker
 processes) and large JSON go to `ServerState.work`, so /livez and every stream keep flowing
 while one request carries megabytes.
@@ -37,7 +39,10 @@ from starlette.routing import Route
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from ..errors import CapacityError, RequestError
 from . import requests as rq
+from . import tokens
 from .requests import bad, error_body
+from .structured import request_constraint
+from .tools import ToolRequest, ToolStreamParser, delta_chunks, finish_reason, parse_reply, parse_tool_request
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +301,8 @@ def create_app(state: ServerState) -> Starlette:
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if plan.stream:
-            return _Guarded(state, _stream_completion(engine, plan.jobs, head, plan.prompt_tokens,
-                                                      plan.include_usage), "text/event-stream", SSE_HEADERS)
-        return _Guarded(state, _full_completion(state, engine, plan.jobs, head, plan.prompt_tokens, plan.logprobs),
-                        "application/json")
+            return _Guarded(state, _stream_completion(engine, plan, head), "text/event-stream", SSE_HEADERS)
+        return _Guarded(state, _full_completion(state, engine, plan, head), "application/json")
 
     async def chat(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
@@ -307,16 +310,26 @@ def create_app(state: ServerState) -> Starlette:
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "created": created, "model": engine.model_name}
         if plan.stream:
-            return _Guarded(state, _stream_chat(engine, plan.jobs, head, plan.prompt_tokens, plan.include_usage),
-                            "text/event-stream", SSE_HEADERS)
-        return _Guarded(state, _full_chat(state, engine, plan.jobs, head, plan.prompt_tokens, plan.logprobs),
-                        "application/json")
+            return _Guarded(state, _stream_chat(engine, plan, head), "text/event-stream", SSE_HEADERS)
+        return _Guarded(state, _full_chat(state, engine, plan, head), "application/json")
+
+    async def tokenize(request: Request, engine) -> Response:
+        raw = await rq.read_body(request, state.settings.max_request_bytes)
+        out = await state.offload(_tokenize, raw, engine)
+        return Response(await _dumps(state, out, 8 * out["count"]), media_type="application/json")
+
+    async def detokenize(request: Request, engine) -> Response:
+        raw = await rq.read_body(request, state.settings.max_request_bytes)
+        out = await state.offload(_detokenize, raw, engine)
+        return Response(await _dumps(state, out, len(out["prompt"])), media_type="application/json")
 
     routes = [
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
     ]
     known = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
 
@@ -380,18 +393,22 @@ class _Plan:
     stream: bool
     include_usage: bool
     logprobs: bool
+    echo: list[str] | None = None         # completions: per job, the text put before its output
+    tools: ToolRequest | None = None      # chat: the tools the reply may call (None: plain text)
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tools is not None and ToolStreamParser(self.tools).active
 
 
-# The two request builders run on a worker thread (ServerState.offload): parsing, checking
-# and tokenizing a body of megabytes takes the CPU for a while, never the event loop.
+# The request builders run on a worker thread (ServerState.offload): parsing, checking, compiling
+# a grammar and tokenizing a body of megabytes take the CPU for a while, never the event loop.
 
 def _completion_plan(raw: bytes, engine, settings) -> _Plan:
     body = rq.parse_json(raw)
     body.only(rq.COMPLETION_FIELDS)
     rq.check_model(body, engine)
-    for name in ("suffix", "logit_bias"):
-        body.unsupported(name)
-    body.unsupported("echo", lambda v: v is False)
+    body.unsupported("suffix")
     prompts = rq.prompts(body)
     n = rq.choices(body, len(prompts), settings.max_waiting)
     body.unsupported("best_of", lambda v: v == n)
@@ -400,21 +417,26 @@ def _completion_plan(raw: bytes, engine, settings) -> _Plan:
     logprobs = body.get("logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    echo = body.get("echo", "bool", False)
     params = rq.sampling(body, body.get("max_tokens", "int", 16), logprobs, settings.max_stop_chars)
+    params.constraint = request_constraint(body.data, chat=False)
+    echoes = [tokens.echo_text(engine, p, echo, logprobs) for p in prompts for _ in range(n)] if echo else None
     jobs, prompt_tokens = _jobs(engine, params, prompts, n, None)
-    return _Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None)
+    return _Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None, echo=echoes)
 
 
 def _chat_plan(raw: bytes, engine, settings) -> _Plan:
     body = rq.parse_json(raw)
     body.only(rq.CHAT_FIELDS)
     rq.check_model(body, engine)
-    for name in ("tools", "functions", "function_call", "logit_bias", "audio", "prediction",
-                 "web_search_options", "reasoning_effort", "verbosity"):
+    for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
+                 "verbosity"):
         body.unsupported(name)
-    body.unsupported("tool_choice", lambda v: v == "none")
-    body.unsupported("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
     body.unsupported("modalities", lambda v: v == ["text"])
+    if not getattr(engine.tokenizer, "has_chat_template", True):
+        raise bad("messages", "this model has no chat template; use /v1/completions")
+    tool_req = parse_tool_request(body.data.get("tools"), body.data.get("tool_choice"),
+                                  body.data.get("parallel_tool_calls"), engine.tokenizer.chat_template)
     messages = rq.messages(body)
     n = rq.choices(body, 1, settings.max_waiting)
     stream = body.get("stream", "bool", False)
@@ -428,26 +450,48 @@ def _chat_plan(raw: bytes, engine, settings) -> _Plan:
     max_tokens = body.get("max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = body.get("max_tokens", "int")
-    if not getattr(engine.tokenizer, "has_chat_template", True):
-        raise bad("messages", "this model has no chat template; use /v1/completions")
     params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
-    jobs, prompt_tokens = _jobs(engine, params, [None], n, messages)
-    return _Plan(jobs, prompt_tokens, stream, include_usage, want_lp)
+    constraint = request_constraint(body.data, chat=True)
+    tool_constraint = tool_req.constraint(engine.guidance) if tool_req is not None else None
+    if tool_constraint is not None and constraint is not None:
+        raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
+                                    f"\"none\"")
+    params.constraint = tool_constraint or constraint
+    jobs, prompt_tokens = _jobs(engine, params, [None], n, messages,
+                                tool_req.template_tools if tool_req is not None else None)
+    return _Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req)
 
 
-def _jobs(engine, base: SamplingParams, prompts, n: int, messages):
-    """Validate and tokenize every prompt once (blocking: tokenizing and template rendering run
-    here, on a worker thread), then one job (sequence) per choice; seeded choices get seed + i
-    so that n > 1 gives n different, reproducible samples."""
+def _jobs(engine, base: SamplingParams, prompts, n: int, messages, tools=None):
+    """Validate and tokenize every prompt once (blocking: tokenizing, template rendering and
+    compiling the grammar run here, on a worker thread), then one job (sequence) per choice;
+    seeded choices get seed + i so that n > 1 gives n different, reproducible samples."""
     jobs, prompt_tokens = [], 0
     for prompt in prompts:
         params = dataclasses.replace(base)
-        ids = engine.prepare(prompt, params, messages)
+        ids = engine.prepare(prompt, params, messages, tools)
         prompt_tokens += len(ids)
         for i in range(n):
             p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
             jobs.append((ids, p))
     return jobs, prompt_tokens
+
+
+def _tokenize(raw: bytes, engine) -> dict:
+    body = rq.parse_json(raw)
+    body.only(rq.TOKENIZE_FIELDS)
+    messages = None
+    if body.data.get("messages") is not None:
+        if not getattr(engine.tokenizer, "has_chat_template", True):
+            raise bad("messages", "this model has no chat template; tokenize a prompt")
+        messages = rq.messages(body)
+    return tokens.tokenize(engine, body.data, messages)
+
+
+def _detokenize(raw: bytes, engine) -> dict:
+    body = rq.parse_json(raw)
+    body.only(rq.DETOKENIZE_FIELDS)
+    return tokens.detokenize(engine, body.data)
 
 
 async def _collect(engine, jobs):
@@ -470,35 +514,52 @@ async def _dumps(state: ServerState, obj: dict, size: int) -> bytes:
     return dump() if size < _LARGE_JSON_CHARS else await state.offload(dump)
 
 
-async def _full_completion(state, engine, jobs, head, prompt_tokens, with_lp) -> AsyncIterator[bytes]:
-    texts, reasons, lps, completion_tokens = await _collect(engine, jobs)
+async def _full_completion(state, engine, plan: _Plan, head) -> AsyncIterator[bytes]:
+    texts, reasons, lps, completion_tokens = await _collect(engine, plan.jobs)
     choices = []
     for i, text in enumerate(texts):
-        lp = _CompletionLogprobs().add(lps[i]) if with_lp else None
+        lp = _CompletionLogprobs().add(lps[i]) if plan.logprobs else None
+        if plan.echo is not None:
+            text = plan.echo[i] + text
         choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(reasons[i])})
-    yield await _dumps(state, {**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)},
+    yield await _dumps(state, {**head, "choices": choices, "usage": _usage(plan.prompt_tokens, completion_tokens)},
                        sum(map(len, texts)))
 
 
-async def _full_chat(state, engine, jobs, head, prompt_tokens, with_lp) -> AsyncIterator[bytes]:
-    texts, reasons, lps, completion_tokens = await _collect(engine, jobs)
-    choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                "logprobs": {"content": _chat_logprobs(lps[i])} if with_lp else None,
-                "finish_reason": _finish(reasons[i])} for i, text in enumerate(texts)]
+def _message(plan: _Plan, text: str, reason: str | None) -> tuple[dict, str | None]:
+    """A whole reply as OpenAI's chat message and finish_reason: with tools, the calls parsed
+    out of the text into tool_calls (content null when the reply is only calls)."""
+    if not plan.calls_tools:
+        return {"role": "assistant", "content": text}, _finish(reason)
+    content, calls = parse_reply(text, plan.tools)
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [c.to_openai() for c in calls]
+    return msg, finish_reason(_finish(reason), len(calls))
+
+
+async def _full_chat(state, engine, plan: _Plan, head) -> AsyncIterator[bytes]:
+    texts, reasons, lps, completion_tokens = await _collect(engine, plan.jobs)
+    choices = []
+    for i, text in enumerate(texts):
+        msg, reason = _message(plan, text, reasons[i])
+        choices.append({"index": i, "message": msg,
+                        "logprobs": {"content": _chat_logprobs(lps[i])} if plan.logprobs else None,
+                        "finish_reason": reason})
     yield await _dumps(state, {**head, "object": "chat.completion", "choices": choices,
-                               "usage": _usage(prompt_tokens, completion_tokens)}, sum(map(len, texts)))
+                               "usage": _usage(plan.prompt_tokens, completion_tokens)}, sum(map(len, texts)))
 
 
-async def _stream(engine, jobs, prompt_tokens, include_usage, head, make_choice) -> AsyncIterator[bytes]:
-    """SSE framing shared by both endpoints: one chunk per engine output, then usage and [DONE].
-    An error after the stream started can only be reported in-band."""
-    tokens = [0] * len(jobs)
+async def _stream(engine, plan: _Plan, head, make_choices) -> AsyncIterator[bytes]:
+    """SSE framing shared by both endpoints: the chunks of each engine output (make_choices gives
+    their choices), then usage and [DONE]. An error after the stream started can only be
+    reported in-band."""
+    tokens_out = [0] * len(plan.jobs)
     sent = False
     try:
-        async for i, out in _merged(engine, jobs):
-            tokens[i] = out.completion_tokens
-            choice = make_choice(i, out)
-            if choice is not None:
+        async for i, out in _merged(engine, plan.jobs):
+            tokens_out[i] = out.completion_tokens
+            for choice in make_choices(i, out):
                 sent = True
                 yield _sse({**head, "choices": [choice]})
     except Exception as e:
@@ -507,35 +568,48 @@ async def _stream(engine, jobs, prompt_tokens, include_usage, head, make_choice)
         if not isinstance(e, (RequestError, CapacityError)):
             log.error("stream failed after it started", exc_info=e)
         yield _sse(error_body(str(e), getattr(e, "type", "server_error")))
-    if include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(tokens))})
+    if plan.include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(plan.prompt_tokens, sum(tokens_out))})
     yield _sse("[DONE]")
 
 
-def _stream_completion(engine, jobs, head, prompt_tokens, include_usage):
-    lps = [_CompletionLogprobs() for _ in jobs]
+def _stream_completion(engine, plan: _Plan, head):
+    lps = [_CompletionLogprobs() for _ in plan.jobs]
+    echoed = [plan.echo is None] * len(plan.jobs)
 
-    def choice(i, out):
-        if not out.text and out.finish_reason is None and not out.logprobs:
-            return None
+    def choices(i, out):
+        text = out.text
+        if not echoed[i]:
+            text, echoed[i] = plan.echo[i] + text, True
+        if not text and out.finish_reason is None and not out.logprobs:
+            return []
         lp = lps[i].add(out.logprobs) if out.logprobs is not None else None
-        return {"index": i, "text": out.text, "logprobs": lp, "finish_reason": _finish(out.finish_reason)}
-    return _stream(engine, jobs, prompt_tokens, include_usage, head, choice)
+        return [{"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(out.finish_reason)}]
+    return _stream(engine, plan, head, choices)
 
 
-def _stream_chat(engine, jobs, head, prompt_tokens, include_usage):
+def _stream_chat(engine, plan: _Plan, head):
     head = {**head, "object": "chat.completion.chunk"}
-    started = [False] * len(jobs)
+    started = [False] * len(plan.jobs)
+    parsers = [ToolStreamParser(plan.tools) for _ in plan.jobs] if plan.calls_tools else None
 
-    def choice(i, out):
-        delta: dict[str, Any] = {}
-        if not started[i]:
-            delta["role"] = "assistant"       # OpenAI's first delta of a choice names the role
-            started[i] = True
-        if out.text or "role" in delta:
-            delta["content"] = out.text
-        if not delta and out.finish_reason is None and not out.logprobs:
-            return None
+    def choices(i, out):
         lp = {"content": _chat_logprobs(out.logprobs)} if out.logprobs is not None else None
-        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": _finish(out.finish_reason)}
-    return _stream(engine, jobs, prompt_tokens, include_usage, head, choice)
+        reason = _finish(out.finish_reason)
+        if parsers is None:
+            deltas = [{"content": out.text}] if out.text else []
+        else:
+            # text becomes content and tool_calls deltas as the parser sees calls in it
+            p = parsers[i]
+            deltas = delta_chunks(p.feed(out.text) + (p.finish() if reason is not None else []))
+            reason = finish_reason(reason, p.n_calls)
+        if not started[i]:
+            started[i] = True      # OpenAI's first delta of a choice names the role
+            first = deltas[0] if deltas else {}
+            deltas[:1] = [{"role": "assistant", "content": first.get("content", "" if parsers is None else None),
+                           **{k: v for k, v in first.items() if k != "content"}}]
+        if not deltas and (reason is not None or out.logprobs):
+            deltas = [{}]
+        return [{"index": i, "delta": d, "logprobs": lp if k == len(deltas) - 1 else None,
+                 "finish_reason": reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
+    return _stream(engine, plan, head, choices)

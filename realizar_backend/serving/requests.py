@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..engine.sampling import SamplingParams
 from ..errors import RequestError
+from .tools import check_tool_messages
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ _COMMON = {"model", "stream", "stream_options", "n", "max_tokens", "temperature"
            "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
            # vLLM's sampling extras (the openai client sends them through extra_body)
            "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+           # vLLM's guided decoding (serving/structured.py)
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
            "user"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "echo", "best_of"}
 CHAT_FIELDS = _COMMON | {
@@ -52,6 +55,10 @@ CHAT_FIELDS = _COMMON | {
     "parallel_tool_calls", "response_format", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "metadata", "store", "service_tier", "prompt_cache_key",
     "safety_identifier"}
+# vLLM's token routes
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs", "messages", "add_generation_prompt",
+                   "continue_final_message", "tools", "chat_template_kwargs"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -248,6 +255,7 @@ def sampling(body: Body, max_tokens: int | None, logprobs: int | None, max_stop_
         stop_token_ids=body.get("stop_token_ids", "ints", []),
         ignore_eos=body.get("ignore_eos", "bool", False),
         logprobs=logprobs,
+        logit_bias=body.get("logit_bias", "dict"),
     )
 
 
@@ -292,6 +300,8 @@ def prompts(body: Body) -> list[str | list[int]]:
 
 
 def messages(body: Body) -> list[dict]:
+    """The chat messages as the template takes them: role, text content, and the tool fields
+    (an assistant's tool_calls, a tool message's tool_call_id and name), all checked."""
     msgs = body.require("messages", "list")
     if not msgs:
         raise bad("messages", "messages: must contain at least one message")
@@ -317,4 +327,5 @@ def messages(body: Body) -> list[dict]:
             raise bad(f"{where}.content", f"{where}.content: expected a string or an array of text parts",
                       "invalid_type")
         out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
+    extras = check_tool_messages(msgs)
+    return [{**m, **x} for m, x in zip(out, extras)]

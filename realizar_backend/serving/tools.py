@@ -574,12 +574,23 @@ class ToolStreamParser:
         return {"tool_calls": [{"index": self.n_calls, "function": {"arguments": piece}}]}
 
 
-def merge_deltas(deltas: list[dict]) -> dict:
-    """Deltas of one step as one chat delta (content joined, tool-call pieces listed in order)."""
-    merged: dict = {}
+def delta_chunks(deltas: list[dict]) -> list[dict]:
+    """A step's deltas as the chat deltas OpenAI streams: a call's header (index, id, type, name,
+    empty arguments) alone, then its argument pieces joined, content pieces joined; one chunk
+    per delta returned, in order."""
+    out: list[dict] = []
     for d in deltas:
+        last = out[-1] if out else None
         if "content" in d:
-            merged["content"] = merged.get("content", "") + d["content"]
-        if "tool_calls" in d:
-            merged.setdefault("tool_calls", []).extend(d["tool_calls"])
-    return merged
+            if last is not None and "content" in last:
+                last["content"] += d["content"]
+            else:
+                out.append({"content": d["content"]})
+        for tc in d.get("tool_calls", ()):
+            prev = last["tool_calls"][0] if last is not None and "tool_calls" in last else None
+            if "id" not in tc and prev is not None and "id" not in prev and prev["index"] == tc["index"]:
+                prev["function"]["arguments"] += tc["function"]["arguments"]
+            else:
+                out.append({"tool_calls": [{**tc, "function": dict(tc["function"])}]})
+            last = out[-1]
+    return out

@@ -7,7 +7,7 @@ takes what Settings.gpu_memory_utilization of the device leaves (capped by kv_ca
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import cupy
 import numpy as np
@@ -219,13 +219,16 @@ class CUDABackend:
         return self.token_ring.tokens(handle)
 
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                      rows: Sequence[SampleRow]) -> SampleResult:
+                      rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
         """A step sampled on the GPU (kernels/sampling.cu): 16 bytes per sequence come back, plus
-        the logits of rows that want them (top logprobs beyond one, computed on the host)."""
+        the logits of rows that want them (top logprobs beyond one, computed on the host).
+        prepare (the rows' masks) runs on the host while the step's forward pass runs."""
         if len(rows) != len(slots):
             raise ValueError("one SampleRow per sequence")
         with self.device, self.stream:
             n = self._decode(slots, tokens, positions)
+            if prepare is not None:
+                prepare()
             self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
                                 rows, slots, tokens, self.stream)
             toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
