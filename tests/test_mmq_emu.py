@@ -64,7 +64,7 @@ def activations(rng, M: int, K: int, stress: bool) -> np.ndarray:
 
 
 def run_case(emu, tmp_path, rng, segs, K, M, bn, splits, *, mode=0, act=0, bias=False, accumulate=False,
-             norm=False, amax=False, stress=False, tc_model=0, twice=True, stages=3):
+             norm=False, amax=False, stress=False, tc_model=0, twice=True):
     """segs: [(qtype, rows)] (mode 1: [(qtype, F)], gate and up drawn here). Returns (max error in
     units of sum |w x|, outputs per segment, argmax keys, outputs untouched past the rows, status)."""
     nch = -(-K // 128)
@@ -75,8 +75,8 @@ def run_case(emu, tmp_path, rng, segs, K, M, bn, splits, *, mode=0, act=0, bias=
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
     if mode:
         segs = [segs[0], segs[0]]
-    hdr = struct.pack("15i", mode, K, M, len(segs), bn, splits, cps, act, int(accumulate), int(norm), int(amax), xs,
-                      tc_model, int(twice and not accumulate), stages) + struct.pack("f", 1e-6)
+    hdr = struct.pack("14i", mode, K, M, len(segs), bn, splits, cps, act, int(accumulate), int(norm), int(amax), xs,
+                      tc_model, int(twice and not accumulate)) + struct.pack("f", 1e-6)
     body, ref_parts = [hdr], []
     for qt, n in segs:
         raw = random_gguf(qt, n, K, rng)
@@ -158,21 +158,19 @@ def test_types_tiles_and_splits(emu, tmp_path, qt):
     rng = np.random.default_rng(int(qt) * 7919)
     K = 768 if qt in KQUANT else 544                 # 544: 5 chunks, the last of one unit
     i = TYPES.index(qt)
-    for bn, M, splits, stages in (((8, 16, 32, 64)[i % 4], (5, 13, 29, 37)[i % 4], 1, 2 + i % 3),
-                                  ((64, 32, 16, 8)[i % 4], (70, 17, 9, 8)[i % 4], 2, 4 - i % 3)):
-        res = run_case(emu, tmp_path, rng, [(qt, 131)], K, M, bn, splits, bias=True, stages=stages)
-        check(f"{qt.name} bn{bn} M{M} splits{splits} stages{stages}", res, EXACT_TOL)
+    for bn, M, splits in (((8, 16, 32, 64)[i % 4], (5, 13, 29, 37)[i % 4], 1), ((64, 32, 16, 8)[i % 4], (70, 17, 9, 8)[i % 4], 2)):
+        res = run_case(emu, tmp_path, rng, [(qt, 131)], K, M, bn, splits, bias=True)
+        check(f"{qt.name} bn{bn} M{M} splits{splits}", res, EXACT_TOL)
 
 
 def test_qkv_segments_mixed_types_accumulate(emu, tmp_path):
     rng = np.random.default_rng(11)
     segs = [(Q.Q4_K, 130), (Q.Q4_K, 33), (Q.Q6_K, 17)]
-    check("qkv bias", run_case(emu, tmp_path, rng, segs, 512, 13, 16, 2, bias=True, stages=2), EXACT_TOL)
+    check("qkv bias", run_case(emu, tmp_path, rng, segs, 512, 13, 16, 2, bias=True), EXACT_TOL)
     check("qkv residual", run_case(emu, tmp_path, rng, segs[:2], 512, 6, 8, 1, accumulate=True, bias=True),
           EXACT_TOL)
     segs = [(Q.Q5_0, 70), (Q.Q8_0, 9), (Q.Q8_0, 9)]
-    check("qkv q5_0/q8_0 norm", run_case(emu, tmp_path, rng, segs, 288, 20, 32, 1, bias=True, norm=True, stages=4),
-          EXACT_TOL)
+    check("qkv q5_0/q8_0 norm", run_case(emu, tmp_path, rng, segs, 288, 20, 32, 1, bias=True, norm=True), EXACT_TOL)
 
 
 @pytest.mark.parametrize("qt,F,K,M,bn,splits,act", [(Q.Q4_K, 70, 512, 20, 32, 2, 0), (Q.Q8_0, 64, 288, 3, 8, 1, 1),

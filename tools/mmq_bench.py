@@ -12,12 +12,6 @@ for both kernels, and the tokens/s those projections alone would allow.
 
     python tools/mmq_bench.py [--json out.json] [--ms 1,2,4,8,16,32,64,128,256] [--shapes qkv,o]
                               [--splits 1,2,4,8]    (also time mmq at forced K splits, for tuning)
-                              [--sweep]             (also time the plan's alternatives: ring depth,
-                                                     K split, token-tile width; best per shape and M)
-
-With --sweep each line gets the variants' times (s<stages>, k<splits>, b<width>: one choice forced,
-the others the plan's), the best one is marked, and the step table gains a column with the best
-variant of every shape and M: how much a better plan would give.
 """
 
 from __future__ import annotations
@@ -78,27 +72,6 @@ def median_call_us(launch, copies: int, reps: int) -> float:
     return float(np.median(times))
 
 
-def sweep(k, pl, M: int, K: int, mats, ffn: bool, run_mmq, copies: int, reps: int) -> dict[str, float]:
-    """Times of the plan's alternatives, one choice forced at a time (those giving the plan itself or
-    not fitting the device are left out): ring depths, K splits, token-tile widths."""
-    nch = -(-K // mmq.KC)
-    cands = [("s", st, dict(stages=st)) for st in mmq.STAGES]
-    cands += [("k", sp, dict(splits=sp)) for sp in sorted({1, 2, 3, 4, 6, 8, 12, 18, 24, nch // 2}) if 1 <= sp <= nch]
-    cands += [("b", bn, dict(bn=bn)) for bn in sorted({pl.bn // 2, 32}) if 8 <= bn < pl.bn]
-    out, seen = {}, {(pl.bn, pl.splits, pl.stages)}
-    for tag, val, kw in cands:
-        try:
-            alt = mmq.plan_for(k, M, mats, ffn, **kw)
-        except ValueError:
-            continue
-        key = (alt.bn, alt.splits, alt.stages)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[f"{tag}{val}"] = median_call_us(lambda i, kw=kw: run_mmq(i, **kw), copies, reps)
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -107,7 +80,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--splits", default="", help="also time mmq at these forced K splits")
     ap.add_argument("--no-mmvf", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time the plan's alternatives")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     forced = [int(s) for s in args.splits.split(",") if s]
@@ -128,7 +100,7 @@ def main() -> int:
     prep = mmq.MmqPrep(M_max, K_max)
     scratch = mmq.MmqScratch.for_shapes(M_max, [(K, tuple(n for _, n in segs), ffn) for _, segs, K, ffn, _ in shapes],
                                         k.sm_count)
-    if forced or args.sweep:
+    if forced:
         scratch = mmq.MmqScratch(max(scratch.part.size, 64 << 20), max(scratch.cnt.size, 1 << 16))
     x = cupy.asarray(rng.standard_normal((M_max, K_max)).astype(np.float32))
     results = []
@@ -154,15 +126,14 @@ def main() -> int:
         for M in ms:
             row = {"shape": name, "M": M, "K": K, "rows": rows, "weight_bytes": wbytes, "copies": copies}
 
-            def run_mmq(i, splits=None, M=M, stages=None, bn=None):
+            def run_mmq(i, splits=None, M=M):
                 ws = copy_sets[i]
                 mmq.prep(k, x.data.ptr, K_max, M, K, prep)
                 if ffn:
-                    mmq.mmq_ffn(k, ws[0], ws[1], prep, M, 0, outs[0].data.ptr, rows[0], scratch, splits=splits,
-                                stages=stages, bn=bn)
+                    mmq.mmq_ffn(k, ws[0], ws[1], prep, M, 0, outs[0].data.ptr, rows[0], scratch, splits=splits)
                 else:
                     mmq.mmq(k, [(w, 0, o.data.ptr, n) for w, o, n in zip(ws, outs, rows)], K, prep, M, scratch,
-                            splits=splits, stages=stages, bn=bn)
+                            splits=splits)
 
             def run_prep(i, M=M):
                 mmq.prep(k, x.data.ptr, K_max, M, K, prep)
@@ -174,19 +145,14 @@ def main() -> int:
                 else:
                     ops.mmvf(k, [(w, 0, o.data.ptr, n) for w, o, n in zip(ws, outs, rows)], K, x.data.ptr, K_max, M)
 
-            pl = mmq.plan_for(k, M, copy_sets[0], ffn)
-            row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid,
-                           "stages": pl.stages, "per_sm": pl.per_sm}
+            pl = mmq.plan(M, K, tuple(rows), ffn, k.sm_count)
+            row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid}
             row["mmq_us"] = median_call_us(run_mmq, copies, args.reps)
             row["prep_us"] = median_call_us(run_prep, min(copies, 16), args.reps)
             if not args.no_mmvf:
                 row["mmvf_us"] = median_call_us(run_mmvf, copies, args.reps)
             for s in forced:
                 row[f"mmq_split{s}_us"] = median_call_us(lambda i, s=s: run_mmq(i, s), copies, args.reps)
-            if args.sweep:
-                row["variants"] = sweep(k, pl, M, K, copy_sets[0], ffn, run_mmq, copies, args.reps)
-                best = min(row["variants"].items(), key=lambda kv: kv[1], default=("plan", row["mmq_us"]))
-                row["best"], row["best_us"] = best if best[1] < row["mmq_us"] else ("plan", row["mmq_us"])
             for kind in ("mmq", "mmvf"):
                 if f"{kind}_us" in row:
                     t = row[f"{kind}_us"] * 1e-6
@@ -197,17 +163,12 @@ def main() -> int:
             sp = "".join(f"  s{s}={row[f'mmq_split{s}_us']:.1f}" for s in forced)
             mv = (f"{row['mmvf_us']:9.1f} {row['mmvf_GBps']:7.0f} {row['mmq_us'] and row['mmvf_us'] / row['mmq_us']:6.2f}x"
                   if "mmvf_us" in row else "")
-            sw = ""
-            if args.sweep:
-                sw = "  |" + "".join(f" {v}{'*' if v == row['best'] else ''}={t:.1f}" for v, t in row["variants"].items())
-            print(f"{name:9s} M={M:4d} bn{pl.bn:<2d}x{pl.token_tiles} split {pl.splits:2d} grid {pl.grid:5d} "
-                  f"ring {pl.stages}x{pl.per_sm} | "
+            print(f"{name:9s} M={M:4d} bn{pl.bn:<2d}x{pl.token_tiles} split {pl.splits:2d} grid {pl.grid:5d} | "
                   f"mmq {row['mmq_us']:8.1f} us {row['mmq_GBps']:6.0f} GB/s {row['mmq_TFLOPs']:6.1f} TFLOP/s "
-                  f"(prep {row['prep_us']:5.1f}) | mmvf {mv}{sp}{sw}", flush=True)
+                  f"(prep {row['prep_us']:5.1f}) | mmvf {mv}{sp}", flush=True)
 
     print("\nqwen15 decode step, projections only (28 layers + head), us and the tok/s they allow:")
-    print(f"{'M':>5} {'mmq us':>10} {'mmvf us':>10} {'mmq tok/s':>10} {'mmvf tok/s':>11}"
-          + (f" {'best-variant us':>16} {'tok/s':>8}" if args.sweep else ""))
+    print(f"{'M':>5} {'mmq us':>10} {'mmvf us':>10} {'mmq tok/s':>10} {'mmvf tok/s':>11}")
     summary = []
     names = {s[0] for s in shapes}
     if names == {s[0] for s in SHAPES}:
@@ -217,12 +178,7 @@ def main() -> int:
             tv = sum(r.get("mmvf_us", 0.0) * r["layers"] for r in rs)
             summary.append({"M": M, "mmq_us": tq, "mmvf_us": tv, "mmq_tok_s": M / tq * 1e6,
                             "mmvf_tok_s": M / tv * 1e6 if tv else None})
-            extra = ""
-            if args.sweep:
-                tb = sum(r["best_us"] * r["layers"] for r in rs)
-                summary[-1]["best_us"] = tb
-                extra = f" {tb:16.0f} {M / tb * 1e6:8.0f}"
-            print(f"{M:5d} {tq:10.0f} {tv:10.0f} {M / tq * 1e6:10.0f} {M / tv * 1e6 if tv else 0:11.0f}{extra}")
+            print(f"{M:5d} {tq:10.0f} {tv:10.0f} {M / tq * 1e6:10.0f} {M / tv * 1e6 if tv else 0:11.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "step": summary,
                                                "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()},

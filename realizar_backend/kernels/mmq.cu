@@ -31,14 +31,9 @@
 // split into `splits` ranges of `cps` chunks; every CTA of a split tile stores its raw partial
 // sums in a scratch buffer, and the last to finish (a counter per tile, reset by it) adds them in
 // split order and runs the epilogue: deterministic, one launch.
-// Pipeline: a ring of `stages` (2..4, a launch argument) shared-memory stages, each holding one
-// chunk's raw weight records (the GGUF bytes of the tile's 128 rows that the chunk needs, in a
-// per-type record of `raws` bytes a row) and its prep records, filled by cp.async (no registers
-// held, up to stages - 1 chunks in flight beyond the one being computed). Per chunk c: the warps
-// multiply the A tile (chunk c) with chunk c's prep records; a barrier; the threads decode chunk
-// c + 1's raw records into the A tile and refill chunk c's stage with chunk c + stages; a barrier.
-// The weights of the first stages are requested before pdl_wait (they may stream in while the
-// kernel before finishes).
+// Pipeline per chunk: the raw quant bytes of the next D chunks are in registers (global loads in
+// flight) and their prep records in shared buffers (cp.async) while chunk c is computed; then the
+// next chunk's registers are decoded into the (single) A tile between two barriers.
 //
 // mmq_bnBN: up to three segments sharing one input (Q, K, V; each its own type, bias and output),
 // accumulate != 0 adds into y (the residual), amax != 0 (one segment) folds the LM head's argmax
@@ -54,27 +49,19 @@
 #define MMQ_AROW 272        // bytes per A-tile row: 256 + 16 (8 rows at one column hit 8 bank groups)
 #define MMQ_XROW 512        // bytes per activation row of a chunk in shared memory (swizzled, no pad)
 #define MMQ_MROW 5          // float4 per meta row: the 4 units' scales, 1 pad (conflict-free stores)
-#define MMQ_SMAX 4          // most stages in the ring (the launch's `stages`: 2..MMQ_SMAX)
-#define MMQ_RING (MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW)   // byte offset of the ring: A tile, meta first
 
 // Warp tiling per token-tile width (BM = 16 MT WM = 128 rows, BN = 8 NT WN tokens, WN = 8 / WM) and
-// how many units of a chunk one pass of the tile product keeps in flight (U: registers allowing)
+// the chunks of weights in flight (D: in registers; the narrow tiles are bound by memory latency,
+// the wide ones by registers)
 template <int BN> struct MmqCfg;
-template <> struct MmqCfg<8> { static constexpr int MT = 1, NT = 1, WM = 8, U = 4; };
-template <> struct MmqCfg<16> { static constexpr int MT = 1, NT = 2, WM = 8, U = 4; };
-template <> struct MmqCfg<32> { static constexpr int MT = 2, NT = 2, WM = 4, U = 2; };
-template <> struct MmqCfg<64> { static constexpr int MT = 2, NT = 4, WM = 4, U = 1; };
+template <> struct MmqCfg<8> { static constexpr int MT = 1, NT = 1, WM = 8, D = 2; };
+template <> struct MmqCfg<16> { static constexpr int MT = 1, NT = 2, WM = 8, D = 2; };
+template <> struct MmqCfg<32> { static constexpr int MT = 2, NT = 2, WM = 4, D = 1; };
+template <> struct MmqCfg<64> { static constexpr int MT = 2, NT = 4, WM = 4, D = 1; };
 
-// bytes of one raw weight record (a row's part of one chunk) per type: an odd number of 16-byte
-// granules, so that 8 consecutive rows read at one offset hit 8 different bank groups
-__host__ __device__ constexpr int mmq_raw_bytes(int qt) {
-    return qt == QT_Q8_0 ? 144 : (qt == QT_Q6_K || qt == QT_Q5_0) ? 112 : 80;
-}
-
-// dynamic shared memory of mmq_bnBN: A tile | unit scales | stages x (raw records [128][raws] |
-// prep records [BN][512] | their unit sums [BN][4])
-__host__ __device__ constexpr int mmq_smem_bytes(int bn, int raws, int stages) {
-    return MMQ_RING + stages * (MMQ_BM * raws + bn * MMQ_REC);
+// dynamic shared memory of mmq_bnBN: A tile | unit scales | D + 1 activation chunks | their unit sums
+template <int BN> __host__ __device__ constexpr int mmq_smem_bytes() {
+    return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (MmqCfg<BN>::D + 1) * BN * (MMQ_XROW + 16);
 }
 
 // ------------------------------------------------------------------ instructions
@@ -85,10 +72,8 @@ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
 u32 mmq_hsub2(u32 a, u32 b);
 inline float mmq_ldcg(const float* p) { return *p; }
 inline void mmq_stcg(float* p, float v) { *p = v; }
-// cp.async with its groups (copies land when their thread waits for them)
-template <int B> void mmq_cp(void* dst, const void* src);
-void mmq_cp_commit();
-template <int N> void mmq_cp_wait();
+inline void mmq_cp_commit() {}
+template <int N> inline void mmq_cp_wait() {}
 #else
 // four 8x8 fp16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8
 __device__ __forceinline__ void mmq_ldsm_x4(u32 (&r)[4], const u8* p) {
@@ -120,13 +105,6 @@ __device__ __forceinline__ float mmq_ldcg(const float* p) {
 
 __device__ __forceinline__ void mmq_stcg(float* p, float v) {
     asm volatile("st.global.cg.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
-}
-
-// B-byte (4, 8 or 16; both addresses B-aligned) asynchronous copy global -> shared through L1
-template <int B> __device__ __forceinline__ void mmq_cp(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-                 "n"(B)
-                 : "memory");
 }
 
 __device__ __forceinline__ void mmq_cp_commit() {
@@ -190,9 +168,8 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
 #endif
 
 // ------------------------------------------------------------------ weights -> A tile
-// A row's part of a chunk travels as a raw record (mmq_fetch: the GGUF bytes, by cp.async, in
-// MMQ_NP<QT> pieces of 4, 8 or 16 bytes) into a ring stage; a decode work item is one piece p (32
-// weights) of it, read from the record (mmq_load: what each type keeps differs), then decoded into the A tile and its unit's scale, half-unit
+// One piece of a weight row per work item: 32 weights of one chunk as loaded from global memory
+// (what each type keeps differs), then decoded into the A tile and its unit's scale, half-unit
 // scale and min (meta[u] = {d0, d1, m, 0}; d0 for columns 0..15, d1 for 16..31).
 struct MmqRaw {
     uint4 a, b;
@@ -222,31 +199,19 @@ __device__ __forceinline__ void mmq_put32(u8* ua, const u32 (&v)[8], u32 off2) {
 
 __device__ __forceinline__ constexpr u32 mmq_off2(u32 off) { return (0x6400u + off) * 0x00010001u; }
 
-// mmq_fetch<QT>(row, nu, c, k, rec, last): piece k (0 .. MMQ_NP<QT> - 1) of the raw record of chunk c
-// of a row (nu units; last: the matrix's last row) into rec. mmq_load<QT>(rec, row, nu, c, p, r):
-// work item p (0..3) of that record; mmq_store<QT>: its values into A-tile row ar, its unit's
-// scales into meta row mr. Units past the row's end (a partial last chunk) fetch and load nothing;
-// what they store is never read.
-template <int QT> struct MmqNp;
-template <int QT> __device__ __forceinline__ void mmq_fetch(const u8* __restrict__ row, int nu, int c, int k, u8* rec,
-                                                           bool last);
-template <int QT> __device__ __forceinline__ void mmq_load(const u8* rec, const u8* row, int nu, int c, int p, MmqRaw& r);
+// mmq_load<QT>(row, nu, c, p, r): piece p (0..3) of chunk c of a row (nu units); mmq_store<QT>:
+// its values into A-tile row ar, its unit's scales into meta row mr. Units past the row's end
+// (a partial last chunk) load nothing; what they store is never read.
+template <int QT> __device__ __forceinline__ void mmq_load(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r);
 template <int QT> __device__ __forceinline__ void mmq_store(const MmqRaw& r, int c, int p, u8* ar, float4* mr);
 
 // Q4_K: {d, dmin, scales[12], qs[128]}; chunk c is half c & 1 of block c >> 1. Piece p: qs bytes
 // 64h + 16p..+15, i.e. columns 16(p & 1)..+15 of unit 2(p >> 1) (low nibbles) and of unit
 // 2(p >> 1) + 1 (high nibbles); the piece also carries the scale and min of unit p.
-// Record: the block's 16 header bytes, then the chunk's 64 qs bytes.
-template <> struct MmqNp<QT_Q4_K> { static constexpr int N = 5; };
-template <> __device__ __forceinline__ void mmq_fetch<QT_Q4_K>(const u8* __restrict__ row, int, int c, int k, u8* rec,
-                                                               bool) {
+template <> __device__ __forceinline__ void mmq_load<QT_Q4_K>(const u8* __restrict__ row, int, int c, int p, MmqRaw& r) {
     const u8* b = row + (c >> 1) * 144;
-    mmq_cp<16>(rec + 16 * k, k ? b + 64 * (c & 1) + 16 * k : b);
-}
-
-template <> __device__ __forceinline__ void mmq_load<QT_Q4_K>(const u8* rec, const u8*, int, int, int p, MmqRaw& r) {
-    r.a = *(const uint4*)(rec + 16 + 16 * p);
-    r.b = *(const uint4*)rec;
+    r.a = __ldg((const uint4*)(b + 16 + 64 * (c & 1) + 16 * p));
+    r.b = __ldg((const uint4*)b);
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q4_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
@@ -261,25 +226,15 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q4_K>(const MmqRaw& r, 
 }
 
 // Q6_K (device layout, common.cuh q6k_unit): piece p = unit 4c + p; values q + 32 in 0..63
-// Record: lo[4][16] | hi[4][8] | sc[4][2] | the 4-byte word of the row's d array holding this
-// block's d (rows are 16-byte multiples, the d array starts 16-aligned: the word never passes the row)
-template <> struct MmqNp<QT_Q6_K> { static constexpr int N = 8; };
-template <> __device__ __forceinline__ void mmq_fetch<QT_Q6_K>(const u8* __restrict__ row, int nu, int c, int k, u8* rec,
-                                                               bool) {
+template <> __device__ __forceinline__ void mmq_load<QT_Q6_K>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
     const u8* b = row + (c >> 1) * 208;
-    if (k < 4) mmq_cp<16>(rec + 16 * k, b + 64 * (c & 1) + 16 * k);
-    else if (k < 6) mmq_cp<16>(rec + 16 * k, b + 128 + 32 * (c & 1) + 16 * (k - 4));
-    else if (k == 6) mmq_cp<8>(rec + 96, b + 192 + 8 * (c & 1));
-    else mmq_cp<4>(rec + 104, row + 26 * nu + 4 * (c >> 2));
-}
-
-template <> __device__ __forceinline__ void mmq_load<QT_Q6_K>(const u8* rec, const u8*, int, int c, int p, MmqRaw& r) {
-    r.a = *(const uint4*)(rec + 16 * p);
-    const uint2 hi = *(const uint2*)(rec + 64 + 8 * p);
+    const int j = 4 * (c & 1) + p;
+    r.a = __ldg((const uint4*)(b + 16 * j));
+    const uint2 hi = __ldg((const uint2*)(b + 128 + 8 * j));
     r.b.x = hi.x;
     r.b.y = hi.y;
-    r.c = ld16(rec + 96 + 2 * p);                    // the two int8 scales
-    r.d = ld16(rec + 104 + 2 * ((c >> 1) & 1));      // the block's d
+    r.c = ld16(b + 192 + 2 * j);                     // the two int8 scales
+    r.d = ld16(row + 26 * nu + 2 * (c >> 1));        // the block's d
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q6_K>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
@@ -291,23 +246,12 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q6_K>(const MmqRaw& r, 
 }
 
 // Q8_0 (device layout: 32 int8 per unit, then the d values); signed bytes flipped to q + 128
-// Record: qs[4][32] | the d words of units (0, 1) and (2, 3). A word holding only the row's last d
-// passes it by 2 bytes: rows of odd nu have padding.
-template <> struct MmqNp<QT_Q8_0> { static constexpr int N = 10; };
-template <> __device__ __forceinline__ void mmq_fetch<QT_Q8_0>(const u8* __restrict__ row, int nu, int c, int k, u8* rec,
-                                                               bool) {
-    if (k < 8) {
-        if (4 * c + (k >> 1) < nu) mmq_cp<16>(rec + 16 * k, row + 128 * c + 16 * k);
-    } else if (4 * c + 2 * (k - 8) < nu) {
-        mmq_cp<4>(rec + 128 + 4 * (k - 8), row + 32 * nu + 8 * c + 4 * (k - 8));
-    }
-}
-
-template <> __device__ __forceinline__ void mmq_load<QT_Q8_0>(const u8* rec, const u8*, int nu, int c, int p, MmqRaw& r) {
-    if (4 * c + p >= nu) return;
-    r.a = *(const uint4*)(rec + 32 * p);
-    r.b = *(const uint4*)(rec + 32 * p + 16);
-    r.c = ld16(rec + 128 + 2 * p);
+template <> __device__ __forceinline__ void mmq_load<QT_Q8_0>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    r.a = __ldg((const uint4*)(row + 32 * u));
+    r.b = __ldg((const uint4*)(row + 32 * u + 16));
+    r.c = ld16(row + 32 * nu + 2 * u);
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q8_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
@@ -319,24 +263,12 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q8_0>(const MmqRaw& r, 
 }
 
 // Q5_0 (device layout, common.cuh q5_0_unit): values 0..31, offset 16
-// Record: qs[4][16] | qh[4] (u32) | the d words of units (0, 1) and (2, 3) (as Q8_0's)
-template <> struct MmqNp<QT_Q5_0> { static constexpr int N = 10; };
-template <> __device__ __forceinline__ void mmq_fetch<QT_Q5_0>(const u8* __restrict__ row, int nu, int c, int k, u8* rec,
-                                                               bool) {
-    if (k < 4) {
-        if (4 * c + k < nu) mmq_cp<16>(rec + 16 * k, row + 64 * c + 16 * k);
-    } else if (k < 8) {
-        if (4 * c + k - 4 < nu) mmq_cp<4>(rec + 64 + 4 * (k - 4), row + 16 * nu + 16 * c + 4 * (k - 4));
-    } else if (4 * c + 2 * (k - 8) < nu) {
-        mmq_cp<4>(rec + 80 + 4 * (k - 8), row + 20 * nu + 8 * c + 4 * (k - 8));
-    }
-}
-
-template <> __device__ __forceinline__ void mmq_load<QT_Q5_0>(const u8* rec, const u8*, int nu, int c, int p, MmqRaw& r) {
-    if (4 * c + p >= nu) return;
-    r.a = *(const uint4*)(rec + 16 * p);
-    r.c = *(const u32*)(rec + 64 + 4 * p);
-    r.d = ld16(rec + 80 + 2 * p);
+template <> __device__ __forceinline__ void mmq_load<QT_Q5_0>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    r.a = __ldg((const uint4*)(row + 16 * u));
+    r.c = __ldg((const u32*)(row + 16 * nu + 4 * u));
+    r.d = ld16(row + 20 * nu + 2 * u);
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q5_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
@@ -348,43 +280,22 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q5_0>(const MmqRaw& r, 
 }
 
 // Q4_0: GGUF's {d, qs[16]} (18 bytes, 2-byte aligned): values 0..15, offset 8
-// Record: per unit the 5 aligned words holding its 18 bytes (from 2 bytes before the block when it
-// starts 2 bytes off a word). A block starting on a word has its last 2 bytes in a word that passes
-// it by 2: the matrix's last block takes those 2 bytes by a plain load instead.
-template <> struct MmqNp<QT_Q4_0> { static constexpr int N = 20; };
-template <> __device__ __forceinline__ void mmq_fetch<QT_Q4_0>(const u8* __restrict__ row, int nu, int c, int k, u8* rec,
-                                                               bool last) {
-    const int p = k / 5, w = k - 5 * p, u = 4 * c + p;
-    if (u >= nu) return;
-    const u8* b = row + 18 * u;
-    const u8* a = (const u8*)((unsigned long long)b & ~3ull);
-    if (w == 4 && last && u == nu - 1 && a == b) *(u16*)(rec + 20 * p + 16) = (u16)ld16(b + 16);
-    else mmq_cp<4>(rec + 20 * p + 4 * w, a + 4 * w);
-}
-
-template <> __device__ __forceinline__ void mmq_load<QT_Q4_0>(const u8* rec, const u8* row, int nu, int c, int p,
-                                                              MmqRaw& r) {
+template <> __device__ __forceinline__ void mmq_load<QT_Q4_0>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
     const int u = 4 * c + p;
     if (u >= nu) return;
-    const u8* b = rec + 20 * p + (int)((unsigned long long)(row + 18 * u) & 3ull);
+    const u8* b = row + 18 * u;
     r.c = ld16(b);
     r.a = make_uint4((u32)ld32_a2(b + 2), (u32)ld32_a2(b + 6), (u32)ld32_a2(b + 10), (u32)ld32_a2(b + 14));
 }
 
 // Q4_1: GGUF's {d, m, qs[16]} (20 bytes): w = d q + m
-// Record: the 4 blocks (5 words each)
-template <> struct MmqNp<QT_Q4_1> { static constexpr int N = 20; };
-template <> __device__ __forceinline__ void mmq_fetch<QT_Q4_1>(const u8* __restrict__ row, int nu, int c, int k, u8* rec,
-                                                               bool) {
-    const int p = k / 5, w = k - 5 * p;
-    if (4 * c + p < nu) mmq_cp<4>(rec + 20 * p + 4 * w, row + 20 * (4 * c + p) + 4 * w);
-}
-
-template <> __device__ __forceinline__ void mmq_load<QT_Q4_1>(const u8* rec, const u8*, int nu, int c, int p, MmqRaw& r) {
-    if (4 * c + p >= nu) return;
-    const u32* b = (const u32*)(rec + 20 * p);
-    r.c = b[0];
-    r.a = make_uint4(b[1], b[2], b[3], b[4]);
+template <> __device__ __forceinline__ void mmq_load<QT_Q4_1>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    const u8* b = row + 20 * u;
+    r.c = __ldg((const u32*)b);
+    const u32* q = (const u32*)(b + 4);
+    r.a = make_uint4(__ldg(q), __ldg(q + 1), __ldg(q + 2), __ldg(q + 3));
 }
 
 // Q4_0 / Q4_1: byte j of the 16 holds column j (low nibble) and column 16 + j (high nibble)
@@ -409,123 +320,81 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q4_1>(const MmqRaw& r, 
 }
 
 // ------------------------------------------------------------------ the tile product
-// acc += unit u of the chunk: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
+// acc += the chunk's nuc units: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
 // X (BN activation rows of 32 16-byte pieces, piece q of row t at q ^ 4(t & 1): the two rows a
 // quarter-warp reads hit opposite bank halves), S (BN x 4 unit sums).
-template <int QT, int BN>
-__device__ __forceinline__ void mmq_unit(int u, const u8* arow, const float4* Ms, const u8* Xs, const float* Ss,
-                                         int wm, int wn, int lane, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
-    constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT;
-    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1;   // w = d q + m: the min needs the unit sums
-    constexpr bool HALF = QT == QT_Q6_K;                   // a scale per 16 columns
-    const int gid = lane >> 2, tig = lane & 3;
-    u32 a[MT][2][4];
-    float d0[MT][2], d1[MT][2], mn[MT][2];      // [m][rows gid, gid + 8]
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int s = 0; s < 2; ++s) mmq_ldsm_x4(a[m][s], arow + 16 * m * MMQ_AROW + 64 * u + 32 * s);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float4 t = Ms[(wm * 16 * MT + 16 * m + gid + 8 * h) * MMQ_MROW + u];
-            d0[m][h] = t.x;
-            d1[m][h] = t.y;
-            mn[m][h] = t.z;
-        }
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int tl = wn * 8 * NT + 8 * n + gid;            // the token of this thread's B fragments
-        const u8* xr = Xs + tl * MMQ_XROW;
-        const int sw = (tl & 1) << 2;
-        const uint4 bh = *(const uint4*)(xr + (((8 * u + tig) ^ sw) << 4));
-        const uint4 bl = *(const uint4*)(xr + (((8 * u + 4 + tig) ^ sw) << 4));
-        float sx0 = 0.0f, sx1 = 0.0f;                        // sums of the tokens of c0/c2 and c1/c3
-        if (MIN) {
-            const int tc = wn * 8 * NT + 8 * n + 2 * tig;
-            sx0 = Ss[4 * tc + u];
-            sx1 = Ss[4 * tc + 4 + u];
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            float* c = acc[m][n];
-            if (!HALF) {
-                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mmq_mma(t, a[m][0], bh.x, bh.y);
-                mmq_mma(t, a[m][0], bl.x, bl.y);
-                mmq_mma(t, a[m][1], bh.z, bh.w);
-                mmq_mma(t, a[m][1], bl.z, bl.w);
-                c[0] = fmaf(t[0], d0[m][0], c[0]);
-                c[1] = fmaf(t[1], d0[m][0], c[1]);
-                c[2] = fmaf(t[2], d0[m][1], c[2]);
-                c[3] = fmaf(t[3], d0[m][1], c[3]);
-                if (MIN) {
-                    c[0] = fmaf(mn[m][0], sx0, c[0]);
-                    c[1] = fmaf(mn[m][0], sx1, c[1]);
-                    c[2] = fmaf(mn[m][1], sx0, c[2]);
-                    c[3] = fmaf(mn[m][1], sx1, c[3]);
-                }
-            } else {                                 // step s: columns 16s.., scale d_s
-#pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mmq_mma(t, a[m][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
-                    mmq_mma(t, a[m][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
-                    const float e0 = s ? d1[m][0] : d0[m][0], e1 = s ? d1[m][1] : d0[m][1];
-                    c[0] = fmaf(t[0], e0, c[0]);
-                    c[1] = fmaf(t[1], e0, c[1]);
-                    c[2] = fmaf(t[2], e1, c[2]);
-                    c[3] = fmaf(t[3], e1, c[3]);
-                }
-            }
-        }
-    }
-}
-
-// acc += the chunk's nuc units. A whole chunk goes U units per pass (their loads and products in
-// one block of code, for the scheduler to overlap); a partial last chunk one unit at a time.
 template <int QT, int BN>
 __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const u8* Xs, const float* Ss, int nuc,
                                           int wm, int wn, int lane,
                                           float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
-    constexpr int U = MmqCfg<BN>::U;
-    const u8* arow = As + (wm * 16 * MmqCfg<BN>::MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
-    if (nuc == 4) {
+    constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT;
+    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1;   // w = d q + m: the min needs the unit sums
+    constexpr bool HALF = QT == QT_Q6_K;                   // a scale per 16 columns
+    const int gid = lane >> 2, tig = lane & 3;
+    const u8* arow = As + (wm * 16 * MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
 #pragma unroll 1
-        for (int u0 = 0; u0 < 4; u0 += U)
+    for (int u = 0; u < nuc; ++u) {               // unrolled, ptxas spills at BN = 64
+        u32 a[MT][2][4];
+        float d0[MT][2], d1[MT][2], mn[MT][2];      // [m][rows gid, gid + 8]
 #pragma unroll
-            for (int du = 0; du < U; ++du) mmq_unit<QT, BN>(u0 + du, arow, Ms, Xs, Ss, wm, wn, lane, acc);
-    } else {
-#pragma unroll 1
-        for (int u = 0; u < nuc; ++u) mmq_unit<QT, BN>(u, arow, Ms, Xs, Ss, wm, wn, lane, acc);
-    }
-}
-
-// ------------------------------------------------------------------ the pipeline
-// The tile's weight rows: tile row r (0..127) reads matrix row row(r) (rows past the end repeat the
-// last one; what they give is never stored). FFN tiles: rows 0..63 gate, 64..127 up.
-struct MmqRows {
-    const u8* W0;
-    const u8* W1;          // up (FFN), else W0
-    long long rb;
-    int r0, n, half;       // half: FFN (tile rows 64.. are up's)
-    __device__ __forceinline__ const u8* row(int r, bool& last) const {
-        const int i = half ? r0 + (r & 63) : r0 + r, j = min(i, n - 1);
-        last = j == n - 1;
-        return (half && r >= 64 ? W1 : W0) + (long long)j * rb;
-    }
-};
-
-// the raw records of chunk c for the tile's rows into stage W (row stride raws), by cp.async; the
-// pieces of a row go to consecutive threads (a warp's copies cover whole sectors)
-template <int QT>
-__device__ __forceinline__ void mmq_fetch_w(const MmqRows& rows, int nu, int c, u8* W, int raws) {
-    constexpr int NP = MmqNp<QT>::N;
-    for (int i = threadIdx.x; i < MMQ_BM * NP; i += MMQ_THREADS) {
-        const int r = i / NP, k = i - NP * r;
-        bool last;
-        const u8* row = rows.row(r, last);
-        mmq_fetch<QT>(row, nu, c, k, W + r * raws, last);
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int s = 0; s < 2; ++s) mmq_ldsm_x4(a[m][s], arow + 16 * m * MMQ_AROW + 64 * u + 32 * s);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float4 t = Ms[(wm * 16 * MT + 16 * m + gid + 8 * h) * MMQ_MROW + u];
+                d0[m][h] = t.x;
+                d1[m][h] = t.y;
+                mn[m][h] = t.z;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int tl = wn * 8 * NT + 8 * n + gid;            // the token of this thread's B fragments
+            const u8* xr = Xs + tl * MMQ_XROW;
+            const int sw = (tl & 1) << 2;
+            const uint4 bh = *(const uint4*)(xr + (((8 * u + tig) ^ sw) << 4));
+            const uint4 bl = *(const uint4*)(xr + (((8 * u + 4 + tig) ^ sw) << 4));
+            float sx0 = 0.0f, sx1 = 0.0f;                        // sums of the tokens of c0/c2 and c1/c3
+            if (MIN) {
+                const int tc = wn * 8 * NT + 8 * n + 2 * tig;
+                sx0 = Ss[4 * tc + u];
+                sx1 = Ss[4 * tc + 4 + u];
+            }
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                float* c = acc[m][n];
+                if (!HALF) {
+                    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mmq_mma(t, a[m][0], bh.x, bh.y);
+                    mmq_mma(t, a[m][0], bl.x, bl.y);
+                    mmq_mma(t, a[m][1], bh.z, bh.w);
+                    mmq_mma(t, a[m][1], bl.z, bl.w);
+                    c[0] = fmaf(t[0], d0[m][0], c[0]);
+                    c[1] = fmaf(t[1], d0[m][0], c[1]);
+                    c[2] = fmaf(t[2], d0[m][1], c[2]);
+                    c[3] = fmaf(t[3], d0[m][1], c[3]);
+                    if (MIN) {
+                        c[0] = fmaf(mn[m][0], sx0, c[0]);
+                        c[1] = fmaf(mn[m][0], sx1, c[1]);
+                        c[2] = fmaf(mn[m][1], sx0, c[2]);
+                        c[3] = fmaf(mn[m][1], sx1, c[3]);
+                    }
+                } else {                                 // step s: columns 16s.., scale d_s
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mmq_mma(t, a[m][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
+                        mmq_mma(t, a[m][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
+                        const float e0 = s ? d1[m][0] : d0[m][0], e1 = s ? d1[m][1] : d0[m][1];
+                        c[0] = fmaf(t[0], e0, c[0]);
+                        c[1] = fmaf(t[1], e0, c[1]);
+                        c[2] = fmaf(t[2], e1, c[2]);
+                        c[3] = fmaf(t[3], e1, c[3]);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -538,77 +407,79 @@ __device__ __forceinline__ void mmq_stage_x(const u8* __restrict__ xp, long long
         if (tok0 + t < M) {
             const u8* src = xp + (long long)(tok0 + t) * xps + (long long)c * MMQ_REC + 16 * q;
             void* dst = q < 32 ? (void*)(Xs + t * MMQ_XROW + ((q ^ ((t & 1) << 2)) << 4)) : (void*)(Ss + 4 * t);
-            mmq_cp<16>(dst, src);
+            cp_async16(dst, src);
         }
     }
+    mmq_cp_commit();
 }
 
-// wait until at most n of this thread's committed cp.async groups are pending (n: 0..MMQ_SMAX - 1)
-__device__ __forceinline__ void mmq_wait(int n) {
-    if (n >= 3) mmq_cp_wait<3>();
-    else if (n == 2) mmq_cp_wait<2>();
-    else if (n == 1) mmq_cp_wait<1>();
+// wait until this thread's copies of the prep records of the oldest staged chunk have landed, with
+// `pending` younger chunks staged after it (one cp.async group per chunk)
+__device__ __forceinline__ void mmq_wait_x(int pending) {
+    if (pending >= 2) mmq_cp_wait<2>();
+    else if (pending == 1) mmq_cp_wait<1>();
     else mmq_cp_wait<0>();
 }
 
-// chunk c's raw records (stage W) into the A tile and meta: this thread's row lr, pieces p0, p0 + 2
-template <int QT>
-__device__ __forceinline__ void mmq_decode(const u8* W, int raws, const u8* wrow, int nu, int c, int lr, int p0,
-                                           u8* sm) {
-    const u8* rec = W + lr * raws;
-    u8* ar = sm + lr * MMQ_AROW;
-    float4* mr = (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr;
-    MmqRaw r0 = {}, r1 = {};
-    mmq_load<QT>(rec, wrow, nu, c, p0, r0);
-    mmq_load<QT>(rec, wrow, nu, c, p0 + 2, r1);
-    mmq_store<QT>(r0, c, p0, ar, mr);
-    mmq_store<QT>(r1, c, p0 + 2, ar, mr);
+// One chunk of the pipeline: compute chunk c, then (block-uniform) decode chunk c + 1 from register
+// slot SLOT into the A tile and refill the slot with chunk c + 1 + D (D chunks of weights in flight
+// in registers, their prep records in D + 1 shared buffers). Chunk j >= c0 + 1 lives in slot
+// (j - c0 - 1) % D and in activation buffer (j - c0) % (D + 1).
+template <int QT, int BN, int SLOT>
+__device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqCfg<BN>::D][2], const u8* __restrict__ wrow,
+                                         int nu, int p0, const u8* __restrict__ xp, long long xps, int tok0, int M,
+                                         u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+    constexpr int D = MmqCfg<BN>::D;
+    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), xb = (c - c0) % (D + 1);
+    u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
+    float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * 4;
+    mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), X, S, min(4, nu - 4 * c), wm, wn, tid & 31, acc);
+    if (c + 1 < c1) {
+        __syncthreads();                         // every warp is done with the A tile and X[xb]
+        u8* ar = sm + lr * MMQ_AROW;
+        float4* mr = (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr;
+        mmq_store<QT>(r[SLOT][0], c + 1, p0, ar, mr);
+        mmq_store<QT>(r[SLOT][1], c + 1, p0 + 2, ar, mr);
+        if (c + 1 + D < c1) {
+            mmq_load<QT>(wrow, nu, c + 1 + D, p0, r[SLOT][0]);
+            mmq_load<QT>(wrow, nu, c + 1 + D, p0 + 2, r[SLOT][1]);
+            mmq_stage_x<BN>(xp, xps, c + 1 + D, tok0, M, X, S);
+        }
+        mmq_wait_x(min(D, c1 - c - 2));
+        __syncthreads();
+    }
 }
 
-// chunks c0 .. c1 - 1 of the CTA's rows into acc, through the ring of `stages` stages. Chunk c0 + i
-// lives in stage i % stages. cp.async groups, oldest first: the weights of the first min(stages, n)
-// chunks, then their prep records (one group per chunk), then one group per iteration i (chunk
-// i + stages, empty past the end): chunk i + 1 is complete once at most min(stages, n) - 2 groups
-// are pending.
+// chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row tid % 128);
+// it loads and decodes pieces p0 and p0 + 2 of every chunk.
 template <int QT, int BN>
-__device__ __forceinline__ void mmq_main(const MmqRows& rows, int nu, int c0, int c1, const u8* __restrict__ xp,
-                                         long long xps, int tok0, int M, u8* sm, int raws, int stages, int wm, int wn,
-                                         float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
-    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7, n = c1 - c0, pre = min(stages, n);
-    const int SB = MMQ_BM * raws + BN * MMQ_REC;
-    u8* ring = sm + MMQ_RING;
-    bool last;
-    const u8* wrow = rows.row(lr, last);          // the row this thread decodes
-    for (int j = 0; j < pre; ++j) mmq_fetch_w<QT>(rows, nu, c0 + j, ring + j * SB, raws);
-    mmq_cp_commit();                              // weights only: may run before the kernel before ends
+__device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, int c0, int c1,
+                                         const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm,
+                                         int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+    constexpr int D = MmqCfg<BN>::D;
+    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
+    u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
+    float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * 4
+    MmqRaw r[D][2] = {};
+    mmq_load<QT>(wrow, nu, c0, p0, r[0][0]);     // weights only: may run before the kernel before ends
+    mmq_load<QT>(wrow, nu, c0, p0 + 2, r[0][1]);
     pdl_wait();
-    for (int j = 0; j < pre; ++j) {
-        u8* st = ring + j * SB + MMQ_BM * raws;
-        mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, st, (float*)(st + BN * MMQ_XROW));
-        mmq_cp_commit();
-    }
-    mmq_wait(pre - 1);
-    __syncthreads();
-    mmq_decode<QT>(ring, raws, wrow, nu, c0, lr, p0, sm);
-    __syncthreads();
-    for (int i = 0; i < n; ++i) {
-        const int s = i % stages;
-        u8* st = ring + s * SB;
-        mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), st + MMQ_BM * raws,
-                          (const float*)(st + MMQ_BM * raws + BN * MMQ_XROW), min(4, nu - 4 * (c0 + i)), wm, wn,
-                          tid & 31, acc);
-        if (i + 1 < n) {                          // block-uniform
-            mmq_wait(pre - 2);                    // this thread's copies of chunk i + 1 have landed
-            __syncthreads();                      // everyone's; every warp is done with the A tile and stage s
-            mmq_decode<QT>(ring + ((i + 1) % stages) * SB, raws, wrow, nu, c0 + i + 1, lr, p0, sm);
-            if (i + stages < n) {
-                mmq_fetch_w<QT>(rows, nu, c0 + i + stages, st, raws);
-                mmq_stage_x<BN>(xp, xps, c0 + i + stages, tok0, M, st + MMQ_BM * raws,
-                                (float*)(st + MMQ_BM * raws + BN * MMQ_XROW));
-            }
-            mmq_cp_commit();
-            __syncthreads();                      // the A tile holds chunk i + 1
+    mmq_stage_x<BN>(xp, xps, c0, tok0, M, X0, S0);
+    mmq_store<QT>(r[0][0], c0, p0, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+    mmq_store<QT>(r[0][1], c0, p0 + 2, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+#pragma unroll
+    for (int j = 1; j <= D; ++j)
+        if (c0 + j < c1) {
+            mmq_load<QT>(wrow, nu, c0 + j, p0, r[j - 1][0]);
+            mmq_load<QT>(wrow, nu, c0 + j, p0 + 2, r[j - 1][1]);
+            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * 4);
         }
+    mmq_wait_x(min(D, c1 - 1 - c0));
+    __syncthreads();
+    for (int c = c0; c < c1; c += D) {
+        mmq_iter<QT, BN, 0>(c, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
+        if (D > 1 && c + 1 < c1)
+            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
     }
 }
 
@@ -625,8 +496,7 @@ struct MmqSeg {
 template <int BN>
 __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
                                          const float* __restrict__ inv, int M, int mode, int act, int accumulate,
-                                         int splits, int cps, int raws, int stages, float* part, u32* cnt,
-                                         unsigned long long* amax) {
+                                         int splits, int cps, float* part, u32* cnt, unsigned long long* amax) {
 #ifdef MMQ_DYN_SMEM
     MMQ_DYN_SMEM(mmq_sm);
 #else
@@ -659,7 +529,10 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
     const int r0 = lt * tile_rows, tok0 = tb * BN;
     const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
     const int c0 = split * cps, c1 = min(nch, c0 + cps);
-    const MmqRows rows = {mode ? seg[0].W : S.W, mode ? seg[1].W : S.W, S.rb, r0, S.n, mode};
+    // this thread's weight row for the tile decode (rows past the end repeat the last one, never stored)
+    const int lr = tid & (MMQ_BM - 1);
+    const u8* wrow = mode ? (lr < MMQ_BM / 2 ? seg[0].W : seg[1].W) + (long long)min(r0 + (lr & 63), S.n - 1) * S.rb
+                          : S.W + (long long)min(r0 + lr, S.n - 1) * S.rb;
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -669,7 +542,7 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
     bool known = false;
-#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmq_main<Q, BN>(rows, nu, c0, c1, xp, xps, tok0, M, sm, raws, stages, wm, wn, acc); known = true; } break;
+#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc); known = true; } break;
     switch (S.qt) {
         MMQ_CASE(QT_Q4_0)
         MMQ_CASE(QT_Q4_1)
@@ -804,11 +677,10 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,                \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
         int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
-        int splits, int cps, int raws, int stages, float* part, unsigned* cnt, unsigned long long* amax) {    \
+        int splits, int cps, float* part, unsigned* cnt, unsigned long long* amax) {                      \
         const MmqSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},          \
                                {W2, rb2, n2, qt2, b2, y2, ys2}};                                          \
-        mmq_body<BN>(seg, K, xp, xps, inv, M, mode, act, accumulate, splits, cps, raws, stages, part, cnt,  \
-                     amax);                                                                               \
+        mmq_body<BN>(seg, K, xp, xps, inv, M, mode, act, accumulate, splits, cps, part, cnt, amax);       \
     }
 #if !defined(MMQ_BN) || MMQ_BN == 8
 DEFINE_MMQ(8)

@@ -9,9 +9,7 @@
 // usage: mmq_emu IN OUT  (formats: tests/test_mmq_emu.py)
 // Tensor-core accumulation model (header field): 0 = the exact sum rounded once to fp32, 1 = the
 // truncating model of tests/test_split16_twin.py (terms cut to 24 bits of the largest, result
-// truncated toward zero). cp.async: a copy reads its source when issued and lands when its thread
-// waits for its group (cp.async.wait_group), so a stage read before its wait and barrier sees the
-// poison (NaN) or an older chunk; a copy never waited for is reported.
+// truncated toward zero).
 #include <ucontext.h>
 
 #include <algorithm>
@@ -110,10 +108,6 @@ std::vector<uint4> dyn;                       // dynamic shared memory
 // warp exchange: two buffers used alternately, so one barrier per collective suffices
 unsigned long long xbuf[32][2][32][6];
 int phase[1024];
-// cp.async per thread: issued copies (bytes taken at issue), committed groups oldest first
-struct Copy { void* dst; unsigned char data[16]; int n; };
-std::vector<Copy> open_copies[1024];
-std::vector<std::vector<Copy>> groups[1024];
 
 void wait(Barrier& b) {
     if (++b.count == b.n) {               // the last arrival releases the others and goes on
@@ -172,15 +166,6 @@ void run_block(unsigned threads) {
         std::fprintf(stderr, "block (%u) ended with threads inside a barrier\n", blockIdx.x);
         std::exit(3);
     }
-    for (unsigned t = 0; t < threads; ++t) {
-        bool pending = !open_copies[t].empty();
-        for (auto& g : groups[t]) pending = pending || !g.empty();
-        if (pending) {
-            std::fprintf(stderr, "block (%u) thread %u ended with cp.async copies never waited for\n", blockIdx.x, t);
-            std::exit(3);
-        }
-        groups[t].clear();
-    }
 }
 
 // lane publishes words w[0..nw), waits for its warp, and returns the buffer everyone wrote
@@ -194,7 +179,6 @@ unsigned long long (*publish(const unsigned long long* w, int nw))[6] {
 }
 
 int tc_model = 0;
-
 }  // namespace emu
 
 static inline void __syncthreads() { emu::wait(emu::block_bar); }
@@ -212,31 +196,6 @@ static inline unsigned long long atomicMax(unsigned long long* p, unsigned long 
     unsigned long long o = *p;
     if (v > o) *p = v;
     return o;
-}
-
-template <int B> void mmq_cp(void* dst, const void* src) {
-    static_assert(B == 4 || B == 8 || B == 16, "cp.async copies 4, 8 or 16 bytes");
-    if ((uintptr_t)dst % B || (uintptr_t)src % B) {
-        std::fprintf(stderr, "cp.async of %d bytes at misaligned addresses\n", B);
-        std::exit(5);
-    }
-    emu::Copy c{dst, {}, B};
-    std::memcpy(c.data, src, B);
-    emu::open_copies[threadIdx.x].push_back(c);
-}
-
-void mmq_cp_commit() {
-    const unsigned t = threadIdx.x;
-    emu::groups[t].push_back(emu::open_copies[t]);
-    emu::open_copies[t].clear();
-}
-
-template <int N> void mmq_cp_wait() {
-    auto& g = emu::groups[threadIdx.x];
-    while ((int)g.size() > N) {
-        for (const emu::Copy& c : g.front()) std::memcpy(c.dst, c.data, c.n);
-        g.erase(g.begin());
-    }
 }
 
 #define REALIZAR_HOST_TEST
@@ -325,11 +284,11 @@ int main(int argc, char** argv) {
     if (argc != 3) return 2;
     FILE* f = std::fopen(argv[1], "rb");
     if (!f) return 2;
-    // header: mode K M nseg bn splits cps act accumulate use_norm use_amax xs tc_model twice stages
-    int h[15];
-    if (!rd(f, h, 15)) return 2;
+    // header: mode K M nseg bn splits cps act accumulate use_norm use_amax xs tc_model twice
+    int h[14];
+    if (!rd(f, h, 14)) return 2;
     const int mode = h[0], K = h[1], M = h[2], nseg = h[3], bn = h[4], splits = h[5], cps = h[6], act = h[7];
-    const int accumulate = h[8], use_norm = h[9], use_amax = h[10], xs = h[11], twice = h[13], stages = h[14];
+    const int accumulate = h[8], use_norm = h[9], use_amax = h[10], xs = h[11], twice = h[13];
     emu::tc_model = h[12];
     float eps;
     if (!rd(f, &eps, 1)) return 2;
@@ -382,8 +341,6 @@ int main(int argc, char** argv) {
     std::vector<unsigned> cnt((size_t)tiles * TB, 0);
     std::vector<unsigned long long> amax(M, 0);
     const unsigned grid = (unsigned)(tiles * splits * TB);
-    int raws = 0;                              // the launch's raw record size: the largest of its types
-    for (int s = 0; s < nseg; ++s) raws = std::max(raws, mmq_raw_bytes(segs[s].qt));
     auto run = [&] {
         auto ptr = [&](int s, int which) -> void* {
             if (s >= nseg) return nullptr;
@@ -400,8 +357,7 @@ int main(int argc, char** argv) {
     (const u8*)ptr(0, 0), rb_(0), n_(0), qt_(0), (const float*)ptr(0, 1), (float*)ptr(0, 2), ys_(0),           \
         (const u8*)ptr(1, 0), rb_(1), n_(1), qt_(1), (const float*)ptr(1, 1), (float*)ptr(1, 2), ys_(1),       \
         (const u8*)ptr(2, 0), rb_(2), n_(2), qt_(2), (const float*)ptr(2, 1), (float*)ptr(2, 2), ys_(2), K,    \
-        rec.data(), xps, inv.data(), M, mode, act, accumulate, splits, cps, raws, stages, part.data(),         \
-        cnt.data(),                                                                                            \
+        rec.data(), xps, inv.data(), M, mode, act, accumulate, splits, cps, part.data(), cnt.data(),           \
         use_amax ? amax.data() : nullptr
             switch (bn) {
                 case 8: mmq_bn8(MMQ_ARGS); break;
@@ -411,7 +367,9 @@ int main(int argc, char** argv) {
             }
 #undef MMQ_ARGS
         };
-        launch(grid, MMQ_THREADS, mmq_smem_bytes(bn, raws, stages), body);
+        const int smem = bn == 8 ? mmq_smem_bytes<8>() : bn == 16 ? mmq_smem_bytes<16>() : bn == 32 ? mmq_smem_bytes<32>()
+                                                                                               : mmq_smem_bytes<64>();
+        launch(grid, MMQ_THREADS, smem, body);
     };
     run();
     std::vector<std::vector<float>> first;

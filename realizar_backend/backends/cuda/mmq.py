@@ -11,13 +11,9 @@ sized once for the largest batch, so the sequence can be captured in a CUDA grap
 
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
 of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
-(FFN: 64 gate + 64 up rows). Each CTA streams its weights and prep records through a ring of
-2..4 shared-memory stages (cp.async): the deepest ring that still lets two CTAs share an SM, else
-one CTA with the deepest ring that fits. When tiles x token tiles cannot fill the resident slots
-(qwen15's 1536-row projections), K is split over CTAs (at least MIN_CPS chunks each); when they
-overfill them by less than a wave, a split that evens out the last wave may pay. The last CTA of a split tile adds
-the partial sums in a fixed order (deterministic), reading at most MAX_PARTIAL_READ bytes. Every
-choice can be forced (tools/mmq_bench.py --sweep times the alternatives)."""
+(FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (qwen15's 1536-row
+projections), K is split over CTAs; the last CTA of a tile adds the partial sums in a fixed order
+(deterministic), bounded so that it reads at most MAX_PARTIAL_READ bytes."""
 
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ import cupy
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .modules import MMQ_BN, mmq_smem_bytes  # noqa: F401  (mmq_smem_bytes: re-exported for the tests)
+from .modules import MMQ_BN, mmq_smem_bytes
 from .ops import WeightRef, _launch
 
 if TYPE_CHECKING:
@@ -39,19 +35,8 @@ THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MM
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
 TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
-MAX_CTAS_PER_SM = 2                              # __launch_bounds__(256, 2): registers for two CTAs per SM
+CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
 MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
-# raw weight record bytes per row and chunk (kernels/mmq.cu mmq_raw_bytes); other types RAW_OTHER
-RAW = {Q.Q8_0: 144, Q.Q6_K: 112, Q.Q5_0: 112}
-RAW_OTHER = 80
-RAW_MAX = max(RAW.values())
-STAGES = (2, 3, 4)                               # ring depths the kernel takes (MMQ_SMAX = 4)
-MIN_CPS = 2                                      # chunks per CTA the K split leaves at least
-SPLIT_COST = 0.04                                # a split's cost (partial sums, one more CTA start) in waves
-SMEM_RESERVED = 1024                             # shared memory the driver keeps per resident block
-H100_SMEM = (233472, 232448)                     # per SM, per block (opt-in): for Kernels without the figures
-# the shared memory of sm_80+ GPUs (H100/H200, A100, the 100 KB parts): scratch sized for any of them
-SMEM_KINDS = (H100_SMEM, (167936, 166912), (102400, 101376))
 
 
 def mmq_ok(w: WeightRef) -> bool:
@@ -69,24 +54,6 @@ def tile_width(M: int) -> int:
     return next((bn for bn in MMQ_BN if bn >= M), MMQ_BN[-1])
 
 
-def raw_bytes(qtypes) -> int:
-    """The raw record size of a launch over matrices of these types (the largest)."""
-    return max(RAW.get(q, RAW_OTHER) for q in qtypes)
-
-
-def ring(bn: int, raws: int, smem: tuple[int, int], stages: int | None = None) -> tuple[int, int] | None:
-    """(stages, CTAs per SM) of mmq_bnBN with raw records of raws bytes, on a GPU of smem = (shared
-    memory per SM, per block): the deepest ring that keeps MAX_CTAS_PER_SM CTAs per SM, else fewer
-    CTAs with the deepest that fits; stages forces the depth. None: nothing fits."""
-    per_sm, per_block = smem
-    for r in range(MAX_CTAS_PER_SM, 0, -1):
-        for s in ((stages,) if stages else STAGES[::-1]):
-            b = mmq_smem_bytes(bn, raws, s)
-            if b <= per_block and r * (b + SMEM_RESERVED) <= per_sm:
-                return s, r
-    return None
-
-
 @dataclass(frozen=True)
 class Plan:
     bn: int                  # token-tile width (kernel mmq_bnBN)
@@ -96,62 +63,31 @@ class Plan:
     cps: int                 # 128-column chunks per K range
     partial_floats: int      # scratch the split needs (0: no split)
     counters: int
-    raws: int = RAW_MAX      # raw weight record bytes per row (the launch's types)
-    stages: int = 2          # ring depth
-    per_sm: int = 1          # CTAs an SM holds at once
 
     @property
     def grid(self) -> int:
         return self.tiles * self.splits * self.token_tiles
 
-    @property
-    def smem(self) -> int:
-        return mmq_smem_bytes(self.bn, self.raws, self.stages)
 
-
-def _split(base: int, slots: int, nch: int, cap: int) -> int:
-    """The K split of base CTAs on slots resident ones: fill the slots where base leaves some idle,
-    without a second wave (and at least MIN_CPS chunks a CTA); where base overfills them by less
-    than a wave, the split (up to 4) that best evens out the last wave, in waves per unit of work
-    plus SPLIT_COST a split (more waves make their tail small anyway)."""
-    top = max(1, min(cap, nch // MIN_CPS))
-    if base < slots:
-        return max(1, min(slots // base, top))
-    best, cost = 1, float(-(-base // slots))
-    if base <= 2 * slots:
-        for s in range(2, min(top, 4) + 1):
-            eff = -(-nch // -(-nch // s))              # splits once the chunks are shared out evenly
-            c = -(-base * eff // slots) / eff + SPLIT_COST * (eff - 1)
-            if c < cost - 1e-9:
-                best, cost = eff, c
-    return best
-
-
-def plan(M: int, K: int, rows: tuple[int, ...], ffn: bool, sm_count: int, splits: int | None = None, *,
-         raws: int = RAW_MAX, stages: int | None = None, bn: int | None = None,
-         smem: tuple[int, int] = H100_SMEM) -> Plan:
+def plan(M: int, K: int, rows: tuple[int, ...], ffn: bool, sm_count: int, splits: int | None = None) -> Plan:
     """The launch of one projection: M tokens, K inputs, the output rows of each segment (ffn: the
-    gate's), raw records of raws bytes (raw_bytes of its types), on sm_count SMs with smem = (shared
-    memory per SM, per block). splits, stages, bn: force the K split, the ring depth, the token-tile
-    width (a benchmark's sweep); None: the plan's."""
-    bn = bn or tile_width(M)
-    while ring(bn, raws, smem, stages) is None and bn > MMQ_BN[0]:
-        bn //= 2                                 # GPUs with little shared memory: narrower tiles
-    rg = ring(bn, raws, smem, stages)
-    if rg is None:
-        raise ValueError(f"mmq: no ring of {stages or 'any'} stages fits {smem[1]} bytes of shared memory")
-    stages, per_sm = rg
+    gate's), on sm_count SMs. splits: force the K split (a benchmark's sweep); None: the plan's."""
+    bn = tile_width(M)
     tb = -(-M // bn)
     tiles = -(-rows[0] // (BM // 2)) if ffn else sum(-(-n // BM) for n in rows)
     nch = -(-K // KC)
     if splits is None:
-        splits = _split(tiles * tb, per_sm * sm_count, nch, max(1, MAX_PARTIAL_READ // (THREADS * ACC[bn] * 4)))
+        splits = 1
+        base = tiles * tb
+        if base < sm_count:
+            cap = max(1, MAX_PARTIAL_READ // (THREADS * ACC[bn] * 4))
+            splits = min(-(-CTAS_PER_SM * sm_count // base), cap, nch)
     splits = max(1, min(splits, nch))
     cps = -(-nch // splits)
     splits = -(-nch // cps)                  # no empty K range
     split = splits > 1
     return Plan(bn, tiles, tb, splits, cps, tiles * tb * splits * THREADS * ACC[bn] if split else 0,
-                tiles * tb if split else 0, raws, stages, per_sm)
+                tiles * tb if split else 0)
 
 
 class MmqPrep:
@@ -178,10 +114,10 @@ class MmqScratch:
         self.cnt = cupy.zeros(max(1, counters), cupy.uint32)
 
     @classmethod
-    def for_shapes(cls, M_max: int, shapes, sm_count: int, smem: tuple[int, int] | None = None) -> "MmqScratch":
+    def for_shapes(cls, M_max: int, shapes, sm_count: int) -> "MmqScratch":
         """Big enough for every batch size up to M_max and every shape (K, rows of each segment,
         ffn) of shapes: what a forward pass allocates once."""
-        need = need_scratch(M_max, shapes, sm_count, smem)
+        need = need_scratch(M_max, shapes, sm_count)
         return cls(*need)
 
     @property
@@ -189,25 +125,19 @@ class MmqScratch:
         return self.part.nbytes + self.cnt.nbytes
 
 
-def need_scratch(M_max: int, shapes, sm_count: int, smem: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(partial floats, counters) that MmqScratch needs for batch sizes 1..M_max, shapes
-    [(K, (rows, ...), ffn)] and matrices of any type, on a GPU of this shared memory (None: any)."""
+def need_scratch(M_max: int, shapes, sm_count: int) -> tuple[int, int]:
+    """(partial floats, counters) that MmqScratch needs for batch sizes 1..M_max and shapes
+    [(K, (rows, ...), ffn)]."""
     p = c = 0
     for M in range(1, M_max + 1):
         for K, rows, ffn in shapes:
-            for raws in {RAW_OTHER, *RAW.values()}:
-                for sm in (smem,) if smem else SMEM_KINDS:
-                    pl = plan(M, K, tuple(rows), ffn, sm_count, raws=raws, smem=sm)
-                    p, c = max(p, pl.partial_floats), max(c, pl.counters)
+            pl = plan(M, K, tuple(rows), ffn, sm_count)
+            p, c = max(p, pl.partial_floats), max(c, pl.counters)
     return p, c
 
 
 def _sm_count(k) -> int:
     return getattr(k, "sm_count", 132)
-
-
-def _smem(k) -> tuple[int, int]:
-    return getattr(k, "smem_sm", H100_SMEM[0]), getattr(k, "smem_block", H100_SMEM[1])
 
 
 def prep(k: "Kernels", x: int, xs: int, M: int, K: int, out: MmqPrep, norm=None, pdl: bool = False) -> None:
@@ -244,39 +174,29 @@ def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: i
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
     _launch(k.mmq[pl.bn], (pl.grid,), (THREADS,),
             (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
-             _I32(mode), _I32(act), _I32(int(accumulate)), _I32(pl.splits), _I32(pl.cps), _I32(pl.raws),
-             _I32(pl.stages), _U64(scratch.part.data.ptr), _U64(scratch.cnt.data.ptr), _U64(amax)),
-            pl.smem, pdl)
-
-
-def plan_for(k: "Kernels", M: int, mats, ffn: bool, splits: int | None = None, stages: int | None = None,
-             bn: int | None = None) -> Plan:
-    """The plan of a launch over mats (WeightRefs: the segments, or gate and up) on k's GPU."""
-    rows = (mats[0].rows,) if ffn else tuple(w.rows for w in mats)
-    return plan(M, mats[0].cols, rows, ffn, _sm_count(k), splits, raws=raw_bytes(w.qtype for w in mats),
-                stages=stages, bn=bn, smem=_smem(k))
+             _I32(mode), _I32(act), _I32(int(accumulate)), _I32(pl.splits), _I32(pl.cps),
+             _U64(scratch.part.data.ptr), _U64(scratch.cnt.data.ptr), _U64(amax)),
+            mmq_smem_bytes(pl.bn), pdl)
 
 
 def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,
-        amax: int = 0, pdl: bool = False, splits: int | None = None, stages: int | None = None,
-        bn: int | None = None) -> None:
+        amax: int = 0, pdl: bool = False, splits: int | None = None) -> None:
     """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
     pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
     segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
-    argmax_unpack reads and resets it). splits, stages, bn: force the plan's choices (a benchmark's)."""
+    argmax_unpack reads and resets it)."""
     if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
         raise ValueError("mmq: one to three segments, and only one with amax")
     _check("mmq", [w for w, _, _, _ in segs], K, p, M)
     args: list = []
     for w, bias, y, ys in segs:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-    pl = plan_for(k, M, [w for w, _, _, _ in segs], False, splits, stages, bn)
+    pl = plan(M, K, tuple(w.rows for w, _, _, _ in segs), False, _sm_count(k), splits)
     _launch_mmq(k, pl, args, K, p, M, 0, 0, accumulate, scratch, amax, pdl)
 
 
 def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act: int, a: int, as_: int,
-            scratch: MmqScratch, pdl: bool = False, splits: int | None = None, stages: int | None = None,
-            bn: int | None = None) -> None:
+            scratch: MmqScratch, pdl: bool = False, splits: int | None = None) -> None:
     """a[t] = act(gate @ h[t]) * (up @ h[t]) for t < M (act 0: SiLU, 1: GELU-tanh), fp32 out with
     row stride as_; gate and up share type and shape."""
     if wg.qtype != wu.qtype or wg.rows != wu.rows or wg.cols != wu.cols or wg.row_bytes != wu.row_bytes:
@@ -285,5 +205,5 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
     args = []
     for w in (wg, wu):
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
-    pl = plan_for(k, M, [wg, wu], True, splits, stages, bn)
+    pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)

@@ -27,11 +27,13 @@ from ...kernels.catalog import source as _source
 
 log = logging.getLogger(__name__)
 
-def mmq_smem_bytes(bn: int, raws: int, stages: int) -> int:
+MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
+
+
+def mmq_smem_bytes(bn: int) -> int:
     """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
-    (272-byte rows), its unit scales (80 bytes a row), then `stages` ring stages of raw weight
-    records (raws bytes a row) and bn prep records (528 bytes each)."""
-    return 128 * 272 + 128 * 80 + stages * (128 * raws + bn * 528)
+    (272-byte rows), its unit scales (80 bytes a row), D + 1 activation chunks with their unit sums."""
+    return 128 * 272 + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * (512 + 16)
 
 
 @dataclass(frozen=True)
@@ -206,10 +208,6 @@ class Kernels:
         # only the type-templated files see the mask; without one (qtypes None) they hold every type
         typed = () if _every_type(types) else (catalog.qmask_option(types),)
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
-        # shared memory per SM and the most one block may opt in to (mmq.py plans its ring by them)
-        rt = cupy.cuda.runtime
-        self.smem_sm = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id))
-        self.smem_block = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
 
         def build(fname: str, names, extra=(), smem: int = 0, lazy: bool = False):
             def run():
@@ -252,8 +250,7 @@ class Kernels:
         mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
         gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
         # the batched-decode matrix multiply (mmq.cu), one module per token-tile width, and its prep
-        # (its ring of stages takes what the launch's plan says, up to the block's opt-in maximum)
-        mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + (f"-DMMQ_BN={bn}",), smem=self.smem_block, lazy=True)
+        mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + (f"-DMMQ_BN={bn}",), smem=mmq_smem_bytes(bn), lazy=True)
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         self._gemvs, self._sfx = gemvs, sfx
