@@ -38,3 +38,28 @@ def test_bench_decodes_at_the_depth_asked(smol_path, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["depth"] == 70 and r["batch"] == 2 and r["tg_tok_s"]["median"] > 0
     assert "| tg2 @ d70 |" in capsys.readouterr().out
+
+
+def test_bench_constrained_rows(smol_path, tmp_path, capsys):
+    """--constrained half: the same batch decoded on the sampled path without and with a JSON
+    schema (--schema) on every other row, held to it as in serving; the table and JSON say how
+    it compares."""
+    mode = "half"
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                                  "additionalProperties": False}))
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", str(smol_path), "--backend", "cpu", "--prompt-tokens", "0", "--batch", "4",
+               "--gen-tokens", "12", "--repetitions", "1", "--constrained", mode, "--schema", str(schema),
+               "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert (r["constrained"], r["constrained_rows"], r["schema"]) == (mode, 2, str(schema))
+    for key in ("tg_tok_s", "tg_sampled_tok_s", "tg_constrained_tok_s"):
+        assert r[key]["median"] > 0
+    assert r["constrained_vs_plain"] == pytest.approx(r["tg_constrained_tok_s"]["median"] / r["tg_tok_s"]["median"])
+    assert r["mask_ms_per_step"]["median"] > 0
+    # {"a": true} is a few tokens: the rows finish it within 12 steps and start over
+    assert r["grammar_restarts_per_run"] >= 1
+    assert f"| tg12 json schema ({mode} rows) |" in table and "constrained / plain decode" in table

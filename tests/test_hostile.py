@@ -84,7 +84,8 @@ ATTACKS = [
     ("chunked-body-over-limit", C, lambda: (b"a" * 65536 for _ in range(FOUR_MB // 65536 + 4)), JSON, 413,
      "request_too_large"),
     ("typo-max-token", C, _json({"model": MODEL, "prompt": "hi", "max_token": 5}), JSON, 400, "max_token"),
-    ("unknown-field", CH, _json({"model": MODEL, "messages": [], "guided_json": {}}), JSON, 400, "unknown_parameter"),
+    ("unknown-field", CH, _json({"model": MODEL, "messages": [], "guided_decoding_backend": "x"}), JSON, 400,
+     "unknown_parameter"),
     ("stop-1mb", C, _json(comp(stop="x" * (1 << 20))), JSON, 400, "stop"),
     ("n-beyond-queue", C, _json(comp(n=MAX_WAITING + 1)), JSON, 400, "n"),
 ]

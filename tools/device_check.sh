@@ -13,6 +13,8 @@
 #   bench    `realizar bench` on each twin (pp512, tg128) and on qwen15 at every batch of $BATCHES
 #            (128-token prompts, 128 new tokens each), at depth ($DEPTHS: prefill and decode at that depth)
 #            and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
+#            and, with $CONSTRAINED_BATCHES, qwen15 held to a JSON schema on every row and on every other
+#            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
 #            $LT_CLIENTS clients, and a soak with random cancels ($SOAK_REQUESTS completions)
@@ -30,6 +32,7 @@ OUT=${OUT:-$REPO/.device/out}
 STAGES=${STAGES:-tests kbench bench serve cold}
 BATCHES=${BATCHES:-1 4 16 64 128 256}
 DEPTHS=${DEPTHS:-}
+CONSTRAINED_BATCHES=${CONSTRAINED_BATCHES:-}
 LT_CLIENTS=${LT_CLIENTS:-64}
 SOAK_REQUESTS=${SOAK_REQUESTS:-0}
 mkdir -p "$OUT" /tmp/stage /tmp/twins /tmp/bench; rm -f /tmp/bench/*.json
@@ -128,6 +131,11 @@ if has bench; then
     done
     for bd in ${DEPTH_BATCHES:-}; do        # BATCH:DEPTH, e.g. 16:4096
       bench qwen15 b${bd%%:*}d${bd##*:} --batch ${bd%%:*} --depth ${bd##*:} --prompt-tokens 0 --gen-tokens 128 --repetitions 2
+    done
+    for b in $CONSTRAINED_BATCHES; do
+      for m in all half; do
+        bench qwen15 json${m}$b --batch $b --constrained $m --prompt-tokens 0 --gen-tokens 128 --repetitions 3
+      done
     done
   fi
 fi
@@ -253,7 +261,11 @@ for f in sorted(glob.glob("/tmp/bench/*_*.json")):
     r = json.load(open(f))
     key = os.path.basename(f)[:-5]
     full[key] = r
-    s["bench"][key] = {k: round(r[k]["median"], 1) for k in ("pp_tok_s", "tg_tok_s") if r.get(k)}
+    s["bench"][key] = {k: round(r[k]["median"], 1) for k in ("pp_tok_s", "tg_tok_s", "tg_sampled_tok_s",
+                                                             "tg_constrained_tok_s") if r.get(k)}
+    if r.get("constrained_vs_plain"):
+        s["bench"][key].update(constrained_vs_plain=round(r["constrained_vs_plain"], 3),
+                               mask_ms_per_step=round(r["mask_ms_per_step"]["median"], 3))
 json.dump(full, open(f"{out}/bench.json", "w"), indent=1)
 json.dump(s, open(f"{out}/summary.json", "w"), indent=1)
 print(json.dumps(s, indent=1))

@@ -5,15 +5,15 @@ each step over the paged KV cache (engine/kv_manager.py); the engine carries it 
 backend the block tables that changed, decodes every running sequence in one batched call that
 the backend also samples (backends/sampling.py defines how), then prefills the planned prompt
 chunks (a sequence's first token is drawn here, from its last chunk's logits), and hands each
-sequence's new text to its caller (engine/outputs.py).
+sequence's new text to its caller (engine/outputs.py). Callers iterate asynchronously
+(`generate`) or synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels
+the sequence and frees its KV blocks at once.
 
 Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
 its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
-sequence. A batch with a constrained row is sampled by the backend with the rows' masks, which
-are computed while the step's forward pass runs (`decode_sample`'s prepare); a batch without one
-keeps the pipelined greedy path, and its rows never see a mask. Callers iterate asynchronously
-(`generate`) or synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels
-the sequence and frees its KV blocks at once.
+sequence. A batch with a constrained row (a grammar or a logit bias) is sampled by the backend,
+the grammars' masks computed while the step's forward pass runs (`decode_sample`'s prepare); a
+batch without one keeps the pipelined greedy path, and its rows never see a mask.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP API: response shapes and the route handlers (request bodies are read
-and checked in requests.py; structured output in structured.py, tool calls in tools.py, the
-token routes in tokens.py).
+and checked in requests.py and turned into engine jobs in plans.py; structured output in
+structured.py, tool calls in tools.py, the token routes in tokens.py).
 
 A plain Starlette app (BentoML mounts it with `bentoml.asgi_app`), so paths, status codes and
 server-sent events are exactly OpenAI's: /v1/models, /v1/completions, /v1/chat/completions; and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import hmac
 import json
 import logging
@@ -36,13 +35,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from ..engine.sampling import SamplingParams
 from ..errors import CapacityError, RequestError
+from . import plans
 from . import requests as rq
-from . import tokens
-from .requests import bad, error_body
-from .structured import request_constraint
-from .tools import ToolRequest, ToolStreamParser, delta_chunks, finish_reason, parse_reply, parse_tool_request
+from .plans import Plan
+from .requests import error_body
+from .tools import ToolStreamParser, delta_chunks, finish_reason, parse_reply
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +296,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def completions(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(_completion_plan, raw, engine, state.settings)
+        plan = await state.offload(plans.completion_plan, raw, engine, state.settings)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if plan.stream:
@@ -306,7 +305,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def chat(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(_chat_plan, raw, engine, state.settings)
+        plan = await state.offload(plans.chat_plan, raw, engine, state.settings)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "created": created, "model": engine.model_name}
         if plan.stream:
@@ -315,12 +314,12 @@ def create_app(state: ServerState) -> Starlette:
 
     async def tokenize(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        out = await state.offload(_tokenize, raw, engine)
+        out = await state.offload(plans.tokenize, raw, engine)
         return Response(await _dumps(state, out, 8 * out["count"]), media_type="application/json")
 
     async def detokenize(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        out = await state.offload(_detokenize, raw, engine)
+        out = await state.offload(plans.detokenize, raw, engine)
         return Response(await _dumps(state, out, len(out["prompt"])), media_type="application/json")
 
     routes = [
@@ -385,115 +384,6 @@ def _client_closed_response() -> Response:
     return JSONResponse(error_body("client closed the request", code="client_closed_request"), status_code=499)
 
 
-@dataclass
-class _Plan:
-    """A checked request, tokenized: one job (prompt ids, sampling) per sequence."""
-    jobs: list[tuple[list[int], SamplingParams]]
-    prompt_tokens: int
-    stream: bool
-    include_usage: bool
-    logprobs: bool
-    echo: list[str] | None = None         # completions: per job, the text put before its output
-    tools: ToolRequest | None = None      # chat: the tools the reply may call (None: plain text)
-
-    @property
-    def calls_tools(self) -> bool:
-        return self.tools is not None and ToolStreamParser(self.tools).active
-
-
-# The request builders run on a worker thread (ServerState.offload): parsing, checking, compiling
-# a grammar and tokenizing a body of megabytes take the CPU for a while, never the event loop.
-
-def _completion_plan(raw: bytes, engine, settings) -> _Plan:
-    body = rq.parse_json(raw)
-    body.only(rq.COMPLETION_FIELDS)
-    rq.check_model(body, engine)
-    body.unsupported("suffix")
-    prompts = rq.prompts(body)
-    n = rq.choices(body, len(prompts), settings.max_waiting)
-    body.unsupported("best_of", lambda v: v == n)
-    stream = body.get("stream", "bool", False)
-    include_usage = rq.stream_options(body, stream)
-    logprobs = body.get("logprobs", "int")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad("logprobs", f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
-    echo = body.get("echo", "bool", False)
-    params = rq.sampling(body, body.get("max_tokens", "int", 16), logprobs, settings.max_stop_chars)
-    params.constraint = request_constraint(body.data, chat=False)
-    echoes = [tokens.echo_text(engine, p, echo, logprobs) for p in prompts for _ in range(n)] if echo else None
-    jobs, prompt_tokens = _jobs(engine, params, prompts, n, None)
-    return _Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None, echo=echoes)
-
-
-def _chat_plan(raw: bytes, engine, settings) -> _Plan:
-    body = rq.parse_json(raw)
-    body.only(rq.CHAT_FIELDS)
-    rq.check_model(body, engine)
-    for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
-                 "verbosity"):
-        body.unsupported(name)
-    body.unsupported("modalities", lambda v: v == ["text"])
-    if not getattr(engine.tokenizer, "has_chat_template", True):
-        raise bad("messages", "this model has no chat template; use /v1/completions")
-    tool_req = parse_tool_request(body.data.get("tools"), body.data.get("tool_choice"),
-                                  body.data.get("parallel_tool_calls"), engine.tokenizer.chat_template)
-    messages = rq.messages(body)
-    n = rq.choices(body, 1, settings.max_waiting)
-    stream = body.get("stream", "bool", False)
-    include_usage = rq.stream_options(body, stream)
-    want_lp = body.get("logprobs", "bool", False)
-    top = body.get("top_logprobs", "int")
-    if top is not None and not want_lp:
-        raise bad("top_logprobs", "top_logprobs: requires logprobs to be true")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad("top_logprobs", f"top_logprobs: must be between 0 and {MAX_LOGPROBS}, got {top}")
-    max_tokens = body.get("max_completion_tokens", "int")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens", "int")
-    params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
-    constraint = request_constraint(body.data, chat=True)
-    tool_constraint = tool_req.constraint(engine.guidance) if tool_req is not None else None
-    if tool_constraint is not None and constraint is not None:
-        raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
-                                    f"\"none\"")
-    params.constraint = tool_constraint or constraint
-    jobs, prompt_tokens = _jobs(engine, params, [None], n, messages,
-                                tool_req.template_tools if tool_req is not None else None)
-    return _Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req)
-
-
-def _jobs(engine, base: SamplingParams, prompts, n: int, messages, tools=None):
-    """Validate and tokenize every prompt once (blocking: tokenizing, template rendering and
-    compiling the grammar run here, on a worker thread), then one job (sequence) per choice;
-    seeded choices get seed + i so that n > 1 gives n different, reproducible samples."""
-    jobs, prompt_tokens = [], 0
-    for prompt in prompts:
-        params = dataclasses.replace(base)
-        ids = engine.prepare(prompt, params, messages, tools)
-        prompt_tokens += len(ids)
-        for i in range(n):
-            p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-            jobs.append((ids, p))
-    return jobs, prompt_tokens
-
-
-def _tokenize(raw: bytes, engine) -> dict:
-    body = rq.parse_json(raw)
-    body.only(rq.TOKENIZE_FIELDS)
-    messages = None
-    if body.data.get("messages") is not None:
-        if not getattr(engine.tokenizer, "has_chat_template", True):
-            raise bad("messages", "this model has no chat template; tokenize a prompt")
-        messages = rq.messages(body)
-    return tokens.tokenize(engine, body.data, messages)
-
-
-def _detokenize(raw: bytes, engine) -> dict:
-    body = rq.parse_json(raw)
-    body.only(rq.DETOKENIZE_FIELDS)
-    return tokens.detokenize(engine, body.data)
-
-
 async def _collect(engine, jobs):
     texts = [""] * len(jobs)
     reasons: list[str | None] = [None] * len(jobs)
@@ -514,7 +404,7 @@ async def _dumps(state: ServerState, obj: dict, size: int) -> bytes:
     return dump() if size < _LARGE_JSON_CHARS else await state.offload(dump)
 
 
-async def _full_completion(state, engine, plan: _Plan, head) -> AsyncIterator[bytes]:
+async def _full_completion(state, engine, plan: Plan, head) -> AsyncIterator[bytes]:
     texts, reasons, lps, completion_tokens = await _collect(engine, plan.jobs)
     choices = []
     for i, text in enumerate(texts):
@@ -526,7 +416,7 @@ async def _full_completion(state, engine, plan: _Plan, head) -> AsyncIterator[by
                        sum(map(len, texts)))
 
 
-def _message(plan: _Plan, text: str, reason: str | None) -> tuple[dict, str | None]:
+def _message(plan: Plan, text: str, reason: str | None) -> tuple[dict, str | None]:
     """A whole reply as OpenAI's chat message and finish_reason: with tools, the calls parsed
     out of the text into tool_calls (content null when the reply is only calls)."""
     if not plan.calls_tools:
@@ -538,7 +428,7 @@ def _message(plan: _Plan, text: str, reason: str | None) -> tuple[dict, str | No
     return msg, finish_reason(_finish(reason), len(calls))
 
 
-async def _full_chat(state, engine, plan: _Plan, head) -> AsyncIterator[bytes]:
+async def _full_chat(state, engine, plan: Plan, head) -> AsyncIterator[bytes]:
     texts, reasons, lps, completion_tokens = await _collect(engine, plan.jobs)
     choices = []
     for i, text in enumerate(texts):
@@ -550,7 +440,7 @@ async def _full_chat(state, engine, plan: _Plan, head) -> AsyncIterator[bytes]:
                                "usage": _usage(plan.prompt_tokens, completion_tokens)}, sum(map(len, texts)))
 
 
-async def _stream(engine, plan: _Plan, head, make_choices) -> AsyncIterator[bytes]:
+async def _stream(engine, plan: Plan, head, make_choices) -> AsyncIterator[bytes]:
     """SSE framing shared by both endpoints: the chunks of each engine output (make_choices gives
     their choices), then usage and [DONE]. An error after the stream started can only be
     reported in-band."""
@@ -573,7 +463,7 @@ async def _stream(engine, plan: _Plan, head, make_choices) -> AsyncIterator[byte
     yield _sse("[DONE]")
 
 
-def _stream_completion(engine, plan: _Plan, head):
+def _stream_completion(engine, plan: Plan, head):
     lps = [_CompletionLogprobs() for _ in plan.jobs]
     echoed = [plan.echo is None] * len(plan.jobs)
 
@@ -588,7 +478,7 @@ def _stream_completion(engine, plan: _Plan, head):
     return _stream(engine, plan, head, choices)
 
 
-def _stream_chat(engine, plan: _Plan, head):
+def _stream_chat(engine, plan: Plan, head):
     head = {**head, "object": "chat.completion.chunk"}
     started = [False] * len(plan.jobs)
     parsers = [ToolStreamParser(plan.tools) for _ in plan.jobs] if plan.calls_tools else None

@@ -1,0 +1,123 @@
+"""Request bodies -> engine jobs: each route's body parsed, checked (requests.py), its constraint
+(structured.py) or tools (tools.py) resolved, and every prompt tokenized and validated by the
+engine, as a Plan the route runs. Blocking work: the routes call these on a worker thread
+(ServerState.offload): parsing, checking, compiling a grammar and tokenizing a body of megabytes
+take the CPU for a while, never the event loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..engine.sampling import MAX_LOGPROBS, SamplingParams
+from . import requests as rq
+from . import tokens
+from .requests import bad
+from .structured import request_constraint
+from .tools import ToolRequest, ToolStreamParser, parse_tool_request
+
+
+@dataclass
+class Plan:
+    """A checked request, tokenized: one job (prompt ids, sampling) per sequence."""
+    jobs: list[tuple[list[int], SamplingParams]]
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    echo: list[str] | None = None         # completions: per job, the text put before its output
+    tools: ToolRequest | None = None      # chat: the tools the reply may call (None: plain text)
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tools is not None and ToolStreamParser(self.tools).active
+
+
+def completion_plan(raw: bytes, engine, settings) -> Plan:
+    body = rq.parse_json(raw)
+    body.only(rq.COMPLETION_FIELDS)
+    rq.check_model(body, engine)
+    body.unsupported("suffix")
+    prompts = rq.prompts(body)
+    n = rq.choices(body, len(prompts), settings.max_waiting)
+    body.unsupported("best_of", lambda v: v == n)
+    stream = body.get("stream", "bool", False)
+    include_usage = rq.stream_options(body, stream)
+    logprobs = body.get("logprobs", "int")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    echo = body.get("echo", "bool", False)
+    params = rq.sampling(body, body.get("max_tokens", "int", 16), logprobs, settings.max_stop_chars)
+    params.constraint = request_constraint(body.data, chat=False)
+    echoes = [tokens.echo_text(engine, p, echo, logprobs) for p in prompts for _ in range(n)] if echo else None
+    jobs, prompt_tokens = jobs_for(engine, params, prompts, n, None)
+    return Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None, echo=echoes)
+
+
+def chat_plan(raw: bytes, engine, settings) -> Plan:
+    body = rq.parse_json(raw)
+    body.only(rq.CHAT_FIELDS)
+    rq.check_model(body, engine)
+    for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
+                 "verbosity"):
+        body.unsupported(name)
+    body.unsupported("modalities", lambda v: v == ["text"])
+    if not getattr(engine.tokenizer, "has_chat_template", True):
+        raise bad("messages", "this model has no chat template; use /v1/completions")
+    tool_req = parse_tool_request(body.data.get("tools"), body.data.get("tool_choice"),
+                                  body.data.get("parallel_tool_calls"), engine.tokenizer.chat_template)
+    messages = rq.messages(body)
+    n = rq.choices(body, 1, settings.max_waiting)
+    stream = body.get("stream", "bool", False)
+    include_usage = rq.stream_options(body, stream)
+    want_lp = body.get("logprobs", "bool", False)
+    top = body.get("top_logprobs", "int")
+    if top is not None and not want_lp:
+        raise bad("top_logprobs", "top_logprobs: requires logprobs to be true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad("top_logprobs", f"top_logprobs: must be between 0 and {MAX_LOGPROBS}, got {top}")
+    max_tokens = body.get("max_completion_tokens", "int")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", "int")
+    params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
+    constraint = request_constraint(body.data, chat=True)
+    tool_constraint = tool_req.constraint(engine.guidance) if tool_req is not None else None
+    if tool_constraint is not None and constraint is not None:
+        raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
+                                    f"\"none\"")
+    params.constraint = tool_constraint or constraint
+    jobs, prompt_tokens = jobs_for(engine, params, [None], n, messages,
+                                tool_req.template_tools if tool_req is not None else None)
+    return Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req)
+
+
+def jobs_for(engine, base: SamplingParams, prompts, n: int, messages, tools=None):
+    """Validate and tokenize every prompt once (blocking: tokenizing, template rendering and
+    compiling the grammar run here, on a worker thread), then one job (sequence) per choice;
+    seeded choices get seed + i so that n > 1 gives n different, reproducible samples."""
+    jobs, prompt_tokens = [], 0
+    for prompt in prompts:
+        params = dataclasses.replace(base)
+        ids = engine.prepare(prompt, params, messages, tools)
+        prompt_tokens += len(ids)
+        for i in range(n):
+            p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+            jobs.append((ids, p))
+    return jobs, prompt_tokens
+
+
+def tokenize(raw: bytes, engine) -> dict:
+    body = rq.parse_json(raw)
+    body.only(rq.TOKENIZE_FIELDS)
+    messages = None
+    if body.data.get("messages") is not None:
+        if not getattr(engine.tokenizer, "has_chat_template", True):
+            raise bad("messages", "this model has no chat template; tokenize a prompt")
+        messages = rq.messages(body)
+    return tokens.tokenize(engine, body.data, messages)
+
+
+def detokenize(raw: bytes, engine) -> dict:
+    body = rq.parse_json(raw)
+    body.only(rq.DETOKENIZE_FIELDS)
+    return tokens.detokenize(engine, body.data)
