@@ -141,7 +141,7 @@ class Forward:
         if self.flash and fuse_rope and self.long_decode:
             flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, o16=o16, oq=oq, od=od,
                          pdl=self.pdl)
-        elif self.flash and not oq:
+        elif self.flash and not fuse_rope and not oq:
             plan = self._prefill_plan(T, self.max_pos + 1)
             self.pre_scratch.ensure(plan)
             flash.prefill(self.fk, plan, *args, self.pre_scratch, o16=o16, pdl=self.pdl)
