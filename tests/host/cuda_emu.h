@@ -10,6 +10,7 @@
 // and with eager copies a stage refilled while another warp still reads it corrupts that read.
 // The fragment layouts are those of the PTX ISA (mma.m16n8k16 .f16 A/B/C, ldmatrix .x4 [.trans]).
 #pragma once
+#include "host_intrinsics.h"
 #include <ucontext.h>
 
 #include <cmath>
@@ -29,64 +30,18 @@
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 
-static inline float realizar_host_h2f(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
-static inline unsigned short realizar_host_f2h(float f) {
-    _Float16 x = (_Float16)f;
-    unsigned short h;
-    std::memcpy(&h, &x, 2);
-    return h;
-}
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-struct uint4 { unsigned int x, y, z, w; };
-struct uint2 { unsigned int x, y; };
-struct int4 { int x, y, z, w; };
-struct float2 { float x, y; };
-struct float4 { float x, y, z, w; };
-static inline float2 make_float2(float a, float b) { return {a, b}; }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
-static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline long long max(long long a, long long b) { return a > b ? a : b; }
-template <class T> static inline T __ldg(const T* p) { return *p; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline int __ffs(int x) { return __builtin_ffs(x); }
 static inline int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }
 static inline void __threadfence() {}
 static inline void __threadfence_block() {}
 // common.cuh's GEMV helpers compile on the host too (tests/host/mmvf_decode.cpp has the same shims)
-static inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
-    unsigned char by[8];
-    for (int i = 0; i < 4; ++i) { by[i] = (a >> (8 * i)) & 255; by[4 + i] = (b >> (8 * i)) & 255; }
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= (unsigned)by[(s >> (4 * i)) & 7] << (8 * i);
-    return r;
-}
-static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
-    unsigned long long v = ((unsigned long long)hi << 32) | lo;
-    return (unsigned)(v >> (sh & 31));
-}
-static inline int __dp4a(int a, int b, int c) {
-    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
-    return c;
-}
-static inline unsigned __vsubss4(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) {
-        int v = (int)(signed char)(a >> (8 * i)) - (int)(signed char)(b >> (8 * i));
-        v = v < -128 ? -128 : (v > 127 ? 127 : v);
-        r |= (unsigned)(v & 255) << (8 * i);
-    }
-    return r;
-}
 
 namespace emu {
 

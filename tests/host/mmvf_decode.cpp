@@ -5,6 +5,7 @@
 // weights and of the unit dot products.
 // With arguments FILE K TYPE (Q5_0, Q8_0, Q6_K): FILE holds rows of K weights in the type's device
 // layout (formats/gpu_layout.py); prints every weight as decoded by load_unit, load_qunit and load_funit.
+#include "host_intrinsics.h"
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -17,49 +18,10 @@
 #define __forceinline__ inline
 #define __global__
 #define __restrict__
-static inline float realizar_host_h2f(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
-static inline unsigned short realizar_host_f2h(float f) { _Float16 x = (_Float16)f; unsigned short h; std::memcpy(&h, &x, 2); return h; }
-struct uint4 { unsigned int x, y, z, w; };
-struct uint2 { unsigned int x, y; };
-struct int4 { int x, y, z, w; };
-struct float2 { float x, y; };
-struct float4 { float x, y, z, w; };
-static inline float2 make_float2(float a, float b) { return {a, b}; }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
-static inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
-    unsigned char by[8];
-    for (int i = 0; i < 4; ++i) { by[i] = (a >> (8 * i)) & 255; by[4 + i] = (b >> (8 * i)) & 255; }
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) r |= (unsigned)by[(s >> (4 * i)) & 7] << (8 * i);
-    return r;
-}
-static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
-    unsigned long long v = ((unsigned long long)hi << 32) | lo;
-    return (unsigned)(v >> (sh & 31));
-}
-template <class T> static inline T __ldg(const T* p) { return *p; }
 struct HostDim3 { unsigned x = 0, y = 0, z = 0; };   // common.cuh's block helpers name them (unused here)
 static HostDim3 threadIdx, blockDim;
 static inline void __syncthreads() {}
-static inline int __dp4a(int a, int b, int c) {
-    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
-    return c;
-}
-static inline unsigned __vsubss4(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int i = 0; i < 4; ++i) {
-        int v = (int)(signed char)(a >> (8 * i)) - (int)(signed char)(b >> (8 * i));
-        v = v < -128 ? -128 : (v > 127 ? 127 : v);
-        r |= (unsigned)(v & 255) << (8 * i);
-    }
-    return r;
-}
 #define REALIZAR_HOST_TEST
 #include "common.cuh"
 

@@ -8,6 +8,7 @@
 //        float32 logits [n, V], int32 params [n, 16], int32 counts [slots, V],
 //        int32 masks [mask_rows, ceil(V / 32)], int32 biases [bias_words]
 //   OUT: int32 out [n, 4], int32 counts [slots, V]
+#include "host_intrinsics.h"
 #include <algorithm>
 #include <atomic>
 #include <barrier>
@@ -42,21 +43,8 @@ std::vector<unsigned long long> dyn;
 using std::max;
 using std::min;
 
-struct uint4 { unsigned int x, y, z, w; };
-struct uint2 { unsigned int x, y; };
-struct int4 { int x, y, z, w; };
-struct float2 { float x, y; };
-struct float4 { float x, y, z, w; };
-static inline float2 make_float2(float a, float b) { return {a, b}; }
 
 template <class T, class U> static inline T bit_cast_(U u) { T t; std::memcpy(&t, &u, sizeof(T)); return t; }
-static inline float __int_as_float(int i) { return bit_cast_<float>(i); }
-static inline int __float_as_int(float f) { return bit_cast_<int>(f); }
-static inline float __uint_as_float(unsigned u) { return bit_cast_<float>(u); }
-static inline unsigned __float_as_uint(float f) { return bit_cast_<unsigned>(f); }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 static inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 static inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
@@ -65,13 +53,6 @@ static inline unsigned long long __umul64hi(unsigned long long a, unsigned long 
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 static inline int __clz(unsigned v) { return v ? __builtin_clz(v) : 32; }
-static inline unsigned __byte_perm(unsigned, unsigned, unsigned) { return 0; }
-static inline unsigned __funnelshift_r(unsigned, unsigned, unsigned) { return 0; }
-template <class T> static inline T __ldg(const T* p) { return *p; }
-static inline int __dp4a(int, int, int c) { return c; }
-static inline unsigned __vsubss4(unsigned a, unsigned) { return a; }
-static inline float realizar_host_h2f(unsigned short) { return 0.0f; }
-static inline unsigned short realizar_host_f2h(float) { return 0; }
 
 static inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
 
