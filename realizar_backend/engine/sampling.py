@@ -1,29 +1,7 @@
-"""Sampling parameters (validated, OpenAI field names) and each sequence's Sampler. The algorithm
-itself, and its NumPy twin, is the backends' contract: backends/sampling.py.
-
-Order of operations, the same as vLLM's: penalties on the raw logits, then temperature, then
-top-k, top-p and min-p filters, then a seeded draw. Temperature 0 is greedy. Logprobs are
-reported from the raw (unpenalised, unscaled) distribution.
-
-The algorithm is defined so that the CUDA kernels (kernels/sampling.cu) can reproduce it bit for
-bit without sorting the vocabulary: every float operation is a single IEEE-rounded float32
-operation (no fused multiply-add, no library exp), and probability masses are 40-bit fixed-point
-integers, whose sums do not depend on the order of summation. Per row:
-
-1. penalties (float32): a token seen in the prompt or output has x / r (x > 0) or x * r (repetition
-   penalty r), then x - (f * count + p * [count > 0]) over output counts (frequency f, presence p).
-2. temperature 0: the first index of the maximum. Otherwise z = x * float32(1 / temperature)
-   (NaN -> -inf, +inf -> FLT_MAX, -0 -> +0), m = max z, d = z - m, and each token weighs
-   W = floor(exp_f32(d) * 2**40) (`fx_weights`: a fixed polynomial exp; 0 below d = -30).
-3. tokens are ordered by z descending, ties by index ascending (z compared through its
-   order-preserving integer key). In that order: top-k keeps the first k and every tie of the
-   k-th; top-p keeps the shortest prefix whose mass reaches ceil(Z_k * round(p * 2**32) / 2**32),
-   Z_k being the mass top-k kept; min-p keeps d >= float32(log(min_p)). The kept set F is the
-   shortest of these prefixes, of mass Z_F.
-4. the draw: R = the first two words of Philox4x32-10 (key = seed, counter = the token's index in
-   its sequence), target = floor(R * Z_F / 2**64), and the token is the first in that order whose
-   cumulative mass exceeds the target. A sequence's draws never depend on the rest of the batch.
-"""
+"""Sampling parameters (validated, OpenAI field names) and each sequence's Sampler: its seed, the
+index of its next draw and, with penalties, its host-side token counts. The algorithm itself (the
+order of penalties, temperature and filters, the seeded draw) and its NumPy twin are the
+backends' contract: backends/sampling.py says it in full."""
 
 from __future__ import annotations
 
