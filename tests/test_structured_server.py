@@ -21,20 +21,11 @@ import httpx
 import pytest
 
 from server_util import start_server
+from tool_defs import TOOLS
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 MODEL = "qwen2.5-coder-0.5b"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CALC = {"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"], "additionalProperties": False}}}
-TOOLS = [WEATHER, CALC]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 

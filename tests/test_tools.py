@@ -15,16 +15,7 @@ from realizar_backend.serving.tools import (HERMES, LLAMA3_JSON, ToolStreamParse
                                             delta_chunks, detect_format, finish_reason, parse_reply,
                                             parse_tool_request)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CALC = {"type": "function", "function": {
-    "name": "calculate", "description": "Evaluate an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"], "additionalProperties": False}}}
-TOOLS = [WEATHER, CALC]
+from tool_defs import TOOLS, WEATHER
 
 # the shape of Llama 3.1's template around tools (written for this test, not Meta's text)
 LLAMA3_TEMPLATE = ("{% if tools is not none %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"

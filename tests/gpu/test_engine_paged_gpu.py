@@ -6,8 +6,6 @@ text the same engine writes with room to spare (and, for the greedy runs, the CP
 from __future__ import annotations
 
 import asyncio
-import os
-from pathlib import Path
 
 import pytest
 
@@ -15,14 +13,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _smol_path():
-    p = os.environ.get("REALIZAR_REAL_SMOL")
-    if p and Path(p).exists():
-        return p
-    try:
-        from realizar_backend.model.default import default_model_path
-        return str(default_model_path())
-    except Exception:
-        return None
+    from test_model_parity import _real_smol
+    p = _real_smol()
+    return None if p is None else str(p)
 
 
 def _engine(**kw):

@@ -7,8 +7,6 @@ on the CUDA backend: seeded requests reproduce and greedy output is unchanged.""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,47 +200,12 @@ def test_constrained_rows_match_twin(kernels, rng, V):
         assert alone.tolist() == [int(toks[i]) for i in plain]
 
 
-def test_sampling_time(kernels, rng):
-    """Per-step time of the sampling launches at vocab 151,936 (printed, not asserted)."""
-    import cupy
-    V = 151936
-    s = sampler(V)
-    x = cupy.asarray(llm_like(rng, MAX_ROWS, V))
-    am = cupy.zeros(MAX_ROWS, cupy.int32)
-    from realizar_backend.backends.cuda import ops
-    ops.argmax_rows(kernels, x.data.ptr, V, V, am.data.ptr, MAX_ROWS)
-    stream = cupy.cuda.get_current_stream()
-    full = _mask_words(np.ones(V, bool))
-    for name, kw in [("top_p=0.9 T=0.7", dict(top_p=0.9, temperature=0.7)), ("plain T=1", dict()),
-                     ("top_k=50 + penalties", dict(top_k=50, repetition_penalty=1.1)),
-                     ("greedy + mask", dict(temperature=0.0, mask=full)),
-                     ("top_p=0.9 T=0.7 + mask", dict(top_p=0.9, temperature=0.7, mask=full))]:
-        for n in (1, 8):
-            rows = [SampleRow(seed=i, step=0, **kw) for i in range(n)]
-            for _ in range(3):
-                s.launch(x.data.ptr, V, am.data.ptr, rows, list(range(n)), [0] * n, stream)
-            stream.synchronize()
-            t0, t1 = cupy.cuda.Event(), cupy.cuda.Event()
-            t0.record(stream)
-            for _ in range(20):
-                s.launch(x.data.ptr, V, am.data.ptr, rows, list(range(n)), [0] * n, stream)
-            t1.record(stream)
-            t1.synchronize()
-            us = cupy.cuda.get_elapsed_time(t0, t1) * 1000 / 20
-            print(f"sampling {name}, batch {n}: {us:.1f} us per step (GPU time incl. launch gaps)")
-
-
 # ------------------------------------------------------------------ the whole engine on CUDA
 
 def _smol_path():
-    p = os.environ.get("REALIZAR_REAL_SMOL")
-    if p and Path(p).exists():
-        return p
-    try:
-        from realizar_backend.model.default import default_model_path
-        return str(default_model_path())
-    except Exception:
-        return None
+    from test_model_parity import _real_smol
+    p = _real_smol()
+    return None if p is None else str(p)
 
 
 @pytest.fixture(scope="module")
