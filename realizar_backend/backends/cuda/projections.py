@@ -256,17 +256,14 @@ class MmqProjections(Projections):
         self._mmq([(lw.wq, lw.bq, ws.q.data.ptr, ws.q.shape[1]), (lw.wk, lw.bk, ws.k.data.ptr, ws.k.shape[1]),
                    (lw.wv, lw.bv, ws.v.data.ptr, ws.v.shape[1])], c.hidden, T)
 
-    def _into_residual(self, w: WeightRef, post_norm: int, x: cupy.ndarray, T: int) -> None:
-        """x rows times w into the residual (or through the post-norm)."""
-        self._prep(x, w.cols, T)
-        dst, acc = self.dst(post_norm)
-        self._mmq([(w, 0, dst.data.ptr, dst.shape[1])], w.cols, T, accumulate=acc)
-        self.residual(post_norm, T)
-
     def out(self, li: int, lw: LayerIndex, T: int) -> None:
         if not self.on[li]["out"]:
             return self.fallback.out(li, lw, T)
-        self._into_residual(lw.wo, lw.post_attn_norm, self.ctx.ws.attn, T)
+        ws = self.ctx.ws
+        self._prep(ws.attn, lw.wo.cols, T)
+        dst, acc = self.dst(lw.post_attn_norm)
+        self._mmq([(lw.wo, 0, dst.data.ptr, dst.shape[1])], lw.wo.cols, T, accumulate=acc)
+        self.residual(lw.post_attn_norm, T)
 
     def ffn(self, li: int, lw: LayerIndex, T: int) -> None:
         if not self.on[li]["ffn"]:
@@ -280,7 +277,11 @@ class MmqProjections(Projections):
     def down(self, li: int, lw: LayerIndex, T: int) -> None:
         if not self.on[li]["down"]:
             return self.fallback.down(li, lw, T)
-        self._into_residual(lw.w_down, lw.post_ffn_norm, self.ctx.ws.a, T)
+        ws = self.ctx.ws
+        self._prep(ws.a, lw.w_down.cols, T)
+        dst, acc = self.dst(lw.post_ffn_norm)
+        self._mmq([(lw.w_down, 0, dst.data.ptr, dst.shape[1])], lw.w_down.cols, T, accumulate=acc)
+        self.residual(lw.post_ffn_norm, T)
 
     def head(self, rows: cupy.ndarray, n: int, norm: int, logits: cupy.ndarray, amax: int) -> None:
         """RMSNorm(rows[:n]) * norm -> LM head -> logits, with the packed argmax of each row into amax."""
