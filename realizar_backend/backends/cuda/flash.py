@@ -128,10 +128,13 @@ def prefill_splits(n: int, H: int, max_keys: int, sm_count: int, plan_rows: int 
 
 
 def decode_splits(n: int, KVH: int, sm_count: int, target_blocks: int | None = None) -> int:
-    """The most splits a decode row may take, for a batch bucket of n rows: enough that one long
-    row per (row, KV head) still fills about two blocks per SM."""
-    target = target_blocks or 2 * sm_count
-    return max(1, min(MAX_DECODE_SPLITS, -(-target // (n * KVH))))
+    """The most splits a decode row may take, for a batch bucket of n rows: enough that the blocks
+    of all (row, KV head) pairs about fill one wave of one block per SM, rounded down. More splits
+    cost more than they spread: on the H100 (tools/attn_bench.py, qwen15, depth 4,096) 16 rows take
+    38 us a layer at 4 splits against 54 at 9 (two blocks per SM) and 18; 64 rows at depth 128
+    10.5 us at 1 split against 11.8 at 3; one row 17.9 us at 64 splits against 20.8 at 32."""
+    target = target_blocks or sm_count
+    return max(1, min(MAX_DECODE_SPLITS, target // (n * KVH)))
 
 
 def _check_dims(H: int, KVH: int, D: int) -> None:
