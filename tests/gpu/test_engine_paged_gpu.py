@@ -58,9 +58,11 @@ def _together(engine, jobs):
 
 GREEDY = dict(max_tokens=40, temperature=0, ignore_eos=True)
 JOBS = [(f"Story {i}: the {w} cat sat on the", GREEDY) for i, w in enumerate(["black", "small", "happy"])]
-JOBS.append(("A list of fruits: apple, banana,", dict(max_tokens=40, temperature=0.8, seed=11,
-                                                     repetition_penalty=1.3, frequency_penalty=0.5,
-                                                     ignore_eos=True)))
+# Penalties across a preemption (the counts rebuilt by reset_counts), greedy: a recomputed row's
+# logits come from the prompt kernels, equal to the decode step's only to rounding, so a seeded
+# draw may land on the other side of a CDF step (the CPU tests cover seeded draws across preemption).
+JOBS.append(("A list of fruits: apple, banana,", dict(max_tokens=40, temperature=0, repetition_penalty=1.3,
+                                                     frequency_penalty=0.5, ignore_eos=True)))
 JOBS += [(f"Story {i}: the {w} dog ran to the", GREEDY) for i, w in enumerate(["old", "big"])]
 
 

@@ -321,7 +321,7 @@ def test_forced_splits_and_determinism(k, bufs, rng):
         outs = run_mmq(k, bufs, [(w, W64)], 8960, xd, 8964, M, splits=splits, rng=rng)
         e = check_outputs([(w, W64)], outs, h64, M)
         again = run_mmq(k, bufs, [(w, W64)], 8960, xd, 8964, M, splits=splits, rng=rng)
-        same = np.array_equal(outs[0][0].get(), again[0][0].get())
+        same = np.array_equal(outs[0][0].get(), again[0][0].get(), equal_nan=True)   # row tails stay poisoned
         print(f"splits {splits} ({mmq.plan(M, 8960, (1536,), False, k.sm_count, splits).splits}): {e:.2e}, repeat identical {same}")
         assert e <= FP32_TOL and same
         assert int(scratch.cnt.sum().get()) == 0

@@ -32,7 +32,10 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # 5e-4 with an fp16 prefill, ~1e-4 with int8 activations.
 CHAOTIC = {"gemma270"}
 CHAOTIC_MEDIAN = {"exact": 2e-5, "lossy": 1e-2}   # bound on the median row's 1 - cos
-CHAOTIC_FLOOR = {"exact": 0.98, "lossy": 0.8}     # any row: still far above a broken kernel's
+# any row: still far above a broken kernel's. gemma270's worst of 80 batched rows lands at 0.96 on
+# some draws with either batched kernel (H100: mmq 0.960, split16 0.961) while the median row stays
+# at ~1e-6: the random twin amplifies rounding-level differences in a few rows.
+CHAOTIC_FLOOR = {"exact": 0.9, "lossy": 0.8}
 
 
 def _assert_parity(name: str, cos: np.ndarray, floor: float, lossy: bool = False) -> None:
