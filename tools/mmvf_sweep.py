@@ -1,11 +1,13 @@
 """Launch-shape sweep of the fp32-activation GEMVs (kernels/mmvf.cu) on the qwen15 twin's decode
-shapes, batch 1: compile-time variants (rows per warp, warps per block, loop unroll) x warps per row,
+shapes at one batch width (--nb activation rows per launch, default 1): compile-time variants
+(rows per warp, warps per block, loop unroll) x warps per row,
 timed as CUDA-graph replays over 28 weight copies (so the weights come from DRAM, as in a real
 step, not from L2). Prints a table and writes JSON; a tool for choosing the kernel's defaults.
 
     python tools/mmvf_sweep.py --json out.json
     python tools/mmvf_sweep.py --policy --variant base: --variant const:FUNIT_BASE_CONST=1
     python tools/mmvf_sweep.py --policy --variant base: --shapes down_q4k,down_q6k --reps 1   (under ncu)
+    python tools/mmvf_sweep.py --nb 4 --policy --variant base: --variant U1:MMVF_UNROLL=1
 
 --variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines); --policy times only
 the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled as
@@ -63,14 +65,14 @@ def qmask(shapes) -> int:
     return sum(1 << int(q) for q in {q for _, segs, _, _ in shapes for q, _ in segs})
 
 
-def compile_variant(defines: dict, cc: str, mask: int) -> cupy.RawModule:
+def compile_variant(defines: dict, cc: str, mask: int, nb: int = 1) -> cupy.RawModule:
     """The batch-1 kernels with extra defines, compiled as the loader compiles them (NVRTC through
     CuPy, same options): nvcc gave the same source 222 registers where NVRTC gives 128, so an
     nvcc-built sweep measured kernels that never run."""
-    opts = ("-std=c++17", f"-DREALIZAR_CC={cc}", f"-DREALIZAR_QMASK={mask:#x}ull", "-DMMVF_NB=1",
+    opts = ("-std=c++17", f"-DREALIZAR_CC={cc}", f"-DREALIZAR_QMASK={mask:#x}ull", f"-DMMVF_NB={nb}",
             *(f"-D{k}={v}" for k, v in defines.items()))
     mod = cupy.RawModule(code=_source("mmvf.cu"), options=opts)
-    for name in ("mmvf_nb1", "ffnf_nb1"):
+    for name in (f"mmvf_nb{nb}", f"ffnf_nb{nb}"):
         _ = mod.get_function(name).attributes       # compile and load now, on this thread
     return mod
 
@@ -82,6 +84,7 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], help="NAME:DEF=V,DEF=V (repeatable)")
     ap.add_argument("--policy", action="store_true", help="only the launch shape ops.py picks")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    ap.add_argument("--nb", type=int, default=1, choices=[1, 2, 4, 8], help="activation rows per launch")
     args = ap.parse_args()
     shapes_run = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes.split(",")]
     variants = VARIANTS
@@ -95,13 +98,14 @@ def main() -> int:
     sms = dev.attributes["MultiProcessorCount"]
     def build(d):
         with dev:
-            return compile_variant(d, cc, qmask(shapes_run))
+            return compile_variant(d, cc, qmask(shapes_run), args.nb)
     with ThreadPoolExecutor(len(variants)) as ex:
         futs = {n: ex.submit(build, d) for n, d in variants.items()}
         modules = {n: f.result() for n, f in futs.items()}
     rng = cupy.random.default_rng(0)
-    x = cupy.asarray(np.random.default_rng(1).standard_normal(8960).astype(np.float32))
-    ybuf = cupy.zeros(151936 * 2, cupy.float32)
+    nb = args.nb
+    x = cupy.asarray(np.random.default_rng(1).standard_normal(8960 * nb).astype(np.float32))
+    ybuf = cupy.zeros(151936 * 2 * nb, cupy.float32)
     results = []
     stream = cupy.cuda.Stream(non_blocking=True)
     for shape_name, segs, K, kind in shapes_run:
@@ -116,9 +120,9 @@ def main() -> int:
             mod = modules[vname]
             R = defines.get("MMVF_R", MMVF_R)
             W = defines.get("MMVF_WARPS", MMVF_WARPS)
-            fn = mod.get_function("ffnf_nb1" if kind == "ffnf" else "mmvf_nb1")
-            stage = 0 if vname.endswith("-global") else 1
-            smem = stage * mmvf_stride(K) * 4
+            fn = mod.get_function(f"ffnf_nb{nb}" if kind == "ffnf" else f"mmvf_nb{nb}")
+            stage = 0 if vname.endswith("-global") or nb * mmvf_stride(K) * 4 > 100 * 1024 else 1
+            smem = stage * nb * mmvf_stride(K) * 4
             fn.max_dynamic_shared_size_bytes = 100 * 1024
             shapes = [(w, c) for w in (1, 2, 4, 8) for c in (False, True)]
             if args.policy:
@@ -138,7 +142,7 @@ def main() -> int:
                         qt, rows = segs[0]
                         fn(grid, (W * 32,), (np.uint64(m[0].data.ptr), np.uint64(m[1].data.ptr),
                                              np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(K), np.int32(int(qt)),
-                                             np.uint64(x.data.ptr), np.int32(K), np.int32(1), np.int32(0),
+                                             np.uint64(x.data.ptr), np.int32(K), np.int32(nb), np.int32(0),
                                              np.uint64(ybuf.data.ptr), np.int32(rows), np.int32(wpr),
                                              np.int32(stage), np.uint64(0), np.float32(0)), shared_mem=smem)
                         return
@@ -150,7 +154,7 @@ def main() -> int:
                         off += rows
                     for _ in range(3 - len(segs)):
                         a += [np.uint64(0), np.int64(0), np.int32(0), np.int32(0), np.uint64(0), np.uint64(0), np.int32(0)]
-                    fn(grid, (W * 32,), (*a, np.int32(K), np.uint64(x.data.ptr), np.int32(K), np.int32(1),
+                    fn(grid, (W * 32,), (*a, np.int32(K), np.uint64(x.data.ptr), np.int32(K), np.int32(nb),
                                          np.int32(wpr), np.int32(0), np.int32(stage), np.uint64(0), np.float32(0),
                                          np.uint64(0)), shared_mem=smem)
 
@@ -170,7 +174,7 @@ def main() -> int:
                     e1.record(stream)
                     e1.synchronize()
                 us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
-                results.append({"shape": shape_name, "variant": vname + ("-cap" if capped else ""), "wpr": wpr,
+                results.append({"shape": shape_name, "variant": vname + ("-cap" if capped else ""), "nb": nb, "wpr": wpr,
                                 "grid": grid[0], "regs": int(fn.num_regs),
                                 "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
                                 "rows": rows_total, "K": K})
