@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from .. import timeline
 from ..errors import BackendError, RealizarError
 from ..formats import ModelFile
 from ..settings import Settings
@@ -31,8 +32,10 @@ def start_device(settings: Settings) -> None:
     def init() -> None:
         try:
             import cupy
+            timeline.mark("cupy imported")
             cupy.cuda.runtime.setDevice(settings.device)   # creates the primary context (CUDA 12+)
             cupy.cuda.runtime.free(0)
+            timeline.mark("cuda context created")
         except Exception:  # no GPU or no CuPy: create_backend decides, and says so
             pass
 
