@@ -19,10 +19,14 @@ def _settings(args, **extra):
 
 
 def cmd_generate(args) -> int:
+    from . import timeline
     from .engine.engine import Engine
     from .engine.sampling import SamplingParams
 
-    engine = Engine.from_settings(_settings(args, max_num_seqs=1))
+    timeline.mark("generate: imports done")
+    # no guidance prewarm: a command-line generation has no grammar, and llguidance holds the GIL
+    # for 0.2-3 s while it builds its vocabulary, which would delay the first token
+    engine = Engine.from_settings(_settings(args, max_num_seqs=1), prewarm_guidance=False)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or [],
@@ -38,8 +42,10 @@ def cmd_generate(args) -> int:
                 out.write(piece.text)
                 out.flush()
         out.write("\n")
+        timeline.mark("generate: done")
     finally:
         engine.shutdown()
+        timeline.mark("generate: engine shut down")
     return 0
 
 
@@ -218,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.cmd == "generate":
+        import atexit
+
+        from . import timeline
+        # registered first, so it runs after every other exit hook: what follows is the
+        # interpreter's own teardown (and the CUDA context's)
+        atexit.register(timeline.mark, "exit hooks done")
     # a first use of the default model downloads 98 MB: always say so
     logging.getLogger("realizar_backend.model.default").setLevel(logging.INFO)
     try:

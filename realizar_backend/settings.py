@@ -7,7 +7,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 from .errors import SettingsError
 
@@ -208,14 +208,14 @@ class Settings:
 # same CUDA_VISIBLE_DEVICES (all the GPUs its resources ask for), so each worker narrows it to its
 # own GPU before anything starts CUDA in the process, and then uses device 0.
 
-def visible_gpus(driver_gpus: int, environ: dict[str, str] | None = None) -> list[str]:
+def visible_gpus(driver_gpus: int | Callable[[], int], environ: dict[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's, up to
     the first entry CUDA would reject (a negative index hides the rest), when it is set; else
-    each of the `driver_gpus` GPUs the driver reports, by index."""
+    each of the `driver_gpus` GPUs the driver reports, by index (a callable: asked only then)."""
     env = os.environ if environ is None else environ
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw is None:
-        return [str(i) for i in range(driver_gpus)]
+        return [str(i) for i in range(driver_gpus() if callable(driver_gpus) else driver_gpus)]
     out = []
     for entry in (e.strip() for e in raw.split(",")):
         if not entry or entry.lstrip("-").isdigit() and int(entry) < 0:

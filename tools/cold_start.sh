@@ -2,24 +2,31 @@
 # Cold start on the GPU machine, as a user sees it: launch to exit of `realizar generate`, and launch
 # to /readyz of `bentoml serve`, each a fresh process with an empty CuPy kernel cache.
 #   bash tools/cold_start.sh [MODEL.gguf]       (default: the qwen15 twin, /tmp/twins/qwen15.gguf)
+# (BACKEND=cpu runs the same steps on the CPU backend: a check of this script without a GPU)
 # Run it where tools/device_check.sh has set up PYTHONPATH (wheels in /tmp/site) and the twins, e.g.
 #   export PYTHONPATH=/tmp/site:$PWD; bash tools/cold_start.sh
-# Prints COLD_* lines (seconds) and, from each run's log, where its kernel modules came from.
+# Prints COLD_* lines (seconds) and, from each run's log, where its kernel modules came from; for
+# the prebuilt runs also the start-up timeline (realizar_backend/timeline.py: seconds since that
+# process started, and the wall clock, to line up with the launch time printed beside it).
 set -u
 MODEL=${1:-/tmp/twins/qwen15.gguf}
 PORT=${PORT:-3917}
+BACKEND=${BACKEND:-cuda}
 now() { date +%s.%N; }
+clock() { date +%H:%M:%S.%3N; }
+timeline() { echo "  timeline of $1 (launched at $2):"; sed -n 's/.*startup \([0-9.]* s (.*\)/    \1/p' "$1"; }
 since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.2f}')" "$1" "$(now)"; }
 
 for run in prebuilt prebuilt2 nvrtc; do
   cache=$(mktemp -d)
   pre=true; [ $run = nvrtc ] && pre=false
-  t0=$(now)
+  t0=$(now); c0=$(clock)
   CUPY_CACHE_DIR=$cache REALIZAR_PREBUILT_KERNELS=$pre python3 -m realizar_backend.cli -v generate "Hello" \
-    --model "$MODEL" --backend cuda --max-tokens 2 > /tmp/cold_$run.out 2> /tmp/cold_$run.err
+    --model "$MODEL" --backend "$BACKEND" --max-tokens 2 > /tmp/cold_$run.out 2> /tmp/cold_$run.err
   rc=$?
   echo "COLD_GENERATE_${run^^}_S $(since $t0) (exit status $rc, output: $(head -c 80 /tmp/cold_$run.out | tr '\n' ' '))"
   grep -h -o "core ready.*compiled with NVRTC so far" /tmp/cold_$run.err | head -1
+  [ $run = prebuilt ] && timeline /tmp/cold_$run.err "$c0"
   [ $rc = 0 ] || tail -5 /tmp/cold_$run.err
   rm -rf "$cache"
 done
@@ -27,20 +34,21 @@ done
 for run in prebuilt nvrtc; do
   cache=$(mktemp -d)
   pre=true; [ $run = nvrtc ] && pre=false
-  t0=$(now)
-  CUPY_CACHE_DIR=$cache REALIZAR_PREBUILT_KERNELS=$pre REALIZAR_MODEL="$MODEL" REALIZAR_BACKEND=cuda \
+  t0=$(now); c0=$(clock)
+  CUPY_CACHE_DIR=$cache REALIZAR_PREBUILT_KERNELS=$pre REALIZAR_MODEL="$MODEL" REALIZAR_BACKEND=$BACKEND \
     BENTOML_DO_NOT_TRACK=true setsid python3 -m bentoml serve realizar_backend.serving.service:Realizar \
     --port "$PORT" > /tmp/cold_serve_$run.log 2>&1 &
   pid=$!
   ok=no
   for _ in $(seq 1 1200); do
-    if curl -sf -o /dev/null "127.0.0.1:$PORT/readyz"; then ok=yes; break; fi
+    if curl -sf -o /dev/null "127.0.0.1:$PORT/readyz"; then ok="yes at $(clock)"; break; fi
     kill -0 $pid 2>/dev/null || break
     sleep 0.05
   done
   echo "COLD_SERVE_READYZ_${run^^}_S $(since $t0) (ready: $ok)"
   grep -h -o "core ready.*compiled with NVRTC so far" /tmp/cold_serve_$run.log | head -1
-  [ $ok = yes ] || tail -20 /tmp/cold_serve_$run.log
+  [ $run = prebuilt ] && timeline /tmp/cold_serve_$run.log "$c0"
+  [ "$ok" != no ] || tail -20 /tmp/cold_serve_$run.log
   kill -TERM -- -$pid 2>/dev/null; sleep 2; kill -KILL -- -$pid 2>/dev/null
   rm -rf "$cache"
 done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from .. import timeline
 from ..errors import BackendError, RealizarError
 from ..formats import ModelFile
 from ..settings import Settings
@@ -21,18 +22,33 @@ def cuda_available() -> bool:
         return False
 
 
+_started: set[int] = set()
+_started_lock = threading.Lock()
+
+
 def start_device(settings: Settings) -> None:
-    """Begin the CUDA start-up (importing CuPy and creating the device's context: ~1 s in a fresh
-    process) on a thread, so it overlaps with reading the model file; create_backend then finds it
-    done. Nothing when the settings ask for the CPU backend."""
+    """Begin the CUDA start-up (importing CuPy, creating the device's context: ~1 s in a fresh
+    process, then loading cuBLAS) on a thread, so it overlaps with reading the model file;
+    create_backend then finds it done. Nothing when the settings ask for the CPU backend."""
     if settings.backend not in ("auto", "cuda"):
         return
+    with _started_lock:
+        if settings.device in _started:      # a server's worker starts it at import already
+            return
+        _started.add(settings.device)
 
     def init() -> None:
         try:
             import cupy
+            timeline.mark("cupy imported")
             cupy.cuda.runtime.setDevice(settings.device)   # creates the primary context (CUDA 12+)
             cupy.cuda.runtime.free(0)
+            timeline.mark("cuda context created")
+            # cuBLAS (the self-check and every prompt's GEMMs use it): its libraries are hundreds
+            # of MB to load and initialise, done here rather than on the self-check's first GEMM
+            from cupy.cuda import device
+            device.get_cublas_handle()
+            timeline.mark("cublas loaded")
         except Exception:  # no GPU or no CuPy: create_backend decides, and says so
             pass
 

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 
 import numpy as np
 
+from .. import timeline
 from ..backends import Backend, PrefillItem, create_backend, start_device
 from ..errors import CapacityError, ContextOverflowError, GrammarError, RequestError
 from ..formats import open_model
@@ -68,7 +69,10 @@ class NullObserver:
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer, settings: Settings | None = None,
-                 model_name: str = "model", observer: EngineObserver | None = None):
+                 model_name: str = "model", observer: EngineObserver | None = None,
+                 prewarm_guidance: bool = True):
+        """prewarm_guidance: build llguidance's vocabulary now, on a thread (False: on the first
+        constrained request, or when the caller calls prewarm_guidance(), e.g. once it serves)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.settings = settings or Settings()
@@ -89,19 +93,27 @@ class Engine:
         self._said_preempt = False
         self.guidance = Guidance(tokenizer, self.config.vocab_size)
         self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
-        # llguidance's view of the vocabulary takes 0.2-3 s to build: not on the first request
-        threading.Thread(target=self._prewarm_guidance, name="realizar-guidance", daemon=True).start()
+        if prewarm_guidance:
+            self.prewarm_guidance()
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
         self._thread.start()
 
-    def _prewarm_guidance(self) -> None:
-        try:
-            self.guidance.prewarm()
-        except Exception:       # said now; a constrained request meets the same error
-            log.warning("constrained decoding (llguidance) could not read this tokenizer", exc_info=True)
+    def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+        """Build llguidance's view of the vocabulary on a thread, after delay_s: it takes 0.2-3 s,
+        not to be paid by the first constrained request. It holds the GIL while it builds, so
+        every other thread of the process waits meanwhile."""
+        def run() -> None:
+            if delay_s > 0:
+                time.sleep(delay_s)
+            try:
+                self.guidance.prewarm()
+            except Exception:       # said now; a constrained request meets the same error
+                log.warning("constrained decoding (llguidance) could not read this tokenizer", exc_info=True)
+        threading.Thread(target=run, name="realizar-guidance", daemon=True).start()
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None) -> "Engine":
+    def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None,
+                      prewarm_guidance: bool = True) -> "Engine":
         from ..model.chat_template import TemplateLimits
         from ..model.tokenizer import Tokenizer
         settings = settings or Settings.from_env()
@@ -109,10 +121,18 @@ class Engine:
         t0 = time.perf_counter()
         start_device(settings)
         model = open_model(path)
+        timeline.mark("model file opened")
+
+        def tokenizer_of(model):
+            tok = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+            timeline.mark("tokenizer ready (chat template checked)")
+            return tok
+
         # the tokenizer (a vocabulary of 150k+ entries: ~0.5 s) builds while the backend starts
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-            tok = pool.submit(Tokenizer.from_model_file, model, TemplateLimits.from_settings(settings))
+            tok = pool.submit(tokenizer_of, model)
             backend = create_backend(model, settings)
+            timeline.mark("%s backend ready", backend.name)
             try:
                 tokenizer = tok.result()
             except BaseException:
@@ -121,7 +141,10 @@ class Engine:
         name = settings.model_name or (model.name if settings.model else "SmolLM2-135M-Instruct")
         log.info("loaded %s (%s, %s backend) in %.1f s", name, model.config.arch, backend.name,
                  time.perf_counter() - t0)
-        return cls(backend, tokenizer, settings, model_name=name, observer=observer)
+        engine = cls(backend, tokenizer, settings, model_name=name, observer=observer,
+                     prewarm_guidance=prewarm_guidance)
+        timeline.mark("engine ready")
+        return engine
 
     # ------------------------------------------------------------------ request side
 
@@ -337,6 +360,7 @@ class Engine:
         items = [PrefillItem(seq.slot, np.asarray(seq.tokens(start, start + n), np.int32), start)
                  for seq, start, n in chunks]
         logits = self.backend.prefill(items)
+        timeline.once("first prefill step done")
         for (seq, _, n), row in zip(chunks, logits):
             self.scheduler.computed(seq, n)
             if seq.prefilling:
@@ -451,6 +475,7 @@ class Engine:
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
+            timeline.once("first token drawn")
         else:
             self.observer.on_token_interval(now - seq.last_token_time)
         seq.last_token_time = now

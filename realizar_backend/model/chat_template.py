@@ -168,10 +168,20 @@ class _Worker:
 
     def close(self) -> None:
         """Let the worker end on its own (end of input), or stop it."""
+        self.end_input()
+        self.wait_end()
+
+    def end_input(self) -> None:
         try:
             self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def wait_end(self) -> None:
+        """After end_input: wait for the worker to exit (2 s at most, then stop it)."""
+        try:
             self.proc.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self.kill()
 
 
@@ -254,9 +264,11 @@ class TemplateRenderer:
             self._closed = True
             idle, self._idle = self._idle, []
             self._cond.notify_all()
+        idle = [w for w in idle if w is not None]
+        for w in idle:           # all told first, so that they exit together (a process exit waits)
+            w.end_input()
         for w in idle:
-            if w is not None:
-                w.close()
+            w.wait_end()
 
 
 _renderers: dict[TemplateLimits, TemplateRenderer] = {}

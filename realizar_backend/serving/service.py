@@ -28,6 +28,7 @@ import time
 
 import bentoml
 
+from realizar_backend import timeline
 from realizar_backend.errors import SettingsError
 from realizar_backend.serving.openai import ServerState, create_app
 from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
@@ -74,7 +75,8 @@ def _driver_gpus() -> int:
 # by `bentoml build` (the Bento records the same resources), and by every worker, which BentoML
 # numbers from 1 (server_context.worker_index) before it imports the service: worker i narrows
 # CUDA_VISIBLE_DEVICES to the i-th GPU here, before anything in it starts CUDA.
-GPUS = visible_gpus(_driver_gpus())
+# NVML only where CUDA_VISIBLE_DEVICES does not already say (a worker's BentoML sets it)
+GPUS = visible_gpus(_driver_gpus)
 USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPUS))
 WORKERS = serve_workers(SETTINGS, GPUS, USE_GPU)      # too many for the GPUs stops the start here
 RESOURCES = {"gpu": WORKERS} if USE_GPU else {}
@@ -87,6 +89,12 @@ if USE_GPU and bentoml.server_context.worker_index is not None:
         DEVICE = f"cuda:{_gpu}"
     except SettingsError as e:
         _bind_error = e
+    else:
+        from realizar_backend.backends import start_device
+
+        # CUDA's start (importing CuPy, the device's context: ~1 s) overlaps the rest of the
+        # worker's start-up; Engine.from_settings finds it done
+        start_device(SETTINGS)
 
 # The container image (`bentoml build` + `bentoml containerize`): a CUDA runtime base (the kernels
 # come prebuilt for common GPUs, and CuPy's NVRTC compiles any other at start-up: no toolkit, no C
@@ -111,6 +119,7 @@ IMAGE = (
 )
 
 REFRESH_S = 2.0
+GUIDANCE_PREWARM_DELAY_S = 1.0
 STATE = ServerState(settings=SETTINGS)
 
 
@@ -138,6 +147,8 @@ class _ConnectionPerRequest:
 
 
 app = create_app(STATE) if WORKERS == 1 else _ConnectionPerRequest(create_app(STATE))
+timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.server_context.worker_index else
+              "the serving process")
 
 
 @bentoml.service(
@@ -157,6 +168,7 @@ class Realizar:
         STATE.metrics = get_metrics(worker=str(WORKER), device=DEVICE)
         STATE.metrics.set_worker_status("loading")
         STATE.started = time.time()
+        timeline.mark("worker %d: service created, loading the model", WORKER)
         _drain_on_sigterm()
         # load in the background so /livez answers at once and /readyz turns ready when done
         self._loader = threading.Thread(target=self._load, name="realizar-load", daemon=True)
@@ -172,7 +184,8 @@ class Realizar:
         try:
             if _bind_error is not None:
                 raise _bind_error
-            engine = Engine.from_settings(SETTINGS, observer=STATE.metrics)
+            # llguidance's vocabulary is built once the worker is ready (below), not before
+            engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
         except Exception as e:
             _stand_aside(e)
             return
@@ -181,6 +194,11 @@ class Realizar:
         STATE.metrics.set_worker_status("ready")
         log.info("worker %d of %d (%s) ready: serving %s on %s in %.1f s", WORKER, WORKERS, DEVICE,
                  engine.model_name, engine.stats().get("backend"), time.perf_counter() - t0)
+        timeline.mark("worker %d ready", WORKER)
+        # llguidance holds the GIL for 0.2-3 s while it builds its vocabulary: done after ready (and
+        # after the readiness probes have had a moment to see it), a constrained request before then
+        # builds it itself
+        engine.prewarm_guidance(delay_s=GUIDANCE_PREWARM_DELAY_S)
         # the engine updates the gauges after each step; an idle engine takes no steps, so refresh
         # them now and then (decode tokens/s must fall to 0 when traffic stops)
         while STATE.engine is engine:

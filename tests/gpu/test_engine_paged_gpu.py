@@ -105,3 +105,41 @@ def test_a_shared_prefix_is_reused_on_the_gpu(roomy):
         assert [_together(off, [(p, dict(max_tokens=16, temperature=0))])[0] for p in prompts] == with_cache
     finally:
         off.shutdown()
+
+
+def _fill_kv(engine, byte: int) -> None:
+    """Every byte of the engine's KV pool set to `byte` (0xff: fp16 NaN in every K and V)."""
+    import cupy
+    kv = engine.backend.kv
+    with engine.backend.device:
+        for a in (kv.k, kv.v):
+            cupy.cuda.runtime.memset(a.data.ptr, byte, a.nbytes)
+        cupy.cuda.runtime.deviceSynchronize()
+
+
+def test_a_pool_full_of_nan_gives_the_text_of_a_zeroed_one():
+    """The KV pool is not zeroed at start (kv_cache.py): no kernel may read a row that nobody wrote.
+    A pool of NaN must then give exactly the text of a zeroed pool, over padded buckets (6 rows in
+    a bucket of 8), batches on the MMQ and flash-decoding kernels (17 rows), a long row (flash
+    decoding from position 384) and prompts in chunks."""
+    from realizar_backend.engine.engine import Engine
+    from realizar_backend.settings import Settings
+    path = _smol_path()
+    if path is None:
+        pytest.skip("SmolLM2 not on this machine")
+    words = "red blue green old new tall short wide calm wild shy bold warm cold dark pale odd".split()
+    many = [(f"Note {i}: the {w} bird flew over the", GREEDY) for i, w in enumerate(words)]
+    long = [("Count the apples: " + "apple, " * 200 + "and one more", dict(max_tokens=40, temperature=0,
+                                                                        ignore_eos=True))]
+    texts = []
+    for byte in (0x00, 0xFF):
+        eng = Engine.from_settings(Settings(model=path, backend="cuda", max_num_seqs=32, context_length=512,
+                                            prefill_chunk_tokens=128, self_check=False))
+        try:
+            _fill_kv(eng, byte)
+            texts.append([_together(eng, jobs) for jobs in (JOBS, many, long)])
+        finally:
+            eng.shutdown()
+    assert len(long[0][0]) > 1000
+    assert texts[1] == texts[0]
+    assert all(t for run in texts[1] for t in run)

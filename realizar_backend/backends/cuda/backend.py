@@ -7,17 +7,19 @@ takes what Settings.gpu_memory_utilization of the device leaves (capped by kv_ca
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import cupy
 import numpy as np
 
+from ... import timeline
 from ...errors import BackendError
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow
 from . import pdl
-from .forward import Forward
+from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
@@ -51,24 +53,35 @@ class CUDABackend:
         self.device = cupy.cuda.Device(self.settings.device)
         self.device.use()
         log.debug("cuda device %d current (primary context created)", self.settings.device)
+        timeline.mark("cuda: device current")
         qtypes = {t.qtype for t in self._matrix_types(model)}
+        # the RoPE tables (host math, GIL released) are made while the weights go up
+        rope_pool = ThreadPoolExecutor(1, thread_name_prefix="rope")
+        rope_host = rope_pool.submit(rope_host_tables, c, self.max_context)
+        rope_pool.shutdown(wait=False)
         # the weights go up while the kernels compile (the upload needs only repack.cu)
         self.kernels = get_kernels(self.settings.device, qtypes, c.head_dim, wait=False,
                                    prebuilt=self.settings.prebuilt_kernels)
         self.weights = DeviceWeights(model, self.kernels)
+        timeline.mark("cuda: weights uploaded")
         self.kernels.ready(max_batch=max_slots)     # GEMVs for wider batches than this: on first use
+        timeline.mark("cuda: core kernels ready")
         if self.settings.self_check:
             from .selfcheck import run_self_check
             run_self_check(self.kernels, qtypes, c, decode_activations=self.settings.decode_activations)
+            timeline.mark("cuda: self-check passed")
         self.buckets = [1 << i for i in range(next_pow2(self.max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
-        self.fwd = Forward(self.kernels, self.weights, self.ws, self.settings, self.max_context)
+        self.fwd = Forward(self.kernels, self.weights, self.ws, self.settings, self.max_context, rope_host)
+        timeline.mark("cuda: workspace and forward pass built")
         self.stream = cupy.cuda.Stream(non_blocking=True)
         # sampling kernels run eagerly after the step's graph replay, on the same stream
         self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], self.max_slots)
         self.block_size = self.settings.block_size
         self.num_blocks = self._pool_blocks()
+        timeline.mark("cuda: sampler built, device idle, KV pool sized")
         self.kv = self.fwd.kv = KVCache(c, self.num_blocks, self.block_size, self.max_slots, self.max_context)
+        timeline.mark("cuda: KV pool allocated")
         # programmatic dependent launches inside the decode graphs (sm_90+, pdl.py)
         use_pdl = (self.settings.cuda_graphs and self.settings.programmatic_launch
                    and int(self.device.compute_capability) >= 90 and pdl.launcher() is not None)

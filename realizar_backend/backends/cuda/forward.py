@@ -22,8 +22,13 @@ GPU) or, with Settings.attention "classic", on attention.cu's.
 
 from __future__ import annotations
 
-import cupy
+from concurrent.futures import Future
 
+import cupy
+import numpy as np
+
+from ... import timeline
+from ...model.config import ModelConfig
 from ...settings import Settings
 from . import flash, ops
 from .kv_cache import KVCache
@@ -43,19 +48,37 @@ MMQ_MIN_ROWS = 8
 SPLIT16_MIN_ROWS = 16
 
 
+def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool], np.ndarray]:
+    """The RoPE cos/sin tables of the layers, on the host (ops.rope_host_table): one per distinct
+    (theta, scaled) of the layers (gemma3's sliding layers: their own base, unscaled), keyed so.
+    ~0.1 s per table at 32k positions, with the GIL released: the backend makes them on a thread
+    while the weights go up."""
+    out: dict[tuple[float, bool], np.ndarray] = {}
+    for li in range(c.n_layers):
+        sc = c.layer_rope_scaling(li)
+        key = (c.layer_rope_theta(li), sc is not None)
+        if key not in out:
+            out[key] = ops.rope_host_table(max_context, c.rope_dim, key[0], sc)
+    return out
+
+
 class Forward:
-    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, settings: Settings, max_context: int):
+    def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, settings: Settings, max_context: int,
+                 rope_host: Future | None = None):
         """settings.decode_activations: "fp32" (every projection on fp32 activations: the reference
         the others approximate, on mmvf.cu), "int8" (8-bit activation blocks everywhere they apply),
         "int8-fp32-down" (all but the FFN down projection, whose input has the widest range).
         settings.prefill_precision / prefill_weight_cache: the prefill GEMMs (prefill.py). The KV
-        cache (`kv`) is set by the backend once it has sized the pool from what is left."""
+        cache (`kv`) is set by the backend once it has sized the pool from what is left.
+        rope_host: rope_host_tables(config, max_context) made ahead (None: made here)."""
         self.k, self.w, self.ws = k, w, ws
         self.c = w.config
         self.kv: KVCache | None = None
         self.ctx = StepContext(k, w, ws, self.c, 1 if self.c.activation == "gelu_tanh" else 0)
         self.gemv = GemvProjections(self.ctx, settings.decode_activations)
         self.gemm = GemmProjections(self.ctx, settings.prefill_precision, settings.prefill_weight_cache)
+        timeline.mark("cuda: prefill GEMMs set up (%s, %d split weight groups kept)", self.gemm.prefill,
+                      len(self.gemm.cached))
         self.mmq = MmqProjections(self.ctx, ws.max_rows, self.gemv) if ws.max_rows >= MMQ_MIN_ROWS else None
         self.split16_decode = (settings.batched_decode == "split16" and self.gemm.prefill == "split16"
                                and bool(self.gemm.cached))
@@ -66,14 +89,11 @@ class Forward:
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct (theta, scaling) of
         # the layers (gemma3's sliding layers: their own base, unscaled)
-        tables: dict = {}
-        self.rope_tables = []
-        for li, lw in enumerate(w.layers):
-            sc = self.c.layer_rope_scaling(li)
-            key = (lw.theta, sc is not None)
-            if key not in tables:
-                tables[key] = ops.rope_table(max_context, self.c.rope_dim, lw.theta, sc)
-            self.rope_tables.append(tables[key])
+        host = rope_host.result() if rope_host is not None else rope_host_tables(self.c, max_context)
+        tables = {key: cupy.asarray(t) for key, t in host.items()}
+        self.rope_tables = [tables[(self.c.layer_rope_theta(li), self.c.layer_rope_scaling(li) is not None)]
+                            for li in range(len(w.layers))]
+        timeline.mark("cuda: RoPE tables up (%d positions x %d)", max_context, len(tables))
         # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
         self.token_ring = (0, 0)
         self.flash = settings.attention == "flash" and self.c.head_dim in flash.HEAD_DIMS

@@ -39,9 +39,17 @@ class KVCache:
         self.max_slots = max_slots
         self.scratch_slot = max_slots
         shape = (cfg.n_layers, num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
-        # zeroed once so a read of a never-written row is finite
-        self.k = cupy.zeros(shape, cupy.float16)
-        self.v = cupy.zeros(shape, cupy.float16)
+        # Not zeroed (the server's pool is tens of GB): no kernel reads a row nobody wrote. A row
+        # attends to positions [start, pos] of its own slot, each written before (its prompt by
+        # rope_kv, each decoded token by the step's fused KV write; a shared prefix block by the
+        # sequence that filled it); the flash kernels zero-fill key tiles past the range (cp.async
+        # with src-size 0) instead of loading them, attention.cu's spare lanes re-read a key in
+        # range, and flash decode's stale copy of the new key (pos itself, read before the write
+        # lands) is replaced from shared memory before use. Padded rows of a bucket run on the
+        # scratch slot at position 0, written by the same step. A block handed to a new sequence
+        # holds the last one's values, which the same rule covers.
+        self.k = cupy.empty(shape, cupy.float16)
+        self.v = cupy.empty(shape, cupy.float16)
         self.tables = cupy.full((max_slots + 1, self.max_blocks), self.scratch_block, cupy.int32)
         self._host = np.full(self.tables.shape, self.scratch_block, np.int32)   # what the device holds
         self.covered = np.zeros(max_slots + 1, np.int64)    # positions each slot's table covers

@@ -315,9 +315,14 @@ def rope_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> cupy.ndar
     float64 as the CPU backend makes them (theta as the kernels receive it: float32), with the
     layer's RoPE scaling (ModelConfig.layer_rope_scaling) applied. RoPE on the GPU reads it (rope.cu,
     attention.cu, flash_decode.cu) instead of computing angles."""
+    return cupy.asarray(rope_host_table(ctx, rope_dim, theta, scaling))
+
+
+def rope_host_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """rope_table's values on the host (NumPy, which releases the GIL here: it may run on a thread)."""
     from ..cpu import rope_angles
     cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), scaling)
-    return cupy.asarray(np.stack([cos, sin], axis=-1))
+    return np.stack([cos, sin], axis=-1)
 
 
 def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: int,
