@@ -87,7 +87,7 @@ class Engine:
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
-        self.guidance = Guidance(tokenizer, self.config.vocab_size)
+        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots)
         self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
         # llguidance's view of the vocabulary takes 0.2-3 s to build: not on the first request
         threading.Thread(target=self._prewarm_guidance, name="realizar-guidance", daemon=True).start()
@@ -426,6 +426,11 @@ class Engine:
             self._masks = np.zeros((self.backend.max_slots, self.guidance.words), np.int32)
         return self._masks[:n]
 
+    def _release_guide(self, seq: Sequence) -> None:
+        if seq.guide is not None:
+            guide, seq.guide = seq.guide, None
+            self.guidance.release(guide)
+
     def _decode_rate(self) -> float:
         w = self._decode_window
         if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
@@ -493,6 +498,7 @@ class Engine:
         seq.finish_reason = reason
         if seq.slot >= 0:
             self.backend.release(seq.slot)
+        self._release_guide(seq)
         self.scheduler.remove(seq)
         n_out = len(seq.output_ids)
         if notify:
@@ -506,6 +512,7 @@ class Engine:
         seq.finish_reason = "error"
         if seq.slot >= 0:
             self.backend.release(seq.slot)
+        self._release_guide(seq)
         self.scheduler.remove(seq)
         seq.sink(err)
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
