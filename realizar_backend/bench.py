@@ -91,12 +91,12 @@ class _Constrained:
         self.mask_s.append(time.perf_counter() - t)
 
     def consume(self, slots: list[int], tokens) -> None:
-        for s, tok in zip(slots, tokens):
-            g = self.guides.get(s)
-            if g is None:
-                continue
-            if not g.consume(int(tok)):
-                raise RuntimeError(f"slot {s}: token {int(tok)} broke the grammar: {g.error}")
+        mine = [(s, int(tok)) for s, tok in zip(slots, tokens) if s in self.guides]
+        ok = self.guidance.consume_all([self.guides[s] for s, _ in mine], [t for _, t in mine])
+        for (s, tok), good in zip(mine, ok):
+            g = self.guides[s]
+            if not good:
+                raise RuntimeError(f"slot {s}: token {tok} broke the grammar: {g.error}")
             if g.finished:
                 self.guidance.release(g)
                 self.guides[s] = self.guidance.guide(self.constraint)

@@ -376,13 +376,17 @@ class Engine:
                                           want_logits=(s.params.logprobs or 0) > 1, mask=mask))
             prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
             res = self.backend.decode_sample(slots, toks, pos, rows, prepare)
+            # the constrained rows' tokens consumed at once, on llguidance's threads
+            ok = iter(self.guidance.consume_all(guides, [int(res.tokens[i]) for i, s in enumerate(batch)
+                                                          if s.guide is not None]) if guides else ())
             for i, seq in enumerate(batch):
                 lp = None
                 if seq.params.logprobs in (0, 1):
                     top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
                     lp = (float(res.logprobs[i]), top)
                 self.scheduler.computed(seq, 1)
-                self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp)
+                self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp,
+                             consumed=next(ok) if seq.guide is not None else None)
         self._decode_window.append((time.perf_counter(), len(batch)))
         del self._decode_window[:-64]
 
@@ -439,14 +443,18 @@ class Engine:
         return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
 
     def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None,
-                logprobs: tuple[float, list[tuple[int, float]]] | None = None) -> None:
+                logprobs: tuple[float, list[tuple[int, float]]] | None = None,
+                consumed: bool | None = None) -> None:
         """Sample (unless the backend already did), then emit and check stop conditions.
-        logprobs: (chosen, top) when the backend computed them; else they come from `logits`."""
+        logprobs: (chosen, top) when the backend computed them; else they come from `logits`.
+        consumed: whether the guide took the token, when the caller has already given it."""
         p = seq.params
         guide = seq.guide
         if token is None:
             token = seq.sampler.sample(logits, mask=guide.compute_mask() if guide is not None else None)
-        if guide is not None and not guide.consume(token):
+        if consumed is None and guide is not None:
+            consumed = guide.consume(token)
+        if guide is not None and not consumed:
             self._fail(seq, GrammarError(f"constrained decoding: token {token} ({self.tokenizer.token_text(token)!r}) "
                                          f"was sampled where the grammar ({p.constraint.param}) does not "
                                          f"allow it: {guide.error}"))

@@ -244,13 +244,26 @@ class Guidance:
         if len(guides) == 1:
             guides[0]._m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
             return out
-        if self._executor is None:
-            # every core the process may use (llguidance's default takes 80%): the caller waits
-            # on this call, and on a GPU the step's forward pass is already queued
-            self._executor = llguidance.LLExecutor(min(32, len(os.sched_getaffinity(0))))
-        self._executor.unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(guides)], out.ctypes.data,
+        self._pool_executor().unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(guides)], out.ctypes.data,
                                                self.words * 4, out.shape[0])
         return out
+
+
+    def consume_all(self, guides: Sequence[Guide], tokens: Sequence[int]) -> list[bool]:
+        """guides[i].consume(tokens[i]) for all, at once on llguidance's threads (a step's
+        constrained rows: their consumes sit between the step's tokens and the next step)."""
+        if len(guides) != len(tokens):
+            raise ValueError("one token per guide")
+        if len(guides) < 2:
+            return [g.consume(t) for g, t in zip(guides, tokens)]
+        return self._pool_executor().consume_token_par([(g._m, int(t)) for g, t in zip(guides, tokens)])
+
+    def _pool_executor(self) -> "llguidance.LLExecutor":
+        if self._executor is None:
+            # every core the process may use (llguidance's default takes 80%): the caller waits
+            # on these calls, and on a GPU the step's forward pass is already queued
+            self._executor = llguidance.LLExecutor(min(32, len(os.sched_getaffinity(0))))
+        return self._executor
 
 
 def _first_line(msgs: list[str]) -> str:
