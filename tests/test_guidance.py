@@ -225,3 +225,15 @@ def test_pydantic_schemas_compile():
     assert ok and guide.accepting
     assert not walk(g, Constraint("json_schema", schema), '{"name": "Rex", "kind": "cow"')[0]
     assert not walk(g, Constraint("json_schema", schema), '{"name": "Rex", "kind": "dog", "age": 31')[0]
+
+
+def test_a_finished_sequences_matcher_starts_the_next_one_afresh():
+    g = guidance_for("qwen05")
+    c = Constraint("json_schema", PET)
+    first = g.guide(c)
+    start = first.compute_mask().copy()
+    assert all(first.consume(t) for t in g.tokenizer.encode('{"name": "Rex", "kind": "', add_special_tokens=False))
+    g.release(first)
+    again, other = g.guide(c), g.guide(c)
+    assert np.array_equal(again.compute_mask(), start) and np.array_equal(other.compute_mask(), start)
+    assert again._m is not other._m            # rows of one batch never share a matcher (nor its lock)

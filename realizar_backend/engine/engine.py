@@ -91,7 +91,7 @@ class Engine:
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
-        self.guidance = Guidance(tokenizer, self.config.vocab_size)
+        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots)
         self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
         if prewarm_guidance:
             self.prewarm_guidance()
@@ -400,13 +400,17 @@ class Engine:
                                           want_logits=(s.params.logprobs or 0) > 1, mask=mask))
             prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
             res = self.backend.decode_sample(slots, toks, pos, rows, prepare)
+            # the constrained rows' tokens consumed at once, on llguidance's threads
+            ok = iter(self.guidance.consume_all(guides, [int(res.tokens[i]) for i, s in enumerate(batch)
+                                                          if s.guide is not None]) if guides else ())
             for i, seq in enumerate(batch):
                 lp = None
                 if seq.params.logprobs in (0, 1):
                     top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
                     lp = (float(res.logprobs[i]), top)
                 self.scheduler.computed(seq, 1)
-                self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp)
+                self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp,
+                             consumed=next(ok) if seq.guide is not None else None)
         self._decode_window.append((time.perf_counter(), len(batch)))
         del self._decode_window[:-64]
 
@@ -450,6 +454,11 @@ class Engine:
             self._masks = np.zeros((self.backend.max_slots, self.guidance.words), np.int32)
         return self._masks[:n]
 
+    def _release_guide(self, seq: Sequence) -> None:
+        if seq.guide is not None:
+            guide, seq.guide = seq.guide, None
+            self.guidance.release(guide)
+
     def _decode_rate(self) -> float:
         w = self._decode_window
         if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
@@ -458,14 +467,18 @@ class Engine:
         return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
 
     def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None,
-                logprobs: tuple[float, list[tuple[int, float]]] | None = None) -> None:
+                logprobs: tuple[float, list[tuple[int, float]]] | None = None,
+                consumed: bool | None = None) -> None:
         """Sample (unless the backend already did), then emit and check stop conditions.
-        logprobs: (chosen, top) when the backend computed them; else they come from `logits`."""
+        logprobs: (chosen, top) when the backend computed them; else they come from `logits`.
+        consumed: whether the guide took the token, when the caller has already given it."""
         p = seq.params
         guide = seq.guide
         if token is None:
             token = seq.sampler.sample(logits, mask=guide.compute_mask() if guide is not None else None)
-        if guide is not None and not guide.consume(token):
+        if consumed is None and guide is not None:
+            consumed = guide.consume(token)
+        if guide is not None and not consumed:
             self._fail(seq, GrammarError(f"constrained decoding: token {token} ({self.tokenizer.token_text(token)!r}) "
                                          f"was sampled where the grammar ({p.constraint.param}) does not "
                                          f"allow it: {guide.error}"))
@@ -518,6 +531,7 @@ class Engine:
         seq.finish_reason = reason
         if seq.slot >= 0:
             self.backend.release(seq.slot)
+        self._release_guide(seq)
         self.scheduler.remove(seq)
         n_out = len(seq.output_ids)
         if notify:
@@ -531,6 +545,7 @@ class Engine:
         seq.finish_reason = "error"
         if seq.slot >= 0:
             self.backend.release(seq.slot)
+        self._release_guide(seq)
         self.scheduler.remove(seq)
         seq.sink(err)
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None

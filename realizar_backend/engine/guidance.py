@@ -4,9 +4,14 @@ step, as a bitmask the sampling step applies (backends/sampling.py: SampleRow.ma
 
 llguidance does the work (the grammar engine llama.cpp and vLLM use): its tokenizer is built once
 per model from ours (`prewarm`, on a thread at start-up), a request's grammar is compiled and
-checked once (cached by its text, with a pristine matcher), and each constrained sequence gets a
-`Guide` (a copy of that matcher, ~1 us) that gives the mask for its next token and consumes the
-token drawn.
+checked once (cached by its text), and each constrained sequence gets a `Guide` (a matcher of its
+own) that gives the mask for its next token and consumes the token drawn.
+
+A guide's matcher is never a `deep_copy` of another: llguidance's copies share one lexer behind a
+mutex that every mask computation holds, so the masks of a batch's rows would be computed one
+after the other whatever the threads (on the H100 host, 16 rows of a JSON schema: ~10 ms a step).
+Each guide has an independent matcher instead, taken from its grammar's pool of finished ones
+(reset to the start, its lexer's cache still warm; a new one is ~0.5 ms), and `release` returns it.
 
 How the engine drives a Guide (engine/engine.py):
     compile(constraint)                          # in Engine.prepare, off the event loop: 400s here
@@ -18,6 +23,7 @@ How the engine drives a Guide (engine/engine.py):
         backend.decode_sample(..., rows with masks, prepare=fill_masks)
             # fill_masks computes every guide's next mask after the step's forward pass is
             # queued and before the sampling reads the masks: on a GPU it overlaps the forward
+    guidance.release(guide)                      # the sequence ended: its matcher serves the next one
 Stop tokens (the model's EOS set) are allowed exactly when the grammar accepts, so a sequence that
 draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads.
 Sequences without a constraint have no Guide and cost nothing.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +54,7 @@ KINDS = ("json_object", "json_schema", "lark", "regex", "choice")
 _WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
          "choice": "choice list"}
 CACHE_SIZE = 256          # compiled grammars kept (by their text)
+POOL_SIZE = 64            # finished matchers kept per grammar for the next sequences
 
 
 @dataclass(frozen=True)
@@ -94,11 +102,20 @@ def grammar_source(c: Constraint) -> str:
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in c.spec))
 
 
-class Guide:
-    """One sequence's grammar state (an llguidance matcher) and its current mask."""
+class _Entry:
+    """A checked grammar and its pool of matchers at the start (each with its own lexer)."""
 
-    def __init__(self, matcher: "llguidance.LLMatcher", words: int):
+    def __init__(self, grammar: str, matcher: "llguidance.LLMatcher"):
+        self.grammar = grammar
+        self.free = [matcher]
+
+
+class Guide:
+    """One sequence's grammar state (an llguidance matcher of its own) and its current mask."""
+
+    def __init__(self, matcher: "llguidance.LLMatcher", words: int, entry: _Entry | None = None):
         self._m = matcher
+        self._entry = entry                       # the pool the matcher goes back to
         self.mask = np.zeros(words, np.int32)     # the latest compute_mask(); reused in place
 
     def compute_mask(self) -> np.ndarray:
@@ -131,15 +148,16 @@ class Guidance:
     """A model's constrained decoding: llguidance's tokenizer for its vocabulary (built on first
     use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
         self.words = mask_words(self.vocab_size)
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        # constraint key -> (checked grammar, a matcher at its start that guides copy)
-        self._cache: OrderedDict[str, tuple[str, llguidance.LLMatcher]] = OrderedDict()
+        # constraint key -> the checked grammar and its pool of matchers
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self._cache_size = cache_size
+        self._pool_size = pool_size
         self._executor: llguidance.LLExecutor | None = None
 
     @property
@@ -167,9 +185,9 @@ class Guidance:
     def compile(self, c: Constraint) -> str:
         """The checked grammar of a constraint; RequestError (400, naming c.param and the
         problem) for a malformed or unsupported one. Cached by the constraint's text."""
-        return self._entry(c)[0]
+        return self._entry(c).grammar
 
-    def _entry(self, c: Constraint) -> tuple[str, "llguidance.LLMatcher"]:
+    def _entry(self, c: Constraint) -> _Entry:
         with self._lock:
             hit = self._cache.get(c.key)
             if hit is not None:
@@ -191,14 +209,31 @@ class Guidance:
             raise RequestError(f"{c.param}: this {what} cannot be used: {m.get_error()}",
                                param=c.param, code="invalid_grammar")
         with self._lock:
-            self._cache[c.key] = (g, m)
+            entry = self._cache.setdefault(c.key, _Entry(g, m))
+            self._cache.move_to_end(c.key)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return g, m
+        return entry
 
     def guide(self, c: Constraint) -> Guide:
-        """A new sequence's Guide: a copy of the grammar's pristine matcher (compiles on a miss)."""
-        return Guide(self._entry(c)[1].deep_copy(), self.words)
+        """A new sequence's Guide, with a matcher no other guide shares (compiles on a miss)."""
+        entry = self._entry(c)
+        with self._lock:
+            m = entry.free.pop() if entry.free else None
+        if m is None:
+            m = llguidance.LLMatcher(self.ll_tokenizer, entry.grammar, log_level=0)
+        return Guide(m, self.words, entry)
+
+    def release(self, guide: Guide) -> None:
+        """The guide's sequence is over: its matcher, back at the start, waits in its grammar's
+        pool for the next sequence (one in an error state is dropped). The guide is unusable after."""
+        m, entry = guide._m, guide._entry
+        guide._m = guide._entry = None
+        if m is None or entry is None or not m.reset():
+            return
+        with self._lock:
+            if len(entry.free) < self._pool_size:
+                entry.free.append(m)
 
     def fill_masks(self, guides: Sequence[Guide], out: np.ndarray) -> np.ndarray:
         """Every guide's next mask at once, on llguidance's threads: guides[i]'s into out[i]
@@ -209,11 +244,26 @@ class Guidance:
         if len(guides) == 1:
             guides[0]._m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
             return out
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(guides)], out.ctypes.data,
+        self._pool_executor().unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(guides)], out.ctypes.data,
                                                self.words * 4, out.shape[0])
         return out
+
+
+    def consume_all(self, guides: Sequence[Guide], tokens: Sequence[int]) -> list[bool]:
+        """guides[i].consume(tokens[i]) for all, at once on llguidance's threads (a step's
+        constrained rows: their consumes sit between the step's tokens and the next step)."""
+        if len(guides) != len(tokens):
+            raise ValueError("one token per guide")
+        if len(guides) < 2:
+            return [g.consume(t) for g, t in zip(guides, tokens)]
+        return self._pool_executor().consume_token_par([(g._m, int(t)) for g, t in zip(guides, tokens)])
+
+    def _pool_executor(self) -> "llguidance.LLExecutor":
+        if self._executor is None:
+            # every core the process may use (llguidance's default takes 80%): the caller waits
+            # on these calls, and on a GPU the step's forward pass is already queued
+            self._executor = llguidance.LLExecutor(min(32, len(os.sched_getaffinity(0))))
+        return self._executor
 
 
 def _first_line(msgs: list[str]) -> str:
