@@ -93,6 +93,7 @@ class Engine:
         self._said_preempt = False
         self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots)
         self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
+        self._outbox: list[tuple[Any, Any]] = []  # (sink, output) of this step, delivered by _flush
         if prewarm_guidance:
             self.prewarm_guidance()
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
@@ -204,15 +205,8 @@ class Engine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        def sink(item) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:    # the caller's event loop is closed: it is gone, its abort queued
-                pass
-
-        seq = self._new_sequence(prompt_ids, params, request_id, sink)
+        seq = self._new_sequence(prompt_ids, params, request_id, _LoopSink(asyncio.get_running_loop(), q))
         self.scheduler.submit(seq)
         done = False
         held = None
@@ -299,6 +293,8 @@ class Engine:
         sch = self.scheduler
         while True:
             with sch.wakeup:
+                if not self._stop and not sch.has_work():
+                    self._flush()
                 while not self._stop and not sch.has_work():
                     sch.wakeup.wait()
                 if self._stop:
@@ -310,6 +306,7 @@ class Engine:
                 self._ahead = None
                 for seq in list(sch.running):
                     self._fail(seq, e)
+                self._flush()
             # gauges: on every change of the batch's make-up, else at most every 50 ms, so that a
             # fast GPU step does not pay for a stats() call per token
             shape = (len(sch.running), len(sch.waiting))
@@ -322,6 +319,7 @@ class Engine:
         sch = self.scheduler
         if self._closing is not None:
             self._end_all(self._closing)
+            self._flush()
             return
         aborts = sch.take_aborts()
         if aborts:
@@ -349,10 +347,15 @@ class Engine:
             self.backend.set_block_table(slot, table)
         if plan.decode:
             self._decode(plan.decode, go_ahead=not plan.prefill)
+            if plan.prefill:
+                self._flush()      # the decode batch's tokens go out before the prefill runs
         else:
             self._drop_ahead()
         if plan.prefill:
             self._prefill(plan.prefill)
+        if not plan.decode:
+            self._flush()
+        # else the next step delivers this one's outputs once its forward pass is launched
 
     def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:
         """The step's prompt chunks in one call; a sequence whose prompt is then complete draws
@@ -386,6 +389,7 @@ class Engine:
                 self._accept(seq, None, int(tok))
         else:
             self._drop_ahead()
+            self._flush()
             # sampled by the backend; only rows asking for top logprobs beyond one get logits back.
             # Constrained rows name their row of self._masks, filled by `prepare` while the
             # step's forward pass runs (each guide has consumed the token this step feeds).
@@ -419,10 +423,11 @@ class Engine:
         for seq in list(self.scheduler.running):
             text = drain_text(seq)
             seq.emitted_text += text
-            seq.sink(RequestOutput(seq.request_id, text, [], reason, len(seq.prompt_ids), len(seq.output_ids)))
+            self._emit(seq, RequestOutput(seq.request_id, text, [], reason, len(seq.prompt_ids),
+                                          len(seq.output_ids)))
             self._finish(seq, reason, notify=False)
         for seq in list(self.scheduler.waiting):
-            seq.sink(CapacityError("the server is shutting down; retry on another replica", retry_after_s=5))
+            self._emit(seq, CapacityError("the server is shutting down; retry on another replica", retry_after_s=5))
             self._finish(seq, reason, notify=False)
         self.scheduler.take_aborts()
 
@@ -442,6 +447,9 @@ class Engine:
                 for slot, table in tables.items():
                     self.backend.set_block_table(slot, table)
                 self._ahead = (batch, self.backend.decode_argmax_start(slots))
+        # the previous step's outputs go to the event loop now, while this thread waits for the
+        # device anyway: the loop takes the GIL without making the step's launches wait for it
+        self._flush()
         return self.backend.decode_argmax_finish(h)
 
     def _drop_ahead(self) -> None:
@@ -522,10 +530,34 @@ class Engine:
                 reason = "length"
                 text += drain_text(seq)
         seq.emitted_text += text
-        seq.sink(RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
-                               len(seq.output_ids), lp))
+        self._emit(seq, RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
+                                      len(seq.output_ids), lp))
         if reason is not None:
             self._finish(seq, reason, notify=False)
+
+    def _emit(self, seq: Sequence, item: Any) -> None:
+        """Queue an output (or an exception) for the sequence's caller; _flush delivers it."""
+        self._outbox.append((seq.sink, item))
+
+    def _flush(self) -> None:
+        """Deliver the queued outputs, in order: one wakeup per event loop for all of its streams.
+        A wakeup per token would be a write to the loop's self-pipe each, and each write hands the
+        GIL to the loop thread, which the step thread then waits to get back: milliseconds per
+        step at 64 streams."""
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, []
+        by_loop: dict[Any, list] = {}
+        for sink, item in out:
+            if isinstance(sink, _LoopSink):
+                by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+            else:
+                sink(item)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:    # the callers' event loop is closed: they are gone, their aborts queued
+                pass
 
     def _finish(self, seq: Sequence, reason: str, notify: bool = True) -> None:
         seq.finish_reason = reason
@@ -535,7 +567,7 @@ class Engine:
         self.scheduler.remove(seq)
         n_out = len(seq.output_ids)
         if notify:
-            seq.sink(RequestOutput(seq.request_id, "", [], reason, len(seq.prompt_ids), n_out))
+            self._emit(seq, RequestOutput(seq.request_id, "", [], reason, len(seq.prompt_ids), n_out))
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         self.observer.on_request_finished(reason, len(seq.prompt_ids), n_out,
                                           time.perf_counter() - seq.arrival, ttft)
@@ -547,10 +579,29 @@ class Engine:
             self.backend.release(seq.slot)
         self._release_guide(seq)
         self.scheduler.remove(seq)
-        seq.sink(err)
+        self._emit(seq, err)
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         self.observer.on_request_finished("error", len(seq.prompt_ids), len(seq.output_ids),
                                           time.perf_counter() - seq.arrival, ttft)
+
+
+class _LoopSink:
+    """Where `generate` receives its sequence's outputs: an asyncio queue of the caller's loop."""
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
+        self.loop, self.queue = loop, q
+
+    def __call__(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _same(a: list, b: list) -> bool:

@@ -104,6 +104,17 @@ async def _merged(engine, jobs: list[tuple[list[int], SamplingParams]]) -> Async
     """Run every job as one engine sequence; yield (choice index, RequestOutput) as they come,
     a choice's queued outputs merged into one when the reader fell behind. Closing this
     generator cancels the pumps, whose engine generators then abort their sequences."""
+    if len(jobs) == 1:
+        # one choice (the usual request): read the engine directly, without a pump task between,
+        # which would cost every token a second task wakeup on the event loop
+        ids, params = jobs[0]
+        gen = engine.generate(ids, params, request_id=f"{uuid.uuid4().hex}-0")
+        try:
+            async for out in gen:
+                yield 0, out
+        finally:
+            await gen.aclose()      # aborts the sequence unless it finished
+        return
     pending: collections.deque = collections.deque()
     wake = asyncio.Event()
     rid = uuid.uuid4().hex
