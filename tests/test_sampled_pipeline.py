@@ -12,7 +12,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from realizar_backend.backends.base import LogitBias, PrefillItem, SampleRow
+from pipeline_rows import STEPS, fill_masks as _fill, rows as _rows
+
+from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.backends.sampling import mask_words
 from realizar_backend.engine.engine import Engine
@@ -25,26 +27,6 @@ ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength":
                                          "size": {"enum": ["small", "large"]},
                                          "count": {"type": "integer", "minimum": 0, "maximum": 99}},
         "required": ["name", "size", "count"], "additionalProperties": False}
-STEPS = 8
-
-
-def _rows(step: int, masks: np.ndarray) -> list[SampleRow]:
-    return [SampleRow(temperature=0.9, top_k=40, seed=11, step=step),
-            SampleRow(temperature=0.7, top_p=0.9, seed=2**63 + 5, step=step, repetition_penalty=1.3,
-                      frequency_penalty=0.4, presence_penalty=0.2),
-            SampleRow(temperature=0.0, step=step, mask=masks[0]),
-            SampleRow(temperature=1.0, seed=7, step=step, mask=masks[1],
-                      logit_bias=LogitBias(np.array([5, 9], np.int32), np.array([3.0, -2.0], np.float32)))]
-
-
-def _fill(masks: np.ndarray, prev: list[int], V: int) -> None:
-    """Masks that depend on the previous token (as a grammar's do): ids not congruent to it mod 3."""
-    ids = np.arange(V)
-    for k, row in enumerate((2, 3)):
-        allowed = ids[ids % 3 != prev[row] % 3]
-        bits = np.zeros(masks.shape[1] * 32, bool)
-        bits[allowed] = True
-        masks[k] = np.packbits(bits, bitorder="little").view("<u4").view(np.int32)
 
 
 def _setup(model, prompt):
