@@ -183,7 +183,7 @@ class GpuSampler:
             self._o_events[k].synchronize()
         self._o_gen[k] += 1
         self._o_busy[k] = True
-        self.out[:n].get(stream=stream, out=self._o_bufs[k][:n])
+        self.out[:n].get(stream=stream, out=self._o_bufs[k][:n], blocking=False)   # async: the event says when
         self._o_events[k].record(stream)
         return k, self._o_gen[k], n, self._asked[:n].copy()
 
