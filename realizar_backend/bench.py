@@ -8,10 +8,12 @@ manager, as in serving; each sequence gets the blocks for all its positions befo
 starts. Prints a table and optionally writes JSON.
 
 `--constrained all|half` adds two decode measurements of the same batch, both run as the engine
-runs a batch that has constrained rows (backends' decode_sample; greedy): "sampled", no row
-constrained, and "constrained", a JSON schema on every row (all) or every other row (half), each
-constrained row's mask filled by llguidance while the step's forward pass runs and its token
-consumed after (a grammar that completes starts over: a new object). The table then shows all
+runs a batch that has constrained rows (backends' pipelined decode_sample_start / _launch /
+_finish; greedy): "sampled", no row constrained, and "constrained", a JSON schema on every row
+(all) or every other row (half), each constrained row's mask filled by llguidance while the step's
+forward pass runs, after the previous step's token was consumed (the step after it is started on
+the device's sampled tokens before they are read; a grammar that completes starts over: a new
+object). The table then shows all
 three, the constrained rate as a fraction of the plain one, and the host time of the masks per
 step (hidden behind the forward pass when it is shorter).
 """
@@ -155,11 +157,13 @@ def run_bench(args) -> int:
         if guided is not None:
             run = _Constrained(guidance, constraint, slots, guided)
             t = time.perf_counter()
-            for i in range(steps):
-                res = backend.decode_sample(slots, toks, [depth + i] * batch, run.rows,
-                                            run.fill if run.guides else None)
-                run.consume(slots, res.tokens)
-                toks = res.tokens.tolist()
+            h = backend.decode_sample_start(slots, toks, [depth] * batch)
+            for i in range(steps):               # as the engine runs sampled steps: the masks are
+                backend.decode_sample_launch(h, run.rows, run.fill if run.guides else None)
+                # the next step starts on the device's sampled tokens before this one's are read
+                nxt = backend.decode_sample_start(slots) if i + 1 < steps else None
+                run.consume(slots, backend.decode_sample_finish(h).tokens)
+                h = nxt
             dt = time.perf_counter() - t
             run.close()
             mask_ms.extend(1000 * x for x in run.mask_s)

@@ -86,6 +86,9 @@ class Settings:
     # decode graphs link their kernels by programmatic dependent launch (compute capability 9.0+):
     # each kernel starts, and prefetches its weights, while the one before finishes
     programmatic_launch: bool = True
+    # decode step n+1 is started on the device's own tokens before the host reads step n's
+    # (greedy and sampled); off: every step waits for the host (the unpipelined reference)
+    pipelined_decode: bool = True
     # numeric trade-offs of the CUDA path (speed vs closeness to the float32 reference; the
     # defaults are the ones that pass the parity bar of the test suite, see README):
     # decode projections on float32 activations ("fp32"), on 8-bit activation blocks ("int8"),

@@ -49,7 +49,8 @@ from realizar_backend.settings import Settings  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache/realizar-backend/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 BACKEND_CALLS = ("prefill", "decode", "decode_argmax", "decode_argmax_start", "decode_argmax_finish",
-                 "decode_sample", "set_block_table", "reset_counts", "release")
+                 "decode_sample", "decode_sample_start", "decode_sample_launch", "decode_sample_finish",
+                 "set_block_table", "reset_counts", "release")
 
 
 class TimedBackend:
@@ -66,7 +67,7 @@ class TimedBackend:
 
     def _timed(self, name, fn):
         def call(*a, **k):
-            if name in ("decode_argmax_start", "decode_sample"):
+            if name in ("decode_argmax_start", "decode_sample", "decode_sample_start"):
                 self.batch = len(a[0])
             t0, c0 = time.perf_counter(), time.thread_time()
             try:

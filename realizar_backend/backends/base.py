@@ -22,6 +22,9 @@ runs them asynchronously knows what may happen while one is in flight:
   writes into that slot's blocks are harmless (nothing reads them), but release must not disturb it.
 - prefill and decode_sample are never called while a started step is in flight, and a step started
   without tokens (a continuation) always directly follows the started step it continues.
+The same holds for sampled steps (decode_sample_start / _launch / _finish), started, launched and
+finished in this order, with at most one continuation started between a step's launch and its
+finish; a continuation started but never launched (the engine dropped it) is finished unlaunched.
 """
 
 from __future__ import annotations
@@ -138,6 +141,25 @@ class Backend(Protocol):
         before the penalties of this step apply. prepare: called once, after the step's forward
         pass is started and before the rows' masks are read; the caller fills the masks there,
         so that this host work overlaps a device's forward pass."""
+
+    def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
+                            positions: Sequence[int] | None = None) -> Any:
+        """Start a sampled step's forward pass; returns a handle. tokens and positions None:
+        continue the previous sampled step (launched; the same slots, in order) with its sampled
+        tokens at the next positions; a GPU backend runs it without waiting for the host (the
+        sampling writes its tokens into the next step's inputs), so the engine can start step n+1
+        before it reads step n's tokens."""
+
+    def decode_sample_launch(self, handle: Any, rows: Sequence[SampleRow],
+                             prepare: Callable[[], None] | None = None) -> None:
+        """Sample the started step's rows (prepare first, as in decode_sample; the rows' masks are
+        read after it). Returns once the rows are copied; no other step may run between the
+        step's start and its launch. The tokens fed (counted for penalties) are the step's own,
+        or for a continuation the step's it continues."""
+
+    def decode_sample_finish(self, handle: Any) -> SampleResult | None:
+        """The results of a launched step (waits for them), the same as decode_sample's for the
+        same rows and inputs; None for a step never launched."""
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         """A sequence with penalties starts (or, after a preemption, resumes) in `slot`: forget the

@@ -161,6 +161,7 @@ class CPUBackend:
         self.config: ModelConfig = model.config
         self.max_slots = max_slots
         self._last_greedy: tuple[list[int], list[int], list[int]] | None = None   # decode_argmax_start
+        self._last_sampled: dict | None = None      # decode_sample_start's last handle
         self.max_context = min(max_context, self.config.context_length) if self.config.context_length else max_context
         c = self.config
 
@@ -307,18 +308,47 @@ class CPUBackend:
     def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
                       rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
         """The step's logits sampled by the NumPy twin of the GPU's sampling kernels."""
+        h = self.decode_sample_start(slots, tokens, positions)
+        self.decode_sample_launch(h, rows, prepare)
+        return self.decode_sample_finish(h)
+
+    def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
+                            positions: Sequence[int] | None = None) -> dict:
+        """The protocol's started sampled step; the forward pass runs at once (the handle keeps
+        its logits). A continuation feeds the previous step's sampled tokens, known by then."""
+        prev = self._last_sampled
+        if tokens is None:
+            if prev is None or prev["result"] is None or list(slots) != prev["slots"]:
+                raise ValueError("decode_sample_start without tokens continues the previous "
+                                 "sampled step's slots, once it is launched")
+            tokens = prev["result"].tokens.tolist()
+            positions = [p + 1 for p in prev["positions"]]
+        h = {"slots": [int(s) for s in slots], "tokens": [int(t) for t in tokens],
+             "positions": [int(p) for p in positions], "result": None,
+             "logits": self.decode(slots, tokens, positions)[:, :self.config.vocab_size]}
+        self._last_sampled = h
+        return h
+
+    def decode_sample_launch(self, h: dict, rows: Sequence[SampleRow],
+                             prepare: Callable[[], None] | None = None) -> None:
         from .sampling import sample_rows
-        logits = self.decode(slots, tokens, positions)[:, :self.config.vocab_size]
+        if len(rows) != len(h["slots"]):
+            raise ValueError("one SampleRow per sequence")
+        if h["result"] is not None or h is not self._last_sampled:
+            raise ValueError("decode_sample_launch: the step is launched already, or another step ran since")
         if prepare is not None:
             prepare()
         counts: list[np.ndarray | None] = []
-        for s, t, r in zip(slots, tokens, rows):
+        for s, t, r in zip(h["slots"], h["tokens"], rows):
             if r.penalties:
                 self._counts()[s, t] += 2     # the newest token counts from this step on
                 counts.append(self.counts[s])
             else:
                 counts.append(None)
-        return sample_rows(logits, rows, counts)
+        h["result"] = sample_rows(h.pop("logits"), rows, counts)
+
+    def decode_sample_finish(self, h: dict) -> SampleResult | None:
+        return h["result"]
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         c = self._counts()

@@ -12,8 +12,9 @@ the sequence and frees its KV blocks at once.
 Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
 its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
 sequence. A batch with a constrained row (a grammar or a logit bias) is sampled by the backend,
-the grammars' masks computed while the step's forward pass runs (`decode_sample`'s prepare); a
-batch without one keeps the pipelined greedy path, and its rows never see a mask.
+pipelined as greedy steps are (`_sampled_step`): the grammars' masks for step n+1 are computed
+while its forward pass runs, after the host has consumed step n's tokens; a batch without one keeps
+the greedy path, and its rows never see a mask.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from .. import timeline
-from ..backends import Backend, PrefillItem, create_backend, start_device
+from ..backends import Backend, PrefillItem, SampleResult, create_backend, start_device
 from ..errors import CapacityError, ContextOverflowError, GrammarError, RequestError
 from ..formats import open_model
 from ..model.default import default_model_path
@@ -87,7 +88,7 @@ class Engine:
         self._stop = False
         self._closing: str | None = None      # finish_all(reason): end everything, take nothing new
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
-        self._ahead: tuple[list[Sequence], Any] | None = None  # a greedy step started ahead (_greedy_step)
+        self._ahead: tuple[list[Sequence], Any, str] | None = None  # a step started ahead: (batch, handle, greedy | sample)
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
@@ -388,22 +389,8 @@ class Engine:
                 self.scheduler.computed(seq, 1)
                 self._accept(seq, None, int(tok))
         else:
-            self._drop_ahead()
-            self._flush()
-            # sampled by the backend; only rows asking for top logprobs beyond one get logits back.
-            # Constrained rows name their row of self._masks, filled by `prepare` while the
-            # step's forward pass runs (each guide has consumed the token this step feeds).
+            res = self._sampled_step(batch, slots, toks, pos, go_ahead)
             guides = [s.guide for s in batch if s.guide is not None]
-            masks = self._mask_rows(len(guides)) if guides else None
-            rows, k = [], 0
-            for s in batch:
-                mask = None
-                if s.guide is not None:
-                    mask, k = masks[k], k + 1
-                rows.append(s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
-                                          want_logits=(s.params.logprobs or 0) > 1, mask=mask))
-            prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
-            res = self.backend.decode_sample(slots, toks, pos, rows, prepare)
             # the constrained rows' tokens consumed at once, on llguidance's threads
             ok = iter(self.guidance.consume_all(guides, [int(res.tokens[i]) for i, s in enumerate(batch)
                                                           if s.guide is not None]) if guides else ())
@@ -436,26 +423,76 @@ class Engine:
         """A greedy step, pipelined: the step after it is started (on the device's own argmax
         tokens) before this one's tokens are read, so the GPU does not wait for the host's per-token
         work. `_step` keeps a step started ahead only for the same batch (the same sequences in the
-        same order). No step goes ahead across a prefill (go_ahead False), nor when a sequence
-        must stop after this step or the pool has no block for a sequence's next position."""
-        ahead, self._ahead = self._ahead, None
-        h = ahead[1] if ahead is not None else self.backend.decode_argmax_start(slots, toks, pos)
-        if go_ahead and all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
-                            for s, p in zip(batch, pos)):
-            tables = self.scheduler.grow_for_next_step(batch)
-            if tables is not None:
-                for slot, table in tables.items():
-                    self.backend.set_block_table(slot, table)
-                self._ahead = (batch, self.backend.decode_argmax_start(slots))
+        same order)."""
+        ahead = self._take_ahead("greedy")
+        h = ahead if ahead is not None else self.backend.decode_argmax_start(slots, toks, pos)
+        if self._may_go_ahead(batch, pos, go_ahead):
+            self._ahead = (batch, self.backend.decode_argmax_start(slots), "greedy")
         # the previous step's outputs go to the event loop now, while this thread waits for the
         # device anyway: the loop takes the GIL without making the step's launches wait for it
         self._flush()
         return self.backend.decode_argmax_finish(h)
 
+    def _sampled_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int],
+                      go_ahead: bool) -> SampleResult:
+        """A step sampled by the backend, pipelined like the greedy one: its forward pass was
+        started ahead (on the tokens the device sampled) while the host consumed the previous
+        step's tokens; now the host fills the constrained rows' masks (each guide has consumed the
+        token this step feeds), launches the sampling, starts the next step's forward pass, and
+        only then waits for this step's tokens. Only rows asking for top logprobs beyond one get
+        logits back. The tokens are the unpipelined ones: a row's draw is keyed by (seed, step)
+        and its penalties count the token it is fed, which the host knows at the launch."""
+        ahead = self._take_ahead("sample")
+        h = ahead if ahead is not None else self.backend.decode_sample_start(slots, toks, pos)
+        guides = [s.guide for s in batch if s.guide is not None]
+        masks = self._mask_rows(len(guides)) if guides else None
+        rows, k = [], 0
+        for s in batch:
+            mask = None
+            if s.guide is not None:
+                mask, k = masks[k], k + 1
+            rows.append(s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
+                                      want_logits=(s.params.logprobs or 0) > 1, mask=mask))
+        prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
+        self.backend.decode_sample_launch(h, rows, prepare)
+        if self._may_go_ahead(batch, pos, go_ahead):
+            self._ahead = (batch, self.backend.decode_sample_start(slots), "sample")
+        self._flush()
+        return self.backend.decode_sample_finish(h)
+
+    def _may_go_ahead(self, batch: list[Sequence], pos: list[int], go_ahead: bool) -> bool:
+        """Whether the step after this one may start before this one's tokens are read: not across
+        a prefill (go_ahead False), nor when a sequence must stop after this step, nor when the
+        pool has no block for a sequence's next position (else the blocks are given now)."""
+        if not (go_ahead and self.settings.pipelined_decode
+                and all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
+                        for s, p in zip(batch, pos))):
+            return False
+        tables = self.scheduler.grow_for_next_step(batch)
+        if tables is None:
+            return False
+        for slot, table in tables.items():
+            self.backend.set_block_table(slot, table)
+        return True
+
+    def _take_ahead(self, kind: str) -> Any:
+        """The handle of the step started ahead for this batch if it is of this kind (greedy or
+        sampled); one of the other kind is finished and forgotten."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[2] == kind:
+            return ahead[1]
+        if ahead is not None:
+            self._ahead = ahead
+            self._drop_ahead()
+        return None
+
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            self.backend.decode_argmax_finish(ahead[1])
+            (_, h, kind), self._ahead = self._ahead, None
+            if kind == "greedy":
+                self.backend.decode_argmax_finish(h)
+            else:
+                self.backend.decode_sample_finish(h)     # never launched: nothing comes back
 
     def _mask_rows(self, n: int) -> np.ndarray:
         if self._masks is None:

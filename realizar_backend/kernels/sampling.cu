@@ -609,11 +609,14 @@ __device__ Found locate(Final& F, int kind, u64 t) {
 
 // grid (rows,); dynamic shared memory: SAMPLE_NB u64 + 2 * cap u64 + SAMPLE_NB u32.
 // out[r] = {token, raw argmax, logprob of token (float bits), logprob of the argmax}.
+// io != 0 (a decode step's ws.dec_io row 0): the token also becomes the row's next decode input,
+// so the next step's forward can run before the host has read this one (CUDABackend's pipelined
+// sampled steps); the forward pass already advanced the position.
 extern "C" __global__ void __launch_bounds__(1024)
 sample_final(const float* __restrict__ logits, int ld, int V, const int* __restrict__ params,
              const int* __restrict__ argmax, const float* __restrict__ zbuf, u64* __restrict__ rowmax,
              u32* __restrict__ hcnt, u64* __restrict__ hw, u64* __restrict__ zmass,
-             const float2* __restrict__ lsep, int G, int* __restrict__ out, int cap) {
+             const float2* __restrict__ lsep, int G, int* __restrict__ out, int cap, int* __restrict__ io) {
     SAMPLE_DYN_SMEM(dyn);
     __shared__ u64 tmp[33];
     __shared__ u32 scal[4];
@@ -716,6 +719,7 @@ sample_final(const float* __restrict__ logits, int ld, int V, const int* __restr
         o[1] = top;
         o[2] = __float_as_int(lp);
         o[3] = __float_as_int(top_lp);
+        if (io) io[r] = tok;
     }
 }
 

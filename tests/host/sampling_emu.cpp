@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
     std::vector<u32> hcnt((size_t)n * SAMPLE_NB, 0);
     std::vector<float2> lsep((size_t)n * G, float2{NAN, NAN});
     std::vector<int> out((size_t)n * 4, 0x7fc00000);
+    std::vector<int> io(n, -7);     // the next decode step's input tokens (pipelined sampled steps)
 
     launch(dim3e{(unsigned)G, (unsigned)n, 1}, bh, 0, [&] {
         sample_prep(logits.data(), V, V, params.data(), counts.data(), masks.data(), mwords, bias.data(), zbuf.data(),
@@ -174,7 +175,7 @@ int main(int argc, char** argv) {
     size_t smem = SAMPLE_NB * 12 + (size_t)cap * 16;
     launch(dim3e{(unsigned)n, 1, 1}, bf, smem, [&] {
         sample_final(logits.data(), V, V, params.data(), argmax.data(), zbuf.data(), rowmax.data(), hcnt.data(),
-                     hw.data(), zmass.data(), lsep.data(), G, out.data(), cap);
+                     hw.data(), zmass.data(), lsep.data(), G, out.data(), cap, io.data());
     });
     // the scratch must be left zeroed for the next step
     bool clean = std::all_of(hw.begin(), hw.end(), [](u64 v) { return v == 0; }) &&
@@ -184,6 +185,12 @@ int main(int argc, char** argv) {
     if (!clean) {
         std::fprintf(stderr, "scratch not reset\n");
         return 3;
+    }
+    for (int r = 0; r < n; ++r) {
+        if (io[r] != out[(size_t)r * 4]) {
+            std::fprintf(stderr, "row %d: decode input %d, sampled token %d\n", r, io[r], out[(size_t)r * 4]);
+            return 3;
+        }
     }
     FILE* o = std::fopen(argv[2], "wb");
     if (!o) return 2;

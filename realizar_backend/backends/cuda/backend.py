@@ -7,6 +7,7 @@ takes what Settings.gpu_memory_utilization of the device leaves (capped by kv_ca
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -36,6 +37,20 @@ PREFILL_TOKENS = 512   # initial prefill capacity per step; the workspace grows 
 # head is faster (H100, qwen15 shapes: 5.7 us a layer at depth 128, batch 1, against 8.6)
 LONG_ATTENTION_ROWS = 16
 LONG_ATTENTION_POS = 384
+
+
+@dataclass(eq=False)
+class _SampleStep:
+    """A sampled step: started (its forward pass enqueued), then launched (its sampling), then
+    finished (its results read)."""
+    slots: list[int]
+    tokens_in: list[int] | None         # the tokens it feeds; None: the previous step's, once known
+    prev: "_SampleStep | None"          # the step it continues
+    step: int = 0                       # CUDABackend._step_id when it was started
+    launched: bool = False
+    kept: dict = field(default_factory=dict)
+    fetch: Any = None
+    result: SampleResult | None = None
 
 
 class CUDABackend:
@@ -96,6 +111,8 @@ class CUDABackend:
         self.token_ring = TokenRing(self.ws.dec_io.shape[1])
         self.fwd.token_ring = (self.token_ring.device_ptr, self.token_ring.length)
         self._last_step: tuple[int, list[int], list[int]] | None = None   # (bucket, slots, positions)
+        self._step_id = 0                          # steps enqueued (greedy or sampled)
+        self._sample_prev: _SampleStep | None = None   # the last sampled step started
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
         log.info("cuda backend ready: %s on %s, %d sequences x %d context, KV pool %d tokens, buckets %s",
@@ -171,6 +188,7 @@ class CUDABackend:
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
             self.fwd.prefill_step(T, len(items), max(it.start_pos + t.size - 1 for it, t in zip(items, toks)))
             logits = self.ws.logits[:len(items)].get()
+        self._step_id += 1          # the logits of a started step are gone: no launch, no continuation
         return logits
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> int:
@@ -195,6 +213,7 @@ class CUDABackend:
         self._io_copied.record(self.stream)
         self.graphs.run(b, self._long(b, positions))
         self._last_step = (b, [int(s) for s in slots], [int(p) for p in positions])
+        self._step_id += 1
         return n
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
@@ -214,8 +233,9 @@ class CUDABackend:
         the host can enqueue a step before it has read the previous one's tokens."""
         with self.device, self.stream:
             if tokens is None:
-                if self._last_step is None or list(slots) != self._last_step[1]:
-                    raise ValueError("decode_argmax_start without tokens continues the previous step's slots")
+                if (self._last_step is None or list(slots) != self._last_step[1]
+                        or (self._sample_prev is not None and self._sample_prev.step == self._step_id)):
+                    raise ValueError("decode_argmax_start without tokens continues the previous greedy step's slots")
                 b, sl, pos = self._last_step
                 pos = [p + 1 for p in pos]
                 for s, p in zip(sl, pos):
@@ -223,6 +243,7 @@ class CUDABackend:
                 self.token_ring.before_step(continues=True)
                 self.graphs.run(b, self._long(b, pos))
                 self._last_step = (b, sl, pos)
+                self._step_id += 1
             else:
                 self._decode(slots, tokens, positions)
             return self.token_ring.after_step(self.stream, self._last_step[2])
@@ -236,17 +257,76 @@ class CUDABackend:
         """A step sampled on the GPU (kernels/sampling.cu): 16 bytes per sequence come back, plus
         the logits of rows that want them (top logprobs beyond one, computed on the host).
         prepare (the rows' masks) runs on the host while the step's forward pass runs."""
-        if len(rows) != len(slots):
-            raise ValueError("one SampleRow per sequence")
+        h = self.decode_sample_start(slots, tokens, positions)
+        self.decode_sample_launch(h, rows, prepare)
+        return self.decode_sample_finish(h)
+
+    def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
+                            positions: Sequence[int] | None = None) -> _SampleStep:
+        """Enqueue a sampled step's forward pass and return at once. tokens and positions None:
+        continue the previous sampled step (launched, the same slots in order) with its sampled
+        tokens at the next positions: sample_final wrote them into the decode inputs, so the
+        forward pass runs without the host having read them."""
         with self.device, self.stream:
-            n = self._decode(slots, tokens, positions)
-            if prepare is not None:
-                prepare()
+            if tokens is None:
+                prev = self._sample_prev
+                if (prev is None or prev.step != self._step_id or not prev.launched
+                        or list(slots) != prev.slots):
+                    raise ValueError("decode_sample_start without tokens continues the previous "
+                                     "sampled step's slots, once it is launched")
+                b, sl, pos = self._last_step
+                pos = [p + 1 for p in pos]
+                for s, p in zip(sl, pos):
+                    self._check(s, p)
+                self.token_ring.before_step(continues=False)
+                self.graphs.run(b, self._long(b, pos))
+                self._last_step = (b, sl, pos)
+                h = _SampleStep(list(sl), None, prev)
+            else:
+                if len(slots) > self.sampler.max_rows:
+                    raise ValueError(f"{len(slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
+                self._decode(slots, tokens, positions)
+                h = _SampleStep([int(s) for s in slots], [int(t) for t in tokens], None)
+            self._step_id += 1
+            h.step = self._step_id
+            self._sample_prev = h
+            return h
+
+    def decode_sample_launch(self, h: _SampleStep, rows: Sequence[SampleRow],
+                             prepare: Callable[[], None] | None = None) -> None:
+        """Enqueue the sampling of a started step (prepare first: it fills the rows' masks while
+        the forward pass runs); its tokens also become the next step's inputs on the device.
+        Returns at once; decode_sample_finish(h) gives the results."""
+        if len(rows) != len(h.slots):
+            raise ValueError("one SampleRow per sequence")
+        if h.launched or h.step != self._step_id:
+            raise ValueError("decode_sample_launch: the step is launched already, or another step ran since")
+        if prepare is not None:
+            prepare()
+        if h.tokens_in is None:       # a continuation feeds the previous step's sampled tokens
+            h.tokens_in = self.decode_sample_finish(h.prev).tokens.tolist()
+        h.prev = None
+        with self.device, self.stream:
+            n = len(rows)
             self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
-                                rows, slots, tokens, self.stream)
-            toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
-            kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
-        return SampleResult(toks, lps, top_ids, top_lps, kept)
+                                rows, h.slots, h.tokens_in, self.stream, io=self.ws.dec_io.data.ptr)
+            # rows that want their logits: read now, before a next step's forward pass overwrites them
+            h.kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
+            h.fetch = self.sampler.fetch_start(n, self.stream)
+            h.launched = True
+
+    def decode_sample_finish(self, h: _SampleStep) -> SampleResult | None:
+        """The results of a launched step (waits for them; may be asked again). A step never
+        launched (a continuation the engine dropped) gives None."""
+        if not h.launched:
+            # dropped: wait for its forward pass, as for a greedy step, so that block tables may change
+            self.stream.synchronize()
+            return None
+        if h.result is None:
+            with self.device:
+                toks, top_ids, lps, top_lps = self.sampler.fetch_finish(h.fetch)
+            h.result = SampleResult(toks, lps, top_ids, top_lps, h.kept)
+        return h.result
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         if not 0 <= slot < self.max_slots:

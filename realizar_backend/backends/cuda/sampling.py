@@ -75,6 +75,16 @@ class GpuSampler:
         self._m_host = np.frombuffer(self._m_mem, np.int32, self.masks.size).reshape(self.masks.shape)
         self._b_mem = cupy.cuda.alloc_pinned_memory(self.bias.nbytes)
         self._b_host = np.frombuffer(self._b_mem, np.int32, self.bias.size)
+        # results come back double-buffered: a launch's copy into one pinned buffer and an event,
+        # read by fetch_finish while the next step's forward pass already runs
+        self._o_mem2 = cupy.cuda.alloc_pinned_memory(self.out.nbytes)
+        self._o_bufs = [self._o_host,
+                        np.frombuffer(self._o_mem2, np.int32, self.out.size).reshape(self.out.shape)]
+        self._o_events = [cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)]
+        self._o_busy = [False, False]
+        self._o_gen = [0, 0]
+        self._o_next = 0
+        self._in_copied = cupy.cuda.Event(disable_timing=True)   # the pinned inputs' last copy is done
         self._asked = np.zeros(max_rows, bool)      # rows of the last launch that want logprobs
         log.info("gpu sampler: vocab %d, %d blocks per row, gathers up to %d tokens per row in shared memory",
                  vocab, self.G, cap)
@@ -119,14 +129,17 @@ class GpuSampler:
             self._fn("counts_reset")((1,), (1024,), (_U64(row.data.ptr), _I32(self.V), _U64(dp.data.ptr), _I32(p.size)))
 
     def launch(self, logits: int, ld: int, argmax: int, rows: Sequence[SampleRow], slots: Sequence[int],
-               tokens_in: Sequence[int] | None, stream: cupy.cuda.Stream) -> None:
+               tokens_in: Sequence[int] | None, stream: cupy.cuda.Stream, io: int = 0) -> None:
         """Sample rows[i] from logits row i (device pointer, row stride ld floats); argmax: the raw
         argmax per row (int32 device pointer, the forward pass's). tokens_in[i] is counted for rows
         with penalties before they apply. The rows' masks and biases are copied out before this
-        returns (the caller may reuse them). Results stay on the device until `fetch`."""
+        returns (the caller may reuse them). Results stay on the device until `fetch` (or
+        fetch_start). io: int32 device pointer that also receives each row's token (the next decode
+        step's input row), 0: none."""
         n = len(rows)
         if not 0 < n <= self.max_rows:
             raise ValueError(f"{n} rows; this sampler takes 1..{self.max_rows}")
+        self._in_copied.synchronize()     # the previous launch's copies have read the pinned inputs
         self._p_host[:n] = kernel_params(rows, self.V, slots, tokens_in)
         constrained = any(r.constrained for r in rows)
         n_masks = pack_masks(rows, self._m_host) if constrained else 0
@@ -142,6 +155,7 @@ class GpuSampler:
                 self.masks[:n_masks].set(self._m_host[:n_masks], stream=stream)
             if n_bias:
                 self.bias[:n_bias].set(self._b_host[:n_bias], stream=stream)
+            self._in_copied.record(stream)
             if constrained or any(r.penalties or not r.greedy for r in rows):
                 self._fn("sample_prep")(grid, (PREP_THREADS,), (x, ldi, V, P, _U64(self.counts.data.ptr),
                                                                 _U64(self.masks.data.ptr), _I32(self.mwords),
@@ -150,16 +164,37 @@ class GpuSampler:
                 self._fn("sample_hist")(grid, (PREP_THREADS,), (x, ldi, V, P, z, rm, hc, hw, zm, ls, sl),
                            shared_mem=self.smem_hist)
             self._fn("sample_final")((n,), (FINAL_THREADS,), (x, ldi, V, P, _U64(argmax), z, rm, hc, hw, zm, ls, _I32(self.G),
-                                                 _U64(self.out.data.ptr), _I32(self.cap)),
+                                                 _U64(self.out.data.ptr), _I32(self.cap), _U64(io)),
                         shared_mem=self.smem_final)
 
     def fetch(self, n: int, stream: cupy.cuda.Stream) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(tokens int32, raw argmax int32, logprob of the token, logprob of the argmax) for the
         rows of the last launch; waits for the stream. Logprobs are NaN for rows that did not
         ask for them."""
-        self.out[:n].get(stream=stream, out=self._o_host[:n])
-        stream.synchronize()
-        o = self._o_host[:n].copy()
+        return self.fetch_finish(self.fetch_start(n, stream))
+
+    def fetch_start(self, n: int, stream: cupy.cuda.Stream) -> tuple[int, int, int, np.ndarray]:
+        """Queue the last launch's results for the host (a copy into a pinned buffer, then an
+        event) without waiting; fetch_finish(handle) reads them. Two may be outstanding; a third
+        takes the buffer of the oldest, whose results are then lost."""
+        k = self._o_next
+        self._o_next = 1 - k
+        if self._o_busy[k]:
+            self._o_events[k].synchronize()
+        self._o_gen[k] += 1
+        self._o_busy[k] = True
+        self.out[:n].get(stream=stream, out=self._o_bufs[k][:n], blocking=False)   # async: the event says when
+        self._o_events[k].record(stream)
+        return k, self._o_gen[k], n, self._asked[:n].copy()
+
+    def fetch_finish(self, handle: tuple[int, int, int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The results queued by fetch_start (waits for their event)."""
+        k, gen, n, asked = handle
+        if gen != self._o_gen[k]:
+            raise RuntimeError("sampler: these results were overwritten by later launches")
+        self._o_events[k].synchronize()
+        o = self._o_bufs[k][:n].copy()
+        self._o_busy[k] = False
         lp = o[:, 2:].view(np.float32).copy()
-        lp[~self._asked[:n]] = np.nan
+        lp[~asked] = np.nan
         return o[:, 0].copy(), o[:, 1].copy(), lp[:, 0].copy(), lp[:, 1].copy()
