@@ -151,38 +151,6 @@ timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.serv
               "the serving process")
 
 
-class _WorkerMetrics:
-    """The engine's observer: the worker's metrics once the service has made them (they need the
-    multiprocess directory BentoML sets before the service is created), nothing before then."""
-
-    def __getattr__(self, name):
-        m = STATE.metrics
-        return getattr(m, name) if m is not None else (lambda *args, **kw: None)
-
-
-def _build_engine():
-    from realizar_backend.engine.engine import Engine
-    if _bind_error is not None:
-        raise _bind_error
-    # llguidance's vocabulary is built once the worker is ready (Realizar._load), not before
-    return Engine.from_settings(SETTINGS, observer=_WorkerMetrics(), prewarm_guidance=False)
-
-
-# A serving worker starts loading the model now, on a thread, while BentoML goes on to create the
-# service (~0.8 s of its own start-up that the load, mostly waiting on the GPU, overlaps);
-# Realizar._load takes the result. The serving process (worker_index None) loads nothing.
-_LOADING: threading.Thread | None = None
-_loaded: list = []              # [engine] or [exception], set by the loading thread
-if bentoml.server_context.worker_index is not None:
-    def _load_early() -> None:
-        try:
-            _loaded.append(_build_engine())
-        except Exception as e:          # reported by Realizar._load as this worker's load failure
-            _loaded.append(e)
-    _LOADING = threading.Thread(target=_load_early, name="realizar-early-load", daemon=True)
-    _LOADING.start()
-
-
 @bentoml.service(
     name="realizar",
     image=IMAGE,
@@ -207,18 +175,17 @@ class Realizar:
         self._loader.start()
 
     def _load(self) -> None:
+        from realizar_backend.engine.engine import Engine
+
         t0 = time.perf_counter()
         log.info("worker %d of %d (%s): loading %s (backend=%s, context=%d, max_num_seqs=%d)",
                  WORKER, WORKERS, DEVICE, SETTINGS.model or "the default model", SETTINGS.backend,
                  SETTINGS.context_length, SETTINGS.max_num_seqs)
         try:
-            if _LOADING is not None:        # started at import (a serving worker)
-                _LOADING.join()
-                engine = _loaded[0] if _loaded else RuntimeError("the model load ended without a result")
-                if isinstance(engine, Exception):
-                    raise engine
-            else:
-                engine = _build_engine()
+            if _bind_error is not None:
+                raise _bind_error
+            # llguidance's vocabulary is built once the worker is ready (below), not before
+            engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
         except Exception as e:
             _stand_aside(e)
             return
