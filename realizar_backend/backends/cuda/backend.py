@@ -236,17 +236,23 @@ class CUDABackend:
                 if (self._last_step is None or list(slots) != self._last_step[1]
                         or (self._sample_prev is not None and self._sample_prev.step == self._step_id)):
                     raise ValueError("decode_argmax_start without tokens continues the previous greedy step's slots")
-                b, sl, pos = self._last_step
-                pos = [p + 1 for p in pos]
-                for s, p in zip(sl, pos):
-                    self._check(s, p)
-                self.token_ring.before_step(continues=True)
-                self.graphs.run(b, self._long(b, pos))
-                self._last_step = (b, sl, pos)
+                self._continue_step(ring_continues=True)
                 self._step_id += 1
             else:
                 self._decode(slots, tokens, positions)
             return self.token_ring.after_step(self.stream, self._last_step[2])
+
+    def _continue_step(self, ring_continues: bool) -> list[int]:
+        """Run the previous step's rows again at their next positions, on the tokens that step
+        wrote into the decode inputs (its argmax, or sample_final's); returns the rows' slots."""
+        b, sl, pos = self._last_step
+        pos = [p + 1 for p in pos]
+        for s, p in zip(sl, pos):
+            self._check(s, p)
+        self.token_ring.before_step(continues=ring_continues)
+        self.graphs.run(b, self._long(b, pos))
+        self._last_step = (b, sl, pos)
+        return sl
 
     def decode_argmax_finish(self, handle: int) -> np.ndarray:
         """The ids of a started step (waits for it)."""
@@ -274,14 +280,7 @@ class CUDABackend:
                         or list(slots) != prev.slots):
                     raise ValueError("decode_sample_start without tokens continues the previous "
                                      "sampled step's slots, once it is launched")
-                b, sl, pos = self._last_step
-                pos = [p + 1 for p in pos]
-                for s, p in zip(sl, pos):
-                    self._check(s, p)
-                self.token_ring.before_step(continues=False)
-                self.graphs.run(b, self._long(b, pos))
-                self._last_step = (b, sl, pos)
-                h = _SampleStep(list(sl), None, prev)
+                h = _SampleStep(list(self._continue_step(ring_continues=False)), None, prev)
             else:
                 if len(slots) > self.sampler.max_rows:
                     raise ValueError(f"{len(slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
