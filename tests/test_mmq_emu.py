@@ -1,4 +1,4 @@
-"""kernels/mmq.cu run on the CPU (tests/host/mmq_emu.cpp: a fiber per CUDA thread, ldmatrix and
+"""kernels/mmq.cu and kernels/mmqs.cu run on the CPU (tests/host/mmq_emu.cpp: a fiber per CUDA thread, ldmatrix and
 mma.sync emulated from their PTX fragment layouts) against float64 NumPy: every weight type in its
 device layout (formats/gpu_layout.py), K with a partial last chunk, rows and tokens that no tile
 divides, every token-tile width, K split over CTAs (with the counters left at zero and a second
@@ -69,7 +69,8 @@ def run_case(emu, tmp_path, rng, segs, K, M, bn, splits, *, mode=0, act=0, bias=
     units of sum |w x|, outputs per segment, argmax keys, outputs untouched past the rows, status)."""
     nch = -(-K // 128)
     cps = -(-nch // splits)
-    splits = -(-nch // cps)
+    if bn > 0:                   # mmq.cu: no empty K range; mmqs.cu (bn < 0): `splits` is the warps per block
+        splits = -(-nch // cps)
     xs = K + 3
     x = activations(rng, M, xs, stress)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
@@ -206,3 +207,41 @@ def test_activation_range_stress(emu, tmp_path, qt, tc_model):
         res = run_case(emu, tmp_path, rng, [(qt, 37)], K, 11, 16, 2, stress=True, norm=norm, tc_model=tc_model,
                        twice=False)
         check(f"stress {qt.name} norm={norm} model={tc_model}", res, FP32_TOL if tc_model else EXACT_TOL)
+
+
+# ------------------------------------------------------------------ mmqs.cu (batches of 2 to 16 rows)
+SMALL_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0]
+
+
+@pytest.mark.parametrize("qt", SMALL_TYPES, ids=lambda q: q.name)
+def test_small_types_tokens_and_warps(emu, tmp_path, qt):
+    """Each type of mmqs.cu through both token tiles, batches that fill them or not, K split over
+    1 to 8 warps (more warps than items too), and rows no 16-row tile divides."""
+    rng = np.random.default_rng(int(qt) * 104729)
+    K = 768 if qt in KQUANT else 576
+    for bn, M, warps in ((-8, 1, 1), (-8, 5, 3), (-8, 8, 8), (-16, 9, 2), (-16, 16, 7)):
+        res = run_case(emu, tmp_path, rng, [(qt, 37)], K, M, bn, warps, bias=True)
+        check(f"mmqs {qt.name} t{-bn} M{M} warps{warps}", res, EXACT_TOL)
+
+
+def test_small_qkv_ffn_head(emu, tmp_path):
+    """mmqs.cu's epilogues: Q/K/V segments of mixed types with biases, the residual add, the fused
+    FFN with the folded norm, the LM head's argmax, activations over ten decades."""
+    rng = np.random.default_rng(5)
+    segs = [(Q.Q4_K, 48), (Q.Q4_K, 17), (Q.Q6_K, 16)]
+    check("mmqs qkv bias", run_case(emu, tmp_path, rng, segs, 512, 4, -8, 4, bias=True, norm=True), EXACT_TOL)
+    check("mmqs residual", run_case(emu, tmp_path, rng, [(Q.Q6_K, 40)], 512, 11, -16, 3, accumulate=True),
+          EXACT_TOL)
+    for qt, act in ((Q.Q4_K, 0), (Q.Q6_K, 1), (Q.Q8_0, 0)):
+        check(f"mmqs ffn {qt.name}", run_case(emu, tmp_path, rng, [(qt, 33)], 512, 6, -8, 2, mode=1, act=act,
+                                               norm=True), EXACT_TOL)
+    check("mmqs ffn t16", run_case(emu, tmp_path, rng, [(Q.Q4_K, 20)], 256, 13, -16, 4, mode=1, norm=True), EXACT_TOL)
+    for qt, M, bn in ((Q.Q6_K, 3, -8), (Q.Q4_K, 14, -16)):
+        res = run_case(emu, tmp_path, rng, [(qt, 90)], 256, M, bn, 2, amax=True, norm=True)
+        check(f"mmqs head {qt.name}", res, EXACT_TOL)
+        logits, keys = res[1][0][:, :90], res[2]
+        rows = (0xFFFFFFFF - (keys & np.uint64(0xFFFFFFFF))).astype(np.int64)
+        assert rows.tolist() == np.argmax(logits, axis=1).tolist()
+    for tc_model in (0, 1):
+        res = run_case(emu, tmp_path, rng, [(Q.Q4_K, 21)], 1024, 7, -8, 4, stress=True, tc_model=tc_model, twice=False)
+        check(f"mmqs stress model={tc_model}", res, FP32_TOL if tc_model else EXACT_TOL)

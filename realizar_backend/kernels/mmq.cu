@@ -40,6 +40,7 @@
 // in (common.cuh argmax_key, as mmvf). mode 1: the fused FFN, segment 0 gate and 1 up (same type
 // and shape), y0[t, r] = act(g) * u.
 #include "common.cuh"
+#include "mma.cuh"
 
 #define MMQ_THREADS 256
 #define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row; its passes over the row hit L1
@@ -68,8 +69,6 @@ template <int BN> __host__ __device__ constexpr int mmq_smem_bytes() {
 #ifdef REALIZAR_HOST_TEST
 // tests/host/mmq_emu.cpp provides the warp-collective ones (and emulates them per the PTX ISA)
 void mmq_ldsm_x4(u32 (&r)[4], const u8* p);
-void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-u32 mmq_hsub2(u32 a, u32 b);
 inline float mmq_ldcg(const float* p) { return *p; }
 inline void mmq_stcg(float* p, float v) { *p = v; }
 inline void mmq_cp_commit() {}
@@ -80,20 +79,6 @@ __device__ __forceinline__ void mmq_ldsm_x4(u32 (&r)[4], const u8* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"((u32)__cvta_generic_to_shared(p)));
-}
-
-// d += A (16x16 fp16, row) . B (16x8 fp16, col), fp32
-__device__ __forceinline__ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
 }
 
 // split-K partial sums: through L2 only (another SM reads them)
@@ -176,12 +161,6 @@ struct MmqRaw {
     u32 c, d;
 };
 
-// bytes (0, 1) or (2, 3) of w (unsigned) as fp16 pair minus off2 (fp16 pair of 1024 + offset):
-// 0x64XX is the fp16 1024 + XX, so the difference is the integer XX - offset, exactly
-template <int HI> __device__ __forceinline__ u32 mmq_pair(u32 w, u32 off2) {
-    return mmq_hsub2(prmt_imm<HI ? 0x4342u : 0x4140u>(w, 0x64646464u), off2);
-}
-
 // 16 columns 16s + 4t + k (byte k of w[t]) into the A-tile unit at ua: positions 16s + 2t + k
 // (k = 0, 1) and 16s + 8 + 2t + k - 2 (k = 2, 3)
 __device__ __forceinline__ void mmq_put16(u8* ua, int s, u32 w0, u32 w1, u32 w2, u32 w3, u32 off2) {
@@ -196,8 +175,6 @@ __device__ __forceinline__ void mmq_put32(u8* ua, const u32 (&v)[8], u32 off2) {
     mmq_put16(ua, 0, v[0], v[1], v[2], v[3], off2);
     mmq_put16(ua, 1, v[4], v[5], v[6], v[7], off2);
 }
-
-__device__ __forceinline__ constexpr u32 mmq_off2(u32 off) { return (0x6400u + off) * 0x00010001u; }
 
 // mmq_load<QT>(row, nu, c, p, r): piece p (0..3) of chunk c of a row (nu units); mmq_store<QT>:
 // its values into A-tile row ar, its unit's scales into meta row mr. Units past the row's end

@@ -1,4 +1,5 @@
-// Runs kernels/mmq.cu (mmq_prep, then mmq_bnBN) on the CPU. Every CUDA thread of a block is a fiber
+// Runs kernels/mmq.cu (mmq_prep, then mmq_bnBN) or kernels/mmqs.cu (bn < 0: mmqs_t(-bn), with
+// `splits` warps per block) on the CPU. Every CUDA thread of a block is a fiber
 // (ucontext) on one OS thread, switched at barriers: __syncthreads is a block barrier, and each
 // warp-collective instruction (ldmatrix, mma.sync, shuffles) is a warp barrier around an exchange
 // buffer. ldmatrix.x4 and mma.m16n8k16 are emulated from their fragment layouts in the PTX ISA, so
@@ -155,6 +156,7 @@ static inline unsigned long long atomicMax(unsigned long long* p, unsigned long 
 #define REALIZAR_HOST_TEST
 #define MMQ_DYN_SMEM(name) uint4* name = emu::dyn.data()
 #include "mmq.cu"
+#include "mmqs.cu"
 
 static inline float h16(unsigned w, int hi) { return realizar_host_h2f((unsigned short)(hi ? w >> 16 : w & 0xFFFF)); }
 
@@ -285,16 +287,18 @@ int main(int argc, char** argv) {
         }
     }
 
+    const bool small = bn < 0;           // mmqs.cu: tiles of 16 rows, one block each, `splits` warps
+    const int tile_rows = small ? 16 : (mode ? MMQ_BM / 2 : MMQ_BM);
     int tiles = 0;
-    if (mode) tiles = (segs[0].n + MMQ_BM / 2 - 1) / (MMQ_BM / 2);
+    if (mode) tiles = (segs[0].n + tile_rows - 1) / tile_rows;
     else
-        for (int s = 0; s < nseg; ++s) tiles += (segs[s].n + MMQ_BM - 1) / MMQ_BM;
-    const int TB = (M + bn - 1) / bn;
+        for (int s = 0; s < nseg; ++s) tiles += (segs[s].n + tile_rows - 1) / tile_rows;
+    const int TB = small ? 1 : (M + bn - 1) / bn;
     const int E = bn == 8 ? 4 : bn == 16 ? 8 : bn == 32 ? 16 : 32;
     std::vector<float> part((size_t)tiles * TB * splits * MMQ_THREADS * E, NAN);
     std::vector<unsigned> cnt((size_t)tiles * TB, 0);
     std::vector<unsigned long long> amax(M, 0);
-    const unsigned grid = (unsigned)(tiles * splits * TB);
+    const unsigned grid = small ? (unsigned)tiles : (unsigned)(tiles * splits * TB);
     auto run = [&] {
         auto ptr = [&](int s, int which) -> void* {
             if (s >= nseg) return nullptr;
@@ -313,17 +317,25 @@ int main(int argc, char** argv) {
         (const u8*)ptr(2, 0), rb_(2), n_(2), qt_(2), (const float*)ptr(2, 1), (float*)ptr(2, 2), ys_(2), K,    \
         rec.data(), xps, inv.data(), M, mode, act, accumulate, splits, cps, part.data(), cnt.data(),           \
         use_amax ? amax.data() : nullptr
+#define MMQS_ARGS                                                                                                 \
+    (const u8*)ptr(0, 0), rb_(0), n_(0), qt_(0), (const float*)ptr(0, 1), (float*)ptr(0, 2), ys_(0),           \
+        (const u8*)ptr(1, 0), rb_(1), n_(1), qt_(1), (const float*)ptr(1, 1), (float*)ptr(1, 2), ys_(1),       \
+        (const u8*)ptr(2, 0), rb_(2), n_(2), qt_(2), (const float*)ptr(2, 1), (float*)ptr(2, 2), ys_(2), K,    \
+        rec.data(), xps, inv.data(), M, mode, act, accumulate, use_amax ? amax.data() : nullptr
             switch (bn) {
+                case -8: mmqs_t8(MMQS_ARGS); break;
+                case -16: mmqs_t16(MMQS_ARGS); break;
                 case 8: mmq_bn8(MMQ_ARGS); break;
                 case 16: mmq_bn16(MMQ_ARGS); break;
                 case 32: mmq_bn32(MMQ_ARGS); break;
                 default: mmq_bn64(MMQ_ARGS); break;
             }
 #undef MMQ_ARGS
+#undef MMQS_ARGS
         };
         const int smem = bn == 8 ? mmq_smem_bytes<8>() : bn == 16 ? mmq_smem_bytes<16>() : bn == 32 ? mmq_smem_bytes<32>()
                                                                                                : mmq_smem_bytes<64>();
-        launch(grid, MMQ_THREADS, smem, body);
+        launch(grid, small ? 32 * splits : MMQ_THREADS, small ? 0 : smem, body);
     };
     run();
     std::vector<std::vector<float>> first;

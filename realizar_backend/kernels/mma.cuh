@@ -1,0 +1,31 @@
+// The tensor-core instructions and the weight-to-fp16 conversion that mmq.cu and mmqs.cu share.
+// Host tests (tests/host/mmq_emu.cpp) define REALIZAR_HOST_TEST and emulate the two instructions.
+#pragma once
+#include "common.cuh"
+
+#ifdef REALIZAR_HOST_TEST
+void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+u32 mmq_hsub2(u32 a, u32 b);
+#else
+// d += A (16x16 fp16, row) . B (16x8 fp16, col), fp32
+__device__ __forceinline__ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#endif
+
+// bytes (0, 1) or (2, 3) of w (unsigned) as fp16 pair minus off2 (fp16 pair of 1024 + offset):
+// 0x64XX is the fp16 1024 + XX, so the difference is the integer XX - offset, exactly
+template <int HI> __device__ __forceinline__ u32 mmq_pair(u32 w, u32 off2) {
+    return mmq_hsub2(prmt_imm<HI ? 0x4342u : 0x4140u>(w, 0x64646464u), off2);
+}
+
+__device__ __forceinline__ constexpr u32 mmq_off2(u32 off) { return (0x6400u + off) * 0x00010001u; }
