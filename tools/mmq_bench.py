@@ -1,4 +1,5 @@
-"""Times the batched-decode tensor-core kernels (kernels/mmq.cu: prep + mmq / mmq_ffn) against the
+"""Times the batched-decode tensor-core kernels (kernels/mmq.cu, and mmqs.cu for M <= 16: prep + mmq /
+mmq_ffn; at M <= 16 also mmq.cu's tiles, as "tiles") against the
 fp32 GEMVs the decode step uses today (mmvf.cu: ops.mmvf / ops.ffn_f at the batch's NB variant) on
 qwen15's decode shapes (random blocks of the twin's types and shapes), for M = 1 .. 256 tokens.
 
@@ -80,9 +81,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--splits", default="", help="also time mmq at these forced K splits")
     ap.add_argument("--no-mmvf", action="store_true")
+    ap.add_argument("--warps", default="", help="also time mmqs.cu (M <= 16) at these warps per block")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     forced = [int(s) for s in args.splits.split(",") if s]
+    warps = [int(w) for w in args.warps.split(",") if w]
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     qtypes = {q for s in shapes for q, _ in s[1]}
 
@@ -90,6 +93,7 @@ def main() -> int:
     k = get_kernels(0, qtypes=qtypes)
     with ThreadPoolExecutor(8) as ex:                 # mmq's modules compile on first use: all at once
         list(ex.map(lambda key: k.mmq[key], [8, 16, 32, 64, "prep"]))
+        k.mmqs[8]
         list(ex.map(lambda nb: (k.mmvf[nb], k.ffnf[nb]), [1, 2, 4, 8]))
     print(f"kernels ready in {time.perf_counter() - t0:.1f} s on {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"{k.sm_count} SMs", file=sys.stderr)
@@ -126,14 +130,15 @@ def main() -> int:
         for M in ms:
             row = {"shape": name, "M": M, "K": K, "rows": rows, "weight_bytes": wbytes, "copies": copies}
 
-            def run_mmq(i, splits=None, M=M):
+            def run_mmq(i, splits=None, M=M, small=None, warps=None):
                 ws = copy_sets[i]
                 mmq.prep(k, x.data.ptr, K_max, M, K, prep)
                 if ffn:
-                    mmq.mmq_ffn(k, ws[0], ws[1], prep, M, 0, outs[0].data.ptr, rows[0], scratch, splits=splits)
+                    mmq.mmq_ffn(k, ws[0], ws[1], prep, M, 0, outs[0].data.ptr, rows[0], scratch, splits=splits,
+                                small=small, warps=warps)
                 else:
                     mmq.mmq(k, [(w, 0, o.data.ptr, n) for w, o, n in zip(ws, outs, rows)], K, prep, M, scratch,
-                            splits=splits)
+                            splits=splits, small=small, warps=warps)
 
             def run_prep(i, M=M):
                 mmq.prep(k, x.data.ptr, K_max, M, K, prep)
@@ -148,6 +153,11 @@ def main() -> int:
             pl = mmq.plan(M, K, tuple(rows), ffn, k.sm_count)
             row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid}
             row["mmq_us"] = median_call_us(run_mmq, copies, args.reps)
+            small = M <= mmq.SMALL_MAX_M and all(mmq.small_ok(w) for w in copy_sets[0])
+            if small:         # mmq_us is mmqs.cu's: the tile kernel beside it, and warps per block forced
+                row["tile_us"] = median_call_us(lambda i: run_mmq(i, small=False), copies, args.reps)
+                for wp in warps:
+                    row[f"small_w{wp}_us"] = median_call_us(lambda i, wp=wp: run_mmq(i, warps=wp), copies, args.reps)
             row["prep_us"] = median_call_us(run_prep, min(copies, 16), args.reps)
             if not args.no_mmvf:
                 row["mmvf_us"] = median_call_us(run_mmvf, copies, args.reps)
@@ -161,6 +171,9 @@ def main() -> int:
             row["layers"] = layers
             results.append(row)
             sp = "".join(f"  s{s}={row[f'mmq_split{s}_us']:.1f}" for s in forced)
+            if "tile_us" in row:
+                sp += f"  [mmqs; tiles {row['tile_us']:.1f}]" + "".join(
+                    f"  w{wp}={row[f'small_w{wp}_us']:.1f}" for wp in warps)
             mv = (f"{row['mmvf_us']:9.1f} {row['mmvf_GBps']:7.0f} {row['mmq_us'] and row['mmvf_us'] / row['mmq_us']:6.2f}x"
                   if "mmvf_us" in row else "")
             print(f"{name:9s} M={M:4d} bn{pl.bn:<2d}x{pl.token_tiles} split {pl.splits:2d} grid {pl.grid:5d} | "

@@ -86,6 +86,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",
                                     "prefill.cu", "mmvq.cu", "gemv.cu", "sampling.cu")]
     out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
+    out.append(("mmqs.cu", ()))
     # flash attention (backends/cuda/flash.py plans): the default variant of each head size
     for d in PREBUILT_HEAD_DIMS:
         out.append(("flash_prefill.cu", (f"-DFL_D={d}", "-DFL_NW=4", f"-DFL_WM={1 if d > 128 else 2}", "-DFL_QS=0")))

@@ -34,8 +34,9 @@ KERNEL = Path(__file__).resolve().parents[2] / "realizar_backend" / "kernels" / 
 def k(kernels):
     """The kernels, with mmq's modules compiled side by side before the first test (first use
     compiles them one at a time otherwise)."""
-    with ThreadPoolExecutor(5) as ex:
+    with ThreadPoolExecutor(6) as ex:
         list(ex.map(lambda key: kernels.mmq[key], [8, 16, 32, 64, "prep"]))
+        ex.submit(lambda: kernels.mmqs[8])
     return kernels
 
 
@@ -140,6 +141,9 @@ def test_host_constants_match_the_kernel():
     d = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (MMQ_\w+) (\d+)", src, re.M)}
     assert (d["MMQ_THREADS"], d["MMQ_BM"], d["MMQ_KC"], d["MMQ_REC"]) == (mmq.THREADS, mmq.BM, mmq.KC, mmq.REC)
     assert d["MMQ_PREP_THREADS"] == mmq.PREP_THREADS
+    small = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (MMQS_\w+) (\d+)",
+                                                              KERNEL.with_name("mmqs.cu").read_text(), re.M)}
+    assert (small["MMQS_MAXW"], small["MMQS_REC"]) == (mmq.SMALL_MAX_WARPS, mmq.REC)
     cfg = {int(b): (int(mt), int(nt), int(dd)) for b, mt, nt, dd in
            re.findall(r"struct MmqCfg<(\d+)> \{ static constexpr int MT = (\d+), NT = (\d+), WM = \d+, D = (\d+)",
                       src)}
@@ -179,12 +183,57 @@ def test_bad_launches_raise(k, bufs, rng):
     with pytest.raises(ValueError, match="prep buffer"):
         mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 5, scratch)
     with pytest.raises(ValueError, match="scratch"):
-        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, mmq.MmqScratch(1, 1), splits=4)
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, mmq.MmqScratch(1, 1), splits=4, small=False)
     with pytest.raises(ValueError, match="do not fit"):
         mmq.prep(k, x.data.ptr, 516, 300, 512, prep)
     f16 = mmq.WeightRef("f16", Q.F16, w.ptr, 64, 512, 1024)
     with pytest.raises(ValueError, match="no tensor-core kernel"):
         mmq.mmq(k, [(f16, 0, y.data.ptr, 64)], 512, prep, 4, scratch)
+
+
+# ------------------------------------------------------------------ small batches (mmqs.cu)
+SMALL = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0]
+
+
+@pytest.mark.parametrize("qt", SMALL, ids=lambda q: q.name)
+def test_small_batches_both_kernels(k, bufs, rng, qt):
+    """Batches of 1..16 rows on mmqs.cu (the default there) and on mmq.cu's tiles, at the warps per
+    block the plan picks and at 1, 3 and 8 (K split unevenly, more warps than items), on odd row
+    counts and qwen-like shapes: both fp32-class."""
+    from realizar_backend.backends.cuda import mmq
+    prep, scratch = bufs
+    shapes = [(1536, 1536), (1280, 131), (8960, 1536)] if qt in KQUANT else [(896, 896), (576, 49), (4864, 257)]
+    for K, N in shapes:
+        w, keep, W64 = _weight(qt, N, K, rng)
+        x = _x(rng, 16, K)
+        xd = _dev(x)
+        for M in (1, 2, 3, 5, 8, 9, 12, 16):
+            h64 = x[:M, :K].astype(np.float64)
+            ref, scale = h64 @ W64.T, np.abs(h64) @ np.abs(W64).T
+            for small, warps in ((True, None), (True, 1), (True, 3), (True, 8), (False, None)):
+                y = _poison((M, N + 3))
+                mmq.prep(k, xd.data.ptr, K + 4, M, K, prep)
+                mmq.mmq(k, [(w, 0, y.data.ptr, N + 3)], K, prep, M, scratch, small=small, warps=warps)
+                got = y.get()
+                e = _err(got[:, :N], ref, scale) if np.all(np.isnan(got[:, N:])) else float("inf")
+                assert e <= FP32_TOL, f"{qt.name} N={N} K={K} M={M} small={small} warps={warps}: error {e:.2e}"
+        print(f"{qt.name}: mmqs and mmq within {FP32_TOL:.0e} for M 1..16")
+
+
+def test_small_kernel_refuses_what_it_lacks(k, bufs, rng):
+    from realizar_backend.backends.cuda import mmq
+    prep, scratch = bufs
+    w, keep, _ = _weight(Q.Q4_1, 64, 512, rng)
+    x = _dev(_x(rng, 17, 512))
+    y = _poison((17, 64))
+    mmq.prep(k, x.data.ptr, 516, 17, 512, prep)
+    with pytest.raises(ValueError, match="no small-batch kernel"):
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, small=True)
+    w, keep, _ = _weight(Q.Q4_K, 64, 512, rng)
+    with pytest.raises(ValueError, match="no small-batch kernel"):
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 17, scratch, small=True)
+    with pytest.raises(ValueError, match="warps per block"):
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, warps=9)
 
 
 # ------------------------------------------------------------------ accuracy
@@ -327,14 +376,15 @@ def test_forced_splits_and_determinism(k, bufs, rng):
         assert int(scratch.cnt.sum().get()) == 0
 
 
-def test_graph_capture_and_pdl_match_eager(k, bufs, rng):
+@pytest.mark.parametrize("M", [24, 6], ids=["tiles", "small"])
+def test_graph_capture_and_pdl_match_eager(k, bufs, rng, M):
     """prep + mmq (QKV with biases) + mmq_ffn + the down projection with the residual, captured in
     a CUDA graph and replayed (then launched as programmatic dependent launches): the same bits as
-    eager launches."""
+    eager launches; at 24 rows on mmq.cu's tiles, at 6 on mmqs.cu."""
     import cupy
     from realizar_backend.backends.cuda import mmq
     prep, scratch = bufs
-    H, F, M = 1536, 8960, 24
+    H, F = 1536, 8960
     wq, kq, _ = _weight(Q.Q4_K, 1536, H, rng)
     wk, kk, _ = _weight(Q.Q4_K, 256, H, rng)
     wv, kv, _ = _weight(Q.Q6_K, 256, H, rng)

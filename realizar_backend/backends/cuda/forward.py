@@ -43,6 +43,10 @@ GEMM_MIN_TOKENS = 16
 # decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
 # which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
 MMQ_MIN_ROWS = 8
+# from this many rows, when every projection's matrices have mmqs.cu's types (MmqProjections.small),
+# the tensor cores take over from the GEMVs already: mmqs reads each weight once per 16 rows (qwen15
+# step projections, tools/mmq_bench.py: 1.95 ms against the GEMVs' 2.99 at 4 rows, 1.92 / 1.70 at 2)
+SMALL_MIN_ROWS = 4
 # with Settings.batched_decode "split16", decode steps of this many rows or more run the prefill's
 # split16 GEMMs on its kept split weights
 SPLIT16_MIN_ROWS = 16
@@ -79,7 +83,8 @@ class Forward:
         self.gemm = GemmProjections(self.ctx, settings.prefill_precision, settings.prefill_weight_cache)
         timeline.mark("cuda: prefill GEMMs set up (%s, %d split weight groups kept)", self.gemm.prefill,
                       len(self.gemm.cached))
-        self.mmq = MmqProjections(self.ctx, ws.max_rows, self.gemv) if ws.max_rows >= MMQ_MIN_ROWS else None
+        self.mmq = (MmqProjections(self.ctx, ws.max_rows, self.gemv, MMQ_MIN_ROWS, SMALL_MIN_ROWS)
+                    if ws.max_rows >= SMALL_MIN_ROWS else None)
         self.split16_decode = (settings.batched_decode == "split16" and self.gemm.prefill == "split16"
                                and bool(self.gemm.cached))
         int8 = settings.decode_activations != "fp32"
@@ -196,7 +201,7 @@ class Forward:
         the argmax tokens and advanced positions."""
         c, ws, g = self.c, self.ws, self.gemv
         feed = (io.data.ptr, io.shape[1], *self.token_ring) if io is not None else (0, 0, 0, 0)
-        if self.mmq is not None and n >= MMQ_MIN_ROWS and self.mmq.head_ok:
+        if self.mmq is not None and self.mmq.head_ok and n >= self.mmq.min_rows:
             self.mmq.head(rows, n, self.w.output_norm, ws.logits, self.am_key.data.ptr)
             ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
             return
@@ -232,7 +237,7 @@ class Forward:
         """How a decode step of b rows runs its projections (fixed per bucket: captured once)."""
         if self.split16_decode and b >= SPLIT16_MIN_ROWS:
             return self.gemm
-        if self.mmq is not None and b >= MMQ_MIN_ROWS:
+        if self.mmq is not None and b >= self.mmq.min_rows:
             return self.mmq
         return self.gemv
 

@@ -9,6 +9,10 @@ fused argmax) or `mmq_ffn` (gate and up, a = act(g) * u). One prep serves every 
 input. Launches allocate nothing and never synchronize: buffers come from MmqPrep and MmqScratch,
 sized once for the largest batch, so the sequence can be captured in a CUDA graph.
 
+Batches of up to 16 rows whose matrices all have a type of SMALL_TYPES take kernels/mmqs.cu
+instead (same prep, same numerics): one block per 16 weight rows, its warps splitting K, weights
+straight from memory into the mma fragments (`small_warps` picks the warps per block).
+
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
 of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
 (FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (qwen15's 1536-row
@@ -35,6 +39,10 @@ THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MM
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
 TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
+SMALL_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})    # kernels/mmqs.cu
+SMALL_MAX_M = 16                                 # its widest token tile (mmqs_t16)
+SMALL_MAX_WARPS = 8                              # MMQS_MAXW
+SMALL_WARPS_PER_SM = 16                          # the warps a launch aims to keep on each SM
 CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
 MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
 
@@ -42,6 +50,17 @@ MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the las
 def mmq_ok(w: WeightRef) -> bool:
     """The matrix has a tensor-core kernel here (its type, whole blocks per row)."""
     return w.qtype in TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
+
+
+def small_ok(w: WeightRef) -> bool:
+    """The matrix has a kernel in mmqs.cu (batches of up to SMALL_MAX_M rows)."""
+    return w.qtype in SMALL_TYPES and mmq_ok(w) and w.cols % 64 == 0
+
+
+def small_warps(tiles: int, K: int, sm_count: int) -> int:
+    """Warps per block of an mmqs launch of `tiles` 16-row tiles: enough for SMALL_WARPS_PER_SM
+    warps on every SM, at most one per 64-column item of K."""
+    return max(1, min(SMALL_MAX_WARPS, K // 64, -(-SMALL_WARPS_PER_SM * sm_count // tiles)))
 
 
 def prep_row_bytes(K: int) -> int:
@@ -179,24 +198,52 @@ def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: i
             mmq_smem_bytes(pl.bn), pdl)
 
 
+def _use_small(mats, M: int, small: bool | None) -> bool:
+    ok = M <= SMALL_MAX_M and all(small_ok(w) for w in mats)
+    if small and not ok:
+        raise ValueError(f"mmqs: {M} rows (at most {SMALL_MAX_M}) of "
+                         f"{', '.join(getattr(w.qtype, 'name', str(w.qtype)) for w in mats)} "
+                         f"(types {', '.join(sorted(q.name for q in SMALL_TYPES))}) have no small-batch kernel")
+    return ok if small is None else small
+
+
+def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mode: int, act: int,
+                  accumulate: bool, amax: int, pdl: bool, warps: int | None) -> None:
+    W = warps or small_warps(tiles, K, _sm_count(k))
+    if not 1 <= W <= SMALL_MAX_WARPS:
+        raise ValueError(f"mmqs: {W} warps per block (1..{SMALL_MAX_WARPS})")
+    for _ in range(3 - len(seg_args) // 7):
+        seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
+    _launch(k.mmqs[8 if M <= 8 else 16], (tiles,), (32 * W,),
+            (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
+             _I32(mode), _I32(act), _I32(int(accumulate)), _U64(amax)), 0, pdl)
+
+
 def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,
-        amax: int = 0, pdl: bool = False, splits: int | None = None) -> None:
+        amax: int = 0, pdl: bool = False, splits: int | None = None, small: bool | None = None,
+        warps: int | None = None) -> None:
     """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
     pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
     segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
-    argmax_unpack reads and resets it)."""
+    argmax_unpack reads and resets it). small: force mmqs.cu (True) or mmq.cu (False); None picks
+    (a benchmark's comparison); warps: mmqs's warps per block (None: small_warps)."""
     if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
         raise ValueError("mmq: one to three segments, and only one with amax")
-    _check("mmq", [w for w, _, _, _ in segs], K, p, M)
+    mats = [w for w, _, _, _ in segs]
+    _check("mmq", mats, K, p, M)
     args: list = []
     for w, bias, y, ys in segs:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-    pl = plan(M, K, tuple(w.rows for w, _, _, _ in segs), False, _sm_count(k), splits)
+    if _use_small(mats, M, small):
+        tiles = sum(-(-w.rows // 16) for w in mats)
+        return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps)
+    pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits)
     _launch_mmq(k, pl, args, K, p, M, 0, 0, accumulate, scratch, amax, pdl)
 
 
 def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act: int, a: int, as_: int,
-            scratch: MmqScratch, pdl: bool = False, splits: int | None = None) -> None:
+            scratch: MmqScratch, pdl: bool = False, splits: int | None = None, small: bool | None = None,
+            warps: int | None = None) -> None:
     """a[t] = act(gate @ h[t]) * (up @ h[t]) for t < M (act 0: SiLU, 1: GELU-tanh), fp32 out with
     row stride as_; gate and up share type and shape."""
     if wg.qtype != wu.qtype or wg.rows != wu.rows or wg.cols != wu.cols or wg.row_bytes != wu.row_bytes:
@@ -205,5 +252,7 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
     args = []
     for w in (wg, wu):
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
+    if _use_small([wg, wu], M, small):
+        return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps)
     pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)

@@ -253,6 +253,7 @@ class Kernels:
         mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + (f"-DMMQ_BN={bn}",), smem=mmq_smem_bytes(bn), lazy=True)
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
+        mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
         self._gemvs, self._sfx = gemvs, sfx
         self._ready_lock = threading.Lock()
         self._ready = False
@@ -265,6 +266,7 @@ class Kernels:
         self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in types})
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in types})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
+        self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
 
     def ready(self, max_batch: int | None = None) -> "Kernels":
         """Wait for the modules a batch-1 start needs, then start the GEMVs for batches of up to

@@ -211,11 +211,14 @@ class MmqProjections(Projections):
     """Decode steps of many rows: each projection is a prep launch (the input rows as row-scaled fp16
     halves, RMSNorm folded in) and a tensor-core matrix multiply that reads every weight block once
     per 64 rows (mmq.py, kernels/mmq.cu), at fp32-class accuracy. A projection whose matrices have
-    no such kernel (float types, K not whole blocks) runs on the GEMVs (`fallback`)."""
+    no such kernel (float types, K not whole blocks) runs on the GEMVs (`fallback`). Steps of
+    min_rows or more rows come here: mmq_rows, or small_rows when every matrix of the model has a
+    small-batch kernel (mmqs.cu, chosen per launch by mmq.py for up to 16 rows)."""
 
-    def __init__(self, ctx: StepContext, max_rows: int, fallback: GemvProjections):
+    def __init__(self, ctx: StepContext, max_rows: int, fallback: GemvProjections, mmq_rows: int = 8,
+                 small_rows: int = 2):
         super().__init__(ctx)
-        from .mmq import MmqPrep, MmqScratch, mmq_ok
+        from .mmq import MmqPrep, MmqScratch, mmq_ok, small_ok
         c, w = ctx.c, ctx.w
         self.fallback = fallback
         self.prep_buf = MmqPrep(max_rows, max(c.hidden, c.q_dim, c.ffn_dim))
@@ -230,6 +233,10 @@ class MmqProjections(Projections):
             self.on.append(dict(qkv=all(mmq_ok(m) for m in (lw.wq, lw.wk, lw.wv)), out=mmq_ok(lw.wo),
                                 ffn=ffn, down=ffn and mmq_ok(lw.w_down)))
         self.head_ok = mmq_ok(w.output)
+        mats = [m for lw in w.layers for m in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)]
+        self.small = all(on for d in self.on for on in d.values()) and self.head_ok and all(
+            small_ok(m) for m in mats + [w.output])
+        self.min_rows = small_rows if self.small else mmq_rows
 
     @property
     def nbytes(self) -> int:
