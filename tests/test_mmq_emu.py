@@ -224,26 +224,6 @@ def test_small_types_tokens_and_warps(emu, tmp_path, qt):
         check(f"mmqs {qt.name} t{-bn} M{M} warps{warps}", res, EXACT_TOL)
 
 
-@pytest.mark.parametrize("qt", SMALL_TYPES, ids=lambda q: q.name)
-def test_small_fp32_rows(emu, tmp_path, qt):
-    """mmqs.cu reading the fp32 rows itself (no prep): each unit scaled by its own power of two and
-    split in registers, the norm's 1/rms from the squares it summed, with and without the norm,
-    both token tiles, activations over ten decades, under both tensor-core models."""
-    rng = np.random.default_rng(int(qt) * 31337)
-    K = 768 if qt in KQUANT else 576
-    for bn, M, warps, norm in ((-108, 1, 1, True), (-108, 6, 3, False), (-116, 11, 8, True), (-116, 16, 2, False)):
-        res = run_case(emu, tmp_path, rng, [(qt, 37)], K, M, bn, warps, bias=True, norm=norm)
-        check(f"mmqs fp32 {qt.name} t{-bn - 100} M{M} warps{warps} norm={norm}", res, EXACT_TOL)
-    for tc_model in (0, 1):
-        res = run_case(emu, tmp_path, rng, [(qt, 21)], 1024 if qt in KQUANT else 960, 7, -108, 4, stress=True,
-                       norm=tc_model == 1, tc_model=tc_model, twice=False)
-        check(f"mmqs fp32 stress {qt.name} model={tc_model}", res, FP32_TOL if tc_model else EXACT_TOL)
-    check(f"mmqs fp32 ffn {qt.name}", run_case(emu, tmp_path, rng, [(qt, 33)], K, 5, -108, 3, mode=1, norm=True),
-          EXACT_TOL)
-    check(f"mmqs fp32 residual {qt.name}", run_case(emu, tmp_path, rng, [(qt, 19)], K, 10, -116, 2,
-                                                     accumulate=True), EXACT_TOL)
-
-
 def test_small_qkv_ffn_head(emu, tmp_path):
     """mmqs.cu's epilogues: Q/K/V segments of mixed types with biases, the residual add, the fused
     FFN with the folded norm, the LM head's argmax, activations over ten decades."""

@@ -154,17 +154,8 @@ def main() -> int:
             row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid}
             row["mmq_us"] = median_call_us(run_mmq, copies, args.reps)
             small = M <= mmq.SMALL_MAX_M and all(mmq.small_ok(w) for w in copy_sets[0])
-            def run_rows(i, M=M):
-                ws = copy_sets[i]
-                if ffn:
-                    mmq.small_ffn_rows(k, ws[0], ws[1], x.data.ptr, K_max, M, 0, outs[0].data.ptr, rows[0])
-                else:
-                    mmq.small_rows(k, [(w, 0, o.data.ptr, n) for w, o, n in zip(ws, outs, rows)], K, x.data.ptr,
-                                   K_max, M)
-
             if small:         # mmq_us is mmqs.cu's: the tile kernel beside it, and warps per block forced
                 row["tile_us"] = median_call_us(lambda i: run_mmq(i, small=False), copies, args.reps)
-                row["rows_us"] = median_call_us(run_rows, copies, args.reps)   # fp32 rows, no prep
                 for wp in warps:
                     row[f"small_w{wp}_us"] = median_call_us(lambda i, wp=wp: run_mmq(i, warps=wp), copies, args.reps)
             row["prep_us"] = median_call_us(run_prep, min(copies, 16), args.reps)
@@ -181,7 +172,7 @@ def main() -> int:
             results.append(row)
             sp = "".join(f"  s{s}={row[f'mmq_split{s}_us']:.1f}" for s in forced)
             if "tile_us" in row:
-                sp += f"  [mmqs; tiles {row['tile_us']:.1f}; fp32 rows {row['rows_us']:.1f}]" + "".join(
+                sp += f"  [mmqs; tiles {row['tile_us']:.1f}]" + "".join(
                     f"  w{wp}={row[f'small_w{wp}_us']:.1f}" for wp in warps)
             mv = (f"{row['mmvf_us']:9.1f} {row['mmvf_GBps']:7.0f} {row['mmq_us'] and row['mmvf_us'] / row['mmq_us']:6.2f}x"
                   if "mmvf_us" in row else "")

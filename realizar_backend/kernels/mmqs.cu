@@ -186,85 +186,17 @@ template <> struct Mqs<QT_Q5_0> {
     }
 };
 
-// ------------------------------------------------------------------ activations -> B fragments
-// Where a step's activations come from: prep records (mmq_prep: scaled per row, 1/s applied in the
-// epilogue) or, for inputs that only a few blocks read, the fp32 rows themselves (x, times the norm
-// weight nw when given): each unit is scaled by its own power of two (max |v| in [2^14, 2^15), as
-// mmq_prep's row scale: exact) and split into fp16 hi/lo halves in registers, so no prep launch
-// runs before the projection. The norm's 1/rms is a per-token factor of the result: the squares are
-// summed along the way and applied in the epilogue.
-struct MmqsIn {
-    const u8* rec;          // prep records (x == nullptr)
-    long long rs;           // their row stride, bytes
-    const float* x;         // fp32 rows (row stride xs floats), or nullptr
-    int xs;
-    const float* nw;        // x's norm weight, or nullptr
-};
-
-// unit u of this thread's B-fragment token (row pointer xr / record rr) as hi/lo fragments bh, bl;
-// iv: the token's 1/scale of this unit (records: 1), sm: the unit's sum (records: their unit sum),
-// ss += the squares of the thread's eight raw values
-template <bool F32>
-__device__ __forceinline__ void mmqs_b(const MmqsIn& in, const u8* rr, const float* xr, int u, int tig,
-                                       const float (&nv)[8], uint4& bh, uint4& bl, float& iv, float& sm, float& ss) {
-    if (!F32) {
-        const int ro = (u >> 2) * MMQS_REC + (u & 3) * 128;
-        bh = __ldg((const uint4*)(rr + ro + 16 * tig));
-        bl = __ldg((const uint4*)(rr + ro + 64 + 16 * tig));
-        sm = __ldg((const float*)(rr + (u >> 2) * MMQS_REC + 512 + 4 * (u & 3)));
-        iv = 1.0f;
-        return;
-    }
-    const float4 a = __ldg((const float4*)(xr + 32 * u + 4 * tig)), b = __ldg((const float4*)(xr + 32 * u + 16 + 4 * tig));
-    float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    float m = 0.0f, t = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        ss = fmaf(v[j], v[j], ss);
-        v[j] *= nv[j];
-        m = fmaxf(m, fabsf(v[j]));
-        t += v[j];
-    }
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    t += __shfl_xor_sync(0xffffffffu, t, 1);
-    t += __shfl_xor_sync(0xffffffffu, t, 2);
-    sm = t;
-    const float sc = row_scale(m, iv);
-    u32 h[4], l[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float x0 = v[2 * j] * sc, x1 = v[2 * j + 1] * sc;
-        const u16 h0 = f2h(x0), h1 = f2h(x1);
-        h[j] = h0 | ((u32)h1 << 16);
-        l[j] = f2h(x0 - h2f(h0)) | ((u32)f2h(x1 - h2f(h1)) << 16);
-    }
-    bh = make_uint4(h[0], h[1], h[2], h[3]);
-    bl = make_uint4(l[0], l[1], l[2], l[3]);
-}
-
 // ------------------------------------------------------------------ the K loop
 // acc[m][n] += the items w, w + W, ... of the MT 16-row tiles (rows[m]: the rows gid and gid + 8
-// of tile m) for the token tiles n: tk[n] is this thread's B-fragment token, tc[n][j] the token of
-// its C columns j (8 n + 2 tig + j), both clamped to M - 1; ss[n]: the squares of token tk[n]'s
-// values this thread read (F32 only).
-template <int QT, int MT, int NT, bool F32>
-__device__ __forceinline__ void mmqs_k(const u8* const (&rows)[MT][2], int nu, int w, int W, int tig, const MmqsIn& in,
-                                       const int (&tk)[NT], const int (&tc)[NT][2], float (&acc)[MT][NT][4],
-                                       float (&ss)[NT]) {
+// of tile m) for the token tiles n (xr[n]: this thread's B-fragment token's prep records; sr[n][j]:
+// the records of tokens 8 n + 2 tig + j, for the unit sums).
+template <int QT, int MT, int NT>
+__device__ __forceinline__ void mmqs_k(const u8* const (&rows)[MT][2], int nu, int w, int W, int tig,
+                                       const u8* const (&xr)[NT], const u8* const (&sr)[NT][2],
+                                       float (&acc)[MT][NT][4]) {
     using T = Mqs<QT>;
     constexpr int P = MMQS_ITEMS / (MT * NT) > 0 ? MMQS_ITEMS / (MT * NT) : 1;
     const int nit = nu >> 1;
-    const u8* rr[NT];
-    const float* xr[NT];
-    const u8* sr[NT][2];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        rr[n] = in.rec + (long long)tk[n] * in.rs;
-        xr[n] = in.x + (long long)tk[n] * in.xs;
-        sr[n][0] = in.rec + (long long)tc[n][0] * in.rs;
-        sr[n][1] = in.rec + (long long)tc[n][1] * in.rs;
-    }
 #pragma unroll 1
     for (int i0 = w; i0 < nit; i0 += P * W) {
         typename T::Raw raw[P][MT];
@@ -279,34 +211,17 @@ __device__ __forceinline__ void mmqs_k(const u8* const (&rows)[MT][2], int nu, i
             if (i >= nit) break;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int u = 2 * i + e;
-                float nv[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
-                if (F32 && in.nw) {
-                    const float4 a = __ldg((const float4*)(in.nw + 32 * u + 4 * tig));
-                    const float4 b = __ldg((const float4*)(in.nw + 32 * u + 16 + 4 * tig));
-                    nv[0] = a.x; nv[1] = a.y; nv[2] = a.z; nv[3] = a.w;
-                    nv[4] = b.x; nv[5] = b.y; nv[6] = b.z; nv[7] = b.w;
-                }
+                const int u = 2 * i + e, ro = (u >> 2) * MMQS_REC + (u & 3) * 128;
                 uint4 bh[NT], bl[NT];
-                float sx[NT][2], iv[NT][2];
+                float sx[NT][2];
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
-                    float ivb, smb;
-                    mmqs_b<F32>(in, rr[n], xr[n], u, tig, nv, bh[n], bl[n], ivb, smb, ss[n]);
-                    if (F32) {     // the C columns' tokens are those of the B fragments of quads 2 tig, 2 tig + 1
-                        iv[n][0] = __shfl_sync(0xffffffffu, ivb, 8 * tig);
-                        iv[n][1] = __shfl_sync(0xffffffffu, ivb, 8 * tig + 4);
-                        if (T::MIN) {
-                            sx[n][0] = __shfl_sync(0xffffffffu, smb, 8 * tig);
-                            sx[n][1] = __shfl_sync(0xffffffffu, smb, 8 * tig + 4);
-                        }
-                    } else {
-                        iv[n][0] = iv[n][1] = 1.0f;
-                        if (T::MIN) {
-                            const int so = (u >> 2) * MMQS_REC + 512 + 4 * (u & 3);
-                            sx[n][0] = __ldg((const float*)(sr[n][0] + so));
-                            sx[n][1] = __ldg((const float*)(sr[n][1] + so));
-                        }
+                    bh[n] = __ldg((const uint4*)(xr[n] + ro + 16 * tig));
+                    bl[n] = __ldg((const uint4*)(xr[n] + ro + 64 + 16 * tig));
+                    if (T::MIN) {
+                        const int so = (u >> 2) * MMQS_REC + 512 + 4 * (u & 3);
+                        sx[n][0] = __ldg((const float*)(sr[n][0] + so));
+                        sx[n][1] = __ldg((const float*)(sr[n][1] + so));
                     }
                 }
 #pragma unroll
@@ -323,20 +238,20 @@ __device__ __forceinline__ void mmqs_k(const u8* const (&rows)[MT][2], int nu, i
                             mmq_mma(t, a[0], bl[n].x, bl[n].y);
                             mmq_mma(t, a[1], bh[n].z, bh[n].w);
                             mmq_mma(t, a[1], bl[n].z, bl[n].w);
-                            c[0] = fmaf(t[0], d[0][0] * iv[n][0], c[0]);
-                            c[1] = fmaf(t[1], d[0][0] * iv[n][1], c[1]);
-                            c[2] = fmaf(t[2], d[1][0] * iv[n][0], c[2]);
-                            c[3] = fmaf(t[3], d[1][0] * iv[n][1], c[3]);
+                            c[0] = fmaf(t[0], d[0][0], c[0]);
+                            c[1] = fmaf(t[1], d[0][0], c[1]);
+                            c[2] = fmaf(t[2], d[1][0], c[2]);
+                            c[3] = fmaf(t[3], d[1][0], c[3]);
                         } else {
 #pragma unroll
                             for (int s = 0; s < 2; ++s) {
                                 float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                                 mmq_mma(t, a[s], s ? bh[n].z : bh[n].x, s ? bh[n].w : bh[n].y);
                                 mmq_mma(t, a[s], s ? bl[n].z : bl[n].x, s ? bl[n].w : bl[n].y);
-                                c[0] = fmaf(t[0], d[0][s] * iv[n][0], c[0]);
-                                c[1] = fmaf(t[1], d[0][s] * iv[n][1], c[1]);
-                                c[2] = fmaf(t[2], d[1][s] * iv[n][0], c[2]);
-                                c[3] = fmaf(t[3], d[1][s] * iv[n][1], c[3]);
+                                c[0] = fmaf(t[0], d[0][s], c[0]);
+                                c[1] = fmaf(t[1], d[0][s], c[1]);
+                                c[2] = fmaf(t[2], d[1][s], c[2]);
+                                c[3] = fmaf(t[3], d[1][s], c[3]);
                             }
                         }
                         if (T::MIN) {
@@ -364,17 +279,10 @@ struct MmqsSeg {
 
 template <int MT, int NT>
 __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2], int nu, int w, int W, int tig,
-                                         const MmqsIn& in, const int (&tk)[NT], const int (&tc)[NT][2],
-                                         float (&acc)[MT][NT][4], float (&ss)[NT]) {
+                                         const u8* const (&xr)[NT], const u8* const (&sr)[NT][2],
+                                         float (&acc)[MT][NT][4]) {
     bool known = false;
-#define MMQS_CASE(Q)                                                                   \
-    case Q:                                                                            \
-        if constexpr (QT_ON(Q)) {                                                      \
-            if (in.x) mmqs_k<Q, MT, NT, true>(rows, nu, w, W, tig, in, tk, tc, acc, ss);  \
-            else mmqs_k<Q, MT, NT, false>(rows, nu, w, W, tig, in, tk, tc, acc, ss);      \
-            known = true;                                                              \
-        }                                                                              \
-        break;
+#define MMQS_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmqs_k<Q, MT, NT>(rows, nu, w, W, tig, xr, sr, acc); known = true; } break;
     switch (qt) {
         MMQS_CASE(QT_Q4_K)
         MMQS_CASE(QT_Q6_K)
@@ -392,7 +300,7 @@ __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2],
                 for (int j = 0; j < 4; ++j) acc[m][n][j] = __int_as_float(0x7fffffff);
 }
 
-// warps 1 .. W-1 hand their sums to warp 0, which adds them in warp order; true for warp 0
+// warps 1.. W-1 hand their sums to warp 0, which adds them in warp order; true for warp 0
 template <int E>
 __device__ __forceinline__ bool mmqs_reduce(float (&v)[E], int w, int W, int lane) {
     __shared__ float red[MMQS_MAXW - 1][E][32];
@@ -407,48 +315,10 @@ __device__ __forceinline__ bool mmqs_reduce(float (&v)[E], int w, int W, int lan
     return true;
 }
 
-// the rows' sums and, for fp32 inputs, the squares of each token (quad-reduced first), through
-// warp 0; then each C value's factor: 1/s (records) or 1/rms (fp32 rows with a norm weight) or 1
-template <int MT, int NT>
-__device__ __forceinline__ bool mmqs_finish(float (&acc)[MT][NT][4], float (&ss)[NT], const MmqsIn& in,
-                                            const float* __restrict__ inv, int K, float eps, const int (&tc)[NT][2],
-                                            int w, int W, int lane, int tig, float (&f)[NT][2]) {
-    constexpr int E = MT * NT * 4;
-    float v[E + NT];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) v[(m * NT + n) * 4 + j] = acc[m][n][j];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        float q = ss[n];
-        q += __shfl_xor_sync(0xffffffffu, q, 1);
-        q += __shfl_xor_sync(0xffffffffu, q, 2);
-        v[E + n] = q;
-    }
-    if (!mmqs_reduce<E + NT>(v, w, W, lane)) return false;
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[m][n][j] = v[(m * NT + n) * 4 + j];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const float r = in.x && in.nw ? rsqrtf(v[E + n] / K + eps) : 1.0f;    // of token tk[n] (quad gid)
-        const float r0 = __shfl_sync(0xffffffffu, r, 8 * tig), r1 = __shfl_sync(0xffffffffu, r, 8 * tig + 4);
-        f[n][0] = in.x ? r0 : inv[tc[n][0]];
-        f[n][1] = in.x ? r1 : inv[tc[n][1]];
-    }
-    return true;
-}
-
 template <int NT>
-__device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const MmqsIn& in,
-                                          const float* __restrict__ inv, float eps, int M, int mode, int act,
-                                          int accumulate, unsigned long long* amax) {
+__device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
+                                          const float* __restrict__ inv, int M, int mode, int act, int accumulate,
+                                          unsigned long long* amax) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int gid = lane >> 2, tig = lane & 3, nu = K >> 5;
     int lt = blockIdx.x, si = 0;
@@ -465,17 +335,15 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
     }
     const MmqsSeg S = si == 0 ? seg[0] : (si == 1 ? seg[1] : seg[2]);
     const int r0 = 16 * lt;
-    // tokens past M repeat the last one: their columns of C are never stored
-    int tk[NT], tc[NT][2];
+    // token rows past M repeat the last one: their columns of C are never stored
+    const u8* xr[NT];
+    const u8* sr[NT][2];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        tk[n] = min(8 * n + gid, M - 1);
-        tc[n][0] = min(8 * n + 2 * tig, M - 1);
-        tc[n][1] = min(8 * n + 2 * tig + 1, M - 1);
+        xr[n] = xp + (long long)min(8 * n + gid, M - 1) * xps;
+        sr[n][0] = xp + (long long)min(8 * n + 2 * tig, M - 1) * xps;
+        sr[n][1] = xp + (long long)min(8 * n + 2 * tig + 1, M - 1) * xps;
     }
-    float ss[NT], f[NT][2];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) ss[n] = 0.0f;
     pdl_wait();
 
     if (mode) {
@@ -485,16 +353,16 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
             {seg[0].W + (long long)min(r0 + gid, F - 1) * seg[0].rb, seg[0].W + (long long)min(r0 + gid + 8, F - 1) * seg[0].rb},
             {seg[1].W + (long long)min(r0 + gid, F - 1) * seg[1].rb, seg[1].W + (long long)min(r0 + gid + 8, F - 1) * seg[1].rb}};
         float acc[2][NT][4] = {};
-        mmqs_run<2, NT>(seg[0].qt, rows, nu, w, W, tig, in, tk, tc, acc, ss);
+        mmqs_run<2, NT>(seg[0].qt, rows, nu, w, W, tig, xr, sr, acc);
         pdl_trigger();
-        if (!mmqs_finish<2, NT>(acc, ss, in, inv, K, eps, tc, w, W, lane, tig, f)) return;
+        if (!mmqs_reduce<2 * NT * 4>(reinterpret_cast<float (&)[2 * NT * 4]>(acc), w, W, lane)) return;
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int r = r0 + gid + 8 * (j >> 1), t = 8 * n + 2 * tig + (j & 1);
                 if (r < F && t < M)
-                    seg[0].y[(long long)t * seg[0].ys + r] = act_f(acc[0][n][j] * f[n][j & 1], act) * (acc[1][n][j] * f[n][j & 1]);
+                    seg[0].y[(long long)t * seg[0].ys + r] = act_f(acc[0][n][j] * inv[t], act) * (acc[1][n][j] * inv[t]);
             }
         return;
     }
@@ -502,9 +370,9 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
     const u8* const rows[1][2] = {{S.W + (long long)min(r0 + gid, S.n - 1) * S.rb,
                                    S.W + (long long)min(r0 + gid + 8, S.n - 1) * S.rb}};
     float acc[1][NT][4] = {};
-    mmqs_run<1, NT>(S.qt, rows, nu, w, W, tig, in, tk, tc, acc, ss);
+    mmqs_run<1, NT>(S.qt, rows, nu, w, W, tig, xr, sr, acc);
     pdl_trigger();
-    if (!mmqs_finish<1, NT>(acc, ss, in, inv, K, eps, tc, w, W, lane, tig, f)) return;
+    if (!mmqs_reduce<NT * 4>(reinterpret_cast<float (&)[NT * 4]>(acc), w, W, lane)) return;
     unsigned long long best[NT][2];          // argmax keys of this thread's tokens (amax)
 #pragma unroll
     for (int n = 0; n < NT; ++n) best[n][0] = best[n][1] = 0ull;
@@ -514,7 +382,7 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
         for (int j = 0; j < 4; ++j) {
             const int r = r0 + gid + 8 * (j >> 1), t = 8 * n + 2 * tig + (j & 1);
             if (r < S.n && t < M) {
-                const float v = acc[0][n][j] * f[n][j & 1] + (S.bias ? S.bias[r] : 0.0f);
+                const float v = acc[0][n][j] * inv[t] + (S.bias ? S.bias[r] : 0.0f);
                 float* out = S.y + (long long)t * S.ys + r;
                 *out = accumulate ? *out + v : v;
                 if (amax) {
@@ -539,19 +407,16 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
             }
 }
 
-// x != nullptr: fp32 input rows (row stride xs floats, RMSNorm weight nw or nullptr, eps), and xp,
-// xps, inv unused; else the prep records xp (row stride xps bytes) and their 1/s in inv
 #define DEFINE_MMQS(T)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * MMQS_MAXW, 2) mmqs_t##T(                            \
+    extern "C" __global__ void __launch_bounds__(32 * MMQS_MAXW, 2) mmqs_t##T(                               \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,                \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
-        int K, const u8* xp, long long xps, const float* inv, const float* x, int xs, const float* nw,    \
-        float eps, int M, int mode, int act, int accumulate, unsigned long long* amax) {                  \
+        int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
+        unsigned long long* amax) {                                                                       \
         const MmqsSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},         \
                                 {W2, rb2, n2, qt2, b2, y2, ys2}};                                         \
-        const MmqsIn in{xp, xps, x, xs, nw};                                                              \
-        mmqs_body<T / 8>(seg, K, in, inv, eps, M, mode, act, accumulate, amax);                           \
+        mmqs_body<T / 8>(seg, K, xp, xps, inv, M, mode, act, accumulate, amax);                           \
     }
 DEFINE_MMQS(8)
 DEFINE_MMQS(16)

@@ -220,38 +220,6 @@ def test_small_batches_both_kernels(k, bufs, rng, qt):
         print(f"{qt.name}: mmqs and mmq within {FP32_TOL:.0e} for M 1..16")
 
 
-@pytest.mark.parametrize("qt", SMALL, ids=lambda q: q.name)
-def test_small_on_fp32_rows(k, rng, qt):
-    """mmqs.cu reading the fp32 rows itself (small_rows / small_ffn_rows, no prep launch): with and
-    without the folded RMSNorm, the residual add, the fused FFN, activations over ten decades."""
-    from realizar_backend.backends.cuda import mmq
-    K, N = (1536, 257) if qt in KQUANT else (896, 257)
-    w, keep, W64 = _weight(qt, N, K, rng)
-    wu, keep2, U64 = _weight(qt, N, K, rng)
-    nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
-    nwd = _dev(nw)
-    for M in (1, 4, 7, 8, 11, 16):
-        for stress in (False, True):
-            x = _x(rng, M, K, stress=stress)
-            xd = _dev(x)
-            for norm in (False, True):
-                h64 = _rms(x[:, :K], nw) if norm else x[:, :K].astype(np.float64)
-                nrm = (nwd.data.ptr, 1e-6) if norm else None
-                y0 = rng.standard_normal((M, N + 3)).astype(np.float32)
-                y = _dev(y0)
-                mmq.small_rows(k, [(w, 0, y.data.ptr, N + 3)], K, xd.data.ptr, K + 4, M, norm=nrm, accumulate=True)
-                got = y.get()
-                ref, scale = h64 @ W64.T + y0[:, :N], np.abs(h64) @ np.abs(W64).T + np.abs(y0[:, :N])
-                e = _err(got[:, :N], ref, scale) if np.array_equal(got[:, N:], y0[:, N:]) else float("inf")
-                a = _poison((M, N + 5))
-                mmq.small_ffn_rows(k, w, wu, xd.data.ptr, K + 4, M, 0, a.data.ptr, N + 5, norm=nrm)
-                fref, fscale = _ffn_ref(h64, W64, U64, 0)
-                ga = a.get()
-                ef = _err(ga[:, :N], fref, fscale) if np.all(np.isnan(ga[:, N:])) else float("inf")
-                assert max(e, ef) <= FP32_TOL, f"{qt.name} M={M} stress={stress} norm={norm}: {e:.2e} ffn {ef:.2e}"
-    print(f"{qt.name}: fp32-row mmqs within {FP32_TOL:.0e}")
-
-
 def test_small_kernel_refuses_what_it_lacks(k, bufs, rng):
     from realizar_backend.backends.cuda import mmq
     prep, scratch = bufs
@@ -266,8 +234,6 @@ def test_small_kernel_refuses_what_it_lacks(k, bufs, rng):
         mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 17, scratch, small=True)
     with pytest.raises(ValueError, match="warps per block"):
         mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, warps=9)
-    with pytest.raises(ValueError, match="16-byte alignment"):
-        mmq.small_rows(k, [(w, 0, y.data.ptr, 64)], 512, x.data.ptr + 4, 516, 4)
 
 
 # ------------------------------------------------------------------ accuracy

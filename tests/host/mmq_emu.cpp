@@ -1,5 +1,5 @@
-// Runs kernels/mmq.cu (mmq_prep, then mmq_bnBN) or kernels/mmqs.cu (bn < 0: mmqs_t(-bn) on the prep
-// records, bn <= -100: mmqs_t(-bn - 100) on the fp32 rows; `splits` warps per block) on the CPU. Every CUDA thread of a block is a fiber
+// Runs kernels/mmq.cu (mmq_prep, then mmq_bnBN) or kernels/mmqs.cu (bn < 0: mmqs_t(-bn), with
+// `splits` warps per block) on the CPU. Every CUDA thread of a block is a fiber
 // (ucontext) on one OS thread, switched at barriers: __syncthreads is a block barrier, and each
 // warp-collective instruction (ldmatrix, mma.sync, shuffles) is a warp barrier around an exchange
 // buffer. ldmatrix.x4 and mma.m16n8k16 are emulated from their fragment layouts in the PTX ISA, so
@@ -146,14 +146,6 @@ template <class T> static inline T __shfl_xor_sync(unsigned, T v, int o) {
     std::memcpy(&r, &buf[(threadIdx.x & 31) ^ o][0], sizeof(T));
     return r;
 }
-template <class T> static inline T __shfl_sync(unsigned, T v, int src) {
-    unsigned long long w = 0;
-    std::memcpy(&w, &v, sizeof(T));
-    auto buf = emu::publish(&w, 1);
-    T r;
-    std::memcpy(&r, &buf[src & 31][0], sizeof(T));
-    return r;
-}
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
 static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
     unsigned long long o = *p;
@@ -296,8 +288,6 @@ int main(int argc, char** argv) {
     }
 
     const bool small = bn < 0;           // mmqs.cu: tiles of 16 rows, one block each, `splits` warps
-    const bool f32in = bn <= -100;       // mmqs.cu reading x (and nw) itself
-    const int small_t = f32in ? -bn - 100 : -bn;
     const int tile_rows = small ? 16 : (mode ? MMQ_BM / 2 : MMQ_BM);
     int tiles = 0;
     if (mode) tiles = (segs[0].n + tile_rows - 1) / tile_rows;
@@ -331,14 +321,10 @@ int main(int argc, char** argv) {
     (const u8*)ptr(0, 0), rb_(0), n_(0), qt_(0), (const float*)ptr(0, 1), (float*)ptr(0, 2), ys_(0),           \
         (const u8*)ptr(1, 0), rb_(1), n_(1), qt_(1), (const float*)ptr(1, 1), (float*)ptr(1, 2), ys_(1),       \
         (const u8*)ptr(2, 0), rb_(2), n_(2), qt_(2), (const float*)ptr(2, 1), (float*)ptr(2, 2), ys_(2), K,    \
-        rec.data(), xps, inv.data(), f32in ? x.data() : nullptr, xs, f32in && use_norm ? nw.data() : nullptr, eps, M,  \
-        mode, act, accumulate, use_amax ? amax.data() : nullptr
-            if (small) {
-                if (small_t == 8) mmqs_t8(MMQS_ARGS);
-                else mmqs_t16(MMQS_ARGS);
-                return;
-            }
+        rec.data(), xps, inv.data(), M, mode, act, accumulate, use_amax ? amax.data() : nullptr
             switch (bn) {
+                case -8: mmqs_t8(MMQS_ARGS); break;
+                case -16: mmqs_t16(MMQS_ARGS); break;
                 case 8: mmq_bn8(MMQ_ARGS); break;
                 case 16: mmq_bn16(MMQ_ARGS); break;
                 case 32: mmq_bn32(MMQ_ARGS); break;

@@ -207,63 +207,16 @@ def _use_small(mats, M: int, small: bool | None) -> bool:
     return ok if small is None else small
 
 
-def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep | None, M: int, mode: int, act: int,
-                  accumulate: bool, amax: int, pdl: bool, warps: int | None, rows: tuple = (0, 0, 0, 0.0)) -> None:
-    """rows: (x pointer, row stride, norm weight pointer or 0, eps) of fp32 input rows, read by the
-    kernel itself; x 0: the prep records in p."""
+def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mode: int, act: int,
+                  accumulate: bool, amax: int, pdl: bool, warps: int | None) -> None:
     W = warps or small_warps(tiles, K, _sm_count(k))
     if not 1 <= W <= SMALL_MAX_WARPS:
         raise ValueError(f"mmqs: {W} warps per block (1..{SMALL_MAX_WARPS})")
     for _ in range(3 - len(seg_args) // 7):
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    x, xs, nw, eps = rows
-    rec = (_U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr)) if p is not None else \
-        (_U64(0), _I64(0), _U64(0))
     _launch(k.mmqs[8 if M <= 8 else 16], (tiles,), (32 * W,),
-            (*seg_args, _I32(K), *rec, _U64(x), _I32(xs), _U64(nw), _F32(eps), _I32(M),
+            (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
              _I32(mode), _I32(act), _I32(int(accumulate)), _U64(amax)), 0, pdl)
-
-
-def _small_rows_check(kind: str, mats, K: int, x: int, xs: int, M: int) -> None:
-    for w in mats:
-        if not small_ok(w) or w.cols != K:
-            raise ValueError(f"{kind}: {w.name} ({getattr(w.qtype, 'name', w.qtype)}, {w.rows} x {w.cols}) "
-                             f"has no small-batch kernel for K = {K}")
-    if not 1 <= M <= SMALL_MAX_M:
-        raise ValueError(f"{kind}: {M} rows (1..{SMALL_MAX_M})")
-    if not x or x % 16 or xs % 4 or xs < K:
-        raise ValueError(f"{kind}: input rows need 16-byte alignment, a stride of a multiple of 4 floats, "
-                         f"at least K = {K} (got stride {xs})")
-
-
-def small_rows(k: "Kernels", segs, K: int, x: int, xs: int, M: int, norm=None, accumulate: bool = False,
-               pdl: bool = False, warps: int | None = None) -> None:
-    """mmq() without the prep launch, on mmqs.cu: the kernel reads the fp32 rows x[:M, :K] (row
-    stride xs floats) itself, RMSNorm'ed with norm = (weight pointer, eps) when given. For inputs
-    that few blocks read (a whole LM head would re-split its input in every block: prep + mmq)."""
-    if not 1 <= len(segs) <= 3:
-        raise ValueError("small_rows: one to three segments")
-    mats = [w for w, _, _, _ in segs]
-    _small_rows_check("small_rows", mats, K, x, xs, M)
-    args: list = []
-    for w, bias, y, ys in segs:
-        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-    nw, eps = norm if norm is not None else (0, 0.0)
-    _launch_small(k, args, sum(-(-w.rows // 16) for w in mats), K, None, M, 0, 0, accumulate, 0, pdl, warps,
-                  (x, xs, nw, eps))
-
-
-def small_ffn_rows(k: "Kernels", wg: WeightRef, wu: WeightRef, x: int, xs: int, M: int, act: int, a: int, as_: int,
-                   norm=None, pdl: bool = False, warps: int | None = None) -> None:
-    """mmq_ffn() without the prep launch (as small_rows)."""
-    if wg.qtype != wu.qtype or wg.rows != wu.rows or wg.cols != wu.cols or wg.row_bytes != wu.row_bytes:
-        raise ValueError(f"small_ffn_rows: gate {wg.name} and up {wu.name} differ in type or shape")
-    _small_rows_check("small_ffn_rows", [wg, wu], wg.cols, x, xs, M)
-    args = []
-    for w in (wg, wu):
-        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
-    nw, eps = norm if norm is not None else (0, 0.0)
-    _launch_small(k, args, -(-wg.rows // 16), wg.cols, None, M, 1, act, False, 0, pdl, warps, (x, xs, nw, eps))
 
 
 def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,

@@ -255,42 +255,28 @@ class MmqProjections(Projections):
     def attn_outputs(self, li: int) -> tuple[int, int, int]:
         return (0, 0, 0) if self.on[li]["out"] else self.fallback.attn_outputs(li)
 
-    def _proj(self, x: cupy.ndarray, K: int, T: int, segs, norm: int = 0, accumulate: bool = False) -> None:
-        """segs @ (RMSNorm(x) * norm, or x): on mmqs.cu straight from the fp32 rows when the step is
-        small enough (no prep launch), else prep + mmq."""
-        from .mmq import SMALL_MAX_M, small_ok, small_rows
-        if T <= SMALL_MAX_M and all(small_ok(w) for w, _, _, _ in segs):
-            small_rows(self.ctx.k, segs, K, x.data.ptr, x.shape[1], T,
-                       norm=(norm, self.ctx.c.rms_eps) if norm else None, accumulate=accumulate, pdl=self.ctx.pdl)
-            return
-        self._prep(x, K, T, norm)
-        self._mmq(segs, K, T, accumulate=accumulate)
-
     def qkv(self, li: int, lw: LayerIndex, T: int) -> None:
         if not self.on[li]["qkv"]:
             return self.fallback.qkv(li, lw, T)
         ws, c = self.ctx.ws, self.ctx.c
-        self._proj(ws.x, c.hidden, T, [(lw.wq, lw.bq, ws.q.data.ptr, ws.q.shape[1]),
-                                       (lw.wk, lw.bk, ws.k.data.ptr, ws.k.shape[1]),
-                                       (lw.wv, lw.bv, ws.v.data.ptr, ws.v.shape[1])], norm=lw.attn_norm)
+        self._prep(ws.x, c.hidden, T, lw.attn_norm)
+        self._mmq([(lw.wq, lw.bq, ws.q.data.ptr, ws.q.shape[1]), (lw.wk, lw.bk, ws.k.data.ptr, ws.k.shape[1]),
+                   (lw.wv, lw.bv, ws.v.data.ptr, ws.v.shape[1])], c.hidden, T)
 
     def out(self, li: int, lw: LayerIndex, T: int) -> None:
         if not self.on[li]["out"]:
             return self.fallback.out(li, lw, T)
         ws = self.ctx.ws
+        self._prep(ws.attn, lw.wo.cols, T)
         dst, acc = self.dst(lw.post_attn_norm)
-        self._proj(ws.attn, lw.wo.cols, T, [(lw.wo, 0, dst.data.ptr, dst.shape[1])], accumulate=acc)
+        self._mmq([(lw.wo, 0, dst.data.ptr, dst.shape[1])], lw.wo.cols, T, accumulate=acc)
         self.residual(lw.post_attn_norm, T)
 
     def ffn(self, li: int, lw: LayerIndex, T: int) -> None:
         if not self.on[li]["ffn"]:
             return self.fallback.ffn(li, lw, T)
-        from .mmq import SMALL_MAX_M, mmq_ffn, small_ffn_rows, small_ok
+        from .mmq import mmq_ffn
         ws, c = self.ctx.ws, self.ctx.c
-        if T <= SMALL_MAX_M and small_ok(lw.w_gate):
-            small_ffn_rows(self.ctx.k, lw.w_gate, lw.w_up, ws.x.data.ptr, ws.x.shape[1], T, self.ctx.act,
-                           ws.a.data.ptr, ws.a.shape[1], norm=(lw.ffn_norm, c.rms_eps), pdl=self.ctx.pdl)
-            return
         self._prep(ws.x, c.hidden, T, lw.ffn_norm)
         mmq_ffn(self.ctx.k, lw.w_gate, lw.w_up, self.prep_buf, T, self.ctx.act, ws.a.data.ptr, ws.a.shape[1],
                 self.scratch, pdl=self.ctx.pdl)
@@ -299,8 +285,9 @@ class MmqProjections(Projections):
         if not self.on[li]["down"]:
             return self.fallback.down(li, lw, T)
         ws = self.ctx.ws
+        self._prep(ws.a, lw.w_down.cols, T)
         dst, acc = self.dst(lw.post_ffn_norm)
-        self._proj(ws.a, lw.w_down.cols, T, [(lw.w_down, 0, dst.data.ptr, dst.shape[1])], accumulate=acc)
+        self._mmq([(lw.w_down, 0, dst.data.ptr, dst.shape[1])], lw.w_down.cols, T, accumulate=acc)
         self.residual(lw.post_ffn_norm, T)
 
     def head(self, rows: cupy.ndarray, n: int, norm: int, logits: cupy.ndarray, amax: int) -> None:
