@@ -215,11 +215,12 @@ SMALL_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0]
 
 @pytest.mark.parametrize("qt", SMALL_TYPES, ids=lambda q: q.name)
 def test_small_types_tokens_and_warps(emu, tmp_path, qt):
-    """Each type of mmqs.cu through both token tiles, batches that fill them or not, K split over
-    1 to 8 warps (more warps than items too), and rows no 16-row tile divides."""
+    """Each type of mmqs.cu through both token tiles, batches that fill them or not and batches in
+    several token groups, K split over 1 to 8 warps (more warps than items too), and rows no
+    16-row tile divides."""
     rng = np.random.default_rng(int(qt) * 104729)
     K = 768 if qt in KQUANT else 576
-    for bn, M, warps in ((-8, 1, 1), (-8, 5, 3), (-8, 8, 8), (-16, 9, 2), (-16, 16, 7)):
+    for bn, M, warps in ((-8, 1, 1), (-8, 5, 3), (-8, 8, 8), (-16, 9, 2), (-16, 16, 7), (-16, 37, 4), (-8, 19, 2)):
         res = run_case(emu, tmp_path, rng, [(qt, 37)], K, M, bn, warps, bias=True)
         check(f"mmqs {qt.name} t{-bn} M{M} warps{warps}", res, EXACT_TOL)
 
@@ -236,7 +237,11 @@ def test_small_qkv_ffn_head(emu, tmp_path):
         check(f"mmqs ffn {qt.name}", run_case(emu, tmp_path, rng, [(qt, 33)], 512, 6, -8, 2, mode=1, act=act,
                                                norm=True), EXACT_TOL)
     check("mmqs ffn t16", run_case(emu, tmp_path, rng, [(Q.Q4_K, 20)], 256, 13, -16, 4, mode=1, norm=True), EXACT_TOL)
-    for qt, M, bn in ((Q.Q6_K, 3, -8), (Q.Q4_K, 14, -16)):
+    check("mmqs ffn groups", run_case(emu, tmp_path, rng, [(Q.Q6_K, 20)], 256, 35, -16, 2, mode=1, norm=True),
+          EXACT_TOL)
+    check("mmqs qkv groups", run_case(emu, tmp_path, rng, segs, 512, 21, -8, 3, bias=True, accumulate=True),
+          EXACT_TOL)
+    for qt, M, bn in ((Q.Q6_K, 3, -8), (Q.Q4_K, 14, -16), (Q.Q6_K, 40, -16)):
         res = run_case(emu, tmp_path, rng, [(qt, 90)], 256, M, bn, 2, amax=True, norm=True)
         check(f"mmqs head {qt.name}", res, EXACT_TOL)
         logits, keys = res[1][0][:, :90], res[2]

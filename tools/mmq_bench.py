@@ -154,6 +154,9 @@ def main() -> int:
             row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid}
             row["mmq_us"] = median_call_us(run_mmq, copies, args.reps)
             small = M <= mmq.SMALL_MAX_M and all(mmq.small_ok(w) for w in copy_sets[0])
+            if M > mmq.SMALL_MAX_M and all(mmq.small_ok(w) for w in copy_sets[0]):   # both kernels
+                row["groups_us"] = median_call_us(lambda i: run_mmq(i, small=True), copies, args.reps)
+                row["tile_us"] = median_call_us(lambda i: run_mmq(i, small=False), copies, args.reps)
             if small:         # mmq_us is mmqs.cu's: the tile kernel beside it, and warps per block forced
                 row["tile_us"] = median_call_us(lambda i: run_mmq(i, small=False), copies, args.reps)
                 for wp in warps:
@@ -171,7 +174,9 @@ def main() -> int:
             row["layers"] = layers
             results.append(row)
             sp = "".join(f"  s{s}={row[f'mmq_split{s}_us']:.1f}" for s in forced)
-            if "tile_us" in row:
+            if "groups_us" in row:
+                sp += f"  [mmqs in groups of 16: {row['groups_us']:.1f}; tiles {row['tile_us']:.1f}]"
+            elif "tile_us" in row:
                 sp += f"  [mmqs; tiles {row['tile_us']:.1f}]" + "".join(
                     f"  w{wp}={row[f'small_w{wp}_us']:.1f}" for wp in warps)
             mv = (f"{row['mmvf_us']:9.1f} {row['mmvf_GBps']:7.0f} {row['mmq_us'] and row['mmvf_us'] / row['mmq_us']:6.2f}x"

@@ -18,7 +18,8 @@
 // the LM head's argmax), as mmq.cu's.
 //
 // mmqs_tT (T = 8 or 16 tokens): segments, mode, act, accumulate and amax as mmq_bnBN; no K split
-// over CTAs. Requirements (checked on the host): M <= T, K % 64 == 0 (K-quants: K % 256 == 0).
+// over CTAs; more than T tokens in groups of T (one block per weight tile and group). Requirements
+// (checked on the host): K % 64 == 0 (K-quants: K % 256 == 0).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -317,11 +318,11 @@ __device__ __forceinline__ bool mmqs_reduce(float (&v)[E], int w, int W, int lan
 
 template <int NT>
 __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
-                                          const float* __restrict__ inv, int M, int mode, int act, int accumulate,
+                                          const float* __restrict__ inv, int M, int mode, int act, int accumulate, int tile,
                                           unsigned long long* amax) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int gid = lane >> 2, tig = lane & 3, nu = K >> 5;
-    int lt = blockIdx.x, si = 0;
+    int lt = tile, si = 0;
     if (!mode) {
         const int t0 = (seg[0].n + 15) >> 4, t1 = (seg[1].n + 15) >> 4;
         if (lt >= t0) {
@@ -407,16 +408,21 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
             }
 }
 
+// groups: token groups of T tokens (M > T: tokens g T .. g T + T - 1 of group g), the fastest-varying
+// part of the block index, so that the blocks sharing a weight tile run together (through L2)
 #define DEFINE_MMQS(T)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * MMQS_MAXW, 2) mmqs_t##T(                               \
+    extern "C" __global__ void __launch_bounds__(32 * MMQS_MAXW, 2) mmqs_t##T(                            \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,                \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
         int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
-        unsigned long long* amax) {                                                                       \
-        const MmqsSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},         \
-                                {W2, rb2, n2, qt2, b2, y2, ys2}};                                         \
-        mmqs_body<T / 8>(seg, K, xp, xps, inv, M, mode, act, accumulate, amax);                           \
+        unsigned long long* amax, int groups) {                                                           \
+        const int g = blockIdx.x % groups, t0 = g * T;                                                    \
+        const MmqsSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0 + (long long)t0 * ys0, ys0},                    \
+                                {W1, rb1, n1, qt1, b1, y1 + (long long)t0 * ys1, ys1},                    \
+                                {W2, rb2, n2, qt2, b2, y2 + (long long)t0 * ys2, ys2}};                   \
+        mmqs_body<T / 8>(seg, K, xp + t0 * xps, xps, inv + t0, min(T, M - t0), mode, act, accumulate,     \
+                         blockIdx.x / groups, amax ? amax + t0 : amax);                                   \
     }
 DEFINE_MMQS(8)
 DEFINE_MMQS(16)

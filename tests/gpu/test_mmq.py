@@ -198,16 +198,16 @@ SMALL = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0]
 @pytest.mark.parametrize("qt", SMALL, ids=lambda q: q.name)
 def test_small_batches_both_kernels(k, bufs, rng, qt):
     """Batches of 1..16 rows on mmqs.cu (the default there) and on mmq.cu's tiles, at the warps per
-    block the plan picks and at 1, 3 and 8 (K split unevenly, more warps than items), on odd row
-    counts and qwen-like shapes: both fp32-class."""
+    block the plan picks and at 1, 3 and 8 (K split unevenly, more warps than items), and 17 and 40
+    rows on mmqs in token groups, on odd row counts and qwen-like shapes: all fp32-class."""
     from realizar_backend.backends.cuda import mmq
     prep, scratch = bufs
     shapes = [(1536, 1536), (1280, 131), (8960, 1536)] if qt in KQUANT else [(896, 896), (576, 49), (4864, 257)]
     for K, N in shapes:
         w, keep, W64 = _weight(qt, N, K, rng)
-        x = _x(rng, 16, K)
+        x = _x(rng, 40, K)
         xd = _dev(x)
-        for M in (1, 2, 3, 5, 8, 9, 12, 16):
+        for M in (1, 2, 3, 5, 8, 9, 12, 16, 17, 40):
             h64 = x[:M, :K].astype(np.float64)
             ref, scale = h64 @ W64.T, np.abs(h64) @ np.abs(W64).T
             for small, warps in ((True, None), (True, 1), (True, 3), (True, 8), (False, None)):
@@ -230,8 +230,6 @@ def test_small_kernel_refuses_what_it_lacks(k, bufs, rng):
     with pytest.raises(ValueError, match="no small-batch kernel"):
         mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, small=True)
     w, keep, _ = _weight(Q.Q4_K, 64, 512, rng)
-    with pytest.raises(ValueError, match="no small-batch kernel"):
-        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 17, scratch, small=True)
     with pytest.raises(ValueError, match="warps per block"):
         mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, warps=9)
 

@@ -298,7 +298,8 @@ int main(int argc, char** argv) {
     std::vector<float> part((size_t)tiles * TB * splits * MMQ_THREADS * E, NAN);
     std::vector<unsigned> cnt((size_t)tiles * TB, 0);
     std::vector<unsigned long long> amax(M, 0);
-    const unsigned grid = small ? (unsigned)tiles : (unsigned)(tiles * splits * TB);
+    const int groups = small ? (M + -bn - 1) / -bn : 1;     // mmqs: token groups of -bn
+    const unsigned grid = small ? (unsigned)(tiles * groups) : (unsigned)(tiles * splits * TB);
     auto run = [&] {
         auto ptr = [&](int s, int which) -> void* {
             if (s >= nseg) return nullptr;
@@ -321,7 +322,7 @@ int main(int argc, char** argv) {
     (const u8*)ptr(0, 0), rb_(0), n_(0), qt_(0), (const float*)ptr(0, 1), (float*)ptr(0, 2), ys_(0),           \
         (const u8*)ptr(1, 0), rb_(1), n_(1), qt_(1), (const float*)ptr(1, 1), (float*)ptr(1, 2), ys_(1),       \
         (const u8*)ptr(2, 0), rb_(2), n_(2), qt_(2), (const float*)ptr(2, 1), (float*)ptr(2, 2), ys_(2), K,    \
-        rec.data(), xps, inv.data(), M, mode, act, accumulate, use_amax ? amax.data() : nullptr
+        rec.data(), xps, inv.data(), M, mode, act, accumulate, use_amax ? amax.data() : nullptr, groups
             switch (bn) {
                 case -8: mmqs_t8(MMQS_ARGS); break;
                 case -16: mmqs_t16(MMQS_ARGS); break;

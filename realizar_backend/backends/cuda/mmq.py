@@ -9,9 +9,10 @@ fused argmax) or `mmq_ffn` (gate and up, a = act(g) * u). One prep serves every 
 input. Launches allocate nothing and never synchronize: buffers come from MmqPrep and MmqScratch,
 sized once for the largest batch, so the sequence can be captured in a CUDA graph.
 
-Batches of up to 16 rows whose matrices all have a type of SMALL_TYPES take kernels/mmqs.cu
-instead (same prep, same numerics): one block per 16 weight rows, its warps splitting K, weights
-straight from memory into the mma fragments (`small_warps` picks the warps per block).
+Matrices whose types are all in SMALL_TYPES take kernels/mmqs.cu instead (same prep, same
+numerics) for batches of up to 16 rows, and for larger batches in token groups of 16 unless the
+matrix is LM-head-sized (`_use_small`): one block per 16 weight rows and token group, its warps
+splitting K, weights straight from memory into the mma fragments (`small_warps`: warps per block).
 
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
 of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
@@ -41,8 +42,10 @@ ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq
 TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
 SMALL_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})    # kernels/mmqs.cu
 SMALL_MAX_M = 16                                 # its widest token tile (mmqs_t16)
+SMALL_WIDE_MAX_BYTES = 64 << 20                  # beyond 16 rows, matrices up to this size (_use_small)
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
 SMALL_WARPS_PER_SM = 16                          # the warps a launch aims to keep on each SM
+SMALL_MIN_WARPS = 4
 CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
 MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
 
@@ -59,8 +62,10 @@ def small_ok(w: WeightRef) -> bool:
 
 def small_warps(tiles: int, K: int, sm_count: int) -> int:
     """Warps per block of an mmqs launch of `tiles` 16-row tiles: enough for SMALL_WARPS_PER_SM
-    warps on every SM, at most one per 64-column item of K."""
-    return max(1, min(SMALL_MAX_WARPS, K // 64, -(-SMALL_WARPS_PER_SM * sm_count // tiles)))
+    warps on every SM, at least SMALL_MIN_WARPS (the LM head at 16 rows: 164 us with 4, 346 with
+    1), at most one per 64-column item of K."""
+    want = max(SMALL_MIN_WARPS, -(-SMALL_WARPS_PER_SM * sm_count // tiles))
+    return max(1, min(SMALL_MAX_WARPS, K // 64, want))
 
 
 def prep_row_bytes(K: int) -> int:
@@ -199,12 +204,17 @@ def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: i
 
 
 def _use_small(mats, M: int, small: bool | None) -> bool:
-    ok = M <= SMALL_MAX_M and all(small_ok(w) for w in mats)
+    """mmqs.cu serves any M (in token groups of 16) and is chosen up to SMALL_MAX_M rows, and beyond
+    for matrices of up to SMALL_WIDE_MAX_BYTES: each token group re-reads the weights, which a
+    layer's matrices find in L2 and an LM head does not (qwen15, tools/mmq_bench.py, 64 rows: gate/up
+    70 us against 89 on mmq.cu's tiles, the 190 MB head 781 against 456)."""
+    ok = all(small_ok(w) for w in mats)
     if small and not ok:
-        raise ValueError(f"mmqs: {M} rows (at most {SMALL_MAX_M}) of "
-                         f"{', '.join(getattr(w.qtype, 'name', str(w.qtype)) for w in mats)} "
+        raise ValueError(f"mmqs: {', '.join(getattr(w.qtype, 'name', str(w.qtype)) for w in mats)} "
                          f"(types {', '.join(sorted(q.name for q in SMALL_TYPES))}) have no small-batch kernel")
-    return ok if small is None else small
+    if small is not None:
+        return small
+    return ok and (M <= SMALL_MAX_M or sum(w.rows * w.row_bytes for w in mats) <= SMALL_WIDE_MAX_BYTES)
 
 
 def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mode: int, act: int,
@@ -214,9 +224,11 @@ def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mod
         raise ValueError(f"mmqs: {W} warps per block (1..{SMALL_MAX_WARPS})")
     for _ in range(3 - len(seg_args) // 7):
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    _launch(k.mmqs[8 if M <= 8 else 16], (tiles,), (32 * W,),
+    t = 8 if M <= 8 else 16
+    groups = -(-M // t)
+    _launch(k.mmqs[t], (tiles * groups,), (32 * W,),
             (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
-             _I32(mode), _I32(act), _I32(int(accumulate)), _U64(amax)), 0, pdl)
+             _I32(mode), _I32(act), _I32(int(accumulate)), _U64(amax), _I32(groups)), 0, pdl)
 
 
 def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,
