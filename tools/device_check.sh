@@ -21,7 +21,7 @@
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
 #   llamacpp llama.cpp beside us on the qwen15 twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
 #            tools/llama_cpp_kit.sh): builds it for sm_90 in /tmp/llamacpp (skipped on a warm machine that has
-#            it; a build cut off by the call's limit resumes on the next call), then llama-bench (pp512, tg128,
+#            it; a build cut off by the call's limit resumes on the next call; ~270 s), then llama-bench (pp512, tg128,
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
 #   workers  one worker per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients ($((8 * LT_CLIENTS)) requests,
@@ -249,9 +249,10 @@ fi
 
 # ---------------------------------------------------------------- llama.cpp beside us
 if has llamacpp; then
-  # the build gets what is left of the call's limit after the benchmarks (~2 min, ~4 with the
-  # loadtests); cut off, it resumes on the next call
-  left=$(( ${CALL_LIMIT_S:-590} - SECONDS - ${LLAMACPP_BENCH_S:-$([ -n "${LLAMACPP_LT_CLIENTS:-}" ] && echo 240 || echo 150)} ))
+  # the build (~270 s on 16 cores) gets what is left of the call's limit after the benchmarks (~25 s;
+  # ~2 min with the loadtests); cut off, it resumes on the next call
+  left=$(( ${CALL_LIMIT_S:-590} - SECONDS - ${LLAMACPP_BENCH_S:-$([ -n "${LLAMACPP_LT_CLIENTS:-}" ] && echo 200 || echo 100)} ))
+  LLAMACPP_TARGETS=${LLAMACPP_TARGETS:-llama-bench llama-batched-bench${LLAMACPP_LT_CLIENTS:+ llama-server}} \
   LLAMACPP_BUILD_TIMEOUT=${LLAMACPP_BUILD_TIMEOUT:-$(( left > 5 ? left : 5 ))} bash tools/llama_cpp_bench.sh ${LLAMACPP_MODE:-all}
   if [ -n "${LLAMACPP_LT_CLIENTS:-}" ] && [ -x /tmp/llamacpp/build/bin/llama-server ]; then
     np=$(echo $LLAMACPP_LT_CLIENTS | tr ' ' '\n' | sort -n | tail -1)

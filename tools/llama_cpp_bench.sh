@@ -7,10 +7,13 @@
 # The build lives in $LLAMACPP_WORK (/tmp: it survives while the machine stays warm), so a second call
 # skips it; a build cut off by $LLAMACPP_BUILD_TIMEOUT resumes where it stopped on the next call.
 # Settings (environment): LLAMACPP_MODEL (/tmp/twins/qwen15.gguf), LLAMACPP_WORK (/tmp/llamacpp),
-#   LLAMACPP_TARGETS ("llama-bench llama-batched-bench llama-server"), LLAMACPP_JOBS (16),
+#   LLAMACPP_TARGETS ("llama-bench llama-batched-bench"; add llama-server for the HTTP figures), LLAMACPP_JOBS (16),
 #   LLAMACPP_BUILD_TIMEOUT (seconds, 480), LLAMACPP_DEPTHS ("4096 16384"), LLAMACPP_REPS (llama-bench -r, 5),
 #   LLAMACPP_NPL ("1,4,16,64"), LLAMACPP_DEPTH_NPL (16)
-# Output: the tables on stdout; $OUT/llamacpp.json (the build, llama-bench's JSON rows, batched-bench's rows)
+# Output: the tables on stdout; $OUT/llamacpp.json (the build, llama-bench's JSON rows, batched-bench's rows,
+#   and "summary": llama-bench's median tok/s per test, batched-bench's aggregate decode tok/s S_TG per row)
+# Time on the H100 machine (2026-11-24): the build 269 s with -j16 (4,400 CPU-seconds: throughput-bound),
+#   llama-server 23 s more, the benchmarks 21 s.
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MODE=${1:-all}
@@ -18,7 +21,7 @@ OUT=${OUT:-$REPO/.device/out}
 KIT=$REPO/.llamacpp/llama.cpp.tar.xz
 WORK=${LLAMACPP_WORK:-/tmp/llamacpp}
 MODEL=${LLAMACPP_MODEL:-/tmp/twins/qwen15.gguf}
-TARGETS=${LLAMACPP_TARGETS:-llama-bench llama-batched-bench llama-server}
+TARGETS=${LLAMACPP_TARGETS:-llama-bench llama-batched-bench}
 JOBS=${LLAMACPP_JOBS:-16}
 BUILD_TIMEOUT=${LLAMACPP_BUILD_TIMEOUT:-480}
 DEPTHS=${LLAMACPP_DEPTHS:-4096 16384}
@@ -78,6 +81,8 @@ PY
       if [ -n "$drv" ]; then extra+=(-DCUDA_cuda_driver_LIBRARY="$drv")
       else extra+=(-DGGML_CUDA_NO_VMM=ON); echo "llamacpp: no libcuda found: built without the VMM pool"; fi
     fi
+    # the vendored commit into the programs' build info (the kit carries no git metadata)
+    extra+=(-DLLAMA_BUILD_COMMIT="$(awk '$1 == "llama.cpp" {print $2}' "$REPO/.llamacpp/VERSION" 2>/dev/null)")
     gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
     "$cmake" -S "$WORK/src/llama.cpp" -B "$WORK/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_CUDA_COMPILER="$nvcc" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
@@ -154,7 +159,7 @@ bench() {
 # ---------------------------------------------------------------- report
 report() {
   python3 - "$RES" "$OUT/llamacpp.json" "$WORK" "$REPO/.llamacpp/VERSION" "$MODEL" <<'PY'
-import glob, json, os, sys
+import glob, json, os, statistics, sys
 res, out, work, ver, model = sys.argv[1:]
 def read(p, default=""):
     try:
@@ -171,7 +176,8 @@ for f in sorted(glob.glob(f"{res}/lb_*.json")):
         continue
     for x in rows:
         key = (f"pp{x['n_prompt']}" if x["n_prompt"] else f"tg{x['n_gen']}") + (f"@d{x['n_depth']}" if x.get("n_depth") else "")
-        r["summary"][key] = round(x["avg_ts"], 1)
+        # the median: a process's first test can start cold (pp512 ran 18.5k then 30k, 30k... once)
+        r["summary"][key] = round(statistics.median(x.get("samples_ts") or [x["avg_ts"]]), 1)
         r["llama_bench"].append(x)
 for f in sorted(glob.glob(f"{res}/bb_*.jsonl")):
     for l in open(f):
