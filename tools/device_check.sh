@@ -19,13 +19,19 @@
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
 #            $LT_CLIENTS clients, and a soak with random cancels ($SOAK_REQUESTS completions)
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
+#   llamacpp llama.cpp beside us on the qwen15 twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
+#            tools/llama_cpp_kit.sh): builds it for sm_90 in /tmp/llamacpp (skipped on a warm machine that has
+#            it; a build cut off by the call's limit resumes on the next call; ~270 s), then llama-bench (pp512, tg128,
+#            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
+#            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
 #   workers  one worker per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients ($((8 * LT_CLIENTS)) requests,
 #            after a warm-up run) through `bentoml serve` on the qwen15 twin with REALIZAR_WORKERS=1 (GPU 0),
 #            then =2 (GPUs 0 and 1); /metrics and nvidia-smi's processes of each; the speed-up of generation
 #            tok/s (2 vs 1), the errors and the per-worker split in serve.json ("workers") and the log
 # `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
 # Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
-#         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz
+#         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json
+#         (llama.cpp's figures are also in summary.json, under "llamacpp")
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
@@ -241,6 +247,42 @@ if has cold && [ -f /tmp/twins/qwen15.gguf ]; then
   bash tools/cold_start.sh /tmp/twins/qwen15.gguf
 fi
 
+# ---------------------------------------------------------------- llama.cpp beside us
+if has llamacpp; then
+  # the build (~270 s on 16 cores) gets what is left of the call's limit after the benchmarks (~25 s;
+  # ~2 min with the loadtests); cut off, it resumes on the next call
+  left=$(( ${CALL_LIMIT_S:-590} - SECONDS - ${LLAMACPP_BENCH_S:-$([ -n "${LLAMACPP_LT_CLIENTS:-}" ] && echo 200 || echo 100)} ))
+  LLAMACPP_TARGETS=${LLAMACPP_TARGETS:-llama-bench llama-batched-bench${LLAMACPP_LT_CLIENTS:+ llama-server}} \
+  LLAMACPP_BUILD_TIMEOUT=${LLAMACPP_BUILD_TIMEOUT:-$(( left > 5 ? left : 5 ))} bash tools/llama_cpp_bench.sh ${LLAMACPP_MODE:-all}
+  if [ -n "${LLAMACPP_LT_CLIENTS:-}" ] && [ -x /tmp/llamacpp/build/bin/llama-server ]; then
+    np=$(echo $LLAMACPP_LT_CLIENTS | tr ' ' '\n' | sort -n | tail -1)
+    LD_LIBRARY_PATH=$(cat /tmp/llamacpp/ldpath 2>/dev/null)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+      setsid /tmp/llamacpp/build/bin/llama-server -m /tmp/twins/qwen15.gguf -ngl 99 -fa on -np $np -c $(( np * 512 )) \
+      --host 127.0.0.1 --port 3910 > /tmp/llama_server.log 2>&1 &
+    lpid=$!
+    for i in $(seq 1 120); do curl -sf 127.0.0.1:3910/health >/dev/null && break; sleep 0.5; done
+    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3910 --clients $np --requests $np \
+      --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1      # warm-up: graph captures, allocator
+    for c in $LLAMACPP_LT_CLIENTS; do
+      python3 -m realizar_backend.cli loadtest http://127.0.0.1:3910 --clients $c --requests $((4 * c)) \
+        --prompt-tokens 128 --max-tokens 128 --json /tmp/llamacpp/results/lt$c.json 2>/dev/null | tail -12 \
+        || { echo "loadtest through llama-server at $c clients failed"; tail -5 /tmp/llama_server.log; }
+    done
+    kill $lpid; sleep 1
+    python3 - "$OUT/llamacpp.json" <<'PY'
+import glob, json, re, sys
+r = json.load(open(sys.argv[1]))
+for f in sorted(glob.glob("/tmp/llamacpp/results/lt*.json")):
+    c = re.search(r"lt(\d+)", f).group(1)
+    rep = json.load(open(f))
+    r.setdefault("server_loadtest", {})[c] = rep
+    r["summary"][f"server_c{c}"] = round(rep["output_tokens_per_s"], 1)
+json.dump(r, open(sys.argv[1], "w"), indent=1)
+print("LLAMACPP_SERVER " + json.dumps({k: v for k, v in r["summary"].items() if k.startswith("server")}))
+PY
+  fi
+fi
+
 # ---------------------------------------------------------------- summary
 python3 - "$OUT" "$rc" <<'PY'
 import glob, json, os, sys, xml.etree.ElementTree as ET
@@ -266,6 +308,10 @@ for f in sorted(glob.glob("/tmp/bench/*_*.json")):
     if r.get("constrained_vs_plain"):
         s["bench"][key].update(constrained_vs_plain=round(r["constrained_vs_plain"], 3),
                                mask_ms_per_step=round(r["mask_ms_per_step"]["median"], 3))
+try:
+    s["llamacpp"] = json.load(open(f"{out}/llamacpp.json"))["summary"]
+except Exception:
+    pass
 json.dump(full, open(f"{out}/bench.json", "w"), indent=1)
 json.dump(s, open(f"{out}/summary.json", "w"), indent=1)
 print(json.dumps(s, indent=1))
