@@ -51,7 +51,7 @@ def _device_info(backend_name: str) -> dict[str, Any]:
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+    return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "min": min(xs), "max": max(xs),
             "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
 
@@ -85,6 +85,9 @@ class _Constrained:
         self.rows = [SampleRow(temperature=0.0, seed=s, mask=self.masks[order[s]] if s in order else None)
                      for s in slots]
         self.mask_s: list[float] = []
+        # host time per step, ms: the launch without the masks, the next step's start, the wait
+        # for this step's tokens and the consume
+        self.host: dict[str, list[float]] = {"launch": [], "start": [], "wait": [], "consume": []}
         self.restarts = 0
 
     def fill(self) -> None:
@@ -158,15 +161,29 @@ def run_bench(args) -> int:
             run = _Constrained(guidance, constraint, slots, guided)
             t = time.perf_counter()
             h = backend.decode_sample_start(slots, toks, [depth] * batch)
+            clock, host = time.perf_counter, run.host
             for i in range(steps):               # as the engine runs sampled steps: the masks are
+                ta, n_fill = clock(), len(run.mask_s)
                 backend.decode_sample_launch(h, run.rows, run.fill if run.guides else None)
+                tb = clock()
                 # the next step starts on the device's sampled tokens before this one's are read
                 nxt = backend.decode_sample_start(slots) if i + 1 < steps else None
-                run.consume(slots, backend.decode_sample_finish(h).tokens)
+                tc = clock()
+                tokens = backend.decode_sample_finish(h).tokens
+                td = clock()
+                run.consume(slots, tokens)
+                te = clock()
+                host["launch"].append(1000 * (tb - ta - sum(run.mask_s[n_fill:])))
+                host["start"].append(1000 * (tc - tb))
+                host["wait"].append(1000 * (td - tc))
+                host["consume"].append(1000 * (te - td))
                 h = nxt
             dt = time.perf_counter() - t
             run.close()
             mask_ms.extend(1000 * x for x in run.mask_s)
+            if guided:
+                for k, xs in run.host.items():
+                    host_ms.setdefault(k, []).extend(xs)
             restarts.append(run.restarts)
         else:
             t = time.perf_counter()
@@ -184,6 +201,7 @@ def run_bench(args) -> int:
     guidance = constraint = None
     guided_slots: set[int] = set()
     mask_ms: list[float] = []
+    host_ms: dict[str, list[float]] = {}     # constrained runs' host time per step, by part
     restarts: list[int] = []
     if args.constrained:
         from .engine.guidance import Constraint, Guidance
@@ -202,6 +220,7 @@ def run_bench(args) -> int:
     if args.constrained:
         decode_once(min(4, args.gen_tokens), guided_slots)
         mask_ms.clear()
+        host_ms.clear()
         restarts.clear()
     pp, tg, tg_sampled, tg_constrained = [], [], [], []
     with progress(f"bench {mf.name} on {backend.name}", total=args.repetitions, unit="repetitions",
@@ -237,6 +256,8 @@ def run_bench(args) -> int:
             "tg_constrained_tok_s": _summary(tg_constrained) if tg_constrained else None,
             "constrained_vs_plain": (statistics.median(tg_constrained) / statistics.median(tg)) if tg else None,
             "mask_ms_per_step": _summary(mask_ms) if mask_ms else None,
+            # the rest of the host's step: launch (without the masks), start, wait, consume
+            "host_ms_per_step": {k: _summary(xs) for k, xs in host_ms.items() if xs} or None,
             "grammar_restarts_per_run": statistics.median(restarts) if restarts else None,
         })
     backend.close()
@@ -256,6 +277,10 @@ def run_bench(args) -> int:
         m = result["mask_ms_per_step"]
         print(f"constrained / plain decode: {result['constrained_vs_plain']:.3f}; masks: "
               f"{m['median']:.3f} ms per step (median, max {m['max']:.3f}) on the host" if m else "")
+        hm = result["host_ms_per_step"]
+        if hm:
+            print("host per step, mean ms: " + ", ".join(f"{k} {v['mean']:.3f}" for k, v in hm.items())
+                  + (f", masks {m['mean']:.3f}" if m else ""))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -250,3 +250,60 @@ def test_cpu_backend_counts_the_fed_token(smol_model):
     assert np.array_equal(be.counts[1], want)
     ref = be.decode([1], [first], [4])[0]
     assert res.tokens[0] == sample_logits(ref, row, want)
+
+
+def _params_from_row_constants(rows, vocab, slots, tokens_in):
+    """kernel_params' layout spelled through row_constants, one numpy store a word."""
+    out = np.zeros((len(rows), 16), np.int32)
+    u = out.view(np.uint32)
+    n_mask = bias_off = 0
+    for i, row in enumerate(rows):
+        rc = row_constants(row, vocab)
+        flags = ((1 if rc.greedy else 0) | (2 if rc.penalties else 0) | (4 if row.logprobs else 0)
+                 | (8 if rc.top_p_fx < (1 << 32) else 0) | (16 if rc.min_p_log is not None else 0))
+        if row.mask is not None:
+            flags |= 32
+            out[i, 14] = n_mask
+            n_mask += 1
+        if row.logit_bias is not None and len(row.logit_bias):
+            flags |= 64
+            out[i, 15] = bias_off
+            bias_off += 1 + 2 * len(row.logit_bias)
+        u[i, 0], u[i, 1], u[i, 2], u[i, 3] = int(slots[i]), flags, rc.top_k, rc.top_p_fx & 0xFFFFFFFF
+        for w, v in ((4, rc.inv_temp), (5, rc.rep), (6, rc.freq), (7, rc.pres),
+                     (8, rc.min_p_log if rc.min_p_log is not None else np.float32(0.0))):
+            u[i, w] = np.float32(v).view(np.uint32)
+        u[i, 9], u[i, 10] = rc.seed & 0xFFFFFFFF, rc.seed >> 32
+        u[i, 11], u[i, 12] = rc.step & 0xFFFFFFFF, rc.step >> 32
+        out[i, 13] = int(tokens_in[i]) if rc.penalties and tokens_in is not None else -1
+    return out
+
+
+def test_kernel_params_match_row_constants():
+    """kernel_params (plain ints, built on every launch) gives row_constants' words for every
+    kind of row: greedy, sampled with each filter, penalties, extreme temperatures, masks, biases."""
+    from realizar_backend.backends.base import LogitBias
+    rng = np.random.default_rng(5)
+    mask = np.zeros(4, np.int32)
+    rows = []
+    for i in range(400):
+        temp = float(rng.choice([0.0, 1.0, 0.7, 1e-3, 1e-45, 3.3, float(rng.uniform(0.01, 2))]))
+        rows.append(SampleRow(
+            temperature=temp, top_k=int(rng.choice([0, -1, 1, 5, 100, 1000])),
+            top_p=float(rng.choice([1.0, 0.9, float(rng.uniform(0, 1)), 1.5])),
+            min_p=float(rng.choice([0.0, 0.05, float(rng.uniform(0, 1))])),
+            repetition_penalty=float(rng.choice([1.0, 1.1, float(rng.uniform(0.5, 2))])),
+            presence_penalty=float(rng.choice([0.0, -0.5, float(rng.uniform(-2, 2))])),
+            frequency_penalty=float(rng.choice([0.0, 0.3, float(rng.uniform(-2, 2))])),
+            seed=int(rng.integers(0, 2**63)) * int(rng.choice([1, 2])), step=int(rng.integers(0, 2**40)),
+            logprobs=bool(rng.integers(2)), mask=mask if rng.integers(3) == 0 else None,
+            logit_bias=LogitBias(np.array([3, 9], np.int32), np.array([1.5, -2.0], np.float32))
+            if rng.integers(4) == 0 else None))
+    slots = rng.integers(0, 64, size=len(rows)).tolist()
+    tokens_in = rng.integers(0, 1000, size=len(rows)).tolist()
+    for vocab in (1000, 151936):
+        assert np.array_equal(kernel_params(rows, vocab, slots, tokens_in),
+                              _params_from_row_constants(rows, vocab, slots, tokens_in))
+        assert np.array_equal(kernel_params(rows, vocab, slots, None),
+                              _params_from_row_constants(rows, vocab, slots, None))
+    assert kernel_params([], 10, [], None).shape == (0, 16)

@@ -31,6 +31,7 @@ integers, whose sums do not depend on the order of summation. Per row:
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,40 +149,55 @@ def _has_bias(row: SampleRow) -> bool:
     return row.logit_bias is not None and len(row.logit_bias) > 0
 
 
+def _f32_bits(x: float) -> int:
+    """The bits of float32(x) (round to nearest, as np.float32 does; inf past the range)."""
+    try:
+        return _U32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        with np.errstate(over="ignore"):
+            return int(np.float32(x).view(np.uint32))
+
+
+_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
+_ONE_BITS = _f32_bits(1.0)
+
+
 def kernel_params(rows, vocab: int, slots, tokens_in) -> np.ndarray:
     """int32 [len(rows), PARAM_WORDS]: slot, flags, top_k, top_p (2**32 fixed point),
     1/temperature, repetition, frequency, presence, log(min_p) (float32 bits), seed and step
     (two words each, low first), the token fed to this step (counted when the row has
     penalties; -1: none), and for constrained rows where their mask and bias lie in the step's
     packed buffers (word 14: the mask's row in `pack_masks`; word 15: the bias's offset in
-    `pack_bias`)."""
-    out = np.zeros((len(rows), PARAM_WORDS), np.int32)
-    u = out.view(np.uint32)
+    `pack_bias`). The values are row_constants'; built from plain ints (a step's launch waits
+    for this on the host, at every batch size)."""
+    words = []
     n_mask = bias_off = 0
     for i, row in enumerate(rows):
-        rc = row_constants(row, vocab)
-        flags = ((F_GREEDY if rc.greedy else 0) | (F_PEN if rc.penalties else 0)
-                 | (F_LP if row.logprobs else 0) | (F_TOPP if rc.top_p_fx < (1 << 32) else 0)
-                 | (F_MINP if rc.min_p_log is not None else 0))
+        greedy, pen = row.greedy, row.penalties
+        k = int(row.top_k)
+        top_p_fx = min(int(round(float(row.top_p) * 2.0 ** 32)), 1 << 32)
+        minp = row.min_p > 0
+        flags = ((F_GREEDY if greedy else 0) | (F_PEN if pen else 0) | (F_LP if row.logprobs else 0)
+                 | (F_TOPP if top_p_fx < (1 << 32) else 0) | (F_MINP if minp else 0))
+        mask_row = bias_at = 0
         if row.mask is not None:
             flags |= F_MASK
-            out[i, 14] = n_mask
-            n_mask += 1
+            mask_row, n_mask = n_mask, n_mask + 1
         if _has_bias(row):
             flags |= F_BIAS
-            out[i, 15] = bias_off
+            bias_at = bias_off
             bias_off += 1 + 2 * len(row.logit_bias)
-        u[i, 0] = int(slots[i])
-        u[i, 1] = flags
-        u[i, 2] = rc.top_k
-        u[i, 3] = rc.top_p_fx & 0xFFFFFFFF
-        for w, v in ((4, rc.inv_temp), (5, rc.rep), (6, rc.freq), (7, rc.pres),
-                     (8, rc.min_p_log if rc.min_p_log is not None else np.float32(0.0))):
-            u[i, w] = np.float32(v).view(np.uint32)
-        u[i, 9], u[i, 10] = rc.seed & 0xFFFFFFFF, rc.seed >> 32
-        u[i, 11], u[i, 12] = rc.step & 0xFFFFFFFF, rc.step >> 32
-        out[i, 13] = int(tokens_in[i]) if rc.penalties and tokens_in is not None else -1
-    return out
+        seed, step = int(row.seed) & MASK64, int(row.step) & MASK64
+        rep, freq, pres = row.repetition_penalty, row.frequency_penalty, row.presence_penalty
+        words.append((
+            int(slots[i]) & 0xFFFFFFFF, flags, k if 0 < k < vocab else 0, top_p_fx & 0xFFFFFFFF,
+            _f32_bits(1.0 / row.temperature) if row.temperature > 0 else 0,
+            _ONE_BITS if rep == 1.0 else _f32_bits(rep), _f32_bits(freq) if freq else 0,
+            _f32_bits(pres) if pres else 0, _f32_bits(math.log(row.min_p)) if minp else 0,
+            seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF, step >> 32,
+            (int(tokens_in[i]) if pen and tokens_in is not None else -1) & 0xFFFFFFFF,
+            mask_row, bias_at & 0xFFFFFFFF))
+    return np.array(words, np.uint32).reshape(len(rows), PARAM_WORDS).view(np.int32)
 
 
 def pack_masks(rows, out: np.ndarray) -> int:
