@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
+# why a decode step was not started ahead: a prefill in the step before, a row stopping after it
+# (max_tokens or the context's end), no free KV block for a row's next position, the setting off,
+# the batch changed under a step started ahead (a row stopped on a stop token or was cancelled or
+# preempted, a sequence joined), greedy and sampled batches switching, no decode step before it
+PIPELINE_REASONS = ("prefill", "finishing", "no_block", "off", "changed", "kind", "start")
+
+
 class EngineObserver(Protocol):
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                             e2e_s: float, ttft_s: float | None) -> None: ...
@@ -89,6 +96,10 @@ class Engine:
         self._closing: str | None = None      # finish_all(reason): end everything, take nothing new
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
         self._ahead: tuple[list[Sequence], Any, str] | None = None  # a step started ahead: (batch, handle, greedy | sample)
+        # decode steps by how they started: "ahead" (before the previous step's tokens were read)
+        # or why not (PIPELINE_REASONS); _why: the reason the next step will give if not ahead
+        self._pipeline = dict.fromkeys(("ahead",) + PIPELINE_REASONS, 0)
+        self._why = "start"
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
@@ -270,6 +281,7 @@ class Engine:
             "device_memory_bytes": b.get("device_memory_bytes", 0),
             "graph_replays": b.get("graph_replays", 0),
             "graph_captures": b.get("graph_captures", 0),
+            "decode_steps": dict(self._pipeline),     # cumulative, by how each step started
         }
 
     def finish_all(self, reason: str = "shutdown") -> None:
@@ -352,6 +364,7 @@ class Engine:
                 self._flush()      # the decode batch's tokens go out before the prefill runs
         else:
             self._drop_ahead()
+            self._why = "start"
         if plan.prefill:
             self._prefill(plan.prefill)
         if not plan.decode:
@@ -425,6 +438,7 @@ class Engine:
         work. `_step` keeps a step started ahead only for the same batch (the same sequences in the
         same order)."""
         ahead = self._take_ahead("greedy")
+        self._count_start(ahead)
         h = ahead if ahead is not None else self.backend.decode_argmax_start(slots, toks, pos)
         if self._may_go_ahead(batch, pos, go_ahead):
             self._ahead = (batch, self.backend.decode_argmax_start(slots), "greedy")
@@ -443,6 +457,7 @@ class Engine:
         logits back. The tokens are the unpipelined ones: a row's draw is keyed by (seed, step)
         and its penalties count the token it is fed, which the host knows at the launch."""
         ahead = self._take_ahead("sample")
+        self._count_start(ahead)
         h = ahead if ahead is not None else self.backend.decode_sample_start(slots, toks, pos)
         guides = [s.guide for s in batch if s.guide is not None]
         masks = self._mask_rows(len(guides)) if guides else None
@@ -464,16 +479,27 @@ class Engine:
         """Whether the step after this one may start before this one's tokens are read: not across
         a prefill (go_ahead False), nor when a sequence must stop after this step, nor when the
         pool has no block for a sequence's next position (else the blocks are given now)."""
-        if not (go_ahead and self.settings.pipelined_decode
-                and all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
-                        for s, p in zip(batch, pos))):
-            return False
-        tables = self.scheduler.grow_for_next_step(batch)
-        if tables is None:
-            return False
-        for slot, table in tables.items():
-            self.backend.set_block_table(slot, table)
-        return True
+        if not self.settings.pipelined_decode:
+            self._why = "off"
+        elif not go_ahead:
+            self._why = "prefill"
+        elif not all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
+                     for s, p in zip(batch, pos)):
+            self._why = "finishing"
+        else:
+            tables = self.scheduler.grow_for_next_step(batch)
+            if tables is None:
+                self._why = "no_block"
+            else:
+                for slot, table in tables.items():
+                    self.backend.set_block_table(slot, table)
+                self._why = "changed"    # if the step started ahead is dropped
+                return True
+        return False
+
+    def _count_start(self, ahead: Any) -> None:
+        self._pipeline["ahead" if ahead is not None else self._why] += 1
+        self._why = "start"
 
     def _take_ahead(self, kind: str) -> Any:
         """The handle of the step started ahead for this batch if it is of this kind (greedy or
@@ -484,6 +510,7 @@ class Engine:
         if ahead is not None:
             self._ahead = ahead
             self._drop_ahead()
+            self._why = "kind"
         return None
 
     def _drop_ahead(self) -> None:
