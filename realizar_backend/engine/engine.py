@@ -48,10 +48,11 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
-# why a decode step was not started ahead: a prefill in the step before, a row stopping after it
-# (max_tokens or the context's end), no free KV block for a row's next position, the setting off,
-# the batch changed under a step started ahead (a row stopped on a stop token or was cancelled or
-# preempted, a sequence joined), greedy and sampled batches switching, no decode step before it
+# why a decode step was not started ahead: a prefill in the step before (no longer a reason: the
+# prefill queues behind the step; the label stays, at 0, so that figures from before compare), every
+# row stopping after it (max_tokens or the context's end), no free KV block for a row's next
+# position, the setting off, the batch changed under a step started ahead (a cancellation or a
+# preemption), greedy and sampled batches switching, no decode step before it
 PIPELINE_REASONS = ("prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 
 
