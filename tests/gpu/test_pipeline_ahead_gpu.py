@@ -144,7 +144,8 @@ def test_engine_steps_ahead_match_unpipelined_on_the_gpu():
     path = TWINS / "qwen05.gguf"
     if not path.exists():
         pytest.skip(f"twin {path} not expanded")
-    greedy = [(f"Stream {i} says", 6 + 5 * i, {}, 3 * (i // 2)) for i in range(8)]
+    # (prompt, max_tokens, sampling, arrives once the first stream has this many tokens)
+    greedy = [("Stream 0 says", 40, {}, 0)] + [(f"Stream {i} says", 5 + 4 * i, {}, 3 * (i // 2)) for i in range(1, 8)]
     mixed = greedy[:4] + [(f"Sampled {i}", 9 + 3 * i, {"temperature": 0.8, "seed": i, "repetition_penalty": 1.2}, 4 + i)
                           for i in range(3)]
 
