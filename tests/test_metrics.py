@@ -9,7 +9,7 @@ import pytest
 
 from server_util import sample, shared_server, wait_for
 
-from realizar_backend.serving.metrics import COUNTERS, GAUGES, HISTOGRAMS, metric_names
+from realizar_backend.serving.metrics import COUNTERS, DECODE_STARTS, GAUGES, HISTOGRAMS, metric_names
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -79,6 +79,10 @@ def test_metrics_move_with_traffic(server):
     assert 0 <= delta(after, before, "realizar_prefix_cache_hit_tokens_total") < prompt
     assert delta(after, before, "realizar_preemptions_total") == 0
     assert delta(after, before, "realizar_generation_tokens_total") == gen
+    # one request at a time: every token after a sequence's first is one decode step, counted once
+    steps = {s: delta(after, before, "realizar_decode_steps_total", start=s) for s in DECODE_STARTS}
+    assert sum(steps.values()) == gen - k
+    assert steps["ahead"] > 0 and 1 <= steps["start"] <= k
     finished = sum(delta(after, before, "realizar_requests_total", finish_reason=r) for r in ("stop", "length"))
     assert finished == k
     assert delta(after, before, "realizar_requests_total", finish_reason="abort") == 0

@@ -20,11 +20,18 @@ runs them asynchronously knows what may happen while one is in flight:
   leave the step in flight as it was. Any other table change waits until the step is finished.
 - release may be called for a slot of the step in flight (its sequence just stopped); the step's
   writes into that slot's blocks are harmless (nothing reads them), but release must not disturb it.
-- prefill and decode_sample are never called while a started step is in flight, and a step started
-  without tokens (a continuation) always directly follows the started step it continues.
+- decode_sample is never called while a started step is in flight; prefill may be, after the
+  step's start (for a sampled step, after its launch), and the prefill leaves the step as it was.
+- a continuation (a step started without tokens, or with prev_rows) always directly follows the
+  started step it continues, apart from prefills between them.
 The same holds for sampled steps (decode_sample_start / _launch / _finish), started, launched and
 finished in this order, with at most one continuation started between a step's launch and its
 finish; a continuation started but never launched (the engine dropped it) is finished unlaunched.
+
+A continuation may change the batch (prev_rows): keep any of the previous step's rows, in any
+order (a row that must stop after the previous step is left out), and add new rows whose token
+and position the host gives (a sequence whose prompt was just prefilled). The kept rows' tokens
+never pass through the host: on a GPU the device gathers them from the previous step's outputs.
 """
 
 from __future__ import annotations
@@ -125,11 +132,15 @@ class Backend(Protocol):
         """Greedy step: like decode, but only the argmax ids (int32 [n]) come back."""
 
     def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> Any:
+                            positions: Sequence[int] | None = None,
+                            prev_rows: Sequence[int] | None = None) -> Any:
         """Start a greedy step and return a handle for decode_argmax_finish. tokens and positions
         None: continue the previous greedy step's sequences (the same slots, in order) with its
         argmax tokens at the next positions; a GPU backend runs that step without waiting for the
-        host, so the engine can start step n+1 before it reads step n's tokens."""
+        host, so the engine can start step n+1 before it reads step n's tokens. prev_rows: a
+        continuation over another batch (see `continued_inputs`): row i continues row prev_rows[i]
+        of the previous step (its slot must be that row's), or is new (-1) and takes tokens[i]
+        and positions[i]."""
 
     def decode_argmax_finish(self, handle: Any) -> np.ndarray:
         """The ids (int32 [n]) of a started step; waits for it."""
@@ -143,12 +154,13 @@ class Backend(Protocol):
         so that this host work overlaps a device's forward pass."""
 
     def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> Any:
+                            positions: Sequence[int] | None = None,
+                            prev_rows: Sequence[int] | None = None) -> Any:
         """Start a sampled step's forward pass; returns a handle. tokens and positions None:
         continue the previous sampled step (launched; the same slots, in order) with its sampled
         tokens at the next positions; a GPU backend runs it without waiting for the host (the
         sampling writes its tokens into the next step's inputs), so the engine can start step n+1
-        before it reads step n's tokens."""
+        before it reads step n's tokens. prev_rows: as in decode_argmax_start."""
 
     def decode_sample_launch(self, handle: Any, rows: Sequence[SampleRow],
                              prepare: Callable[[], None] | None = None) -> None:
@@ -176,3 +188,36 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Free device resources."""
+
+
+def continued_inputs(prev_slots: Sequence[int], prev_positions: Sequence[int], slots: Sequence[int],
+                     tokens: Sequence[int] | None, positions: Sequence[int] | None,
+                     prev_rows: Sequence[int] | None) -> tuple[list[int], list[int], list[int]]:
+    """A continuation's rows, checked: (prev_rows, tokens, positions) with one entry per row of
+    `slots`. A kept row (prev_rows[i] >= 0) is at the next position of the previous step's row
+    prev_rows[i] and in its slot; its token (-1 here) is that row's output, which the host may not
+    know yet. A new row (-1) takes tokens[i] and positions[i]. prev_rows None: every row kept, in
+    order."""
+    n = len(slots)
+    if prev_rows is None:
+        prev_rows = list(range(len(prev_slots)))
+    prev_rows = [int(r) for r in prev_rows]
+    if len(prev_rows) != n or (any(r < 0 for r in prev_rows) and (tokens is None or positions is None
+                                                                  or len(tokens) != n or len(positions) != n)):
+        raise ValueError("a continuation names one previous row (or -1 and a token and position) per slot")
+    kept = [r for r in prev_rows if r >= 0]
+    if len(set(kept)) != len(kept):
+        raise ValueError("a continuation keeps each previous row at most once")
+    toks, pos = [], []
+    for i, r in enumerate(prev_rows):
+        if r >= 0:
+            if r >= len(prev_slots) or int(slots[i]) != int(prev_slots[r]):
+                raise ValueError(f"row {i} continues row {r} of the previous step, which is not in slot {slots[i]}")
+            toks.append(-1)
+            pos.append(int(prev_positions[r]) + 1)
+        else:
+            toks.append(int(tokens[i]))
+            pos.append(int(positions[i]))
+    if len({int(s) for s in slots}) != n:
+        raise ValueError("a decode step names each slot once")
+    return prev_rows, toks, pos

@@ -17,7 +17,7 @@ from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig, RopeScaling
 from ..progress import progress
-from .base import PrefillItem, SampleResult, SampleRow
+from .base import PrefillItem, SampleResult, SampleRow, continued_inputs
 
 log = logging.getLogger(__name__)
 
@@ -291,13 +291,15 @@ class CPUBackend:
         return np.argmax(self.decode(slots, tokens, positions), axis=-1).astype(np.int32)
 
     def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> np.ndarray:
+                            positions: Sequence[int] | None = None,
+                            prev_rows: Sequence[int] | None = None) -> np.ndarray:
         """The protocol's started greedy step, run at once (the handle is the ids)."""
-        if tokens is None:
-            if self._last_greedy is None or list(slots) != self._last_greedy[0]:
-                raise ValueError("decode_argmax_start without tokens continues the previous step's slots")
-            _, tokens, prev = self._last_greedy
-            positions = [p + 1 for p in prev]
+        if tokens is None or prev_rows is not None:
+            if self._last_greedy is None:
+                raise ValueError("decode_argmax_start without tokens continues the previous greedy step")
+            prev_slots, prev_ids, prev_pos = self._last_greedy
+            rows, tokens, positions = continued_inputs(prev_slots, prev_pos, slots, tokens, positions, prev_rows)
+            tokens = [prev_ids[r] if r >= 0 else t for r, t in zip(rows, tokens)]
         ids = self.decode_argmax(slots, tokens, positions)
         self._last_greedy = ([int(s) for s in slots], ids.tolist(), [int(p) for p in positions])
         return ids
@@ -313,16 +315,19 @@ class CPUBackend:
         return self.decode_sample_finish(h)
 
     def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> dict:
+                            positions: Sequence[int] | None = None,
+                            prev_rows: Sequence[int] | None = None) -> dict:
         """The protocol's started sampled step; the forward pass runs at once (the handle keeps
         its logits). A continuation feeds the previous step's sampled tokens, known by then."""
         prev = self._last_sampled
-        if tokens is None:
-            if prev is None or prev["result"] is None or list(slots) != prev["slots"]:
+        if tokens is None or prev_rows is not None:
+            if prev is None or prev["result"] is None:
                 raise ValueError("decode_sample_start without tokens continues the previous "
-                                 "sampled step's slots, once it is launched")
-            tokens = prev["result"].tokens.tolist()
-            positions = [p + 1 for p in prev["positions"]]
+                                 "sampled step, once it is launched")
+            rows, tokens, positions = continued_inputs(prev["slots"], prev["positions"], slots, tokens,
+                                                       positions, prev_rows)
+            drawn = prev["result"].tokens
+            tokens = [int(drawn[r]) if r >= 0 else t for r, t in zip(rows, tokens)]
         h = {"slots": [int(s) for s in slots], "tokens": [int(t) for t in tokens],
              "positions": [int(p) for p in positions], "result": None,
              "logits": self.decode(slots, tokens, positions)[:, :self.config.vocab_size]}

@@ -48,6 +48,14 @@ log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
+# why a decode step was not started ahead: a prefill in the step before (no longer a reason: the
+# prefill queues behind the step; the label stays, at 0, so that figures from before compare), every
+# row stopping after it (max_tokens or the context's end), no free KV block for a row's next
+# position, the setting off, the batch changed under a step started ahead (a cancellation or a
+# preemption), greedy and sampled batches switching, no decode step before it
+PIPELINE_REASONS = ("prefill", "finishing", "no_block", "off", "changed", "kind", "start")
+
+
 class EngineObserver(Protocol):
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                             e2e_s: float, ttft_s: float | None) -> None: ...
@@ -88,7 +96,13 @@ class Engine:
         self._stop = False
         self._closing: str | None = None      # finish_all(reason): end everything, take nothing new
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
-        self._ahead: tuple[list[Sequence], Any, str] | None = None  # a step started ahead: (batch, handle, greedy | sample)
+        # a step started ahead: (batch, handle, greedy | sample, the sequences of its batch that ended
+        # since it started: their slots and blocks are freed once it is done)
+        self._ahead: tuple[list[Sequence], Any, str, list[Sequence]] | None = None
+        # decode steps by how they started: "ahead" (before the previous step's tokens were read)
+        # or why not (PIPELINE_REASONS); _why: the reason the next step will give if not ahead
+        self._pipeline = dict.fromkeys(("ahead",) + PIPELINE_REASONS, 0)
+        self._why = "start"
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
@@ -270,6 +284,7 @@ class Engine:
             "device_memory_bytes": b.get("device_memory_bytes", 0),
             "graph_replays": b.get("graph_replays", 0),
             "graph_captures": b.get("graph_captures", 0),
+            "decode_steps": dict(self._pipeline),     # cumulative, by how each step started
         }
 
     def finish_all(self, reason: str = "shutdown") -> None:
@@ -294,8 +309,14 @@ class Engine:
         sch = self.scheduler
         while True:
             with sch.wakeup:
-                if not self._stop and not sch.has_work():
-                    self._flush()
+                idle = not self._stop and not sch.has_work()
+            if idle:
+                if self._ahead is not None:
+                    # every sequence of the step started ahead stopped: wait for it, free what it held
+                    self._drop_ahead()
+                    self.observer.on_step(self.stats())
+                self._flush()
+            with sch.wakeup:
                 while not self._stop and not sch.has_work():
                     sch.wakeup.wait()
                 if self._stop:
@@ -304,7 +325,9 @@ class Engine:
                 self._step()
             except Exception as e:  # a backend failure must not kill the loop or the waiting requests
                 log.exception("engine step failed; failing the running requests")
-                self._ahead = None
+                if self._ahead is not None:
+                    (_, _, _, held), self._ahead = self._ahead, None
+                    self._free_held(held)
                 for seq in list(sch.running):
                     self._fail(seq, e)
                 self._flush()
@@ -324,15 +347,16 @@ class Engine:
             return
         aborts = sch.take_aborts()
         if aborts:
-            self._drop_ahead()
+            self._drop_ahead()      # a cancelled sequence's blocks are free at once, once no step writes them
         for rid in aborts:
             seq = sch.find(rid)
             if seq is not None:
                 self._finish(seq, "abort")
         plan = sch.schedule()
-        # a step started ahead is used only by the same batch; anything else waits for it first,
-        # so that no slot or block it writes changes hands under it
-        if self._ahead is not None and not _same(self._ahead[0], plan.decode):
+        # a step started ahead serves this step when it computes every sequence the plan decodes (its
+        # other rows have stopped since: their outputs are dropped); else it is waited for first, so
+        # that no slot or block it writes changes hands under it
+        if self._ahead is not None and (plan.preempted or plan.failed or not _covers(self._ahead[0], plan.decode)):
             self._drop_ahead()
         for slot in plan.released:
             self.backend.release(slot)
@@ -347,14 +371,12 @@ class Engine:
         for slot, table in plan.tables.items():
             self.backend.set_block_table(slot, table)
         if plan.decode:
-            self._decode(plan.decode, go_ahead=not plan.prefill)
-            if plan.prefill:
-                self._flush()      # the decode batch's tokens go out before the prefill runs
+            self._decode(plan.decode, plan.prefill)
         else:
             self._drop_ahead()
-        if plan.prefill:
-            self._prefill(plan.prefill)
-        if not plan.decode:
+            self._why = "start"
+            if plan.prefill:
+                self._prefill(plan.prefill)
             self._flush()
         # else the next step delivers this one's outputs once its forward pass is launched
 
@@ -378,23 +400,37 @@ class Engine:
             if not seq.output_ids:
                 self._accept(seq, row, None)     # the first token: drawn here by the twin
 
-    def _decode(self, batch: list[Sequence], go_ahead: bool) -> None:
-        slots = [s.slot for s in batch]
-        toks = [s.output_ids[-1] for s in batch]
-        pos = [s.num_computed for s in batch]
-        if all(s.params.greedy and not s.sampler.needs_counts and s.params.logprobs is None
-               and not s.constrained for s in batch):
-            ids = self._greedy_step(batch, slots, toks, pos, go_ahead)
-            for seq, tok in zip(batch, ids):
-                self.scheduler.computed(seq, 1)
-                self._accept(seq, None, int(tok))
+    def _decode(self, decode: list[Sequence], prefill: list[tuple[Sequence, int, int]]) -> None:
+        """One decode step for `decode` (the plan's), started ahead by the step before or now; the
+        step's prefill runs once the step is queued, and the next step is started ahead over the
+        rows that go on and the sequences that prefill completed, before this one's tokens are read."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            batch, h, kind, held = ahead
+            self._pipeline["ahead"] += 1
         else:
-            res = self._sampled_step(batch, slots, toks, pos, go_ahead)
-            guides = [s.guide for s in batch if s.guide is not None]
+            batch, h, held = decode, None, []
+            kind = "greedy" if all(_plain_greedy(s) for s in decode) else "sample"
+            self._pipeline[self._why] += 1
+        self._why = "start"
+        live = {id(s) for s in decode}      # a row of `batch` not in it stopped after the step started
+        if kind == "greedy":
+            ids = self._greedy_step(batch, h, prefill, live)
+            self._free_held(held)
+            for seq, tok in zip(batch, ids):
+                if id(seq) in live:
+                    self.scheduler.computed(seq, 1)
+                    self._accept(seq, None, int(tok))
+        else:
+            res = self._sampled_step(batch, h, prefill, live)
+            self._free_held(held)
+            rows = [i for i, s in enumerate(batch) if id(s) in live]
+            guides = [batch[i].guide for i in rows if batch[i].guide is not None]
             # the constrained rows' tokens consumed at once, on llguidance's threads
-            ok = iter(self.guidance.consume_all(guides, [int(res.tokens[i]) for i, s in enumerate(batch)
-                                                          if s.guide is not None]) if guides else ())
-            for i, seq in enumerate(batch):
+            ok = iter(self.guidance.consume_all(guides, [int(res.tokens[i]) for i in rows
+                                                          if batch[i].guide is not None]) if guides else ())
+            for i in rows:
+                seq = batch[i]
                 lp = None
                 if seq.params.logprobs in (0, 1):
                     top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
@@ -402,7 +438,7 @@ class Engine:
                 self.scheduler.computed(seq, 1)
                 self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp,
                              consumed=next(ok) if seq.guide is not None else None)
-        self._decode_window.append((time.perf_counter(), len(batch)))
+        self._decode_window.append((time.perf_counter(), len(decode)))
         del self._decode_window[:-64]
 
     def _end_all(self, reason: str) -> None:
@@ -418,32 +454,33 @@ class Engine:
             self._finish(seq, reason, notify=False)
         self.scheduler.take_aborts()
 
-    def _greedy_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int],
-                     go_ahead: bool) -> np.ndarray:
+    def _greedy_step(self, batch: list[Sequence], h: Any, prefill: list, live: set[int]) -> np.ndarray:
         """A greedy step, pipelined: the step after it is started (on the device's own argmax
         tokens) before this one's tokens are read, so the GPU does not wait for the host's per-token
-        work. `_step` keeps a step started ahead only for the same batch (the same sequences in the
-        same order)."""
-        ahead = self._take_ahead("greedy")
-        h = ahead if ahead is not None else self.backend.decode_argmax_start(slots, toks, pos)
-        if self._may_go_ahead(batch, pos, go_ahead):
-            self._ahead = (batch, self.backend.decode_argmax_start(slots), "greedy")
+        work; the step's prefill is queued behind it first (its new sequences join the next step)."""
+        if h is None:
+            h = self.backend.decode_argmax_start([s.slot for s in batch], [s.output_ids[-1] for s in batch],
+                                                 [s.num_computed for s in batch])
+        if prefill:
+            self._prefill(prefill)
+        self._go_ahead(batch, live, prefill, "greedy")
         # the previous step's outputs go to the event loop now, while this thread waits for the
         # device anyway: the loop takes the GIL without making the step's launches wait for it
         self._flush()
         return self.backend.decode_argmax_finish(h)
 
-    def _sampled_step(self, batch: list[Sequence], slots: list[int], toks: list[int], pos: list[int],
-                      go_ahead: bool) -> SampleResult:
+    def _sampled_step(self, batch: list[Sequence], h: Any, prefill: list, live: set[int]) -> SampleResult:
         """A step sampled by the backend, pipelined like the greedy one: its forward pass was
         started ahead (on the tokens the device sampled) while the host consumed the previous
         step's tokens; now the host fills the constrained rows' masks (each guide has consumed the
-        token this step feeds), launches the sampling, starts the next step's forward pass, and
-        only then waits for this step's tokens. Only rows asking for top logprobs beyond one get
-        logits back. The tokens are the unpipelined ones: a row's draw is keyed by (seed, step)
-        and its penalties count the token it is fed, which the host knows at the launch."""
-        ahead = self._take_ahead("sample")
-        h = ahead if ahead is not None else self.backend.decode_sample_start(slots, toks, pos)
+        token this step feeds), launches the sampling, runs the step's prefill, starts the next
+        step's forward pass, and only then waits for this step's tokens. Only rows asking for top
+        logprobs beyond one get logits back. The tokens are the unpipelined ones: a row's draw is
+        keyed by (seed, step) and its penalties count the token it is fed, which the host knows at
+        the launch. A row that stopped since the step started is sampled, unconstrained, and dropped."""
+        if h is None:
+            h = self.backend.decode_sample_start([s.slot for s in batch], [s.output_ids[-1] for s in batch],
+                                                 [s.num_computed for s in batch])
         guides = [s.guide for s in batch if s.guide is not None]
         masks = self._mask_rows(len(guides)) if guides else None
         rows, k = [], 0
@@ -455,44 +492,82 @@ class Engine:
                                       want_logits=(s.params.logprobs or 0) > 1, mask=mask))
         prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
         self.backend.decode_sample_launch(h, rows, prepare)
-        if self._may_go_ahead(batch, pos, go_ahead):
-            self._ahead = (batch, self.backend.decode_sample_start(slots), "sample")
+        if prefill:
+            self._prefill(prefill)
+        self._go_ahead(batch, live, prefill, "sample")
         self._flush()
         return self.backend.decode_sample_finish(h)
 
-    def _may_go_ahead(self, batch: list[Sequence], pos: list[int], go_ahead: bool) -> bool:
-        """Whether the step after this one may start before this one's tokens are read: not across
-        a prefill (go_ahead False), nor when a sequence must stop after this step, nor when the
-        pool has no block for a sequence's next position (else the blocks are given now)."""
-        if not (go_ahead and self.settings.pipelined_decode
-                and all(len(s.output_ids) + 1 < s.params.max_tokens and p + 1 < self.backend.max_context
-                        for s, p in zip(batch, pos))):
-            return False
-        tables = self.scheduler.grow_for_next_step(batch)
+    def _go_ahead(self, batch: list[Sequence], live: set[int], prefill: list, kind: str) -> None:
+        """Start the step after this one before this one's tokens are read: over this step's rows
+        that go on (not past max_tokens or the context after it; a row that stops on a stop token
+        is only known later, and dropped then) and the sequences whose prompt this step's prefill
+        completed, on the same path (greedy or sampled). The kept rows' tokens stay on the device;
+        the pool gives every row a block for the position it writes, or nothing goes ahead."""
+        if not self.settings.pipelined_decode:
+            self._why = "off"
+            return
+        room = self.backend.max_context - 1
+        keep = [i for i, s in enumerate(batch) if id(s) in live and len(s.output_ids) + 1 < s.params.max_tokens
+                and s.num_computed < room]
+        done = {id(batch[i]) for i in keep}
+        new = [s for s, _, _ in prefill if s in self.scheduler.running and not s.prefilling
+               and s.output_ids and id(s) not in done]
+        nxt = [batch[i] for i in keep] + new
+        if not nxt:
+            self._why = "finishing"
+            return
+        if ("greedy" if all(_plain_greedy(s) for s in nxt) else "sample") != kind:
+            self._why = "kind"
+            return
+        pos = [s.num_computed + 1 for s in nxt[:len(keep)]] + [s.num_computed for s in new]
+        tables = self.scheduler.grow_for_next_step(nxt, pos)
         if tables is None:
-            return False
+            self._why = "no_block"
+            return
         for slot, table in tables.items():
             self.backend.set_block_table(slot, table)
-        return True
-
-    def _take_ahead(self, kind: str) -> Any:
-        """The handle of the step started ahead for this batch if it is of this kind (greedy or
-        sampled); one of the other kind is finished and forgotten."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[2] == kind:
-            return ahead[1]
-        if ahead is not None:
-            self._ahead = ahead
-            self._drop_ahead()
-        return None
+        slots = [s.slot for s in nxt]
+        if len(keep) == len(batch) and not new:        # the same rows: a plain continuation
+            prev_rows = tokens = pos = None
+        else:
+            prev_rows = keep + [-1] * len(new)
+            tokens = [0] * len(keep) + [s.output_ids[-1] for s in new]
+        if kind == "greedy":
+            h = self.backend.decode_argmax_start(slots, tokens, pos, prev_rows)
+        else:
+            h = self.backend.decode_sample_start(slots, tokens, pos, prev_rows)
+        self._ahead = (nxt, h, kind, [])
+        self._why = "changed"    # what the next step says if this one is dropped
 
     def _drop_ahead(self) -> None:
+        """Wait for the step started ahead, forget its outputs, free the sequences it held."""
         if self._ahead is not None:
-            (_, h, kind), self._ahead = self._ahead, None
+            (_, h, kind, held), self._ahead = self._ahead, None
             if kind == "greedy":
                 self.backend.decode_argmax_finish(h)
             else:
                 self.backend.decode_sample_finish(h)     # never launched: nothing comes back
+            self._free_held(held)
+
+    def _free_held(self, held: list[Sequence]) -> None:
+        """Slots and KV blocks of sequences that ended while a step started ahead still computed
+        them: that step is done now."""
+        for seq in held:
+            if seq.slot >= 0:
+                self.backend.release(seq.slot)
+            self.scheduler.free(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Take an ended sequence out of the scheduler. Its slot and blocks are free at once, unless
+        the step started ahead computes it: then when that step is done (_free_held)."""
+        if self._ahead is not None and any(s is seq for s in self._ahead[0]):
+            self.scheduler.remove(seq, hold=True)
+            self._ahead[3].append(seq)
+            return
+        if seq.slot >= 0:
+            self.backend.release(seq.slot)
+        self.scheduler.remove(seq)
 
     def _mask_rows(self, n: int) -> np.ndarray:
         if self._masks is None:
@@ -598,10 +673,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, notify: bool = True) -> None:
         seq.finish_reason = reason
-        if seq.slot >= 0:
-            self.backend.release(seq.slot)
         self._release_guide(seq)
-        self.scheduler.remove(seq)
+        self._retire(seq)
         n_out = len(seq.output_ids)
         if notify:
             self._emit(seq, RequestOutput(seq.request_id, "", [], reason, len(seq.prompt_ids), n_out))
@@ -612,10 +685,8 @@ class Engine:
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         """End a sequence with an error its caller receives (the other sequences go on)."""
         seq.finish_reason = "error"
-        if seq.slot >= 0:
-            self.backend.release(seq.slot)
         self._release_guide(seq)
-        self.scheduler.remove(seq)
+        self._retire(seq)
         self._emit(seq, err)
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         self.observer.on_request_finished("error", len(seq.prompt_ids), len(seq.output_ids),
@@ -641,5 +712,13 @@ def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
         q.put_nowait(item)
 
 
-def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+def _covers(batch: list, decode: list) -> bool:
+    """Every sequence of `decode` is a row of `batch`."""
+    rows = {id(s) for s in batch}
+    return all(id(s) in rows for s in decode)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """A row the greedy path (the device's argmax, nothing else) decodes."""
+    return (seq.params.greedy and not seq.sampler.needs_counts and seq.params.logprobs is None
+            and not seq.constrained)

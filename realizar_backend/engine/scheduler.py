@@ -200,12 +200,12 @@ class Scheduler:
                 seq.synced_blocks = len(table)
         return out
 
-    def grow_for_next_step(self, batch: list[Sequence]) -> dict[int, list[int]] | None:
-        """Blocks for the position after this step's of each sequence in `batch` (a step started
-        ahead writes there); the tables to give the backend, or None when the pool is out of
-        blocks (then no step goes ahead; the next `schedule` preempts if it must)."""
-        for seq in batch:
-            if not self.kv.append(seq.seq_id, seq.num_computed + 2):
+    def grow_for_next_step(self, batch: list[Sequence], positions: list[int]) -> dict[int, list[int]] | None:
+        """Blocks for the position each sequence of `batch` writes in a step started ahead; the
+        tables to give the backend, or None when the pool is out of blocks (then no step goes
+        ahead; the next `schedule` preempts if it must)."""
+        for seq, pos in zip(batch, positions):
+            if not self.kv.append(seq.seq_id, pos + 1):
                 return None
         return self.unsynced_tables(batch)
 
@@ -214,8 +214,9 @@ class Scheduler:
         seq.num_computed += n
         self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a sequence from wherever it is; its KV blocks and slot are free at once."""
+    def remove(self, seq: Sequence, hold: bool = False) -> None:
+        """Drop a sequence from wherever it is; its KV blocks and slot are free at once, or with
+        hold when the caller calls `free` (a step in flight still writes them)."""
         with self._lock:
             try:
                 self.waiting.remove(seq)
@@ -223,6 +224,11 @@ class Scheduler:
                 pass
         if seq in self.running:
             self.running.remove(seq)
+        if not hold:
+            self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """The KV blocks and slot of a sequence that was removed."""
         self.kv.free(seq.seq_id)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)

@@ -86,9 +86,37 @@ __device__ __forceinline__ void feed_next(int* io, int io_stride, int b, int tok
         int pos = io[io_stride + b];
         io[b] = tok;
         io[io_stride + b] = pos + 1;
-        // the host's copy: a ring of token rows in mapped host memory, indexed by position, so a
-        // step needs no copy of its own after the graph (CUDABackend.decode_argmax_start)
-        if (ring) ring[(pos % ring_len) * io_stride + b] = tok;
+        // the host's copy: a ring of token rows in mapped host memory, so a step needs no copy of its
+        // own after the graph. The step's ring row is io row 3 (the same for every row of a step: the
+        // host numbers the steps), advanced here for the next step (token_ring.py)
+        if (ring) {
+            int rr = io[3 * io_stride + b];
+            ring[rr * io_stride + b] = tok;
+            io[3 * io_stride + b] = rr + 1 == ring_len ? 0 : rr + 1;
+        }
+    }
+}
+
+// A continuation over another batch (CUDABackend's prev_rows): the decode inputs io [4, io_stride]
+// (tokens, positions, slots, ring row) of n rows, each either a row of the previous step, whose
+// token and next position that step's last kernel left in io (stage[3][j] = that row), or a new
+// row whose token, position and slot the host staged (stage[3][j] = -1); rows n..b-1 are padding
+// on the scratch slot at position 0. One block: every row is read before any is written, so a row
+// may move down or up. Dynamic shared memory: 3 * n ints.
+extern "C" __global__ void decode_io_merge(int* __restrict__ io, int io_stride, const int* __restrict__ stage,
+                                           int n, int b, int scratch_slot, int ring_row) {
+    extern __shared__ int kept[];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        int from = stage[3 * io_stride + j];
+        for (int k = 0; k < 3; ++k) kept[k * n + j] = from >= 0 ? io[k * io_stride + from] : stage[k * io_stride + j];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < b; j += blockDim.x) {
+        bool live = j < n;
+        io[j] = live ? kept[j] : 0;
+        io[io_stride + j] = live ? kept[n + j] : 0;
+        io[2 * io_stride + j] = live ? kept[2 * n + j] : scratch_slot;
+        io[3 * io_stride + j] = ring_row;
     }
 }
 

@@ -35,6 +35,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 PROMPT_BUCKETS = tuple(float(2 ** i) for i in range(0, 18))      # 1 .. 131072 tokens
 
 GRAPH_STATUSES = ("captured", "eager-fallback", "disabled")
+# decode_steps_total's `start` label (the engine's PIPELINE_REASONS after "ahead")
+DECODE_STARTS = ("ahead", "prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 WORKER_STATUSES = ("loading", "ready", "failed")
 WORKER_LABEL = "worker"
 
@@ -49,6 +51,9 @@ COUNTERS = {
     "preemptions_total": "Running sequences preempted for want of KV blocks (recomputed later)",
     "prefix_cache_queried_tokens_total": "Prompt tokens looked up in the KV prefix cache",
     "prefix_cache_hit_tokens_total": "Prompt tokens found in the KV prefix cache (not prefilled again)",
+    "decode_steps_total": "Decode steps by how they started: ahead (before the previous step's tokens were "
+                          "read, so the device never waits for the host) or why not (prefill, finishing, "
+                          "no_block, off, changed, kind, start)",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time from arrival to the first generated token",
@@ -98,6 +103,7 @@ class Metrics:
                                               COUNTERS["prefix_cache_queried_tokens_total"], [w], **kw))
         self.prefix_hits = mine(pc.Counter(p + "prefix_cache_hit_tokens",
                                            COUNTERS["prefix_cache_hit_tokens_total"], [w], **kw))
+        self.decode_steps = pc.Counter(p + "decode_steps", COUNTERS["decode_steps_total"], ["start", w], **kw)
         self.ttft = mine(pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
                                       [w], buckets=TTFT_BUCKETS, **kw))
         self.tpot = mine(pc.Histogram(p + "time_per_output_token_seconds",
@@ -129,6 +135,9 @@ class Metrics:
             self.requests.labels(reason, worker)          # present at 0 before the first request
         for status in ("400", "401", "404", "503"):
             self.request_errors.labels(status, worker)
+        for start in DECODE_STARTS:
+            self.decode_steps.labels(start, worker)
+        self._last_steps: dict[str, int] = {}
         self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
         self._last_replays = 0
         self._last_captures = 0
@@ -174,6 +183,11 @@ class Metrics:
             if captures > self._last_captures:
                 self.graph_captures.inc(captures - self._last_captures)
                 self._last_captures = captures
+            for start, total in (stats.get("decode_steps") or {}).items():
+                last = self._last_steps.get(start, 0)
+                if total > last:
+                    self.decode_steps.labels(start, self.worker).inc(total - last)
+                    self._last_steps[start] = total
             for key, (counter, last) in self._kv_totals.items():
                 total = int(stats.get(key, 0))
                 if total > last:

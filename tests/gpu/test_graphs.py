@@ -121,7 +121,7 @@ def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
 
 
 def test_more_steps_in_flight_than_token_ring_rows(rng):
-    """The host reads greedy tokens from a ring in mapped memory indexed by position: starting more
+    """The host reads greedy tokens from a ring in mapped memory, a row per step: starting more
     steps than the ring has rows, then a step with new inputs, before finishing any, still gives each
     handle its own step's tokens (older steps are read back before their rows are reused), and a
     handle is read once."""

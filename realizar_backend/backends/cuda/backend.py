@@ -18,8 +18,8 @@ from ... import timeline
 from ...errors import BackendError
 from ...formats import ModelFile
 from ...settings import Settings
-from ..base import PrefillItem, SampleResult, SampleRow
-from . import pdl
+from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
+from . import ops, pdl
 from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs
 from .kv_cache import KVCache, block_bytes
@@ -44,8 +44,9 @@ class _SampleStep:
     """A sampled step: started (its forward pass enqueued), then launched (its sampling), then
     finished (its results read)."""
     slots: list[int]
-    tokens_in: list[int] | None         # the tokens it feeds; None: the previous step's, once known
+    tokens_in: list[int]                # the tokens it feeds; -1: a kept row's, the previous step's
     prev: "_SampleStep | None"          # the step it continues
+    prev_rows: list[int] | None = None  # row i continues row prev_rows[i] of prev (-1: a new row)
     step: int = 0                       # CUDABackend._step_id when it was started
     launched: bool = False
     kept: dict = field(default_factory=dict)
@@ -107,11 +108,18 @@ class CUDABackend:
         self._io_mem = cupy.cuda.alloc_pinned_memory(self.ws.dec_io.nbytes)
         self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
         self._io_copied = cupy.cuda.Event(disable_timing=True)   # the pinned inputs' last copy is done
+        # a continuation over another batch: the new rows' inputs and the kept rows' sources, staged
+        # for decode_io_merge (the same layout as dec_io; row 3: the previous row, or -1)
+        self._stage = cupy.zeros(self.ws.dec_io.shape, cupy.int32)
+        self._stage_mem = cupy.cuda.alloc_pinned_memory(self._stage.nbytes)
+        self._stage_host = np.frombuffer(self._stage_mem, np.int32, self._stage.size).reshape(self._stage.shape)
+        self._stage_copied = cupy.cuda.Event(disable_timing=True)
         # every decode step's argmax tokens, written by the step itself into mapped host memory
         self.token_ring = TokenRing(self.ws.dec_io.shape[1])
         self.fwd.token_ring = (self.token_ring.device_ptr, self.token_ring.length)
         self._last_step: tuple[int, list[int], list[int]] | None = None   # (bucket, slots, positions)
         self._step_id = 0                          # steps enqueued (greedy or sampled)
+        self._prefill_at = -1                      # _step_id when the last prefill ran
         self._sample_prev: _SampleStep | None = None   # the last sampled step started
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
@@ -188,7 +196,9 @@ class CUDABackend:
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
             self.fwd.prefill_step(T, len(items), max(it.start_pos + t.size - 1 for it, t in zip(items, toks)))
             logits = self.ws.logits[:len(items)].get()
-        self._step_id += 1          # the logits of a started step are gone: no launch, no continuation
+        # a started sampled step's logits are gone (it can no longer be launched); one launched
+        # already is intact, and so are the decode inputs a continuation reads
+        self._prefill_at = self._step_id
         return logits
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> int:
@@ -200,14 +210,15 @@ class CUDABackend:
         for s, p in zip(slots, positions):
             self._check(int(s), int(p))
         b = next(x for x in self.buckets if x >= n)
-        self.token_ring.before_step(continues=False)
-        # tokens / positions / slots in one host->device copy; rows past n are padding on the
-        # scratch slot so the captured launch sequence fits
+        ring_row = self.token_ring.before_step()
+        # tokens / positions / slots / ring row in one host->device copy; rows past n are padding
+        # on the scratch slot so the captured launch sequence fits
         io = self._io_host
         self._io_copied.synchronize()      # the previous step's copy has read the pinned buffer
         io[0, :] = 0
         io[1, :] = 0
         io[2, :] = self.kv.scratch_slot
+        io[3, :] = ring_row
         io[0, :n], io[1, :n], io[2, :n] = tokens, positions, slots
         self.ws.dec_io.set(io, stream=self.stream)
         self._io_copied.record(self.stream)
@@ -226,33 +237,53 @@ class CUDABackend:
         return self.decode_argmax_finish(self.decode_argmax_start(slots, tokens, positions))
 
     def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> int:
+                            positions: Sequence[int] | None = None,
+                            prev_rows: Sequence[int] | None = None) -> int:
         """Enqueue a greedy step and return at once; decode_argmax_finish(handle) gives its ids.
         tokens and positions None: continue the previous step's sequences (same slots, in order) with
         its argmax tokens at the next positions, read on the device (the step wrote them there), so
-        the host can enqueue a step before it has read the previous one's tokens."""
+        the host can enqueue a step before it has read the previous one's tokens. prev_rows: a
+        continuation over another batch (the protocol's; decode_io_merge gathers the kept rows)."""
         with self.device, self.stream:
-            if tokens is None:
-                if (self._last_step is None or list(slots) != self._last_step[1]
-                        or (self._sample_prev is not None and self._sample_prev.step == self._step_id)):
-                    raise ValueError("decode_argmax_start without tokens continues the previous greedy step's slots")
-                self._continue_step(ring_continues=True)
+            if tokens is None or prev_rows is not None:
+                if self._last_step is None or (self._sample_prev is not None
+                                               and self._sample_prev.step == self._step_id):
+                    raise ValueError("decode_argmax_start without tokens continues the previous greedy step")
+                self._continue_step(slots, tokens, positions, prev_rows)
                 self._step_id += 1
             else:
                 self._decode(slots, tokens, positions)
-            return self.token_ring.after_step(self.stream, self._last_step[2])
+            return self.token_ring.after_step(self.stream, len(self._last_step[1]))
 
-    def _continue_step(self, ring_continues: bool) -> list[int]:
-        """Run the previous step's rows again at their next positions, on the tokens that step
-        wrote into the decode inputs (its argmax, or sample_final's); returns the rows' slots."""
-        b, sl, pos = self._last_step
-        pos = [p + 1 for p in pos]
-        for s, p in zip(sl, pos):
+    def _continue_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
+                       positions: Sequence[int] | None, prev_rows: Sequence[int] | None) -> tuple[list[int], list[int]]:
+        """Run a continuation of the previous step (the protocol's; checked by continued_inputs) on
+        the tokens that step wrote into the decode inputs (its argmax, or sample_final's): the same
+        rows again at their next positions as a plain graph replay, another batch after
+        decode_io_merge has gathered the kept rows' inputs and put the host's new rows beside them.
+        Returns (prev_rows, tokens: -1 for a kept row)."""
+        b, sl, prev_pos = self._last_step
+        rows, toks, pos = continued_inputs(sl, prev_pos, slots, tokens, positions, prev_rows)
+        slots = [int(s) for s in slots]
+        for s, p in zip(slots, pos):
             self._check(s, p)
-        self.token_ring.before_step(continues=ring_continues)
+        ring_row = self.token_ring.before_step()
+        if rows != list(range(len(sl))):
+            n = len(slots)
+            if n > self.buckets[-1]:
+                raise ValueError(f"decode batch {n} exceeds max_slots {self.max_slots}")
+            b = next(x for x in self.buckets if x >= n)
+            st = self._stage_host
+            self._stage_copied.synchronize()      # the previous merge's copy has read the pinned buffer
+            st[0, :n] = [max(t, 0) for t in toks]
+            st[1, :n], st[2, :n], st[3, :n] = pos, slots, rows
+            self._stage.set(st, stream=self.stream)     # 16 bytes a row: the whole buffer, one copy
+            self._stage_copied.record(self.stream)
+            ops.decode_io_merge(self.kernels, self.ws.dec_io.data.ptr, self.ws.dec_io.shape[1],
+                                self._stage.data.ptr, n, b, self.kv.scratch_slot, ring_row)
         self.graphs.run(b, self._long(b, pos))
-        self._last_step = (b, sl, pos)
-        return sl
+        self._last_step = (b, slots, pos)
+        return rows, toks
 
     def decode_argmax_finish(self, handle: int) -> np.ndarray:
         """The ids of a started step (waits for it)."""
@@ -268,19 +299,23 @@ class CUDABackend:
         return self.decode_sample_finish(h)
 
     def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None) -> _SampleStep:
+                            positions: Sequence[int] | None = None,
+                            prev_rows: Sequence[int] | None = None) -> _SampleStep:
         """Enqueue a sampled step's forward pass and return at once. tokens and positions None:
         continue the previous sampled step (launched, the same slots in order) with its sampled
         tokens at the next positions: sample_final wrote them into the decode inputs, so the
-        forward pass runs without the host having read them."""
+        forward pass runs without the host having read them. prev_rows: a continuation over
+        another batch, as in decode_argmax_start."""
         with self.device, self.stream:
-            if tokens is None:
+            if tokens is None or prev_rows is not None:
                 prev = self._sample_prev
-                if (prev is None or prev.step != self._step_id or not prev.launched
-                        or list(slots) != prev.slots):
+                if prev is None or prev.step != self._step_id or not prev.launched:
                     raise ValueError("decode_sample_start without tokens continues the previous "
-                                     "sampled step's slots, once it is launched")
-                h = _SampleStep(list(self._continue_step(ring_continues=False)), None, prev)
+                                     "sampled step, once it is launched")
+                if len(slots) > self.sampler.max_rows:
+                    raise ValueError(f"{len(slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
+                rows, toks = self._continue_step(slots, tokens, positions, prev_rows)
+                h = _SampleStep([int(s) for s in slots], toks, prev, rows)
             else:
                 if len(slots) > self.sampler.max_rows:
                     raise ValueError(f"{len(slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
@@ -298,12 +333,13 @@ class CUDABackend:
         Returns at once; decode_sample_finish(h) gives the results."""
         if len(rows) != len(h.slots):
             raise ValueError("one SampleRow per sequence")
-        if h.launched or h.step != self._step_id:
+        if h.launched or h.step != self._step_id or self._prefill_at == self._step_id:
             raise ValueError("decode_sample_launch: the step is launched already, or another step ran since")
         if prepare is not None:
             prepare()
-        if h.tokens_in is None:       # a continuation feeds the previous step's sampled tokens
-            h.tokens_in = self.decode_sample_finish(h.prev).tokens.tolist()
+        if h.prev is not None:        # a continuation's kept rows feed the previous step's sampled tokens
+            drawn = self.decode_sample_finish(h.prev).tokens
+            h.tokens_in = [int(drawn[r]) if r >= 0 else t for r, t in zip(h.prev_rows, h.tokens_in)]
         h.prev = None
         with self.device, self.stream:
             n = len(rows)

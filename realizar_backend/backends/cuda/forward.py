@@ -223,7 +223,8 @@ class Forward:
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int, long: bool = False) -> None:
-        """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots).
+        """One decode step for b rows (a bucket); inputs in ws.dec_io[0/1/2, :b] (tokens/positions/slots;
+        row 3: the token ring's row, token_ring.py).
         long: the rows' attention on the flash-decoding kernels (split over long sequences), else on
         attention.cu's. The step ends by writing its argmax tokens and the next positions into
         ws.dec_io[0/1]: the next step's inputs when the host feeds none."""

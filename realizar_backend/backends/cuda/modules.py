@@ -242,7 +242,8 @@ class Kernels:
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
         self._core += [build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
-                                                "act_mul", "gather_rows", "argmax_rows", "argmax_unpack"]),
+                                                "act_mul", "gather_rows", "argmax_rows", "argmax_unpack",
+                                                "decode_io_merge"]),
                        build("norm.cu", ["rms_norm", "rms_norm_q8"]),
                        build("rope.cu", ["rope_kv"])]
         _module_future(device_id, "prefill.cu", self.qtypes, prebuilt)   # loaded by its user (prefill.py)

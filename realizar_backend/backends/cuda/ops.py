@@ -374,7 +374,8 @@ def argmax_unpack(k: Kernels, key: int, out: int, n: int, io: int = 0, io_stride
     """out[:n] = rows packed by a fused-argmax GEMV into key[:n] (uint64), which is reset to 0.
     io: a decode step's int32 input rows (tokens, positions; row stride io_stride): each token is
     also written there and its position advanced, the next step's inputs (elementwise.cu feed_next).
-    ring: int32 [ring_len, io_stride] (mapped host memory): token b also goes to row pos % ring_len."""
+    ring: int32 [ring_len, io_stride] (mapped host memory): token b also goes to the ring row in io
+    row 3, which is advanced (token_ring.py)."""
     _launch(k.argmax_unpack, ((n + 127) // 128,), (128,),
             (_U64(key), _U64(out), _I32(n), _U64(io), _I32(io_stride), _U64(ring), _I32(ring_len)), 0, pdl)
 
@@ -384,3 +385,12 @@ def argmax_rows(k: Kernels, x: int, xs: int, cols: int, out: int, rows: int, io:
     """out[r] = first index of the max of row r (NaN never wins); io and ring as argmax_unpack."""
     k.argmax_rows((rows,), (1024,), (_U64(x), _I32(xs), _I32(cols), _U64(out), _I32(rows), _U64(io), _I32(io_stride),
                                      _U64(ring), _I32(ring_len)))
+
+
+def decode_io_merge(k: Kernels, io: int, io_stride: int, stage: int, n: int, b: int, scratch_slot: int,
+                    ring_row: int) -> None:
+    """A continuation's decode inputs (elementwise.cu decode_io_merge): row j of io [4, io_stride]
+    becomes row stage[3, j] of the previous step's outputs, or (-1) stage[0..2, j]; rows n..b-1
+    padding; every row's ring row is ring_row."""
+    k.decode_io_merge((1,), (256,), (_U64(io), _I32(io_stride), _U64(stage), _I32(n), _I32(b),
+                                     _I32(scratch_slot), _I32(ring_row)), shared_mem=max(12 * n, 4))

@@ -1,15 +1,17 @@
 """Greedy tokens back to the host without a copy per step.
 
 A decode step's last kernel (argmax_unpack / argmax_rows, elementwise.cu feed_next) also stores each
-row's token into a small ring of rows in mapped (zero-copy) host memory, ring row = the row's position
-modulo the ring length. The host records an event after the step and, once it has fired, reads the
-tokens there. A device-to-host copy after every graph replay left the GPU idle for a few microseconds
-between steps; the kernel's own stores through the bus cost the GPU nothing measurable.
+row's token into a small ring of rows in mapped (zero-copy) host memory. The host records an event
+after the step and, once it has fired, reads the tokens there. A device-to-host copy after every
+graph replay left the GPU idle for a few microseconds between steps; the kernel's own stores through
+the bus cost the GPU nothing measurable.
 
-Steps started ahead (continuations: every row one position further) use distinct ring rows for up to
-`length` steps in flight; a step with new inputs may reuse any row, so every step still in flight is
-read back first (resolve).
-"""
+The host numbers the decode steps it enqueues: step k writes ring row k % length, which the decode
+inputs carry (io row 3: set by the host for a step with new inputs or by decode_io_merge for a
+continuation over another batch, advanced by the step itself for a plain continuation). So any
+`length` consecutive steps write distinct rows, whatever their batches, and a step in flight is read
+back only when `length` newer ones would overwrite it.
+""""""
 
 from __future__ import annotations
 
@@ -44,24 +46,28 @@ class TokenRing:
                                   length * rows).reshape(length, rows)
         self.host[...] = -1
         self.device_ptr = _device_pointer(self._mem.ptr)
-        self._next = 0
-        self._pending: dict[int, tuple[cupy.cuda.Event, list[int]]] = {}   # handle -> (event, positions)
+        self._next = 0                  # handles given
+        self._steps = 0                 # steps enqueued: the next step writes ring row _steps % length
+        # handle -> (event, step number, rows), oldest first
+        self._pending: dict[int, tuple[cupy.cuda.Event, int, int]] = {}
         self._done: dict[int, np.ndarray] = {}
         self._events: list[cupy.cuda.Event] = []
 
-    def before_step(self, continues: bool) -> None:
-        """Call before enqueueing a step: a step with new inputs (continues False) may write ring
-        rows that steps in flight have not been read from yet; a continuation only when the ring is full."""
-        while self._pending and (not continues or len(self._pending) >= self.length):
+    def before_step(self) -> int:
+        """Call before enqueueing every decode step (read back or not): first reads back a step in
+        flight whose ring row this one will write; returns the ring row the step writes."""
+        while self._pending and next(iter(self._pending.values()))[1] + self.length <= self._steps:
             self._resolve(next(iter(self._pending)))
+        self._steps += 1
+        return (self._steps - 1) % self.length
 
-    def after_step(self, stream: cupy.cuda.Stream, positions: list[int]) -> int:
-        """Call after enqueueing a step whose rows are at these positions; returns its handle."""
+    def after_step(self, stream: cupy.cuda.Stream, n: int) -> int:
+        """Call after enqueueing a step of n rows (the last before_step's); returns its handle."""
         ev = self._events.pop() if self._events else cupy.cuda.Event(disable_timing=True)
         ev.record(stream)
         h = self._next
         self._next += 1
-        self._pending[h] = (ev, list(positions))
+        self._pending[h] = (ev, self._steps - 1, n)
         return h
 
     def tokens(self, handle: int) -> np.ndarray:
@@ -74,7 +80,7 @@ class TokenRing:
             raise ValueError(f"unknown or already finished decode handle {handle}") from None
 
     def _resolve(self, handle: int) -> None:
-        ev, pos = self._pending.pop(handle)
+        ev, step, n = self._pending.pop(handle)
         ev.synchronize()
-        self._done[handle] = self.host[np.asarray(pos) % self.length, np.arange(len(pos))].copy()
+        self._done[handle] = self.host[step % self.length, :n].copy()
         self._events.append(ev)

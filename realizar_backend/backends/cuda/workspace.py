@@ -58,7 +58,7 @@ class Workspace:
         self.deq = cupy.empty(dequant_elems, cupy.float32)
         # decode inputs (token ids, positions, slots) in one fixed buffer: one host copy per step,
         # and addresses that no pool growth moves (the captured graphs read them)
-        self.dec_io = cupy.zeros((3, max_rows), cupy.int32)
+        self.dec_io = cupy.zeros((4, max_rows), cupy.int32)   # tokens, positions, slots, ring row
         self.head_q = cupy.empty((max_rows, c.hidden), cupy.int8)      # final norm as 8-bit blocks
         self.head_d = cupy.empty((max_rows, c.hidden // 32 * 2), f32)
         self._fixed = [self.logits, self.argmax, self.last, self.last_norm, self.last_idx, self.deq,
