@@ -11,7 +11,7 @@ inputs carry (io row 3: set by the host for a step with new inputs or by decode_
 continuation over another batch, advanced by the step itself for a plain continuation). So any
 `length` consecutive steps write distinct rows, whatever their batches, and a step in flight is read
 back only when `length` newer ones would overwrite it.
-""""""
+"""
 
 from __future__ import annotations
 
