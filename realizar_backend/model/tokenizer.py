@@ -26,6 +26,7 @@ from typing import Any, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .. import timeline
 from ..errors import CapacityError, ContextOverflowError, ModelFormatError, RequestError, UnsupportedModelError
 from ..settings import Settings
 from .chat_template import (MAX_TEMPLATE_CHARS, ChatTemplateError, TemplateLimits, TemplateRenderer,
@@ -158,6 +159,7 @@ class Tokenizer:
             tok = cls._from_tokenizer_json(mf.path, mf.tokenizer_json, mf.tokenizer_config or {}, mf.metadata)
         else:
             raise UnsupportedModelError(mf.path, "the model directory has no tokenizer.json")
+        timeline.mark("tokenizer built")
         if tok.chat_template:
             tok._renderer = renderer(template_limits or TemplateLimits.from_settings(Settings()))
             try:
