@@ -101,7 +101,8 @@ def _split_merges(merges: list[str]) -> list[tuple[str, str]] | None:
     parts = " ".join(merges).split(" ")
     if len(parts) != 2 * len(merges) or not all(map(str.__contains__, merges, repeat(" "))):
         return None
-    return list(zip(parts[0::2], parts[1::2]))
+    pairs = iter(parts)
+    return list(zip(pairs, pairs))
 
 
 def _spm_merges(tokens: list[str], rank: Mapping[str, float]) -> list[tuple[str, str]]:
