@@ -131,6 +131,26 @@ def test_metadata_matches_the_reference_reader(tmp_path):
         assert np.array_equal(t.data, rt.data)
 
 
+def test_string_arrays_with_a_nul_or_bytes_that_are_not_utf8_read_item_by_item(tmp_path):
+    # a string array is decoded in one call when it can be: an item holding a NUL or bytes that
+    # are not UTF-8 (a character cut short, a stray continuation byte) still reads as that item
+    # read alone would, the bad bytes as U+FFFD, and its neighbours stay whole
+    from gguf import GGUFValueType as V
+
+    import gguf_kv
+    src = synth.write_gguf(tmp_path / "src.gguf", "llama", qtype=Q.F32)
+    parts = gguf_kv.read(src.path)
+    cases = {"test.nul": ["a", "b\x00c", "", "\x00"],
+             "test.bad": [b"x", b"\xe4\xb8", b"\x80y", "z\u00e9".encode(), b""],
+             "test.plain": ["\u0120the", "\u00e9", "", "<|im_end|>"]}
+    kvs = parts.kvs + [gguf_kv.KV(k, V.ARRAY, v, V.STRING) for k, v in cases.items()]
+    mf = open_model(gguf_kv.write(parts, kvs, tmp_path / "strings.gguf"))
+    assert mf.metadata["test.nul"] == cases["test.nul"]
+    assert mf.metadata["test.bad"] == ["x", "\ufffd", "\ufffdy", "z\u00e9", ""]
+    assert mf.metadata["test.plain"] == cases["test.plain"]
+    assert mf.metadata["tokenizer.ggml.tokens"] == synth.tiny_tokenizer()[0]
+
+
 # ------------------------------------------------------------------ the real SmolLM2
 
 

@@ -178,3 +178,14 @@ def test_qwen_stop_ids(name):
     tok, ref = ours(name), reference(name)
     assert {ref.convert_tokens_to_ids("<|im_end|>"), ref.convert_tokens_to_ids("<|endoftext|>")} <= tok.stop_ids
     assert tok.encode("<tool_call>", add_special_tokens=False) == [ref.convert_tokens_to_ids("<tool_call>")]
+
+
+def test_the_tokens_to_respell_are_those_outside_the_byte_alphabet():
+    # the vocabulary is respelled only when one pass finds a character outside GPT-2's byte
+    # alphabet: that pass must see exactly the alphabet the byte-level tokenizer is written in
+    from realizar_backend.model.tokenizer import _outside_alphabet, bytes_to_unicode
+    alphabet = set(bytes_to_unicode().values())
+    for code in range(0x3000):
+        c = chr(code)
+        assert _outside_alphabet(["Ġthe", c, "ab"]) == (c not in alphabet), hex(code)
+    assert not _outside_alphabet(sorted(alphabet)) and _outside_alphabet(["<|im_start|>", "✓"])

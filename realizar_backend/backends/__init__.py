@@ -70,6 +70,7 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
         if want == "cuda":
             try:
                 from .cuda import CUDABackend
+                timeline.mark("cuda backend imported")
                 return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
             except RealizarError as e:
                 log.warning("CUDA backend unavailable for this model, falling back to CPU: %s", e)
@@ -78,6 +79,7 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
         if not cuda_available():
             raise BackendError("backend 'cuda' was asked for but no CUDA GPU is visible to CuPy")
         from .cuda import CUDABackend
+        timeline.mark("cuda backend imported")
         return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
     from .cpu import CPUBackend
     return CPUBackend(model, max_slots=slots, max_context=ctx, block_size=settings.block_size,

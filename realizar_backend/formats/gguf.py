@@ -144,7 +144,33 @@ class _Header:
         return [self.value(itype, key, depth + 1) for _ in range(n)]
 
     def _str_array(self, n: int, key: str) -> list[str]:
-        # The hot loop of the header (150k vocabulary strings): plain struct reads, no views.
+        # The hot loop of the header (150k vocabulary strings, 150k merges): the loop only slices,
+        # the bounds are checked once after it and the strings decoded in one call. A file that
+        # fails a check (or holds invalid UTF-8 or a NUL) goes through the checked loop below,
+        # which names the item.
+        buf, size, off, raw = self.buf, self.size, self.off, []
+        unpack, append = _U64.unpack_from, raw.append
+        try:
+            for _ in range(n):
+                (ln,) = unpack(buf, off)
+                start = off + 8
+                off = start + ln
+                append(buf[start:off])
+        except (struct.error, OverflowError):     # a length field past the end of the file
+            off = size + 1
+        if off <= size and n:
+            joined = b"\0".join(raw)
+            if joined.count(b"\0") == n - 1:
+                try:
+                    out = joined.decode("utf-8").split("\0")
+                except UnicodeDecodeError:
+                    out = None
+                if out is not None:
+                    self.off = off
+                    return out
+        return self._str_array_checked(n, key)
+
+    def _str_array_checked(self, n: int, key: str) -> list[str]:
         buf, size, off, out = self.buf, self.size, self.off, []
         unpack = _U64.unpack_from
         for i in range(n):

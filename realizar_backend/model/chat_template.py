@@ -226,10 +226,12 @@ class TemplateRenderer:
         context = {"messages": TRIAL_MESSAGES, "tools": None, "documents": None,
                    "add_generation_prompt": True, **special_tokens}
         self.render(source, context)
-        self._start_idle()
+        # the other workers start beside the rest of the load, not before the check returns
+        threading.Thread(target=self._start_idle, name="template-workers", daemon=True).start()
 
     def _start_idle(self) -> None:
-        """Start the workers not started yet, so that the first requests do not wait for them."""
+        """Start the workers not started yet, so that the first requests do not wait for them
+        (a request that comes first waits for one of them, as it waits for a busy worker)."""
         with self._cond:
             missing = [i for i, w in enumerate(self._idle) if w is None]
             for i in reversed(missing):

@@ -104,22 +104,29 @@ class Metadata:
             raise self.fail(key, "is an empty array")
         return v
 
-    def _items(self, key: str, default: Any, ok, what: str, kw: dict) -> Any:
+    def _items(self, key: str, default: Any, ok, what: str, kw: dict, fast=None) -> Any:
         v = self.array(key, _MISSING, **kw)
         if v is _MISSING:
             return default
+        # fast: a check of the whole array in C-level passes (a vocabulary is 150k+ entries, read
+        # while the device starts); when it does not pass, the loop finds the entry to name
+        if fast is not None and fast(v):
+            return v
         for i, x in enumerate(v):
             if not ok(x):
                 raise self.fail(key, f"should be an array of {what}; entry {i} is {_show(x)}")
         return v
 
     def strings(self, key: str, default: Any = None, **kw) -> Any:
-        return self._items(key, default, lambda x: isinstance(x, str), "strings", kw)
+        return self._items(key, default, lambda x: isinstance(x, str), "strings", kw,
+                           fast=lambda v: set(map(type, v)) <= {str})
 
     def integers(self, key: str, default: Any = None, *, lo: int, hi: int, **kw) -> Any:
         return self._items(key, default, lambda x: isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi,
-                           f"integers in [{lo}, {hi}]", kw)
+                           f"integers in [{lo}, {hi}]", kw,
+                           fast=lambda v: set(map(type, v)) <= {int} and (not v or lo <= min(v) and max(v) <= hi))
 
     def numbers(self, key: str, default: Any = None, **kw) -> Any:
         return self._items(key, default, lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
-                           and math.isfinite(x), "finite numbers", kw)
+                           and math.isfinite(x), "finite numbers", kw,
+                           fast=lambda v: set(map(type, v)) <= {int, float} and all(map(math.isfinite, v)))

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Any, Mapping
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .. import timeline
 from ..errors import CapacityError, ContextOverflowError, ModelFormatError, RequestError, UnsupportedModelError
 from ..settings import Settings
 from .chat_template import (MAX_TEMPLATE_CHARS, ChatTemplateError, TemplateLimits, TemplateRenderer,
@@ -82,6 +85,26 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+# any character outside GPT-2's byte alphabet (bytes_to_unicode's values: 188 printable Latin-1
+# characters and U+0100-U+0143)
+_NOT_BYTE_ALPHABET = re.compile("[^!-~\u00a1-\u00ac\u00ae-\u00ff\u0100-\u0143]")
+
+
+def _outside_alphabet(tokens: list[str]) -> bool:
+    """Whether any token has a character outside the byte alphabet (one regex pass over them all)."""
+    return _NOT_BYTE_ALPHABET.search("".join(tokens)) is not None
+
+
+def _split_merges(merges: list[str]) -> list[tuple[str, str]] | None:
+    """GGUF merges ("a b") as pairs, when every entry holds exactly one space; else None. One
+    split of the joined list instead of a partition per entry (150k+ of them)."""
+    parts = " ".join(merges).split(" ")
+    if len(parts) != 2 * len(merges) or not all(map(str.__contains__, merges, repeat(" "))):
+        return None
+    pairs = iter(parts)
+    return list(zip(pairs, pairs))
+
+
 def _spm_merges(tokens: list[str], rank: Mapping[str, float]) -> list[tuple[str, str]]:
     """SentencePiece BPE merges a pair whose concatenation is the best-scoring vocabulary piece.
     As an HF merge list: every split of every piece into two pieces, best piece first (ties: the
@@ -137,6 +160,7 @@ class Tokenizer:
             tok = cls._from_tokenizer_json(mf.path, mf.tokenizer_json, mf.tokenizer_config or {}, mf.metadata)
         else:
             raise UnsupportedModelError(mf.path, "the model directory has no tokenizer.json")
+        timeline.mark("tokenizer built")
         if tok.chat_template:
             tok._renderer = renderer(template_limits or TemplateLimits.from_settings(Settings()))
             try:
@@ -161,19 +185,24 @@ class Tokenizer:
         tokens = m.strings("tokenizer.ggml.tokens", nonempty=True)
         n = len(tokens)
         types = m.integers("tokenizer.ggml.token_type", None, lo=0, hi=_BYTE, length=n) or [_NORMAL] * n
-        if len(set(tokens)) != n:
-            log.warning("%s: tokenizer.ggml.tokens holds %d duplicate token texts", path, n - len(set(tokens)))
+        # id of each text (the last one of a duplicated text, as a dict built in a loop keeps)
+        index = dict(zip(tokens, range(n)))
+        if len(index) != n:
+            log.warning("%s: tokenizer.ggml.tokens holds %d duplicate token texts", path, n - len(index))
+        # the ids of control and user-defined tokens (a few dozen of 150k+), without a Python loop
+        control = list(compress(range(n), map(_CONTROL.__eq__, types)))
+        user = list(compress(range(n), map(_USER_DEFINED.__eq__, types)))
 
         bos, eos = m.token_id("tokenizer.ggml.bos_token_id", n), m.token_id("tokenizer.ggml.eos_token_id", n)
         unk, pad = m.token_id("tokenizer.ggml.unknown_token_id", n), m.token_id("tokenizer.ggml.padding_token_id", n)
         eot, eom = m.token_id("tokenizer.ggml.eot_token_id", n), m.token_id("tokenizer.ggml.eom_token_id", n)
         add_bos = m.boolean("tokenizer.ggml.add_bos_token")
         if kind == "gpt2":
-            tk = cls._gguf_byte_level(path, m, tokens, types)
+            tk = cls._gguf_byte_level(path, m, tokens, index, control, user)
             add_bos = bool(add_bos)
             spm = False
         elif kind == "llama":
-            tk = cls._gguf_sentencepiece(path, m, tokens, types, unk)
+            tk = cls._gguf_sentencepiece(path, m, tokens, index, control, user, unk)
             # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
             add_bos = True if add_bos is None else add_bos
             spm = True
@@ -183,7 +212,7 @@ class Tokenizer:
         specials = {name: tokens[i] for name, i in
                     (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)) if i is not None}
         stops = {i for i in (eos, eot, eom) if i is not None}
-        stops |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS}
+        stops |= {i for i in control if tokens[i] in _EOG_TEXTS}
         template = m.string("tokenizer.chat_template", max_len=MAX_TEMPLATE_CHARS) or None
         return cls(tk, path=str(path), vocab_size=n, bos_id=bos, eos_id=eos, add_bos=add_bos,
                    add_eos=m.boolean("tokenizer.ggml.add_eos_token", False), manual_specials=True,
@@ -191,22 +220,29 @@ class Tokenizer:
                    max_piece_chars=max(map(len, tokens)))
 
     @staticmethod
-    def _gguf_byte_level(path, m: Metadata, tokens: list[str], types: list[int]) -> HFTokenizer:
+    def _gguf_byte_level(path, m: Metadata, tokens: list[str], index: dict[str, int], control: list[int],
+                         user: list[int]) -> HFTokenizer:
         alphabet = bytes_to_unicode()
         spelled = set(alphabet.values())
         # A token outside the byte alphabet (rare: some added tokens) is respelled byte by byte,
         # so the vocabulary the BPE model sees is all in one alphabet.
-        vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
+        respell = _outside_alphabet(tokens)
+        if respell:
+            vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+                     for i, t in enumerate(tokens)}
+        else:
+            vocab = index
         merges_raw = m.strings("tokenizer.ggml.merges")
         if not merges_raw:
             raise ModelFormatError(path, "byte-level BPE vocabulary without tokenizer.ggml.merges")
-        merges = []
-        for i, mg in enumerate(merges_raw):
-            a, sep, b = mg.partition(" ")
-            if not sep:
-                raise m.fail("tokenizer.ggml.merges", f"entry {i} ({mg[:40]!r}) is not two tokens separated by a space")
-            merges.append((a, b))
+        merges = _split_merges(merges_raw)
+        if merges is None:      # some entry has no space, or more than one: the loop says which
+            merges = []
+            for i, mg in enumerate(merges_raw):
+                a, sep, b = mg.partition(" ")
+                if not sep:
+                    raise m.fail("tokenizer.ggml.merges", f"entry {i} ({mg[:40]!r}) is not two tokens separated by a space")
+                merges.append((a, b))
         tk = _built(m, "tokenizer.ggml.merges", "does not fit tokenizer.ggml.tokens",
                     lambda: HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)))
         pre = m.string("tokenizer.ggml.pre") or "default"
@@ -226,21 +262,23 @@ class Tokenizer:
         tk.decoder = decoders.ByteLevel()
         # A control token spelled outside the byte alphabet is a mislabelled ordinary token: as a
         # special token it would get a new id past the model's vocabulary, so it stays ordinary.
-        Tokenizer._add_gguf_added_tokens(m, tk, tokens, types, lambda t: set(t) <= spelled, vocab)
+        Tokenizer._add_gguf_added_tokens(m, tk, tokens, control, user, lambda t: set(t) <= spelled, vocab)
         return tk
 
     @staticmethod
-    def _gguf_sentencepiece(path, m: Metadata, tokens: list[str], types: list[int], unk: int | None) -> HFTokenizer:
+    def _gguf_sentencepiece(path, m: Metadata, tokens: list[str], index: dict[str, int], control: list[int],
+                            user: list[int], unk: int | None) -> HFTokenizer:
         arch = m.string("general.architecture", "")
         gemma = arch.startswith("gemma")
+        vocab = index
         if gemma:
             # Gemma stores its runs-of-spaces pieces with real spaces; the BPE sees U+2581 instead.
             tokens = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
             rank = {t: -float(i) for i, t in enumerate(tokens)}   # Gemma's merge order is file order
+            vocab = {t: i for i, t in enumerate(tokens)}
         else:
             scores = m.numbers("tokenizer.ggml.scores", required=True, length=len(tokens))
             rank = {t: float(s) for t, s in zip(tokens, scores)}
-        vocab = {t: i for i, t in enumerate(tokens)}
         merges = _spm_merges(tokens, rank)
         tk = _built(m, "tokenizer.ggml.tokens", "does not make a SentencePiece vocabulary",
                     lambda: HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
@@ -257,23 +295,25 @@ class Tokenizer:
             if prepend:
                 steps.append(decoders.Strip(" ", 1, 0))
             tk.decoder = decoders.Sequence(steps)
-        Tokenizer._add_gguf_added_tokens(m, tk, tokens, types, lambda t: True, vocab)
+        Tokenizer._add_gguf_added_tokens(m, tk, tokens, control, user, lambda t: True, vocab)
         return tk
 
     @staticmethod
-    def _add_gguf_added_tokens(m: Metadata, tk: HFTokenizer, tokens, types, may_be_special, vocab) -> None:
+    def _add_gguf_added_tokens(m: Metadata, tk: HFTokenizer, tokens, control: list[int], user: list[int],
+                               may_be_special, vocab) -> None:
         """Control tokens (like <|im_start|>) become special added tokens and user-defined ones
-        (like <tool_call>) plain added tokens: both are then matched whole in the text."""
-        control = [AddedToken(t, normalized=False, special=True)
-                   for t, ty in zip(tokens, types) if ty == _CONTROL and t and may_be_special(t)]
-        if control:
+        (like <tool_call>) plain added tokens: both are then matched whole in the text.
+        control / user: the ids of those token types."""
+        specials = [AddedToken(t, normalized=False, special=True)
+                    for t in (tokens[i] for i in control) if t and may_be_special(t)]
+        if specials:
             _built(m, "tokenizer.ggml.token_type", "marks control tokens the vocabulary cannot hold",
-                   lambda: tk.add_special_tokens(control))
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t and t in vocab]
-        if user:
+                   lambda: tk.add_special_tokens(specials))
+        plain_added = [AddedToken(t, normalized=False, special=False)
+                       for t in (tokens[i] for i in user) if t and t in vocab]
+        if plain_added:
             _built(m, "tokenizer.ggml.token_type", "marks user-defined tokens the vocabulary cannot hold",
-                   lambda: tk.add_tokens(user))
+                   lambda: tk.add_tokens(plain_added))
 
     @classmethod
     def _from_tokenizer_json(cls, path, tokenizer_json: Path, cfg: Mapping[str, Any],

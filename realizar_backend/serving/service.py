@@ -30,7 +30,7 @@ import bentoml
 
 from realizar_backend import timeline
 from realizar_backend.errors import SettingsError
-from realizar_backend.serving.openai import ServerState, create_app
+from realizar_backend.serving.state import ServerState
 from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
@@ -57,7 +57,14 @@ _own_metrics_dir()
 
 def _driver_gpus() -> int:
     """How many NVIDIA GPUs the driver reports, asked through NVML (a BentoML dependency) so that
-    no process here starts CUDA before its worker has picked its GPU."""
+    no process here starts CUDA before its worker has picked its GPU. Through BentoML's own count
+    where it has one: `bentoml serve` asks it anyway (to hand the GPUs to the workers) and keeps
+    the answer, so its process starts NVML once, not twice."""
+    try:
+        from bentoml._internal.resource import NvidiaGpuResource
+        return len(NvidiaGpuResource.from_system())
+    except Exception:  # another BentoML, or NVML failed in a way it does not catch: ask NVML here
+        pass
     try:
         import pynvml
         pynvml.nvmlInit()
@@ -76,7 +83,9 @@ def _driver_gpus() -> int:
 # numbers from 1 (server_context.worker_index) before it imports the service: worker i narrows
 # CUDA_VISIBLE_DEVICES to the i-th GPU here, before anything in it starts CUDA.
 # NVML only where CUDA_VISIBLE_DEVICES does not already say (a worker's BentoML sets it)
-GPUS = visible_gpus(_driver_gpus)
+# (the CPU backend asks for none: no NVML start)
+GPUS = visible_gpus(_driver_gpus) if SETTINGS.backend != "cpu" else []
+timeline.mark("GPUs visible: %d", len(GPUS))
 USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPUS))
 WORKERS = serve_workers(SETTINGS, GPUS, USE_GPU)      # too many for the GPUs stops the start here
 RESOURCES = {"gpu": WORKERS} if USE_GPU else {}
@@ -146,7 +155,28 @@ class _ConnectionPerRequest:
         await self.app(scope, receive, send_closing)
 
 
-app = create_app(STATE) if WORKERS == 1 else _ConnectionPerRequest(create_app(STATE))
+class _Routes:
+    """The OpenAI routes as an ASGI app, made on first use. A worker makes them at import (below);
+    `bentoml serve`'s own process and `bentoml build` read this module only to find the service
+    and never serve, so they skip importing the routes and the engine, NumPy and llguidance
+    behind them (the serving process starts the workers sooner)."""
+
+    def __init__(self) -> None:
+        self.app = None
+
+    def build(self):
+        if self.app is None:
+            from realizar_backend.serving.openai import create_app
+            self.app = create_app(STATE) if WORKERS == 1 else _ConnectionPerRequest(create_app(STATE))
+        return self.app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await (self.app or self.build())(scope, receive, send)
+
+
+app = _Routes()
+if bentoml.server_context.worker_index is not None:
+    app.build()
 timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.server_context.worker_index else
               "the serving process")
 
