@@ -103,8 +103,9 @@ class Settings:
     # of redoing that in each prefill (qwen15 pp512: 2.5 of 19.8 ms): "on", "off", or "auto" (on
     # when the copy takes at most a quarter of the device memory free at start)
     prefill_weight_cache: str = "auto"
-    # decode steps of many rows (buckets of 8+): the tensor-core matrix multiply on the quantized
-    # blocks ("mmq"), or from 16 rows the split16 GEMMs on the prefill's kept split weights
+    # decode steps of many rows (buckets of 8+, or 4+ when mmqs.cu has every matrix's type): the
+    # tensor-core matrix multiplies on the quantized blocks ("mmq": kernels/mmqs.cu, and mmq.cu's
+    # tiles for the LM head past 16 rows), or from 16 rows the split16 GEMMs on the prefill's kept split weights
     # ("split16": 4 bytes a weight per step, read at GEMM speed; needs prefill_weight_cache)
     batched_decode: str = "mmq"
     # attention kernels of the CUDA path: "flash" (tensor cores: tiled flash attention for prompts,
