@@ -38,8 +38,12 @@ from .projections import GemvProjections, MmqProjections, Projections, StepConte
 from .weights import DeviceWeights, LayerIndex
 from .workspace import Workspace
 
-# prefill steps with more tokens than this use the GEMM projections; fewer use the GEMVs
-GEMM_MIN_TOKENS = 16
+# prefill steps of at least this many tokens use the GEMM projections, shorter ones the GEMVs
+# (whose cost grows with every row: qwen15, mmvf, 1.0 ms for one row, 10.3 for 16); with the
+# split16 weights kept from start-up (no dequantize per step) the GEMMs win from a few rows on,
+# e.g. the few tokens after a cached prefix
+GEMM_MIN_TOKENS = 17
+GEMM_MIN_TOKENS_KEPT = 4
 # decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
 # which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
 MMQ_MIN_ROWS = 8
@@ -113,6 +117,8 @@ class Forward:
             self.dec_scratch, self.pre_scratch = flash.FlashScratch(), flash.FlashScratch()
             self.dec_scratch.ensure(*self.dec_plans.values())
             self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
+        self.gemm_min_tokens = (GEMM_MIN_TOKENS_KEPT if self.gemm.prefill == "split16" and self.gemm.cached
+                                else GEMM_MIN_TOKENS)
         self.max_pos = 0          # largest position of the prompt rows being run (prefill_step)
         self.long_decode = False  # this decode step's attention: flash-decoding (long rows) or attention.cu
 
@@ -247,7 +253,7 @@ class Forward:
         max_pos: the largest position among them."""
         ws = self.ws
         self.max_pos = max_pos
-        p = self.gemm if T > GEMM_MIN_TOKENS else self.gemv
+        p = self.gemm if T >= self.gemm_min_tokens else self.gemv
         self.layers(p, T, ws.tokens.data.ptr, ws.positions.data.ptr, ws.slots.data.ptr)
         ops.gather_rows(self.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n_items, self.c.hidden)
         self.head(ws.last, n_items)
