@@ -1,8 +1,9 @@
 """A prefill step of a few tokens, GEMVs against GEMMs: what the tokens after a cached prefix (or a
 short prompt) cost. One slot of the CUDA backend is filled to DEPTH positions, then a step of T
-tokens at position DEPTH is timed (backend.prefill: launches, GPU and the logits copy back, median
-of --reps) with the GEMV projections and with the GEMM ones (Forward.gemm_min_tokens forced), and
-with the backend's own choice. Prints a table and writes JSON.
+tokens at position DEPTH is timed (backend.prefill: launches or a graph replay, GPU and the logits
+copy back, median of --reps) with the GEMV projections and with the GEMM ones (Forward.gemm_min_tokens
+forced), with the backend's own choice, and that choice launched eagerly (no graph: Forward.prefill_step
+after the inputs are in place). Prints a table and writes JSON.
 
     python tools/prefill_rows_bench.py --model /tmp/twins/qwen15.gguf [--depths 0 4000] [--rows 1 2 4 8 16 32]
 """
@@ -60,12 +61,22 @@ def main() -> int:
                     t.append(time.perf_counter() - t0)
                 ms[kind] = statistics.median(t) * 1e3
             fwd.gemm_min_tokens = auto
+            replayed = be.prefill(item)                   # and the inputs in place for the eager launches
+            t = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                with be.device, be.stream:
+                    fwd.prefill_step(T, 1, depth + T - 1)
+                    be.ws.logits[:1].get()
+                t.append(time.perf_counter() - t0)
+            ms["eager"] = statistics.median(t) * 1e3
+            ms["diff"] = float(np.abs(replayed - be.ws.logits[:1].get()).max())   # graph against eager
             out.append(dict(depth=depth, tokens=T, **{f"{k}_ms": v for k, v in ms.items()}))
-            rows.append(f"| {depth} | {T} | {ms['gemv']:.2f} | {ms['gemm']:.2f} | {ms['auto']:.2f} |")
+            rows.append(f"| {depth} | {T} | {ms['gemv']:.2f} | {ms['gemm']:.2f} | {ms['auto']:.2f} | {ms['eager']:.2f} | {ms['diff']:.2g} |")
     print(f"prefill step (ms, median of {args.reps}; GEMMs from {auto} tokens by default, "
           f"split weights kept: {bool(fwd.gemm.cached)})")
-    print("| depth | tokens | GEMV | GEMM | default |")
-    print("|---|---|---|---|---|")
+    print("| depth | tokens | GEMV | GEMM | default | default, eager | max abs logit diff, graph vs eager |")
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(default_gemm_min_tokens=auto, rows=out), indent=1))
