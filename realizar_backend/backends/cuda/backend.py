@@ -20,7 +20,7 @@ from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
 from . import ops, pdl
-from .forward import PREFILL_GRAPH_MAX_TOKENS, Forward, rope_host_tables
+from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
@@ -104,7 +104,8 @@ class CUDABackend:
         self.graphs = DecodeGraphs(self.stream, self.fwd.decode_step, self.settings.cuda_graphs,
                                    lambda on: setattr(self.fwd, "pdl", on), use_pdl)
         self.ws.listeners.append(self.graphs.drop)
-        # short prompt steps of one sequence (the tokens after a cached prefix): key (T, splits, gemm)
+        # short prompt steps of one sequence on the GEMVs (the tokens after a cached prefix):
+        # key (T, splits, gemm = False)
         self.prefill_graphs = PrefillGraphs(self.stream, lambda T, splits, gemm: self.fwd.prefill_launches(T, 1, gemm),
                                             self.settings.cuda_graphs)
         self.ws.listeners.append(self.prefill_graphs.drop)
@@ -200,8 +201,8 @@ class CUDABackend:
             self.ws.slots[:T].set(np.concatenate(slots))
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
             max_pos = max(it.start_pos + t.size - 1 for it, t in zip(items, toks))
-            if len(items) == 1 and T <= PREFILL_GRAPH_MAX_TOKENS:
-                key = self.fwd.prefill_key(T, max_pos)
+            key = self.fwd.prefill_key(T, max_pos)
+            if len(items) == 1 and not key[2]:
                 self.fwd.max_pos = max_pos      # the attention plan's splits: the key's
                 self.prefill_graphs.run(*key)
             else:

@@ -38,15 +38,15 @@ from .projections import GemvProjections, MmqProjections, Projections, StepConte
 from .weights import DeviceWeights, LayerIndex
 from .workspace import Workspace
 
-# prefill steps of at least this many tokens use the GEMM projections, shorter ones the GEMVs
-# (whose cost grows with every row: qwen15, mmvf, 1.0 ms for one row, 10.3 for 16); with the
-# split16 weights kept from start-up (no dequantize per step) the GEMMs win from a few rows on,
-# e.g. the few tokens after a cached prefix
+# prefill steps of at least this many tokens use the GEMM projections, shorter ones the GEMVs,
+# whose GPU time grows with every row. A GEMV step of one sequence replays a CUDA graph
+# (graphs.PrefillGraphs; CuPy refuses cuBLAS calls during a capture, so GEMM steps run eagerly,
+# ~560 launches: 8.5-9.5 ms of host time on the H100 machine's host for qwen15 whatever the rows).
+# tools/prefill_rows_bench.py, qwen15 twin, depth 4,000: GEMV graph 2.7 / 5.0 / 8.0 / 13.2 ms at
+# 1 / 4 / 8 / 16 tokens, the eager split16 GEMMs 8.5-9.4 ms: the GEMMs win from about 12 tokens
+# when their split weights are kept from start-up (no dequantize per step), else from 17
 GEMM_MIN_TOKENS = 17
-GEMM_MIN_TOKENS_KEPT = 4
-# prompt steps of one sequence and at most this many tokens replay a CUDA graph (graphs.PrefillGraphs):
-# eager, a step's ~600 launches cost the H100's host 6-13 ms (qwen15), several times the GPU's work
-PREFILL_GRAPH_MAX_TOKENS = 64
+GEMM_MIN_TOKENS_KEPT = 12
 # decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
 # which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
 MMQ_MIN_ROWS = 8

@@ -1,5 +1,5 @@
 """CUDA graphs of the decode step: capture, replay and status, per (batch bucket, attention kind);
-and of short prompt steps (PrefillGraphs), per (tokens, attention key splits, projections).
+and of short prompt steps on the GEMVs (PrefillGraphs), per (tokens, attention key splits).
 
 A decode step is a fixed launch sequence per bucket, so it is captured once and replayed per
 token: everything that changes per step (token ids, positions, slots, block tables) lives in
@@ -118,10 +118,11 @@ class DecodeGraphs:
 
 
 class PrefillGraphs(DecodeGraphs):
-    """Graphs of prompt steps of one sequence and few tokens (the tokens after a cached prefix, a
-    short prompt), keyed (tokens, key splits of the attention plan, GEMM projections or not): run
-    eagerly, their launches cost the host several times the GPU's work. At most `keep` graphs, the
-    least recently used dropped first (a server meets many prompt lengths)."""
+    """Graphs of prompt steps of one sequence and few tokens on the GEMVs (the tokens after a
+    cached prefix, a short prompt), keyed (tokens, key splits of the attention plan, GEMM
+    projections: always False, as CuPy refuses cuBLAS calls during a capture): run eagerly, their
+    launches cost the host several times the GPU's work. At most `keep` graphs, the least recently
+    used dropped first."""
     kind = "prompt step"
     captured_level = logging.DEBUG
 
