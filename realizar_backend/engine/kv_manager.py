@@ -107,7 +107,9 @@ class KVManager:
     def can_allocate(self, tokens: TokenSlice, n_tokens: int, reserve: int = 0) -> bool:
         """Whether `allocate` for the first n_tokens tokens would succeed and still leave
         `reserve` blocks free."""
-        hits, _ = self._lookup(tokens, n_tokens)
+        return self._fits(self._lookup(tokens, n_tokens)[0], n_tokens, reserve)
+
+    def _fits(self, hits: list[int], n_tokens: int, reserve: int) -> bool:
         taken_from_free = sum(1 for b in hits if self._ref[b] == 0)
         return self.blocks_for(n_tokens) - len(hits) + taken_from_free + reserve <= len(self._free)
 
@@ -115,12 +117,21 @@ class KVManager:
         """Give `seq` blocks for its first n_tokens positions, reusing the longest cached prefix;
         returns how many leading tokens are already computed there (a multiple of block_size).
         Raises MemoryError when the pool cannot hold them (nothing changes then)."""
-        if seq in self._tables:
-            raise ValueError(f"sequence {seq!r} already holds KV blocks")
-        if not self.can_allocate(tokens, n_tokens):
+        hit = self.try_allocate(seq, tokens, n_tokens)
+        if hit is None:
             raise MemoryError(f"{n_tokens} tokens need {self.blocks_for(n_tokens)} KV blocks; "
                               f"{len(self._free)} of {self.num_blocks} are free")
+        return hit
+
+    def try_allocate(self, seq: Hashable, tokens: TokenSlice, n_tokens: int, reserve: int = 0) -> int | None:
+        """`allocate`, or None (and no change) when the pool cannot hold the sequence and still
+        leave `reserve` blocks free. The prefix is looked up (its blocks hashed) once: a hit on a
+        long prompt hashes hundreds of blocks."""
+        if seq in self._tables:
+            raise ValueError(f"sequence {seq!r} already holds KV blocks")
         hits, keys = self._lookup(tokens, n_tokens)
+        if not self._fits(hits, n_tokens, reserve):
+            return None
         table = []
         for b in hits:
             self._take(b)

@@ -176,10 +176,11 @@ class Scheduler:
                     self.waiting.popleft()
                     plan.failed.append((seq, self._too_big(seq)))
                     continue
-                if not self.kv.can_allocate(seq.tokens, target, self.reserve_blocks if self.running else 0):
+                hit = self.kv.try_allocate(seq.seq_id, seq.tokens, target, self.reserve_blocks if self.running else 0)
+                if hit is None:
                     break
                 self.waiting.popleft()
-                seq.num_computed = self.kv.allocate(seq.seq_id, seq.tokens, target)
+                seq.num_computed = hit
                 seq.slot = self.free_slots.pop()
                 seq.synced_blocks = 0
                 self.running.insert(bisect.bisect([s.order for s in self.running], seq.order), seq)

@@ -21,7 +21,7 @@ from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
 from . import ops, pdl
 from .forward import Forward, rope_host_tables
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .sampling import GpuSampler
@@ -104,6 +104,12 @@ class CUDABackend:
         self.graphs = DecodeGraphs(self.stream, self.fwd.decode_step, self.settings.cuda_graphs,
                                    lambda on: setattr(self.fwd, "pdl", on), use_pdl)
         self.ws.listeners.append(self.graphs.drop)
+        # short prompt steps of one sequence on the GEMVs (the tokens after a cached prefix):
+        # key (T, splits, gemm = False)
+        self.prefill_graphs = PrefillGraphs(self.stream, lambda T, splits, gemm: self.fwd.prefill_launches(T, 1, gemm),
+                                            self.settings.cuda_graphs)
+        self.ws.listeners.append(self.prefill_graphs.drop)
+        self.fwd.scratch_listeners.append(self.prefill_graphs.drop)
         # pinned host buffers: the per-step copies in and out are true async copies
         self._io_mem = cupy.cuda.alloc_pinned_memory(self.ws.dec_io.nbytes)
         self._io_host = np.frombuffer(self._io_mem, np.int32, self.ws.dec_io.size).reshape(self.ws.dec_io.shape)
@@ -194,7 +200,13 @@ class CUDABackend:
             self.ws.positions[:T].set(np.concatenate(pos))
             self.ws.slots[:T].set(np.concatenate(slots))
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
-            self.fwd.prefill_step(T, len(items), max(it.start_pos + t.size - 1 for it, t in zip(items, toks)))
+            max_pos = max(it.start_pos + t.size - 1 for it, t in zip(items, toks))
+            key = self.fwd.prefill_key(T, max_pos)
+            if len(items) == 1 and not key[2]:
+                self.fwd.max_pos = max_pos      # the attention plan's splits: the key's
+                self.prefill_graphs.run(*key)
+            else:
+                self.fwd.prefill_step(T, len(items), max_pos)
             logits = self.ws.logits[:len(items)].get()
         # a started sampled step's logits are gone (it can no longer be launched); one launched
         # already is intact, and so are the decode inputs a continuation reads
@@ -406,6 +418,7 @@ class CUDABackend:
         with self.device:
             self.stream.synchronize()
             self.graphs.clear()
+            self.prefill_graphs.clear()
             self.weights.close()
             self.kv.close()
             self.sampler = None

@@ -38,8 +38,15 @@ from .projections import GemvProjections, MmqProjections, Projections, StepConte
 from .weights import DeviceWeights, LayerIndex
 from .workspace import Workspace
 
-# prefill steps with more tokens than this use the GEMM projections; fewer use the GEMVs
-GEMM_MIN_TOKENS = 16
+# prefill steps of at least this many tokens use the GEMM projections, shorter ones the GEMVs,
+# whose GPU time grows with every row. A GEMV step of one sequence replays a CUDA graph
+# (graphs.PrefillGraphs; CuPy refuses cuBLAS calls during a capture, so GEMM steps run eagerly,
+# ~560 launches: 8.5-9.5 ms of host time on the H100 machine's host for qwen15 whatever the rows).
+# tools/prefill_rows_bench.py, qwen15 twin, depth 4,000: GEMV graph 2.7 / 5.0 / 8.0 / 13.2 ms at
+# 1 / 4 / 8 / 16 tokens, the eager split16 GEMMs 8.5-9.4 ms: the GEMMs win from about 12 tokens
+# when their split weights are kept from start-up (no dequantize per step), else from 17
+GEMM_MIN_TOKENS = 17
+GEMM_MIN_TOKENS_KEPT = 12
 # decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
 # which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
 MMQ_MIN_ROWS = 8
@@ -113,7 +120,10 @@ class Forward:
             self.dec_scratch, self.pre_scratch = flash.FlashScratch(), flash.FlashScratch()
             self.dec_scratch.ensure(*self.dec_plans.values())
             self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
+        self.gemm_min_tokens = (GEMM_MIN_TOKENS_KEPT if self.gemm.prefill == "split16" and self.gemm.cached
+                                else GEMM_MIN_TOKENS)
         self.max_pos = 0          # largest position of the prompt rows being run (prefill_step)
+        self.scratch_listeners: list = []   # called when the prompt attention's scratch moves
         self.long_decode = False  # this decode step's attention: flash-decoding (long rows) or attention.cu
 
     def _prefill_plan(self, T: int, keys: int) -> "flash.Plan":
@@ -168,7 +178,9 @@ class Forward:
                          pdl=self.pdl)
         elif self.flash and not fuse_rope and not oq:
             plan = self._prefill_plan(T, self.max_pos + 1)
-            self.pre_scratch.ensure(plan)
+            if self.pre_scratch.ensure(plan):
+                for cb in self.scratch_listeners:
+                    cb()
             flash.prefill(self.fk, plan, *args, self.pre_scratch, o16=o16, pdl=self.pdl)
         else:
             ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv, slots, pos, c.n_heads, c.n_kv_heads,
@@ -242,12 +254,22 @@ class Forward:
             return self.mmq
         return self.gemv
 
+    def prefill_key(self, T: int, max_pos: int) -> tuple[int, int, bool]:
+        """What fixes the launches of a one-sequence prompt step of T tokens whose last row sits at
+        max_pos (a graph's key): T, the attention plan's key splits, GEMM projections or GEMVs."""
+        splits = self._prefill_plan(T, max_pos + 1).splits if self.flash else 0
+        return T, splits, T >= self.gemm_min_tokens
+
     def prefill_step(self, T: int, n_items: int, max_pos: int) -> None:
         """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row;
         max_pos: the largest position among them."""
-        ws = self.ws
         self.max_pos = max_pos
-        p = self.gemm if T > GEMM_MIN_TOKENS else self.gemv
+        self.prefill_launches(T, n_items, T >= self.gemm_min_tokens)
+
+    def prefill_launches(self, T: int, n_items: int, gemm: bool) -> None:
+        """The launches of a prompt step (self.max_pos set): GEMM projections or GEMVs."""
+        ws = self.ws
+        p = self.gemm if gemm else self.gemv
         self.layers(p, T, ws.tokens.data.ptr, ws.positions.data.ptr, ws.slots.data.ptr)
         ops.gather_rows(self.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n_items, self.c.hidden)
         self.head(ws.last, n_items)

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode step: capture, replay and status, per (batch bucket, attention kind).
+"""CUDA graphs of the decode step: capture, replay and status, per (batch bucket, attention kind);
+and of short prompt steps on the GEMVs (PrefillGraphs), per (tokens, attention key splits).
 
 A decode step is a fixed launch sequence per bucket, so it is captured once and replayed per
 token: everything that changes per step (token ids, positions, slots, block tables) lives in
@@ -23,14 +24,17 @@ STATUSES = ("captured", "eager-fallback", "disabled")
 
 
 class DecodeGraphs:
+    kind = "decode bucket"
+    captured_level = logging.INFO
+
     def __init__(self, stream: cupy.cuda.Stream, step: Callable[[int, bool], None], enabled: bool,
                  pdl_setter: Callable[[bool], None], pdl: bool):
         """step(bucket, long): enqueue one decode step on the current stream; pdl_setter(on) makes
         the step's launches programmatic dependent launches (only while capturing)."""
         self.stream, self.step, self.enabled = stream, step, enabled
         self._set_pdl, self.pdl = pdl_setter, pdl
-        self.graphs: dict[tuple[int, bool], Any] = {}
-        self.status: dict[tuple[int, bool], str] = {}
+        self.graphs: dict[tuple, Any] = {}
+        self.status: dict[tuple, str] = {}
         self.replays = 0
         self.captures = 0
         self._warned = False
@@ -48,7 +52,7 @@ class DecodeGraphs:
             if s == "captured":
                 self.status[k] = "pending"
 
-    def _capture(self, key: tuple[int, bool]):
+    def _capture(self, key: tuple):
         """The step of key as a graph; with programmatic dependent launches where they are on, and
         without them (for good, said once) if such a capture fails."""
         while True:
@@ -71,9 +75,8 @@ class DecodeGraphs:
             finally:
                 self._set_pdl(False)
 
-    def run(self, b: int, long: bool) -> None:
-        """Enqueue the decode step of bucket b (long: the long-row attention) on the stream."""
-        key = (b, long)
+    def run(self, *key) -> None:
+        """Enqueue the step of key on the stream (decode: bucket b, long: the long-row attention)."""
         status = self.status.get(key)
         if status is None:
             status = self.status[key] = "pending" if self.enabled else "disabled"
@@ -82,21 +85,21 @@ class DecodeGraphs:
             self.replays += 1
             return
         if status != "pending":
-            self.step(b, long)
+            self.step(*key)
             return
         # run once eagerly (its results are this step's), then capture for the next steps;
         # replaying the capture needs nothing from this step but the buffers it reads
-        self.step(b, long)
+        self.step(*key)
         try:
             self.graphs[key] = self._capture(key)
             self.status[key] = "captured"
             self.captures += 1
-            log.info("cuda graph captured for decode bucket %s%s", self.label(key),
-                     " (programmatic dependent launches)" if self.pdl else "")
+            log.log(self.captured_level, "cuda graph captured for %s %s%s", self.kind, self.label(key),
+                    " (programmatic dependent launches)" if self.pdl else "")
         except Exception as e:  # capture unsupported here: eager from now on, said once
             self.status[key] = "eager-fallback"
             if not self._warned:
-                log.warning("cuda graph capture failed (bucket %s): %s; decode runs eager", self.label(key), e)
+                log.warning("cuda graph capture failed (%s %s): %s; it runs eager", self.kind, self.label(key), e)
                 self._warned = True
 
     def replay(self, b: int, long: bool) -> None:
@@ -112,3 +115,31 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+
+
+class PrefillGraphs(DecodeGraphs):
+    """Graphs of prompt steps of one sequence and few tokens on the GEMVs (the tokens after a
+    cached prefix, a short prompt), keyed (tokens, key splits of the attention plan, GEMM
+    projections: always False, as CuPy refuses cuBLAS calls during a capture): run eagerly, their
+    launches cost the host several times the GPU's work. At most `keep` graphs, the least recently
+    used dropped first."""
+    kind = "prompt step"
+    captured_level = logging.DEBUG
+
+    def __init__(self, stream: cupy.cuda.Stream, step: Callable[..., None], enabled: bool, keep: int = 48):
+        super().__init__(stream, step, enabled, lambda on: None, False)
+        self.keep = keep
+
+    @staticmethod
+    def label(key: tuple) -> str:
+        tokens, splits, gemm = key
+        return f"{tokens} tokens, {splits} splits, {'GEMM' if gemm else 'GEMV'}"
+
+    def run(self, *key) -> None:
+        if key in self.graphs:                      # most recently used last
+            self.graphs[key] = self.graphs.pop(key)
+        elif self.enabled and len(self.graphs) >= self.keep and self.status.get(key) in (None, "pending"):
+            old = next(iter(self.graphs))
+            del self.graphs[old]
+            self.status[old] = "pending"
+        super().run(*key)
