@@ -131,3 +131,28 @@ def test_gauges_during_and_after_decoding(server):
                 and sample(m, "realizar_decode_tokens_per_second") == 0)
     # decode tokens/s decays to 0 once the engine has been idle (refreshed every 2 s)
     assert wait_for(idle, 15)
+
+
+def test_token_intervals_observed_in_batches_equal_one_by_one():
+    """The time-per-output-token histogram gets a step's intervals together (observe_many):
+    the same bucket counts and sum as observing each on its own, bounds included."""
+    import prometheus_client as pc
+
+    from realizar_backend.serving.metrics import TPOT_BUCKETS, observe_many
+
+    values = [0.0, 1e-5, *TPOT_BUCKETS[:-1], *(b * 1.0001 for b in TPOT_BUCKETS[:-1]), 1e3, 0.0123] * 3
+    one, many = pc.CollectorRegistry(), pc.CollectorRegistry()
+    h1 = pc.Histogram("t", "t", buckets=TPOT_BUCKETS, registry=one)
+    h2 = pc.Histogram("t", "t", buckets=TPOT_BUCKETS, registry=many)
+    for v in values:
+        h1.observe(v)
+    observe_many(h2, values[:7])
+    observe_many(h2, values[7:])
+
+    def samples(reg):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in reg.collect() for s in f.samples
+                if not s.name.endswith("_created")}
+    a, b = samples(one), samples(many)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-12, abs=1e-12), k

@@ -142,6 +142,9 @@ class Tokenizer:
         self._max_piece_chars = max(1, max_piece_chars)   # no token covers more characters of text
         self._renderer: TemplateRenderer | None = None    # set by from_model_file once the template passed
         self._special_ids = {i for i, t in tk.get_added_tokens_decoder().items() if t.special}
+        # decode([id]) by skip_special_tokens: the streaming detokenizer's window after each chunk
+        # is usually one token, the same few thousand of them over and over
+        self._one: dict[bool, dict[int, str]] = {False: {}, True: {}}
         # byte-fallback pieces (<0xE4>): the streaming detokenizer treats a run of them as one unit
         self._byte_ids: frozenset[int] = frozenset()
         if getattr(tk.model, "byte_fallback", False):
@@ -405,6 +408,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def decode_one(self, id: int, skip_special_tokens: bool = True) -> str:
+        """decode([id]), remembered (at most one string per vocabulary entry)."""
+        seen = self._one[bool(skip_special_tokens)]
+        text = seen.get(id)
+        if text is None:
+            text = seen[id] = self._tk.decode([int(id)], skip_special_tokens=skip_special_tokens)
+        return text
+
     def token_text(self, id: int) -> str:
         """The text of one token on its own (for logprobs); a partial UTF-8 byte reads as U+FFFD."""
         id = int(id)
@@ -532,6 +543,8 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, start: int, end: int) -> str:
+        if end - start == 1:
+            return self._tok.decode_one(self._ids[start], self._skip)
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip) if end > start else ""
 
     def add(self, token_id: int) -> str:

@@ -17,8 +17,10 @@ label gives the server's total; `realizar_worker_status` also names each worker'
 
 from __future__ import annotations
 
+import bisect
 import glob
 import logging
+import math
 import os
 import re
 import threading
@@ -138,6 +140,7 @@ class Metrics:
         for start in DECODE_STARTS:
             self.decode_steps.labels(start, worker)
         self._last_steps: dict[str, int] = {}
+        self._intervals: list[float] = []        # token intervals not yet in the histogram
         self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
         self._last_replays = 0
         self._last_captures = 0
@@ -150,6 +153,8 @@ class Metrics:
 
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                             e2e_s: float, ttft_s: float | None) -> None:
+        with self._lock:
+            self._observe_intervals()
         self.requests.labels(finish_reason, self.worker).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
@@ -159,10 +164,18 @@ class Metrics:
             self.ttft.observe(ttft_s)
 
     def on_token_interval(self, seconds: float) -> None:
-        self.tpot.observe(seconds)
+        # kept, and observed together at the next step report or request end: one histogram
+        # update per bucket touched, not one per token (each is a lock and memory-mapped writes)
+        self._intervals.append(seconds)
+
+    def _observe_intervals(self) -> None:
+        if self._intervals:
+            values, self._intervals = self._intervals, []
+            observe_many(self.tpot, values)
 
     def on_step(self, stats: dict[str, Any]) -> None:
         with self._lock:
+            self._observe_intervals()
             self.running.set(stats.get("running", 0))
             self.waiting.set(stats.get("waiting", 0))
             self.kv_usage.set(stats.get("kv_usage", 0.0))
@@ -206,6 +219,24 @@ class Metrics:
 
 _metrics: Metrics | None = None
 _metrics_lock = threading.Lock()
+
+
+def observe_many(histogram, values: list[float]) -> None:
+    """histogram.observe(v) for every v, with one increment per bucket touched and one of the sum.
+    Through the histogram child's bucket values (prometheus_client has no batch observe); a client
+    without them gets the observations one by one."""
+    bounds, buckets, total = (getattr(histogram, a, None) for a in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None:
+        for v in values:
+            histogram.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect.bisect_left(bounds, v)       # the first bound >= v, as observe() picks
+        counts[i] = counts.get(i, 0) + 1
+    total.inc(math.fsum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)
 
 
 def get_metrics(worker: str = "1", device: str = "cpu") -> Metrics:

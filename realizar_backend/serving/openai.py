@@ -159,7 +159,7 @@ class _Guarded:
         try:
             first = await self.body.__anext__()
         except StopAsyncIteration:
-            first = b""
+            first = _Last()
         except Exception as e:
             self.started = True
             await _error_response(self.state, e)(scope, receive, send)
@@ -169,16 +169,48 @@ class _Guarded:
         try:
             self.started = True
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-            async for chunk in self.body:
+            chunk = first
+            while type(chunk) is not _Last:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                try:
+                    chunk = await self.body.__anext__()
+                except StopAsyncIteration:
+                    chunk = _Last()
+            # the body's last bytes end the response in the same send (one write, not two)
+            await send({"type": "http.response.body", "body": chunk, "more_body": False})
         except OSError:
             log.debug("client went away mid-response")
 
 
+class _Last(bytes):
+    """A body's final bytes: nothing follows them (see _Guarded)."""
+
+
 def _sse(obj: dict | str) -> bytes:
     return b"data: " + (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)).encode() + b"\n\n"
+
+
+_HOLE = "\ue000realizar-text\ue000"     # where a chunk template's text goes (a private-use mark)
+
+
+class _ChunkTemplate:
+    """The SSE bytes of one kind of chunk whose only varying field is a text, `make(text)` being
+    its dict: encoded once per stream with a mark in the text's place, then each chunk is the
+    bytes around the mark with the text JSON-encoded between them. json.dumps encodes a string
+    inside a dict exactly as on its own, so the bytes equal _sse(make(text)): one string encoding
+    per token instead of a dict's (and its nested lists' and dicts')."""
+    __slots__ = ("make", "head", "tail")
+
+    def __init__(self, make):
+        self.make = make
+        parts = _sse(make(_HOLE)).split(json.dumps(_HOLE, ensure_ascii=False).encode())
+        # the mark elsewhere too (a model named with it): every chunk goes the dict's way
+        self.head, self.tail = parts if len(parts) == 2 else (None, None)
+
+    def __call__(self, text: str) -> bytes:
+        if self.head is None:
+            return _sse(self.make(text))
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -394,8 +426,8 @@ async def _full_completion(state, engine, plan: Plan, head) -> AsyncIterator[byt
         if plan.echo is not None:
             text = plan.echo[i] + text
         choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": _finish(reasons[i])})
-    yield await _dumps(state, {**head, "choices": choices, "usage": _usage(plan.prompt_tokens, completion_tokens)},
-                       sum(map(len, texts)))
+    yield _Last(await _dumps(state, {**head, "choices": choices, "usage": _usage(plan.prompt_tokens, completion_tokens)},
+                             sum(map(len, texts))))
 
 
 def _message(plan: Plan, text: str, reason: str | None) -> tuple[dict, str | None]:
@@ -418,8 +450,8 @@ async def _full_chat(state, engine, plan: Plan, head) -> AsyncIterator[bytes]:
         choices.append({"index": i, "message": msg,
                         "logprobs": {"content": _chat_logprobs(lps[i])} if plan.logprobs else None,
                         "finish_reason": reason})
-    yield await _dumps(state, {**head, "object": "chat.completion", "choices": choices,
-                               "usage": _usage(plan.prompt_tokens, completion_tokens)}, sum(map(len, texts)))
+    yield _Last(await _dumps(state, {**head, "object": "chat.completion", "choices": choices,
+                                     "usage": _usage(plan.prompt_tokens, completion_tokens)}, sum(map(len, texts))))
 
 
 async def _stream(engine, plan: Plan, head, make_choices) -> AsyncIterator[bytes]:
@@ -428,31 +460,47 @@ async def _stream(engine, plan: Plan, head, make_choices) -> AsyncIterator[bytes
     reported in-band."""
     tokens_out = [0] * len(plan.jobs)
     sent = False
+    left = len(plan.jobs)
+    end: list[bytes] = []         # the last choice's final chunks, sent with usage and [DONE]
     try:
         async for i, out in _merged(engine, plan.jobs):
             tokens_out[i] = out.completion_tokens
-            for choice in make_choices(i, out):
+            chunks = make_choices(i, out)
+            if type(chunks) is not bytes:       # a template's chunk (the usual one) or choice dicts
+                chunks = b"".join(_sse({**head, "choices": [choice]}) for choice in chunks)
+            if out.finish_reason is not None:
+                left -= 1
+                if not left:          # the stream's end: nothing follows but usage and [DONE]
+                    end.append(chunks)
+                    continue
+            if chunks:
                 sent = True
-                yield _sse({**head, "choices": [choice]})
+                yield chunks
     except Exception as e:
-        if not sent:
+        if not sent and not end:
             raise                 # nothing sent yet: _Guarded turns it into an HTTP error status
         if not isinstance(e, (RequestError, CapacityError)):
             log.error("stream failed after it started", exc_info=e)
-        yield _sse(error_body(str(e), getattr(e, "type", "server_error")))
+        end.append(_sse(error_body(str(e), getattr(e, "type", "server_error"))))
     if plan.include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(plan.prompt_tokens, sum(tokens_out))})
-    yield _sse("[DONE]")
+        end.append(_sse({**head, "choices": [], "usage": _usage(plan.prompt_tokens, sum(tokens_out))}))
+    end.append(_sse("[DONE]"))
+    yield _Last(b"".join(end))
 
 
 def _stream_completion(engine, plan: Plan, head):
     lps = [_CompletionLogprobs() for _ in plan.jobs]
     echoed = [plan.echo is None] * len(plan.jobs)
+    plain = [_ChunkTemplate(lambda text, i=i: {**head, "choices": [{"index": i, "text": text, "logprobs": None,
+                                                                    "finish_reason": None}]})
+             for i in range(len(plan.jobs))]
 
     def choices(i, out):
         text = out.text
         if not echoed[i]:
             text, echoed[i] = plan.echo[i] + text, True
+        if out.finish_reason is None and out.logprobs is None:
+            return plain[i](text) if text else b""
         if not text and out.finish_reason is None and not out.logprobs:
             return []
         lp = lps[i].add(out.logprobs) if out.logprobs is not None else None
@@ -465,7 +513,13 @@ def _stream_chat(engine, plan: Plan, head):
     started = [False] * len(plan.jobs)
     parsers = [ToolStreamParser(plan.tools) for _ in plan.jobs] if plan.calls_tools else None
 
+    plain = [_ChunkTemplate(lambda text, i=i: {**head, "choices": [{"index": i, "delta": {"content": text},
+                                                                    "logprobs": None, "finish_reason": None}]})
+             for i in range(len(plan.jobs))]
+
     def choices(i, out):
+        if parsers is None and started[i] and out.finish_reason is None and out.logprobs is None:
+            return plain[i](out.text) if out.text else b""
         lp = {"content": _chat_logprobs(out.logprobs)} if out.logprobs is not None else None
         reason = _finish(out.finish_reason)
         if parsers is None:
