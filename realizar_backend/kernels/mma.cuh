@@ -1,4 +1,5 @@
-// The tensor-core instructions and the weight-to-fp16 conversion that mmq.cu and mmqs.cu share.
+// What mmq.cu and mmqs.cu share: the tensor-core instructions, the weight-to-fp16 conversion, a
+// launch's segments and the NaN fill for a type not compiled in.
 // Host tests (tests/host/mmq_emu.cpp) define REALIZAR_HOST_TEST and emulate the two instructions.
 #pragma once
 #include "common.cuh"
@@ -29,3 +30,24 @@ template <int HI> __device__ __forceinline__ u32 mmq_pair(u32 w, u32 off2) {
 }
 
 __device__ __forceinline__ constexpr u32 mmq_off2(u32 off) { return (0x6400u + off) * 0x00010001u; }
+
+// One matrix of a launch (Q, K, V: up to three sharing the input) and where its outputs go
+struct MmqSeg {
+    const u8* W;
+    long long rb;
+    int n, qt;
+    const float* bias;
+    float* y;
+    int ys;
+};
+
+// sums of a type not compiled in (the host checks types): NaN rather than numbers
+template <int A, int B>
+__device__ __forceinline__ void mmq_fill_nan(float (&acc)[A][B][4]) {
+#pragma unroll
+    for (int m = 0; m < A; ++m)
+#pragma unroll
+        for (int n = 0; n < B; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][n][i] = __int_as_float(0x7fffffff);
+}

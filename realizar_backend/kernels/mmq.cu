@@ -461,15 +461,6 @@ __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, in
 }
 
 // ------------------------------------------------------------------ the kernel
-struct MmqSeg {
-    const u8* W;
-    long long rb;
-    int n, qt;
-    const float* bias;
-    float* y;
-    int ys;
-};
-
 template <int BN>
 __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
                                          const float* __restrict__ inv, int M, int mode, int act, int accumulate,
@@ -530,13 +521,7 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         default: break;
     }
 #undef MMQ_CASE
-    if (!known)              // a type not compiled in (the host checks types): NaN rather than numbers
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[m][n][i] = __int_as_float(0x7fffffff);
+    if (!known) mmq_fill_nan(acc);
     pdl_trigger();
 
     // split K: raw sums to the scratch; the last CTA of the tile adds them in split order

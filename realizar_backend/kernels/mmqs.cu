@@ -269,15 +269,6 @@ __device__ __forceinline__ void mmqs_k(const u8* const (&rows)[MT][2], int nu, i
 }
 
 // ------------------------------------------------------------------ the kernel
-struct MmqsSeg {
-    const u8* W;
-    long long rb;
-    int n, qt;
-    const float* bias;
-    float* y;
-    int ys;
-};
-
 template <int MT, int NT>
 __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2], int nu, int w, int W, int tig,
                                          const u8* const (&xr)[NT], const u8* const (&sr)[NT][2],
@@ -292,13 +283,7 @@ __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2],
         default: break;
     }
 #undef MMQS_CASE
-    if (!known)              // a type not compiled in (the host checks types): NaN rather than numbers
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[m][n][j] = __int_as_float(0x7fffffff);
+    if (!known) mmq_fill_nan(acc);
 }
 
 // warps 1.. W-1 hand their sums to warp 0, which adds them in warp order; true for warp 0
@@ -317,7 +302,7 @@ __device__ __forceinline__ bool mmqs_reduce(float (&v)[E], int w, int W, int lan
 }
 
 template <int NT>
-__device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
+__device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
                                           const float* __restrict__ inv, int M, int mode, int act, int accumulate, int tile,
                                           unsigned long long* amax) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
@@ -334,7 +319,7 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
             }
         }
     }
-    const MmqsSeg S = si == 0 ? seg[0] : (si == 1 ? seg[1] : seg[2]);
+    const MmqSeg S = si == 0 ? seg[0] : (si == 1 ? seg[1] : seg[2]);
     const int r0 = 16 * lt;
     // token rows past M repeat the last one: their columns of C are never stored
     const u8* xr[NT];
@@ -418,7 +403,7 @@ __device__ __forceinline__ void mmqs_body(const MmqsSeg (&seg)[3], int K, const 
         int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
         unsigned long long* amax, int groups) {                                                           \
         const int g = blockIdx.x % groups, t0 = g * T;                                                    \
-        const MmqsSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0 + (long long)t0 * ys0, ys0},                    \
+        const MmqSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0 + (long long)t0 * ys0, ys0},                    \
                                 {W1, rb1, n1, qt1, b1, y1 + (long long)t0 * ys1, ys1},                    \
                                 {W2, rb2, n2, qt2, b2, y2 + (long long)t0 * ys2, ys2}};                   \
         mmqs_body<T / 8>(seg, K, xp + t0 * xps, xps, inv + t0, min(T, M - t0), mode, act, accumulate,     \
