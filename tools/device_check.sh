@@ -177,8 +177,17 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
   fi
   if [ -f /tmp/twins/qwen15.gguf ] && serve_up /tmp/twins/qwen15.gguf 3902 REALIZAR_CONTEXT_LENGTH=4096; then
     grep -h "ready: serving\|cuda backend ready" /tmp/serve_3902.log | tail -2
+    if [ "${PYSPY:-0}" = 1 ] && [ -x /tmp/site/bin/py-spy ]; then   # sample the worker (all threads) mid-run
+      wpid=$(pgrep -f "_bentoml_impl.worker" | head -1)
+      (sleep 2; /tmp/site/bin/py-spy record --pid "$wpid" --duration 3 --rate 250 --threads --idle --gil \
+        --format raw -o "$OUT/pyspy_gil.txt" >/dev/null 2>&1; \
+       /tmp/site/bin/py-spy record --pid "$wpid" --duration 3 --rate 250 --threads --idle \
+        --format raw -o "$OUT/pyspy.txt" >/dev/null 2>&1) &
+    fi
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt.json 2>/dev/null | tail -30
+    wait
+    curl -s 127.0.0.1:3902/metrics | grep -E '^realizar_(decode_steps|engine_step|prefill)' | head -20
     if [ "$SOAK_REQUESTS" -gt 0 ]; then
       python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $SOAK_REQUESTS \
         --prompt-tokens 128 --max-tokens 64 --random-cancel 0.3 --json /tmp/bench/soak.json 2>/dev/null | tail -30
@@ -186,6 +195,17 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
     curl -s 127.0.0.1:3902/metrics | grep -E '^realizar_(graph|kv|requests_running|gpu_memory|preempt)' | head -20
     serve_down 3902
   fi
+  # $LT_VARIANTS: server settings to compare, ';'-separated ("REALIZAR_X=1 REALIZAR_Y=2;REALIZAR_X=3"), each
+  # a fresh server on the qwen15 twin and the same loadtest (/tmp/bench/lt_vN.json, in serve.json)
+  IFS=';' read -ra variants <<< "${LT_VARIANTS:-}"
+  for i in "${!variants[@]}"; do
+    read -ra venv <<< "${variants[$i]}"
+    echo "== loadtest variant v$i: ${venv[*]}"
+    serve_up /tmp/twins/qwen15.gguf 3902 REALIZAR_CONTEXT_LENGTH=4096 "${venv[@]}" || continue
+    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
+      --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt_v$i.json 2>/dev/null | tail -30
+    serve_down 3902
+  done
 fi
 
 # ---------------------------------------------------------------- one worker per GPU
@@ -233,7 +253,7 @@ if has serve || has workers; then
   python3 - "$OUT" <<'PY'
 import json, sys
 out = {}
-for n in ("lt", "soak", "workers"):
+for n in ("lt", "soak", "workers") + tuple(f"lt_v{i}" for i in range(8)):
     try:
         out[n] = json.load(open(f"/tmp/bench/{n}.json"))
     except Exception:
