@@ -127,3 +127,26 @@ def test_two_servers_on_one_home_keep_their_own_metrics(tmp_path):
         assert wait_for(lambda: _finished(a) == 4, 30)
     finally:
         a.stop()
+
+
+@pytest.mark.parametrize("config, traced", [(None, False), ("tracing:\n  exporter_type: in_memory\n", True),
+                                            ("tracing:\n  excluded_urls: [/metrics]\n", True)])
+def test_openai_routes_are_traced_only_where_spans_go_somewhere(tmp_path, config, traced):
+    """Without a tracing exporter BentoML's middleware would open a span per SSE chunk for nothing,
+    so the service leaves /v1 out; a configured exporter or exclusion list is kept as given."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "REALIZAR_BACKEND": "cpu"}
+    env.pop("BENTOML_CONFIG", None)
+    if config is not None:
+        (tmp_path / "bentoml.yaml").write_text(config)
+        env["BENTOML_CONFIG"] = str(tmp_path / "bentoml.yaml")
+    probe = ("import realizar_backend.serving.service\n"
+             "from bentoml._internal.configuration.containers import BentoMLContainer as C\n"
+             "ex = C.tracing_excluded_urls.get()\n"
+             "print(ex.url_disabled('http://127.0.0.1:3000/v1/chat/completions'),"
+             " ex.url_disabled('http://127.0.0.1:3000/readyz'))\n")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(not traced), "False"]

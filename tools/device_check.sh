@@ -179,15 +179,13 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
     grep -h "ready: serving\|cuda backend ready" /tmp/serve_3902.log | tail -2
     if [ "${PYSPY:-0}" = 1 ] && [ -x /tmp/site/bin/py-spy ]; then   # sample the worker (all threads) mid-run
       wpid=$(pgrep -f "_bentoml_impl.worker" | head -1)
-      (sleep 2; /tmp/site/bin/py-spy record --pid "$wpid" --duration 3 --rate 250 --threads --idle --gil \
-        --format raw -o "$OUT/pyspy_gil.txt" >/dev/null 2>&1; \
-       /tmp/site/bin/py-spy record --pid "$wpid" --duration 3 --rate 250 --threads --idle \
-        --format raw -o "$OUT/pyspy.txt" >/dev/null 2>&1) &
+      (sleep 2; /tmp/site/bin/py-spy record --pid "$wpid" --duration 3 --rate 100 --threads --gil --nonblocking \
+        --format raw -o "$OUT/pyspy_gil.txt" >/dev/null 2>&1) &
+      spy=$!
     fi
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt.json 2>/dev/null | tail -30
-    wait
-    curl -s 127.0.0.1:3902/metrics | grep -E '^realizar_(decode_steps|engine_step|prefill)' | head -20
+    [ -n "${spy:-}" ] && wait $spy
     if [ "$SOAK_REQUESTS" -gt 0 ]; then
       python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $SOAK_REQUESTS \
         --prompt-tokens 128 --max-tokens 64 --random-cancel 0.3 --json /tmp/bench/soak.json 2>/dev/null | tail -30

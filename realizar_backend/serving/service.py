@@ -55,6 +55,22 @@ def _own_metrics_dir() -> None:
 _own_metrics_dir()
 
 
+def _untraced_routes_without_exporter() -> None:
+    """Leave the OpenAI routes out of BentoML's OpenTelemetry middleware when no tracing exporter
+    is configured. The middleware opens a span for every `send`, so a stream pays one per token
+    (about a third of the event loop's time at 64 streams on the H100), and without an exporter
+    those spans go nowhere. With `tracing.exporter_type` set, or `tracing.excluded_urls` given,
+    BentoML's configuration stands as it is. Each worker reads this before it builds its app."""
+    from bentoml._internal.configuration.containers import BentoMLContainer
+
+    tracing = BentoMLContainer.tracing
+    if tracing.exporter_type.get() is None and not tracing.excluded_urls.get():
+        tracing.excluded_urls.set([r"/v1/"])
+
+
+_untraced_routes_without_exporter()
+
+
 def _driver_gpus() -> int:
     """How many NVIDIA GPUs the driver reports, asked through NVML (a BentoML dependency) so that
     no process here starts CUDA before its worker has picked its GPU. Through BentoML's own count
