@@ -142,7 +142,9 @@ def test_openai_routes_are_traced_only_where_spans_go_somewhere(tmp_path, config
     if config is not None:
         (tmp_path / "bentoml.yaml").write_text(config)
         env["BENTOML_CONFIG"] = str(tmp_path / "bentoml.yaml")
-    probe = ("import realizar_backend.serving.service\n"
+    # inject_config: what a worker does when it builds the service's app (after the import)
+    probe = ("from realizar_backend.serving.service import Realizar\n"
+             "Realizar.inject_config()\n"
              "from bentoml._internal.configuration.containers import BentoMLContainer as C\n"
              "ex = C.tracing_excluded_urls.get()\n"
              "print(ex.url_disabled('http://127.0.0.1:3000/v1/chat/completions'),"

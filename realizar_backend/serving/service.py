@@ -55,20 +55,19 @@ def _own_metrics_dir() -> None:
 _own_metrics_dir()
 
 
-def _untraced_routes_without_exporter() -> None:
-    """Leave the OpenAI routes out of BentoML's OpenTelemetry middleware when no tracing exporter
-    is configured. The middleware opens a span for every `send`, so a stream pays one per token
-    (about a third of the event loop's time at 64 streams on the H100), and without an exporter
-    those spans go nowhere. With `tracing.exporter_type` set, or `tracing.excluded_urls` given,
-    BentoML's configuration stands as it is. Each worker reads this before it builds its app."""
+def _tracing_config() -> dict:
+    """BentoML's tracing settings for this service: without a tracing exporter, the OpenAI routes
+    are left out of its OpenTelemetry middleware. The middleware opens a span for every `send`, so
+    a stream pays one per token (about a third of the event loop's time at 64 streams on the H100),
+    and without an exporter those spans go nowhere. With `tracing.exporter_type` or
+    `tracing.excluded_urls` in BentoML's configuration, nothing is added. (A service's config is
+    the default under the user's configuration, merged in when BentoML builds the app.)"""
     from bentoml._internal.configuration.containers import BentoMLContainer
 
     tracing = BentoMLContainer.tracing
     if tracing.exporter_type.get() is None and not tracing.excluded_urls.get():
-        tracing.excluded_urls.set([r"/v1/"])
-
-
-_untraced_routes_without_exporter()
+        return {"excluded_urls": [r"/v1/"]}
+    return {}
 
 
 def _driver_gpus() -> int:
@@ -204,6 +203,7 @@ timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.serv
     workers=WORKERS,
     # the timeout runs until a response starts; a long non-streaming CPU generation needs minutes
     traffic={"timeout": 900},
+    tracing=_tracing_config(),
 )
 @bentoml.asgi_app(app, path="/")
 class Realizar:
