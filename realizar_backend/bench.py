@@ -5,7 +5,9 @@ prefills `prompt_tokens` into a fresh sequence, then decodes `gen_tokens` greedy
 sequences at once, pipelined as the engine runs them (each step's tokens are read back, after the
 next step has been started on the device's own argmax). KV blocks come from the engine's block
 manager, as in serving; each sequence gets the blocks for all its positions before the clock
-starts. Prints a table and optionally writes JSON.
+starts. With `batch` > 1, each repetition also prefills `batch` prompts together, packed into
+steps of up to prefill_chunk_tokens tokens as the engine's scheduler packs arrivals ("pp N xB"):
+what a burst of requests costs a server. Prints a table and optionally writes JSON.
 
 `--constrained all|half` adds two decode measurements of the same batch, both run as the engine
 runs a batch that has constrained rows (backends' pipelined decode_sample_start / _launch /
@@ -148,6 +150,30 @@ def run_bench(args) -> int:
         give_back(slot)
         return dt
 
+    chunk = settings.prefill_chunk_tokens
+
+    def prefill_packed(n: int) -> float:
+        """`batch` prompts of n tokens prefilled as the engine's scheduler packs them: each step's
+        prefill call takes prompts (or their chunks) up to prefill_chunk_tokens tokens."""
+        prompts = [rng.integers(0, vocab, size=n, dtype=np.int32) for _ in range(batch)]
+        for s, ids in enumerate(prompts):
+            take(s, ids, n)
+        done, s = [0] * batch, 0
+        t = time.perf_counter()
+        while s < batch:
+            items, left = [], chunk
+            while s < batch and left:
+                m = min(n - done[s], left)
+                items.append(PrefillItem(s, prompts[s][done[s]:done[s] + m], done[s]))
+                done[s] += m
+                left -= m
+                s += done[s] == n
+            backend.prefill(items)
+        dt = time.perf_counter() - t
+        for s in range(batch):
+            give_back(s)
+        return dt
+
     def decode_once(steps: int, guided: set[int] | None = None) -> float:
         """guided None: the pipelined greedy path; else the sampled path with those slots constrained."""
         slots = list(range(batch))
@@ -222,12 +248,14 @@ def run_bench(args) -> int:
         mask_ms.clear()
         host_ms.clear()
         restarts.clear()
-    pp, tg, tg_sampled, tg_constrained = [], [], [], []
+    pp, pp_packed, tg, tg_sampled, tg_constrained = [], [], [], [], []
     with progress(f"bench {mf.name} on {backend.name}", total=args.repetitions, unit="repetitions",
                   log=log) as advance:
         for _ in range(args.repetitions):
             if args.prompt_tokens:
                 pp.append(args.prompt_tokens / prefill_once(args.prompt_tokens, 0))
+                if batch > 1:
+                    pp_packed.append(batch * args.prompt_tokens / prefill_packed(args.prompt_tokens))
             if args.gen_tokens:
                 tg.append(batch * args.gen_tokens / decode_once(args.gen_tokens))
                 if args.constrained:
@@ -244,6 +272,8 @@ def run_bench(args) -> int:
         "block_size": backend.block_size, "kv_blocks": backend.num_blocks,
         "repetitions": args.repetitions, "load_s": load_s,
         "pp_tok_s": _summary(pp) if pp else None,
+        # batch > 1: the batch's prompts prefilled together, packed as the scheduler packs them
+        "pp_packed_tok_s": _summary(pp_packed) if pp_packed else None, "prefill_chunk_tokens": chunk,
         "tg_tok_s": _summary(tg) if tg else None,
         "ms_per_token": (1000.0 * batch / statistics.median(tg)) if tg else None,
         "device_memory_bytes": stats.get("device_memory_bytes", 0),
@@ -263,7 +293,9 @@ def run_bench(args) -> int:
     backend.close()
     print("| model | backend | batch | test | tok/s (median) | min | max |")
     print("|---|---|---|---|---|---|---|")
-    tests = [("pp", "pp_tok_s", args.prompt_tokens), ("tg", "tg_tok_s", args.gen_tokens)]
+    tests = [("pp", "pp_tok_s", args.prompt_tokens),
+             ("pp", "pp_packed_tok_s", f"{args.prompt_tokens} x{batch} in {chunk}-token steps"),
+             ("tg", "tg_tok_s", args.gen_tokens)]
     if args.constrained:
         tests += [("tg", "tg_sampled_tok_s", f"{args.gen_tokens} sampled path"),
                   ("tg", "tg_constrained_tok_s", f"{args.gen_tokens} json schema ({args.constrained} rows)")]

@@ -148,13 +148,18 @@ fi
 
 # ---------------------------------------------------------------- serving
 serve_up() {  # model port [env...]: bentoml serve on the GPU in the background, wait for /readyz
-  local m=$1 port=$2; shift 2
+  local m=$1 port=$2 i; shift 2
   env REALIZAR_MODEL=$m REALIZAR_MODEL_NAME=$(basename $m .gguf) REALIZAR_BACKEND=cuda "$@" \
     setsid python3 -m bentoml serve service:Realizar --host 127.0.0.1 --port $port > "/tmp/serve_$port.log" 2>&1 &
   for i in $(seq 1 240); do curl -sf 127.0.0.1:$port/readyz >/dev/null && return 0; sleep 0.5; done
   echo "server on port $port never became ready"; tail -20 "/tmp/serve_$port.log"; return 1
 }
 serve_down() { pkill -f "port $1" ; sleep 2; }
+lt_line() {  # file tag: one line of a loadtest's figures
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); q=lambda k: (d.get(k) or {}).get('p50') or 0
+print(sys.argv[2], f\"{d['output_tokens_per_s']:.1f} tok/s, errors {d['requests']['errors']}, TTFT p50 {q('ttft_s'):.3f} s,\",
+      f\"ITL p50 {q('itl_s') * 1e3:.1f} ms, TPOT p50 {q('tpot_s') * 1e3:.1f} ms, {d['elapsed_s']:.2f} s\")" "$1" "$2" 2>/dev/null
+}
 if has serve && python3 -c "import bentoml" 2>/dev/null; then
   gen() { python3 -m realizar_backend.cli generate "$@" --max-tokens 32 2>>/tmp/generate.err; }
   if [ -f "$SMOL" ]; then
@@ -186,6 +191,7 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt.json 2>/dev/null | tail -30
     [ -n "${spy:-}" ] && wait $spy
+    lt_line /tmp/bench/lt.json LT
     if [ "$SOAK_REQUESTS" -gt 0 ]; then
       python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $SOAK_REQUESTS \
         --prompt-tokens 128 --max-tokens 64 --random-cancel 0.3 --json /tmp/bench/soak.json 2>/dev/null | tail -30
@@ -202,6 +208,7 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
     serve_up /tmp/twins/qwen15.gguf 3902 REALIZAR_CONTEXT_LENGTH=4096 "${venv[@]}" || continue
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt_v$i.json 2>/dev/null | tail -30
+    lt_line /tmp/bench/lt_v$i.json "LT_V$i ${venv[*]}"
     serve_down 3902
   done
 fi

@@ -101,8 +101,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_slots: int, max_waiting: int,
-                 prefill_chunk_tokens: int = 512):
+    def __init__(self, kv: KVManager, max_slots: int, max_waiting: int, prefill_chunk_tokens: int):
         self.kv = kv
         self.max_slots = max_slots
         self.max_waiting = max_waiting
