@@ -154,6 +154,23 @@ def test_a_template_that_refuses_the_trial_still_loads():
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_worker_started_during_the_build_serves_the_check(workers):
+    # the load starts a render worker before it builds the vocabulary; the trial render and the
+    # requests use it, and the pool never runs more workers than its limit (limits of their own:
+    # a renderer of its own)
+    limits = TemplateLimits(timeout_s=4.5, max_chars=1 << 20, memory_mb=511, workers=workers)
+    tok = _with_template("smol135", "<{{ messages[0].content }}>", limits)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
+    pool = tok._renderer
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (pool._starting or None in pool._idle or len(pool._idle) < workers):
+        time.sleep(0.05)                 # the other workers start on a thread after the check
+    assert len({w.proc.pid for w in pool._idle if w is not None}) == workers
+    assert all(w.proc.poll() is None for w in pool._idle)
+    assert tok.apply_chat_template([{"role": "user", "content": "y"}]) == "<y>"
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
