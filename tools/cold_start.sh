@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Cold start on the GPU machine, as a user sees it: launch to exit of `realizar generate`, and launch
-# to /readyz of `bentoml serve`, each a fresh process with an empty CuPy kernel cache.
+# to /readyz of `bentoml serve`, each a fresh process with an empty CuPy kernel cache. Each runs twice
+# with the prebuilt kernels: the first run of a fresh machine also reads from disk the Python files no
+# process had read yet (BentoML's worker side, for the first server), the second shows the spread.
 #   bash tools/cold_start.sh [MODEL.gguf]       (default: the qwen15 twin, /tmp/twins/qwen15.gguf)
 # (BACKEND=cpu runs the same steps on the CPU backend: a check of this script without a GPU)
 # Run it where tools/device_check.sh has set up PYTHONPATH (wheels in /tmp/site) and the twins, e.g.
@@ -36,7 +38,7 @@ for run in prebuilt prebuilt2 nvrtc; do
   rm -rf "$cache"
 done
 
-for run in prebuilt nvrtc; do
+for run in prebuilt prebuilt2 nvrtc; do
   cache=$(mktemp -d)
   pre=true; [ $run = nvrtc ] && pre=false
   t0=$(now); c0=$(clock)
@@ -52,7 +54,7 @@ for run in prebuilt nvrtc; do
   done
   echo "COLD_SERVE_READYZ_${run^^}_S $(since $t0) (ready: $ok)"
   grep -h -o "core ready.*compiled with NVRTC so far" /tmp/cold_serve_$run.log | head -1
-  [ $run = prebuilt ] && timeline /tmp/cold_serve_$run.log "$c0" && cached "$cache"
+  [ $run != nvrtc ] && timeline /tmp/cold_serve_$run.log "$c0" && cached "$cache"
   [ "$ok" != no ] || tail -20 /tmp/cold_serve_$run.log
   kill -TERM -- -$pid 2>/dev/null; sleep 2; kill -KILL -- -$pid 2>/dev/null
   rm -rf "$cache"
