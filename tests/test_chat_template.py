@@ -12,7 +12,7 @@ from datetime import datetime
 import pytest
 
 from realizar_backend.errors import ModelFormatError, RequestError, UnsupportedModelError
-from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits
+from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits, TemplateRenderer
 from realizar_backend.model.tokenizer import Tokenizer
 from hostile_templates import TRAP_CODES, trapped
 from tokenizer_corpus import CONVERSATIONS, model_file, ours, reference
@@ -169,6 +169,21 @@ def test_the_worker_started_during_the_build_serves_the_check(workers):
     assert len({w.proc.pid for w in pool._idle if w is not None}) == workers
     assert all(w.proc.poll() is None for w in pool._idle)
     assert tok.apply_chat_template([{"role": "user", "content": "y"}]) == "<y>"
+
+
+def test_renders_arriving_while_a_worker_starts_all_complete():
+    # renders that come while prestart() brings its worker up wait for it or take a free slot;
+    # none is left waiting, and no more workers run than the limit
+    limits = TemplateLimits(timeout_s=4.5, max_chars=1 << 20, memory_mb=509, workers=2)
+    pool = TemplateRenderer(limits)
+    try:
+        pool.prestart()
+        with ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(lambda i: pool.render("<{{ n }}>", {"n": i}), range(8)))
+        assert outs == [f"<{i}>" for i in range(8)]
+        assert len(pool._idle) == 2 and len({w.proc.pid for w in pool._idle if w is not None}) <= 2
+    finally:
+        pool.close()
 
 
 def _rss_mb() -> float:

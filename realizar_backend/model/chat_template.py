@@ -245,9 +245,7 @@ class TemplateRenderer:
                 worker = _Worker(self.limits)
             except ChatTemplateError:       # the render that takes the slot tries again, and says why
                 worker = None
-            with self._cond:
-                self._starting -= 1
-            self._release(worker)
+            self._release(worker, prestarted=True)
 
         threading.Thread(target=start, name="template-worker-start", daemon=True).start()
 
@@ -278,14 +276,19 @@ class TemplateRenderer:
                     return self._idle.pop()
                 self._cond.wait()
 
-    def _release(self, worker: _Worker | None) -> None:
+    def _release(self, worker: _Worker | None, prestarted: bool = False) -> None:
         with self._cond:
+            if prestarted:
+                self._starting -= 1
             if self._closed:
                 if worker is not None:
                     worker.close()
                 return
             self._idle.append(worker)
-            self._cond.notify()
+            if prestarted:        # every waiter looks again: those it does not serve may take a free slot
+                self._cond.notify_all()
+            else:
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
