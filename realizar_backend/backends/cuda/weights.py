@@ -5,6 +5,7 @@ a dict. Norm weights and biases (tiny) are stored as float32 vectors."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -115,9 +116,10 @@ class DeviceWeights:
         with progress(f"cuda: uploading {len(self._plan)} weight matrices", total=sum(t.nbytes for t, _ in self._plan),
                       log=log) as advance:
             for start, end, members in runs:
-                # the legacy default stream, as the placing copies and kernels below: a run's copy
-                # starts once the last run's are done with the staging buffer
-                staging.data.copy_from_host(start, end - start)
+                # the last run's regrouping kernels (on the current stream) are done with the staging
+                # buffer before this run's bytes overwrite it
+                cupy.cuda.get_current_stream().synchronize()
+                staging.data.copy_from_host(ctypes.c_void_p(start), end - start)
                 for t, off, host in members:
                     at = host.ctypes.data - start
                     rows, cols = t.shape
