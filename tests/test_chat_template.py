@@ -12,7 +12,7 @@ from datetime import datetime
 import pytest
 
 from realizar_backend.errors import ModelFormatError, RequestError, UnsupportedModelError
-from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits
+from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits, TemplateRenderer
 from realizar_backend.model.tokenizer import Tokenizer
 from hostile_templates import TRAP_CODES, trapped
 from tokenizer_corpus import CONVERSATIONS, model_file, ours, reference
@@ -152,6 +152,38 @@ def test_a_template_that_refuses_the_trial_still_loads():
     tok = _with_template("smol135", "{% if messages | length > 1 %}{{ raise_exception('one message only') }}"
                                     "{% endif %}{{ messages[0].content }}")
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_worker_started_during_the_build_serves_the_check(workers):
+    # the load starts a render worker before it builds the vocabulary; the trial render and the
+    # requests use it, and the pool never runs more workers than its limit (limits of their own:
+    # a renderer of its own)
+    limits = TemplateLimits(timeout_s=4.5, max_chars=1 << 20, memory_mb=511, workers=workers)
+    tok = _with_template("smol135", "<{{ messages[0].content }}>", limits)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
+    pool = tok._renderer
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (pool._starting or None in pool._idle or len(pool._idle) < workers):
+        time.sleep(0.05)                 # the other workers start on a thread after the check
+    assert len({w.proc.pid for w in pool._idle if w is not None}) == workers
+    assert all(w.proc.poll() is None for w in pool._idle)
+    assert tok.apply_chat_template([{"role": "user", "content": "y"}]) == "<y>"
+
+
+def test_renders_arriving_while_a_worker_starts_all_complete():
+    # renders that come while prestart() brings its worker up wait for it or take a free slot;
+    # none is left waiting, and no more workers run than the limit
+    limits = TemplateLimits(timeout_s=4.5, max_chars=1 << 20, memory_mb=509, workers=2)
+    pool = TemplateRenderer(limits)
+    try:
+        pool.prestart()
+        with ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(lambda i: pool.render("<{{ n }}>", {"n": i}), range(8)))
+        assert outs == [f"<{i}>" for i in range(8)]
+        assert len(pool._idle) == 2 and len({w.proc.pid for w in pool._idle if w is not None}) <= 2
+    finally:
+        pool.close()
 
 
 def _rss_mb() -> float:

@@ -49,6 +49,10 @@ def start_device(settings: Settings) -> None:
             from cupy.cuda import device
             device.get_cublas_handle()
             timeline.mark("cublas loaded")
+            # the CUDA backend's modules (Python: it holds the GIL), imported here so that the
+            # loader finds them ready and its weight upload does not queue behind the tokenizer
+            from . import cuda  # noqa: F401
+            timeline.mark("cuda backend modules imported")
         except Exception:  # no GPU or no CuPy: create_backend decides, and says so
             pass
 

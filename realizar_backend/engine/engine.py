@@ -144,7 +144,9 @@ class Engine:
             timeline.mark("tokenizer ready (chat template checked)")
             return tok
 
-        # the tokenizer (a vocabulary of 150k+ entries: ~0.5 s) builds while the backend starts
+        # the tokenizer (a vocabulary of 150k+ entries: ~0.5 s, all of it holding the GIL) builds
+        # while the backend starts: beside the device context's creation (start_device's thread),
+        # or, where that is done already (a server's worker), in the weight upload's long copies
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
             tok = pool.submit(tokenizer_of, model)
             backend = create_backend(model, settings)

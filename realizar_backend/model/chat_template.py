@@ -194,6 +194,7 @@ class TemplateRenderer:
         self._idle: list[_Worker | None] = [None] * limits.workers   # None: not started yet
         self._cond = threading.Condition()
         self._closed = False
+        self._starting = 0        # workers prestart() is bringing up (not in _idle meanwhile)
 
     def render(self, source: str, context: dict[str, Any]) -> str:
         """The template rendered with `context` (plain JSON values); raises ChatTemplateError."""
@@ -229,6 +230,25 @@ class TemplateRenderer:
         # the other workers start beside the rest of the load, not before the check returns
         threading.Thread(target=self._start_idle, name="template-workers", daemon=True).start()
 
+    def prestart(self) -> None:
+        """Start one worker now, on a thread, if none has started: a new process takes 0.1-0.3 s
+        to come up, which a model load spends building the vocabulary meanwhile, so that the
+        check after the build only renders. A render that comes first waits for this worker."""
+        with self._cond:
+            if self._starting or any(w is not None for w in self._idle) or None not in self._idle:
+                return
+            self._idle.remove(None)
+            self._starting += 1
+
+        def start() -> None:
+            try:
+                worker = _Worker(self.limits)
+            except ChatTemplateError:       # the render that takes the slot tries again, and says why
+                worker = None
+            self._release(worker, prestarted=True)
+
+        threading.Thread(target=start, name="template-worker-start", daemon=True).start()
+
     def _start_idle(self) -> None:
         """Start the workers not started yet, so that the first requests do not wait for them
         (a request that comes first waits for one of them, as it waits for a busy worker)."""
@@ -243,23 +263,32 @@ class TemplateRenderer:
                 self._release(None)
 
     def _acquire(self) -> _Worker | None:
+        """A started worker if one is idle; else a slot to start one in (None), unless prestart()
+        is bringing one up: that one is nearer than a new one."""
         with self._cond:
-            while not self._idle:
+            while True:
                 if self._closed:
                     raise ChatTemplateError("unavailable", "the chat template renderer is closed")
+                started = [i for i, w in enumerate(self._idle) if w is not None]
+                if started:
+                    return self._idle.pop(started[-1])
+                if self._idle and not self._starting:
+                    return self._idle.pop()
                 self._cond.wait()
-            if self._closed:
-                raise ChatTemplateError("unavailable", "the chat template renderer is closed")
-            return self._idle.pop()
 
-    def _release(self, worker: _Worker | None) -> None:
+    def _release(self, worker: _Worker | None, prestarted: bool = False) -> None:
         with self._cond:
+            if prestarted:
+                self._starting -= 1
             if self._closed:
                 if worker is not None:
                     worker.close()
                 return
             self._idle.append(worker)
-            self._cond.notify()
+            if prestarted:        # every waiter looks again: those it does not serve may take a free slot
+                self._cond.notify_all()
+            else:
+                self._cond.notify()
 
     def close(self) -> None:
         with self._cond:

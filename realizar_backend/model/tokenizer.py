@@ -157,6 +157,10 @@ class Tokenizer:
         """The model's tokenizer; its chat template (if any) is compiled and trial-rendered here,
         within `template_limits` (default: Settings' defaults), so a broken or runaway template
         fails the load with a ModelFormatError naming the key."""
+        limits = template_limits or TemplateLimits.from_settings(Settings())
+        if cls._names_a_template(mf):
+            # the render worker the check uses (a new process) comes up while the vocabulary builds
+            renderer(limits).prestart()
         if mf.format == "gguf":
             tok = cls._from_gguf(mf.path, mf.metadata)
         elif mf.tokenizer_json is not None:
@@ -165,7 +169,7 @@ class Tokenizer:
             raise UnsupportedModelError(mf.path, "the model directory has no tokenizer.json")
         timeline.mark("tokenizer built")
         if tok.chat_template:
-            tok._renderer = renderer(template_limits or TemplateLimits.from_settings(Settings()))
+            tok._renderer = renderer(limits)
             try:
                 tok._renderer.check(tok.chat_template, tok.special_tokens)
             except ChatTemplateError as e:
@@ -178,6 +182,17 @@ class Tokenizer:
         log.debug("%s: tokenizer with %d tokens, bos=%s eos=%s add_bos=%s stop=%s, chat template: %s", mf.path,
                   tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, sorted(tok.stop_ids), tok.has_chat_template)
         return tok
+
+    @staticmethod
+    def _names_a_template(mf) -> bool:
+        """Whether the model file carries a chat template, by a look at where it would be (the
+        tokenizer's build reads and checks it)."""
+        if mf.format == "gguf":
+            return bool(mf.metadata.get("tokenizer.chat_template"))
+        if mf.tokenizer_json is None:
+            return False
+        return bool((mf.tokenizer_config or {}).get("chat_template")) or \
+            (Path(mf.tokenizer_json).parent / "chat_template.jinja").is_file()
 
     @classmethod
     def _from_gguf(cls, path, md: Mapping[str, Any]) -> "Tokenizer":

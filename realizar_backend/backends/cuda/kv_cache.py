@@ -50,8 +50,10 @@ class KVCache:
         # holds the last one's values, which the same rule covers.
         self.k = cupy.empty(shape, cupy.float16)
         self.v = cupy.empty(shape, cupy.float16)
-        self.tables = cupy.full((max_slots + 1, self.max_blocks), self.scratch_block, cupy.int32)
-        self._host = np.full(self.tables.shape, self.scratch_block, np.int32)   # what the device holds
+        self._host = np.full((max_slots + 1, self.max_blocks), self.scratch_block, np.int32)   # what the device holds
+        # uploaded, not cupy.full: that runs one of CuPy's own kernels, which a start with an empty
+        # kernel cache would first compile with NVRTC
+        self.tables = cupy.asarray(self._host)
         self.covered = np.zeros(max_slots + 1, np.int64)    # positions each slot's table covers
         self.covered[self.scratch_slot] = block_size
         layer_bytes = self.k.nbytes // cfg.n_layers

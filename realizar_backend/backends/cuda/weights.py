@@ -5,6 +5,7 @@ a dict. Norm weights and biases (tiny) are stored as float32 vectors."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -99,34 +100,45 @@ class DeviceWeights:
 
     # ------------------------------------------------------------ upload (idempotent)
     def upload(self) -> None:
+        """Every matrix into the arena. The host bytes go up in a few long copies (runs of
+        matrices adjacent in the file, _runs), each then placed or regrouped on the GPU: a copy
+        from pageable memory releases the GIL for its whole length, which the tokenizer, built on
+        another thread meanwhile, can use; one copy per matrix would hand the GIL back and forth
+        hundreds of times."""
         if self.arena is not None:
             return
         t0 = time.perf_counter()
         self.arena = cupy.empty(self.total_bytes, dtype=cupy.uint8)
         refs: dict[str, WeightRef] = {}
-        # Q5_0 / Q8_0 / Q6_K go up in GGUF bytes and are regrouped on the GPU (repack.cu), through
-        # one staging buffer as large as the largest such matrix
-        regroup = [t.nbytes for t, _ in self._plan if t.qtype in REGROUPED]
-        staging = cupy.empty(max(regroup), dtype=cupy.uint8) if regroup else None
+        hosts = [(t, off, np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)) for t, off in self._plan]
+        runs = _runs(hosts)
+        staging = cupy.empty(max(end - start for start, end, _ in runs), dtype=cupy.uint8)
         with progress(f"cuda: uploading {len(self._plan)} weight matrices", total=sum(t.nbytes for t, _ in self._plan),
                       log=log) as advance:
-            for t, off in self._plan:
-                host = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-                rows, cols = t.shape
-                rb = device_row_bytes(t.qtype, cols)
-                if t.qtype in REGROUPED:
-                    staging[:host.size].set(host)
-                    total = rows * (cols // 32)
-                    self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
-                                                 (staging, np.int32(rows), np.int32(cols),
-                                                  self.arena[off:], np.int64(rb)))
-                else:
-                    self.arena[off:off + host.size].set(host)
-                refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, rows, cols, rb)
-                advance(host.size)
+            for start, end, members in runs:
+                # the last run's regrouping kernels (on the current stream) are done with the staging
+                # buffer before this run's bytes overwrite it
+                cupy.cuda.get_current_stream().synchronize()
+                staging.data.copy_from_host(ctypes.c_void_p(start), end - start)
+                for t, off, host in members:
+                    at = host.ctypes.data - start
+                    rows, cols = t.shape
+                    rb = device_row_bytes(t.qtype, cols)
+                    if t.qtype in REGROUPED:
+                        # Q5_0 / Q8_0 / Q6_K arrive in GGUF bytes and are regrouped here (repack.cu)
+                        total = rows * (cols // 32)
+                        self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
+                                                     (staging[at:], np.int32(rows), np.int32(cols),
+                                                      self.arena[off:], np.int64(rb)))
+                    else:
+                        (self.arena.data + off).copy_from_device(staging.data + at, host.size)
+                    refs[t.name] = WeightRef(t.name, t.qtype, self.arena.data.ptr + off, rows, cols, rb)
+                    advance(host.size)
         self._build_index(refs)
         cupy.cuda.Device().synchronize()
-        log.info("cuda: weights resident: %.1f MB in %.2f s", self.total_bytes / 1e6, time.perf_counter() - t0)
+        del staging
+        log.info("cuda: weights resident: %.1f MB in %.2f s (%d copies)", self.total_bytes / 1e6,
+                 time.perf_counter() - t0, len(runs))
 
     def _vec(self, name: str, required: bool = True) -> int:
         t = self.model.get(name)
@@ -166,3 +178,36 @@ class DeviceWeights:
         self.arena = None
         self.vectors.clear()
         self.layers.clear()
+
+
+RUN_BYTES = 256 << 20   # a host-to-device copy covers up to this much (more only for one larger matrix)
+RUN_GAP = 4 << 20       # and bridges at most this much between two matrices of one buffer (the norm
+                        # vectors between them in the file)
+
+
+def _root(a: np.ndarray):
+    """The object that owns an array's memory (the model file's mmap for the matrices a file
+    holds as they are)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    owner = a if a.base is None else a.base
+    return owner.obj if isinstance(owner, memoryview) else owner     # np.frombuffer(mmap): a memoryview of it
+
+
+def _runs(hosts: list[tuple[Tensor, int, np.ndarray]]) -> list[tuple[int, int, list]]:
+    """The matrices' host bytes as runs to copy whole: (start address, end address, members in
+    address order). A run spans at most RUN_BYTES unless one matrix alone is larger; it bridges
+    a gap of at most RUN_GAP, and only inside one buffer (what lies between rides along unused)."""
+    runs: list[list] = []
+    for item in sorted(hosts, key=lambda h: h[2].ctypes.data):
+        host = item[2]
+        a, b, root = host.ctypes.data, host.ctypes.data + host.size, _root(host)
+        if runs:
+            run = runs[-1]
+            gap = a - run[1]
+            if (gap <= 0 or gap <= RUN_GAP and root is run[3]) and max(b, run[1]) - run[0] <= RUN_BYTES:
+                run[1] = max(b, run[1])
+                run[2].append(item)
+                continue
+        runs.append([a, b, [item], root])
+    return [(start, end, members) for start, end, members, _ in runs]
