@@ -55,6 +55,16 @@ KINDS = ("json_object", "json_schema", "lark", "regex", "choice")
 _WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
          "choice": "choice list"}
 CACHE_SIZE = 256          # compiled grammars kept (by their text)
+# llguidance's "slices": token classes whose bits are set wholesale when the lexer state accepts
+# every string of the class (an exact subsumption check, so masks are the same with any slices),
+# the rest of the vocabulary is walked through the token trie. Its default classes are JSON string
+# chars of length 1-10, 11-30 and longer: inside a string with a maxLength, fewer than 10 chars
+# before the bound no class fits and the walk covers the whole 152k vocabulary (~1 ms), and even
+# with 10-29 left the 11-30 class is walked (0.2 ms). A ladder of lengths lets the longest class
+# that still fits be set at once; what is left is the walk of the tokens longer than the room.
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
+SLICES = [r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{k}}}" for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)] \
+    + [f"{_STRING_CHAR}+"]
 POOL_SIZE = 64            # finished matchers kept per grammar for the next sequences
 
 
@@ -149,8 +159,11 @@ class Guidance:
     """A model's constrained decoding: llguidance's tokenizer for its vocabulary (built on first
     use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE,
+                 slices: Sequence[str] | None = None):
         self.tokenizer = tokenizer
+        # None: our ladder (SLICES); tools/mask_bench.py passes llguidance's own to compare
+        self.slices = list(SLICES if slices is None else slices)
         self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
         self.words = mask_words(self.vocab_size)
         self._ll: llguidance.LLTokenizer | None = None
@@ -169,7 +182,8 @@ class Guidance:
                     # llguidance reads the same HF tokenizer definition we tokenize with, so its
                     # idea of every token's bytes is ours; the stop tokens act as its EOS
                     self._ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
-                                                      eos_token=sorted(self.tokenizer.stop_ids))
+                                                      eos_token=sorted(self.tokenizer.stop_ids),
+                                                      slices=self.slices)
                     log.info("guidance: tokenizer of %d tokens ready", self.vocab_size)
         return self._ll
 
