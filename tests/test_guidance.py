@@ -10,6 +10,7 @@ import functools
 import json
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 
@@ -146,6 +147,39 @@ def test_compiled_grammars_are_cached_and_masks_fill_in_parallel():
     assert (out[5] == -7).all()
     with pytest.raises(ValueError):
         g.fill_masks(guides, np.zeros((2, g.words), np.int32))
+
+
+@pytest.mark.parametrize("c", [
+    Constraint("json_schema", PET),
+    Constraint("json_schema", {"type": "object", "properties": {
+        "s": {"type": "string", "minLength": 3, "maxLength": 40}, "t": {"type": "string", "maxLength": 7},
+        "u": {"type": "string"}, "p": {"type": "string", "pattern": "[a-z]{2,9}"}},
+        "required": ["s", "t", "u", "p"], "additionalProperties": False}),
+    Constraint("json_object"),
+    Constraint("lark", 'start: "say " /[a-z ]{1,14}/ "!"', param="guided_grammar"),
+], ids=["pet", "strings", "json_object", "lark"])
+def test_our_slices_give_llguidance_s_own_masks(c):
+    """SLICES only changes how llguidance computes a mask, never the mask: a random walk of
+    allowed tokens (mostly long strings, where the slices apply) sees the same mask at every step
+    as with llguidance's default slices."""
+    ours_g = guidance_for("qwen05")
+    theirs = Guidance(ours_g.tokenizer, ours_g.vocab_size, slices=llguidance.LLTokenizer.general_slices())
+    assert ours_g.slices != theirs.slices
+    rng = np.random.default_rng(7)
+    a, b, steps, done = ours_g.guide(c), theirs.guide(c), 0, []
+    while steps < 160:
+        ma, mb = a.compute_mask(), b.compute_mask()
+        assert np.array_equal(ma, mb), ours_g.tokenizer.decode(done)
+        allowed = np.flatnonzero(allowed_tokens(ma, ours_g.vocab_size))
+        tok = int(rng.choice([t for t in allowed if t not in ours_g.tokenizer.stop_ids] or allowed))
+        assert a.consume(tok) and b.consume(tok)
+        steps += 1
+        done.append(tok)
+        if a.finished:
+            assert b.finished
+            ours_g.release(a)
+            theirs.release(b)
+            a, b, done = ours_g.guide(c), theirs.guide(c), []
 
 
 # ------------------------------------------------------------------ generation with the real model

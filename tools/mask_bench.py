@@ -48,6 +48,10 @@ def draw_stream(g: Guidance, c: Constraint, steps: int, seed: int) -> list[list[
     return objs + ([cur] if cur else [])
 
 
+STATES = ["outside strings", "string, empty", "string, 1-5 chars", "string, 6-11 chars", "string, 12-17 chars",
+          "string, 18-23 chars", "string, 24+ chars"]
+
+
 def state_label(text: str) -> str:
     """Where a JSON text stops: inside a string (by its length in chars so far) or elsewhere."""
     inside, esc, n = False, False, 0
@@ -136,7 +140,7 @@ def main() -> int:
         same = True if ref is None else bool((masks == ref).all())
         ref = masks if ref is None else ref
         by_state = {}
-        for lab in sorted(set(labels)):
+        for lab in [x for x in STATES if x in labels]:
             sel = ms[[i for i, x in enumerate(labels) if x == lab]]
             by_state[lab] = {"steps": int(sel.size), "mean": float(sel.mean()), "max": float(sel.max())}
         result["configs"][name] = {"slices": slices, "tokenizer_build_s": build_s, "masks_equal_to_first": same,
