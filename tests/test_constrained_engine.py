@@ -90,21 +90,26 @@ def test_plain_rows_beside_constrained_rows_keep_their_text(ref):
         jsonschema.validate(json.loads(text), LONG)
 
 
-def test_our_slices_leave_the_constrained_text_unchanged(ref):
-    """The engine's guidance (SLICES) and one with llguidance's default slices give the same
-    text for the same requests, greedy and sampled, bounded strings included."""
+def test_our_slices_and_split_masks_leave_the_constrained_text_unchanged(ref):
+    """The engine's guidance (SLICES), one with llguidance's default slices and one that splits
+    every row's mask over vocabulary parts (mask_split) give the same text for the same requests,
+    greedy and sampled, bounded strings included."""
     jobs = [("An item as JSON:", dict(max_tokens=60, temperature=0, constraint=Constraint("json_schema", ITEM))),
             ("A story as JSON:", dict(max_tokens=40, temperature=0, constraint=Constraint("json_schema", LONG))),
             ("A story, JSON:", dict(max_tokens=40, temperature=0.8, seed=3, constraint=Constraint("json_schema", LONG)))]
     ours = _together(ref, jobs)
     engine_guidance = ref.guidance
-    ref.guidance = Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size,
-                            slices=llguidance.LLTokenizer.general_slices())
+    others = [Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size,
+                       slices=llguidance.LLTokenizer.general_slices()),
+              # 4 parts on 16 threads: the three rows split whatever this machine's cores
+              Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size, split_parts=4, threads=16)]
     try:
-        theirs = _together(ref, jobs)
+        for g in others:
+            ref.guidance = g
+            assert _together(ref, jobs) == ours
     finally:
         ref.guidance = engine_guidance
-    assert ours == theirs
+    assert others[1]._split is not None
     assert all(reason == "stop" for _, reason, _ in ours)
 
 
