@@ -174,7 +174,8 @@ class Guidance:
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE,
                  slices: Sequence[str] | None = None, split_parts: int = 0, threads: int | None = None):
         """split_parts: cut the vocabulary in that many parts (mask_split) so that a batch's masks
-        run on split_parts threads a row while rows * split_parts <= threads (0 or 1: never).
+        run on split_parts threads a row while rows * split_parts <= threads (0, 1 or more than
+        threads: never).
         threads: llguidance's executor (default: every core this process may use)."""
         self.tokenizer = tokenizer
         # None: our ladder (SLICES); tools/mask_bench.py passes llguidance's own to compare
@@ -191,7 +192,9 @@ class Guidance:
         # every core the process may use (llguidance's default takes 80%): the caller waits on
         # these calls, and on a GPU the step's forward pass is already queued
         self.threads = int(threads) if threads else min(32, len(os.sched_getaffinity(0)))
-        self.split_parts = int(split_parts) if split_parts and split_parts > 1 else 0
+        # parts only where one row's fit the threads (never on a 2-core machine with 4 parts: no
+        # part tokenizers to build there)
+        self.split_parts = int(split_parts) if split_parts and 1 < split_parts <= self.threads else 0
         self._split: VocabSplit | None = None
 
     @property
