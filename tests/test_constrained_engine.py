@@ -96,7 +96,8 @@ def test_our_slices_and_split_masks_leave_the_constrained_text_unchanged(ref):
     greedy and sampled, bounded strings included."""
     jobs = [("An item as JSON:", dict(max_tokens=60, temperature=0, constraint=Constraint("json_schema", ITEM))),
             ("A story as JSON:", dict(max_tokens=40, temperature=0, constraint=Constraint("json_schema", LONG))),
-            ("A story, JSON:", dict(max_tokens=40, temperature=0.8, seed=3, constraint=Constraint("json_schema", LONG)))]
+            ("A story, JSON:", dict(max_tokens=40, temperature=0.8, seed=3,
+                                    constraint=Constraint("json_schema", LONG)))]
     ours = _together(ref, jobs)
     engine_guidance = ref.guidance
     others = [Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size,

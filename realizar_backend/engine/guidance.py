@@ -67,8 +67,8 @@ CACHE_SIZE = 256          # compiled grammars kept (by their text)
 # with 10-29 left the 11-30 class is walked (0.2 ms). A ladder of lengths lets the longest class
 # that still fits be set at once; what is left is the walk of the tokens longer than the room.
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
-SLICES = [r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{k}}}" for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)] \
-    + [f"{_STRING_CHAR}+"]
+_LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)
+SLICES = [r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{k}}}" for k in _LADDER] + [f"{_STRING_CHAR}+"]
 POOL_SIZE = 64            # finished matchers kept per grammar for the next sequences
 
 
