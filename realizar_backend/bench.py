@@ -236,7 +236,7 @@ def run_bench(args) -> int:
         if args.schema:
             with open(args.schema) as f:
                 schema = json.load(f)
-        guidance = Guidance(Tokenizer.from_model_file(mf), vocab)
+        guidance = Guidance(Tokenizer.from_model_file(mf), vocab, split_parts=settings.guidance_mask_parts)
         constraint = Constraint("json_schema", schema, param="--schema")
         guidance.compile(constraint)
         guided_slots = set(range(batch)) if args.constrained == "all" else set(range(0, batch, 2))

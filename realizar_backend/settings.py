@@ -91,6 +91,10 @@ class Settings:
     # decode step n+1 is started on the device's own tokens before the host reads step n's
     # (greedy and sampled); off: every step waits for the host (the unpipelined reference)
     pipelined_decode: bool = True
+    # constrained decoding: the vocabulary in this many parts, so that a row's token mask is
+    # computed on as many threads while rows x parts fit the cores (small batches, where a slow
+    # mask would hold up the step); 0 or 1: one thread a row
+    guidance_mask_parts: int = 4
     # numeric trade-offs of the CUDA path (speed vs closeness to the float32 reference; the
     # defaults are the ones that pass the parity bar of the test suite, see README):
     # decode projections on float32 activations ("fp32"), on 8-bit activation blocks ("int8"),
@@ -184,6 +188,7 @@ class Settings:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise self._bad("gpu_memory_utilization", "must be in (0, 1]")
         at_least("kv_cache_tokens", 0)
+        at_least("guidance_mask_parts", 0, 64)
         if 0 < self.kv_cache_tokens < self.block_size:
             raise self._bad("kv_cache_tokens", f"is less than one block ({self.block_size} tokens)")
         at_least("prefill_chunk_tokens", 1)

@@ -11,10 +11,11 @@ import dataclasses
 import json
 
 import jsonschema
+import llguidance
 import pytest
 
 from realizar_backend.engine.engine import Engine
-from realizar_backend.engine.guidance import Constraint
+from realizar_backend.engine.guidance import Constraint, Guidance
 from realizar_backend.engine.sampling import SamplingParams
 from realizar_backend.errors import GrammarError, RequestError
 from realizar_backend.settings import Settings
@@ -87,6 +88,30 @@ def test_plain_rows_beside_constrained_rows_keep_their_text(ref):
     for text, reason, _ in (mixed[1], mixed[3]):
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), LONG)
+
+
+def test_our_slices_and_split_masks_leave_the_constrained_text_unchanged(ref):
+    """The engine's guidance (SLICES), one with llguidance's default slices and one that splits
+    every row's mask over vocabulary parts (mask_split) give the same text for the same requests,
+    greedy and sampled, bounded strings included."""
+    jobs = [("An item as JSON:", dict(max_tokens=60, temperature=0, constraint=Constraint("json_schema", ITEM))),
+            ("A story as JSON:", dict(max_tokens=40, temperature=0, constraint=Constraint("json_schema", LONG))),
+            ("A story, JSON:", dict(max_tokens=40, temperature=0.8, seed=3,
+                                    constraint=Constraint("json_schema", LONG)))]
+    ours = _together(ref, jobs)
+    engine_guidance = ref.guidance
+    others = [Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size,
+                       slices=llguidance.LLTokenizer.general_slices()),
+              # 4 parts on 16 threads: the three rows split whatever this machine's cores
+              Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size, split_parts=4, threads=16)]
+    try:
+        for g in others:
+            ref.guidance = g
+            assert _together(ref, jobs) == ours
+    finally:
+        ref.guidance = engine_guidance
+    assert others[1]._split is not None
+    assert all(reason == "stop" for _, reason, _ in ours)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import functools
 import json
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 
@@ -146,6 +147,90 @@ def test_compiled_grammars_are_cached_and_masks_fill_in_parallel():
     assert (out[5] == -7).all()
     with pytest.raises(ValueError):
         g.fill_masks(guides, np.zeros((2, g.words), np.int32))
+
+
+@pytest.mark.parametrize("c", [
+    Constraint("json_schema", PET),
+    Constraint("json_schema", {"type": "object", "properties": {
+        "s": {"type": "string", "minLength": 3, "maxLength": 40}, "t": {"type": "string", "maxLength": 7},
+        "u": {"type": "string"}, "p": {"type": "string", "pattern": "[a-z]{2,9}"}},
+        "required": ["s", "t", "u", "p"], "additionalProperties": False}),
+    Constraint("json_object"),
+    Constraint("lark", 'start: "say " /[a-z ]{1,14}/ "!"', param="guided_grammar"),
+], ids=["pet", "strings", "json_object", "lark"])
+def test_our_slices_give_llguidance_s_own_masks(c):
+    """SLICES only changes how llguidance computes a mask, never the mask: a random walk of
+    allowed tokens (mostly long strings, where the slices apply) sees the same mask at every step
+    as with llguidance's default slices."""
+    ours_g = guidance_for("qwen05")
+    theirs = Guidance(ours_g.tokenizer, ours_g.vocab_size, slices=llguidance.LLTokenizer.general_slices())
+    assert ours_g.slices != theirs.slices
+    rng = np.random.default_rng(7)
+    a, b, steps, done = ours_g.guide(c), theirs.guide(c), 0, []
+    while steps < 160:
+        ma, mb = a.compute_mask(), b.compute_mask()
+        assert np.array_equal(ma, mb), ours_g.tokenizer.decode(done)
+        allowed = np.flatnonzero(allowed_tokens(ma, ours_g.vocab_size))
+        tok = int(rng.choice([t for t in allowed if t not in ours_g.tokenizer.stop_ids] or allowed))
+        assert a.consume(tok) and b.consume(tok)
+        steps += 1
+        done.append(tok)
+        if a.finished:
+            assert b.finished
+            ours_g.release(a)
+            theirs.release(b)
+            a, b, done = ours_g.guide(c), theirs.guide(c), []
+
+
+SPLIT_GRAMMARS = [
+    Constraint("json_schema", PET),
+    Constraint("json_schema", {"type": "object", "properties": {
+        "s": {"type": "string", "minLength": 3, "maxLength": 9}, "u": {"type": "string"},
+        "n": {"type": "number"}, "a": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+        "required": ["s", "u", "n", "a"], "additionalProperties": False}),
+    Constraint("json_object"),
+    Constraint("regex", r"(yes|no): [a-z ]{1,12}\.", param="guided_regex"),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def split_guidance_for(name: str) -> Guidance:
+    g = guidance_for(name)
+    # 3 parts, 8 threads: two rows of 3 parts fit, whatever this machine's cores
+    return Guidance(g.tokenizer, g.vocab_size, split_parts=3, threads=8)
+
+
+@pytest.mark.parametrize("name", ["smol135", "qwen05", "gemma270"])
+def test_masks_split_over_vocabulary_parts_are_the_main_matcher_s(name):
+    """Two rows' masks, each computed by 3 matchers over parts of the vocabulary (mask_split)
+    and ORed, are bit for bit the one matcher's, at every step of random walks of allowed tokens
+    through four grammars (the forced-bytes states, where the main matcher answers, included)."""
+    plain, split = guidance_for(name), split_guidance_for(name)
+    rng = np.random.default_rng(11)
+    stops = plain.tokenizer.stop_ids
+    for c in SPLIT_GRAMMARS:
+        refs, rows = [plain.guide(c), plain.guide(c)], [split.guide(c), split.guide(c)]
+        out = np.zeros((2, split.words), np.int32)
+        parts_used = 0
+        for step in range(70):
+            split.fill_masks(rows, out)
+            parts_used += sum(row._parts is not None for row in rows)
+            assert not any(row._no_split for row in rows)
+            toks = []
+            for r, (ref, row) in enumerate(zip(refs, rows)):
+                want = ref.compute_mask()
+                assert np.array_equal(out[r], want), (c.kind, step, plain.tokenizer.decode(ref.tokens))
+                allowed = np.flatnonzero(allowed_tokens(want, plain.vocab_size))
+                toks.append(int(rng.choice([t for t in allowed if t not in stops] or allowed)))
+            assert all(ref.consume(t) for ref, t in zip(refs, toks))
+            assert split.consume_all(rows, toks) == [True, True]
+            for r in range(2):
+                if refs[r].finished:
+                    assert rows[r].finished
+                    plain.release(refs[r])
+                    split.release(rows[r])            # its part matchers go back to the pool
+                    refs[r], rows[r] = plain.guide(c), split.guide(c)
+        assert parts_used > 50, c.kind        # most steps: the parts' OR, not the main matcher
 
 
 # ------------------------------------------------------------------ generation with the real model

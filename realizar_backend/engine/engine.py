@@ -106,7 +106,8 @@ class Engine:
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
-        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots)
+        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots,
+                                 split_parts=self.settings.guidance_mask_parts)
         self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
         self._outbox: list[tuple[Any, Any]] = []  # (sink, output) of this step, delivered by _flush
         if prewarm_guidance:

@@ -26,7 +26,10 @@ How the engine drives a Guide (engine/engine.py):
             # guide's next mask before the sampling reads the masks, overlapping the forward
     guidance.release(guide)                      # the sequence ended: its matcher serves the next one
 Stop tokens (the model's EOS set) are allowed exactly when the grammar accepts, so a sequence that
-draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads.
+draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads;
+at small batches each row's own mask is also spread over threads, the vocabulary cut in parts
+(mask_split.py, Settings.guidance_mask_parts), so a slow mask (a bounded string near its
+maxLength walks most of the vocabulary) does not hold up the step.
 Sequences without a constraint have no Guide and cost nothing.
 """
 
@@ -45,6 +48,7 @@ import numpy as np
 
 from ..backends.sampling import mask_words
 from ..errors import RequestError
+from .mask_split import VocabSplit
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,16 @@ KINDS = ("json_object", "json_schema", "lark", "regex", "choice")
 _WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
          "choice": "choice list"}
 CACHE_SIZE = 256          # compiled grammars kept (by their text)
+# llguidance's "slices": token classes whose bits are set wholesale when the lexer state accepts
+# every string of the class (an exact subsumption check, so masks are the same with any slices),
+# the rest of the vocabulary is walked through the token trie. Its default classes are JSON string
+# chars of length 1-10, 11-30 and longer: inside a string with a maxLength, fewer than 10 chars
+# before the bound no class fits and the walk covers the whole 152k vocabulary (~1 ms), and even
+# with 10-29 left the 11-30 class is walked (0.2 ms). A ladder of lengths lets the longest class
+# that still fits be set at once; what is left is the walk of the tokens longer than the room.
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
+_LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)
+SLICES = [r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{k}}}" for k in _LADDER] + [f"{_STRING_CHAR}+"]
 POOL_SIZE = 64            # finished matchers kept per grammar for the next sequences
 
 
@@ -109,6 +123,7 @@ class _Entry:
     def __init__(self, grammar: str, matcher: "llguidance.LLMatcher"):
         self.grammar = grammar
         self.free = [matcher]
+        self.free_parts: list[list["llguidance.LLMatcher"]] = []   # part matchers (mask_split), at the start
 
 
 class Guide:
@@ -118,6 +133,10 @@ class Guide:
         self._m = matcher
         self._entry = entry                       # the pool the matcher goes back to
         self.mask = np.zeros(words, np.int32)     # the latest compute_mask(); reused in place
+        self.tokens: list[int] = []               # consumed so far: what part matchers catch up on
+        self._parts: list["llguidance.LLMatcher"] | None = None   # mask_split's, made on first use
+        self._synced = 0                          # tokens the part matchers have consumed
+        self._no_split = False                    # a part matcher refused a token: the main one only
 
     def compute_mask(self) -> np.ndarray:
         """The tokens allowed next (int32 words, SampleRow.mask's layout), into self.mask. A
@@ -128,7 +147,10 @@ class Guide:
     def consume(self, token: int) -> bool:
         """Advance past the drawn token; False if the grammar does not allow it (the matcher is
         then in its error state: `error` says why)."""
-        return self._m.consume_token(int(token))
+        ok = self._m.consume_token(int(token))
+        if ok:
+            self.tokens.append(int(token))
+        return ok
 
     @property
     def finished(self) -> bool:
@@ -149,8 +171,15 @@ class Guidance:
     """A model's constrained decoding: llguidance's tokenizer for its vocabulary (built on first
     use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE,
+                 slices: Sequence[str] | None = None, split_parts: int = 0, threads: int | None = None):
+        """split_parts: cut the vocabulary in that many parts (mask_split) so that a batch's masks
+        run on split_parts threads a row while rows * split_parts <= threads (0, 1 or more than
+        threads: never).
+        threads: llguidance's executor (default: every core this process may use)."""
         self.tokenizer = tokenizer
+        # None: our ladder (SLICES); tools/mask_bench.py passes llguidance's own to compare
+        self.slices = list(SLICES if slices is None else slices)
         self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
         self.words = mask_words(self.vocab_size)
         self._ll: llguidance.LLTokenizer | None = None
@@ -160,6 +189,13 @@ class Guidance:
         self._cache_size = cache_size
         self._pool_size = pool_size
         self._executor: llguidance.LLExecutor | None = None
+        # every core the process may use (llguidance's default takes 80%): the caller waits on
+        # these calls, and on a GPU the step's forward pass is already queued
+        self.threads = int(threads) if threads else min(32, len(os.sched_getaffinity(0)))
+        # parts only where one row's fit the threads (never on a 2-core machine with 4 parts: no
+        # part tokenizers to build there)
+        self.split_parts = int(split_parts) if split_parts and 1 < split_parts <= self.threads else 0
+        self._split: VocabSplit | None = None
 
     @property
     def ll_tokenizer(self) -> "llguidance.LLTokenizer":
@@ -169,13 +205,26 @@ class Guidance:
                     # llguidance reads the same HF tokenizer definition we tokenize with, so its
                     # idea of every token's bytes is ours; the stop tokens act as its EOS
                     self._ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
-                                                      eos_token=sorted(self.tokenizer.stop_ids))
+                                                      eos_token=sorted(self.tokenizer.stop_ids),
+                                                      slices=self.slices)
                     log.info("guidance: tokenizer of %d tokens ready", self.vocab_size)
         return self._ll
 
+    @property
+    def split(self) -> VocabSplit | None:
+        """The vocabulary's parts (mask_split), when split_parts asks for them (built on first use)."""
+        if self.split_parts and self._split is None:
+            ll = self.ll_tokenizer
+            with self._lock:
+                if self._split is None:
+                    self._split = VocabSplit(ll, self.vocab_size, self.words, self.split_parts, self.slices)
+        return self._split
+
     def prewarm(self) -> None:
-        """Build llguidance's tokenizer now (0.2-3 s for 50k-260k tokens), e.g. on a thread at start-up."""
+        """Build llguidance's tokenizer now (0.2-3 s for 50k-260k tokens, and as much again for
+        each part of a split), e.g. on a thread at start-up."""
         _ = self.ll_tokenizer
+        _ = self.split
 
     def is_special(self, text: str) -> bool:
         """Whether `text` is one token that grammars must name as a special token (<text>)
@@ -228,13 +277,15 @@ class Guidance:
     def release(self, guide: Guide) -> None:
         """The guide's sequence is over: its matcher, back at the start, waits in its grammar's
         pool for the next sequence (one in an error state is dropped). The guide is unusable after."""
-        m, entry = guide._m, guide._entry
-        guide._m = guide._entry = None
-        if m is None or entry is None or not m.reset():
+        m, entry, parts = guide._m, guide._entry, guide._parts
+        guide._m = guide._entry = guide._parts = None
+        if entry is None:
             return
         with self._lock:
-            if len(entry.free) < self._pool_size:
+            if m is not None and m.reset() and len(entry.free) < self._pool_size:
                 entry.free.append(m)
+            if parts is not None and all(p.reset() for p in parts) and len(entry.free_parts) < self._pool_size:
+                entry.free_parts.append(parts)
 
     def fill_masks(self, guides: Sequence[Guide], out: np.ndarray) -> np.ndarray:
         """Every guide's next mask at once, on llguidance's threads: guides[i]'s into out[i]
@@ -242,12 +293,55 @@ class Guidance:
         if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != self.words or not out.flags.c_contiguous \
                 or out.shape[0] < len(guides):
             raise ValueError(f"out must be C-contiguous int32 [>= {len(guides)}, {self.words}]")
+        split = self.split if len(guides) * self.split_parts <= self.threads else None
+        if split is not None:
+            return self._fill_split(split, guides, out)
         if len(guides) == 1:
             guides[0]._m.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
             return out
         self._pool_executor().unsafe_compute_mask_ptr([(g._m, i) for i, g in enumerate(guides)], out.ctypes.data,
                                                self.words * 4, out.shape[0])
         return out
+
+    def _fill_split(self, split: VocabSplit, guides: Sequence[Guide], out: np.ndarray) -> np.ndarray:
+        """fill_masks with each row's mask the OR of its part matchers' (mask_split), on
+        rows * parts threads; a row where the grammar forces bytes takes its main matcher's."""
+        jobs: list = []
+        plan: list[tuple[int, int, int]] = []     # (row, first job, parts; 0: the main matcher)
+        for i, g in enumerate(guides):
+            parts = None if g._m.compute_ff_bytes() or g._m.is_stopped() else self._synced_parts(split, g)
+            plan.append((i, len(jobs), len(parts) if parts else 0))
+            jobs.extend(parts if parts else [g._m])
+        scratch = np.empty((len(jobs), self.words), np.int32)
+        self._pool_executor().unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(jobs)], scratch.ctypes.data,
+                                                      self.words * 4, len(jobs))
+        for i, j, n in plan:
+            if n:
+                np.bitwise_and(scratch[j:j + n], split.own, out=scratch[j:j + n])
+                np.bitwise_or.reduce(scratch[j:j + n], axis=0, out=out[i])
+            else:
+                out[i] = scratch[j]
+        return out
+
+    def _synced_parts(self, split: VocabSplit, g: Guide) -> list | None:
+        """The guide's part matchers (from its grammar's pool, or new), past every token it has
+        consumed; None if a part refused one (never seen: then the main matcher serves it)."""
+        if g._no_split or g._entry is None:
+            return None
+        if g._parts is None:
+            with self._lock:
+                g._parts = g._entry.free_parts.pop() if g._entry.free_parts else None
+            if g._parts is None:
+                g._parts = split.matchers(g._entry.grammar)
+            g._synced = 0
+        for t in g.tokens[g._synced:]:
+            for k, p in enumerate(g._parts):
+                if not p.consume_tokens(split.spell(k, t)):
+                    log.warning("guidance: a vocabulary part refused token %d: %s", t, p.get_error())
+                    g._no_split = True
+                    return None
+        g._synced = len(g.tokens)
+        return g._parts
 
 
     def consume_all(self, guides: Sequence[Guide], tokens: Sequence[int]) -> list[bool]:
@@ -257,13 +351,15 @@ class Guidance:
             raise ValueError("one token per guide")
         if len(guides) < 2:
             return [g.consume(t) for g, t in zip(guides, tokens)]
-        return self._pool_executor().consume_token_par([(g._m, int(t)) for g, t in zip(guides, tokens)])
+        ok = self._pool_executor().consume_token_par([(g._m, int(t)) for g, t in zip(guides, tokens)])
+        for g, t, good in zip(guides, tokens, ok):
+            if good:
+                g.tokens.append(int(t))
+        return ok
 
     def _pool_executor(self) -> "llguidance.LLExecutor":
         if self._executor is None:
-            # every core the process may use (llguidance's default takes 80%): the caller waits
-            # on these calls, and on a GPU the step's forward pass is already queued
-            self._executor = llguidance.LLExecutor(min(32, len(os.sched_getaffinity(0))))
+            self._executor = llguidance.LLExecutor(self.threads)
         return self._executor
 
 
