@@ -237,6 +237,7 @@ def run_bench(args) -> int:
             with open(args.schema) as f:
                 schema = json.load(f)
         guidance = Guidance(Tokenizer.from_model_file(mf), vocab, split_parts=settings.guidance_mask_parts)
+        guidance.build_split()     # as in a server that has served constrained rows for a while
         constraint = Constraint("json_schema", schema, param="--schema")
         guidance.compile(constraint)
         guided_slots = set(range(batch)) if args.constrained == "all" else set(range(0, batch, 2))

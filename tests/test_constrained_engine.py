@@ -104,6 +104,7 @@ def test_our_slices_and_split_masks_leave_the_constrained_text_unchanged(ref):
                        slices=llguidance.LLTokenizer.general_slices()),
               # 4 parts on 16 threads: the three rows split whatever this machine's cores
               Guidance(engine_guidance.tokenizer, engine_guidance.vocab_size, split_parts=4, threads=16)]
+    others[1].build_split()
     try:
         for g in others:
             ref.guidance = g

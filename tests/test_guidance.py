@@ -197,7 +197,9 @@ SPLIT_GRAMMARS = [
 def split_guidance_for(name: str) -> Guidance:
     g = guidance_for(name)
     # 3 parts, 8 threads: two rows of 3 parts fit, whatever this machine's cores
-    return Guidance(g.tokenizer, g.vocab_size, split_parts=3, threads=8)
+    split = Guidance(g.tokenizer, g.vocab_size, split_parts=3, threads=8)
+    split.build_split()
+    return split
 
 
 @pytest.mark.parametrize("name", ["smol135", "qwen05", "gemma270"])

@@ -203,7 +203,7 @@ def main() -> int:
         if name.endswith("fill_masks"):
             ms, masks = replay_split(g, c, objs, args.repeats)
         elif name.endswith("slowest part"):
-            ms, masks = replay_parts(g, g.split, grammar, objs, args.repeats), ref
+            ms, masks = replay_parts(g, g.build_split(), grammar, objs, args.repeats), ref
         else:
             ms, masks = replay(g, grammar, objs, args.repeats)
         same = True if ref is None else bool((masks == ref).all())

@@ -196,6 +196,8 @@ class Guidance:
         # part tokenizers to build there)
         self.split_parts = int(split_parts) if split_parts and 1 < split_parts <= self.threads else 0
         self._split: VocabSplit | None = None
+        self._split_lock = threading.Lock()
+        self._split_thread: threading.Thread | None = None
 
     @property
     def ll_tokenizer(self) -> "llguidance.LLTokenizer":
@@ -212,19 +214,33 @@ class Guidance:
 
     @property
     def split(self) -> VocabSplit | None:
-        """The vocabulary's parts (mask_split), when split_parts asks for them (built on first use)."""
+        """The vocabulary's parts (mask_split), once built. The first batch that could use them
+        starts their build on a thread and is served by its rows' main matchers meanwhile: for a
+        152k vocabulary the build takes ~2 s on the H100's host, in pieces that hold the GIL, which
+        would otherwise stall every stream at once (at start-up in prewarm, or on the step thread)."""
+        if self.split_parts and self._split is None and self._split_thread is None:
+            with self._lock:
+                if self._split_thread is None:
+                    self._split_thread = threading.Thread(target=self.build_split, name="realizar-guidance-split",
+                                                          daemon=True)
+                    self._split_thread.start()
+        return self._split
+
+    def build_split(self) -> VocabSplit | None:
+        """Build the vocabulary's parts now, if split_parts asks for them (e.g. a benchmark, or a
+        test that compares split masks from the first step)."""
         if self.split_parts and self._split is None:
             ll = self.ll_tokenizer
-            with self._lock:
+            with self._split_lock:
                 if self._split is None:
                     self._split = VocabSplit(ll, self.vocab_size, self.words, self.split_parts, self.slices)
+                    log.info("guidance: vocabulary in %d parts for split masks", self.split_parts)
         return self._split
 
     def prewarm(self) -> None:
-        """Build llguidance's tokenizer now (0.2-3 s for 50k-260k tokens, and as much again for
-        each part of a split), e.g. on a thread at start-up."""
+        """Build llguidance's tokenizer now (0.2-3 s for 50k-260k tokens), e.g. on a thread at
+        start-up. The split's parts are left to the first batch that can use them."""
         _ = self.ll_tokenizer
-        _ = self.split
 
     def is_special(self, text: str) -> bool:
         """Whether `text` is one token that grammars must name as a special token (<text>)
