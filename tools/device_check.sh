@@ -188,10 +188,16 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
         --format raw -o "$OUT/pyspy_gil.txt" >/dev/null 2>&1) &
       spy=$!
     fi
+    # the GPU's busy fraction while the loadtest runs (NVML's utilization: time a kernel ran, per 50 ms)
+    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 50 > /tmp/lt_util.txt 2>/dev/null &
+    util=$!
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt.json 2>/dev/null | tail -30
+    kill $util 2>/dev/null
     [ -n "${spy:-}" ] && wait $spy
     lt_line /tmp/bench/lt.json LT
+    python3 -c "import sys; v = [float(x) for x in open(sys.argv[1]) if x.strip()]; v = v[2:-2] or v
+print(f'LT GPU utilization: mean {sum(v) / max(1, len(v)):.1f}% over {len(v)} samples of 50 ms')" /tmp/lt_util.txt 2>/dev/null
     if [ "$SOAK_REQUESTS" -gt 0 ]; then
       python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $SOAK_REQUESTS \
         --prompt-tokens 128 --max-tokens 64 --random-cancel 0.3 --json /tmp/bench/soak.json 2>/dev/null | tail -30
