@@ -191,11 +191,12 @@ def test_long_rows_replay_their_own_graph(rng):
 
 
 @pytest.mark.parametrize("name", ["smol135", "qwen15", "gemma270"])
-@pytest.mark.parametrize("tokens", [3, 8])
+@pytest.mark.parametrize("tokens", [3, 8, 16, 40])
 def test_prompt_step_replay_equals_eager(name, tokens, rng):
-    """The few tokens after a cached prefix run as one prompt step on the GEMVs that is captured
-    (after an eager run) and replayed: the replay writes the same K/V and gives the same logits as
-    the eager step."""
+    """The few tokens after a cached prefix run as one prompt step on the GEMVs (3) or the
+    tensor-core projections (8 and up: a token bucket, padded rows on the scratch slot) that is
+    captured (after an eager run) and replayed: the replay writes the same K/V and gives the same
+    logits as the eager step."""
     from realizar_backend.backends.base import PrefillItem
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
