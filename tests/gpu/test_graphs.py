@@ -206,6 +206,9 @@ def test_prompt_step_replay_equals_eager(name, tokens, rng):
     prompt = rng.integers(0, V, 600 + tokens).astype(np.int32)
     gpu.prefill([PrefillItem(0, prompt[:600])])
     tail = [PrefillItem(0, prompt[600:], 600)]
+    if gpu.fwd.prompt_step(tokens)[0] == "gemm":
+        gpu.close()
+        pytest.skip(f"{name}: {tokens} tokens run on the GEMMs here (a projection without tensor-core kernels)")
     eager = gpu.prefill(tail)                  # eager, then captured
     replay = gpu.prefill(tail)
     captured = gpu.prefill_graphs.captures
