@@ -149,6 +149,9 @@ class Forward:
             # decode graphs capture the decode scratch: sized once, here; prompts grow their own
             self.dec_scratch, self.pre_scratch = flash.FlashScratch(), flash.FlashScratch()
             self.dec_scratch.ensure(*self.dec_plans.values())
+            # the prompt scratch holds the bucketed steps' plans at any depth from the start: growing
+            # it later would drop every prompt graph (scratch_listeners)
+            self.pre_scratch.ensure(*(self._prefill_plan(b, max_context) for b in self.prompt_buckets))
             self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
         self.gemm_min_tokens = (GEMM_MIN_TOKENS_KEPT if self.gemm.prefill == "split16" and self.gemm.cached
                                 else GEMM_MIN_TOKENS)
