@@ -114,6 +114,12 @@ class Settings:
     # tiles for the LM head past 16 rows), or from 16 rows the split16 GEMMs on the prefill's kept split weights
     # ("split16": 4 bytes a weight per step, read at GEMM speed; needs prefill_weight_cache)
     batched_decode: str = "mmq"
+    # prompt steps of up to this many tokens (the tail after a cached prefix, short prompts, a burst
+    # of them) run on those tensor-core projections too, padded to a token bucket (8, then
+    # multiples of 16) and replayed from one CUDA graph per bucket; longer steps take the prefill
+    # GEMMs, which CuPy cannot capture (~560 launches: 8-16 ms of host time for qwen15). 0: GEMVs
+    # below 12 tokens and GEMMs from there, as before. A multiple of 8, at most 256
+    prompt_mmq_tokens: int = 64
     # attention kernels of the CUDA path: "flash" (tensor cores: tiled flash attention for prompts,
     # flash-decoding split over the sequence for long decode rows) or "classic" (CUDA cores: one
     # block per row and head for decode, 16-row tiles for prompts)
@@ -205,6 +211,9 @@ class Settings:
         one_of("prefill_precision", "split16", "fp32", "fp16")
         one_of("attention", "flash", "classic")
         one_of("batched_decode", "mmq", "split16")
+        at_least("prompt_mmq_tokens", 0, 256)
+        if self.prompt_mmq_tokens % 8:
+            raise self._bad("prompt_mmq_tokens", "must be a multiple of 8")
         one_of("prefill_weight_cache", "auto", "on", "off")
         at_least("workers", 0, 256)
         if self.log_level.upper() not in _LOG_LEVELS:

@@ -31,7 +31,7 @@ BAD = {
     "shutdown_grace_s": ["-1", "nan"], "cuda_graphs": ["perhaps"], "programmatic_launch": ["2"], "pipelined_decode": ["sure"], "guidance_mask_parts": ["-1", "65", "two"],
     "decode_activations": ["int4", "fp32-gemv"], "prefill_precision": ["fp8"], "prefill_weight_cache": ["always"],
     "self_check": ["si"], "log_level": ["LOUD"], "model_cache": ["", " ~/models"], "attention": ["sdpa"],
-    "batched_decode": ["cublas"],
+    "batched_decode": ["cublas"], "prompt_mmq_tokens": ["-8", "12", "264"],
     "prebuilt_kernels": ["sometimes"], "workers": ["-1", "257", "all"],
 }
 CASES = [(name, value) for name, values in BAD.items() for value in values]

@@ -6,6 +6,7 @@ greedy-output comparison. Prints a table and writes JSON, with where the second 
 its first token goes (the engine's steps between its arrival and the caller holding the token).
 
     python tools/prefix_ttft.py --model /tmp/twins/qwen15.gguf --backend cuda --prefix 4000 [--json out.json]
+        [--prompt-mmq-tokens 0]
 """
 
 from __future__ import annotations
@@ -99,8 +100,11 @@ def main() -> int:
     ap.add_argument("--tail", type=int, default=16, help="tokens after the prefix, different per prompt")
     ap.add_argument("--new", type=int, default=16, help="greedy tokens generated per request")
     ap.add_argument("--repeat", type=int, default=3, help="pairs of requests, each on a new prefix (medians)")
+    ap.add_argument("--prompt-mmq-tokens", type=int, default=None,
+                    help="Settings.prompt_mmq_tokens (0: short prompt steps on the GEMVs / eager GEMMs, for A/B)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    extra = {} if args.prompt_mmq_tokens is None else dict(prompt_mmq_tokens=args.prompt_mmq_tokens)
     ctx = args.prefix + args.tail + args.new + 64
     rng = np.random.default_rng(0)
     # ids every twin's vocabulary has
@@ -109,7 +113,7 @@ def main() -> int:
     rows = {}
     for cache in (True, False):
         eng = Engine.from_settings(Settings(model=args.model, backend=args.backend, context_length=ctx,
-                                            max_num_seqs=4, enable_prefix_caching=cache))
+                                            max_num_seqs=4, enable_prefix_caching=cache, **extra))
         # warm-up on another prefix of the same length: graphs, the deep-chunk attention variants
         # and the allocator, so that both timed requests run on a warm engine
         warm = [int(t) for t in rng.integers(100, 30000, args.prefix)]

@@ -32,8 +32,8 @@ def test_memory_flat_over_sequential_completions(rng):
 
     def completion(i: int) -> None:
         slot = i % 4
-        n = 4 + i % 13                      # both prefill paths: GEMV (<= 16) and cuBLAS (> 16)
-        prompt = rng.integers(0, V, n if i % 5 else 24).astype(np.int32)
+        n = 1 + i % 16                      # every prompt path: GEMV graphs (< 4 tokens), tensor-core
+        prompt = rng.integers(0, V, n if i % 5 else 80).astype(np.int32)   # graphs (<= 64), cuBLAS (80)
         tok = int(np.argmax(gpu.prefill([PrefillItem(slot, prompt)])[0]))
         for s in range(8):
             tok = int(gpu.decode_argmax([slot], [tok], [len(prompt) + s])[0])

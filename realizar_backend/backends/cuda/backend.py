@@ -104,10 +104,11 @@ class CUDABackend:
         self.graphs = DecodeGraphs(self.stream, self.fwd.decode_step, self.settings.cuda_graphs,
                                    lambda on: setattr(self.fwd, "pdl", on), use_pdl)
         self.ws.listeners.append(self.graphs.drop)
-        # short prompt steps of one sequence on the GEMVs (the tokens after a cached prefix):
-        # key (T, splits, gemm = False)
-        self.prefill_graphs = PrefillGraphs(self.stream, lambda T, splits, gemm: self.fwd.prefill_launches(T, 1, gemm),
-                                            self.settings.cuda_graphs)
+        # short prompt steps (the tokens after a cached prefix) on the GEMVs or the tensor-core
+        # projections: key (rows, sequences, splits, projections), Forward.prefill_key
+        self.prefill_graphs = PrefillGraphs(
+            self.stream, lambda rows, n, splits, kind: self.fwd.prefill_launches(rows, n, kind),
+            self.settings.cuda_graphs)
         self.ws.listeners.append(self.prefill_graphs.drop)
         self.fwd.scratch_listeners.append(self.prefill_graphs.drop)
         # pinned host buffers: the per-step copies in and out are true async copies
@@ -194,19 +195,28 @@ class CUDABackend:
             slots.append(np.full(t.size, it.slot, np.int32))
             last.append(sum(x.size for x in toks) - 1)
         T = sum(t.size for t in toks)
+        max_pos = max(it.start_pos + t.size - 1 for it, t in zip(items, toks))
+        key = self.fwd.prefill_key(T, len(items), max_pos)
+        rows, kind = key[0], key[3]
+        # rows past T (a tensor-core step's bucket, < 16 of them): token 0 on the scratch slot, as
+        # a decode bucket's padding, at consecutive positions within its one block, so that the
+        # prompt attention takes them as one run of rows (flash_prefill.cu), not one run each;
+        # no item's last row
+        pad = rows - T
+        toks.append(np.zeros(pad, np.int32))
+        pos.append(np.arange(pad, dtype=np.int32) % min(self.block_size, self.max_context))
+        slots.append(np.full(pad, self.kv.scratch_slot, np.int32))
         with self.device, self.stream:
-            self.ws.ensure(T)
-            self.ws.tokens[:T].set(np.concatenate(toks))
-            self.ws.positions[:T].set(np.concatenate(pos))
-            self.ws.slots[:T].set(np.concatenate(slots))
+            self.ws.ensure(rows)
+            self.ws.tokens[:rows].set(np.concatenate(toks))
+            self.ws.positions[:rows].set(np.concatenate(pos))
+            self.ws.slots[:rows].set(np.concatenate(slots))
             self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
-            max_pos = max(it.start_pos + t.size - 1 for it, t in zip(items, toks))
-            key = self.fwd.prefill_key(T, max_pos)
-            if len(items) == 1 and not key[2]:
+            if kind == "gemm":
+                self.fwd.prefill_step(T, len(items), max_pos)
+            else:
                 self.fwd.max_pos = max_pos      # the attention plan's splits: the key's
                 self.prefill_graphs.run(*key)
-            else:
-                self.fwd.prefill_step(T, len(items), max_pos)
             logits = self.ws.logits[:len(items)].get()
         # a started sampled step's logits are gone (it can no longer be launched); one launched
         # already is intact, and so are the decode inputs a continuation reads

@@ -8,10 +8,11 @@ can capture and replay.
 per-head q/k norms (qwen3, gemma3), RoPE and the KV write, attention over the paged KV cache
 (kv_cache.py), the output projection into the residual (with gemma3's post-norm), RMSNorm +
 gate/up/activation, and the down projection into the residual. How the projections of a step run
-is its Projections object (projections.py): GEMVs for decode steps of a few rows and short prompts
-(several rows per launch; integer-dot on 8-bit activations, fp32-activation or, for float types,
-plain), a tensor-core matrix multiply on the quantized blocks for decode steps of MMQ_MIN_ROWS rows
-or more (mmq.py), GEMMs for prompts (prefill.py). A new architecture is flags in model/arch.py plus, where it
+is its Projections object (projections.py): GEMVs for decode steps of a few rows and prompt steps
+of a few tokens (several rows per launch; integer-dot on 8-bit activations, fp32-activation or, for
+float types, plain), a tensor-core matrix multiply on the quantized blocks for decode steps of
+MMQ_MIN_ROWS rows or more and prompt steps of up to Settings.prompt_mmq_tokens (mmq.py), GEMMs
+for longer prompt steps (prefill.py). A new architecture is flags in model/arch.py plus, where it
 changes the layer, an edit here.
 
 Decode rows (one new token per sequence) fold RoPE and the KV write into attention; prompt rows
@@ -38,9 +39,10 @@ from .projections import GemvProjections, MmqProjections, Projections, StepConte
 from .weights import DeviceWeights, LayerIndex
 from .workspace import Workspace
 
-# prefill steps of at least this many tokens use the GEMM projections, shorter ones the GEMVs,
-# whose GPU time grows with every row. A GEMV step of one sequence replays a CUDA graph
-# (graphs.PrefillGraphs; CuPy refuses cuBLAS calls during a capture, so GEMM steps run eagerly,
+# prompt steps the tensor-core projections do not take (prompt_step) use the GEMM projections from
+# this many tokens, shorter ones the GEMVs, whose GPU time grows with every row. GEMV and
+# tensor-core steps replay CUDA graphs (graphs.PrefillGraphs; CuPy refuses cuBLAS calls during a
+# capture, so GEMM steps run eagerly,
 # ~560 launches: 8.5-9.5 ms of host time on the H100 machine's host for qwen15 whatever the rows).
 # tools/prefill_rows_bench.py, qwen15 twin, depth 4,000: GEMV graph 2.7 / 5.0 / 8.0 / 13.2 ms at
 # 1 / 4 / 8 / 16 tokens, the eager split16 GEMMs 8.5-9.4 ms: the GEMMs win from about 12 tokens
@@ -57,6 +59,27 @@ SMALL_MIN_ROWS = 4
 # with Settings.batched_decode "split16", decode steps of this many rows or more run the prefill's
 # split16 GEMMs on its kept split weights
 SPLIT16_MIN_ROWS = 16
+# prompt steps on the tensor-core projections are padded to a bucket of this many rows or a multiple
+# of 16 (mmqs.cu takes 8- and 16-row tiles, then token groups of 16: a bucket costs about what its
+# largest step would), so a few graphs serve every length up to Settings.prompt_mmq_tokens
+PROMPT_MIN_BUCKET = 8
+
+
+def prompt_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Row counts of the prompt steps on the tensor-core projections, for steps of up to max_tokens
+    (Settings.prompt_mmq_tokens; 0: none): 8, the multiples of 16 below max_tokens, max_tokens."""
+    if max_tokens <= 0:
+        return ()
+    return tuple(sorted({min(PROMPT_MIN_BUCKET, max_tokens), max_tokens,
+                         *range(16, max_tokens, 16)}))
+
+
+def prompt_step(T: int, mmq_min: int, buckets: tuple[int, ...], gemm_min: int) -> tuple[str, int]:
+    """How a prompt step of T tokens runs, and on how many rows: ("mmq", its bucket) from mmq_min
+    tokens up to the largest bucket; else ("gemm", T) from gemm_min tokens; else ("gemv", T)."""
+    if buckets and mmq_min <= T <= buckets[-1]:
+        return "mmq", next(b for b in buckets if b >= T)
+    return ("gemm", T) if T >= gemm_min else ("gemv", T)
 
 
 def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool], np.ndarray]:
@@ -90,8 +113,15 @@ class Forward:
         self.gemm = GemmProjections(self.ctx, settings.prefill_precision, settings.prefill_weight_cache)
         timeline.mark("cuda: prefill GEMMs set up (%s, %d split weight groups kept)", self.gemm.prefill,
                       len(self.gemm.cached))
-        self.mmq = (MmqProjections(self.ctx, ws.max_rows, self.gemv, MMQ_MIN_ROWS, SMALL_MIN_ROWS)
-                    if ws.max_rows >= SMALL_MIN_ROWS else None)
+        buckets = prompt_buckets(settings.prompt_mmq_tokens)
+        mmq_rows = max(ws.max_rows, buckets[-1] if buckets else 0)
+        self.mmq = (MmqProjections(self.ctx, mmq_rows, self.gemv, MMQ_MIN_ROWS, SMALL_MIN_ROWS)
+                    if mmq_rows >= SMALL_MIN_ROWS else None)
+        # prompt steps of prompt_mmq_min .. prompt_buckets[-1] tokens run on the tensor-core
+        # projections where every projection of the model has them (else the GEMVs would take
+        # the rest, whose time grows with every row)
+        self.prompt_buckets = buckets if self.mmq is not None and self.mmq.all_on else ()
+        self.prompt_mmq_min = self.mmq.min_rows if self.mmq is not None else 0
         self.split16_decode = (settings.batched_decode == "split16" and self.gemm.prefill == "split16"
                                and bool(self.gemm.cached))
         int8 = settings.decode_activations != "fp32"
@@ -119,6 +149,9 @@ class Forward:
             # decode graphs capture the decode scratch: sized once, here; prompts grow their own
             self.dec_scratch, self.pre_scratch = flash.FlashScratch(), flash.FlashScratch()
             self.dec_scratch.ensure(*self.dec_plans.values())
+            # the prompt scratch holds the bucketed steps' plans at any depth from the start: growing
+            # it later would drop every prompt graph (scratch_listeners)
+            self.pre_scratch.ensure(*(self._prefill_plan(b, max_context) for b in self.prompt_buckets))
             self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
         self.gemm_min_tokens = (GEMM_MIN_TOKENS_KEPT if self.gemm.prefill == "split16" and self.gemm.cached
                                 else GEMM_MIN_TOKENS)
@@ -254,22 +287,31 @@ class Forward:
             return self.mmq
         return self.gemv
 
-    def prefill_key(self, T: int, max_pos: int) -> tuple[int, int, bool]:
-        """What fixes the launches of a one-sequence prompt step of T tokens whose last row sits at
-        max_pos (a graph's key): T, the attention plan's key splits, GEMM projections or GEMVs."""
-        splits = self._prefill_plan(T, max_pos + 1).splits if self.flash else 0
-        return T, splits, T >= self.gemm_min_tokens
+    def prompt_step(self, T: int) -> tuple[str, int]:
+        """The projections of a prompt step of T tokens ("gemv", "mmq" or "gemm") and the rows it
+        runs: T, or for "mmq" its bucket (the rows past T: padding on the scratch slot)."""
+        return prompt_step(T, self.prompt_mmq_min, self.prompt_buckets, self.gemm_min_tokens)
+
+    def prefill_key(self, T: int, n_items: int, max_pos: int) -> tuple[int, int, int, str]:
+        """What fixes the launches of a prompt step of T tokens of n_items sequences whose last row
+        sits at max_pos (a graph's key): the rows it runs, n_items, the attention plan's key
+        splits, the projections."""
+        kind, rows = self.prompt_step(T)
+        splits = self._prefill_plan(rows, max_pos + 1).splits if self.flash else 0
+        return rows, n_items, splits, kind
 
     def prefill_step(self, T: int, n_items: int, max_pos: int) -> None:
-        """T prompt tokens of n_items sequences; ws.last_idx[:n_items] holds each item's last row;
-        max_pos: the largest position among them."""
+        """A prompt step of T tokens of n_items sequences, launched eagerly; the inputs of its rows
+        (prompt_step: T, or the bucket with its padding) in the workspace; ws.last_idx[:n_items]
+        holds each item's last row; max_pos: the largest position among them."""
         self.max_pos = max_pos
-        self.prefill_launches(T, n_items, T >= self.gemm_min_tokens)
+        kind, rows = self.prompt_step(T)
+        self.prefill_launches(rows, n_items, kind)
 
-    def prefill_launches(self, T: int, n_items: int, gemm: bool) -> None:
-        """The launches of a prompt step (self.max_pos set): GEMM projections or GEMVs."""
+    def prefill_launches(self, T: int, n_items: int, kind: str) -> None:
+        """The launches of a prompt step of T rows (self.max_pos set) on the projections of kind."""
         ws = self.ws
-        p = self.gemm if gemm else self.gemv
+        p = {"gemv": self.gemv, "mmq": self.mmq, "gemm": self.gemm}[kind]
         self.layers(p, T, ws.tokens.data.ptr, ws.positions.data.ptr, ws.slots.data.ptr)
         ops.gather_rows(self.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n_items, self.c.hidden)
         self.head(ws.last, n_items)

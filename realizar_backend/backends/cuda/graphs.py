@@ -1,5 +1,6 @@
 """CUDA graphs of the decode step: capture, replay and status, per (batch bucket, attention kind);
-and of short prompt steps on the GEMVs (PrefillGraphs), per (tokens, attention key splits).
+and of short prompt steps on the GEMVs or the tensor-core projections (PrefillGraphs), per (rows,
+sequences, attention key splits, projections).
 
 A decode step is a fixed launch sequence per bucket, so it is captured once and replayed per
 token: everything that changes per step (token ids, positions, slots, block tables) lives in
@@ -118,11 +119,11 @@ class DecodeGraphs:
 
 
 class PrefillGraphs(DecodeGraphs):
-    """Graphs of prompt steps of one sequence and few tokens on the GEMVs (the tokens after a
-    cached prefix, a short prompt), keyed (tokens, key splits of the attention plan, GEMM
-    projections: always False, as CuPy refuses cuBLAS calls during a capture): run eagerly, their
-    launches cost the host several times the GPU's work. At most `keep` graphs, the least recently
-    used dropped first."""
+    """Graphs of prompt steps of few tokens (the tokens after a cached prefix, short prompts, a
+    burst of them), keyed (rows, sequences, key splits of the attention plan, projections: "gemv"
+    at the exact token count, "mmq" at a token bucket; never "gemm", as CuPy refuses cuBLAS calls
+    during a capture): run eagerly, their launches cost the host several times the GPU's work. At
+    most `keep` graphs, the least recently used dropped first."""
     kind = "prompt step"
     captured_level = logging.DEBUG
 
@@ -132,8 +133,8 @@ class PrefillGraphs(DecodeGraphs):
 
     @staticmethod
     def label(key: tuple) -> str:
-        tokens, splits, gemm = key
-        return f"{tokens} tokens, {splits} splits, {'GEMM' if gemm else 'GEMV'}"
+        rows, items, splits, kind = key
+        return f"{rows} rows, {items} sequence{'s' if items != 1 else ''}, {splits} splits, {kind.upper()}"
 
     def run(self, *key) -> None:
         if key in self.graphs:                      # most recently used last

@@ -233,8 +233,9 @@ class MmqProjections(Projections):
             self.on.append(dict(qkv=all(mmq_ok(m) for m in (lw.wq, lw.wk, lw.wv)), out=mmq_ok(lw.wo),
                                 ffn=ffn, down=ffn and mmq_ok(lw.w_down)))
         self.head_ok = mmq_ok(w.output)
+        self.all_on = all(on for d in self.on for on in d.values())
         mats = [m for lw in w.layers for m in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down)]
-        self.small = all(on for d in self.on for on in d.values()) and self.head_ok and all(
+        self.small = self.all_on and self.head_ok and all(
             small_ok(m) for m in mats + [w.output])
         self.min_rows = small_rows if self.small else mmq_rows
 
