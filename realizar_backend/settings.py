@@ -69,10 +69,6 @@ class Settings:
     # shares a prefix with an earlier one reuses them instead of prefilling it again
     enable_prefix_caching: bool = True
     max_waiting: int = 256             # queued requests beyond which the server answers 503
-    # running sequences' new text reaches their callers every this many decode steps, several
-    # tokens in one chunk (a first token, a sequence's end and errors at once): fewer wakeups and
-    # writes per token for a busy server, a coarser stream for each client; 1: every step
-    stream_interval: int = 1
     api_key: str | None = None         # when set, requests must carry `Authorization: Bearer <key>`
     # request limits: a body larger than this is refused with 413 before it is read; each stop
     # string is at most max_stop_chars characters (the engine searches every one per token)
@@ -203,7 +199,6 @@ class Settings:
             raise self._bad("kv_cache_tokens", f"is less than one block ({self.block_size} tokens)")
         at_least("prefill_chunk_tokens", 1)
         at_least("max_waiting", 1)
-        at_least("stream_interval", 1, 64)
         at_least("max_request_bytes", 1024, 1 << 30)
         at_least("max_stop_chars", 1, 1 << 16)
         if self.chat_template_timeout_s <= 0:

@@ -197,27 +197,3 @@ def test_a_slow_reader_gets_queued_outputs_merged(engine):
     assert [t for o in got for t in o.token_ids] == [t for o in outs for t in o.token_ids]
     assert sum(len(o.logprobs) for o in got) == 12
     assert got[-1].finish_reason == "length" and got[-1].completion_tokens == 12
-
-
-def test_stream_interval_sends_several_tokens_a_chunk_with_the_same_text(engine):
-    """Settings.stream_interval 3: the first token comes alone (time to first token), then each
-    output carries the tokens of up to 3 steps, and the text and tokens are those of every-step
-    delivery; two streams at once, so the held outputs of both are delivered together."""
-    coarse = Engine.from_settings(Settings(backend="cpu", max_num_seqs=4, context_length=256, stream_interval=3))
-    try:
-        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-
-        async def both(eng):
-            async def one(prompt):
-                return [o async for o in eng.generate(eng.prepare(prompt, params), params)]
-            return await asyncio.gather(one("The capital of France is"), one("Once upon a time"))
-
-        fine, chunky = asyncio.run(both(engine)), asyncio.run(both(coarse))
-        for a, b in zip(fine, chunky):
-            assert "".join(o.text for o in a) == "".join(o.text for o in b)
-            assert [t for o in a for t in o.token_ids] == [t for o in b for t in o.token_ids]
-            assert len(b[0].token_ids) == 1 and all(len(o.token_ids) <= 3 for o in b)
-            assert len(b) < len(a) and max(len(o.token_ids) for o in b) == 3
-            assert b[-1].finish_reason == "length" and b[-1].completion_tokens == 16
-    finally:
-        coarse.shutdown()

@@ -110,8 +110,6 @@ class Engine:
                                  split_parts=self.settings.guidance_mask_parts)
         self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
         self._outbox: list[tuple[Any, Any]] = []  # (sink, output) of this step, delivered by _flush
-        self._urgent = False                       # the outbox holds a first token, an end or an error
-        self._held_steps = 0                       # decode steps whose outputs the outbox holds back
         if prewarm_guidance:
             self.prewarm_guidance()
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
@@ -471,7 +469,7 @@ class Engine:
         self._go_ahead(batch, live, prefill, "greedy")
         # the previous step's outputs go to the event loop now, while this thread waits for the
         # device anyway: the loop takes the GIL without making the step's launches wait for it
-        self._flush(step=True)
+        self._flush()
         return self.backend.decode_argmax_finish(h)
 
     def _sampled_step(self, batch: list[Sequence], h: Any, prefill: list, live: set[int]) -> SampleResult:
@@ -500,7 +498,7 @@ class Engine:
         if prefill:
             self._prefill(prefill)
         self._go_ahead(batch, live, prefill, "sample")
-        self._flush(step=True)
+        self._flush()
         return self.backend.decode_sample_finish(h)
 
     def _go_ahead(self, batch: list[Sequence], live: set[int], prefill: list, kind: str) -> None:
@@ -655,22 +653,14 @@ class Engine:
     def _emit(self, seq: Sequence, item: Any) -> None:
         """Queue an output (or an exception) for the sequence's caller; _flush delivers it."""
         self._outbox.append((seq.sink, item))
-        if not isinstance(item, RequestOutput) or item.finish_reason is not None or len(seq.output_ids) <= 1:
-            self._urgent = True
 
-    def _flush(self, step: bool = False) -> None:
+    def _flush(self) -> None:
         """Deliver the queued outputs, in order: one wakeup per event loop for all of its streams.
         A wakeup per token would be a write to the loop's self-pipe each, and each write hands the
         GIL to the loop thread, which the step thread then waits to get back: milliseconds per
-        step at 64 streams. step: a decode step's regular delivery, which Settings.stream_interval
-        may hold back for a few steps (the callers then merge a stream's outputs into one chunk)."""
+        step at 64 streams."""
         if not self._outbox:
             return
-        if step and not self._urgent:
-            self._held_steps += 1
-            if self._held_steps < self.settings.stream_interval:
-                return
-        self._held_steps, self._urgent = 0, False
         out, self._outbox = self._outbox, []
         by_loop: dict[Any, list] = {}
         for sink, item in out:
