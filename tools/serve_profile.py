@@ -138,6 +138,7 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--backend", default="cpu", help="cpu, or cuda: the same streams beside a GPU step")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -148,14 +149,14 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="one JSON line at the end")
     args = ap.parse_args()
 
-    kw = dict(backend="cpu", model=args.model, max_num_seqs=args.clients,
+    kw = dict(backend=args.backend, model=args.model, max_num_seqs=args.clients,
               context_length=args.prompt_tokens + args.max_tokens + 16,
               kv_cache_tokens=args.clients * (args.prompt_tokens + args.max_tokens + 32))
     if args.chunk:
         kw["prefill_chunk_tokens"] = args.chunk
     settings = Settings(**kw)
     from realizar_backend.serving.metrics import get_metrics
-    engine = Engine.from_settings(settings, observer=get_metrics(worker="1", device="cpu"))
+    engine = Engine.from_settings(settings, observer=get_metrics(worker="1", device=args.backend))
     backend = TimedBackend(engine.backend)
     engine.backend = backend
     step_prof = cProfile.Profile() if args.profile else None
@@ -199,7 +200,7 @@ def main() -> int:
     tokens = args.clients * args.requests * args.max_tokens
     out = {
         "clients": args.clients, "requests": args.clients * args.requests, "temperature": args.temperature,
-        "wall_s": round(wall, 2), "tokens": tokens, "steps": len(rows), "decode_steps": steps,
+        "wall_s": round(wall, 2), "tokens": tokens, "tok_s": round(tokens / wall, 1), "steps": len(rows), "decode_steps": steps,
         "decode_only_steps": len(decode), "full_batch_steps": len(full),
         "host_ms_per_decode_step": {"mean": round(statistics.fmean(host), 3) if host else None,
                                     "p50": round(pct(host, 50), 3), "p90": round(pct(host, 90), 3)},
@@ -215,7 +216,7 @@ def main() -> int:
         "backend_calls_s": {k: round(v, 3) for k, v in sorted(backend.calls.items())},
     }
     print(f"{out['requests']} requests ({args.clients} clients), {args.prompt_tokens}+{args.max_tokens} tokens, "
-          f"temperature {args.temperature}: {wall:.1f} s, {len(rows)} steps ({steps} decoding, "
+          f"temperature {args.temperature}: {wall:.1f} s ({tokens / wall:.0f} tok/s), {len(rows)} steps ({steps} decoding, "
           f"{len(decode)} decode-only, {len(full)} of the full batch)")
     print(f"  engine host time per decode-only step: mean {out['host_ms_per_decode_step']['mean']} ms, "
           f"p50 {out['host_ms_per_decode_step']['p50']}, p90 {out['host_ms_per_decode_step']['p90']}")
