@@ -2,6 +2,7 @@
 # THE device script: everything the GPU machine checks, in one call, with a report under $OUT.
 #   bash tools/device_check.sh              every stage
 #   STAGES="tests bench" bash tools/device_check.sh    some of them (setup always runs first)
+#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a tool
 # Stages:
 #   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; shape twins
 #            (.twins/NAME.head.gz + NAME.json + twin_expand.py) into /tmp/twins; the real SmolLM2 from its
@@ -35,7 +36,7 @@
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
-STAGES=${STAGES:-tests kbench bench serve cold}
+STAGES=${STAGES-tests kbench bench serve cold}   # unset: these; set but empty: setup only
 BATCHES=${BATCHES:-1 4 16 64 128 256}
 DEPTHS=${DEPTHS:-}
 CONSTRAINED_BATCHES=${CONSTRAINED_BATCHES:-}
