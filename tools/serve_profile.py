@@ -15,7 +15,7 @@ is what the server adds to it. Both threads share the GIL, so the loop's CPU tim
 the step thread can lose too.
 
     python tools/serve_profile.py                       # 64 clients x 2 requests, 128 + 128 tokens
-    python tools/serve_profile.py --profile 25          # plus cProfile of both threads (top 25)
+    python tools/serve_profile.py --profile 25          # plus cProfile of the step thread (top 25)
     python tools/serve_profile.py --temperature 1       # the sampled path (OpenAI's default)
 """
 
@@ -145,7 +145,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--chunk", type=int, default=0, help="prefill_chunk_tokens (0: the default)")
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile both threads, top N")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile, top N functions")
+    ap.add_argument("--profile-thread", choices=("step", "loop", "both"), default="step",
+                    help="which thread --profile samples; Python 3.12+ allows one cProfile at a time, so 'both' "
+                         "needs 3.11")
     ap.add_argument("--json", action="store_true", help="one JSON line at the end")
     args = ap.parse_args()
 
@@ -159,10 +162,12 @@ def main() -> int:
     engine = Engine.from_settings(settings, observer=get_metrics(worker="1", device=args.backend))
     backend = TimedBackend(engine.backend)
     engine.backend = backend
-    step_prof = cProfile.Profile() if args.profile else None
+    if args.profile and args.profile_thread == "both" and sys.version_info >= (3, 12):
+        ap.error("--profile-thread both: Python 3.12+ runs one cProfile at a time; pick step or loop")
+    step_prof = cProfile.Profile() if args.profile and args.profile_thread in ("step", "both") else None
     rec = StepRecorder(engine, backend, step_prof)
 
-    loop_prof = cProfile.Profile() if args.profile else None
+    loop_prof = cProfile.Profile() if args.profile and args.profile_thread in ("loop", "both") else None
     counts = [0, 0]
 
     async def run() -> tuple[float, float]:
@@ -230,6 +235,8 @@ def main() -> int:
     print(f"  step thread outside _step: {out['step_thread_outside_step_ms_per_step']} ms per step")
     if args.profile:
         for name, prof in (("step thread (backend calls included)", step_prof), ("event loop", loop_prof)):
+            if prof is None:
+                continue
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.profile)
             print(f"\n=== cProfile: {name}, by own time ===")
