@@ -18,7 +18,8 @@
 #            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
-#            $LT_CLIENTS clients, and a soak with random cancels ($SOAK_REQUESTS completions)
+#            $LT_CLIENTS clients (LT_WARMUP=1: after one unmeasured wave), a soak with random cancels
+#            ($SOAK_REQUESTS completions), and $LT_VARIANTS (server settings, one fresh server each)
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
 #   llamacpp llama.cpp beside us on the qwen15 twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
 #            tools/llama_cpp_kit.sh): builds it for sm_90 in /tmp/llamacpp (skipped on a warm machine that has
@@ -156,6 +157,11 @@ serve_up() {  # model port [env...]: bentoml serve on the GPU in the background,
   echo "server on port $port never became ready"; tail -20 "/tmp/serve_$port.log"; return 1
 }
 serve_down() { pkill -f "port $1" ; sleep 2; }
+lt_warm() {  # port: with LT_WARMUP=1, one wave of the loadtest first (graphs, cuBLAS, allocator), not measured
+  [ "${LT_WARMUP:-0}" = 1 ] || return 0
+  python3 -m realizar_backend.cli loadtest http://127.0.0.1:$1 --clients $LT_CLIENTS --requests $LT_CLIENTS \
+    --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1
+}
 lt_line() {  # file tag: one line of a loadtest's figures
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); q=lambda k: (d.get(k) or {}).get('p50') or 0
 print(sys.argv[2], f\"{d['output_tokens_per_s']:.1f} tok/s, errors {d['requests']['errors']}, TTFT p50 {q('ttft_s'):.3f} s,\",
@@ -189,6 +195,7 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
         --format raw -o "$OUT/pyspy_gil.txt" >/dev/null 2>&1) &
       spy=$!
     fi
+    lt_warm 3902
     # the GPU's busy fraction while the loadtest runs (NVML's utilization: time a kernel ran, per 50 ms)
     nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 50 > /tmp/lt_util.txt 2>/dev/null &
     util=$!
@@ -213,6 +220,7 @@ print(f'LT GPU utilization: mean {sum(v) / max(1, len(v)):.1f}% over {len(v)} sa
     read -ra venv <<< "${variants[$i]}"
     echo "== loadtest variant v$i: ${venv[*]}"
     serve_up /tmp/twins/qwen15.gguf 3902 REALIZAR_CONTEXT_LENGTH=4096 "${venv[@]}" || continue
+    lt_warm 3902
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt_v$i.json 2>/dev/null | tail -30
     lt_line /tmp/bench/lt_v$i.json "LT_V$i ${venv[*]}"

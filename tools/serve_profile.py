@@ -62,6 +62,7 @@ class TimedBackend:
         self.cpu_spent = 0.0    # the calling thread's CPU time in them
         self.calls: dict[str, float] = {}
         self.batch = 0          # rows of the latest decode call
+        self.prefill_tokens = 0  # prompt tokens of every prefill call so far
         for name in BACKEND_CALLS:
             setattr(self, name, self._timed(name, getattr(inner, name)))
 
@@ -69,6 +70,8 @@ class TimedBackend:
         def call(*a, **k):
             if name in ("decode_argmax_start", "decode_sample", "decode_sample_start"):
                 self.batch = len(a[0])
+            elif name == "prefill":
+                self.prefill_tokens += sum(len(it.tokens) for it in a[0])
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
@@ -90,6 +93,8 @@ class StepRecorder:
     def __init__(self, engine: Engine, backend: TimedBackend, prof: cProfile.Profile | None):
         self.engine, self.backend, self.prof = engine, backend, prof
         self.rows: list[tuple[float, float, int, bool]] = []   # (wall, backend, batch, had prefill)
+        self.prompt: list[int] = []                             # prompt tokens prefilled in each step
+        self.prefill_s: list[float] = []                        # time in backend.prefill in each step
         self.cpu: list[float] = []                              # host CPU time of each step
         self.outside = 0.0
         self._last_end: float | None = None
@@ -104,6 +109,7 @@ class StepRecorder:
         b0 = self.backend.spent
         self.backend.batch = 0
         pre0 = self.backend.calls.get("prefill", 0.0)
+        tok0 = self.backend.prefill_tokens
         if self.prof is not None:
             self.prof.enable()
         try:
@@ -116,6 +122,8 @@ class StepRecorder:
             self._last_end = t1
             self.rows.append((t1 - t0, self.backend.spent - b0, self.backend.batch,
                               self.backend.calls.get("prefill", 0.0) != pre0))
+            self.prompt.append(self.backend.prefill_tokens - tok0)
+            self.prefill_s.append(self.backend.calls.get("prefill", 0.0) - pre0)
 
 
 async def client(engine: Engine, settings: Settings, rng: np.random.Generator, args, counts: list[int]) -> None:
@@ -187,6 +195,8 @@ def main() -> int:
     asyncio.run(client(engine, settings, np.random.default_rng(1), warm, [0, 0]))
     rec.rows.clear()
     rec.cpu.clear()
+    rec.prompt.clear()
+    rec.prefill_s.clear()
     backend.calls.clear()
     rec.outside, rec._last_end = 0.0, None
 
@@ -202,6 +212,8 @@ def main() -> int:
     host = [(w - b) * 1e3 for w, b, _, _ in decode]
     host_full = [(w - b) * 1e3 for w, b, _, _ in full]
     steps = len([r for r in rows if r[2] > 0])
+    pre = [(r, n) for r, n in zip(rows, rec.prompt) if n]
+    pre_wall = sum(r[0] for r, _ in pre)
     tokens = args.clients * args.requests * args.max_tokens
     out = {
         "clients": args.clients, "requests": args.clients * args.requests, "temperature": args.temperature,
@@ -217,6 +229,11 @@ def main() -> int:
         "backend_ms_per_decode_step": round(statistics.fmean([b * 1e3 for _, b, _, _ in decode]), 2) if decode else None,
         "loop_cpu_ms_per_decode_step": round(loop_cpu * 1e3 / max(steps, 1), 3),
         "step_thread_outside_step_ms_per_step": round(rec.outside * 1e3 / max(len(rows), 1), 3),
+        "prefill_steps": len(pre), "prefill_tokens": sum(n for _, n in pre),
+        "prefill_step_wall_s": round(pre_wall, 3),
+        "prefill_step_tokens": {"min": min((n for _, n in pre), default=0), "max": max((n for _, n in pre), default=0)},
+        "prefill_tok_s_in_steps": round(sum(n for _, n in pre) / pre_wall, 1) if pre_wall else None,
+        "wall_outside_steps_s": round(wall - sum(r[0] for r in rows), 3),
         "sse_chunks": counts[0], "sse_bytes": counts[1],
         "backend_calls_s": {k: round(v, 3) for k, v in sorted(backend.calls.items())},
     }
@@ -233,6 +250,14 @@ def main() -> int:
     print(f"  event loop CPU per decode step: {out['loop_cpu_ms_per_decode_step']} ms "
           f"({counts[0]} SSE chunks)")
     print(f"  step thread outside _step: {out['step_thread_outside_step_ms_per_step']} ms per step")
+    print(f"  steps with a prefill: {len(pre)}, {out['prefill_tokens']} prompt tokens "
+          f"({out['prefill_step_tokens']['min']}-{out['prefill_step_tokens']['max']} a step) in "
+          f"{pre_wall:.3f} s of step wall time ({out['prefill_tok_s_in_steps']} tok/s, decode rows included); "
+          f"wall outside any step {out['wall_outside_steps_s']} s")
+    if pre:
+        print("  prefill steps (prompt tokens / decode rows / step ms / backend.prefill ms): " + ", ".join(
+            f"{n}/{r[2]}/{r[0] * 1e3:.1f}/{p * 1e3:.1f}" for (r, n), p in
+            zip(pre, [p for p, n in zip(rec.prefill_s, rec.prompt) if n])))
     if args.profile:
         for name, prof in (("step thread (backend calls included)", step_prof), ("event loop", loop_prof)):
             if prof is None:
