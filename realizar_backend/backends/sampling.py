@@ -332,6 +332,11 @@ def sample_logits(logits: np.ndarray, row: SampleRow, counts: np.ndarray | None 
         x = constrain(np.asarray(logits, np.float32), row)
         if row.penalties:
             x = penalize(x, counts, row_constants(row, logits.shape[-1]))
+        # argmax stops at the first NaN: only a row with one needs the copy that hides them
+        # (a full-vocabulary copy per token is most of a first token's host time)
+        i = int(np.argmax(x))
+        if not np.isnan(x[i]):
+            return i
         return int(np.argmax(np.where(np.isnan(x), np.float32(-np.inf), x)))
     return 0
 
