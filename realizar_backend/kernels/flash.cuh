@@ -14,12 +14,6 @@
 
 #define FL_LOG2E 1.4426950408889634f
 #define FL_MAXC 8     // partials one block combines (prefill splits; each level of a decode combine)
-#ifndef FL_FAST
-#define FL_FAST 1
-#endif
-#ifndef FL_CU
-#define FL_CU 4       // items a warp of fl_combine loads at once
-#endif
 
 #ifdef REALIZAR_HOST_TEST
 // tests/host/cuda_emu.h emulates the warp-wide instructions on the CPU
@@ -211,40 +205,8 @@ __device__ void fl_combine(int nitem, int cnt, const float* po, long long po_spl
         if (dst_o) dst_ml[r] = make_float2(M, L);
     }
     __syncthreads();
-    const int lane = tid & 31, wid = tid >> 5, nw = nth >> 5, total = nitem * (D / 32);
-#if FL_FAST
-    // a warp's next FL_CU items' partials are all loaded before any is used (the stores of one item
-    // could alias the next one's loads, so the compiler would not hoist them): one L2 round trip per
-    // FL_CU items, not one per few partials
-    for (int x0 = wid; x0 < total; x0 += FL_CU * nw) {
-        float p[FL_CU][FL_MAXC];
-#pragma unroll
-        for (int u = 0; u < FL_CU; ++u) {
-            const int x = x0 + u * nw, r = x / (D / 32), d = 32 * (x - r * (D / 32)) + lane;
-#pragma unroll
-            for (int i = 0; i < FL_MAXC; ++i)
-                p[u][i] = x < total && i < cnt ? __ldcg(po + i * po_split + r * po_item + d) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < FL_CU; ++u) {
-            const int x = x0 + u * nw;
-            if (x >= total) break;                                // warp-uniform
-            const int r = x / (D / 32), c = x - r * (D / 32), d = 32 * c + lane;
-            float v = 0.0f;
-#pragma unroll
-            for (int i = 0; i < FL_MAXC; ++i)
-                if (i < cnt) v += wsm[i * nitem + r] * p[u][i];
-            if (dst_o) {
-                dst_o[(long long)r * D + d] = v;
-            } else {
-                const long long ob = r * out_item;
-                fl_store32(v / wsm[cnt * nitem + r], c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
-                           oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
-            }
-        }
-    }
-#else
-    for (int x = wid; x < total; x += nw) {
+    const int lane = tid & 31, wid = tid >> 5, nw = nth >> 5;
+    for (int x = wid; x < nitem * (D / 32); x += nw) {
         const int r = x / (D / 32), c = x - r * (D / 32), d = 32 * c + lane;
         float v = 0.0f;
         for (int i = 0; i < cnt; ++i) v += wsm[i * nitem + r] * __ldcg(po + i * po_split + r * po_item + d);
@@ -256,7 +218,6 @@ __device__ void fl_combine(int nitem, int cnt, const float* po, long long po_spl
                        oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
         }
     }
-#endif
 }
 
 // The block's vote after writing its partial: true in the one block that arrives last at *counter

@@ -93,13 +93,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     // consecutive dims past rope_dim
     const int half = rope_dim / 2;
     const float qsc = scale * FL_LOG2E;
-#if FL_FAST
-#pragma unroll
-    for (int it = 0; it < 16 * (D / 2) / NT; ++it) {              // unrolled: every q load in flight at once
-        const int i = tid + it * NT;
-#else
     for (int i = tid; i < 16 * (D / 2); i += NT) {
-#endif
         const int gg = i / (D / 2), p = i - gg * (D / 2);
         int ia, ib;
         float c = 1.0f, sn = 0.0f;
