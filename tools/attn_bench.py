@@ -21,6 +21,7 @@ decode: batch 1, 16, 64 with every row at depth 128, 4096, 16384 (the new token 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -135,9 +136,13 @@ def bench_prefill(fk, k, sm: int, reps: int, variants) -> list[dict]:
 
 # ---------------------------------------------------------------- decode
 
-def decode_configs(B: int, sm: int, sweep: bool):
+def decode_configs(B: int, sm: int, sweep: bool, splits: list[int] | None = None):
     auto = flash.decode_splits(B, KVH, sm)
     base = dict(splits=auto, single_max=256, split_keys=64, qsplit=True)
+    if splits:
+        for n in splits:
+            yield {**base, "splits": n}
+        return
     if sweep:
         keys = dict(splits=sorted({max(1, auto // 2), auto, min(flash.MAX_DECODE_SPLITS, 2 * auto)}),
                     single_max=[0, 128, 256, 1024], split_keys=[64, 128, 256], qsplit=[True, False])
@@ -152,9 +157,10 @@ def decode_configs(B: int, sm: int, sweep: bool):
                 yield {**base, knob: v}
 
 
-def bench_decode(fk, k, sm: int, reps: int, sweep: bool) -> list[dict]:
+def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), depths=(128, 4096, 16384),
+                 splits: list[int] | None = None, defines: dict[str, tuple] | None = None) -> list[dict]:
     rows = []
-    for B, depth in itertools.product((1, 16, 64), (128, 4096, 16384)):
+    for B, depth in itertools.product(batches, depths):
         nb = -(-(depth + 1) // BS)
         pool_bytes = 2 * (B * nb + 1) * BS * KVH * D * 2
         copies = max(1, min(LAYERS, (8 << 30) // pool_bytes))
@@ -181,8 +187,11 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool) -> list[dict]:
                                   rope=(kin.data.ptr, vin.data.ptr, D, True, table.data.ptr))
             today = _time_graph(run_today, reps) / LAYERS
         scratch = flash.FlashScratch()
-        for cfg in decode_configs(B, sm, sweep):
+        for (dname, extra), cfg in itertools.product((defines or {"": ()}).items(),
+                                                     decode_configs(B, sm, sweep, splits)):
             plan = flash.plan_decode(B, H, KVH, D, splits=cfg["splits"], qsplit=cfg["qsplit"])
+            if extra:       # a kernel variant: the same entry point built with these defines too
+                plan = dataclasses.replace(plan, options=plan.options + extra)
             scratch.ensure(plan)
 
             def run():
@@ -193,7 +202,8 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool) -> list[dict]:
                                  rope=(kin.data.ptr, vin.data.ptr, D, True, table.data.ptr),
                                  single_max=cfg["single_max"], split_keys=cfg["split_keys"])
             t = _time_graph(run, reps) / LAYERS
-            rows.append(dict(kind="decode", case=name, config=" ".join(f"{a}={b}" for a, b in cfg.items()),
+            config = (f"{dname} " if dname else "") + " ".join(f"{a}={b}" for a, b in cfg.items())
+            rows.append(dict(kind="decode", case=name, config=config,
                              **cfg, copies=copies, us=t * 1e6, gbs=kv_bytes / LAYERS / t / 1e9,
                              tflops=flops / LAYERS / t / 1e12, today_us=today and today * 1e6,
                              speedup=today and today / t, regs=_regs(fk.get(plan))))
@@ -217,7 +227,14 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="decode: every knob combination")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default=",".join(PREFILL_VARIANTS), help="prefill variants, comma-separated")
+    ap.add_argument("--batches", default="1,16,64", help="decode batches, comma-separated")
+    ap.add_argument("--depths", default="128,4096,16384", help="decode depths, comma-separated")
+    ap.add_argument("--splits", default="", help="decode: these max splits (comma-separated) instead of the knobs")
+    ap.add_argument("--defines", default="", help="decode kernel variants, 'NAME:-DX=1 -DY=2;NAME2:...' "
+                                                    "(each config runs on each variant)")
     args = ap.parse_args()
+    ints = lambda v: [int(x) for x in v.split(",") if x]   # noqa: E731
+    defines = {n: tuple(o.split()) for n, _, o in (d.partition(":") for d in args.defines.split(";") if d)} or None
     fk = flash.get_flash_kernels(0)
     sm = fk.sm_count
     k = get_kernels(0, head_dim=D) if _today_ok() else None
@@ -228,7 +245,8 @@ def main() -> int:
     if args.only in (None, "prefill"):
         rows += bench_prefill(fk, k, sm, args.reps, {v: PREFILL_VARIANTS[v] for v in args.variants.split(",")})
     if args.only in (None, "decode"):
-        rows += bench_decode(fk, k, sm, args.reps, args.sweep)
+        rows += bench_decode(fk, k, sm, args.reps, args.sweep, ints(args.batches), ints(args.depths),
+                             ints(args.splits) or None, defines)
     best = {}
     for r in rows:
         key = (r["kind"], r["case"])
