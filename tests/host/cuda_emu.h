@@ -314,6 +314,11 @@ static inline float __shfl_sync(unsigned, float v, int src) {
     emu::gather(v, all, "shfl");
     return all[src & 31];
 }
+static inline long long __shfl_sync(unsigned, long long v, int src) {
+    long long all[32];
+    emu::gather(v, all, "shfl64");
+    return all[src & 31];
+}
 static inline unsigned __ballot_sync(unsigned, bool p) {
     int v = p, all[32];
     emu::gather(v, all, "ballot");
