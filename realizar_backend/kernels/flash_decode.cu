@@ -24,9 +24,6 @@
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
-#ifndef FLD_OPT
-#define FLD_OPT 1
-#endif
 
 template <int D, bool QS>
 __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const float* __restrict__ kin,
@@ -75,22 +72,17 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
             const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
             u16* ks = mine + (i % NST) * STAGE;
             u16* vs = ks + FLD_KW * LDS;
-#if FLD_OPT
             // lane j < KW reads key k0 + j's row from the block table, all at once; each copy below
             // takes its key's row by a shuffle (a table read per copy would wait on each other: the
             // copies' memory clobbers keep the compiler from reusing one)
             long long rb = 0;
-            if (lane < FLD_KW && k0 + lane < ke) rb = (kv_row(bt, max_blocks, bs_log2, slot, k0 + lane) * KVH + kh) * D;
-#endif
+            if (lane < FLD_KW && k0 + lane < ke)
+                rb = (kv_row(bt, max_blocks, bs_log2, slot, k0 + lane) * KVH + kh) * D;
 #pragma unroll
             for (int it = 0; it < FLD_KW * CPR / 32; ++it) {
                 const int x = lane + 32 * it, key = x / CPR, c = x - key * CPR, kp = k0 + key;
                 const bool ok = kp < ke;
-#if FLD_OPT
                 const long long off = __shfl_sync(0xffffffffu, rb, key) + c * 8;
-#else
-                const long long off = ok ? (kv_row(bt, max_blocks, bs_log2, slot, kp) * KVH + kh) * D + c * 8 : 0;
-#endif
                 fl_cp16(ks + key * LDS + c * 8, kpool + off, ok);
                 fl_cp16(vs + key * LDS + c * 8, vpool + off, ok);
             }
@@ -172,7 +164,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     }
     __syncthreads();
 
-#if FLD_OPT
     // the group's q fragments, in registers for the whole loop (256-dim heads: too many registers)
     constexpr bool HQ = D <= 128;
     u32 qa[HQ ? KD : 1][4], qla[HQ && QS ? KD : 1][4];
@@ -183,7 +174,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
             if constexpr (QS) fl_afrag(qla[kk], ql, LDS, 0, kk, lane);
         }
     }
-#endif
     float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
@@ -213,7 +203,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
             float(&s0)[2][4] = kk & 1 ? sx : sc;
             float(&s1)[2][4] = kk & 1 ? sc : sx;
             fl_kfrag(b, ks, LDS, 0, kk, lane);
-#if FLD_OPT
             if constexpr (HQ) {
                 fl_mma(s0[0], qa[kk], b[0], b[1]);
                 fl_mma(s0[1], qa[kk], b[2], b[3]);
@@ -221,16 +210,15 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                     fl_mma(s1[0], qla[kk], b[0], b[1]);
                     fl_mma(s1[1], qla[kk], b[2], b[3]);
                 }
-                continue;
-            }
-#endif
-            fl_afrag(a, qh, LDS, 0, kk, lane);
-            fl_mma(s0[0], a, b[0], b[1]);
-            fl_mma(s0[1], a, b[2], b[3]);
-            if constexpr (QS) {
-                fl_afrag(a, ql, LDS, 0, kk, lane);
-                fl_mma(s1[0], a, b[0], b[1]);
-                fl_mma(s1[1], a, b[2], b[3]);
+            } else {
+                fl_afrag(a, qh, LDS, 0, kk, lane);
+                fl_mma(s0[0], a, b[0], b[1]);
+                fl_mma(s0[1], a, b[2], b[3]);
+                if constexpr (QS) {
+                    fl_afrag(a, ql, LDS, 0, kk, lane);
+                    fl_mma(s1[0], a, b[0], b[1]);
+                    fl_mma(s1[1], a, b[2], b[3]);
+                }
             }
         }
 #pragma unroll
