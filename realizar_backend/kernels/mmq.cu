@@ -43,7 +43,8 @@
 #include "mma.cuh"
 
 #define MMQ_THREADS 256
-#define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row; its passes over the row hit L1
+#define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row
+#define MMQ_PREP_NJ 12          // mmq_prep keeps rows of up to 12 x 1024 columns in registers
 #define MMQ_BM 128          // weight rows per CTA tile
 #define MMQ_KC 128          // columns per chunk: 4 units
 #define MMQ_REC 528         // bytes per (token, chunk) prep record
@@ -109,7 +110,8 @@ template <int N> __device__ __forceinline__ void mmq_cp_wait() {
 // ------------------------------------------------------------------ prep
 // Row t of x (stride xs), RMSNorm'ed with weight nw (nw == 0: as it is), as prep records of out
 // (row stride os bytes, ceil(K/128) records); inv[t] = 1/s. One block of MMQ_PREP_THREADS per row
-// (few rows at small batches: each block's three passes must be short).
+// (few rows at small batches: each block's work must be short): rows of up to MMQ_PREP_NJ x 1024
+// columns are read once into registers, longer ones three times (sum of squares, max, records).
 // Column c = 16s + 4t + i of a unit goes to position 8t + 4s + i (see the top of the file).
 #if !defined(MMQ_BN) || MMQ_BN == 0
 extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
@@ -121,31 +123,61 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
     if (t >= M) return;
     pdl_wait();
     const float* xr = x + (long long)t * xs;
-    float rs = 1.0f;
-    if (nw) {
-        float ss = 0.0f;
-        for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
-        rs = rsqrtf(block_reduce(ss, 0, sm) / K + eps);
-    }
-    float m = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) m = fmaxf(m, fabsf(nw ? xr[i] * rs * nw[i] : xr[i]));
-    float iv;
-    const float s = row_scale(block_reduce(m, 1, sm), iv);
-    const int lane = threadIdx.x & 31, nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
     const int pos = 8 * ((lane >> 2) & 3) + 4 * (lane >> 4) + (lane & 3);
     u8* o = out + (long long)t * os;
-    for (int u = threadIdx.x >> 5; u < 4 * nch; u += blockDim.x >> 5) {    // one warp per unit
+    float iv;
+    // one unit (32 columns: its halves and its sum) per warp; rec points at its record
+    auto put = [&](int u, float v) {
         u8* rec = o + (u >> 2) * MMQ_REC + (u & 3) * 128;
-        float v = 0.0f;                                                     // past K: zeros
-        if (u < nu) {
-            const int c = 32 * u + lane;
-            v = (nw ? xr[c] * rs * nw[c] : xr[c]) * s;
-        }
         const u16 h = f2h(v);
         ((u16*)rec)[pos] = h;
         ((u16*)(rec + 64))[pos] = f2h(v - h2f(h));
         const float sum = warp_sum(v);
         if (lane == 0) ((float*)(o + (u >> 2) * MMQ_REC + 512))[u & 3] = sum;
+    };
+    if (4 * nch <= 32 * MMQ_PREP_NJ) {
+        // the row read once, into registers (column threadIdx.x + 1024 j is unit wid + 32 j, as the
+        // record writes want): the norm, the max and the records then need no second trip to memory.
+        // Sums and maxima run in the same order as the loop below, so both give the same bits.
+        float xv[MMQ_PREP_NJ], wv[MMQ_PREP_NJ], ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MMQ_PREP_NJ; ++j) {
+            const int u = wid + 32 * j, c = 32 * u + lane;
+            xv[j] = u < nu ? xr[c] : 0.0f;
+            wv[j] = u < nu && nw ? nw[c] : 1.0f;
+            if (u < nu) ss += xv[j] * xv[j];
+        }
+        const float rs = nw ? rsqrtf(block_reduce(ss, 0, sm) / K + eps) : 1.0f;
+        float m = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MMQ_PREP_NJ; ++j)
+            if (wid + 32 * j < nu) m = fmaxf(m, fabsf(nw ? xv[j] * rs * wv[j] : xv[j]));
+        const float s = row_scale(block_reduce(m, 1, sm), iv);
+#pragma unroll
+        for (int j = 0; j < MMQ_PREP_NJ; ++j) {
+            const int u = wid + 32 * j;
+            if (u >= 4 * nch) break;                                    // warp-uniform
+            put(u, u < nu ? (nw ? xv[j] * rs * wv[j] : xv[j]) * s : 0.0f);   // past K: zeros
+        }
+    } else {
+        float rs = 1.0f;
+        if (nw) {
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
+            rs = rsqrtf(block_reduce(ss, 0, sm) / K + eps);
+        }
+        float m = 0.0f;
+        for (int i = threadIdx.x; i < K; i += blockDim.x) m = fmaxf(m, fabsf(nw ? xr[i] * rs * nw[i] : xr[i]));
+        const float s = row_scale(block_reduce(m, 1, sm), iv);
+        for (int u = wid; u < 4 * nch; u += blockDim.x >> 5) {
+            float v = 0.0f;                                               // past K: zeros
+            if (u < nu) {
+                const int c = 32 * u + lane;
+                v = (nw ? xr[c] * rs * nw[c] : xr[c]) * s;
+            }
+            put(u, v);
+        }
     }
     if (threadIdx.x == 0) inv[t] = iv;
     pdl_trigger();

@@ -1,7 +1,7 @@
 """The batched-decode tensor-core kernels (kernels/mmq.cu, backends/cuda/mmq.py) against float64
 NumPy (gguf's dequantize of the same blocks) on fresh random inputs, beside the fp32 GEMV (mmvf.cu)
 on the same data: every type in its device layout, M from 1 to 256 (every token-tile width, several
-token tiles, partial ones), K = 896 .. 8960 (partial last chunks, long rows split over CTAs), odd
+token tiles, partial ones), K = 896 .. 14336 (partial last chunks, long rows split over CTAs), odd
 row counts, the LM head's 151936 rows with its fused argmax, Q/K/V segments of mixed types with
 biases, the residual add, the fused FFN, the folded RMSNorm, activations from 1e-6 to 1e4, every
 output poisoned (NaN) before the launch and the row tails checked untouched, forced K splits,
@@ -43,7 +43,7 @@ def k(kernels):
 @pytest.fixture(scope="module")
 def bufs(k):
     from realizar_backend.backends.cuda.mmq import MmqPrep, MmqScratch
-    return MmqPrep(256, 8960), MmqScratch(64 << 20, 1 << 16)
+    return MmqPrep(256, 14336), MmqScratch(64 << 20, 1 << 16)
 
 
 def _poison(shape):
@@ -263,8 +263,9 @@ def test_mmq_every_type_m_and_k(k, bufs, rng, qt):
 @pytest.mark.parametrize("segs,K", [([(Q.Q4_K, 1536), (Q.Q4_K, 256), (Q.Q6_K, 256)], 1536),
                                     ([(Q.Q5_0, 896), (Q.Q5_0, 128), (Q.Q8_0, 128)], 896),
                                     ([(Q.Q8_0, 577), (Q.Q4_1, 33), (Q.Q4_0, 5)], 576),
-                                    ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q6_K, 130)], 8960)],
-                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny"])
+                                    ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q6_K, 130)], 8960),
+                                    ([(Q.Q4_K, 40), (Q.Q8_0, 7)], 14336)],
+                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny", "past-prep-registers"])
 @pytest.mark.parametrize("M", [1, 13, 64, 100, 256])
 def test_mmq_segments_bias_residual_norm(k, bufs, rng, segs, K, M):
     mats = [_weight(qt, n, K, rng) for qt, n in segs]
