@@ -44,7 +44,7 @@ from ..model.default import default_model_path
 from ..settings import Settings
 from .guidance import Guidance
 from .kv_manager import KVManager
-from .outputs import LoopSink, Outbox, RequestOutput, add_text, drain_merged, drain_text
+from .outputs import LoopSink, Outbox, RequestOutput, drain_merged, drain_text, text_and_stop
 from .pipeline import DecodePipeline
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import Scheduler, Sequence
@@ -421,6 +421,13 @@ class Engine:
         self._decode_window.append((time.perf_counter(), len(decode)))
         del self._decode_window[:-64]
 
+    def _decode_rate(self) -> float:
+        w = self._decode_window
+        if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
+            return 0.0
+        span = w[-1][0] - w[0][0]
+        return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
+
     def _end_all(self, reason: str) -> None:
         self.pipeline.drop_ahead()
         for seq in list(self.scheduler.running):
@@ -433,6 +440,8 @@ class Engine:
             self._emit(seq, CapacityError("the server is shutting down; retry on another replica", retry_after_s=5))
             self._finish(seq, reason, notify=False)
         self.scheduler.take_aborts()
+
+    # ------------------------------------------------------------------ tokens accepted, sequences ended
 
     def _retire(self, seq: Sequence) -> None:
         """Take an ended sequence out of the scheduler. Its slot and blocks are free at once, unless
@@ -448,17 +457,11 @@ class Engine:
             guide, seq.guide = seq.guide, None
             self.guidance.release(guide)
 
-    def _decode_rate(self) -> float:
-        w = self._decode_window
-        if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
-            return 0.0
-        span = w[-1][0] - w[0][0]
-        return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
-
     def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None,
                 logprobs: tuple[float, list[tuple[int, float]]] | None = None,
                 consumed: bool | None = None) -> None:
-        """Sample (unless the backend already did), then emit and check stop conditions.
+        """Sample (unless the backend already did), then emit and check stop conditions
+        (outputs.text_and_stop).
         logprobs: (chosen, top) when the backend computed them; else they come from `logits`.
         consumed: whether the guide took the token, when the caller has already given it."""
         p = seq.params
@@ -490,26 +493,7 @@ class Engine:
             tt = self.tokenizer.token_text
             lp = [(tt(token), chosen, [(tt(i), v) for i, v in top])]
 
-        # with a grammar, a stop token is drawn only where the grammar is complete: it ends the
-        # sequence even with ignore_eos
-        stop_tok = token in p.stop_token_ids or (token in self.tokenizer.stop_ids
-                                                 and (not p.ignore_eos or guide is not None))
-        reason = None
-        if stop_tok:
-            # the stop token's own text is never shown; whatever was held back is now final
-            reason = "stop"
-            text = seq.pending_text + seq.detok.flush()
-            seq.pending_text = ""
-        else:
-            text, hit = add_text(seq, seq.detok.add(token))
-            if hit:
-                reason = "stop"
-            elif guide is not None and guide.finished:     # nothing but a stop token could follow
-                reason = "stop"
-                text += drain_text(seq)
-            elif len(seq.output_ids) >= p.max_tokens:
-                reason = "length"
-                text += drain_text(seq)
+        text, reason = text_and_stop(seq, token, self.tokenizer.stop_ids)
         seq.emitted_text += text
         self._emit(seq, RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
                                       len(seq.output_ids), lp))

@@ -75,6 +75,36 @@ def drain_text(seq: Sequence) -> str:
     return text
 
 
+def text_and_stop(seq: Sequence, token: int, stop_ids) -> tuple[str, str | None]:
+    """The text that `token`, just appended to the sequence's output, adds for its caller, and the
+    reason it ends the sequence ("stop" or "length"; None while it goes on): a stop token of the
+    request or, unless ignore_eos, of the model (stop_ids), a stop string, a complete grammar, or
+    max_tokens. At the end, whatever was held back is released."""
+    p = seq.params
+    guide = seq.guide
+    # with a grammar, a stop token is drawn only where the grammar is complete: it ends the
+    # sequence even with ignore_eos
+    stop_tok = token in p.stop_token_ids or (token in stop_ids
+                                             and (not p.ignore_eos or guide is not None))
+    reason = None
+    if stop_tok:
+        # the stop token's own text is never shown; whatever was held back is now final
+        reason = "stop"
+        text = seq.pending_text + seq.detok.flush()
+        seq.pending_text = ""
+    else:
+        text, hit = add_text(seq, seq.detok.add(token))
+        if hit:
+            reason = "stop"
+        elif guide is not None and guide.finished:     # nothing but a stop token could follow
+            reason = "stop"
+            text += drain_text(seq)
+        elif len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+            text += drain_text(seq)
+    return text, reason
+
+
 class LoopSink:
     """Where `generate` receives its sequence's outputs: an asyncio queue of the caller's loop."""
     __slots__ = ("loop", "queue")
