@@ -18,8 +18,9 @@ the greedy path, and its rows never see a mask.
 
 Here: the request side (prepare, generate, abort, stats, shutdown) and the step loop, which plans
 with the scheduler, runs the plan (prefill here, the pipelined decode step in engine/pipeline.py),
-and accepts each token drawn (`_accept`: grammar, stop checks, text, outputs queued in an
-engine/outputs.py Outbox) and ends sequences (`_finish`, `_fail`).
+accepts each token drawn (`_accept`: the grammar's check, timing, logprobs; its text and stop
+checks are engine/outputs.py's text_and_stop, its output queued in an Outbox there) and ends
+sequences (`_finish`, `_fail`).
 """
 
 from __future__ import annotations
