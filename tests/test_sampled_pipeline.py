@@ -1,9 +1,10 @@
-"""Pipelined sampled decode steps (decode_sample_start / _launch / _finish, engine._sampled_step),
-on the real SmolLM2 (NumPy backend): the step after one is started on the tokens the backend
-sampled before the host reads them, and the tokens are the unpipelined ones: seeded draws,
-penalties (the fed token counted once), logit bias and masks that depend on the previous token;
-in the engine, constrained JSON, penalties and seeded sampling give the same text with and without
-the pipeline, also when sequences finish or are cancelled while a step is started ahead."""
+"""Pipelined sampled decode steps (decode_sample_start / _launch / _finish, engine/pipeline.py's
+DecodePipeline._sampled_step), on the real SmolLM2 (NumPy backend): the step after one is started
+on the tokens the backend sampled before the host reads them, and the tokens are the unpipelined
+ones: seeded draws, penalties (the fed token counted once), logit bias and masks that depend on the
+previous token; in the engine, constrained JSON, penalties and seeded sampling give the same text
+with and without the pipeline, also when sequences finish or are cancelled while a step is started
+ahead."""
 
 from __future__ import annotations
 

@@ -12,9 +12,15 @@ the sequence and frees its KV blocks at once.
 Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
 its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
 sequence. A batch with a constrained row (a grammar or a logit bias) is sampled by the backend,
-pipelined as greedy steps are (`_sampled_step`): the grammars' masks for step n+1 are computed
+pipelined as greedy steps are (engine/pipeline.py): the grammars' masks for step n+1 are computed
 while its forward pass runs, after the host has consumed step n's tokens; a batch without one keeps
 the greedy path, and its rows never see a mask.
+
+Here: the request side (prepare, generate, abort, stats, shutdown) and the step loop, which plans
+with the scheduler, runs the plan (prefill here, the pipelined decode step in engine/pipeline.py),
+accepts each token drawn (`_accept`: the grammar's check, timing, logprobs; its text and stop
+checks are engine/outputs.py's text_and_stop, its output queued in an Outbox there) and ends
+sequences (`_finish`, `_fail`).
 """
 
 from __future__ import annotations
@@ -32,28 +38,21 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from .. import timeline
-from ..backends import Backend, PrefillItem, SampleResult, create_backend, start_device
+from ..backends import Backend, PrefillItem, create_backend, start_device
 from ..errors import CapacityError, ContextOverflowError, GrammarError, RequestError
 from ..formats import open_model
 from ..model.default import default_model_path
 from ..settings import Settings
 from .guidance import Guidance
 from .kv_manager import KVManager
-from .outputs import RequestOutput, add_text, drain_merged, drain_text
+from .outputs import LoopSink, Outbox, RequestOutput, drain_merged, drain_text, text_and_stop
+from .pipeline import DecodePipeline
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
-
-
-# why a decode step was not started ahead: a prefill in the step before (no longer a reason: the
-# prefill queues behind the step; the label stays, at 0, so that figures from before compare), every
-# row stopping after it (max_tokens or the context's end), no free KV block for a row's next
-# position, the setting off, the batch changed under a step started ahead (a cancellation or a
-# preemption), greedy and sampled batches switching, no decode step before it
-PIPELINE_REASONS = ("prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 
 
 class EngineObserver(Protocol):
@@ -96,20 +95,14 @@ class Engine:
         self._stop = False
         self._closing: str | None = None      # finish_all(reason): end everything, take nothing new
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
-        # a step started ahead: (batch, handle, greedy | sample, the sequences of its batch that ended
-        # since it started: their slots and blocks are freed once it is done)
-        self._ahead: tuple[list[Sequence], Any, str, list[Sequence]] | None = None
-        # decode steps by how they started: "ahead" (before the previous step's tokens were read)
-        # or why not (PIPELINE_REASONS); _why: the reason the next step will give if not ahead
-        self._pipeline = dict.fromkeys(("ahead",) + PIPELINE_REASONS, 0)
-        self._why = "start"
+        self._outbox = Outbox()             # this step's outputs, delivered by its flush()
+        # the decode step on the device, and the step started ahead of it
+        self.pipeline = DecodePipeline(self, prefill=self._prefill, flush=self._flush)
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
         self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots,
                                  split_parts=self.settings.guidance_mask_parts)
-        self._masks: np.ndarray | None = None     # the constrained rows' masks of a decode step
-        self._outbox: list[tuple[Any, Any]] = []  # (sink, output) of this step, delivered by _flush
         if prewarm_guidance:
             self.prewarm_guidance()
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
@@ -224,7 +217,7 @@ class Engine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
-        seq = self._new_sequence(prompt_ids, params, request_id, _LoopSink(asyncio.get_running_loop(), q))
+        seq = self._new_sequence(prompt_ids, params, request_id, LoopSink(asyncio.get_running_loop(), q))
         self.scheduler.submit(seq)
         done = False
         held = None
@@ -287,7 +280,7 @@ class Engine:
             "device_memory_bytes": b.get("device_memory_bytes", 0),
             "graph_replays": b.get("graph_replays", 0),
             "graph_captures": b.get("graph_captures", 0),
-            "decode_steps": dict(self._pipeline),     # cumulative, by how each step started
+            "decode_steps": dict(self.pipeline.steps),     # cumulative, by how each step started
         }
 
     def finish_all(self, reason: str = "shutdown") -> None:
@@ -314,9 +307,9 @@ class Engine:
             with sch.wakeup:
                 idle = not self._stop and not sch.has_work()
             if idle:
-                if self._ahead is not None:
+                if self.pipeline.ahead is not None:
                     # every sequence of the step started ahead stopped: wait for it, free what it held
-                    self._drop_ahead()
+                    self.pipeline.drop_ahead()
                     self.observer.on_step(self.stats())
                 self._flush()
             with sch.wakeup:
@@ -328,9 +321,7 @@ class Engine:
                 self._step()
             except Exception as e:  # a backend failure must not kill the loop or the waiting requests
                 log.exception("engine step failed; failing the running requests")
-                if self._ahead is not None:
-                    (_, _, _, held), self._ahead = self._ahead, None
-                    self._free_held(held)
+                self.pipeline.abandon_ahead()
                 for seq in list(sch.running):
                     self._fail(seq, e)
                 self._flush()
@@ -350,7 +341,7 @@ class Engine:
             return
         aborts = sch.take_aborts()
         if aborts:
-            self._drop_ahead()      # a cancelled sequence's blocks are free at once, once no step writes them
+            self.pipeline.drop_ahead()      # a cancelled sequence's blocks are free at once, once no step writes them
         for rid in aborts:
             seq = sch.find(rid)
             if seq is not None:
@@ -359,8 +350,8 @@ class Engine:
         # a step started ahead serves this step when it computes every sequence the plan decodes (its
         # other rows have stopped since: their outputs are dropped); else it is waited for first, so
         # that no slot or block it writes changes hands under it
-        if self._ahead is not None and (plan.preempted or plan.failed or not _covers(self._ahead[0], plan.decode)):
-            self._drop_ahead()
+        if self.pipeline.ahead is not None and not self.pipeline.serves(plan):
+            self.pipeline.drop_ahead()
         for slot in plan.released:
             self.backend.release(slot)
         for seq, err in plan.failed:
@@ -376,8 +367,8 @@ class Engine:
         if plan.decode:
             self._decode(plan.decode, plan.prefill)
         else:
-            self._drop_ahead()
-            self._why = "start"
+            self.pipeline.drop_ahead()
+            self.pipeline.why = "start"
             if plan.prefill:
                 self._prefill(plan.prefill)
             self._flush()
@@ -404,29 +395,16 @@ class Engine:
                 self._accept(seq, row, None)     # the first token: drawn here by the twin
 
     def _decode(self, decode: list[Sequence], prefill: list[tuple[Sequence, int, int]]) -> None:
-        """One decode step for `decode` (the plan's), started ahead by the step before or now; the
-        step's prefill runs once the step is queued, and the next step is started ahead over the
-        rows that go on and the sequences that prefill completed, before this one's tokens are read."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            batch, h, kind, held = ahead
-            self._pipeline["ahead"] += 1
-        else:
-            batch, h, held = decode, None, []
-            kind = "greedy" if all(_plain_greedy(s) for s in decode) else "sample"
-            self._pipeline[self._why] += 1
-        self._why = "start"
-        live = {id(s) for s in decode}      # a row of `batch` not in it stopped after the step started
+        """One decode step for `decode` (the plan's), on the pipeline (engine/pipeline.py: the step's
+        prefill runs once it is queued, and the next step starts ahead), then its tokens accepted."""
+        batch, live, kind, out = self.pipeline.step(decode, prefill)
         if kind == "greedy":
-            ids = self._greedy_step(batch, h, prefill, live)
-            self._free_held(held)
-            for seq, tok in zip(batch, ids):
+            for seq, tok in zip(batch, out):
                 if id(seq) in live:
                     self.scheduler.computed(seq, 1)
                     self._accept(seq, None, int(tok))
         else:
-            res = self._sampled_step(batch, h, prefill, live)
-            self._free_held(held)
+            res = out
             rows = [i for i, s in enumerate(batch) if id(s) in live]
             guides = [batch[i].guide for i in rows if batch[i].guide is not None]
             # the constrained rows' tokens consumed at once, on llguidance's threads
@@ -444,8 +422,15 @@ class Engine:
         self._decode_window.append((time.perf_counter(), len(decode)))
         del self._decode_window[:-64]
 
+    def _decode_rate(self) -> float:
+        w = self._decode_window
+        if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
+            return 0.0
+        span = w[-1][0] - w[0][0]
+        return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
+
     def _end_all(self, reason: str) -> None:
-        self._drop_ahead()
+        self.pipeline.drop_ahead()
         for seq in list(self.scheduler.running):
             text = drain_text(seq)
             seq.emitted_text += text
@@ -457,142 +442,27 @@ class Engine:
             self._finish(seq, reason, notify=False)
         self.scheduler.take_aborts()
 
-    def _greedy_step(self, batch: list[Sequence], h: Any, prefill: list, live: set[int]) -> np.ndarray:
-        """A greedy step, pipelined: the step after it is started (on the device's own argmax
-        tokens) before this one's tokens are read, so the GPU does not wait for the host's per-token
-        work; the step's prefill is queued behind it first (its new sequences join the next step)."""
-        if h is None:
-            h = self.backend.decode_argmax_start([s.slot for s in batch], [s.output_ids[-1] for s in batch],
-                                                 [s.num_computed for s in batch])
-        if prefill:
-            self._prefill(prefill)
-        self._go_ahead(batch, live, prefill, "greedy")
-        # the previous step's outputs go to the event loop now, while this thread waits for the
-        # device anyway: the loop takes the GIL without making the step's launches wait for it
-        self._flush()
-        return self.backend.decode_argmax_finish(h)
-
-    def _sampled_step(self, batch: list[Sequence], h: Any, prefill: list, live: set[int]) -> SampleResult:
-        """A step sampled by the backend, pipelined like the greedy one: its forward pass was
-        started ahead (on the tokens the device sampled) while the host consumed the previous
-        step's tokens; now the host fills the constrained rows' masks (each guide has consumed the
-        token this step feeds), launches the sampling, runs the step's prefill, starts the next
-        step's forward pass, and only then waits for this step's tokens. Only rows asking for top
-        logprobs beyond one get logits back. The tokens are the unpipelined ones: a row's draw is
-        keyed by (seed, step) and its penalties count the token it is fed, which the host knows at
-        the launch. A row that stopped since the step started is sampled, unconstrained, and dropped."""
-        if h is None:
-            h = self.backend.decode_sample_start([s.slot for s in batch], [s.output_ids[-1] for s in batch],
-                                                 [s.num_computed for s in batch])
-        guides = [s.guide for s in batch if s.guide is not None]
-        masks = self._mask_rows(len(guides)) if guides else None
-        rows, k = [], 0
-        for s in batch:
-            mask = None
-            if s.guide is not None:
-                mask, k = masks[k], k + 1
-            rows.append(s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
-                                      want_logits=(s.params.logprobs or 0) > 1, mask=mask))
-        prepare = (lambda: self.guidance.fill_masks(guides, masks)) if guides else None
-        self.backend.decode_sample_launch(h, rows, prepare)
-        if prefill:
-            self._prefill(prefill)
-        self._go_ahead(batch, live, prefill, "sample")
-        self._flush()
-        return self.backend.decode_sample_finish(h)
-
-    def _go_ahead(self, batch: list[Sequence], live: set[int], prefill: list, kind: str) -> None:
-        """Start the step after this one before this one's tokens are read: over this step's rows
-        that go on (not past max_tokens or the context after it; a row that stops on a stop token
-        is only known later, and dropped then) and the sequences whose prompt this step's prefill
-        completed, on the same path (greedy or sampled). The kept rows' tokens stay on the device;
-        the pool gives every row a block for the position it writes, or nothing goes ahead."""
-        if not self.settings.pipelined_decode:
-            self._why = "off"
-            return
-        room = self.backend.max_context - 1
-        keep = [i for i, s in enumerate(batch) if id(s) in live and len(s.output_ids) + 1 < s.params.max_tokens
-                and s.num_computed < room]
-        done = {id(batch[i]) for i in keep}
-        new = [s for s, _, _ in prefill if s in self.scheduler.running and not s.prefilling
-               and s.output_ids and id(s) not in done]
-        nxt = [batch[i] for i in keep] + new
-        if not nxt:
-            self._why = "finishing"
-            return
-        if ("greedy" if all(_plain_greedy(s) for s in nxt) else "sample") != kind:
-            self._why = "kind"
-            return
-        pos = [s.num_computed + 1 for s in nxt[:len(keep)]] + [s.num_computed for s in new]
-        tables = self.scheduler.grow_for_next_step(nxt, pos)
-        if tables is None:
-            self._why = "no_block"
-            return
-        for slot, table in tables.items():
-            self.backend.set_block_table(slot, table)
-        slots = [s.slot for s in nxt]
-        if len(keep) == len(batch) and not new:        # the same rows: a plain continuation
-            prev_rows = tokens = pos = None
-        else:
-            prev_rows = keep + [-1] * len(new)
-            tokens = [0] * len(keep) + [s.output_ids[-1] for s in new]
-        if kind == "greedy":
-            h = self.backend.decode_argmax_start(slots, tokens, pos, prev_rows)
-        else:
-            h = self.backend.decode_sample_start(slots, tokens, pos, prev_rows)
-        self._ahead = (nxt, h, kind, [])
-        self._why = "changed"    # what the next step says if this one is dropped
-
-    def _drop_ahead(self) -> None:
-        """Wait for the step started ahead, forget its outputs, free the sequences it held."""
-        if self._ahead is not None:
-            (_, h, kind, held), self._ahead = self._ahead, None
-            if kind == "greedy":
-                self.backend.decode_argmax_finish(h)
-            else:
-                self.backend.decode_sample_finish(h)     # never launched: nothing comes back
-            self._free_held(held)
-
-    def _free_held(self, held: list[Sequence]) -> None:
-        """Slots and KV blocks of sequences that ended while a step started ahead still computed
-        them: that step is done now."""
-        for seq in held:
-            if seq.slot >= 0:
-                self.backend.release(seq.slot)
-            self.scheduler.free(seq)
+    # ------------------------------------------------------------------ tokens accepted, sequences ended
 
     def _retire(self, seq: Sequence) -> None:
         """Take an ended sequence out of the scheduler. Its slot and blocks are free at once, unless
-        the step started ahead computes it: then when that step is done (_free_held)."""
-        if self._ahead is not None and any(s is seq for s in self._ahead[0]):
-            self.scheduler.remove(seq, hold=True)
-            self._ahead[3].append(seq)
+        the step started ahead computes it: then when that step is done (DecodePipeline.free_held)."""
+        if self.pipeline.hold(seq):
             return
         if seq.slot >= 0:
             self.backend.release(seq.slot)
         self.scheduler.remove(seq)
-
-    def _mask_rows(self, n: int) -> np.ndarray:
-        if self._masks is None:
-            self._masks = np.zeros((self.backend.max_slots, self.guidance.words), np.int32)
-        return self._masks[:n]
 
     def _release_guide(self, seq: Sequence) -> None:
         if seq.guide is not None:
             guide, seq.guide = seq.guide, None
             self.guidance.release(guide)
 
-    def _decode_rate(self) -> float:
-        w = self._decode_window
-        if len(w) < 2 or time.perf_counter() - w[-1][0] > 2.0:
-            return 0.0
-        span = w[-1][0] - w[0][0]
-        return sum(n for _, n in w[1:]) / span if span > 0 else 0.0
-
     def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None,
                 logprobs: tuple[float, list[tuple[int, float]]] | None = None,
                 consumed: bool | None = None) -> None:
-        """Sample (unless the backend already did), then emit and check stop conditions.
+        """Sample (unless the backend already did), then emit and check stop conditions
+        (outputs.text_and_stop).
         logprobs: (chosen, top) when the backend computed them; else they come from `logits`.
         consumed: whether the guide took the token, when the caller has already given it."""
         p = seq.params
@@ -624,26 +494,7 @@ class Engine:
             tt = self.tokenizer.token_text
             lp = [(tt(token), chosen, [(tt(i), v) for i, v in top])]
 
-        # with a grammar, a stop token is drawn only where the grammar is complete: it ends the
-        # sequence even with ignore_eos
-        stop_tok = token in p.stop_token_ids or (token in self.tokenizer.stop_ids
-                                                 and (not p.ignore_eos or guide is not None))
-        reason = None
-        if stop_tok:
-            # the stop token's own text is never shown; whatever was held back is now final
-            reason = "stop"
-            text = seq.pending_text + seq.detok.flush()
-            seq.pending_text = ""
-        else:
-            text, hit = add_text(seq, seq.detok.add(token))
-            if hit:
-                reason = "stop"
-            elif guide is not None and guide.finished:     # nothing but a stop token could follow
-                reason = "stop"
-                text += drain_text(seq)
-            elif len(seq.output_ids) >= p.max_tokens:
-                reason = "length"
-                text += drain_text(seq)
+        text, reason = text_and_stop(seq, token, self.tokenizer.stop_ids)
         seq.emitted_text += text
         self._emit(seq, RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
                                       len(seq.output_ids), lp))
@@ -652,27 +503,11 @@ class Engine:
 
     def _emit(self, seq: Sequence, item: Any) -> None:
         """Queue an output (or an exception) for the sequence's caller; _flush delivers it."""
-        self._outbox.append((seq.sink, item))
+        self._outbox.emit(seq.sink, item)
 
     def _flush(self) -> None:
-        """Deliver the queued outputs, in order: one wakeup per event loop for all of its streams.
-        A wakeup per token would be a write to the loop's self-pipe each, and each write hands the
-        GIL to the loop thread, which the step thread then waits to get back: milliseconds per
-        step at 64 streams."""
-        if not self._outbox:
-            return
-        out, self._outbox = self._outbox, []
-        by_loop: dict[Any, list] = {}
-        for sink, item in out:
-            if isinstance(sink, _LoopSink):
-                by_loop.setdefault(sink.loop, []).append((sink.queue, item))
-            else:
-                sink(item)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:    # the callers' event loop is closed: they are gone, their aborts queued
-                pass
+        """Deliver the step's queued outputs (outputs.Outbox.flush: one wakeup per event loop)."""
+        self._outbox.flush()
 
     def _finish(self, seq: Sequence, reason: str, notify: bool = True) -> None:
         seq.finish_reason = reason
@@ -694,34 +529,3 @@ class Engine:
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         self.observer.on_request_finished("error", len(seq.prompt_ids), len(seq.output_ids),
                                           time.perf_counter() - seq.arrival, ttft)
-
-
-class _LoopSink:
-    """Where `generate` receives its sequence's outputs: an asyncio queue of the caller's loop."""
-    __slots__ = ("loop", "queue")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue):
-        self.loop, self.queue = loop, q
-
-    def __call__(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def _covers(batch: list, decode: list) -> bool:
-    """Every sequence of `decode` is a row of `batch`."""
-    rows = {id(s) for s in batch}
-    return all(id(s) in rows for s in decode)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """A row the greedy path (the device's argmax, nothing else) decodes."""
-    return (seq.params.greedy and not seq.sampler.needs_counts and seq.params.logprobs is None
-            and not seq.constrained)

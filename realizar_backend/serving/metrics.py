@@ -37,7 +37,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 PROMPT_BUCKETS = tuple(float(2 ** i) for i in range(0, 18))      # 1 .. 131072 tokens
 
 GRAPH_STATUSES = ("captured", "eager-fallback", "disabled")
-# decode_steps_total's `start` label (the engine's PIPELINE_REASONS after "ahead")
+# decode_steps_total's `start` label (engine/pipeline.py's PIPELINE_REASONS after "ahead")
 DECODE_STARTS = ("ahead", "prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 WORKER_STATUSES = ("loading", "ready", "failed")
 WORKER_LABEL = "worker"
