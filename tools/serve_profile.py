@@ -95,6 +95,7 @@ class StepRecorder:
         self.rows: list[tuple[float, float, int, bool]] = []   # (wall, backend, batch, had prefill)
         self.prompt: list[int] = []                             # prompt tokens prefilled in each step
         self.prefill_s: list[float] = []                        # time in backend.prefill in each step
+        self.calls: list[dict[str, float]] = []                 # each step's time per backend call
         self.cpu: list[float] = []                              # host CPU time of each step
         self.outside = 0.0
         self._last_end: float | None = None
@@ -110,6 +111,7 @@ class StepRecorder:
         self.backend.batch = 0
         pre0 = self.backend.calls.get("prefill", 0.0)
         tok0 = self.backend.prefill_tokens
+        calls0 = dict(self.backend.calls)
         if self.prof is not None:
             self.prof.enable()
         try:
@@ -124,6 +126,8 @@ class StepRecorder:
                               self.backend.calls.get("prefill", 0.0) != pre0))
             self.prompt.append(self.backend.prefill_tokens - tok0)
             self.prefill_s.append(self.backend.calls.get("prefill", 0.0) - pre0)
+            self.calls.append({k: v - calls0.get(k, 0.0) for k, v in self.backend.calls.items()
+                               if v != calls0.get(k, 0.0)})
 
 
 async def client(engine: Engine, settings: Settings, rng: np.random.Generator, args, counts: list[int]) -> None:
@@ -197,6 +201,7 @@ def main() -> int:
     rec.cpu.clear()
     rec.prompt.clear()
     rec.prefill_s.clear()
+    rec.calls.clear()
     backend.calls.clear()
     rec.outside, rec._last_end = 0.0, None
 
@@ -255,9 +260,16 @@ def main() -> int:
           f"{pre_wall:.3f} s of step wall time ({out['prefill_tok_s_in_steps']} tok/s, decode rows included); "
           f"wall outside any step {out['wall_outside_steps_s']} s")
     if pre:
-        print("  prefill steps (prompt tokens / decode rows / step ms / backend.prefill ms): " + ", ".join(
-            f"{n}/{r[2]}/{r[0] * 1e3:.1f}/{p * 1e3:.1f}" for (r, n), p in
+        print("  prefill steps (prompt tokens / decode rows / step ms / all backend calls ms / backend.prefill ms): "
+              + ", ".join(f"{n}/{r[2]}/{r[0] * 1e3:.1f}/{r[1] * 1e3:.1f}/{p * 1e3:.1f}" for (r, n), p in
             zip(pre, [p for p, n in zip(rec.prefill_s, rec.prompt) if n])))
+        per_call: dict[str, float] = {}
+        for c, n in zip(rec.calls, rec.prompt):
+            if n:
+                for k, v in c.items():
+                    per_call[k] = per_call.get(k, 0.0) + v
+        print("  backend calls in the prefill steps, ms: " + ", ".join(
+            f"{k} {v * 1e3:.1f}" for k, v in sorted(per_call.items(), key=lambda kv: -kv[1])))
     if args.profile:
         for name, prof in (("step thread (backend calls included)", step_prof), ("event loop", loop_prof)):
             if prof is None:
