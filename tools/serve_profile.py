@@ -50,7 +50,7 @@ from realizar_backend.settings import Settings  # noqa: E402
 DEFAULT_MODEL = Path.home() / ".cache/realizar-backend/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 BACKEND_CALLS = ("prefill", "decode", "decode_argmax", "decode_argmax_start", "decode_argmax_finish",
                  "decode_sample", "decode_sample_start", "decode_sample_launch", "decode_sample_finish",
-                 "set_block_table", "reset_counts", "release")
+                 "set_block_table", "set_block_tables", "reset_counts", "release")
 
 
 class TimedBackend:

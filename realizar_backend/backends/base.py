@@ -9,13 +9,13 @@ KV memory is one pool of `num_blocks` blocks of `block_size` positions each (K a
 layer). A running sequence lives in a *slot* (0 .. max_slots-1: its row of the block tables and
 of the penalty counts) and owns a list of blocks, its block table: blocks[i] holds its positions
 [i * block_size, (i + 1) * block_size). The engine hands out slots and blocks, and gives the
-backend a slot's table (`set_block_table`) before any step that reads or writes a position the
+backend a slot's table (`set_block_table`, or several at once: `set_block_tables`) before any step that reads or writes a position the
 slot's previous table did not cover. Two slots may name the same block (a shared prefix) as long
 as no step writes it.
 
 What the engine guarantees about started greedy steps (decode_argmax_start), so a backend that
 runs them asynchronously knows what may happen while one is in flight:
-- set_block_table may be called for a slot of the step in flight only to append blocks to its
+- set_block_table(s) may be called for a slot of the step in flight only to append blocks to its
   table (for the next step's position); it must take effect for steps started after the call and
   leave the step in flight as it was. Any other table change waits until the step is finished.
 - release may be called for a slot of the step in flight (its sequence just stopped); the step's
@@ -37,7 +37,7 @@ never pass through the host: on a GPU the device gathers them from the previous 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -120,6 +120,10 @@ class Backend(Protocol):
     def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
         """The KV blocks of the sequence in `slot`, in position order (replaces the slot's table;
         a backend may copy only what changed). len(blocks) <= ceil(max_context / block_size)."""
+
+    def set_block_tables(self, tables: Mapping[int, Sequence[int]]) -> None:
+        """set_block_table for several slots at once (slot -> blocks); a GPU backend copies them
+        in one transfer. A bad entry raises before any table changes."""
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
         """Run prompts (or chunks of them: start_pos > 0 continues the slot's sequence) into their

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -209,14 +209,21 @@ class CPUBackend:
         return sum(a.nbytes for a in self.k_pool) + sum(a.nbytes for a in self.v_pool)
 
     def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
-        t = np.asarray(blocks, np.int64).reshape(-1)
-        if t.size > self.max_blocks_per_seq:
-            raise ValueError(f"slot {slot}: {t.size} blocks exceed the context ({self.max_blocks_per_seq} blocks)")
-        if t.size and (t.min() < 0 or t.max() >= self.num_blocks):
-            raise ValueError(f"slot {slot}: block ids must be in 0..{self.num_blocks - 1}")
-        self.tables[slot] = t
+        self.set_block_tables({slot: blocks})
+
+    def set_block_tables(self, tables: Mapping[int, Sequence[int]]) -> None:
+        checked = []
+        for slot, blocks in tables.items():     # all checked first: a bad entry changes nothing
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
+            t = np.asarray(blocks, np.int64).reshape(-1)
+            if t.size > self.max_blocks_per_seq:
+                raise ValueError(f"slot {slot}: {t.size} blocks exceed the context ({self.max_blocks_per_seq} blocks)")
+            if t.size and (t.min() < 0 or t.max() >= self.num_blocks):
+                raise ValueError(f"slot {slot}: block ids must be in 0..{self.num_blocks - 1}")
+            checked.append((slot, t))
+        for slot, t in checked:
+            self.tables[slot] = t
 
     def weight_bytes(self) -> int:
         total = self.tok_embd.nbytes + (0 if self.output is self.tok_embd else self.output.nbytes)

@@ -155,8 +155,8 @@ class DecodePipeline:
         if tables is None:
             self.why = "no_block"
             return
-        for slot, table in tables.items():
-            self.backend.set_block_table(slot, table)
+        if tables:
+            self.backend.set_block_tables(tables)
         slots = [s.slot for s in nxt]
         if len(keep) == len(batch) and not new:        # the same rows: a plain continuation
             prev_rows = tokens = pos = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import cupy
 import numpy as np
@@ -168,6 +168,10 @@ class CUDABackend:
     def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
         with self.device:
             self.kv.set_table(slot, blocks, self.stream)
+
+    def set_block_tables(self, tables: Mapping[int, Sequence[int]]) -> None:
+        with self.device:
+            self.kv.set_tables(tables, self.stream)
 
     def _check(self, slot: int, last_pos: int) -> None:
         if not 0 <= slot < self.max_slots:
