@@ -136,6 +136,37 @@ def test_more_requests_than_slots_all_complete(engine):
     assert asyncio.run(go()) == [("length", 4)] * 10
 
 
+def test_step_accounts_add_up(engine):
+    """stats()'s step totals (the engine_* counters on /metrics) say what the loop's time went to:
+    the prompt tokens its steps computed, the steps by kind, and the time it sat idle."""
+    import time
+    before = engine.stats()
+    time.sleep(0.3)                        # idle: counted when the next step starts
+    prompts = [f"Entry {i} of the list:" for i in range(10)]
+    ids = [engine.prepare(p, SamplingParams(max_tokens=4, temperature=0)) for p in prompts]
+    t0 = time.perf_counter()
+
+    async def go():
+        async def one(x):
+            p = SamplingParams(max_tokens=4, temperature=0)
+            return [o async for o in engine.generate(x, p)]
+        return await asyncio.gather(*[one(x) for x in ids])     # 4 slots, 10 requests
+    asyncio.run(go())
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    steps = {k: after["engine_steps"][k] - before["engine_steps"][k] for k in after["engine_steps"]}
+    secs = {k: after["engine_step_seconds"][k] - before["engine_step_seconds"][k] for k in steps}
+    hits = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    assert after["engine_step_prompt_tokens"] - before["engine_step_prompt_tokens"] == sum(map(len, ids)) - hits
+    # 10 requests through 4 slots: prompts arrive while others decode, so some steps do both
+    assert steps["mixed"] >= 1 and steps["decode"] >= 1 and steps["prefill"] >= 1
+    # 3 tokens after each first one, at most one per sequence a step
+    assert steps["decode"] + steps["mixed"] >= 3
+    assert all(secs[k] > 0 for k in steps if steps[k])
+    assert sum(secs.values()) <= wall
+    assert after["engine_idle_seconds"] - before["engine_idle_seconds"] >= 0.25
+
+
 def test_request_errors_are_typed(engine):
     with pytest.raises(ContextOverflowError):
         engine.prepare("hello", SamplingParams(max_tokens=1000))

@@ -83,6 +83,13 @@ def test_metrics_move_with_traffic(server):
     steps = {s: delta(after, before, "realizar_decode_steps_total", start=s) for s in DECODE_STARTS}
     assert sum(steps.values()) == gen - k
     assert steps["ahead"] > 0 and 1 <= steps["start"] <= k
+    # the step loop's account: each prompt (one chunk) in a step of its own, then one decode step a token
+    hits = delta(after, before, "realizar_prefix_cache_hit_tokens_total")
+    assert delta(after, before, "realizar_engine_step_prompt_tokens_total") == prompt - hits
+    kinds = {s: delta(after, before, "realizar_engine_steps_total", kind=s) for s in ("prefill", "mixed", "decode")}
+    assert kinds == {"prefill": k, "mixed": 0, "decode": gen - k}
+    assert all(delta(after, before, "realizar_engine_step_seconds_total", kind=s) > 0 for s in ("prefill", "decode"))
+    assert delta(after, before, "realizar_engine_idle_seconds_total") > 0
     finished = sum(delta(after, before, "realizar_requests_total", finish_reason=r) for r in ("stop", "length"))
     assert finished == k
     assert delta(after, before, "realizar_requests_total", finish_reason="abort") == 0

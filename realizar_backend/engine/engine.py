@@ -52,6 +52,9 @@ from .scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
+# what a step of the loop did: decode rows only, prompt chunks only, or both in one step
+STEP_KINDS = ("decode", "prefill", "mixed")
+
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
@@ -101,6 +104,12 @@ class Engine:
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
         self._said_preempt = False
+        # what the step loop's time went to, cumulative (the metrics' engine_* counters)
+        self.step_counts = dict.fromkeys(STEP_KINDS, 0)
+        self.step_seconds = dict.fromkeys(STEP_KINDS, 0.0)
+        self.step_prompt_tokens = 0
+        self.idle_seconds = 0.0
+        self._step_kind: str | None = None
         self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots,
                                  split_parts=self.settings.guidance_mask_parts)
         if prewarm_guidance:
@@ -281,6 +290,10 @@ class Engine:
             "graph_replays": b.get("graph_replays", 0),
             "graph_captures": b.get("graph_captures", 0),
             "decode_steps": dict(self.pipeline.steps),     # cumulative, by how each step started
+            "engine_steps": dict(self.step_counts),        # cumulative, by kind (STEP_KINDS)
+            "engine_step_seconds": dict(self.step_seconds),
+            "engine_step_prompt_tokens": self.step_prompt_tokens,
+            "engine_idle_seconds": self.idle_seconds,
         }
 
     def finish_all(self, reason: str = "shutdown") -> None:
@@ -313,10 +326,15 @@ class Engine:
                     self.observer.on_step(self.stats())
                 self._flush()
             with sch.wakeup:
+                t_idle = time.perf_counter()
                 while not self._stop and not sch.has_work():
                     sch.wakeup.wait()
                 if self._stop:
                     break
+            t0 = time.perf_counter()
+            if idle:
+                self.idle_seconds += t0 - t_idle
+            self._step_kind = None
             try:
                 self._step()
             except Exception as e:  # a backend failure must not kill the loop or the waiting requests
@@ -325,6 +343,9 @@ class Engine:
                 for seq in list(sch.running):
                     self._fail(seq, e)
                 self._flush()
+            if self._step_kind is not None:
+                self.step_counts[self._step_kind] += 1
+                self.step_seconds[self._step_kind] += time.perf_counter() - t0
             # gauges: on every change of the batch's make-up, else at most every 50 ms, so that a
             # fast GPU step does not pay for a stats() call per token
             shape = (len(sch.running), len(sch.waiting))
@@ -362,8 +383,11 @@ class Engine:
                     "KV cache full (%d blocks): preempted %d sequence(s), recomputed when blocks free up",
                     self.kv.num_blocks, len(plan.preempted))
             self._said_preempt = True
-        for slot, table in plan.tables.items():
-            self.backend.set_block_table(slot, table)
+        if plan.tables:
+            self.backend.set_block_tables(plan.tables)
+        if plan.decode or plan.prefill:
+            self._step_kind = ("mixed" if plan.prefill else "decode") if plan.decode else "prefill"
+            self.step_prompt_tokens += sum(n for _, _, n in plan.prefill)
         if plan.decode:
             self._decode(plan.decode, plan.prefill)
         else:

@@ -37,6 +37,9 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 PROMPT_BUCKETS = tuple(float(2 ** i) for i in range(0, 18))      # 1 .. 131072 tokens
 
 GRAPH_STATUSES = ("captured", "eager-fallback", "disabled")
+# engine_steps_total's `kind` label (the engine's STEP_KINDS; not imported: serving's metrics
+# name the engine's values without depending on it)
+STEP_KINDS = ("decode", "prefill", "mixed")
 # decode_steps_total's `start` label (engine/pipeline.py's PIPELINE_REASONS after "ahead")
 DECODE_STARTS = ("ahead", "prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 WORKER_STATUSES = ("loading", "ready", "failed")
@@ -56,6 +59,13 @@ COUNTERS = {
     "decode_steps_total": "Decode steps by how they started: ahead (before the previous step's tokens were "
                           "read, so the device never waits for the host) or why not (prefill, finishing, "
                           "no_block, off, changed, kind, start)",
+    "engine_steps_total": "Engine steps by kind: decode (running sequences only), prefill (prompt chunks only), "
+                          "mixed (both in one step)",
+    "engine_step_seconds_total": "Wall time of the engine's steps by kind (a pipelined decode step includes "
+                                 "waiting for the device)",
+    "engine_step_prompt_tokens_total": "Prompt tokens computed by engine steps (a preempted sequence's "
+                                       "recompute included); over prefill and mixed steps, their mean size",
+    "engine_idle_seconds_total": "Time the engine's step loop waited with no work",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time from arrival to the first generated token",
@@ -106,6 +116,13 @@ class Metrics:
         self.prefix_hits = mine(pc.Counter(p + "prefix_cache_hit_tokens",
                                            COUNTERS["prefix_cache_hit_tokens_total"], [w], **kw))
         self.decode_steps = pc.Counter(p + "decode_steps", COUNTERS["decode_steps_total"], ["start", w], **kw)
+        self.engine_steps = pc.Counter(p + "engine_steps", COUNTERS["engine_steps_total"], ["kind", w], **kw)
+        self.engine_step_seconds = pc.Counter(p + "engine_step_seconds", COUNTERS["engine_step_seconds_total"],
+                                              ["kind", w], **kw)
+        self.engine_prompt_tokens = mine(pc.Counter(p + "engine_step_prompt_tokens",
+                                                    COUNTERS["engine_step_prompt_tokens_total"], [w], **kw))
+        self.engine_idle = mine(pc.Counter(p + "engine_idle_seconds", COUNTERS["engine_idle_seconds_total"],
+                                           [w], **kw))
         self.ttft = mine(pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
                                       [w], buckets=TTFT_BUCKETS, **kw))
         self.tpot = mine(pc.Histogram(p + "time_per_output_token_seconds",
@@ -139,7 +156,17 @@ class Metrics:
             self.request_errors.labels(status, worker)
         for start in DECODE_STARTS:
             self.decode_steps.labels(start, worker)
+        for kind in STEP_KINDS:
+            self.engine_steps.labels(kind, worker)
+            self.engine_step_seconds.labels(kind, worker)
         self._last_steps: dict[str, int] = {}
+        # the engine's cumulative step totals: (stats key, label) -> (counter child, last total seen)
+        self._step_totals: dict[tuple[str, str], tuple[Any, float]] = {}
+        for kind in STEP_KINDS:
+            self._step_totals["engine_steps", kind] = (self.engine_steps.labels(kind, worker), 0)
+            self._step_totals["engine_step_seconds", kind] = (self.engine_step_seconds.labels(kind, worker), 0.0)
+        self._step_totals["engine_step_prompt_tokens", ""] = (self.engine_prompt_tokens, 0)
+        self._step_totals["engine_idle_seconds", ""] = (self.engine_idle, 0.0)
         self._intervals: list[float] = []        # token intervals not yet in the histogram
         self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
         self._last_replays = 0
@@ -201,6 +228,12 @@ class Metrics:
                 if total > last:
                     self.decode_steps.labels(start, self.worker).inc(total - last)
                     self._last_steps[start] = total
+            for (key, label), (counter, last) in self._step_totals.items():
+                value = stats.get(key)
+                total = (value or {}).get(label, 0) if label else (value or 0)
+                if total > last:
+                    counter.inc(total - last)
+                    self._step_totals[key, label] = (counter, total)
             for key, (counter, last) in self._kv_totals.items():
                 total = int(stats.get(key, 0))
                 if total > last:
