@@ -91,6 +91,10 @@ class Settings:
     # decode step n+1 is started on the device's own tokens before the host reads step n's
     # (greedy and sampled); off: every step waits for the host (the unpipelined reference)
     pipelined_decode: bool = True
+    # a file the engine appends one JSON line per step to (when it started, its kind, prompt tokens
+    # and sequences, decode rows, wall ms, the idle ms before it, waiting and running after it):
+    # where a server's time goes, step by step. None: no trace
+    step_trace: str | None = None
     # constrained decoding: the vocabulary in this many parts, so that a row's token mask is
     # computed on as many threads while rows x parts fit the cores (small batches, where a slow
     # mask would hold up the step); 0 or 1: one thread a row
@@ -180,10 +184,12 @@ class Settings:
             if getattr(self, name) not in allowed:
                 raise self._bad(name, f"must be one of {', '.join(allowed)}")
 
-        for name in ("model", "model_name", "api_key", "model_cache"):
+        for name in ("model", "model_name", "api_key", "model_cache", "step_trace"):
             v = getattr(self, name)
             if v is not None and (not v.strip() or v != v.strip()):
                 raise self._bad(name, "must not be empty or start or end with white space")
+        if self.step_trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.step_trace))):
+            raise self._bad("step_trace", "names a file in a directory that does not exist")
         one_of("backend", "auto", "cuda", "cpu")
         at_least("device", 0)
         at_least("context_length", 0, 1 << 24)           # 0: the model's own

@@ -26,6 +26,7 @@ sequences (`_finish`, `_fail`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -110,6 +111,10 @@ class Engine:
         self.step_prompt_tokens = 0
         self.idle_seconds = 0.0
         self._step_kind: str | None = None
+        self._step_work = (0, 0, 0)          # this step's prompt tokens, prompt sequences, decode rows
+        self._trace = open(self.settings.step_trace, "a", buffering=1) if self.settings.step_trace else None
+        self._t_start = time.perf_counter()
+        self._epoch = time.time() - self._t_start          # perf_counter -> Unix time, for the trace
         self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots,
                                  split_parts=self.settings.guidance_mask_parts)
         if prewarm_guidance:
@@ -311,6 +316,8 @@ class Engine:
             self.scheduler.wakeup.notify()
         self._thread.join(timeout=10)
         self.backend.close()
+        if self._trace is not None:
+            self._trace.close()
 
     # ------------------------------------------------------------------ step loop (one thread)
 
@@ -332,8 +339,8 @@ class Engine:
                 if self._stop:
                     break
             t0 = time.perf_counter()
-            if idle:
-                self.idle_seconds += t0 - t_idle
+            idle_s = t0 - t_idle if idle else 0.0
+            self.idle_seconds += idle_s
             self._step_kind = None
             try:
                 self._step()
@@ -344,8 +351,11 @@ class Engine:
                     self._fail(seq, e)
                 self._flush()
             if self._step_kind is not None:
+                wall = time.perf_counter() - t0
                 self.step_counts[self._step_kind] += 1
-                self.step_seconds[self._step_kind] += time.perf_counter() - t0
+                self.step_seconds[self._step_kind] += wall
+                if self._trace is not None:
+                    self._trace_step(t0, wall, idle_s)
             # gauges: on every change of the batch's make-up, else at most every 50 ms, so that a
             # fast GPU step does not pay for a stats() call per token
             shape = (len(sch.running), len(sch.waiting))
@@ -387,7 +397,8 @@ class Engine:
             self.backend.set_block_tables(plan.tables)
         if plan.decode or plan.prefill:
             self._step_kind = ("mixed" if plan.prefill else "decode") if plan.decode else "prefill"
-            self.step_prompt_tokens += sum(n for _, _, n in plan.prefill)
+            self._step_work = (sum(n for _, _, n in plan.prefill), len(plan.prefill), len(plan.decode))
+            self.step_prompt_tokens += self._step_work[0]
         if plan.decode:
             self._decode(plan.decode, plan.prefill)
         else:
@@ -397,6 +408,14 @@ class Engine:
                 self._prefill(plan.prefill)
             self._flush()
         # else the next step delivers this one's outputs once its forward pass is launched
+
+    def _trace_step(self, t0: float, wall: float, idle_s: float) -> None:
+        tokens, seqs, rows = self._step_work
+        sch = self.scheduler
+        self._trace.write(json.dumps({
+            "t_ms": round(1e3 * (t0 - self._t_start), 3), "epoch": round(self._epoch + t0, 6), "kind": self._step_kind, "prompt_tokens": tokens,
+            "prompt_seqs": seqs, "decode_rows": rows, "ms": round(1e3 * wall, 3), "idle_ms": round(1e3 * idle_s, 3),
+            "waiting": len(sch.waiting), "running": len(sch.running)}) + "\n")
 
     def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:
         """The step's prompt chunks in one call; a sequence whose prompt is then complete draws
