@@ -13,7 +13,9 @@ with `ignore_eos` so that every request generates the same number of tokens.
 
 Requests go through the official `openai` async client (URL, auth, error statuses), and the
 stream is read as raw server-sent events, which keeps one client process fast enough to measure
-tens of thousands of tokens per second. Timing is taken on the client per streamed chunk that
+tens of thousands of tokens per second. The clients are spread over processes of 16 (`--processes`),
+because building a request through the official client costs ~2 ms: one process would send a wave
+of 64 new requests late. Timing is taken on the client per streamed chunk that
 carries text: time to first token, the gaps between chunks (inter-token latency), per-request time
 per output token and end-to-end latency.
 Tokens are counted from the usage chunk (`stream_options.include_usage`) when the server sends one,
@@ -24,9 +26,11 @@ and after, with counter deltas, when the server has them.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
+import multiprocessing
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +59,8 @@ BUSY_GAUGES = ("realizar_requests_running", "realizar_requests_waiting", "llamac
 SETTLE_S = 15.0            # how long to wait after the run for those gauges to reach 0
 PROGRESS_EVERY_S = 5.0     # plain progress lines when stderr is not a terminal
 CALIBRATION_ROUNDS = 4
+CLIENTS_PER_PROCESS = 16   # streams per client process when --processes is 0
+START_TIMEOUT_S = 120.0    # for client processes to start (import the client, connect)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class LoadtestConfig:
     random_cancel: float = 0.0
     seed: int = 0
     ignore_eos: bool = True
+    processes: int = 0                 # client processes; 0: one per CLIENTS_PER_PROCESS clients
 
     def validate(self) -> None:
         for name in ("clients", "requests", "prompt_tokens", "max_tokens"):
@@ -82,8 +89,18 @@ class LoadtestConfig:
             raise ValueError("--random-cancel must be a fraction between 0 and 1")
         if self.mode not in ("completions", "chat"):
             raise ValueError("--mode must be completions or chat")
+        if self.processes < 0:
+            raise ValueError("--processes must be 0 (automatic) or more")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"URL must start with http:// or https://, got {self.url!r}")
+
+    @property
+    def process_count(self) -> int:
+        """Client processes: one asyncio loop drives CLIENTS_PER_PROCESS streams well, but a burst of
+        new requests (64 streams ending together) costs it ~2 ms of request building each, so that
+        later streams' ends are read late and the server idles between waves it did not make."""
+        n = self.processes or min(-(-self.clients // CLIENTS_PER_PROCESS), os.cpu_count() or 1)
+        return max(1, min(n, self.clients, self.requests))
 
     @property
     def root(self) -> str:
@@ -99,6 +116,7 @@ class _Result:
     start: float = 0.0
     end: float | None = None
     ttft: float | None = None
+    done: float | None = None          # when the stream's end ([DONE]) was read; `end` is after the close
     gaps: list[float] = field(default_factory=list)
     chunks: int = 0                    # chunks that carried text
     usage_tokens: int | None = None
@@ -175,13 +193,15 @@ async def _server_metrics(root: str, headers: dict[str, str]) -> dict[str, dict[
     workers: set[str] = set()
     worker_keys: list[tuple[dict, str]] = []
     for fam in families:
-        if not fam.name.startswith(METRIC_PREFIXES) or fam.type not in ("gauge", "counter"):
+        if not fam.name.startswith(METRIC_PREFIXES) or fam.type not in ("gauge", "counter", "histogram"):
             continue
         gauge = fam.type == "gauge"
         out = gauges if gauge else counters
+        # a histogram's _sum and _count are counters too: their deltas give the run's server-side mean
+        ends = ("_sum", "_count") if fam.type == "histogram" else ("_total",)
         for s in fam.samples:
-            if not gauge and not s.name.endswith("_total"):
-                continue                     # _created timestamps
+            if not gauge and not s.name.endswith(ends):
+                continue                     # _created timestamps, histogram buckets
             labels = dict(s.labels)
             worker = labels.pop(WORKER_LABEL, None) if s.name.startswith("realizar_") else None
             if worker is None:
@@ -249,11 +269,13 @@ class _Progress:
             self.ticker = asyncio.create_task(self._tick())
 
     def advance(self, res: _Result) -> None:
-        self.done += 1
-        self.errors += res.status == "error"
-        self.tokens += res.tokens
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, info=self._info())
+        self.set(self.done + 1, self.errors + (res.status == "error"), self.tokens + res.tokens)
+
+    def set(self, done: int, errors: int, tokens: int) -> None:
+        """The counts so far (client processes report theirs through shared counters)."""
+        step, self.done, self.errors, self.tokens = done - self.done, done, errors, tokens
+        if self.bar is not None and step:
+            self.bar.update(self.task, advance=step, info=self._info())
 
     async def stop(self) -> None:
         if self.bar is not None:
@@ -312,6 +334,7 @@ class _Runner:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        res.done = time.perf_counter()
                         break
                     now = time.perf_counter()
                     chunk = json.loads(data)
@@ -335,17 +358,21 @@ class _Runner:
         finally:
             res.end = time.perf_counter()
 
-    async def run(self, progress: _Progress) -> tuple[list[_Result], float]:
-        counter = itertools.count()
+    async def run(self, progress, indices: range | None = None, clients: int | None = None,
+                  t0: float | None = None) -> tuple[list[_Result], float]:
+        """`clients` workers send requests `indices` (default: all of them, with cfg.clients), each
+        the next one when its last ends, until they are sent or cfg.duration_s from t0 passed."""
+        indices = range(self.cfg.requests) if indices is None else indices
+        counter = iter(indices)
         results: list[_Result] = []
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
         deadline = t0 + self.cfg.duration_s
 
         async def worker() -> None:
             while True:
-                i = next(counter)
+                i = next(counter, None)
                 left = deadline - time.perf_counter()
-                if i >= self.cfg.requests or left <= 0:
+                if i is None or left <= 0:
                     return
                 res = _Result(i)
                 results.append(res)
@@ -361,10 +388,113 @@ class _Runner:
 
         progress.start()
         try:
-            await asyncio.gather(*(worker() for _ in range(self.cfg.clients)))
+            await asyncio.gather(*(worker() for _ in range(self.cfg.clients if clients is None else clients)))
         finally:
             await progress.stop()
         return results, time.perf_counter() - t0
+
+
+class _SharedCounts:
+    """A client process's progress, added to counters the parent reads (done, errors, tokens)."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def start(self) -> None:
+        pass
+
+    def advance(self, res: _Result) -> None:
+        with self.counts.get_lock():
+            self.counts[0] += 1
+            self.counts[1] += res.status == "error"
+            self.counts[2] += res.tokens
+
+    async def stop(self) -> None:
+        pass
+
+
+def _client(cfg: LoadtestConfig):
+    import openai
+    # one pooled connection per client (the defaults keep only 100 alive); the type is the
+    # client's own Limits class (httpx or httpx2, by openai version)
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=cfg.clients + 8,
+                                                    max_keepalive_connections=cfg.clients + 8)
+    http = openai.DefaultAsyncHttpxClient(limits=limits)
+    return openai.AsyncOpenAI(base_url=cfg.root + "/v1", api_key=cfg.api_key or "unused", max_retries=0,
+                              timeout=openai.Timeout(cfg.duration_s + 60.0, connect=10.0), http_client=http)
+
+
+def _client_process(cfg: LoadtestConfig, p: int, procs: int, model: str, vocab: int | None, chat_words: int,
+                    ready, counts, out) -> None:
+    """One client process: requests p, p + procs, ... over its share of the clients, started when
+    every process is ready; puts (results, the perf_counter when its last stream ended) or an error."""
+    async def main():
+        async with _client(cfg) as client:
+            runner = _Runner(cfg, client, model, vocab, chat_words)
+            t0 = ready.wait()
+            clients = cfg.clients // procs + (p < cfg.clients % procs)
+            results, _ = await runner.run(_SharedCounts(counts), range(p, cfg.requests, procs), clients, t0)
+            return results, time.perf_counter()
+    try:
+        out.put(asyncio.run(main()))
+    except BaseException as e:             # reported by the parent, which then stops
+        ready.barrier.abort()               # nobody waits for this process at the start line
+        out.put(RealizarError(f"a loadtest client process failed: {type(e).__name__}: {e}"))
+
+
+class _StartLine:
+    """Every process waits here; all leave at once, with the same perf_counter as the start."""
+
+    def __init__(self, ctx, parties: int):
+        self.barrier = ctx.Barrier(parties, timeout=START_TIMEOUT_S)
+        self.t0 = ctx.Value("d", 0.0)
+
+    def wait(self) -> float:
+        if self.barrier.wait() == 0:
+            self.t0.value = time.perf_counter()
+        self.barrier.wait()
+        return self.t0.value
+
+
+async def _run_processes(cfg: LoadtestConfig, procs: int, model: str, vocab: int | None, chat_words: int,
+                         progress: _Progress) -> tuple[list[_Result], float]:
+    """The run over `procs` client processes (spawned: each its own interpreter and event loop);
+    perf_counter is the system's monotonic clock, so their times line up with each other."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, counts, out = _StartLine(ctx, procs + 1), ctx.Array("q", 3), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(cfg, p, procs, model, vocab, chat_words, ready, counts, out),
+                           daemon=True) for p in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        try:
+            t0 = await asyncio.to_thread(ready.wait)
+        except threading.BrokenBarrierError:
+            err = out.get(timeout=5) if not out.empty() else None
+            raise err if isinstance(err, BaseException) else RealizarError(
+                f"the loadtest client processes did not start within {START_TIMEOUT_S:g} s") from None
+        progress.start()
+        got: list = []
+        while len(got) < procs:
+            try:
+                item = await asyncio.to_thread(out.get, True, 0.25)
+            except Exception:                # queue.Empty: refresh the progress, look for a dead process
+                item = None
+            if isinstance(item, BaseException):
+                raise item
+            if item is not None:
+                got.append(item)
+            progress.set(*(int(x) for x in counts[:]))
+            if item is None and not any(w.is_alive() for w in workers) and out.empty():
+                raise RealizarError("a loadtest client process ended without its results")
+        await progress.stop()
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()
+            w.join(5)
+    results = sorted((r for rs, _ in got for r in rs), key=lambda r: r.index)
+    return results, max(end for _, end in got) - t0
 
 
 async def _discover(client, cfg: LoadtestConfig) -> tuple[str, dict]:
@@ -420,18 +550,10 @@ async def _calibrate_chat(client, model: str, target: int, seed: int) -> tuple[i
     return n, t
 
 
-async def _loadtest(cfg: LoadtestConfig) -> dict[str, Any]:
-    import openai
-
+async def _loadtest(cfg: LoadtestConfig, keep: list | None = None) -> dict[str, Any]:
+    """The run and its report; `keep` (a list) receives the per-request results."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    # one pooled connection per client (the defaults keep only 100 alive); the type is the
-    # client's own Limits class (httpx or httpx2, by openai version)
-    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=cfg.clients + 8,
-                                                    max_keepalive_connections=cfg.clients + 8)
-    http = openai.DefaultAsyncHttpxClient(limits=limits)
-    client = openai.AsyncOpenAI(base_url=cfg.root + "/v1", api_key=cfg.api_key or "unused", max_retries=0,
-                                timeout=openai.Timeout(cfg.duration_s + 60.0, connect=10.0), http_client=http)
-    async with client:
+    async with _client(cfg) as client:
         model, card = await _discover(client, cfg)
         context = card.get("max_model_len") or (card.get("meta") or {}).get("n_ctx_train")
         if context and cfg.prompt_tokens + cfg.max_tokens > context:
@@ -440,12 +562,19 @@ async def _loadtest(cfg: LoadtestConfig) -> dict[str, Any]:
         chat_words, chat_tokens = 0, None
         if cfg.mode == "chat":
             chat_words, chat_tokens = await _calibrate_chat(client, model, cfg.prompt_tokens, cfg.seed)
-        runner = _Runner(cfg, client, model, (card.get("meta") or {}).get("n_vocab"), chat_words)
-        print(f"loadtest: {cfg.clients} clients, up to {cfg.requests} {cfg.mode} requests or {cfg.duration_s:g} s, "
+        vocab = (card.get("meta") or {}).get("n_vocab")
+        runner = _Runner(cfg, client, model, vocab, chat_words)
+        procs = cfg.process_count
+        print(f"loadtest: {cfg.clients} clients{f' in {procs} processes' if procs > 1 else ''}, up to {cfg.requests} {cfg.mode} requests or {cfg.duration_s:g} s, "
               f"{cfg.prompt_tokens} prompt + {cfg.max_tokens} new tokens each, model {model!r} at {cfg.root}",
               file=sys.stderr, flush=True)
         before = await _server_metrics(cfg.root, headers)
-        results, elapsed = await runner.run(_Progress(cfg.requests))
+        if procs == 1:
+            results, elapsed = await runner.run(_Progress(cfg.requests))
+        else:
+            results, elapsed = await _run_processes(cfg, procs, model, vocab, chat_words, _Progress(cfg.requests))
+        if keep is not None:
+            keep.extend(results)
     after, settled = await _settled_metrics(cfg.root, headers) if before is not None else (None, False)
     return _report(cfg, model, results, elapsed, before, after, settled, chat_words, chat_tokens)
 
@@ -464,13 +593,16 @@ def _report(cfg, model, results, elapsed, before, after, settled, chat_words, ch
     server = None
     if before is not None:
         after = after or {"gauges": {}, "counters": {}}
+        delta = {k: v - before["counters"].get(k, 0.0) for k, v in after["counters"].items()}
         server = {"gauges_before": before["gauges"], "gauges_after": after["gauges"], "settled": settled,
-                  "counters_delta": {k: v - before["counters"].get(k, 0.0) for k, v in after["counters"].items()}}
+                  "counters_delta": {k: v for k, v in delta.items() if not k.split("{")[0].endswith(("_sum", "_count"))},
+                  "histogram_means": _histogram_means(delta)}
     return {
         "url": cfg.root, "model": model, "mode": cfg.mode,
         "config": {"clients": cfg.clients, "requests": cfg.requests, "duration_s": cfg.duration_s,
                    "prompt_tokens": cfg.prompt_tokens, "max_tokens": cfg.max_tokens,
-                   "random_cancel": cfg.random_cancel, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos},
+                   "random_cancel": cfg.random_cancel, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
+                   "processes": cfg.process_count},
         "chat_prompt_words": chat_words or None, "chat_prompt_tokens_sized": chat_tokens,
         "requests": {"sent": len(results), "completed": len(ok), "cancelled": len(by["cancelled"]),
                      "cut": len(by["cut"]), "errors": len(by["error"]),
@@ -489,6 +621,21 @@ def _report(cfg, model, results, elapsed, before, after, settled, chat_words, ch
         "e2e_s": _summary([r.end - r.start for r in ok]),
         "server": server,
     }
+
+
+def _histogram_means(delta: dict[str, float]) -> dict[str, dict[str, float]]:
+    """name{labels} -> {"mean", "count"} over the run, from a histogram's _sum and _count deltas:
+    the server's own view (e.g. its time to first token from arrival, beside the client's)."""
+    out = {}
+    for key, count in delta.items():
+        name, brace, labels = key.partition("{")
+        if not name.endswith("_count") or count <= 0:
+            continue
+        base = name.removesuffix("_count")
+        total = delta.get(base + "_sum" + brace + labels)
+        if total is not None:
+            out[base + brace + labels] = {"mean": total / count, "count": count}
+    return out
 
 
 # ------------------------------------------------------------------------------ output
@@ -530,6 +677,11 @@ def format_report(rep: dict[str, Any]) -> str:
         for k, d in sorted(srv["counters_delta"].items()):
             if d:
                 lines.append(f"| {k} | | +{_num(d)} |")
+        if srv.get("histogram_means"):
+            lines += ["", "| server histogram (this run) | mean | count |", "|---|---|---|"]
+            for k, h in sorted(srv["histogram_means"].items()):
+                unit = 1000.0 if "_seconds" in k else 1.0
+                lines.append(f"| {k}{' (ms)' if unit != 1.0 else ''} | {_num(h['mean'] * unit)} | {_num(h['count'])} |")
         if not srv["settled"]:
             lines.append(f"| (server still busy {SETTLE_S:g} s after the run) | | |")
     return "\n".join(lines)
@@ -541,13 +693,29 @@ def _num(v: float | None) -> str:
     return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.4g}"
 
 
+def write_requests(results: list[_Result], path: str) -> None:
+    """One JSON line per request, its times as Unix epoch seconds (to line up with a server's own
+    logs or step trace): start, first token, end of stream read, closed; status and tokens."""
+    epoch = time.time() - time.perf_counter()
+    at = lambda t: None if t is None else round(epoch + t, 6)      # noqa: E731
+    with open(path, "w") as f:
+        for r in sorted(results, key=lambda r: r.index):
+            f.write(json.dumps({"index": r.index, "status": r.status, "start": at(r.start),
+                                "first_token": at(None if r.ttft is None else r.start + r.ttft),
+                                "done": at(r.done), "end": at(r.end), "tokens": r.tokens,
+                                "error": r.error[0] if r.error else None}) + "\n")
+
+
 def run_loadtest(args) -> int:
     cfg = LoadtestConfig(url=args.url, clients=args.clients, requests=args.requests, duration_s=args.duration,
                          prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, model=args.model,
                          api_key=args.api_key, mode=args.mode, random_cancel=args.random_cancel, seed=args.seed,
-                         ignore_eos=not args.no_ignore_eos)
+                         ignore_eos=not args.no_ignore_eos, processes=args.processes)
     cfg.validate()
-    rep = asyncio.run(_loadtest(cfg))
+    results: list[_Result] = []
+    rep = asyncio.run(_loadtest(cfg, results))
+    if getattr(args, "requests_out", None):
+        write_requests(results, args.requests_out)
     print(format_report(rep), flush=True)
     if args.json:
         with open(args.json, "w") as f:

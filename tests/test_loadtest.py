@@ -5,6 +5,7 @@ limit close streams and the server frees them, and a bad URL or model is reporte
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -46,9 +47,15 @@ def test_report_agrees_with_the_server(server, tmp_path, capsys):
     assert wait_for(lambda: idle(server), 30)
     before = server.metrics()
     rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--clients", "3", "--requests", "7",
-                       "--prompt-tokens", "16", "--max-tokens", "4")
+                       "--prompt-tokens", "16", "--max-tokens", "4", "--requests-out", str(tmp_path / "req.jsonl"))
     after = server.metrics()
     assert rc == 0
+    # --requests-out: each request's times, in order, on the wall clock
+    reqs = [json.loads(x) for x in (tmp_path / "req.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in reqs] == list(range(7))
+    assert all(r["status"] == "ok" and r["tokens"] == 4 and r["error"] is None for r in reqs)
+    assert all(r["start"] < r["first_token"] <= r["done"] <= r["end"] for r in reqs)
+    assert max(r["end"] for r in reqs) - min(r["start"] for r in reqs) <= rep["elapsed_s"] + 0.05
     assert rep["model"] == "SmolLM2-135M-Instruct" and rep["mode"] == "completions"
     assert rep["requests"] == {"sent": 7, "completed": 7, "cancelled": 0, "cut": 0, "errors": 0, "not_started": 0}
     assert rep["errors"] == {}
@@ -64,6 +71,12 @@ def test_report_agrees_with_the_server(server, tmp_path, capsys):
     assert srv["counters_delta"]['realizar_requests_total{finish_reason="length"}'] == 7
     assert srv["gauges_after"]["realizar_requests_running"] == 0
     assert "realizar_kv_cache_usage_ratio" in srv["gauges_before"]
+    # the server's histograms over the run: its own first-token time (from arrival) is within the client's
+    means = srv["histogram_means"]
+    assert means["realizar_time_to_first_token_seconds"]["count"] == 7
+    assert 0 < means["realizar_time_to_first_token_seconds"]["mean"] <= rep["ttft_s"]["mean"]
+    assert means["realizar_prompt_length_tokens"] == {"mean": 16, "count": 7}
+    assert not any(k.endswith(("_sum", "_count")) for k in srv["counters_delta"])
 
     assert_ordered(rep["ttft_s"], 7)
     assert_ordered(rep["e2e_s"], 7)
@@ -76,7 +89,31 @@ def test_report_agrees_with_the_server(server, tmp_path, capsys):
     out = capsys.readouterr()
     assert "| generation tok/s |" in out.out and "| time to first token |" in out.out
     assert "| realizar_kv_cache_usage_ratio |" in out.out
+    assert "| realizar_time_to_first_token_seconds (ms) |" in out.out
     assert "loadtest: 3 clients" in out.err
+
+
+def test_clients_spread_over_processes(server, tmp_path, capsys):
+    """--processes: the clients in several client processes, one report over all of them that
+    agrees with the server, every request sent once."""
+    assert wait_for(lambda: idle(server), 30)
+    before = server.metrics()
+    rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--clients", "3", "--requests", "7",
+                       "--prompt-tokens", "16", "--max-tokens", "3", "--processes", "2",
+                       "--requests-out", str(tmp_path / "req.jsonl"))
+    after = server.metrics()
+    assert rc == 0 and rep["config"]["processes"] == 2
+    assert rep["requests"] == {"sent": 7, "completed": 7, "cancelled": 0, "cut": 0, "errors": 0, "not_started": 0}
+    assert rep["output_tokens"] == 7 * 3 == delta(after, before, "realizar_generation_tokens_total")
+    assert delta(after, before, "realizar_prompt_tokens_total") == 7 * 16
+    reqs = [json.loads(x) for x in (tmp_path / "req.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in reqs] == list(range(7))
+    assert all(r["start"] < r["first_token"] <= r["done"] <= r["end"] for r in reqs)
+    # both processes start at the same line: each one's first request goes out at once
+    assert abs(reqs[0]["start"] - reqs[1]["start"]) < 0.5
+    assert_ordered(rep["ttft_s"], 7)
+    assert rep["output_tokens_per_s"] == pytest.approx(rep["output_tokens"] / rep["elapsed_s"])
+    assert "3 clients in 2 processes" in capsys.readouterr().err
 
 
 def test_chat_prompts_are_sized_by_the_server(server, tmp_path):
@@ -159,3 +196,14 @@ def test_unreachable_server_is_reported_by_error_type(tmp_path, capsys):
 def test_bad_options_are_refused():
     assert main(["loadtest", "http://127.0.0.1:9", "--random-cancel", "1.5"]) == 2
     assert main(["loadtest", "localhost:3000"]) == 2
+    assert main(["loadtest", "http://127.0.0.1:9", "--processes", "-1"]) == 2
+
+
+def test_process_count_follows_the_clients():
+    from realizar_backend.loadtest import CLIENTS_PER_PROCESS, LoadtestConfig
+    cpus = os.cpu_count() or 1
+    assert LoadtestConfig("http://x", clients=CLIENTS_PER_PROCESS).process_count == 1
+    assert LoadtestConfig("http://x", clients=4 * CLIENTS_PER_PROCESS, requests=1000).process_count == min(4, cpus)
+    assert LoadtestConfig("http://x", clients=64, requests=2).process_count == min(2, cpus)   # no idle processes
+    assert LoadtestConfig("http://x", clients=5, processes=3).process_count == 3
+    assert LoadtestConfig("http://x", clients=2, processes=8).process_count == 2
