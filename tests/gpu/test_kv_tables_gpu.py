@@ -55,3 +55,24 @@ def test_several_tables_in_one_copy(kv, rng):
         kv.set_tables({1: [1, 2], kv.max_slots: [3]}, stream)
     np.testing.assert_array_equal(device_rows(kv), want)
     np.testing.assert_array_equal(kv.covered, covered)
+
+
+def test_uploads_queued_behind_work_land_in_order(kv, rng):
+    """More uploads than a few pinned staging copies, queued behind work still running on the
+    stream (as the engine's are, behind a decode step in flight): every one lands, in order."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    want = np.full((kv.max_slots + 1, kv.max_blocks), kv.scratch_block, np.int32)
+    a = cupy.asarray(rng.standard_normal((2048, 2048), dtype=np.float32))
+    with stream:
+        for _ in range(8):                     # tens of milliseconds of work ahead of the copies
+            a = a @ a
+            a /= cupy.linalg.norm(a)
+    tables = {s: [] for s in range(kv.max_slots)}
+    for step in range(kv.max_blocks):          # every slot grows by one block a step, as in decode
+        for s in tables:
+            tables[s].append(int(rng.integers(0, kv.num_blocks)))
+        kv.set_tables({s: list(t) for s, t in tables.items()}, stream)
+    for s, t in tables.items():
+        want[s, :len(t)] = t
+    stream.synchronize()
+    np.testing.assert_array_equal(device_rows(kv), want)

@@ -5,8 +5,9 @@ The pool has num_blocks + 1 blocks: the last is scratch, and so is the last tabl
 slot, whose every entry names the scratch block): padded rows of a bucketed decode batch run on
 the scratch slot at position 0, so they never touch a live block. The engine's KV manager decides
 which blocks a sequence owns; `set_tables` copies the slots' tables to the device, only the entries
-that changed (a growing sequence adds one entry per block_size tokens), in one copy on the backend's
-stream, so a step enqueued after it sees it and one enqueued before it does not."""
+that changed (a growing sequence adds one entry per block_size tokens), in one asynchronous copy from
+pinned memory on the backend's stream, so a step enqueued after it sees it and one enqueued before it
+does not, and the host never waits for the step in flight."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from ...model.config import ModelConfig
 from .ops import PagedKV
 
 log = logging.getLogger(__name__)
+
+STAGING_MAX = 16       # pinned copies of the block tables for uploads still queued, at most
 
 
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
@@ -55,6 +58,11 @@ class KVCache:
         # kernel cache would first compile with NVRTC
         self.tables = cupy.asarray(self._host)
         self.covered = np.zeros(max_slots + 1, np.int64)    # positions each slot's table covers
+        # pinned copies of the tables that uploads read from: an upload from pageable memory waits
+        # for the work already on the stream (a decode step or a prefill in flight), one from pinned
+        # memory does not. A copy is written again only once its last upload is done; the host may
+        # run a prefill and a step ahead of the device, so there are as many copies as that takes
+        self._staging: list[tuple[object, np.ndarray, cupy.cuda.Event]] = []
         self.covered[self.scratch_slot] = block_size
         layer_bytes = self.k.nbytes // cfg.n_layers
         self._layers = [PagedKV(self.k.data.ptr + i * layer_bytes, self.v.data.ptr + i * layer_bytes,
@@ -97,11 +105,29 @@ class KVCache:
         c0, c1 = min(r[1] for r in rows), max(r[2] for r in rows)
         item = self._host.itemsize
         pitch = self.max_blocks * item
-        # from pageable memory: the call returns once the bytes are staged, so the host copy may
-        # change right after; the device copy runs in stream order (after the step in flight)
+        staged, done = self._free_staging()
+        staged[r0:r1, c0:c1] = self._host[r0:r1, c0:c1]
+        # in stream order: steps queued before see the old tables, steps queued after the new ones
         cupy.cuda.runtime.memcpy2DAsync(self.tables.data.ptr + (r0 * self.max_blocks + c0) * item, pitch,
-                                        self._host[r0:, c0:].ctypes.data, pitch, (c1 - c0) * item, r1 - r0,
+                                        staged[r0:, c0:].ctypes.data, pitch, (c1 - c0) * item, r1 - r0,
                                         cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        done.record(stream)
+
+    def _free_staging(self) -> tuple[np.ndarray, cupy.cuda.Event]:
+        """A pinned copy of the tables that no queued upload still reads: a free one, else a new
+        one, else (STAGING_MAX of them busy) the oldest once its upload is done."""
+        for i, (_, staged, done) in enumerate(self._staging):
+            if done.done:
+                self._staging.append(self._staging.pop(i))      # most recently used last
+                return staged, done
+        if len(self._staging) < STAGING_MAX:
+            mem = cupy.cuda.alloc_pinned_memory(self._host.nbytes)
+            self._staging.append((mem, np.frombuffer(mem, np.int32, self._host.size).reshape(self._host.shape),
+                                  cupy.cuda.Event(disable_timing=True)))
+        else:
+            self._staging.append(self._staging.pop(0))
+            self._staging[-1][2].synchronize()
+        return self._staging[-1][1], self._staging[-1][2]
 
     @property
     def nbytes(self) -> int:
@@ -109,4 +135,5 @@ class KVCache:
 
     def close(self) -> None:
         self.k = self.v = self.tables = None
+        self._staging.clear()
         self._layers.clear()
