@@ -194,6 +194,23 @@ class Backend(Protocol):
         """Free device resources."""
 
 
+def checked_tables(tables: Mapping[int, Sequence[int]], max_slots: int, max_blocks: int, num_blocks: int,
+                   dtype=np.int32) -> list[tuple[int, np.ndarray]]:
+    """set_block_tables' argument checked, every entry before any is used (a bad one changes
+    nothing): (slot, blocks as an array) for each slot, or ValueError naming the slot."""
+    checked = []
+    for slot, blocks in tables.items():
+        if not 0 <= slot < max_slots:
+            raise ValueError(f"slot {slot} out of range 0..{max_slots - 1}")
+        b = np.asarray(blocks, dtype).reshape(-1)
+        if b.size > max_blocks:
+            raise ValueError(f"slot {slot}: {b.size} blocks exceed the {max_blocks} of a whole context")
+        if b.size and (b.min() < 0 or b.max() >= num_blocks):
+            raise ValueError(f"slot {slot}: block ids must be in 0..{num_blocks - 1}")
+        checked.append((slot, b))
+    return checked
+
+
 def continued_inputs(prev_slots: Sequence[int], prev_positions: Sequence[int], slots: Sequence[int],
                      tokens: Sequence[int] | None, positions: Sequence[int] | None,
                      prev_rows: Sequence[int] | None) -> tuple[list[int], list[int], list[int]]:

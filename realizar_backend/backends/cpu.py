@@ -17,7 +17,7 @@ from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig, RopeScaling
 from ..progress import progress
-from .base import PrefillItem, SampleResult, SampleRow, continued_inputs
+from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
 
 log = logging.getLogger(__name__)
 
@@ -212,17 +212,7 @@ class CPUBackend:
         self.set_block_tables({slot: blocks})
 
     def set_block_tables(self, tables: Mapping[int, Sequence[int]]) -> None:
-        checked = []
-        for slot, blocks in tables.items():     # all checked first: a bad entry changes nothing
-            if not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
-            t = np.asarray(blocks, np.int64).reshape(-1)
-            if t.size > self.max_blocks_per_seq:
-                raise ValueError(f"slot {slot}: {t.size} blocks exceed the context ({self.max_blocks_per_seq} blocks)")
-            if t.size and (t.min() < 0 or t.max() >= self.num_blocks):
-                raise ValueError(f"slot {slot}: block ids must be in 0..{self.num_blocks - 1}")
-            checked.append((slot, t))
-        for slot, t in checked:
+        for slot, t in checked_tables(tables, self.max_slots, self.max_blocks_per_seq, self.num_blocks, np.int64):
             self.tables[slot] = t
 
     def weight_bytes(self) -> int:

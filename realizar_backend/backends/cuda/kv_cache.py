@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 
 from ...model.config import ModelConfig
+from ..base import checked_tables
 from .ops import PagedKV
 
 log = logging.getLogger(__name__)
@@ -81,16 +82,7 @@ class KVCache:
         and entries that changed (rows in between that did not change are copied with the values
         the device already has). One copy, because a step where 64 sequences cross a block boundary
         together, or 16 prompts are admitted, would otherwise pay 64 or 16 copies of ~60 us."""
-        checked = []
-        for slot, blocks in tables.items():     # all checked before any changes: a bad one changes nothing
-            if not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot {slot} out of range 0..{self.max_slots - 1}")
-            b = np.asarray(blocks, np.int32).reshape(-1)
-            if b.size > self.max_blocks:
-                raise ValueError(f"slot {slot}: {b.size} blocks exceed the {self.max_blocks} of a whole context")
-            if b.size and (b.min() < 0 or b.max() >= self.num_blocks):
-                raise ValueError(f"slot {slot}: block ids must be in [0, {self.num_blocks})")
-            checked.append((slot, b))
+        checked = checked_tables(tables, self.max_slots, self.max_blocks, self.num_blocks)
         rows: list[tuple[int, int, int]] = []          # (slot, first changed entry, end)
         for slot, b in checked:
             self.covered[slot] = b.size * self.block_size
