@@ -565,8 +565,9 @@ async def _loadtest(cfg: LoadtestConfig, keep: list | None = None) -> dict[str, 
         vocab = (card.get("meta") or {}).get("n_vocab")
         runner = _Runner(cfg, client, model, vocab, chat_words)
         procs = cfg.process_count
-        print(f"loadtest: {cfg.clients} clients{f' in {procs} processes' if procs > 1 else ''}, up to {cfg.requests} {cfg.mode} requests or {cfg.duration_s:g} s, "
-              f"{cfg.prompt_tokens} prompt + {cfg.max_tokens} new tokens each, model {model!r} at {cfg.root}",
+        where = f" in {procs} processes" if procs > 1 else ""
+        print(f"loadtest: {cfg.clients} clients{where}, up to {cfg.requests} {cfg.mode} requests or "
+              f"{cfg.duration_s:g} s, {cfg.prompt_tokens} prompt + {cfg.max_tokens} new tokens each, model {model!r} at {cfg.root}",
               file=sys.stderr, flush=True)
         before = await _server_metrics(cfg.root, headers)
         if procs == 1:
@@ -714,7 +715,7 @@ def run_loadtest(args) -> int:
     cfg.validate()
     results: list[_Result] = []
     rep = asyncio.run(_loadtest(cfg, results))
-    if getattr(args, "requests_out", None):
+    if args.requests_out:
         write_requests(results, args.requests_out)
     print(format_report(rep), flush=True)
     if args.json:

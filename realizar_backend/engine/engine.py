@@ -413,8 +413,9 @@ class Engine:
         tokens, seqs, rows = self._step_work
         sch = self.scheduler
         self._trace.write(json.dumps({
-            "t_ms": round(1e3 * (t0 - self._t_start), 3), "epoch": round(self._epoch + t0, 6), "kind": self._step_kind, "prompt_tokens": tokens,
-            "prompt_seqs": seqs, "decode_rows": rows, "ms": round(1e3 * wall, 3), "idle_ms": round(1e3 * idle_s, 3),
+            "t_ms": round(1e3 * (t0 - self._t_start), 3), "epoch": round(self._epoch + t0, 6),
+            "kind": self._step_kind, "prompt_tokens": tokens, "prompt_seqs": seqs, "decode_rows": rows,
+            "ms": round(1e3 * wall, 3), "idle_ms": round(1e3 * idle_s, 3),
             "waiting": len(sch.waiting), "running": len(sch.running)}) + "\n")
 
     def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:

@@ -156,11 +156,9 @@ class Metrics:
             self.request_errors.labels(status, worker)
         for start in DECODE_STARTS:
             self.decode_steps.labels(start, worker)
-        for kind in STEP_KINDS:
-            self.engine_steps.labels(kind, worker)
-            self.engine_step_seconds.labels(kind, worker)
         self._last_steps: dict[str, int] = {}
-        # the engine's cumulative step totals: (stats key, label) -> (counter child, last total seen)
+        # the engine's cumulative step totals: (stats key, label) -> (counter child, last total seen);
+        # the children made here are on /metrics at 0 before the first step
         self._step_totals: dict[tuple[str, str], tuple[Any, float]] = {}
         for kind in STEP_KINDS:
             self._step_totals["engine_steps", kind] = (self.engine_steps.labels(kind, worker), 0)
