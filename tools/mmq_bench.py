@@ -82,10 +82,12 @@ def main() -> int:
     ap.add_argument("--splits", default="", help="also time mmq at these forced K splits")
     ap.add_argument("--no-mmvf", action="store_true")
     ap.add_argument("--warps", default="", help="also time mmqs.cu (M <= 16) at these warps per block")
+    ap.add_argument("--clusters", default="", help="also time mmqs.cu (M <= 16) at these blocks per cluster")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     forced = [int(s) for s in args.splits.split(",") if s]
     warps = [int(w) for w in args.warps.split(",") if w]
+    clusters = [int(c) for c in args.clusters.split(",") if c]
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     qtypes = {q for s in shapes for q, _ in s[1]}
 
@@ -130,15 +132,15 @@ def main() -> int:
         for M in ms:
             row = {"shape": name, "M": M, "K": K, "rows": rows, "weight_bytes": wbytes, "copies": copies}
 
-            def run_mmq(i, splits=None, M=M, small=None, warps=None):
+            def run_mmq(i, splits=None, M=M, small=None, warps=None, cluster=None):
                 ws = copy_sets[i]
                 mmq.prep(k, x.data.ptr, K_max, M, K, prep)
                 if ffn:
                     mmq.mmq_ffn(k, ws[0], ws[1], prep, M, 0, outs[0].data.ptr, rows[0], scratch, splits=splits,
-                                small=small, warps=warps)
+                                small=small, warps=warps, cluster=cluster)
                 else:
                     mmq.mmq(k, [(w, 0, o.data.ptr, n) for w, o, n in zip(ws, outs, rows)], K, prep, M, scratch,
-                            splits=splits, small=small, warps=warps)
+                            splits=splits, small=small, warps=warps, cluster=cluster)
 
             def run_prep(i, M=M):
                 mmq.prep(k, x.data.ptr, K_max, M, K, prep)
@@ -161,6 +163,10 @@ def main() -> int:
                 row["tile_us"] = median_call_us(lambda i: run_mmq(i, small=False), copies, args.reps)
                 for wp in warps:
                     row[f"small_w{wp}_us"] = median_call_us(lambda i, wp=wp: run_mmq(i, warps=wp), copies, args.reps)
+                tiles = sum(-(-n // 16) for n in rows) * (-(-M // (8 if M <= 8 else 16)))
+                row["cluster"] = mmq.small_cluster(tiles, K, k.sm_count) if mmq.clusters_ok(k) else 1
+                for c in clusters:
+                    row[f"small_c{c}_us"] = median_call_us(lambda i, c=c: run_mmq(i, cluster=c), copies, args.reps)
             row["prep_us"] = median_call_us(run_prep, min(copies, 16), args.reps)
             if not args.no_mmvf:
                 row["mmvf_us"] = median_call_us(run_mmvf, copies, args.reps)
@@ -177,8 +183,9 @@ def main() -> int:
             if "groups_us" in row:
                 sp += f"  [mmqs in groups of 16: {row['groups_us']:.1f}; tiles {row['tile_us']:.1f}]"
             elif "tile_us" in row:
-                sp += f"  [mmqs; tiles {row['tile_us']:.1f}]" + "".join(
-                    f"  w{wp}={row[f'small_w{wp}_us']:.1f}" for wp in warps)
+                sp += f"  [mmqs, cluster {row['cluster']}; tiles {row['tile_us']:.1f}]" + "".join(
+                    f"  w{wp}={row[f'small_w{wp}_us']:.1f}" for wp in warps) + "".join(
+                    f"  c{c}={row[f'small_c{c}_us']:.1f}" for c in clusters)
             mv = (f"{row['mmvf_us']:9.1f} {row['mmvf_GBps']:7.0f} {row['mmq_us'] and row['mmvf_us'] / row['mmq_us']:6.2f}x"
                   if "mmvf_us" in row else "")
             print(f"{name:9s} M={M:4d} bn{pl.bn:<2d}x{pl.token_tiles} split {pl.splits:2d} grid {pl.grid:5d} | "

@@ -17,11 +17,15 @@
 // shared memory (deterministic), then warp 0 runs the epilogue (1/s, bias, residual, act(g) * u,
 // the LM head's argmax), as mmq.cu's.
 //
-// mmqs_tT (T = 8 or 16 tokens): segments, mode, act, accumulate and amax as mmq_bnBN; no K split
-// over CTAs; more than T tokens in groups of T (one block per weight tile and group). Requirements
-// (checked on the host): K % 64 == 0 (K-quants: K % 256 == 0).
+// mmqs_tT (T = 8 or 16 tokens): segments, mode, act, accumulate and amax as mmq_bnBN; more than T
+// tokens in groups of T (one block per weight tile and group). K is split over CTAs only within a
+// thread-block cluster (sm_90): the blocks' sums meet in distributed shared memory, in rank order,
+// with no scratch, fence or counter in global memory (mmq.cu's split pays those, which cost more
+// than they gave here: perf-notes v19). Requirements (checked on the host): K % 64 == 0 (K-quants:
+// K % 256 == 0).
 #include "common.cuh"
 #include "mma.cuh"
+#include "cluster.cuh"
 
 #define MMQS_MAXW 8          // warps per block (they split K)
 #define MMQS_ITEMS 4         // 64-column items of one 16-row tile a warp loads before using them
@@ -286,26 +290,41 @@ __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2],
     if (!known) mmq_fill_nan(acc);
 }
 
-// warps 1.. W-1 hand their sums to warp 0, which adds them in warp order; true for warp 0
+// warps 1.. W-1 hand their sums to warp 0, which adds them in warp order; then, in a cluster of C
+// blocks (which split K between them), blocks 1.. C-1 hand theirs to block 0 through distributed
+// shared memory, added in rank order. True for warp 0 of block 0, which holds the total.
 template <int E>
-__device__ __forceinline__ bool mmqs_reduce(float (&v)[E], int w, int W, int lane) {
+__device__ __forceinline__ bool mmqs_reduce(float (&v)[E], int w, int W, int lane, int rank, int C) {
     __shared__ float red[MMQS_MAXW - 1][E][32];
     if (w > 0)
 #pragma unroll
         for (int j = 0; j < E; ++j) red[w - 1][j][lane] = v[j];
     __syncthreads();
-    if (w > 0) return false;
-    for (int k = 1; k < W; ++k)
+    if (w == 0)
+        for (int k = 1; k < W; ++k)
 #pragma unroll
-        for (int j = 0; j < E; ++j) v[j] += red[k - 1][j][lane];
-    return true;
+            for (int j = 0; j < E; ++j) v[j] += red[k - 1][j][lane];
+    if (C > 1) {
+        __syncthreads();                          // warp 0 is done reading red
+        if (w == 0 && rank > 0)
+#pragma unroll
+            for (int j = 0; j < E; ++j) red[0][j][lane] = v[j];
+        cluster_sync();
+        if (w == 0 && rank == 0)
+            for (int r = 1; r < C; ++r)
+#pragma unroll
+                for (int j = 0; j < E; ++j) v[j] += cluster_ld(&red[0][j][lane], (unsigned)r);
+        cluster_sync();                           // a block's shared memory outlives its readers
+    }
+    return w == 0 && rank == 0;
 }
 
 template <int NT>
 __device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
                                           const float* __restrict__ inv, int M, int mode, int act, int accumulate, int tile,
-                                          unsigned long long* amax) {
+                                          unsigned long long* amax, int rank, int C) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
+    const int wk = rank * W + w, WK = C * W;      // this warp's share of K among the cluster's warps
     const int gid = lane >> 2, tig = lane & 3, nu = K >> 5;
     int lt = tile, si = 0;
     if (!mode) {
@@ -339,9 +358,9 @@ __device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u
             {seg[0].W + (long long)min(r0 + gid, F - 1) * seg[0].rb, seg[0].W + (long long)min(r0 + gid + 8, F - 1) * seg[0].rb},
             {seg[1].W + (long long)min(r0 + gid, F - 1) * seg[1].rb, seg[1].W + (long long)min(r0 + gid + 8, F - 1) * seg[1].rb}};
         float acc[2][NT][4] = {};
-        mmqs_run<2, NT>(seg[0].qt, rows, nu, w, W, tig, xr, sr, acc);
+        mmqs_run<2, NT>(seg[0].qt, rows, nu, wk, WK, tig, xr, sr, acc);
         pdl_trigger();
-        if (!mmqs_reduce<2 * NT * 4>(reinterpret_cast<float (&)[2 * NT * 4]>(acc), w, W, lane)) return;
+        if (!mmqs_reduce<2 * NT * 4>(reinterpret_cast<float (&)[2 * NT * 4]>(acc), w, W, lane, rank, C)) return;
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -356,9 +375,9 @@ __device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u
     const u8* const rows[1][2] = {{S.W + (long long)min(r0 + gid, S.n - 1) * S.rb,
                                    S.W + (long long)min(r0 + gid + 8, S.n - 1) * S.rb}};
     float acc[1][NT][4] = {};
-    mmqs_run<1, NT>(S.qt, rows, nu, w, W, tig, xr, sr, acc);
+    mmqs_run<1, NT>(S.qt, rows, nu, wk, WK, tig, xr, sr, acc);
     pdl_trigger();
-    if (!mmqs_reduce<NT * 4>(reinterpret_cast<float (&)[NT * 4]>(acc), w, W, lane)) return;
+    if (!mmqs_reduce<NT * 4>(reinterpret_cast<float (&)[NT * 4]>(acc), w, W, lane, rank, C)) return;
     unsigned long long best[NT][2];          // argmax keys of this thread's tokens (amax)
 #pragma unroll
     for (int n = 0; n < NT; ++n) best[n][0] = best[n][1] = 0ull;
@@ -394,7 +413,9 @@ __device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u
 }
 
 // groups: token groups of T tokens (M > T: tokens g T .. g T + T - 1 of group g), the fastest-varying
-// part of the block index, so that the blocks sharing a weight tile run together (through L2)
+// part of the block index after the cluster rank, so that the blocks sharing a weight tile run
+// together (through L2). A cluster of C blocks (launched with a cluster size: pdl.py) splits one
+// weight tile's K, for matrices with too few tiles to fill the GPU.
 #define DEFINE_MMQS(T)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * MMQS_MAXW, 2) mmqs_t##T(                            \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
@@ -402,12 +423,13 @@ __device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
         int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
         unsigned long long* amax, int groups) {                                                           \
-        const int g = blockIdx.x % groups, t0 = g * T;                                                    \
+        const int C = (int)cluster_size(), b = blockIdx.x / C;                                            \
+        const int g = b % groups, t0 = g * T;                                                             \
         const MmqSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0 + (long long)t0 * ys0, ys0},                    \
                                 {W1, rb1, n1, qt1, b1, y1 + (long long)t0 * ys1, ys1},                    \
                                 {W2, rb2, n2, qt2, b2, y2 + (long long)t0 * ys2, ys2}};                   \
         mmqs_body<T / 8>(seg, K, xp + t0 * xps, xps, inv + t0, min(T, M - t0), mode, act, accumulate,     \
-                         blockIdx.x / groups, amax ? amax + t0 : amax);                                   \
+                         b / groups, amax ? amax + t0 : amax, (int)cluster_rank(), C);                    \
     }
 DEFINE_MMQS(8)
 DEFINE_MMQS(16)

@@ -232,6 +232,68 @@ def test_small_kernel_refuses_what_it_lacks(k, bufs, rng):
     w, keep, _ = _weight(Q.Q4_K, 64, 512, rng)
     with pytest.raises(ValueError, match="warps per block"):
         mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, warps=9)
+    with pytest.raises(ValueError, match="blocks per cluster"):
+        mmq.mmq(k, [(w, 0, y.data.ptr, 64)], 512, prep, 4, scratch, cluster=9)
+
+
+@pytest.mark.parametrize("qt", SMALL, ids=lambda q: q.name)
+def test_small_batches_in_clusters(k, bufs, rng, qt):
+    """mmqs.cu with K split over the blocks of a thread-block cluster (sm_90), as the plan picks it
+    for matrices of few 16-row tiles (qwen15's o and down projections at 1..16 rows) and forced to
+    1, 2, 4 and 8 blocks per cluster and 1 or 8 warps: fp32-class, row tails untouched, the same bits
+    when repeated; the fused FFN and the LM head's argmax in clusters too."""
+    import cupy
+    from realizar_backend.backends.cuda import mmq, ops
+    if not mmq.clusters_ok(k):
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    prep, scratch = bufs
+    assert mmq.small_cluster(96, 8960, k.sm_count) > 1          # qwen15's down at 4 rows: 96 tiles
+    assert mmq.small_cluster(560, 1536, k.sm_count) == 1        # its gate/up fill the GPU alone
+    assert mmq.small_cluster(96, 1536, k.sm_count) == 1         # o: too short a K to share
+    shapes = [(8960, 1536), (1536, 131)] if qt in KQUANT else [(4864, 896), (896, 257)]
+    for K, N in shapes:
+        w, keep, W64 = _weight(qt, N, K, rng)
+        x = _x(rng, 16, K)
+        xd = _dev(x)
+        for M in (1, 4, 9, 16):
+            h64 = x[:M, :K].astype(np.float64)
+            ref, scale = h64 @ W64.T, np.abs(h64) @ np.abs(W64).T
+            for cluster, warps in ((None, None), (2, None), (4, None), (8, 1), (2, 8)):
+                got = []
+                for _ in range(2):
+                    y = _poison((M, N + 3))
+                    mmq.prep(k, xd.data.ptr, K + 4, M, K, prep)
+                    mmq.mmq(k, [(w, 0, y.data.ptr, N + 3)], K, prep, M, scratch, small=True, warps=warps,
+                            cluster=cluster)
+                    got.append(y.get())
+                e = _err(got[0][:, :N], ref, scale) if np.all(np.isnan(got[0][:, N:])) else float("inf")
+                assert e <= FP32_TOL, f"{qt.name} N={N} K={K} M={M} cluster={cluster} warps={warps}: error {e:.2e}"
+                assert np.array_equal(got[0], got[1], equal_nan=True), f"{qt.name} M={M} cluster={cluster}: bits differ"
+    # the fused FFN (gate and up share each block's K range) and the head's argmax, in clusters of 2 and 4
+    F, K = 640, 2048 if qt not in KQUANT else 1536
+    wg, kg, G64 = _weight(qt, F, K, rng)
+    wu, ku, U64 = _weight(qt, F, K, rng)
+    x = _x(rng, 5, K)
+    xd = _dev(x)
+    h64 = x[:, :K].astype(np.float64)
+    g, u = h64 @ G64.T, h64 @ U64.T
+    ref = g / (1.0 + np.exp(-g)) * u
+    for cluster in (2, 4):
+        a = _poison((5, F))
+        mmq.prep(k, xd.data.ptr, K + 4, 5, K, prep)
+        mmq.mmq_ffn(k, wg, wu, prep, 5, 0, a.data.ptr, F, scratch, small=True, cluster=cluster)
+        got = a.get()
+        assert np.all(np.isfinite(got))
+        rel = np.abs(got - ref).max() / np.abs(ref).max()
+        assert rel < 1e-4, f"{qt.name} ffn cluster={cluster}: {rel:.2e}"
+        key = cupy.zeros(5, cupy.uint64)
+        out = cupy.full(5, -7, cupy.int32)
+        y = _poison((5, F))
+        mmq.mmq(k, [(wg, 0, y.data.ptr, F)], K, prep, 5, scratch, amax=key.data.ptr, small=True, cluster=cluster)
+        ops.argmax_unpack(k, key.data.ptr, out.data.ptr, 5)
+        assert out.get().tolist() == np.argmax(y.get(), axis=1).tolist()
+        assert int(key.sum().get()) == 0
+    print(f"{qt.name}: mmqs in clusters within {FP32_TOL:.0e}, repeats identical")
 
 
 # ------------------------------------------------------------------ accuracy

@@ -13,6 +13,8 @@ Matrices whose types are all in SMALL_TYPES take kernels/mmqs.cu instead (same p
 numerics) for batches of up to 16 rows, and for larger batches in token groups of 16 unless the
 matrix is LM-head-sized (`_use_small`): one block per 16 weight rows and token group, its warps
 splitting K, weights straight from memory into the mma fragments (`small_warps`: warps per block).
+Where those blocks would leave SMs empty (qwen15's 1536-row projections at up to 16 rows), a
+thread-block cluster of blocks shares each tile's K (`small_cluster`, sm_90).
 
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
 of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
@@ -30,6 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .modules import MMQ_BN, mmq_smem_bytes
+from . import pdl as _pdl
 from .ops import WeightRef, _launch
 
 if TYPE_CHECKING:
@@ -46,6 +49,8 @@ SMALL_WIDE_MAX_BYTES = 64 << 20                  # beyond 16 rows, matrices up t
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
 SMALL_WARPS_PER_SM = 16                          # the warps a launch aims to keep on each SM
 SMALL_MIN_WARPS = 4
+SMALL_MAX_CLUSTER = 4                            # blocks per cluster sharing one tile's K (1: none)
+SMALL_CLUSTER_MIN_ITEMS = 4                      # 64-column items each warp of a cluster keeps (small_cluster)
 CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
 MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
 
@@ -60,12 +65,33 @@ def small_ok(w: WeightRef) -> bool:
     return w.qtype in SMALL_TYPES and mmq_ok(w) and w.cols % 64 == 0
 
 
-def small_warps(tiles: int, K: int, sm_count: int) -> int:
-    """Warps per block of an mmqs launch of `tiles` 16-row tiles: enough for SMALL_WARPS_PER_SM
-    warps on every SM, at least SMALL_MIN_WARPS (the LM head at 16 rows: 164 us with 4, 346 with
-    1), at most one per 64-column item of K."""
-    want = max(SMALL_MIN_WARPS, -(-SMALL_WARPS_PER_SM * sm_count // tiles))
-    return max(1, min(SMALL_MAX_WARPS, K // 64, want))
+def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
+    """Warps per block of an mmqs launch of `tiles` 16-row tiles (blocks: tiles x cluster): enough
+    for SMALL_WARPS_PER_SM warps on every SM, at least SMALL_MIN_WARPS (the LM head at 16 rows:
+    164 us with 4, 346 with 1), at most one per 64-column item of K among the cluster's warps."""
+    want = max(SMALL_MIN_WARPS, -(-SMALL_WARPS_PER_SM * sm_count // (tiles * cluster)))
+    return max(1, min(SMALL_MAX_WARPS, K // 64 // cluster, want))
+
+
+def small_cluster(tiles: int, K: int, sm_count: int, limit: int | None = None) -> int:
+    """Blocks per cluster of an mmqs launch of `tiles` blocks (16-row tiles x token groups): doubled
+    while the launch leaves SMs without a block and K is long enough that every warp of the larger
+    cluster, at SMALL_MAX_WARPS a block, keeps SMALL_CLUSTER_MIN_ITEMS 64-column items; at most
+    limit (None: SMALL_MAX_CLUSTER). qwen15 at 4 rows (tools/mmq_bench.py --clusters, H100): the
+    down projection (K 8,960, 96 tiles) 23.4 -> 19.6 us in clusters of 2, 23.6 in 4; q/k/v and o
+    (K 1,536) 9.0-9.5 -> 10.0, where the cluster's barriers cost more than the SMs gain."""
+    limit = SMALL_MAX_CLUSTER if limit is None else limit
+    c = 1
+    while (2 * c <= limit and tiles * c < sm_count
+           and K // 64 >= 2 * c * SMALL_MAX_WARPS * SMALL_CLUSTER_MIN_ITEMS):
+        c *= 2
+    return c
+
+
+def clusters_ok(k) -> bool:
+    """Thread-block clusters can be launched: compute capability 9.0+ and cuLaunchKernelEx."""
+    dev = getattr(k, "device", None)
+    return dev is not None and int(dev.compute_capability) >= 90 and _pdl.launcher() is not None
 
 
 def prep_row_bytes(K: int) -> int:
@@ -218,27 +244,34 @@ def _use_small(mats, M: int, small: bool | None) -> bool:
 
 
 def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mode: int, act: int,
-                  accumulate: bool, amax: int, pdl: bool, warps: int | None) -> None:
-    W = warps or small_warps(tiles, K, _sm_count(k))
+                  accumulate: bool, amax: int, pdl: bool, warps: int | None, cluster: int | None) -> None:
+    t = 8 if M <= 8 else 16
+    groups = -(-M // t)
+    if cluster is None:
+        cluster = small_cluster(tiles * groups, K, _sm_count(k)) if clusters_ok(k) else 1
+    elif cluster > 1 and not clusters_ok(k):
+        raise ValueError("mmqs: thread-block clusters need compute capability 9.0 and cuLaunchKernelEx")
+    if not 1 <= cluster <= 8 or K // 64 < cluster:
+        raise ValueError(f"mmqs: {cluster} blocks per cluster (1..8, at most one per 64 columns of K = {K})")
+    W = warps or small_warps(tiles * groups, K, _sm_count(k), cluster)
     if not 1 <= W <= SMALL_MAX_WARPS:
         raise ValueError(f"mmqs: {W} warps per block (1..{SMALL_MAX_WARPS})")
     for _ in range(3 - len(seg_args) // 7):
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    t = 8 if M <= 8 else 16
-    groups = -(-M // t)
-    _launch(k.mmqs[t], (tiles * groups,), (32 * W,),
+    _launch(k.mmqs[t], (tiles * groups * cluster,), (32 * W,),
             (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
-             _I32(mode), _I32(act), _I32(int(accumulate)), _U64(amax), _I32(groups)), 0, pdl)
+             _I32(mode), _I32(act), _I32(int(accumulate)), _U64(amax), _I32(groups)), 0, pdl, cluster)
 
 
 def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,
         amax: int = 0, pdl: bool = False, splits: int | None = None, small: bool | None = None,
-        warps: int | None = None) -> None:
+        warps: int | None = None, cluster: int | None = None) -> None:
     """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
     pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
     segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
     argmax_unpack reads and resets it). small: force mmqs.cu (True) or mmq.cu (False); None picks
-    (a benchmark's comparison); warps: mmqs's warps per block (None: small_warps)."""
+    (a benchmark's comparison); warps: mmqs's warps per block (None: small_warps); cluster: its
+    blocks per cluster (None: small_cluster where clusters_ok, else 1)."""
     if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
         raise ValueError("mmq: one to three segments, and only one with amax")
     mats = [w for w, _, _, _ in segs]
@@ -248,14 +281,14 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
     if _use_small(mats, M, small):
         tiles = sum(-(-w.rows // 16) for w in mats)
-        return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps)
+        return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps, cluster)
     pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits)
     _launch_mmq(k, pl, args, K, p, M, 0, 0, accumulate, scratch, amax, pdl)
 
 
 def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act: int, a: int, as_: int,
             scratch: MmqScratch, pdl: bool = False, splits: int | None = None, small: bool | None = None,
-            warps: int | None = None) -> None:
+            warps: int | None = None, cluster: int | None = None) -> None:
     """a[t] = act(gate @ h[t]) * (up @ h[t]) for t < M (act 0: SiLU, 1: GELU-tanh), fp32 out with
     row stride as_; gate and up share type and shape."""
     if wg.qtype != wu.qtype or wg.rows != wu.rows or wg.cols != wu.cols or wg.row_bytes != wu.row_bytes:
@@ -265,6 +298,6 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
     for w in (wg, wu):
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
     if _use_small([wg, wu], M, small):
-        return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps)
+        return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps, cluster)
     pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)

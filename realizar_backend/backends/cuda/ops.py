@@ -47,11 +47,12 @@ class PagedKV:
         return _U64(self.tables), _I32(self.max_blocks), _I32(self.bs_log2)
 
 
-def _launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
+def _launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False, cluster: int = 1) -> None:
     """Launch on the current stream; pdl: as a programmatic dependent launch (pdl.py), for the
-    kernels that wait for the one before in pdl_wait() (mmvf, ffnf, attention, argmax_unpack)."""
-    if pdl:
-        _pdl.launcher()(fn, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr)
+    kernels that wait for the one before in pdl_wait() (mmvf, ffnf, attention, argmax_unpack);
+    cluster: blocks per thread-block cluster (sm_90 and pdl.launcher() only: mmq.clusters_ok)."""
+    if pdl or cluster > 1:
+        _pdl.launcher()(fn, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr, pdl, cluster)
     else:
         fn(grid, block, args, shared_mem=shared_mem)
 

@@ -5,8 +5,11 @@ stream is still running. Its blocks prefetch their weights meanwhile and wait in
 kernel of a decode step overlap the tail of the one before. Under stream capture the dependency
 becomes a programmatic edge of the graph.
 
+The same launcher sets a thread-block cluster size (sm_90): the blocks of a cluster run at once
+and read each other's shared memory (kernels/cluster.cuh; mmqs.cu splits K over them).
+
 CuPy's RawKernel launches take no launch attributes, hence cuLaunchKernelEx through ctypes. Only
-kernels that call pdl_wait() before touching activations may be launched this way (ops.py says
+kernels that call pdl_wait() before touching activations may be launched with pdl (ops.py says
 which); the Python cost of a launch here is a few microseconds more than CuPy's, so the decode
 step uses it only while it is being captured."""
 
@@ -19,7 +22,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CUlaunchAttributeID (cuda.h)
+_CLUSTER_DIMENSION = 4                     # CUlaunchAttributeID (cuda.h)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _Attr(ctypes.Structure):              # CUlaunchAttribute: id, 4 bytes padding, 64-byte value union
@@ -44,17 +48,36 @@ class _Launcher:
         self._launch.restype = ctypes.c_int
         self._name = lib.cuGetErrorName
         self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self._attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-        self._attr.value[0] = 1
+        self._attrs: dict[tuple[bool, int], tuple] = {}
 
-    def __call__(self, fn, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+    def _attributes(self, pdl: bool, cluster: int) -> tuple:
+        """(array, count) of the launch attributes, made once per combination."""
+        got = self._attrs.get((pdl, cluster))
+        if got is None:
+            items = []
+            if pdl:
+                a = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+                a.value[0] = 1
+                items.append(a)
+            if cluster > 1:
+                a = _Attr(id=_CLUSTER_DIMENSION)
+                a.value[0], a.value[1], a.value[2] = cluster, 1, 1
+                items.append(a)
+            got = self._attrs[(pdl, cluster)] = ((_Attr * len(items))(*items), len(items))
+        return got
+
+    def __call__(self, fn, grid, block, args, shared_mem: int, stream_ptr: int, pdl: bool = True,
+                 cluster: int = 1) -> None:
+        """Launch fn on the stream; pdl: as a programmatic dependent launch; cluster: blocks per
+        thread-block cluster along x (grid[0] a multiple of it)."""
         # kernel parameters: one pointer per argument to its value (copied by the driver at launch)
         vals = [np.asarray(a) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[v.ctypes.data for v in vals])
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
+        attrs, n = self._attributes(pdl, cluster)
         cfg = _Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, stream_ptr,
-                      ctypes.pointer(self._attr), 1)
+                      ctypes.cast(attrs, ctypes.POINTER(_Attr)), n)
         rc = self._launch(ctypes.byref(cfg), fn.kernel.ptr, params, None)
         if rc:
             name = ctypes.c_char_p()
