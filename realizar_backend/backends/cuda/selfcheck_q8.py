@@ -38,12 +38,14 @@ def dequantize_q8(q: np.ndarray, ds: np.ndarray) -> np.ndarray:
 
 def q8_violation(q: np.ndarray, ds: np.ndarray, v: np.ndarray) -> float:
     """How far GPU 8-bit blocks (q, ds) are from a faithful quantization of the fp32 values v:
-    max |q d - v| / (d/2) (<= 1 when right, tiny slack for rounding) and the stored sum's error."""
+    max |q d - v| / (d/2) (<= 1 when right) and the stored sum's error. The slack is fp32's: the
+    kernels round 1/d and v (1/d), up to 2^-23 x 127 of d each way, so |q d - v| may pass d/2 by
+    ~3e-5 of it (a strict 1e-5 failed about one random start-up check in 600)."""
     rows, K = q.shape
     ds = ds.reshape(rows, K // 32, 2).astype(np.float64)
     d = ds[..., 0]
     err = np.abs(dequantize_q8(q, ds) - v.astype(np.float64)).reshape(rows, K // 32, 32).max(-1)
-    bound = np.maximum(0.5 * d * (1 + 1e-5), 1e-30)
+    bound = np.maximum(0.5 * d * (1 + 1e-4), 1e-30)
     qsum = q.reshape(rows, K // 32, 32).astype(np.float64).sum(-1)
     sum_ratio = np.abs(ds[..., 1] - d * qsum) / (1e-5 * d * 32 * 127 + 1e-30)
     amax = np.abs(v.astype(np.float64)).reshape(rows, K // 32, 32).max(-1)
