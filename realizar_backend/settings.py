@@ -115,13 +115,16 @@ class Settings:
     prefill_weight_cache: str = "auto"
     # decode steps of many rows (buckets of 8+, or 4+ when mmqs.cu has every matrix's type): the
     # tensor-core matrix multiplies on the quantized blocks ("mmq": kernels/mmqs.cu, and mmq.cu's
-    # tiles for the LM head past 16 rows), or from 16 rows the split16 GEMMs on the prefill's kept split weights
-    # ("split16": 4 bytes a weight per step, read at GEMM speed; needs prefill_weight_cache)
-    batched_decode: str = "mmq"
+    # tiles for the LM head past 16 rows), or from 16 rows the split16 GEMMs on the prefill's kept
+    # split weights ("split16": 4 bytes a weight per step, read at GEMM speed, a cost that hardly
+    # grows with the rows; needs the kept weights, prefill_weight_cache), or "auto": mmq below 128
+    # rows, split16 from 128 where the weights are kept (qwen15 twin, H100: 128 rows 14.5k -> 19.0k
+    # tok/s, 256 rows 15.6k -> 29.2k; at 64 mmq stays ahead, 11.3k against 10.9k)
+    batched_decode: str = "auto"
     # prompt steps of up to this many tokens (the tail after a cached prefix, short prompts, a burst
     # of them) run on those tensor-core projections too, padded to a token bucket (8, then
     # multiples of 16) and replayed from one CUDA graph per bucket; longer steps take the prefill
-    # GEMMs, which CuPy cannot capture (~560 launches: 8-16 ms of host time for qwen15). 0: GEMVs
+    # GEMMs, launched eagerly (~560 launches: 8-16 ms of host time for qwen15). 0: GEMVs
     # below 12 tokens and GEMMs from there, as before. A multiple of 8, at most 256
     prompt_mmq_tokens: int = 64
     # attention kernels of the CUDA path: "flash" (tensor cores: tiled flash attention for prompts,
@@ -216,7 +219,7 @@ class Settings:
         one_of("decode_activations", "int8", "int8-fp32-down", "fp32")
         one_of("prefill_precision", "split16", "fp32", "fp16")
         one_of("attention", "flash", "classic")
-        one_of("batched_decode", "mmq", "split16")
+        one_of("batched_decode", "auto", "mmq", "split16")
         at_least("prompt_mmq_tokens", 0, 256)
         if self.prompt_mmq_tokens % 8:
             raise self._bad("prompt_mmq_tokens", "must be a multiple of 8")

@@ -41,9 +41,9 @@ from .workspace import Workspace
 
 # prompt steps the tensor-core projections do not take (prompt_step) use the GEMM projections from
 # this many tokens, shorter ones the GEMVs, whose GPU time grows with every row. GEMV and
-# tensor-core steps replay CUDA graphs (graphs.PrefillGraphs; CuPy refuses cuBLAS calls during a
-# capture, so GEMM steps run eagerly,
-# ~560 launches: 8.5-9.5 ms of host time on the H100 machine's host for qwen15 whatever the rows).
+# tensor-core steps replay CUDA graphs (graphs.PrefillGraphs); GEMM steps run eagerly, their token
+# counts vary from step to step (~560 launches: 8.5-9.5 ms of host time on the H100 machine's
+# host for qwen15 whatever the rows).
 # tools/prefill_rows_bench.py, qwen15 twin, depth 4,000: GEMV graph 2.7 / 5.0 / 8.0 / 13.2 ms at
 # 1 / 4 / 8 / 16 tokens, the eager split16 GEMMs 8.5-9.4 ms: the GEMMs win from about 12 tokens
 # when their split weights are kept from start-up (no dequantize per step), else from 17
@@ -56,9 +56,9 @@ MMQ_MIN_ROWS = 8
 # the tensor cores take over from the GEMVs already: mmqs reads each weight once per 16 rows (qwen15
 # step projections, tools/mmq_bench.py: 1.95 ms against the GEMVs' 2.99 at 4 rows, 1.92 / 1.70 at 2)
 SMALL_MIN_ROWS = 4
-# with Settings.batched_decode "split16", decode steps of this many rows or more run the prefill's
-# split16 GEMMs on its kept split weights
-SPLIT16_MIN_ROWS = 16
+# decode steps of this many rows or more run the prefill's split16 GEMMs on its kept split weights
+# (blas.py: captured like the rest of the step), with Settings.batched_decode "split16" / "auto"
+SPLIT16_MIN_ROWS = {"split16": 16, "auto": 128}
 # prompt steps on the tensor-core projections are padded to a bucket of this many rows or a multiple
 # of 16 (mmqs.cu takes 8- and 16-row tiles, then token groups of 16: a bucket costs about what its
 # largest step would), so a few graphs serve every length up to Settings.prompt_mmq_tokens
@@ -122,8 +122,8 @@ class Forward:
         # the rest, whose time grows with every row)
         self.prompt_buckets = buckets if self.mmq is not None and self.mmq.all_on else ()
         self.prompt_mmq_min = self.mmq.min_rows if self.mmq is not None else 0
-        self.split16_decode = (settings.batched_decode == "split16" and self.gemm.prefill == "split16"
-                               and bool(self.gemm.cached))
+        kept = self.gemm.prefill == "split16" and bool(self.gemm.cached)
+        self.split16_min_rows = SPLIT16_MIN_ROWS.get(settings.batched_decode) if kept else None
         int8 = settings.decode_activations != "fp32"
         self.head_q8 = ops.blocks_ok(w.output) and self.ctx.norm16 and int8
         self.head_f32 = ops.blocks_ok(w.output)
@@ -281,7 +281,7 @@ class Forward:
 
     def decode_projections(self, b: int) -> Projections:
         """How a decode step of b rows runs its projections (fixed per bucket: captured once)."""
-        if self.split16_decode and b >= SPLIT16_MIN_ROWS:
+        if self.split16_min_rows is not None and b >= self.split16_min_rows:
             return self.gemm
         if self.mmq is not None and b >= self.mmq.min_rows:
             return self.mmq

@@ -121,8 +121,8 @@ class DecodeGraphs:
 class PrefillGraphs(DecodeGraphs):
     """Graphs of prompt steps of few tokens (the tokens after a cached prefix, short prompts, a
     burst of them), keyed (rows, sequences, key splits of the attention plan, projections: "gemv"
-    at the exact token count, "mmq" at a token bucket; never "gemm", as CuPy refuses cuBLAS calls
-    during a capture): run eagerly, their launches cost the host several times the GPU's work. At
+    at the exact token count, "mmq" at a token bucket; never "gemm", whose steps are long and of
+    any token count): run eagerly, their launches cost the host several times the GPU's work. At
     most `keep` graphs, the least recently used dropped first."""
     kind = "prompt step"
     captured_level = logging.DEBUG

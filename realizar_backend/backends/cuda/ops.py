@@ -264,14 +264,13 @@ def gemm(w: int, N: int, K: int, x: int, xs: int, y: int, ys: int, T: int, accum
     (cuBLAS column-major view: C[N x T] = W^T' . X). dtype names the inputs: "fp16", "bf16" or
     "fp32" (no tensor cores: TF32 would truncate inputs to fp16's mantissa, and its bias showed
     as worse parity than fp16 on the gemma270 twin)."""
-    from cupy.cuda import cublas, device, runtime
-    h = device.get_cublas_handle()
-    cublas.setStream(h, stream_ptr)
+    from cupy.cuda import runtime
+    from .blas import blas
     dt, compute = {"fp16": (runtime.CUDA_R_16F, CUBLAS_COMPUTE_32F),
                    "bf16": (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
                    "fp32": (runtime.CUDA_R_32F, CUBLAS_COMPUTE_32F)}[dtype]
-    cublas.gemmEx(h, 1, 0, N, T, K, _ONE.ctypes.data, w, dt, K, x, dt, xs,
-                  (_ONE if accumulate else _ZERO).ctypes.data, y, runtime.CUDA_R_32F, ys, compute, -1)
+    blas().gemm_ex(1, 0, N, T, K, _ONE.ctypes.data, w, dt, K, x, dt, xs, (_ONE if accumulate else _ZERO).ctypes.data,
+                   y, runtime.CUDA_R_32F, ys, compute, stream=stream_ptr)
 
 
 def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int,

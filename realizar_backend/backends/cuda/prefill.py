@@ -24,6 +24,7 @@ import cupy
 import numpy as np
 
 from . import ops
+from .blas import blas
 from .projections import Projections, StepContext
 from .weights import LayerIndex, WeightRef
 
@@ -118,15 +119,15 @@ def unscale_add(kx: dict, x: int, xs: int, t: int, ts: int, inv: int, w: int, T:
                                              _I32(T), _I32(H), _F32(eps)))
 
 
-def split_gemm(handle: int, w: int, x: int, N: int, K: int, T: int, y: int, ldy: int,
+def split_gemm(w: int, x: int, N: int, K: int, T: int, y: int, ldy: int,
                calls: list[tuple[int, int, int, int]] | None = None) -> None:
     """y[:T, :N] = s x[:T] @ W.T from split weight rows w (N x 2K fp16) and split activation rows x
-    (T x 3K fp16): the cuBLAS calls of split_calls(K), fp32 out. The handle's stream must be set."""
-    from cupy.cuda import cublas
+    (T x 3K fp16): the cuBLAS calls of split_calls(K) on the current stream, fp32 out (blas.py: a
+    step made of them can be captured in a CUDA graph)."""
+    b = blas()
     for wc, xc, kk, beta in (calls or split_calls(K)):
-        cublas.gemmEx(handle, OP_T, OP_N, N, T, kk, _ONE_P, w + 2 * wc, CUDA_R_16F, 2 * K,
-                      x + 2 * xc, CUDA_R_16F, 3 * K, _ONE_P if beta else _ZERO_P, y, CUDA_R_32F,
-                      ldy, CUBLAS_COMPUTE_32F, -1)
+        b.gemm_ex(OP_T, OP_N, N, T, kk, _ONE_P, w + 2 * wc, CUDA_R_16F, 2 * K, x + 2 * xc, CUDA_R_16F, 3 * K,
+                  _ONE_P if beta else _ZERO_P, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F)
 
 
 class GemmProjections(Projections):
@@ -182,16 +183,13 @@ class GemmProjections(Projections):
     def _split_proj(self, li: int, gi: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
         """y[:T] = s x[:T] @ [mats].T (group gi of layer li): the split weights kept since start-up,
         or dequantize-and-split them now; then the GEMM calls."""
-        from cupy.cuda import cublas, device
         ws = self.ctx.ws
-        handle = device.get_cublas_handle()
-        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
         K = mats[0].cols
         w = self.cached.get((li, gi))
         if w is None:
             split_weights(self.kx, mats, ws.deq.data.ptr)
             w = ws.deq
-        split_gemm(handle, w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K))
+        split_gemm(w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K))
 
     # ------------------------------------------------------------ fp32 / fp16
     def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
