@@ -117,9 +117,9 @@ class Settings:
     # tensor-core matrix multiplies on the quantized blocks ("mmq": kernels/mmqs.cu, and mmq.cu's
     # tiles for the LM head past 16 rows), or from 16 rows the split16 GEMMs on the prefill's kept
     # split weights ("split16": 4 bytes a weight per step, read at GEMM speed, a cost that hardly
-    # grows with the rows; needs the kept weights, prefill_weight_cache), or "auto": mmq below 128
-    # rows, split16 from 128 where the weights are kept (qwen15 twin, H100: 128 rows 14.5k -> 19.0k
-    # tok/s, 256 rows 15.6k -> 29.2k; at 64 mmq stays ahead, 11.3k against 10.9k)
+    # grows with the rows; needs the kept weights, prefill_weight_cache), or "auto": mmq below 64
+    # rows, split16 from 64 where the weights are kept (qwen15 twin, H100, tok/s: 64 rows 11.5k ->
+    # 13.5k, 128 rows 14.5k -> 22.3k, 256 rows 15.6k -> 29.1k; at 32 mmq stays ahead)
     batched_decode: str = "auto"
     # prompt steps of up to this many tokens (the tail after a cached prefix, short prompts, a burst
     # of them) run on those tensor-core projections too, padded to a token bucket (8, then

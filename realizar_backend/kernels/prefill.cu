@@ -4,6 +4,10 @@
 //   s x = xh + xl           activation row t of the workspace: [ xh * 2^-12 | xh | xl ] (3K fp16)
 //   s y = [xh*2^-12 | xh] . [Wl*2^12 | Wh]  +  xl . Wh    (cuBLAS, fp32 out)
 // xl * Wl, at most 2^-22 |x| |W| per term, is dropped.
+// Paired rows (steps of few tokens, where the GEMM is bound by reading the weights): token t's
+// activations are two rows of 2K instead, [ xh * 2^-12 | xh ] and [ 0 | xl ] (4K fp16 in all), so
+// one pass over [Wl * 2^12 | Wh] gives both products as rows 2t and 2t + 1 of the output, added
+// on the way out (the split weights read once a step, not 1.5 times).
 // s is a per-row power of two putting the row's max |x| in [2^14, 2^15): exact both ways, and no
 // bound on x is needed (the FFN down input has none fp16 could hold). The 2^12 keeps Wl (about
 // 2^-12 |W|) out of fp16's subnormals; its 2^-12 goes on the activation copy, where only values
@@ -119,20 +123,32 @@ extern "C" __global__ void split_weights(const u8* __restrict__ W0, long long rb
 }
 
 // ------------------------------------------------------------------ activations
-// v = s * value (|v| < 2^15) -> column i of a split row [xh * 2^-12 | xh | xl] of width 3K
-__device__ __forceinline__ void split3(float v, u16* __restrict__ row, int K, int i) {
+// v = s * value (|v| < 2^15) -> column i of a split row [xh * 2^-12 | xh | xl] of width 3K, or
+// (paired) of the row pair [xh * 2^-12 | xh | 0 | xl] of width 4K
+__device__ __forceinline__ void split3(float v, u16* __restrict__ row, int K, int i, int paired) {
     const u16 h = f2h(v);
     const float hf = h2f(h);
     row[i] = f2h(hf * LO_DOWN);
     row[K + i] = h;
-    row[2 * K + i] = f2h(v - hf);   // exact difference, rounded once
+    const u16 l = f2h(v - hf);      // exact difference, rounded once
+    if (paired) {
+        row[2 * K + i] = 0;
+        row[3 * K + i] = l;
+    } else {
+        row[2 * K + i] = l;
+    }
+}
+
+// column c of a GEMM output row r (stride ys): the row itself, or the sum of its pair 2r, 2r + 1
+__device__ __forceinline__ float gemm_out(const float* __restrict__ y, long long ys, int r, int c, int paired) {
+    return paired ? y[2 * r * ys + c] + y[(2 * r + 1) * ys + c] : y[r * ys + c];
 }
 
 // Row r of x (stride xs), RMSNorm'ed with weight w (w == 0: taken as it is), as a split row of
-// out (stride ld >= 3K); inv[r] = 1/s. One block per row.
+// out (stride ld >= 3K, paired: 4K); inv[r] = 1/s. One block per row.
 extern "C" __global__ void norm_split(const float* __restrict__ x, int xs, const float* __restrict__ w,
                                       int rows, int K, float eps, u16* __restrict__ out, int ld,
-                                      float* __restrict__ inv) {
+                                      float* __restrict__ inv, int paired) {
     __shared__ float sm[32];
     const int r = blockIdx.x;
     if (r >= rows) return;
@@ -151,40 +167,44 @@ extern "C" __global__ void norm_split(const float* __restrict__ x, int xs, const
     float iv;
     const float s = row_scale(block_reduce(m, 1, sm), iv);
     u16* o = out + (long long)r * ld;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) split3((w ? xr[i] * rs * w[i] : xr[i]) * s, o, K, i);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) split3((w ? xr[i] * rs * w[i] : xr[i]) * s, o, K, i, paired);
     if (threadIdx.x == 0) inv[r] = iv;
 }
 
 // a = act(g) * u from the gate/up GEMM's rows y[r] = s_r * [g | u] (F each, stride ys; inv_in[r]
-// = 1/s_r), as a split row of out (stride ld >= 3F); inv[r] = 1/s of the new row. One block per row.
+// = 1/s_r; paired: row pairs), as a split row of out (stride ld >= 3F, paired: 4F); inv[r] = 1/s
+// of the new row. One block per row.
 extern "C" __global__ void act_split(const float* __restrict__ y, int ys, int F, const float* __restrict__ inv_in,
-                                     int act, int rows, u16* __restrict__ out, int ld, float* __restrict__ inv) {
+                                     int act, int rows, u16* __restrict__ out, int ld, float* __restrict__ inv,
+                                     int paired) {
     __shared__ float sm[32];
     const int r = blockIdx.x;
     if (r >= rows) return;
-    const float* yr = y + (long long)r * ys;
     const float vi = inv_in[r];
     float m = 0.0f;
-    for (int i = threadIdx.x; i < F; i += blockDim.x) m = fmaxf(m, fabsf(act_f(yr[i] * vi, act) * (yr[F + i] * vi)));
+    for (int i = threadIdx.x; i < F; i += blockDim.x)
+        m = fmaxf(m, fabsf(act_f(gemm_out(y, ys, r, i, paired) * vi, act) * (gemm_out(y, ys, r, F + i, paired) * vi)));
     float iv;
     const float s = row_scale(block_reduce(m, 1, sm), iv);
     u16* o = out + (long long)r * ld;
-    for (int i = threadIdx.x; i < F; i += blockDim.x) split3(act_f(yr[i] * vi, act) * (yr[F + i] * vi) * s, o, F, i);
+    for (int i = threadIdx.x; i < F; i += blockDim.x)
+        split3(act_f(gemm_out(y, ys, r, i, paired) * vi, act) * (gemm_out(y, ys, r, F + i, paired) * vi) * s, o, F, i,
+               paired);
     if (threadIdx.x == 0) inv[r] = iv;
 }
 
 // ------------------------------------------------------------------ GEMM outputs
-// Columns [0, n0) of the scaled rows y (stride ys) go to d0, [n0, n0 + n1) to d1, the rest of the
-// n0 + n1 + n2 to d2: d_s[r, c] = y[r, off_s + c] * inv[r] + (b_s ? b_s[c] : 0).
+// Columns [0, n0) of the scaled rows y (stride ys; paired: row pairs) go to d0, [n0, n0 + n1) to
+// d1, the rest of the n0 + n1 + n2 to d2: d_s[r, c] = y[r, off_s + c] * inv[r] + (b_s ? b_s[c] : 0).
 // grid (ceil((n0 + n1 + n2) / blockDim), rows).
 extern "C" __global__ void unscale_scatter(const float* __restrict__ y, int ys, const float* __restrict__ inv, int rows,
                                            float* d0, int ds0, int n0, const float* __restrict__ b0,
                                            float* d1, int ds1, int n1, const float* __restrict__ b1,
-                                           float* d2, int ds2, int n2, const float* __restrict__ b2) {
+                                           float* d2, int ds2, int n2, const float* __restrict__ b2, int paired) {
     const int r = blockIdx.y;
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows || c >= n0 + n1 + n2) return;
-    const float v = y[(long long)r * ys + c] * inv[r];
+    const float v = gemm_out(y, ys, r, c, paired) * inv[r];
     float* d = d0;
     const float* b = b0;
     int ds = ds0;
@@ -200,27 +220,27 @@ extern "C" __global__ void unscale_scatter(const float* __restrict__ y, int ys, 
 }
 
 // x[r] += t[r] * inv[r], or with the gemma post-norm (w != 0): x[r] += RMSNorm(t[r] * inv[r]) * w.
-// t is the o / down GEMM's scaled rows (stride ts), x the residual stream. One block per row.
+// t is the o / down GEMM's scaled rows (stride ts; paired: row pairs), x the residual stream. One
+// block per row.
 extern "C" __global__ void unscale_add(float* __restrict__ x, int xs, const float* __restrict__ t, int ts,
                                        const float* __restrict__ inv, const float* __restrict__ w,
-                                       int rows, int H, float eps) {
+                                       int rows, int H, float eps, int paired) {
     __shared__ float sm[32];
     const int r = blockIdx.x;
     if (r >= rows) return;
-    const float* tr = t + (long long)r * ts;
     float* xr = x + (long long)r * xs;
     const float iv = inv[r];
     float rs = 1.0f;
     if (w) {
         float ss = 0.0f;
         for (int i = threadIdx.x; i < H; i += blockDim.x) {
-            const float v = tr[i] * iv;
+            const float v = gemm_out(t, ts, r, i, paired) * iv;
             ss += v * v;
         }
         rs = rsqrtf(block_reduce(ss, 0, sm) / H + eps);
     }
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        const float v = tr[i] * iv;
+        const float v = gemm_out(t, ts, r, i, paired) * iv;
         xr[i] += w ? v * rs * w[i] : v;
     }
 }

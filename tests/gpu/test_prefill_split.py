@@ -217,6 +217,56 @@ def test_unscale_kernels(kx, rng):
             assert np.array_equal(got[:T], want)
 
 
+def test_paired_rows(kx, rng):
+    """The paired layout of steps of few tokens (prefill.cu): norm_split and act_split write each
+    token as [xh*2^-12 | xh | 0 | xl], the same halves as the plain row; act_split, unscale_scatter
+    and unscale_add read GEMM row pairs as their sum (bit-equal to the plain launch where the
+    second row is 0)."""
+    import cupy
+
+    from realizar_backend.backends.cuda.prefill import act_split, split_rows, unscale_add, unscale_scatter
+    T, K, F, H = 5, 1536, 1024, 640
+    X = (rng.standard_normal((T, K)) * 3).astype(F32)
+    w = (1 + 0.5 * rng.standard_normal(K)).astype(F32)
+    xd, wd = cupy.asarray(X), cupy.asarray(w)
+    plain, paired = cupy.empty((T, 3 * K), cupy.uint16), cupy.full((T, 4 * K), POISON16, cupy.uint16)
+    inv1, inv2 = cupy.empty(T, F32), cupy.empty(T, F32)
+    split_rows(kx, xd.data.ptr, K, wd.data.ptr, T, K, 1e-6, plain.data.ptr, inv1.data.ptr)
+    split_rows(kx, xd.data.ptr, K, wd.data.ptr, T, K, 1e-6, paired.data.ptr, inv2.data.ptr, paired=True)
+    a, b = plain.get(), paired.get()
+    assert np.array_equal(inv1.get(), inv2.get())
+    assert np.array_equal(b[:, :2 * K], a[:, :2 * K]) and np.all(b[:, 2 * K:3 * K] == 0)
+    assert np.array_equal(b[:, 3 * K:], a[:, 2 * K:])
+
+    y = (rng.standard_normal((T, 2 * F)) * 3e4).astype(F32)
+    inv_in = np.ldexp(F32(1), rng.integers(-15, -12, T)).astype(F32)
+    pairs = np.zeros((2 * T, 2 * F), F32)
+    pairs[0::2] = y
+    yd, pd, ivd = cupy.asarray(y), cupy.asarray(pairs), cupy.asarray(inv_in)
+    a1, a2 = cupy.empty((T, 3 * F), cupy.uint16), cupy.full((T, 4 * F), POISON16, cupy.uint16)
+    act_split(kx, yd.data.ptr, F, ivd.data.ptr, 0, T, a1.data.ptr, inv1.data.ptr)
+    act_split(kx, pd.data.ptr, F, ivd.data.ptr, 0, T, a2.data.ptr, inv2.data.ptr, paired=True)
+    a, b = a1.get(), a2.get()
+    assert np.array_equal(inv1.get(), inv2.get()) and np.array_equal(b[:, :2 * F], a[:, :2 * F])
+    assert np.all(b[:, 2 * F:3 * F] == 0) and np.array_equal(b[:, 3 * F:], a[:, 2 * F:])
+
+    n = (512, 128, 128)
+    ys = sum(n)
+    y = (rng.standard_normal((T, ys)) * 1e4).astype(F32)
+    lo = (rng.standard_normal((T, ys)) * 1e-2).astype(F32)
+    pairs = np.stack([y, lo], 1).reshape(2 * T, ys)
+    pd = cupy.asarray(pairs)
+    dst = [cupy.full((T, m), np.nan, F32) for m in n]
+    unscale_scatter(kx, pd.data.ptr, ys, ivd.data.ptr, T, [(d.data.ptr, m, m, 0) for d, m in zip(dst, n)], paired=True)
+    want = (y + lo) * inv_in[:, None]
+    assert np.array_equal(np.concatenate([d.get() for d in dst], 1), want)
+    x0 = rng.standard_normal((T, H)).astype(F32)
+    t = np.stack([y[:, :H], lo[:, :H]], 1).reshape(2 * T, H)
+    xd2, td = cupy.asarray(x0), cupy.asarray(t)
+    unscale_add(kx, xd2.data.ptr, H, td.data.ptr, H, ivd.data.ptr, 0, T, H, 1e-6, paired=True)
+    assert np.array_equal(xd2.get(), x0 + (y[:, :H] + lo[:, :H]) * inv_in[:, None])
+
+
 def test_split_calls_match_the_twin():
     import test_split16_twin as twin
 
@@ -255,6 +305,13 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     split_rows(kx, xd.data.ptr, K, 0, T, K, 1e-6, x16.data.ptr, inv.data.ptr)
     split_gemm(ws.data.ptr, x16.data.ptr, N, K, T, y.data.ptr, N)
     e_split = rel(y.get() * inv.get()[:, None], ref)
+    # paired rows (steps of few tokens): one pass over the split weights, the pairs summed after
+    xp = cupy.full((T, 4 * K), POISON16, cupy.uint16)
+    yp = cupy.full((2 * T, N), np.nan, F32)
+    split_rows(kx, xd.data.ptr, K, 0, T, K, 1e-6, xp.data.ptr, inv.data.ptr, paired=True)
+    split_gemm(ws.data.ptr, xp.data.ptr, N, K, T, yp.data.ptr, N, paired=True)
+    ypair = yp.get()
+    e_paired = rel((ypair[0::2] + ypair[1::2]) * inv.get()[:, None], ref)
     deq = cupy.empty((N, K), F32)
     ops.dequant(kernels, w, deq.data.ptr, K)
     y32 = cupy.full((T, N), np.nan, F32)
@@ -268,14 +325,14 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     rows = rng.choice(N, min(N, 64), replace=False)
     e_twin = rel(split16_matmul(X[:4], W[rows]), ref[:4, rows]) if K * 3 * 64 <= 2e6 else float("nan")
     sgemm_twin = rel(fma_gemm(X[:4], W[rows]), ref[:4, rows]) if K * 64 <= 2e6 else float("nan")
-    print(f"{qtype.name} N={N} K={K} T={T}: split16 {e_split:.2e}  cuBLAS sgemm {e_sgemm:.2e}  fp16 {e_fp16:.2e}"
+    print(f"{qtype.name} N={N} K={K} T={T}: split16 {e_split:.2e} (paired {e_paired:.2e})  cuBLAS sgemm {e_sgemm:.2e}  fp16 {e_fp16:.2e}"
           f"  (twin, fp32 accumulation, 4 rows: split16 {e_twin:.2e} sgemm {sgemm_twin:.2e})"
           f"  bound {split16_error_bound(K):.2e}")
     # fp32-class: the tensor cores' truncating accumulation grows like sqrt(K); the bound is
     # 4 sqrt(K) 2^-24 (test_split16_twin.split16_error_bound: 4x the worst constant measured on the
     # H100), which single fp16 fails by 10x or more, and split16 stays far below single fp16
     bound = split16_error_bound(K)
-    assert e_split <= bound
+    assert e_split <= bound and e_paired <= bound
     assert e_fp16 > bound and e_split <= e_fp16 / 20
 
 

@@ -58,7 +58,7 @@ MMQ_MIN_ROWS = 8
 SMALL_MIN_ROWS = 4
 # decode steps of this many rows or more run the prefill's split16 GEMMs on its kept split weights
 # (blas.py: captured like the rest of the step), with Settings.batched_decode "split16" / "auto"
-SPLIT16_MIN_ROWS = {"split16": 16, "auto": 128}
+SPLIT16_MIN_ROWS = {"split16": 16, "auto": 64}
 # prompt steps on the tensor-core projections are padded to a bucket of this many rows or a multiple
 # of 16 (mmqs.cu takes 8- and 16-row tiles, then token groups of 16: a bucket costs about what its
 # largest step would), so a few graphs serve every length up to Settings.prompt_mmq_tokens

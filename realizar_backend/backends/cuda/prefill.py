@@ -44,6 +44,11 @@ OP_N, OP_T = 0, 1
 # the output, small beside the GEMM at K this long.
 MAIN_K_PER_CALL = 4096
 SPLIT_GROUP_ALIGN = 64   # call boundaries along K (elements): keeps the 16-byte operand alignment
+# Steps of up to this many tokens take paired split rows (prefill.cu): the GEMMs of so few rows are
+# bound by reading the split weights (4 bytes a weight), which the pairs read once instead of 1.5
+# times (the xl . Wh call re-read Wh); past it the GEMMs turn compute-bound and the pairs' extra
+# products (0 . Wl) would cost more than they save.
+PAIRED_MAX_TOKENS = 128
 KERNELS = ("split_weights", "norm_split", "act_split", "unscale_scatter", "unscale_add")
 
 
@@ -88,21 +93,26 @@ def split_weights(kx: dict, mats: tuple[WeightRef, ...], out: int) -> None:
     kx["split_weights"](((units + 255) // 256,), (256,), (*args, _I32(K), _U64(out)))
 
 
-def split_rows(kx: dict, x: int, xs: int, w: int, T: int, K: int, eps: float, out: int, inv: int) -> None:
+def split_rows(kx: dict, x: int, xs: int, w: int, T: int, K: int, eps: float, out: int, inv: int,
+               paired: bool = False) -> None:
     """Rows of x (RMSNorm'ed with weight w, or as they are for w == 0) -> split rows
-    [xh*2^-12 | xh | xl] of out (row stride 3K); inv[:T] = 1/s."""
+    [xh*2^-12 | xh | xl] of out (row stride 3K), or paired, [xh*2^-12 | xh | 0 | xl] (4K: two GEMM
+    rows of 2K, prefill.cu); inv[:T] = 1/s."""
     kx["norm_split"]((T,), (_threads(K),), (_U64(x), _I32(xs), _U64(w), _I32(T), _I32(K), _F32(eps),
-                                            _U64(out), _I32(3 * K), _U64(inv)))
+                                            _U64(out), _I32((4 if paired else 3) * K), _U64(inv), _I32(int(paired))))
 
 
-def act_split(kx: dict, y: int, F: int, inv_in: int, act: int, T: int, out: int, inv: int) -> None:
-    """act(g) * u from the scaled gate|up rows y (stride 2F; inv_in = their 1/s) -> split rows of out."""
+def act_split(kx: dict, y: int, F: int, inv_in: int, act: int, T: int, out: int, inv: int,
+              paired: bool = False) -> None:
+    """act(g) * u from the scaled gate|up rows y (stride 2F; inv_in = their 1/s) -> split rows of
+    out; paired: y holds row pairs and out gets paired rows."""
     kx["act_split"]((T,), (_threads(F),), (_U64(y), _I32(2 * F), _I32(F), _U64(inv_in), _I32(act), _I32(T),
-                                           _U64(out), _I32(3 * F), _U64(inv)))
+                                           _U64(out), _I32((4 if paired else 3) * F), _U64(inv), _I32(int(paired))))
 
 
-def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs) -> None:
-    """Scaled GEMM rows y -> up to three destinations, segs = [(dst, dst stride, columns, bias)]."""
+def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs, paired: bool = False) -> None:
+    """Scaled GEMM rows y (paired: row pairs) -> up to three destinations, segs = [(dst, dst stride,
+    columns, bias)]."""
     args: list = []
     n = 0
     for d, ds, nc, b in segs:
@@ -110,23 +120,29 @@ def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs) -> None:
         n += nc
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I32(0), _I32(0), _U64(0)]
-    kx["unscale_scatter"]((((n + 255) // 256), T), (256,), (_U64(y), _I32(ys), _U64(inv), _I32(T), *args))
+    kx["unscale_scatter"]((((n + 255) // 256), T), (256,), (_U64(y), _I32(ys), _U64(inv), _I32(T), *args,
+                                                           _I32(int(paired))))
 
 
-def unscale_add(kx: dict, x: int, xs: int, t: int, ts: int, inv: int, w: int, T: int, H: int, eps: float) -> None:
-    """x[:T] += t[:T] * inv (through an RMSNorm with weight w first, for w != 0)."""
+def unscale_add(kx: dict, x: int, xs: int, t: int, ts: int, inv: int, w: int, T: int, H: int, eps: float,
+                paired: bool = False) -> None:
+    """x[:T] += t[:T] * inv (through an RMSNorm with weight w first, for w != 0); paired: t holds
+    row pairs."""
     kx["unscale_add"]((T,), (_threads(H),), (_U64(x), _I32(xs), _U64(t), _I32(ts), _U64(inv), _U64(w),
-                                             _I32(T), _I32(H), _F32(eps)))
+                                             _I32(T), _I32(H), _F32(eps), _I32(int(paired))))
 
 
 def split_gemm(w: int, x: int, N: int, K: int, T: int, y: int, ldy: int,
-               calls: list[tuple[int, int, int, int]] | None = None) -> None:
+               calls: list[tuple[int, int, int, int]] | None = None, paired: bool = False) -> None:
     """y[:T, :N] = s x[:T] @ W.T from split weight rows w (N x 2K fp16) and split activation rows x
     (T x 3K fp16): the cuBLAS calls of split_calls(K) on the current stream, fp32 out (blas.py: a
-    step made of them can be captured in a CUDA graph)."""
+    step made of them can be captured in a CUDA graph). paired: x holds paired rows (T x 4K) and
+    y gets 2T rows, xh's products in row 2t and xl's in 2t + 1, from the main calls alone."""
     b = blas()
-    for wc, xc, kk, beta in (calls or split_calls(K)):
-        b.gemm_ex(OP_T, OP_N, N, T, kk, _ONE_P, w + 2 * wc, CUDA_R_16F, 2 * K, x + 2 * xc, CUDA_R_16F, 3 * K,
+    calls = calls or split_calls(K)
+    cols, ldx = (2 * T, 2 * K) if paired else (T, 3 * K)
+    for wc, xc, kk, beta in (calls[:-1] if paired else calls):
+        b.gemm_ex(OP_T, OP_N, N, cols, kk, _ONE_P, w + 2 * wc, CUDA_R_16F, 2 * K, x + 2 * xc, CUDA_R_16F, ldx,
                   _ONE_P if beta else _ZERO_P, y, CUDA_R_32F, ldy, CUBLAS_COMPUTE_32F)
 
 
@@ -180,6 +196,11 @@ class GemmProjections(Projections):
                             total / 1e9)
         self.ctx.ws.ensure_dequant(max(sizes))    # room for the largest group, split before each GEMM
 
+    def paired(self, T: int) -> bool:
+        """A step of T tokens takes paired split rows (prefill.cu): up to PAIRED_MAX_TOKENS, where
+        the GEMMs are bound by reading the split weights, and while 2T rows fit the workspace."""
+        return T <= PAIRED_MAX_TOKENS and 2 * T <= self.ctx.ws.capacity
+
     def _split_proj(self, li: int, gi: int, mats: tuple[WeightRef, ...], T: int, y: int, ldy: int) -> None:
         """y[:T] = s x[:T] @ [mats].T (group gi of layer li): the split weights kept since start-up,
         or dequantize-and-split them now; then the GEMM calls."""
@@ -189,7 +210,8 @@ class GemmProjections(Projections):
         if w is None:
             split_weights(self.kx, mats, ws.deq.data.ptr)
             w = ws.deq
-        split_gemm(w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K))
+        split_gemm(w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K),
+                   self.paired(T))
 
     # ------------------------------------------------------------ fp32 / fp16
     def _gemm(self, w: WeightRef, x: cupy.ndarray, T: int, y: cupy.ndarray, bias: int = 0,
@@ -231,15 +253,15 @@ class GemmProjections(Projections):
         ws, c = self.ctx.ws, self.ctx.c
         if self.prefill == "split16":
             # Q, K and V as one GEMM, then 1/s and the biases on the way out
-            inv = ws.split_inv[0].data.ptr
+            inv, pr = ws.split_inv[0].data.ptr, self.paired(T)
             split_rows(self.kx, ws.x.data.ptr, ws.x.shape[1], lw.attn_norm, T, c.hidden, c.rms_eps,
-                       ws.x16.data.ptr, inv)
+                       ws.x16.data.ptr, inv, pr)
             n = lw.wq.rows + lw.wk.rows + lw.wv.rows
             self._split_proj(li, 0, (lw.wq, lw.wk, lw.wv), T, ws.y32.data.ptr, n)
             unscale_scatter(self.kx, ws.y32.data.ptr, n, inv, T,
                             [(ws.q.data.ptr, ws.q.shape[1], lw.wq.rows, lw.bq),
                              (ws.k.data.ptr, ws.k.shape[1], lw.wk.rows, lw.bk),
-                             (ws.v.data.ptr, ws.v.shape[1], lw.wv.rows, lw.bv)])
+                             (ws.v.data.ptr, ws.v.shape[1], lw.wv.rows, lw.bv)], pr)
             return
         h = self._norm_in(lw.attn_norm, T)
         self._gemm(lw.wq, h, T, ws.q, lw.bq, dtype=self._dt)
@@ -249,11 +271,12 @@ class GemmProjections(Projections):
     def out(self, li: int, lw: LayerIndex, T: int) -> None:
         ws, c = self.ctx.ws, self.ctx.c
         if self.prefill == "split16":
-            inv = ws.split_inv[1].data.ptr
-            split_rows(self.kx, ws.attn.data.ptr, ws.attn.shape[1], 0, T, lw.wo.cols, c.rms_eps, ws.x16.data.ptr, inv)
+            inv, pr = ws.split_inv[1].data.ptr, self.paired(T)
+            split_rows(self.kx, ws.attn.data.ptr, ws.attn.shape[1], 0, T, lw.wo.cols, c.rms_eps, ws.x16.data.ptr, inv,
+                       pr)
             self._split_proj(li, 1, (lw.wo,), T, ws.tmp.data.ptr, ws.tmp.shape[1])
             unscale_add(self.kx, ws.x.data.ptr, ws.x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], inv,
-                        lw.post_attn_norm, T, c.hidden, c.rms_eps)
+                        lw.post_attn_norm, T, c.hidden, c.rms_eps, pr)
             return
         dst, acc = self.dst(lw.post_attn_norm)
         self._gemm(lw.wo, ws.attn if self.prefill == "fp32" else ws.attn16, T, dst, accumulate=acc, dtype=self._dt)
@@ -263,12 +286,12 @@ class GemmProjections(Projections):
         ws, c, act = self.ctx.ws, self.ctx.c, self.ctx.act
         if self.prefill == "split16":
             # gate and up as one GEMM; act(g) * u is split for the down projection in one pass
-            inv_a, inv_b = ws.split_inv[0].data.ptr, ws.split_inv[1].data.ptr
+            inv_a, inv_b, pr = ws.split_inv[0].data.ptr, ws.split_inv[1].data.ptr, self.paired(T)
             split_rows(self.kx, ws.x.data.ptr, ws.x.shape[1], lw.ffn_norm, T, c.hidden, c.rms_eps, ws.x16.data.ptr,
-                       inv_a)
+                       inv_a, pr)
             F = lw.w_gate.rows
             self._split_proj(li, 2, (lw.w_gate, lw.w_up), T, ws.y32.data.ptr, 2 * F)
-            act_split(self.kx, ws.y32.data.ptr, F, inv_a, act, T, ws.x16.data.ptr, inv_b)
+            act_split(self.kx, ws.y32.data.ptr, F, inv_a, act, T, ws.x16.data.ptr, inv_b, pr)
             return
         h = self._norm_in(lw.ffn_norm, T)
         self._gemm(lw.w_gate, h, T, ws.g, dtype=self._dt)
@@ -282,7 +305,7 @@ class GemmProjections(Projections):
             inv = ws.split_inv[1].data.ptr            # act_split's 1/s of the rows in x16
             self._split_proj(li, 3, (lw.w_down,), T, ws.tmp.data.ptr, ws.tmp.shape[1])
             unscale_add(self.kx, ws.x.data.ptr, ws.x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], inv,
-                        lw.post_ffn_norm, T, H, c.rms_eps)
+                        lw.post_ffn_norm, T, H, c.rms_eps, self.paired(T))
             return
         if self.prefill == "fp32":
             dst, acc = self.dst(lw.post_ffn_norm)
