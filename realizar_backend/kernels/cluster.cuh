@@ -3,24 +3,13 @@
 // the host) every block is a cluster of one and these are no-ops.
 #pragma once
 
-__device__ __forceinline__ unsigned cluster_size() {
+// this block's rank in its cluster (x) and the cluster's size in blocks (y)
+__device__ __forceinline__ uint2 cluster_place() {
+    uint2 p = {0u, 1u};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-#else
-    return 1;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n\tmov.u32 %1, %%cluster_nctarank;" : "=r"(p.x), "=r"(p.y));
 #endif
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-#else
-    return 0;
-#endif
+    return p;
 }
 
 // every thread of every block of the cluster; shared-memory writes before it are visible to the

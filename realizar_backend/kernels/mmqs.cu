@@ -423,13 +423,14 @@ __device__ __forceinline__ void mmqs_body(const MmqSeg (&seg)[3], int K, const u
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
         int K, const u8* xp, long long xps, const float* inv, int M, int mode, int act, int accumulate,   \
         unsigned long long* amax, int groups) {                                                           \
-        const int C = (int)cluster_size(), b = blockIdx.x / C;                                            \
+        const uint2 cl = cluster_place();                                                                 \
+        const int C = (int)cl.y, b = blockIdx.x / C;                                                      \
         const int g = b % groups, t0 = g * T;                                                             \
         const MmqSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0 + (long long)t0 * ys0, ys0},                    \
                                 {W1, rb1, n1, qt1, b1, y1 + (long long)t0 * ys1, ys1},                    \
                                 {W2, rb2, n2, qt2, b2, y2 + (long long)t0 * ys2, ys2}};                   \
         mmqs_body<T / 8>(seg, K, xp + t0 * xps, xps, inv + t0, min(T, M - t0), mode, act, accumulate,     \
-                         b / groups, amax ? amax + t0 : amax, (int)cluster_rank(), C);                    \
+                         b / groups, amax ? amax + t0 : amax, (int)cl.x, C);                              \
     }
 DEFINE_MMQS(8)
 DEFINE_MMQS(16)
