@@ -17,6 +17,26 @@ def test_decode_plan_scratch_holds_two_combine_levels():
     assert one.part_floats == one.ml_count == one.counters == 0   # no splits: no scratch
 
 
+def test_decode_plan_in_clusters_keeps_one_partial_per_cluster():
+    p = flash.plan_decode(1, 12, 2, 128, splits=64, cluster=8)
+    assert p.grid == (64, 2, 1) and p.cluster == 8
+    assert p.part_floats == 12 * 128 * 8                   # 8 cluster partials per (row, KV head)
+    assert p.ml_count == 12 * 4 * 8                        # (m, l) per 32-dim slice and cluster
+    assert p.counters == 2 * 8                             # one per slice owner (cluster rank)
+    assert flash.plan_decode(3, 12, 2, 128, splits=32, cluster=4).part_floats == 3 * 12 * 128 * 8
+    assert flash.plan_decode(1, 12, 2, 128, splits=1, cluster=1).counters == 0
+
+
+def test_decode_cluster_choice():
+    assert flash.decode_cluster(64, True) == (64, 8)
+    assert flash.decode_cluster(33, True) == (32, 8)       # two rows: splits rounded to whole clusters
+    assert flash.decode_cluster(4, True) == (4, 4)
+    assert flash.decode_cluster(3, True) == (2, 2)
+    assert flash.decode_cluster(1, True) == (1, 1)
+    assert flash.decode_cluster(64, False) == (64, 1)      # before sm_90: the global combine
+    assert flash.decode_cluster(64, True, largest=2) == (64, 2)
+
+
 def test_prefill_plan():
     p = flash.plan_prefill(1000, 12, 128, splits=3)      # 4 warps x 2 m-tiles: 128 rows per block
     assert p.grid == (8, 12, 3) and p.kernel == "flash_prefill_d128_w4_m2_q0" and p.rows == 128
@@ -35,6 +55,8 @@ def test_prefill_plan():
     (lambda: flash.plan_decode(1, 12, 2, 96), "head_dim 96"),
     (lambda: flash.plan_decode(1, 12, 5, 128), "do not group"),
     (lambda: flash.plan_decode(1, 12, 2, 128, splits=65), "splits must be 1..64"),
+    (lambda: flash.plan_decode(1, 12, 2, 128, splits=12, cluster=8), "divide the 12 splits"),
+    (lambda: flash.plan_decode(1, 12, 2, 128, splits=48, cluster=16), "one of"),
     (lambda: flash.plan_prefill(10, 12, 128, splits=9), "splits must be 1..8"),
     (lambda: flash.plan_prefill(10, 12, 64, nw=8), "no variant with 8 warps"),
     (lambda: flash.plan_prefill(10, 4, 256, wm=2), "2 m-tiles for head_dim 256"),

@@ -158,7 +158,8 @@ def decode_configs(B: int, sm: int, sweep: bool, splits: list[int] | None = None
 
 
 def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), depths=(128, 4096, 16384),
-                 splits: list[int] | None = None, defines: dict[str, tuple] | None = None) -> list[dict]:
+                 splits: list[int] | None = None, defines: dict[str, tuple] | None = None,
+                 clusters: list[int] | None = None) -> list[dict]:
     rows = []
     for B, depth in itertools.product(batches, depths):
         nb = -(-(depth + 1) // BS)
@@ -187,9 +188,12 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), de
                                   rope=(kin.data.ptr, vin.data.ptr, D, True, table.data.ptr))
             today = _time_graph(run_today, reps) / LAYERS
         scratch = flash.FlashScratch()
-        for (dname, extra), cfg in itertools.product((defines or {"": ()}).items(),
-                                                     decode_configs(B, sm, sweep, splits)):
-            plan = flash.plan_decode(B, H, KVH, D, splits=cfg["splits"], qsplit=cfg["qsplit"])
+        for (dname, extra), cfg, cl in itertools.product((defines or {"": ()}).items(),
+                                                         decode_configs(B, sm, sweep, splits), clusters or [1]):
+            if cl > 1 and cfg["splits"] < cl:
+                continue
+            cfg = {**cfg, "splits": cfg["splits"] // cl * cl, "cluster": cl}
+            plan = flash.plan_decode(B, H, KVH, D, splits=cfg["splits"], qsplit=cfg["qsplit"], cluster=cl)
             if extra:       # a kernel variant: the same entry point built with these defines too
                 plan = dataclasses.replace(plan, options=plan.options + extra)
             scratch.ensure(plan)
@@ -230,6 +234,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16,64", help="decode batches, comma-separated")
     ap.add_argument("--depths", default="128,4096,16384", help="decode depths, comma-separated")
     ap.add_argument("--splits", default="", help="decode: these max splits (comma-separated) instead of the knobs")
+    ap.add_argument("--clusters", default="1", help="decode: splits per thread-block cluster (sm_90), "
+                                                     "comma-separated; each config runs at each")
     ap.add_argument("--defines", default="", help="decode kernel variants, 'NAME:-DX=1 -DY=2;NAME2:...' "
                                                     "(each config runs on each variant)")
     args = ap.parse_args()
@@ -246,7 +252,7 @@ def main() -> int:
         rows += bench_prefill(fk, k, sm, args.reps, {v: PREFILL_VARIANTS[v] for v in args.variants.split(",")})
     if args.only in (None, "decode"):
         rows += bench_decode(fk, k, sm, args.reps, args.sweep, ints(args.batches), ints(args.depths),
-                             ints(args.splits) or None, defines)
+                             ints(args.splits) or None, defines, ints(args.clusters))
     best = {}
     for r in rows:
         key = (r["kind"], r["case"])

@@ -12,6 +12,12 @@
 // combine), longer rows split into chunks of max(split_keys, ceil(keys / gridDim.x) rounded up to 64)
 // keys; blocks past a row's count exit at once. Partials combine in the last block of each group of
 // FL_MAXC splits, then (more than one group) in the last group's block (flash.cuh).
+// Launched in thread-block clusters of C splits (sm_90, pdl.py; gridDim.x a multiple of C), the
+// splits of a cluster combine through distributed shared memory instead, each block taking every
+// C-th 32-dim slice of the group's heads: no global round trip, fence or counter at that level. A
+// row of more than C splits leaves one partial per cluster, and the last cluster to arrive (per
+// slice owner, so with no second cluster barrier) combines those. The per-level fences and serial
+// combines of the global path were most of this kernel's time at a few thousand keys (perf-notes v23).
 // fuse != 0: RoPE of q and of the new k from the cos/sin table rt (float2 [positions][rope_dim / 2],
 // ops.rope_table), and the KV write: the block holding the row's last key writes the new k and v
 // (fp16) to the pool and uses them from shared memory for that key. No block of the launch reads a
@@ -21,9 +27,74 @@
 // Entry points flash_decode_d<D>_q<QS>; QS = 1 (the default) splits q into hi + lo fp16 parts: the
 // scores then carry fp32-like accuracy, at no cost in a kernel that waits on memory.
 #include "flash.cuh"
+#include "cluster.cuh"
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
+
+// The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g,
+// s_f[w][g] its weight, s_M / s_L the block's (m, l) per head. Level 1: every block merges its warps
+// into ow[0], then takes slices x = rank, rank + C, ... (32 dims of one head: head x / (D / 32)),
+// one per warp, and combines the cluster's C blocks' copies of it through distributed shared memory.
+// One cluster (ncl == 1): that is the output. Else the slice's cluster partial goes to part_o
+// [row, kh][cluster][G][D] with its (M, L) in part_ml [row, kh][cluster][slice], and the last
+// cluster to arrive at the slice owner's counter (counters [row, kh][C]) combines the ncl partials.
+template <int D>
+__device__ __forceinline__ void fl_decode_cluster(float* ow, const float* s_M, const float* s_L,
+                                               const float (*s_f)[16], int w, int lane, int C, int rank, int cl,
+                                               int maxcl, int ncl, int G, long long rowp, float* out, u16* o16,
+                                               i8* oq, float2* od, long long head0, float* part_o, float2* part_ml,
+                                               int* counters, int* s_flag) {
+    constexpr int SL = D / 32;                                    // slices per head
+    const int nsl = G * SL;
+    const long long pG = (long long)G * D;
+    for (int x = w; x < nsl; x += FLD_NW) {                       // the block's own merge, in place
+        const int gg = x / SL, d = 32 * (x - gg * SL) + lane;
+        float v = 0.0f;
+#pragma unroll
+        for (int ww = 0; ww < FLD_NW; ++ww) v += s_f[ww][gg] * ow[(ww * 16 + gg) * D + d];
+        ow[gg * D + d] = v;
+    }
+    cluster_sync();
+    for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {        // warp-uniform
+        const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
+        float M = -INFINITY;
+        for (int p = 0; p < C; ++p) M = fmaxf(M, cluster_ld(s_M + gg, (unsigned)p));
+        float L = 0.0f, v = 0.0f;
+        for (int p = 0; p < C; ++p) {
+            const float l = cluster_ld(s_L + gg, (unsigned)p);
+            const float f = l > 0.0f ? exp2f(cluster_ld(s_M + gg, (unsigned)p) - M) : 0.0f;
+            L += f * l;
+            v += f * cluster_ld(ow + gg * D + d, (unsigned)p);
+        }
+        if (ncl == 1) {
+            const long long ob = (head0 + gg) * D;
+            fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr,
+                       od ? od + (ob >> 5) : nullptr);
+        } else {
+            part_o[(rowp * maxcl + cl) * pG + (long long)gg * D + d] = v;
+            if (lane == 0) part_ml[(rowp * maxcl + cl) * nsl + x] = make_float2(M, L);
+        }
+    }
+    cluster_sync();                                               // a block's shared memory outlives its readers
+    if (ncl == 1 || !fl_arrive_last(counters + rowp * C + rank, ncl, s_flag)) return;
+    for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {
+        const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
+        const float2* ml = part_ml + rowp * maxcl * nsl + x;
+        float M = -INFINITY;
+        for (int i = 0; i < ncl; ++i) M = fmaxf(M, __ldcg(ml + i * nsl).x);
+        float L = 0.0f, v = 0.0f;
+        for (int i = 0; i < ncl; ++i) {
+            const float2 e = __ldcg(ml + i * nsl);
+            const float f = exp2f(e.x - M);                       // a cluster partial always has keys
+            L += f * e.y;
+            v += f * __ldcg(part_o + (rowp * maxcl + i) * pG + (long long)gg * D + d);
+        }
+        const long long ob = (head0 + gg) * D;
+        fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr,
+                   od ? od + (ob >> 5) : nullptr);
+    }
+}
 
 template <int D, bool QS>
 __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const float* __restrict__ kin,
@@ -58,7 +129,12 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         chunk = max(split_keys, (((nk + S - 1) / S) + 63) & ~63);
         nsplit = (nk + chunk - 1) / chunk;
     }
-    if (s >= nsplit) return;                                      // block-uniform
+    // in a cluster the blocks past the row's count stay (empty partials) while the cluster holds
+    // any split: its blocks meet at cluster barriers; whole clusters past the count exit
+    const uint2 place = cluster_place();
+    const int C = (int)place.y, rank = (int)place.x, ncl = (nsplit + C - 1) / C;
+    const bool clu = C > 1 && nsplit > 1;
+    if (clu ? s / C >= ncl : s >= nsplit) return;                 // block-uniform (cluster-uniform)
     const int kb = start + s * chunk, ke = min(kb + chunk, pos + 1);   // keys [kb, ke)
     const int ntw = (ke - kb + FLD_KW - 1) / FLD_KW;
     const int cnt = w < ntw ? (ntw - w + FLD_NW - 1) / FLD_NW : 0;     // this warp's tiles: w, w + NW, ...
@@ -276,6 +352,11 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     __syncthreads();
     const long long rowp = (long long)t * KVH + kh;               // (row, KV head): partials and counters
     const long long pG = (long long)G * D;
+    if (clu) {
+        fl_decode_cluster<D>(ow, s_M, s_L, s_f, w, lane, C, rank, s / C, S / C, ncl, G, rowp, out, o16, oq, od,
+                             t * H + kh * G, part_o, part_ml, counters, &s_flag);
+        return;
+    }
     for (int x = w; x < G * (D / 32); x += FLD_NW) {              // warp-uniform: head gg, dims 32 c..
         const int gg = x / (D / 32), c = x - gg * (D / 32), d = 32 * c + lane;
         float v = 0.0f;

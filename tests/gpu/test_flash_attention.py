@@ -137,14 +137,16 @@ def test_chunked_prefill_equals_one_shot(fk, rng):
 
 
 def run_decode(fk, c, fuse, splits=None, single_max=256, split_keys=64, qsplit=True, o16=False, oq=False,
-               pdl=False):
+               pdl=False, cluster=1):
     import cupy
 
     from realizar_backend.backends.cuda import flash
     from realizar_backend.backends.cuda.ops import rope_table
     dev = _Dev(c)
     splits = splits or flash.decode_splits(c.n, c.KVH, fk.sm_count)
-    plan = flash.plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, qsplit=qsplit)
+    if cluster > 1:
+        splits = splits // cluster * cluster
+    plan = flash.plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, qsplit=qsplit, cluster=cluster)
     scratch = flash.FlashScratch()
     scratch.ensure(plan)
     out = _poisoned((c.n, c.H, c.D), cupy.float32)
@@ -222,6 +224,47 @@ def test_decode_knobs(fk, rng, knobs):
     _check_decode(fk, c, True, tol=TOL if knobs.get("qsplit") is False else TOL_QS, **knobs)
 
 
+def _need_clusters():
+    import cupy
+
+    from realizar_backend.backends.cuda import pdl
+    if int(cupy.cuda.Device().compute_capability) < 90 or pdl.launcher() is None:
+        pytest.skip("thread-block clusters need compute capability 9.0 and cuLaunchKernelEx")
+
+
+@pytest.mark.parametrize("shape", [(12, 2, 128), (14, 2, 64), (4, 1, 256), (8, 8, 128)], ids=_sid)
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+def test_decode_in_clusters(fk, rng, shape, cluster):
+    """Splits combined through distributed shared memory, then (more splits than a cluster) across
+    clusters: rows of one pass, of fewer splits than a cluster (empty blocks in it), of one cluster,
+    of several, and padded rows."""
+    _need_clusters()
+    H, KVH, D = shape
+    lengths = [1, 300, 257 + 64 * (cluster - 1), 1000, 4096, int(rng.integers(2, 9000))]
+    c = decode_case(rng, lengths, H, KVH, D, 16, 0, fuse=True, neox=bool(rng.integers(2)), theta=1e6, pad_rows=1)
+    _check_decode(fk, c, True, splits=64, cluster=cluster)
+
+
+@pytest.mark.parametrize("length", [4096, 16384, 17_001])
+def test_decode_long_single_row_in_clusters(fk, rng, length):
+    """Batch 1 at depth as the decode graphs launch it on sm_90: 64 splits in clusters of 8."""
+    _need_clusters()
+    c = decode_case(rng, [length], 12, 2, 128, 16, 0, fuse=True, theta=1e6)
+    _check_decode(fk, c, True, cluster=8)
+
+
+def test_decode_clusters_outputs_window_and_pdl(fk, rng):
+    """fp16 and 8-bit outputs (per 32-dim slice, as the cluster's blocks own them), a sliding
+    window, q roped before (no fuse), and a programmatic dependent launch, all in clusters."""
+    _need_clusters()
+    c = decode_case(rng, [3, 700, 5000], 8, 2, 128, 16, 512, fuse=False, theta=1e6)
+    res, ref = _check_decode(fk, c, False, o16=True, oq=True, pdl=True, cluster=4, splits=32)
+    assert rel_err(res["o16"], ref) <= 1.5e-3
+    q = res["oq"].astype(np.float64).reshape(c.n, c.H, c.D // 32, 32)
+    d = res["od"].reshape(c.n, c.H, c.D // 32, 2)
+    assert rel_err((q * d[..., :1]).reshape(ref.shape), ref) <= 1.5e-2
+
+
 def test_decode_partial_rope_and_outputs(fk, rng):
     """rope_dim < head_dim, normal (GGUF llama) pairs, fp16 and 8-bit outputs."""
     c = decode_case(rng, [3, 300, 1500], 8, 2, 128, 16, 0, fuse=True, rope_dim=64, neox=False)
@@ -268,7 +311,10 @@ def test_decode_graph_replays_at_every_length(fk, rng):
         for p in range(int(pos0[t]), int(c.positions[t]) + 1):
             c.pool.set_row(int(c.slots[t]), p, np.float16(np.nan), np.float16(np.nan))
     dev = _Dev(c)
-    plan = flash.plan_decode(n, H, KVH, D, splits=flash.decode_splits(n, KVH, fk.sm_count))
+    # the plan of a decode graph (Forward): in clusters where the device launches them
+    splits, cl = flash.decode_cluster(flash.decode_splits(n, KVH, fk.sm_count),
+                                      int(cupy.cuda.Device().compute_capability) >= 90)
+    plan = flash.plan_decode(n, H, KVH, D, splits=splits, cluster=cl)
     scratch = flash.FlashScratch()
     scratch.ensure(plan)
     table = rope_table(int(c.positions.max()) + 1, D, c.theta)

@@ -32,6 +32,7 @@ FLD_NW, FLD_KW = 4, 16             # flash_decode.cu: warps per block, keys per 
 MAX_PREFILL_SPLITS = FL_MAXC
 MAX_DECODE_SPLITS = FL_MAXC * FL_MAXC   # two combine levels
 DECODE_MAX_GROUP = 16             # q heads per KV head the decode kernel packs into one mma tile
+DECODE_CLUSTERS = (1, 2, 4, 8)    # splits per thread-block cluster (8: the portable limit)
 
 
 def prefill_wm(D: int) -> int:
@@ -74,6 +75,7 @@ class Plan:
     ml_count: int                # scratch: (m, l) pairs
     counters: int                # scratch: int32 counters (zero between launches)
     rows: int = 1                # prefill: rows per block (16 nw wm)
+    cluster: int = 1             # decode: blocks per thread-block cluster along x (sm_90)
 
 
 def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, wm: int | None = None,
@@ -100,19 +102,41 @@ def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, wm: int |
                 tiles * H if splits > 1 else 0, bq)
 
 
-def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool = True) -> Plan:
-    """n decode rows (one token each); splits: the most key splits a row may take (1..64)."""
+def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool = True, cluster: int = 1) -> Plan:
+    """n decode rows (one token each); splits: the most key splits a row may take (1..64); cluster:
+    splits per thread-block cluster (sm_90: they combine through distributed shared memory; splits a
+    multiple of it), 1: every level of the combine through global memory."""
     _check_dims(H, KVH, D)
     if H // KVH > DECODE_MAX_GROUP:
         raise ValueError(f"flash decode: {H // KVH} q heads per KV head; at most {DECODE_MAX_GROUP}")
     if not 1 <= splits <= MAX_DECODE_SPLITS:
         raise ValueError(f"flash decode: splits must be 1..{MAX_DECODE_SPLITS}, got {splits}")
+    if cluster not in DECODE_CLUSTERS or splits % cluster:
+        raise ValueError(f"flash decode: {cluster} splits per cluster must be one of {DECODE_CLUSTERS} "
+                         f"and divide the {splits} splits")
+    name, opts = f"flash_decode_d{D}_q{int(qsplit)}", (f"-DFL_D={D}", f"-DFL_QS={int(qsplit)}")
+    if splits == 1:
+        return Plan(name, opts, (1, KVH, n), 32 * FLD_NW, decode_smem(D), 1, 0, 0, 0)
+    if cluster > 1:
+        # one partial per cluster ([row, KV head][cluster][G][D]), its (m, l) per 32-dim slice, and a
+        # counter per slice owner (rank)
+        maxcl = splits // cluster
+        return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits, n * H * D * maxcl,
+                    n * H * (D // 32) * maxcl, n * KVH * cluster, cluster=cluster)
     maxg = -(-splits // FL_MAXC)
     lvl = splits + (maxg if splits > FL_MAXC else 0)
-    return Plan(f"flash_decode_d{D}_q{int(qsplit)}", (f"-DFL_D={D}", f"-DFL_QS={int(qsplit)}"),
-                (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits,
-                n * H * D * lvl if splits > 1 else 0, n * H * lvl if splits > 1 else 0,
-                n * KVH * (1 + maxg) if splits > 1 else 0)
+    return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits,
+                n * H * D * lvl, n * H * lvl, n * KVH * (1 + maxg))
+
+
+def decode_cluster(splits: int, clusters: bool, largest: int = DECODE_CLUSTERS[-1]) -> tuple[int, int]:
+    """(splits, splits per cluster) of a decode plan that may take `splits` (decode_splits), where
+    the device and driver launch thread-block clusters (clusters: pdl.clusters_ok): the largest
+    cluster of DECODE_CLUSTERS up to `largest` and the splits, rounded down to a multiple of it."""
+    if not clusters or splits < 2:
+        return splits, 1
+    c = max(x for x in DECODE_CLUSTERS if x <= min(largest, splits))
+    return splits // c * c, c
 
 
 def prefill_splits(n: int, H: int, max_keys: int, sm_count: int, plan_rows: int = 128,
@@ -239,8 +263,11 @@ def _scratch_args(scratch: FlashScratch | None, plan: Plan) -> tuple:
 
 
 def _launch(fn, plan: Plan, args, pdl: bool) -> None:
-    if pdl:
-        _pdl.launcher()(fn, plan.grid, (plan.threads,), args, plan.smem, cupy.cuda.get_current_stream().ptr)
+    if pdl or plan.cluster > 1:
+        launch = _pdl.launcher()
+        if launch is None:
+            raise ValueError(f"flash attention: {plan.kernel} in clusters of {plan.cluster} needs cuLaunchKernelEx")
+        launch(fn, plan.grid, (plan.threads,), args, plan.smem, cupy.cuda.get_current_stream().ptr, pdl, plan.cluster)
     else:
         fn(plan.grid, (plan.threads,), args, shared_mem=plan.smem)
 

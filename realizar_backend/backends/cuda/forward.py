@@ -33,6 +33,7 @@ from ...model.config import ModelConfig
 from ...settings import Settings
 from . import flash, ops
 from .kv_cache import KVCache
+from .pdl import clusters_ok
 from .modules import Kernels
 from .prefill import GemmProjections
 from .projections import GemvProjections, MmqProjections, Projections, StepContext
@@ -143,9 +144,13 @@ class Forward:
             c = self.c
             self.fk = flash.get_flash_kernels(k.device.id, getattr(k, "prebuilt", True))
             buckets = [1 << i for i in range(ws.max_rows.bit_length()) if 1 << i <= ws.max_rows]
-            self.dec_plans = {b: flash.plan_decode(b, c.n_heads, c.n_kv_heads, c.head_dim,
-                                                   splits=flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count))
-                              for b in buckets}
+            # on sm_90 the splits of a row combine in thread-block clusters (flash_decode.cu)
+            clusters = clusters_ok(k)
+            self.dec_plans = {}
+            for b in buckets:
+                splits, cl = flash.decode_cluster(flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count), clusters)
+                self.dec_plans[b] = flash.plan_decode(b, c.n_heads, c.n_kv_heads, c.head_dim, splits=splits,
+                                                      cluster=cl)
             # decode graphs capture the decode scratch: sized once, here; prompts grow their own
             self.dec_scratch, self.pre_scratch = flash.FlashScratch(), flash.FlashScratch()
             self.dec_scratch.ensure(*self.dec_plans.values())

@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType as Q
 
 from .modules import MMQ_BN, mmq_smem_bytes
 from . import pdl as _pdl
+from .pdl import clusters_ok
 from .ops import WeightRef, _launch
 
 if TYPE_CHECKING:
@@ -86,12 +87,6 @@ def small_cluster(tiles: int, K: int, sm_count: int, limit: int | None = None) -
            and K // 64 >= 2 * c * SMALL_MAX_WARPS * SMALL_CLUSTER_MIN_ITEMS):
         c *= 2
     return c
-
-
-def clusters_ok(k) -> bool:
-    """Thread-block clusters can be launched: compute capability 9.0+ and cuLaunchKernelEx."""
-    dev = getattr(k, "device", None)
-    return dev is not None and int(dev.compute_capability) >= 90 and _pdl.launcher() is not None
 
 
 def prep_row_bytes(K: int) -> int:

@@ -50,7 +50,7 @@ class PagedKV:
 def _launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = False, cluster: int = 1) -> None:
     """Launch on the current stream; pdl: as a programmatic dependent launch (pdl.py), for the
     kernels that wait for the one before in pdl_wait() (mmvf, ffnf, attention, argmax_unpack);
-    cluster: blocks per thread-block cluster (sm_90 and pdl.launcher() only: mmq.clusters_ok)."""
+    cluster: blocks per thread-block cluster (sm_90 and pdl.launcher() only: pdl.clusters_ok)."""
     if pdl or cluster > 1:
         _pdl.launcher()(fn, grid, block, args, shared_mem, cupy.cuda.get_current_stream().ptr, pdl, cluster)
     else:

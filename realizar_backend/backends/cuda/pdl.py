@@ -99,3 +99,10 @@ def launcher() -> _Launcher | None:
         except (OSError, AttributeError) as e:
             log.info("programmatic dependent launch unavailable (%s): decode graphs use plain launches", e)
     return _launcher
+
+
+def clusters_ok(k) -> bool:
+    """Thread-block clusters can be launched for the kernels of k (modules.Kernels): compute
+    capability 9.0+ and cuLaunchKernelEx."""
+    dev = getattr(k, "device", None)
+    return dev is not None and int(dev.compute_capability) >= 90 and launcher() is not None
