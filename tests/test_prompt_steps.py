@@ -48,16 +48,21 @@ def test_below_the_tensor_core_rows_the_gemvs_and_past_the_limit_the_gemms():
     # a model whose matrices only mmq.cu's tiles take: from MMQ_MIN_ROWS
     assert forward.prompt_step(5, forward.MMQ_MIN_ROWS, b, GEMM_MIN) == ("gemv", 5)
     assert forward.prompt_step(8, forward.MMQ_MIN_ROWS, b, GEMM_MIN) == ("mmq", 8)
-    for T in (65, 100, 512, 4096):
-        assert forward.prompt_step(T, forward.SMALL_MIN_ROWS, b, GEMM_MIN) == ("gemm", T)
+    for T, rows in ((65, 128), (100, 128), (512, 512), (513, 576), (4096, 4096)):
+        assert forward.prompt_step(T, forward.SMALL_MIN_ROWS, b, GEMM_MIN) == ("gemm", rows)
 
 
 def test_without_tensor_core_prompt_steps_the_old_split_holds():
     """prompt_mmq_tokens 0, or a model with a projection the tensor cores do not take: GEMVs below
-    gemm_min_tokens, GEMMs from there, at the exact token count (no padding)."""
-    for T in range(1, 100):
-        want = ("gemm", T) if T >= GEMM_MIN else ("gemv", T)
-        assert forward.prompt_step(T, forward.SMALL_MIN_ROWS, (), GEMM_MIN) == want
+    gemm_min_tokens at the exact token count, GEMMs from there on a multiple of GEMM_ROW_STEP rows
+    (fewer than that of padding: the keys of their graphs recur)."""
+    step = forward.GEMM_ROW_STEP
+    for T in range(1, 300):
+        kind, rows = forward.prompt_step(T, forward.SMALL_MIN_ROWS, (), GEMM_MIN)
+        if T < GEMM_MIN:
+            assert (kind, rows) == ("gemv", T)
+        else:
+            assert kind == "gemm" and rows % step == 0 and T <= rows < T + step
 
 
 def test_prompt_graph_labels_name_the_key():

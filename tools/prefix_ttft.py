@@ -32,7 +32,7 @@ class Phases:
     """Times the calls of the engine's step thread (its methods and its backend's, wrapped on these
     instances only) while `on`: (name, start, end), to split a request's time to its first token."""
     CALLS = (("scheduler", ("schedule",)), ("scheduler.kv", ("try_allocate", "commit")),
-             ("backend", ("set_block_table", "prefill")), ("backend.fwd", ("prefill_step",)),
+             ("backend", ("set_block_table", "prefill")), ("backend.prefill_graphs", ("run",)),
              ("", ("_prefill", "_accept", "_flush")))
 
     def __init__(self, engine: Engine):
@@ -43,7 +43,9 @@ class Phases:
                 obj = getattr(obj, part, None)
             for name in names:
                 if obj is not None and hasattr(obj, name):
-                    setattr(obj, name, self._wrap(name, getattr(obj, name)))
+                    # the prompt step's launches (a graph replay, or eager): "prefill_launch"
+                    label = "prefill_launch" if name == "run" else name
+                    setattr(obj, name, self._wrap(label, getattr(obj, name)))
 
     def _wrap(self, name, fn):
         def timed(*a, **k):
@@ -66,8 +68,8 @@ class Phases:
         first = {n: a for n, a, _ in reversed(seen)}
         last_end = {n: b for n, _, b in seen}
         out["arrival_to_schedule"] = (first.get("schedule", t1) - t0) * 1e3
-        if "prefill" in out and "prefill_step" in out:
-            out["prefill_gpu_wait_and_copy"] = out["prefill"] - out["prefill_step"]
+        if "prefill" in out and "prefill_launch" in out:
+            out["prefill_gpu_wait_and_copy"] = out["prefill"] - out["prefill_launch"]
         out["flush_to_caller"] = (t1 - last_end.get("_flush", t1)) * 1e3
         out["ttft"] = (t1 - t0) * 1e3
         return out

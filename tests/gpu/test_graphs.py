@@ -216,3 +216,36 @@ def test_prompt_step_replay_equals_eager(name, tokens, rng):
     assert captured == 1
     assert np.all(np.isfinite(eager))
     assert np.array_equal(eager, replay), f"max diff {np.abs(eager - replay).max()}"
+
+
+@pytest.mark.parametrize("name", ["qwen15", "gemma270"])
+@pytest.mark.parametrize("lengths", [(100,), (150, 170), (40, 50, 61)], ids=lambda t: "+".join(map(str, t)))
+def test_gemm_prompt_step_is_captured_when_it_recurs(name, lengths, rng):
+    """Prompt steps on the GEMMs run on a multiple of 64 rows and a power of two of head rows
+    (padding on the scratch slot): the first step of a key runs eagerly, the second eagerly and is
+    captured, the third replays the graph, all with the same logits and the same K/V (the next
+    decode step reads it)."""
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.settings import Settings
+    model = _model(name)
+    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=512,
+                                        settings=Settings(self_check=False, prompt_mmq_tokens=0)))
+    V = model.config.vocab_size
+    prompts = [rng.integers(0, V, n).astype(np.int32) for n in lengths]
+    kind, rows = gpu.fwd.prompt_step(sum(lengths))
+    assert kind == "gemm" and rows % 64 == 0 and rows >= sum(lengths)
+    items = [PrefillItem(i, p) for i, p in enumerate(prompts)]
+    runs, steps = [], []
+    for _ in range(3):
+        runs.append(gpu.prefill(items))
+        steps.append(gpu.decode(list(range(len(items))), [int(t) for t in np.argmax(runs[-1], axis=1)],
+                                list(lengths)))
+    captures, replays = gpu.prefill_graphs.captures, gpu.prefill_graphs.replays
+    gpu.close()
+    assert (captures, replays) == (1, 1)
+    assert all(np.all(np.isfinite(r)) for r in runs + steps)
+    for r in runs[1:]:
+        assert np.array_equal(r, runs[0]), f"max diff {np.abs(r - runs[0]).max()}"
+    for s in steps[1:]:
+        assert np.array_equal(s, steps[0]), f"next step: max diff {np.abs(s - steps[0]).max()}"

@@ -104,8 +104,8 @@ class CUDABackend:
         self.graphs = DecodeGraphs(self.stream, self.fwd.decode_step, self.settings.cuda_graphs,
                                    lambda on: setattr(self.fwd, "pdl", on), use_pdl)
         self.ws.listeners.append(self.graphs.drop)
-        # short prompt steps (the tokens after a cached prefix) on the GEMVs or the tensor-core
-        # projections: key (rows, sequences, splits, projections), Forward.prefill_key
+        # prompt steps: key (rows, head rows, splits, projections), Forward.prefill_key; those on
+        # the GEMMs are captured once their key comes again
         self.prefill_graphs = PrefillGraphs(
             self.stream, lambda rows, n, splits, kind: self.fwd.prefill_launches(rows, n, kind),
             self.settings.cuda_graphs)
@@ -201,12 +201,13 @@ class CUDABackend:
         T = sum(t.size for t in toks)
         max_pos = max(it.start_pos + t.size - 1 for it, t in zip(items, toks))
         key = self.fwd.prefill_key(T, len(items), max_pos)
-        rows, kind = key[0], key[3]
-        # rows past T (a tensor-core step's bucket, < 16 of them): token 0 on the scratch slot, as
-        # a decode bucket's padding, at consecutive positions within its one block, so that the
-        # prompt attention takes them as one run of rows (flash_prefill.cu), not one run each;
-        # no item's last row
+        rows, n_head = key[0], key[1]
+        # rows past T (a tensor-core step's bucket, < 16 of them; a GEMM step's, < 64): token 0 on
+        # the scratch slot, as a decode bucket's padding, at consecutive positions within its one
+        # block, so that the prompt attention takes them as runs of up to a block (flash_prefill.cu),
+        # not one run each; no item's last row. Head rows past the items (n_head) repeat row 0.
         pad = rows - T
+        last += [0] * (n_head - len(items))
         toks.append(np.zeros(pad, np.int32))
         pos.append(np.arange(pad, dtype=np.int32) % min(self.block_size, self.max_context))
         slots.append(np.full(pad, self.kv.scratch_slot, np.int32))
@@ -215,12 +216,9 @@ class CUDABackend:
             self.ws.tokens[:rows].set(np.concatenate(toks))
             self.ws.positions[:rows].set(np.concatenate(pos))
             self.ws.slots[:rows].set(np.concatenate(slots))
-            self.ws.last_idx[:len(items)].set(np.asarray(last, np.int32))
-            if kind == "gemm":
-                self.fwd.prefill_step(T, len(items), max_pos)
-            else:
-                self.fwd.max_pos = max_pos      # the attention plan's splits: the key's
-                self.prefill_graphs.run(*key)
+            self.ws.last_idx[:n_head].set(np.asarray(last, np.int32))
+            self.fwd.max_pos = max_pos          # the attention plan's splits: the key's
+            self.prefill_graphs.run(*key)
             logits = self.ws.logits[:len(items)].get()
         # a started sampled step's logits are gone (it can no longer be launched); one launched
         # already is intact, and so are the decode inputs a continuation reads

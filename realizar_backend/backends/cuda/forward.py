@@ -60,6 +60,11 @@ SMALL_MIN_ROWS = 4
 # decode steps of this many rows or more run the prefill's split16 GEMMs on its kept split weights
 # (blas.py: captured like the rest of the step), with Settings.batched_decode "split16" / "auto"
 SPLIT16_MIN_ROWS = {"split16": 16, "auto": 64}
+# prompt steps on the GEMMs run on their token count rounded up to a multiple of this (the rows past
+# it: padding on the scratch slot), so that their launches recur as a few graph keys
+# (graphs.PrefillGraphs): eager, a step's ~840 launches (GEMMs included) cost the host 10-15 ms, and
+# several times that while the server's other threads want the GIL (perf-notes v24)
+GEMM_ROW_STEP = 64
 # prompt steps on the tensor-core projections are padded to a bucket of this many rows or a multiple
 # of 16 (mmqs.cu takes 8- and 16-row tiles, then token groups of 16: a bucket costs about what its
 # largest step would), so a few graphs serve every length up to Settings.prompt_mmq_tokens
@@ -77,10 +82,13 @@ def prompt_buckets(max_tokens: int) -> tuple[int, ...]:
 
 def prompt_step(T: int, mmq_min: int, buckets: tuple[int, ...], gemm_min: int) -> tuple[str, int]:
     """How a prompt step of T tokens runs, and on how many rows: ("mmq", its bucket) from mmq_min
-    tokens up to the largest bucket; else ("gemm", T) from gemm_min tokens; else ("gemv", T)."""
+    tokens up to the largest bucket; else ("gemm", T rounded up to GEMM_ROW_STEP) from gemm_min
+    tokens; else ("gemv", T)."""
     if buckets and mmq_min <= T <= buckets[-1]:
         return "mmq", next(b for b in buckets if b >= T)
-    return ("gemm", T) if T >= gemm_min else ("gemv", T)
+    if T >= gemm_min:
+        return "gemm", -(-T // GEMM_ROW_STEP) * GEMM_ROW_STEP
+    return "gemv", T
 
 
 def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool], np.ndarray]:
@@ -303,7 +311,14 @@ class Forward:
         splits, the projections."""
         kind, rows = self.prompt_step(T)
         splits = self._prefill_plan(rows, max_pos + 1).splits if self.flash else 0
-        return rows, n_items, splits, kind
+        return rows, self.prompt_items(n_items, kind), splits, kind
+
+    def prompt_items(self, n_items: int, kind: str) -> int:
+        """The sequences a prompt step's head runs for n_items: on the GEMMs a power of two (up to
+        the workspace's rows), so that their graph keys recur (the extra rows repeat row 0)."""
+        if kind != "gemm":
+            return n_items
+        return min(1 << (n_items - 1).bit_length(), self.ws.max_rows)
 
     def prefill_step(self, T: int, n_items: int, max_pos: int) -> None:
         """A prompt step of T tokens of n_items sequences, launched eagerly; the inputs of its rows

@@ -1,6 +1,5 @@
 """CUDA graphs of the decode step: capture, replay and status, per (batch bucket, attention kind);
-and of short prompt steps on the GEMVs or the tensor-core projections (PrefillGraphs), per (rows,
-sequences, attention key splits, projections).
+and of prompt steps (PrefillGraphs), per (rows, head rows, attention key splits, projections).
 
 A decode step is a fixed launch sequence per bucket, so it is captured once and replayed per
 token: everything that changes per step (token ids, positions, slots, block tables) lives in
@@ -119,17 +118,21 @@ class DecodeGraphs:
 
 
 class PrefillGraphs(DecodeGraphs):
-    """Graphs of prompt steps of few tokens (the tokens after a cached prefix, short prompts, a
-    burst of them), keyed (rows, sequences, key splits of the attention plan, projections: "gemv"
-    at the exact token count, "mmq" at a token bucket; never "gemm", whose steps are long and of
-    any token count): run eagerly, their launches cost the host several times the GPU's work. At
-    most `keep` graphs, the least recently used dropped first."""
+    """Graphs of prompt steps, keyed (rows, head rows, key splits of the attention plan, projections:
+    "gemv" at the exact token count, "mmq" at a token bucket, "gemm" at a multiple of
+    forward.GEMM_ROW_STEP rows and a power of two of head rows): eager, their launches cost the host
+    several times the GPU's work on short steps, and on long ones they hold the GIL the server's
+    other threads want. A key of the `recur` projections is captured when it comes again (its first
+    step runs eagerly and is remembered): GEMM steps are long and their keys many, so one that never
+    recurs costs no capture. At most `keep` graphs, the least recently used dropped first."""
     kind = "prompt step"
     captured_level = logging.DEBUG
 
-    def __init__(self, stream: cupy.cuda.Stream, step: Callable[..., None], enabled: bool, keep: int = 48):
+    def __init__(self, stream: cupy.cuda.Stream, step: Callable[..., None], enabled: bool, keep: int = 48,
+                 recur: tuple[str, ...] = ("gemm",)):
         super().__init__(stream, step, enabled, lambda on: None, False)
-        self.keep = keep
+        self.keep, self.recur = keep, recur
+        self._seen: dict[tuple, None] = {}        # recur keys run once, oldest first
 
     @staticmethod
     def label(key: tuple) -> str:
@@ -139,6 +142,12 @@ class PrefillGraphs(DecodeGraphs):
     def run(self, *key) -> None:
         if key in self.graphs:                      # most recently used last
             self.graphs[key] = self.graphs.pop(key)
+        elif self.enabled and key[3] in self.recur and key not in self._seen and self.status.get(key) is None:
+            self._seen[key] = None
+            if len(self._seen) > 4 * self.keep:
+                del self._seen[next(iter(self._seen))]
+            self.step(*key)
+            return
         elif self.enabled and len(self.graphs) >= self.keep and self.status.get(key) in (None, "pending"):
             old = next(iter(self.graphs))
             del self.graphs[old]
