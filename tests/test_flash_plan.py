@@ -31,7 +31,9 @@ def test_decode_cluster_choice():
     assert flash.decode_cluster(64, True) == (64, 8)
     assert flash.decode_cluster(33, True) == (32, 8)       # two rows: splits rounded to whole clusters
     assert flash.decode_cluster(8, True) == (8, 8)
-    assert flash.decode_cluster(4, True) == (4, 1)         # 16 rows: the global combine was no slower
+    assert flash.decode_cluster(12, True) == (8, 8)
+    assert flash.decode_cluster(4, True) == (4, 4)         # 16 rows
+    assert flash.decode_cluster(2, True) == (2, 1)
     assert flash.decode_cluster(1, True) == (1, 1)
     assert flash.decode_cluster(64, False) == (64, 1)      # before sm_90: the global combine
 

@@ -131,14 +131,14 @@ def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool 
 
 def decode_cluster(splits: int, clusters: bool) -> tuple[int, int]:
     """(splits, splits per cluster) of a decode plan that may take `splits` (decode_splits), where
-    the device and driver launch thread-block clusters (clusters: pdl.clusters_ok): clusters of 8
-    from 8 splits, the splits rounded down to whole clusters; fewer splits keep the global combine.
-    tools/attn_bench.py (H100, qwen15, us a layer): 1 row at depth 4,096 17.8 -> 12.3 in clusters of
-    8 (13.4 in 4, 15.9 in 2), 8 rows 24.0 -> 22.6; 16 rows of 4 splits 36.3 -> 36.7 in clusters of 4
-    and 108 -> 116 at depth 16,384."""
-    if not clusters or splits < DECODE_CLUSTERS[-1]:
+    the device and driver launch thread-block clusters (clusters: pdl.clusters_ok): from 4 splits,
+    clusters of up to 8 (the splits rounded down to whole clusters); fewer keep the global combine
+    (2 splits: not measured). H100, qwen15: tools/attn_bench.py, us a layer, 1 row at depth 4,096
+    17.8 -> 12.3 in clusters of 8 (13.4 in 4, 15.9 in 2), 8 rows 24.0 -> 22.6; `realizar bench`,
+    16 rows at depth 4,096 (4 splits): 4,558 / 4,571 -> 4,703 / 4,709 tok/s in clusters of 4."""
+    if not clusters or splits < 4:
         return splits, 1
-    c = DECODE_CLUSTERS[-1]
+    c = max(x for x in DECODE_CLUSTERS if x <= splits)
     return splits // c * c, c
 
 
