@@ -1,0 +1,118 @@
+"""Where a decode step's time goes, by knockouts: the step of B rows is captured as a CUDA graph
+with one class of launches left out (a projection of every layer, attention, the LM head, the
+batched prep), replayed, and timed against the whole step. The difference is that class's cost on
+the step's critical path, launch gaps and programmatic-launch overlap included, which a per-kernel
+profile (serialized launches) does not show. The numbers a knocked-out step computes are garbage;
+only its time counts.
+
+    python tools/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1,4 --json ko.json
+
+Prints one line per (batch, knockout): us per step (median of --reps timings of --replays
+replays each) and the difference from the whole step; --json writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _noop(*_a, **_k) -> None:
+    return None
+
+
+def knockouts(proj_cls) -> dict[str, list[tuple[object, str]]]:
+    """(object, attribute) pairs to replace by a no-op, per knockout name."""
+    from realizar_backend.backends.cuda import forward, mmq, projections
+    out: dict[str, list[tuple[object, str]]] = {"whole step": []}
+    for m in ("qkv", "out", "ffn", "down"):
+        out[f"no {m}"] = [(proj_cls, m)]
+    out["no attention"] = [(forward.Forward, "attention")]
+    out["no head"] = [(forward.Forward, "head")]
+    if proj_cls is projections.MmqProjections:
+        # the launches then read stale records: the prep buffer's check is knocked out with them
+        out["no prep"] = [(proj_cls, "_prep"), (mmq, "_check")]
+    out["no layers"] = [(forward.Forward, "block")]
+    return out
+
+
+def time_step(gpu, B: int, reps: int, replays: int) -> float:
+    """us per replay of bucket B's captured step (captured afresh, at position 128)."""
+    import cupy
+    gpu.graphs.graphs.clear()
+    gpu.graphs.status.clear()
+    args = (list(range(B)), [1] * B, [128] * B)
+    gpu.decode(*args)                   # eager, then captured
+    ts = []
+    for _ in range(reps):
+        gpu.decode(*args)               # back to position 128 (replays advance the positions)
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        with gpu.stream:
+            e0.record(gpu.stream)
+            for _ in range(replays):
+                gpu.graphs.replay(B, False)
+            e1.record(gpu.stream)
+        e1.synchronize()
+        ts.append(cupy.cuda.get_elapsed_time(e0, e1) / replays * 1000)
+    return float(np.median(ts))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a GGUF file (a shape twin will do)")
+    ap.add_argument("--batches", default="1,4", help="decode batch buckets, comma-separated (powers of two)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from paging import contiguous_tables
+
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import CUDABackend
+    from realizar_backend.formats import open_model
+    from realizar_backend.settings import Settings
+    model = open_model(args.model)
+    V = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in (int(x) for x in args.batches.split(",") if x):
+        if B & (B - 1):
+            raise SystemExit(f"--batches: {B} is not a batch bucket (a power of two)")
+        gpu = contiguous_tables(CUDABackend(model, max_slots=max(B, 4), max_context=1024,
+                                            settings=Settings(self_check=False)))
+        try:
+            gpu.prefill([PrefillItem(s, rng.integers(0, V, 128).astype(np.int32)) for s in range(B)])
+            proj = type(gpu.fwd.decode_projections(B))
+            whole = None
+            for name, patches in knockouts(proj).items():
+                saved = [(o, a, getattr(o, a)) for o, a in patches]
+                try:
+                    for o, a in patches:
+                        setattr(o, a, _noop)
+                    us = time_step(gpu, B, args.reps, args.replays)
+                finally:
+                    for o, a, f in saved:
+                        setattr(o, a, f)
+                whole = us if whole is None else whole
+                row = dict(batch=B, projections=proj.__name__, knockout=name, us=us, cost_us=whole - us)
+                rows.append(row)
+                print(f"B={B:<4} {proj.__name__:<16} {name:<14} {us:9.1f} us/step  cost {whole - us:8.1f} us",
+                      flush=True)
+        finally:
+            gpu.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
