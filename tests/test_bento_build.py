@@ -89,8 +89,11 @@ def test_dockerfile_uses_cuda_base_and_installs_the_cuda12_extra(bento):
     for rel in ("pyproject.toml", "README.md", "realizar_backend"):
         assert dockerfile.index(f"COPY --chown=bentoml:bentoml ./src/{rel} ./src/{rel}") < install
     assert any(r.startswith("bentoml==") for r in reqs)
-    # the base image has no Python: pip (for uv) is installed before uv is needed
-    assert dockerfile.index("python3-pip") < dockerfile.index("pip install uv")
+    # the base image has no Python: pip (for uv) is installed before uv is needed (BentoML's template
+    # installs uv with "pip install uv", or from 1.4.40 from a hash-pinned uv requirements file)
+    uv = [i for i in (dockerfile.find("pip install uv"), dockerfile.find("uv-requirements.txt")) if i >= 0]
+    assert uv, "the Dockerfile installs no uv"
+    assert dockerfile.index("python3-pip") < min(uv)
 
 
 def test_dockerfile_fetches_the_default_model_at_build_time_and_installs_no_compiler(bento):
