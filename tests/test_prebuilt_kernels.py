@@ -79,7 +79,8 @@ def test_cubins_hold_the_kernels_the_loader_asks_for():
 
 def test_a_model_specific_request_finds_the_general_module():
     """The loader asks with the model's quant mask and head size; the general prebuilt module (no
-    mask, or no fixed head size) serves such a request, an exact one wins where it ships."""
+    mask, or no fixed head size) serves such a request, an exact one wins where it ships. The
+    decode GEMVs (QMASK_EXACT) are never served by a module of another mask."""
     arch = catalog.ARCHS[-1]
     cc = arch.removeprefix("sm_")
     base = catalog.base_options(cc)
@@ -91,8 +92,18 @@ def test_a_model_specific_request_finds_the_general_module():
 
     mask = catalog.qmask_option([12, 14])                   # Q4_K + Q6_K
     m, used = found("mmvf.cu", mask, "-DMMVF_NB=1", "-DMMVF_KIND=2")
-    assert m["arch"] == arch and used == base + ("-DMMVF_NB=1", "-DMMVF_KIND=2")
+    assert m["arch"] == arch and used == base + (mask, "-DMMVF_NB=1", "-DMMVF_KIND=2")   # shipped for this mask
     assert m["kernels"] == ["ffnf_nb1"]
+    odd = catalog.qmask_option([2, 14])                     # Q4_0 + Q6_K: no decode GEMV of its own ships
+    gemv = (catalog.source("mmvf.cu"), base + (odd, "-DMMVF_NB=1", "-DMMVF_KIND=2"))
+    assert "mmvf.cu" in catalog.QMASK_EXACT
+    assert catalog.find_prebuilt(*gemv, keep_mask=True) is None          # the loader compiles it for its mask
+    assert catalog.find_prebuilt(*gemv)[1] == base + ("-DMMVF_NB=1", "-DMMVF_KIND=2")
+    for m in catalog.PREBUILT_QMASKS:
+        for nb in catalog.MMV_NB:
+            hit = catalog.find_prebuilt(catalog.source("mmvf.cu"), base + (catalog.qmask_option(m), f"-DMMVF_NB={nb}",
+                                                                           "-DMMVF_KIND=1"), keep_mask=True)
+            assert hit is not None and hit[1][2] == catalog.qmask_option(m), (m, nb)
     m, used = found("attention.cu", "-DATT_KIND=1", "-DATT_HEAD_DIM=128")
     assert used == base + ("-DATT_KIND=1", "-DATT_HEAD_DIM=128")           # shipped exactly
     m, used = found("attention.cu", "-DATT_KIND=1", "-DATT_HEAD_DIM=96")

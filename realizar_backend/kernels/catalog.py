@@ -10,7 +10,8 @@ and the loader may take it instead (`generalisations`): -DREALIZAR_QMASK (the qu
 in: a model's own, to shorten NVRTC) and -DATT_HEAD_DIM (the decode-attention body chosen at compile
 time instead of at run time from the head size). The prebuilt set is `variants()` for each arch in
 ARCHS: every module the loader builds for any model (no quant mask), plus the decode attention for
-the head sizes of common models. When the loader gains a module or a variant, add it to
+the head sizes of common models and the decode GEMVs for common quant masks (QMASK_EXACT files
+are never served by their general module). When the loader gains a module or a variant, add it to
 `variants()` and run the tool (tests/test_prebuilt_kernels.py fails until then).
 
 A GPU of compute capability X.Y with no modules of its own takes those of the highest shipped X.Z
@@ -51,6 +52,16 @@ ARCHS = ("sm_80", "sm_90")
 NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
+# Files whose quant mask is never generalised away: the batch-1 decode GEMVs. Compiled for every
+# type, their kernels switch over eight decoders; in a decode step, where ~230 launches share the
+# instruction cache, the qwen15 twin's step took 1,369 us on the general module and 1,180 us on one
+# built for Q4_K + Q6_K (perf-notes v27). A model whose mask ships no module of these compiles it
+# with NVRTC (once: CuPy caches it on disk) rather than take the general one.
+QMASK_EXACT = frozenset({"mmvf.cu"})
+# quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
+# (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +
+# Q8_0, as SmolLM2-135M), as GGML type numbers
+PREBUILT_QMASKS = ((12, 14), (6, 8, 12, 14), (3, 8))
 
 
 def source(name: str) -> str:
@@ -81,6 +92,8 @@ def qmask_option(qtypes: Iterable[int]) -> str:
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """(file, options beyond base_options) of every prebuilt module, for one arch."""
     out = [("mmvf.cu", (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}")) for nb in MMV_NB for kind in (1, 2)]
+    out += [("mmvf.cu", (qmask_option(m), f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}"))
+            for m in PREBUILT_QMASKS for nb in MMV_NB for kind in (1, 2)]
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",
@@ -119,12 +132,13 @@ def _older_archs(options: Sequence[str]) -> list[tuple[str, ...]]:
     return out
 
 
-def generalisations(options: Sequence[str]) -> list[tuple[str, ...]]:
+def generalisations(options: Sequence[str], keep_mask: bool = False) -> list[tuple[str, ...]]:
     """options, then the same without the narrowing options (quant mask, head size), most
-    specific first: each later entry builds a module that serves everything the first one does."""
+    specific first: each later entry builds a module that serves everything the first one does.
+    keep_mask: the quant mask stays (QMASK_EXACT files)."""
     opts = tuple(options)
     out = [opts]
-    for drop in (_GENERAL[:1], _GENERAL[1:], _GENERAL):
+    for drop in ((_GENERAL[1:],) if keep_mask else (_GENERAL[:1], _GENERAL[1:], _GENERAL)):
         cut = tuple(o for o in opts if not o.startswith(drop))
         if cut not in out:
             out.append(cut)
@@ -145,13 +159,13 @@ def _by_key() -> dict[str, Path]:
     return {m["key"]: CUBIN_DIR / m["cubin"] for m in manifest().get("modules", ())}
 
 
-def find_prebuilt(text: str, options: Sequence[str]) -> tuple[Path, tuple[str, ...]] | None:
+def find_prebuilt(text: str, options: Sequence[str], keep_mask: bool = False) -> tuple[Path, tuple[str, ...]] | None:
     """The prebuilt cubin (xz-compressed: cubins of one source shrink ~10x) for a module of source
-    `text` asked for with `options`, or for a more general one (generalisations), with the options
-    it was built with; None where none ships."""
+    `text` asked for with `options`, or for a more general one (generalisations; keep_mask: never
+    one without the quant mask asked for), with the options it was built with; None where none ships."""
     table = _by_key()
     for arch_opts in _older_archs(options):
-        for opts in generalisations(arch_opts):
+        for opts in generalisations(arch_opts, keep_mask):
             path = table.get(module_key(text, opts))
             if path is not None and path.is_file():
                 return path, opts

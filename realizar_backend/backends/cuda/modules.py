@@ -155,7 +155,7 @@ def _module(device_id: int, filename: str, options: tuple[str, ...], prebuilt: b
     and prebuilt is on, else compiled with NVRTC (CuPy's disk cache makes a second start cheap)."""
     text = _source(filename)
     if prebuilt and _prebuilt_usable():
-        hit = catalog.find_prebuilt(text, options)
+        hit = catalog.find_prebuilt(text, options, keep_mask=filename in catalog.QMASK_EXACT)
         if hit is None:
             log.debug("kernels %s %s: no prebuilt cubin, compiling with NVRTC", filename, " ".join(options[1:]))
         else:
