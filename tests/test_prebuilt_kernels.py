@@ -104,6 +104,8 @@ def test_a_model_specific_request_finds_the_general_module():
             hit = catalog.find_prebuilt(catalog.source("mmvf.cu"), base + (catalog.qmask_option(m), f"-DMMVF_NB={nb}",
                                                                            "-DMMVF_KIND=1"), keep_mask=True)
             assert hit is not None and hit[1][2] == catalog.qmask_option(m), (m, nb)
+        hit = catalog.find_prebuilt(catalog.source("mmqs.cu"), base + (catalog.qmask_option(m),), keep_mask=True)
+        assert hit is not None and hit[1][2] == catalog.qmask_option(m), m
     m, used = found("attention.cu", "-DATT_KIND=1", "-DATT_HEAD_DIM=128")
     assert used == base + ("-DATT_KIND=1", "-DATT_HEAD_DIM=128")           # shipped exactly
     m, used = found("attention.cu", "-DATT_KIND=1", "-DATT_HEAD_DIM=96")

@@ -52,12 +52,12 @@ ARCHS = ("sm_80", "sm_90")
 NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
-# Files whose quant mask is never generalised away: the batch-1 decode GEMVs. Compiled for every
-# type, their kernels switch over eight decoders; in a decode step, where ~230 launches share the
-# instruction cache, the qwen15 twin's step took 1,369 us on the general module and 1,180 us on one
-# built for Q4_K + Q6_K (perf-notes v27). A model whose mask ships no module of these compiles it
-# with NVRTC (once: CuPy caches it on disk) rather than take the general one.
-QMASK_EXACT = frozenset({"mmvf.cu"})
+# Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu) and of a
+# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders; the qwen15 twin's
+# batch-1 step took 1,369 us on the general module and 1,180 us on one built for Q4_K + Q6_K, and
+# batch 4 gained 2-3% (perf-notes v27). A model whose mask ships no module of these compiles it with
+# NVRTC (once: CuPy caches it on disk) rather than take the general one.
+QMASK_EXACT = frozenset({"mmvf.cu", "mmqs.cu"})
 # quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
 # (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +
 # Q8_0, as SmolLM2-135M), as GGML type numbers
@@ -100,6 +100,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
                                     "prefill.cu", "mmvq.cu", "gemv.cu", "sampling.cu")]
     out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
     out.append(("mmqs.cu", ()))
+    out += [("mmqs.cu", (qmask_option(m),)) for m in PREBUILT_QMASKS]
     # flash attention (backends/cuda/flash.py plans): the default variant of each head size
     for d in PREBUILT_HEAD_DIMS:
         out.append(("flash_prefill.cu", (f"-DFL_D={d}", "-DFL_NW=4", f"-DFL_WM={1 if d > 128 else 2}", "-DFL_QS=0")))
