@@ -6,6 +6,7 @@ profile (serialized launches) does not show. The numbers a knocked-out step comp
 only its time counts.
 
     python tools/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1,4 --json ko.json
+    python tools/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1 --position 4096   (at depth)
 
 Prints one line per (batch, knockout): us per step (median of --reps timings of --replays
 replays each) and the difference from the whole step; --json writes the rows.
@@ -43,21 +44,22 @@ def knockouts(proj_cls) -> dict[str, list[tuple[object, str]]]:
     return out
 
 
-def time_step(gpu, B: int, reps: int, replays: int) -> float:
-    """us per replay of bucket B's captured step (captured afresh, at position 128)."""
+def time_step(gpu, B: int, reps: int, replays: int, position: int = 128) -> float:
+    """us per replay of bucket B's captured step (captured afresh, at `position`)."""
     import cupy
     gpu.graphs.graphs.clear()
     gpu.graphs.status.clear()
-    args = (list(range(B)), [1] * B, [128] * B)
+    args = (list(range(B)), [1] * B, [position] * B)
     gpu.decode(*args)                   # eager, then captured
+    long = gpu._long(B, args[2])        # the bucket's graph for rows this deep (flash-decoding)
     ts = []
     for _ in range(reps):
-        gpu.decode(*args)               # back to position 128 (replays advance the positions)
+        gpu.decode(*args)               # back to `position` (replays advance the positions)
         e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
         with gpu.stream:
             e0.record(gpu.stream)
             for _ in range(replays):
-                gpu.graphs.replay(B, False)
+                gpu.graphs.replay(B, long)
             e1.record(gpu.stream)
         e1.synchronize()
         ts.append(cupy.cuda.get_elapsed_time(e0, e1) / replays * 1000)
@@ -70,6 +72,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4", help="decode batch buckets, comma-separated (powers of two)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--position", type=int, default=128,
+                    help="the rows' position (context depth) the step decodes at; prompts of that many tokens first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -87,10 +91,11 @@ def main() -> int:
     for B in (int(x) for x in args.batches.split(",") if x):
         if B & (B - 1):
             raise SystemExit(f"--batches: {B} is not a batch bucket (a power of two)")
-        gpu = contiguous_tables(CUDABackend(model, max_slots=max(B, 4), max_context=1024,
+        context = args.position + 2 * args.replays + 64
+        gpu = contiguous_tables(CUDABackend(model, max_slots=max(B, 4), max_context=context,
                                             settings=Settings(self_check=False)))
         try:
-            gpu.prefill([PrefillItem(s, rng.integers(0, V, 128).astype(np.int32)) for s in range(B)])
+            gpu.prefill([PrefillItem(s, rng.integers(0, V, args.position).astype(np.int32)) for s in range(B)])
             proj = type(gpu.fwd.decode_projections(B))
             whole = None
             for name, patches in knockouts(proj).items():
@@ -98,12 +103,13 @@ def main() -> int:
                 try:
                     for o, a in patches:
                         setattr(o, a, _noop)
-                    us = time_step(gpu, B, args.reps, args.replays)
+                    us = time_step(gpu, B, args.reps, args.replays, args.position)
                 finally:
                     for o, a, f in saved:
                         setattr(o, a, f)
                 whole = us if whole is None else whole
-                row = dict(batch=B, projections=proj.__name__, knockout=name, us=us, cost_us=whole - us)
+                row = dict(batch=B, position=args.position, projections=proj.__name__, knockout=name, us=us,
+                           cost_us=whole - us)
                 rows.append(row)
                 print(f"B={B:<4} {proj.__name__:<16} {name:<14} {us:9.1f} us/step  cost {whole - us:8.1f} us",
                       flush=True)
