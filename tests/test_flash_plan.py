@@ -56,6 +56,7 @@ def test_prefill_plan():
     (lambda: flash.plan_decode(1, 12, 2, 96), "head_dim 96"),
     (lambda: flash.plan_decode(1, 12, 5, 128), "do not group"),
     (lambda: flash.plan_decode(1, 12, 2, 128, splits=65), "splits must be 1..64"),
+    (lambda: flash.plan_decode(1, 12, 2, 128, splits=136, cluster=8), "splits must be 1..128 in clusters"),
     (lambda: flash.plan_decode(1, 12, 2, 128, splits=12, cluster=8), "divide the 12 splits"),
     (lambda: flash.plan_decode(1, 12, 2, 128, splits=48, cluster=16), "one of"),
     (lambda: flash.plan_prefill(10, 12, 128, splits=9), "splits must be 1..8"),
@@ -73,6 +74,14 @@ def test_split_policy():
     assert flash.decode_splits(16, 2, sm) == 4            # about one block per SM
     assert flash.decode_splits(64, 2, sm) == 1
     assert flash.decode_splits(256, 2, sm) == 1           # the rows alone fill it
+    # in clusters, one row may take two blocks per SM, beyond the global combine's 64
+    assert flash.decode_splits(1, 2, sm, clusters=True) == 128
+    assert flash.decode_cluster(128, True) == (128, 8)
+    assert flash.decode_splits(2, 2, sm, clusters=True) == flash.decode_splits(2, 2, sm) == 33
+    assert flash.decode_splits(16, 2, sm, clusters=True) == 4
+    assert flash.decode_splits(1, 3, sm, clusters=True) == 44       # 3 x 64 blocks would not fit one wave
+    p = flash.plan_decode(1, 12, 2, 128, splits=128, cluster=8)
+    assert p.grid == (128, 2, 1) and p.cluster == 8
     assert flash.prefill_splits(16384, 12, 16384, sm) == 1
     assert flash.prefill_splits(512, 12, 16384, sm) == 6  # a 512-token chunk deep in a long prompt
     assert flash.prefill_splits(512, 12, 512, sm) == 1    # ... but not at its start

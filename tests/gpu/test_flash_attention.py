@@ -143,7 +143,7 @@ def run_decode(fk, c, fuse, splits=None, single_max=256, split_keys=64, qsplit=T
     from realizar_backend.backends.cuda import flash
     from realizar_backend.backends.cuda.ops import rope_table
     dev = _Dev(c)
-    splits = splits or flash.decode_splits(c.n, c.KVH, fk.sm_count)
+    splits = splits or flash.decode_splits(c.n, c.KVH, fk.sm_count, clusters=cluster > 1)
     if cluster > 1:
         splits = splits // cluster * cluster
     plan = flash.plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, qsplit=qsplit, cluster=cluster)
@@ -247,7 +247,7 @@ def test_decode_in_clusters(fk, rng, shape, cluster):
 
 @pytest.mark.parametrize("length", [4096, 16384, 17_001])
 def test_decode_long_single_row_in_clusters(fk, rng, length):
-    """Batch 1 at depth as the decode graphs launch it on sm_90: 64 splits in clusters of 8."""
+    """Batch 1 at depth as the decode graphs launch it on sm_90: 128 splits in clusters of 8."""
     _need_clusters()
     c = decode_case(rng, [length], 12, 2, 128, 16, 0, fuse=True, theta=1e6)
     _check_decode(fk, c, True, cluster=8)
@@ -312,8 +312,8 @@ def test_decode_graph_replays_at_every_length(fk, rng):
             c.pool.set_row(int(c.slots[t]), p, np.float16(np.nan), np.float16(np.nan))
     dev = _Dev(c)
     # the plan of a decode graph (Forward): in clusters where the device launches them
-    splits, cl = flash.decode_cluster(flash.decode_splits(n, KVH, fk.sm_count),
-                                      int(cupy.cuda.Device().compute_capability) >= 90)
+    clusters = int(cupy.cuda.Device().compute_capability) >= 90
+    splits, cl = flash.decode_cluster(flash.decode_splits(n, KVH, fk.sm_count, clusters=clusters), clusters)
     plan = flash.plan_decode(n, H, KVH, D, splits=splits, cluster=cl)
     scratch = flash.FlashScratch()
     scratch.ensure(plan)

@@ -31,6 +31,7 @@ FL_MAXC = 8                       # flash.cuh: partials one block combines
 FLD_NW, FLD_KW = 4, 16             # flash_decode.cu: warps per block, keys per warp tile
 MAX_PREFILL_SPLITS = FL_MAXC
 MAX_DECODE_SPLITS = FL_MAXC * FL_MAXC   # two combine levels
+MAX_CLUSTER_SPLITS = 128                # in clusters: one partial per cluster, combined by the last cluster
 DECODE_MAX_GROUP = 16             # q heads per KV head the decode kernel packs into one mma tile
 DECODE_CLUSTERS = (1, 2, 4, 8)    # splits per thread-block cluster (8: the portable limit)
 
@@ -103,14 +104,17 @@ def plan_prefill(n: int, H: int, D: int, splits: int = 1, nw: int = 4, wm: int |
 
 
 def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool = True, cluster: int = 1) -> Plan:
-    """n decode rows (one token each); splits: the most key splits a row may take (1..64); cluster:
-    splits per thread-block cluster (sm_90: they combine through distributed shared memory; splits a
-    multiple of it), 1: every level of the combine through global memory."""
+    """n decode rows (one token each); splits: the most key splits a row may take (1..64, in
+    clusters 1..128); cluster: splits per thread-block cluster (sm_90: they combine through
+    distributed shared memory; splits a multiple of it), 1: every level of the combine through
+    global memory."""
     _check_dims(H, KVH, D)
     if H // KVH > DECODE_MAX_GROUP:
         raise ValueError(f"flash decode: {H // KVH} q heads per KV head; at most {DECODE_MAX_GROUP}")
-    if not 1 <= splits <= MAX_DECODE_SPLITS:
-        raise ValueError(f"flash decode: splits must be 1..{MAX_DECODE_SPLITS}, got {splits}")
+    most = MAX_CLUSTER_SPLITS if cluster > 1 else MAX_DECODE_SPLITS
+    if not 1 <= splits <= most:
+        raise ValueError(f"flash decode: splits must be 1..{most}{' in clusters' if cluster > 1 else ''}, "
+                         f"got {splits}")
     if cluster not in DECODE_CLUSTERS or splits % cluster:
         raise ValueError(f"flash decode: {cluster} splits per cluster must be one of {DECODE_CLUSTERS} "
                          f"and divide the {splits} splits")
@@ -154,12 +158,19 @@ def prefill_splits(n: int, H: int, max_keys: int, sm_count: int, plan_rows: int 
     return max(1, min(MAX_PREFILL_SPLITS, -(-target // blocks), -(-max_keys // min_split_keys)))
 
 
-def decode_splits(n: int, KVH: int, sm_count: int, target_blocks: int | None = None) -> int:
+def decode_splits(n: int, KVH: int, sm_count: int, target_blocks: int | None = None,
+                  clusters: bool = False) -> int:
     """The most splits a decode row may take, for a batch bucket of n rows: enough that the blocks
     of all (row, KV head) pairs about fill one wave of one block per SM, rounded down. More splits
     cost more than they spread: on the H100 (tools/attn_bench.py, qwen15, depth 4,096) 16 rows take
     38 us a layer at 4 splits against 54 at 9 (two blocks per SM) and 18; 64 rows at depth 128
-    10.5 us at 1 split against 11.8 at 3; one row 17.9 us at 64 splits against 20.8 at 32."""
+    10.5 us at 1 split against 11.8 at 3; one row 17.9 us at 64 splits against 20.8 at 32.
+    clusters (the splits combine in thread-block clusters): where even MAX_DECODE_SPLITS splits leave
+    SMs idle (one or two rows), up to two blocks per SM and MAX_CLUSTER_SPLITS. A row just past 4,096
+    keys then takes 65 splits of 64 keys, not 33 of 128 (chunks are whole 64-key block passes): qwen15,
+    one row, `realizar bench --depth`: 708.5 -> 722.4 tok/s at 4,096, 592 -> 613 at 16,384."""
+    if clusters and target_blocks is None and n * KVH * MAX_DECODE_SPLITS <= sm_count:
+        return max(1, min(MAX_CLUSTER_SPLITS, 2 * sm_count // (n * KVH)))
     target = target_blocks or sm_count
     return max(1, min(MAX_DECODE_SPLITS, target // (n * KVH)))
 

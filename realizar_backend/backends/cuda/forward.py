@@ -156,7 +156,8 @@ class Forward:
             clusters = clusters_ok(k)
             self.dec_plans = {}
             for b in buckets:
-                splits, cl = flash.decode_cluster(flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count), clusters)
+                splits, cl = flash.decode_cluster(
+                    flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count, clusters=clusters), clusters)
                 self.dec_plans[b] = flash.plan_decode(b, c.n_heads, c.n_kv_heads, c.head_dim, splits=splits,
                                                       cluster=cl)
             # decode graphs capture the decode scratch: sized once, here; prompts grow their own
