@@ -119,12 +119,14 @@ MMVF_WARPS, MMVF_R = 8, 2                                      # mmvf.cu
 
 def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True) -> int:
     """Warps sharing one row group: as warps_per_row, then doubled while the launch has fewer
-    than two blocks per SM and the added warps still get units to read. Staged launches cap long
-    rows at 2 warps: each block stages the whole input, so fewer, longer-lived blocks win
-    (tools/mmvf_sweep.py, qwen15 down projection: 12.6 us at 2 warps, 19.5 us at 4)."""
+    than two blocks per SM and the added warps still get units to read. Staged launches take at
+    most 2 warps a group: each block stages the whole input, so fewer, longer-lived blocks win
+    (tools/mmvf_sweep.py, qwen15 down projection, one call: Q4_K 8.9 us at 2 warps against 10.0 at
+    4 in one resident wave, Q6_K 10.0 against 10.5)."""
     wpr = min(warps_per_row(K), 2) if staged else warps_per_row(K)
+    most = 2 if staged else MMVF_WARPS
     groups = -(-rows // MMVF_R)
-    while wpr < MMVF_WARPS and groups * wpr < 2 * sm_count * MMVF_WARPS and K // 32 > 32 * wpr:
+    while wpr < most and groups * wpr < 2 * sm_count * MMVF_WARPS and K // 32 > 32 * wpr:
         wpr *= 2
     return wpr
 
