@@ -91,18 +91,19 @@ def test_a_model_specific_request_finds_the_general_module():
         return None if hit is None else (by_key[catalog.module_key(catalog.source(name), hit[1])], hit[1])
 
     mask = catalog.qmask_option([12, 14])                   # Q4_K + Q6_K
-    m, used = found("mmvf.cu", mask, "-DMMVF_NB=1", "-DMMVF_KIND=2")
-    assert m["arch"] == arch and used == base + (mask, "-DMMVF_NB=1", "-DMMVF_KIND=2")   # shipped for this mask
+    ffnf1 = catalog.mmvf_options(1, 2)                      # the batch-1 gate/up module's options
+    m, used = found("mmvf.cu", mask, *ffnf1)
+    assert m["arch"] == arch and used == base + (mask, *ffnf1)             # shipped for this mask
     assert m["kernels"] == ["ffnf_nb1"]
     odd = catalog.qmask_option([2, 14])                     # Q4_0 + Q6_K: no decode GEMV of its own ships
-    gemv = (catalog.source("mmvf.cu"), base + (odd, "-DMMVF_NB=1", "-DMMVF_KIND=2"))
+    gemv = (catalog.source("mmvf.cu"), base + (odd, *ffnf1))
     assert "mmvf.cu" in catalog.QMASK_EXACT
     assert catalog.find_prebuilt(*gemv, keep_mask=True) is None          # the loader compiles it for its mask
-    assert catalog.find_prebuilt(*gemv)[1] == base + ("-DMMVF_NB=1", "-DMMVF_KIND=2")
+    assert catalog.find_prebuilt(*gemv)[1] == base + ffnf1
     for m in catalog.PREBUILT_QMASKS:
         for nb in catalog.MMV_NB:
-            hit = catalog.find_prebuilt(catalog.source("mmvf.cu"), base + (catalog.qmask_option(m), f"-DMMVF_NB={nb}",
-                                                                           "-DMMVF_KIND=1"), keep_mask=True)
+            hit = catalog.find_prebuilt(catalog.source("mmvf.cu"),
+                                        base + (catalog.qmask_option(m), *catalog.mmvf_options(nb, 1)), keep_mask=True)
             assert hit is not None and hit[1][2] == catalog.qmask_option(m), (m, nb)
         hit = catalog.find_prebuilt(catalog.source("mmqs.cu"), base + (catalog.qmask_option(m),), keep_mask=True)
         assert hit is not None and hit[1][2] == catalog.qmask_option(m), m

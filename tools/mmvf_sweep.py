@@ -36,11 +36,11 @@ from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_stride, 
 
 LAYERS = 28
 VARIANTS = {
-    "R2-W8-global": {},           # the defaults (8 warps, unroll 2), activations read from global memory
-    "R2-W8": {},                  # the defaults, staged
-    "R2-W8-U1": {"MMVF_UNROLL": 1},
-    "R1-W8": {"MMVF_R": 1},
-    "R4-W8": {"MMVF_R": 4},
+    "R2-W8-global": {"MMVF_WARPS": 8},   # 8 warps (the one-row default), unroll 2, activations from global memory
+    "R2-W8": {"MMVF_WARPS": 8},          # the same, staged
+    "R2-W8-U1": {"MMVF_WARPS": 8, "MMVF_UNROLL": 1},
+    "R1-W8": {"MMVF_WARPS": 8, "MMVF_R": 1},
+    "R4-W8": {"MMVF_WARPS": 8, "MMVF_R": 4},
     "R2-W4": {"MMVF_WARPS": 4},
 }
 # (name, segments [(qtype, rows)], K, kind); kind "mmvf" or "ffnf"
@@ -69,6 +69,7 @@ def compile_variant(defines: dict, cc: str, mask: int, nb: int = 1) -> cupy.RawM
     """The batch-1 kernels with extra defines, compiled as the loader compiles them (NVRTC through
     CuPy, same options): nvcc gave the same source 222 registers where NVRTC gives 128, so an
     nvcc-built sweep measured kernels that never run."""
+    defines = {"MMVF_WARPS": MMVF_WARPS[nb], **defines}          # the loader's warps for this width
     opts = ("-std=c++17", f"-DREALIZAR_CC={cc}", f"-DREALIZAR_QMASK={mask:#x}ull", f"-DMMVF_NB={nb}",
             *(f"-D{k}={v}" for k, v in defines.items()))
     mod = cupy.RawModule(code=_source("mmvf.cu"), options=opts)
@@ -119,14 +120,14 @@ def main() -> int:
         for vname, defines in variants.items():
             mod = modules[vname]
             R = defines.get("MMVF_R", MMVF_R)
-            W = defines.get("MMVF_WARPS", MMVF_WARPS)
+            W = defines.get("MMVF_WARPS", MMVF_WARPS[nb])
             fn = mod.get_function(f"ffnf_nb{nb}" if kind == "ffnf" else f"mmvf_nb{nb}")
             stage = 0 if vname.endswith("-global") or nb * mmvf_stride(K) * 4 > 100 * 1024 else 1
             smem = stage * nb * mmvf_stride(K) * 4
             fn.max_dynamic_shared_size_bytes = 100 * 1024
             shapes = [(w, c) for w in (1, 2, 4, 8) for c in (False, True)]
             if args.policy:
-                shapes = [(mmvf_wpr(K, rows_total, sms, bool(stage)), True)]
+                shapes = [(mmvf_wpr(K, rows_total, sms, bool(stage), W), True)]
             for wpr, capped in shapes:
                 if wpr > W:
                     continue

@@ -41,6 +41,10 @@ CUBIN_DIR = KERNEL_DIR / "cubin"
 MANIFEST = CUBIN_DIR / "manifest.json"
 
 MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf/mmvq launch column (template instances)
+# warps per block of mmvf.cu's kernels by batch width (-DMMVF_WARPS): 8 at one row (half the blocks
+# staging the input); 4 from two rows up, where every weight is applied to each row and blocks run
+# long (qwen15 B=2, realizar bench: 1,073 -> 1,191 tok/s at 4; the 4- and 8-row sweeps: 3-15%)
+MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..4
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -89,10 +93,15 @@ def qmask_option(qtypes: Iterable[int]) -> str:
     return f"-DREALIZAR_QMASK={sum(1 << int(q) for q in set(qtypes)):#x}ull"
 
 
+def mmvf_options(nb: int, kind: int) -> tuple[str, ...]:
+    """The options of mmvf.cu's module of batch width nb and kind 1 (mmvf) or 2 (ffnf)."""
+    return (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}", f"-DMMVF_WARPS={MMVF_WARPS[nb]}")
+
+
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """(file, options beyond base_options) of every prebuilt module, for one arch."""
-    out = [("mmvf.cu", (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}")) for nb in MMV_NB for kind in (1, 2)]
-    out += [("mmvf.cu", (qmask_option(m), f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}"))
+    out = [("mmvf.cu", mmvf_options(nb, kind)) for nb in MMV_NB for kind in (1, 2)]
+    out += [("mmvf.cu", (qmask_option(m),) + mmvf_options(nb, kind))
             for m in PREBUILT_QMASKS for nb in MMV_NB for kind in (1, 2)]
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]

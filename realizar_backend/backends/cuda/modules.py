@@ -229,8 +229,8 @@ class Kernels:
         # ~1.5 s, before the rest); the wider batches and sampling follow once they are in (ready()).
         # Sharing the cores with those (20 compiles on 16 threads) made the start ~1 s longer.
         def gemvs(nb: int, lazy: bool = False):
-            return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={i}"),
-                               100 * 1024, lazy) for i, kind in ((1, "mmvf"), (2, "ffnf")))
+            return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + catalog.mmvf_options(nb, i), 100 * 1024, lazy)
+                         for i, kind in ((1, "mmvf"), (2, "ffnf")))
         self._mmvf = {1: gemvs(1)}
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")],
                           typed)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
 from . import pdl as _pdl
+from ...kernels.catalog import MMVF_WARPS
 from .modules import MMV_NB, QTYPES, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
@@ -114,19 +115,19 @@ def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, 
                  _I32(int(wg.qtype)), _U64(xq), _U64(xd), _I32(nb), _I32(act), _U64(aq), _U64(ad), _U64(af)))
 
 
-MMVF_WARPS, MMVF_R = 8, 2                                      # mmvf.cu
+MMVF_R = 2                                                     # mmvf.cu: rows a group
 
 
-def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True) -> int:
+def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True, warps: int = MMVF_WARPS[1]) -> int:
     """Warps sharing one row group: as warps_per_row, then doubled while the launch has fewer
     than two blocks per SM and the added warps still get units to read. Staged launches take at
     most 2 warps a group: each block stages the whole input, so fewer, longer-lived blocks win
     (tools/mmvf_sweep.py, qwen15 down projection, one call: Q4_K 8.9 us at 2 warps against 10.0 at
     4 in one resident wave, Q6_K 10.0 against 10.5)."""
     wpr = min(warps_per_row(K), 2) if staged else warps_per_row(K)
-    most = 2 if staged else MMVF_WARPS
+    most = 2 if staged else warps
     groups = -(-rows // MMVF_R)
-    while wpr < most and groups * wpr < 2 * sm_count * MMVF_WARPS and K // 32 > 32 * wpr:
+    while wpr < most and groups * wpr < 2 * sm_count * warps and K // 32 > 32 * wpr:
         wpr *= 2
     return wpr
 
@@ -134,19 +135,19 @@ def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True) -> int:
 _resident: dict[tuple[int, int], int] = {}
 
 
-def _max_grid(k: Kernels, fn, smem: int) -> int:
+def _max_grid(k: Kernels, fn, smem: int, warps: int) -> int:
     """Blocks of an mmvf/ffnf launch that fit on the GPU at once (registers, shared memory, as the
     driver's occupancy calculator counts them): the kernels stride over row groups, so one resident
     wave does the work with one staging per block; a grid larger than that would run as two waves."""
     key = (id(fn), smem)
     n = _resident.get(key)
     if n is None:
-        per_sm = resident_blocks(fn, 32 * MMVF_WARPS, smem)
+        per_sm = resident_blocks(fn, 32 * warps, smem)
         if per_sm is None:          # no driver entry point: count registers and shared memory by hand
             regs = -(-int(fn.num_regs) // 8) * 8                 # allocation granularity per thread
-            by_regs = 65536 // (regs * 32 * MMVF_WARPS)
+            by_regs = 65536 // (regs * 32 * warps)
             by_smem = (228 * 1024) // (smem + int(fn.shared_size_bytes) + 1024)
-            per_sm = min(by_regs, by_smem, 2048 // (32 * MMVF_WARPS))
+            per_sm = min(by_regs, by_smem, 2048 // (32 * warps))
         n = _resident[key] = max(1, per_sm) * getattr(k, "sm_count", 132)
     return n
 
@@ -199,11 +200,12 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
     stage, nw, eps, smem = _stage_args(norm, K, nb)
-    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage))
     v = _nb_variant(nb)
-    gpb = MMVF_WARPS // wpr
-    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.mmvf[v], smem)), (nb + v - 1) // v)
-    _launch(k.mmvf[v], grid, (MMVF_WARPS * 32,),
+    W = MMVF_WARPS[v]
+    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage), W)
+    gpb = W // wpr
+    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.mmvf[v], smem, W)), (nb + v - 1) // v)
+    _launch(k.mmvf[v], grid, (W * 32,),
             (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), stage, nw, eps,
              _U64(amax)), smem, pdl)
 
@@ -215,12 +217,13 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     K = wg.cols
     _check_x(x, xs, K)
     stage, nw, eps, smem = _stage_args(norm, K, nb)
-    wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage))
     v = _nb_variant(nb)
-    gpb = MMVF_WARPS // wpr
+    W = MMVF_WARPS[v]
+    wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage), W)
+    gpb = W // wpr
     groups = -(-wg.rows // MMVF_R)
-    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem)), (nb + v - 1) // v)
-    _launch(k.ffnf[v], grid, (MMVF_WARPS * 32,),
+    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem, W)), (nb + v - 1) // v)
+    _launch(k.ffnf[v], grid, (W * 32,),
             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
              _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps), smem, pdl)
 
