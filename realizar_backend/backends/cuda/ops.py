@@ -11,8 +11,8 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from . import pdl as _pdl
 from ...kernels.catalog import MMVF_WARPS
+from . import pdl as _pdl
 from .modules import MMV_NB, QTYPES, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
