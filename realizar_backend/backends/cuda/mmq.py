@@ -50,6 +50,8 @@ SMALL_WIDE_MAX_BYTES = 64 << 20                  # beyond 16 rows, matrices up t
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
 SMALL_WARPS_PER_SM = 16                          # the warps a launch aims to keep on each SM
 SMALL_MIN_WARPS = 4
+SMALL_REGS = 128                                 # registers a thread of mmqs.cu (__launch_bounds__(256, 2))
+SM_REGS = 65536                                  # registers an SM (sm_80, sm_90)
 SMALL_MAX_CLUSTER = 4                            # blocks per cluster sharing one tile's K (1: none)
 SMALL_CLUSTER_MIN_ITEMS = 4                      # 64-column items each warp of a cluster keeps (small_cluster)
 CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
@@ -69,9 +71,21 @@ def small_ok(w: WeightRef) -> bool:
 def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
     """Warps per block of an mmqs launch of `tiles` 16-row tiles (blocks: tiles x cluster): enough
     for SMALL_WARPS_PER_SM warps on every SM, at least SMALL_MIN_WARPS (the LM head at 16 rows:
-    164 us with 4, 346 with 1), at most one per 64-column item of K among the cluster's warps."""
+    164 us with 4, 346 with 1), at most one per 64-column item of K among the cluster's warps; then
+    fewer, where that takes a last wave of blocks off (`small_cost`)."""
+    items = K // 64 // cluster
     want = max(SMALL_MIN_WARPS, -(-SMALL_WARPS_PER_SM * sm_count // (tiles * cluster)))
-    return max(1, min(SMALL_MAX_WARPS, K // 64 // cluster, want))
+    w0 = max(1, min(SMALL_MAX_WARPS, items, want))
+    return min(range(2, w0 + 1), key=lambda w: (small_cost(tiles * cluster, items, w, sm_count), -w), default=w0)
+
+
+def small_cost(blocks: int, items: int, warps: int, sm_count: int) -> int:
+    """A launch's time in units of one warp's 64-column item: waves of blocks (as many a block as
+    the SM's registers hold at SMALL_REGS a thread) x the items each warp takes. qwen15's gate/up at
+    4-16 rows is 560 blocks: at 4 warps (4 blocks an SM) two waves, the second of 32 blocks; at 3 (5
+    an SM) one. tools/mmq_bench.py --warps, H100, 4 rows: 26.1 us at 4 warps, 21.4 at 3, 24.5 at 2."""
+    per_sm = max(1, SM_REGS // (SMALL_REGS * 32 * warps))
+    return -(-blocks // (per_sm * sm_count)) * -(-items // warps)
 
 
 def small_cluster(tiles: int, K: int, sm_count: int, limit: int | None = None) -> int:
