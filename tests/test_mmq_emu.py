@@ -64,9 +64,10 @@ def activations(rng, M: int, K: int, stress: bool) -> np.ndarray:
 
 
 def run_case(emu, tmp_path, rng, segs, K, M, bn, splits, *, mode=0, act=0, bias=False, accumulate=False,
-             norm=False, amax=False, stress=False, tc_model=0, twice=True):
+             norm=False, amax=False, stress=False, tc_model=0, twice=True, prep_splits=1):
     """segs: [(qtype, rows)] (mode 1: [(qtype, F)], gate and up drawn here). Returns (max error in
-    units of sum |w x|, outputs per segment, argmax keys, outputs untouched past the rows, status)."""
+    units of sum |w x|, outputs per segment, argmax keys, outputs untouched past the rows, status).
+    prep_splits: blocks a row of the prep launch (each writes its share of the row's records)."""
     nch = -(-K // 128)
     cps = -(-nch // splits)
     if bn > 0:                   # mmq.cu: no empty K range; mmqs.cu (bn < 0): `splits` is the warps per block
@@ -76,8 +77,8 @@ def run_case(emu, tmp_path, rng, segs, K, M, bn, splits, *, mode=0, act=0, bias=
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
     if mode:
         segs = [segs[0], segs[0]]
-    hdr = struct.pack("14i", mode, K, M, len(segs), bn, splits, cps, act, int(accumulate), int(norm), int(amax), xs,
-                      tc_model, int(twice and not accumulate)) + struct.pack("f", 1e-6)
+    hdr = struct.pack("15i", mode, K, M, len(segs), bn, splits, cps, act, int(accumulate), int(norm), int(amax), xs,
+                      tc_model, int(twice and not accumulate), prep_splits) + struct.pack("f", 1e-6)
     body, ref_parts = [hdr], []
     for qt, n in segs:
         raw = random_gguf(qt, n, K, rng)
@@ -160,7 +161,7 @@ def test_types_tiles_and_splits(emu, tmp_path, qt):
     K = 768 if qt in KQUANT else 544                 # 544: 5 chunks, the last of one unit
     i = TYPES.index(qt)
     for bn, M, splits in (((8, 16, 32, 64)[i % 4], (5, 13, 29, 37)[i % 4], 1), ((64, 32, 16, 8)[i % 4], (70, 17, 9, 8)[i % 4], 2)):
-        res = run_case(emu, tmp_path, rng, [(qt, 131)], K, M, bn, splits, bias=True)
+        res = run_case(emu, tmp_path, rng, [(qt, 131)], K, M, bn, splits, bias=True, prep_splits=1 + i % 3)
         check(f"{qt.name} bn{bn} M{M} splits{splits}", res, EXACT_TOL)
 
 
@@ -205,7 +206,7 @@ def test_activation_range_stress(emu, tmp_path, qt, tc_model):
     K = 1024 if qt in KQUANT else 992
     for norm in (False, True):
         res = run_case(emu, tmp_path, rng, [(qt, 37)], K, 11, 16, 2, stress=True, norm=norm, tc_model=tc_model,
-                       twice=False)
+                       twice=False, prep_splits=2)
         check(f"stress {qt.name} norm={norm} model={tc_model}", res, FP32_TOL if tc_model else EXACT_TOL)
 
 
@@ -223,6 +224,17 @@ def test_small_types_tokens_and_warps(emu, tmp_path, qt):
     for bn, M, warps in ((-8, 1, 1), (-8, 5, 3), (-8, 8, 8), (-16, 9, 2), (-16, 16, 7), (-16, 37, 4), (-8, 19, 2)):
         res = run_case(emu, tmp_path, rng, [(qt, 37)], K, M, bn, warps, bias=True)
         check(f"mmqs {qt.name} t{-bn} M{M} warps{warps}", res, EXACT_TOL)
+
+
+@pytest.mark.parametrize("K", [4_352, 12_352], ids=["in-registers", "past-registers"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_prep_rows_in_split_rounds(emu, tmp_path, norm, K):
+    """Rows of several rounds of 32 units, each round dealt to one of 3 blocks: all records written,
+    same results. 12,352 columns is past the prep's registers (12 x 1024: the row is read twice)."""
+    rng = np.random.default_rng(K + norm)
+    res = run_case(emu, tmp_path, rng, [(Q.Q8_0, 9)], K, 3, -8, 8, norm=norm, prep_splits=3, stress=True,
+                   twice=False)
+    check(f"split prep K={K} norm={norm}", res, EXACT_TOL)
 
 
 def test_small_qkv_ffn_head(emu, tmp_path):

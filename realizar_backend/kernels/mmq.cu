@@ -108,18 +108,46 @@ template <int N> __device__ __forceinline__ void mmq_cp_wait() {
 #endif
 
 // ------------------------------------------------------------------ prep
+// (sum of a, max of b) over the block in one round of shared memory (sm: 64 floats); the sum in
+// block_reduce's order
+__device__ __forceinline__ float2 block_sum_max(float a, float b, float* sm) {
+    a = warp_sum(a);
+    b = warp_max(b);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();  // sm may still be read from the previous reduction
+    if (lane == 0) {
+        sm[wid] = a;
+        sm[32 + wid] = b;
+    }
+    __syncthreads();
+    if (wid == 0) {
+        const float x = warp_sum(lane < nw ? sm[lane] : 0.0f), y = warp_max(lane < nw ? sm[32 + lane] : 0.0f);
+        if (lane == 0) {
+            sm[0] = x;
+            sm[32] = y;
+        }
+    }
+    __syncthreads();
+    return make_float2(sm[0], sm[32]);
+}
+
 // Row t of x (stride xs), RMSNorm'ed with weight nw (nw == 0: as it is), as prep records of out
-// (row stride os bytes, ceil(K/128) records); inv[t] = 1/s. One block of MMQ_PREP_THREADS per row
-// (few rows at small batches: each block's work must be short): rows of up to MMQ_PREP_NJ x 1024
-// columns are read once into registers, longer ones three times (sum of squares, max, records).
+// (row stride os bytes, ceil(K/128) records); inv[t] = 1/s. Block (t, p) of MMQ_PREP_THREADS: row t,
+// and of its records the rounds j of 32 units (one a warp) with j % gridDim.y == p. Every block of a
+// row reads all of it and finds the same norm and scale (same order, same bits), so splitting the
+// records over gridDim.y blocks needs no communication: at small batches the records' warp sums
+// were each block's longest part. Rows of up to MMQ_PREP_NJ x 1024 columns are read once into
+// registers, longer ones twice (sum of squares and max, records). The norm's sum of squares and the
+// max of |x w| share one block reduction: max |x rs w| is taken as rs max |x w| (the same to rounding,
+// which can only move the scale by a factor of two, exact either way).
 // Column c = 16s + 4t + i of a unit goes to position 8t + 4s + i (see the top of the file).
 #if !defined(MMQ_BN) || MMQ_BN == 0
 extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
                                                                    const float* __restrict__ nw, float eps,
                                                                    u8* __restrict__ out, long long os,
                                                                    float* __restrict__ inv) {
-    __shared__ float sm[32];
-    const int t = blockIdx.x;
+    __shared__ float sm[64];
+    const int t = blockIdx.x, S = gridDim.y, part = blockIdx.y;
     if (t >= M) return;
     pdl_wait();
     const float* xr = x + (long long)t * xs;
@@ -140,37 +168,49 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
         // the row read once, into registers (column threadIdx.x + 1024 j is unit wid + 32 j, as the
         // record writes want): the norm, the max and the records then need no second trip to memory.
         // Sums and maxima run in the same order as the loop below, so both give the same bits.
-        float xv[MMQ_PREP_NJ], wv[MMQ_PREP_NJ], ss = 0.0f;
+        float xv[MMQ_PREP_NJ], wv[MMQ_PREP_NJ], ss = 0.0f, m = 0.0f;
 #pragma unroll
         for (int j = 0; j < MMQ_PREP_NJ; ++j) {
             const int u = wid + 32 * j, c = 32 * u + lane;
             xv[j] = u < nu ? xr[c] : 0.0f;
             wv[j] = u < nu && nw ? nw[c] : 1.0f;
-            if (u < nu) ss += xv[j] * xv[j];
+            if (u < nu) {
+                ss += xv[j] * xv[j];
+                m = fmaxf(m, fabsf(xv[j] * wv[j]));
+            }
         }
-        const float rs = nw ? rsqrtf(block_reduce(ss, 0, sm) / K + eps) : 1.0f;
-        float m = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MMQ_PREP_NJ; ++j)
-            if (wid + 32 * j < nu) m = fmaxf(m, fabsf(nw ? xv[j] * rs * wv[j] : xv[j]));
-        const float s = row_scale(block_reduce(m, 1, sm), iv);
+        float rs = 1.0f;
+        if (nw) {
+            const float2 r = block_sum_max(ss, m, sm);
+            rs = rsqrtf(r.x / K + eps);
+            m = r.y * rs;
+        } else {
+            m = block_reduce(m, 1, sm);
+        }
+        const float s = row_scale(m, iv);
 #pragma unroll
         for (int j = 0; j < MMQ_PREP_NJ; ++j) {
             const int u = wid + 32 * j;
             if (u >= 4 * nch) break;                                    // warp-uniform
+            if (j % S != part) continue;                                // another block's round
             put(u, u < nu ? (nw ? xv[j] * rs * wv[j] : xv[j]) * s : 0.0f);   // past K: zeros
         }
     } else {
-        float rs = 1.0f;
-        if (nw) {
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
-            rs = rsqrtf(block_reduce(ss, 0, sm) / K + eps);
+        float rs = 1.0f, ss = 0.0f, m = 0.0f;
+        for (int i = threadIdx.x; i < K; i += blockDim.x) {
+            ss += xr[i] * xr[i];
+            m = fmaxf(m, fabsf(nw ? xr[i] * nw[i] : xr[i]));
         }
-        float m = 0.0f;
-        for (int i = threadIdx.x; i < K; i += blockDim.x) m = fmaxf(m, fabsf(nw ? xr[i] * rs * nw[i] : xr[i]));
-        const float s = row_scale(block_reduce(m, 1, sm), iv);
+        if (nw) {
+            const float2 r = block_sum_max(ss, m, sm);
+            rs = rsqrtf(r.x / K + eps);
+            m = r.y * rs;
+        } else {
+            m = block_reduce(m, 1, sm);
+        }
+        const float s = row_scale(m, iv);
         for (int u = wid; u < 4 * nch; u += blockDim.x >> 5) {
+            if ((u / (blockDim.x >> 5)) % S != part) continue;           // another block's round
             float v = 0.0f;                                               // past K: zeros
             if (u < nu) {
                 const int c = 32 * u + lane;
@@ -179,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
             put(u, v);
         }
     }
-    if (threadIdx.x == 0) inv[t] = iv;
+    if (threadIdx.x == 0 && part == 0) inv[t] = iv;
     pdl_trigger();
 }
 #endif

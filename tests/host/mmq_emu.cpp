@@ -223,15 +223,17 @@ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 }
 
 // ------------------------------------------------------------------ the launches
-static void launch(unsigned grid, unsigned threads, size_t smem, const std::function<void()>& body) {
-    gridDim = dim3e{grid, 1, 1};
+static void launch(unsigned grid, unsigned threads, size_t smem, const std::function<void()>& body,
+                   unsigned grid_y = 1) {
+    gridDim = dim3e{grid, grid_y, 1};
     blockDim = dim3e{threads, 1, 1};
-    for (unsigned b = 0; b < grid; ++b) {
-        emu::dyn.assign(smem / 16 + 1, uint4{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu});   // NaN everywhere
-        blockIdx = dim3e{b, 0, 0};
-        emu::body = body;
-        emu::run_block(threads);
-    }
+    for (unsigned by = 0; by < grid_y; ++by)
+        for (unsigned b = 0; b < grid; ++b) {
+            emu::dyn.assign(smem / 16 + 1, uint4{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu});   // NaN everywhere
+            blockIdx = dim3e{b, by, 0};
+            emu::body = body;
+            emu::run_block(threads);
+        }
 }
 
 template <class T> static bool rd(FILE* f, T* p, size_t n) { return std::fread(p, sizeof(T), n, f) == n; }
@@ -240,9 +242,9 @@ int main(int argc, char** argv) {
     if (argc != 3) return 2;
     FILE* f = std::fopen(argv[1], "rb");
     if (!f) return 2;
-    // header: mode K M nseg bn splits cps act accumulate use_norm use_amax xs tc_model twice
-    int h[14];
-    if (!rd(f, h, 14)) return 2;
+    // header: mode K M nseg bn splits cps act accumulate use_norm use_amax xs tc_model twice prep_splits
+    int h[15];
+    if (!rd(f, h, 15)) return 2;
     const int mode = h[0], K = h[1], M = h[2], nseg = h[3], bn = h[4], splits = h[5], cps = h[6], act = h[7];
     const int accumulate = h[8], use_norm = h[9], use_amax = h[10], xs = h[11], twice = h[13];
     emu::tc_model = h[12];
@@ -275,7 +277,8 @@ int main(int argc, char** argv) {
     const long long xps = (long long)nch * MMQ_REC;
     std::vector<u8> rec((size_t)M * xps, 0xFF);
     std::vector<float> inv(M, NAN);
-    launch(M, MMQ_PREP_THREADS, 0, [&] { mmq_prep(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); });
+    launch(M, MMQ_PREP_THREADS, 0, [&] { mmq_prep(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); },
+           (unsigned)h[14]);
     for (size_t r = 0; r < rec.size(); r += MMQ_REC) {     // halves 0xFFFF and sums 0xFFFFFFFF: unwritten
         u16 hv[256];
         u32 sv[4];

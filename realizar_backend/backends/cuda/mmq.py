@@ -199,13 +199,21 @@ def _sm_count(k) -> int:
     return getattr(k, "sm_count", 132)
 
 
+def prep_splits(M: int, K: int, sm_count: int) -> int:
+    """Blocks a row of a prep launch of M rows of K values: its rounds of 32 units (one a warp) dealt
+    over blocks while the launch has fewer blocks than SMs. Each block reads the whole row and writes
+    its rounds' records: at 4 rows of 8,960 the records of one block were 9 rounds of warp sums."""
+    rounds = -(-4 * -(-K // KC) // (PREP_THREADS // 32))
+    return max(1, min(rounds, sm_count // max(1, M)))
+
+
 def prep(k: "Kernels", x: int, xs: int, M: int, K: int, out: MmqPrep, norm=None, pdl: bool = False) -> None:
     """Rows x[:M, :K] (fp32, row stride xs floats) -> out; norm = (weight pointer, eps): the rows
     are RMSNorm(x) * weight, computed in the launch."""
     if K % 32 or M < 1 or M > out.M or K > out.K:
         raise ValueError(f"mmq.prep: {M} rows of {K} (K % 32 == 0) do not fit a buffer of {out.M} x {out.K}")
     nw, eps = norm if norm is not None else (0, 0.0)
-    _launch(k.mmq["prep"], (M,), (PREP_THREADS,),
+    _launch(k.mmq["prep"], (M, prep_splits(M, K, _sm_count(k))), (PREP_THREADS,),
             (_U64(x), _I32(xs), _I32(M), _I32(K), _U64(nw), _F32(eps), _U64(out.rec.data.ptr),
              _I64(prep_row_bytes(K)), _U64(out.inv.data.ptr)), 0, pdl)
     out.filled = (M, K)
