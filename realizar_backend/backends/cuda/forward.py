@@ -57,6 +57,9 @@ MMQ_MIN_ROWS = 8
 # the tensor cores take over from the GEMVs already: mmqs reads each weight once per 16 rows (qwen15
 # step projections, tools/mmq_bench.py: 1.95 ms against the GEMVs' 2.99 at 4 rows, 1.92 / 1.70 at 2)
 SMALL_MIN_ROWS = 4
+# ... and the LM head from this many (tools/mmq_bench.py --shapes head, 2 rows: 125.8 us on mmqs, prep
+# included, against 151.7 on the 2-row GEMV; one row stays on the GEMV, ~96 us)
+SMALL_HEAD_MIN_ROWS = 2
 # decode steps of this many rows or more run the prefill's split16 GEMMs on its kept split weights
 # (blas.py: captured like the rest of the step), with Settings.batched_decode "split16" / "auto"
 SPLIT16_MIN_ROWS = {"split16": 16, "auto": 64}
@@ -260,7 +263,8 @@ class Forward:
         the argmax tokens and advanced positions."""
         c, ws, g = self.c, self.ws, self.gemv
         feed = (io.data.ptr, io.shape[1], *self.token_ring) if io is not None else (0, 0, 0, 0)
-        if self.mmq is not None and self.mmq.head_ok and n >= self.mmq.min_rows:
+        if self.mmq is not None and self.mmq.head_ok and n >= (SMALL_HEAD_MIN_ROWS if self.mmq.small
+                                                               else self.mmq.min_rows):
             self.mmq.head(rows, n, self.w.output_norm, ws.logits, self.am_key.data.ptr)
             ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
             return
