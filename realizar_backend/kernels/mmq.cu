@@ -164,6 +164,19 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
         const float sum = warp_sum(v);
         if (lane == 0) ((float*)(o + (u >> 2) * MMQ_REC + 512))[u & 3] = sum;
     };
+    // the norm's 1 / rms(x) (rs; 1 without a norm) and the row's scale s, from each thread's sum of
+    // squares and max |x w| (x w: x without a norm)
+    auto scale_of = [&](float ss, float m, float& rs) {
+        rs = 1.0f;
+        if (nw) {
+            const float2 r = block_sum_max(ss, m, sm);
+            rs = rsqrtf(r.x / K + eps);
+            m = r.y * rs;
+        } else {
+            m = block_reduce(m, 1, sm);
+        }
+        return row_scale(m, iv);
+    };
     if (4 * nch <= 32 * MMQ_PREP_NJ) {
         // the row read once, into registers (column threadIdx.x + 1024 j is unit wid + 32 j, as the
         // record writes want): the norm, the max and the records then need no second trip to memory.
@@ -179,15 +192,8 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
                 m = fmaxf(m, fabsf(xv[j] * wv[j]));
             }
         }
-        float rs = 1.0f;
-        if (nw) {
-            const float2 r = block_sum_max(ss, m, sm);
-            rs = rsqrtf(r.x / K + eps);
-            m = r.y * rs;
-        } else {
-            m = block_reduce(m, 1, sm);
-        }
-        const float s = row_scale(m, iv);
+        float rs;
+        const float s = scale_of(ss, m, rs);
 #pragma unroll
         for (int j = 0; j < MMQ_PREP_NJ; ++j) {
             const int u = wid + 32 * j;
@@ -196,19 +202,12 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
             put(u, u < nu ? (nw ? xv[j] * rs * wv[j] : xv[j]) * s : 0.0f);   // past K: zeros
         }
     } else {
-        float rs = 1.0f, ss = 0.0f, m = 0.0f;
+        float rs, ss = 0.0f, m = 0.0f;
         for (int i = threadIdx.x; i < K; i += blockDim.x) {
             ss += xr[i] * xr[i];
             m = fmaxf(m, fabsf(nw ? xr[i] * nw[i] : xr[i]));
         }
-        if (nw) {
-            const float2 r = block_sum_max(ss, m, sm);
-            rs = rsqrtf(r.x / K + eps);
-            m = r.y * rs;
-        } else {
-            m = block_reduce(m, 1, sm);
-        }
-        const float s = row_scale(m, iv);
+        const float s = scale_of(ss, m, rs);
         for (int u = wid; u < 4 * nch; u += blockDim.x >> 5) {
             if ((u / (blockDim.x >> 5)) % S != part) continue;           // another block's round
             float v = 0.0f;                                               // past K: zeros
