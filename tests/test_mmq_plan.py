@@ -45,3 +45,21 @@ def test_one_wave_launches_keep_their_warps():
     for shape in ("qkv", "o"):
         tiles, K = QWEN15[shape]
         assert mmq.small_warps(tiles, K, SMS) == mmq.SMALL_MAX_WARPS
+
+
+@pytest.mark.parametrize("K", [256, 512, 576, 896, 1024, 1536, 2048, 2304, 3584, 8960])
+@pytest.mark.parametrize("wpr", [1, 2, 4])
+def test_ffnf_lane_groups_never_leave_more_lanes_idle(K, wpr):
+    """ffnf launches take half-warp row groups only where a row's passes then leave fewer lanes
+    idle (K = 1536: 48 units fill three passes of 16 lanes, against a full and a half-empty pass
+    of 32), and only for groups of one warp (the kernel reduces half-warps within their warp)."""
+    ops = pytest.importorskip("realizar_backend.backends.cuda.ops")
+    nu = K // 32
+    lpg = ops.ffnf_lanes(K, wpr)
+    assert lpg in (16, 32)
+    if lpg == 16:
+        assert wpr == 1
+    idle = (-nu) % lpg
+    assert idle <= (-nu) % 32
+    if K == 1536 and wpr == 1:
+        assert lpg == 16 and idle == 0

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from realizar_backend.backends.cuda.modules import _source, resident_blocks  # noqa: E402
-from realizar_backend.backends.cuda.ops import MMVF_R, MMVF_WARPS, mmvf_stride, mmvf_wpr, row_bytes  # noqa: E402
+from realizar_backend.backends.cuda.ops import (MMVF_R, MMVF_WARPS, ffnf_lanes, mmvf_stride, mmvf_wpr,  # noqa: E402
+                                                row_bytes)
 
 LAYERS = 28
 VARIANTS = {
@@ -132,7 +133,9 @@ def main() -> int:
                 if wpr > W:
                     continue
                 groups = sum(-(-r // R) for _, r in segs)
-                gpb = W // wpr
+                # ffnf under --policy: half-warp groups where ops.ffnf_lanes takes them
+                lpg = ffnf_lanes(K, wpr, nb) if kind == "ffnf" and args.policy else 32
+                gpb = W * (32 // lpg) // wpr
                 blocks = (groups + gpb - 1) // gpb
                 if capped:        # one resident wave, blocks striding over the groups (ops._max_grid)
                     blocks = min(blocks, max(1, resident_blocks(fn, 32 * W, smem) or 1) * sms)
@@ -145,7 +148,8 @@ def main() -> int:
                                              np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(K), np.int32(int(qt)),
                                              np.uint64(x.data.ptr), np.int32(K), np.int32(nb), np.int32(0),
                                              np.uint64(ybuf.data.ptr), np.int32(rows), np.int32(wpr),
-                                             np.int32(stage), np.uint64(0), np.float32(0)), shared_mem=smem)
+                                             np.int32(stage), np.uint64(0), np.float32(0), np.int32(lpg)),
+                                       shared_mem=smem)
                         return
                     a = []
                     off = 0

@@ -12,7 +12,9 @@
 // mmvf_nbNB: up to three matrices ("segments") sharing one input (Q, K, V), each with its own
 // type, bias and output; row groups of all segments are laid end to end over the grid (a group
 // never straddles two segments). accumulate != 0 adds into y (the residual stream).
-// ffnf_nbNB: gate and up of one FFN (same type and shape) in one launch, a = act(g) * u, fp32.
+// ffnf_nbNB: gate and up of one FFN (same type and shape) in one launch, a = act(g) * u, fp32. Its
+// groups may be half-warps (lpg 16, with wpr 1): rows whose units leave a pass of 32 lanes half
+// empty (K = 1536: 48 units) then take 3 full passes of 16 lanes (ops.ffnf_lanes).
 // NB (1, 2, 4, 8) activation rows share each decoded unit; grid.y covers larger batches.
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0.
 //
@@ -125,17 +127,21 @@ __device__ __forceinline__ void mmvf_dispatch(int qt, const u8* const (&W)[M], l
 #undef MMVF_CASE
 }
 
-// warp sums, then (wpr > 1) the sum over the warps of a group, in a fixed order; on return every
-// lane of the group's first warp (sub == 0) holds the totals. Block-uniform barrier.
+// sums over each group's lanes (the warp, or its halves: lpg 16), then (wpr > 1) the sum over the warps
+// of a group, in a fixed order; on return every lane of the group's first warp (sub == 0) holds the
+// totals. Block-uniform barrier.
 template <int NB, int M>
-__device__ __forceinline__ void mmvf_reduce(float (&acc)[M][MMVF_R][NB], int wpr, int wid, int sub, int lane) {
+__device__ __forceinline__ void mmvf_reduce(float (&acc)[M][MMVF_R][NB], int wpr, int wid, int sub, int lane,
+                                            int lpg = 32) {
     __shared__ float red[MMVF_WARPS][M][MMVF_R][NB];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
-            for (int b = 0; b < NB; ++b) acc[m][i][b] = warp_sum(acc[m][i][b]);
+            for (int b = 0; b < NB; ++b)
+                for (int o = lpg >> 1; o > 0; o >>= 1)          // over each group's lanes (lpg: 32 or 16)
+                    acc[m][i][b] += __shfl_xor_sync(0xffffffffu, acc[m][i][b], o);
     if (wpr > 1) {
         if (lane == 0)
 #pragma unroll
@@ -354,23 +360,27 @@ __device__ __forceinline__ void mmvf_body(const MmvfSeg (&seg)[3], int K, const 
 template <int NB>
 __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
                                           const float* __restrict__ x, int xs, int nb, int act, float* a, int as,
-                                          int wpr, int stage, const float* nw, float eps) {
+                                          int wpr, int stage, const float* nw, float eps, int lpg) {
     extern __shared__ float4 mmvf_sm[];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int gpb = MMVF_WARPS / wpr, sub = wid % wpr;
+    // lpg 16 (with wpr 1): each half-warp owns a row group, so that rows of 16 x odd units (K = 1536:
+    // 48) fill every pass; lpg 32: a warp (or wpr of them) a group. 8 rows: always 32 (registers)
+    if constexpr (NB > 4) lpg = 32;
+    const int per = 32 / lpg, vw = wid * per + lane / lpg, ln = lane % lpg;
+    int gpb = MMVF_WARPS * per / wpr, sub = vw % wpr;
     int groups = (N + MMVF_R - 1) / MMVF_R;
     int bb = blockIdx.y * NB;
     int nbl = min(NB, nb - bb);
     {   // as mmvf_body: the first round's gate and up rows towards L2, then wait for the kernel before
-        int G = blockIdx.x * gpb + wid / wpr;
-        if (sub == 0 && lane < 2 && G < groups)
-            l2_prefetch((lane ? Wu : Wg) + (long long)G * MMVF_R * rb, (long long)min(MMVF_R, N - G * MMVF_R) * rb);
+        int G = blockIdx.x * gpb + vw / wpr;
+        if (sub == 0 && ln < 2 && G < groups)
+            l2_prefetch((ln ? Wu : Wg) + (long long)G * MMVF_R * rb, (long long)min(MMVF_R, N - G * MMVF_R) * rb);
     }
     pdl_wait();
     const float* xb = mmvf_stage<NB>(x + (long long)bb * xs, xs, K, nbl, stage, nw, eps, (float*)mmvf_sm);
     int xst = stage ? mmvf_stride(K) : xs;
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmvf_body
-        int G = base + wid / wpr;
+        int G = base + vw / wpr;
         bool live = G < groups;
         int r0 = G * MMVF_R;
         float acc[2][MMVF_R][NB];
@@ -382,17 +392,17 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
                 for (int b = 0; b < NB; ++b) acc[m][i][b] = 0.0f;
         const u8* const Ws[2] = {Wg, Wu};
         if (live)
-            mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, xb, xst, nbl,
+            mmvf_dispatch<NB, 2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * lpg + ln, lpg * wpr, xb, xst, nbl,
                                  stage != 0, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
-        mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane);
+        mmvf_reduce<NB, 2>(acc, wpr, wid, sub, lane, lpg);
         if (live && sub == 0) {
 #pragma unroll
             for (int i = 0; i < MMVF_R; ++i)
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     int r = r0 + i;
-                    if (lane == ((i * NB + b) & 31) && r < N && b < nbl)
+                    if (ln == ((i * NB + b) & (lpg - 1)) && r < N && b < nbl)
                         a[(long long)(bb + b) * as + r] = act_f(acc[0][i][b], act) * acc[1][i][b];
                 }
         }
@@ -421,8 +431,8 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
 #define DEFINE_FFNF(NB)                                                                                  \
     extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                          \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
-        int act, float* a, int as, int wpr, int stage, const float* nw, float eps) {                     \
-        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps);                 \
+        int act, float* a, int as, int wpr, int stage, const float* nw, float eps, int lpg) {            \
+        ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps, lpg);            \
     }
 #else
 #define DEFINE_FFNF(NB)

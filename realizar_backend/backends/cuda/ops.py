@@ -210,6 +210,16 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
              _U64(amax)), smem, pdl)
 
 
+def ffnf_lanes(K: int, wpr: int, nb: int = 1) -> int:
+    """Lanes that share one row group of an ffnf launch of nb rows: 16 (two groups a warp) where
+    that leaves fewer lanes idle in a row's last pass than 32 do (K = 1536: 48 units, 3 full passes
+    of 16 lanes against a full and a half-empty one of 32), for rows of up to 64 units in groups of
+    one warp (wpr 1) and launches of up to 4 rows (the 8-row kernel keeps 32: registers); else 32.
+    H100, qwen15 twin, decode step graph replay: -25 us at one row, -162 at two (perf-notes v29)."""
+    nu = K // 32
+    return 16 if wpr == 1 and nu <= 64 and _nb_variant(nb) <= 4 and (-nu) % 16 < (-nu) % 32 else 32
+
+
 def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int,
           norm=None, pdl: bool = False) -> None:
     """a[b] = act(gate @ h[b]) * (up @ h[b]), fp32 in and out (gate and up share type and shape);
@@ -220,12 +230,14 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     v = _nb_variant(nb)
     W = MMVF_WARPS[v]
     wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage), W)
-    gpb = W // wpr
+    lpg = ffnf_lanes(K, wpr, nb)
+    gpb = W * (32 // lpg) // wpr
     groups = -(-wg.rows // MMVF_R)
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem, W)), (nb + v - 1) // v)
     _launch(k.ffnf[v], grid, (W * 32,),
             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
-             _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps), smem, pdl)
+             _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps, _I32(lpg)),
+            smem, pdl)
 
 
 def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
