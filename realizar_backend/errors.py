@@ -7,6 +7,18 @@ from __future__ import annotations
 class RealizarError(Exception):
     """Base class of every error this package raises on purpose."""
 
+    def __reduce__(self):
+        # pickled whole (an engine process hands a request's error to the server): the default
+        # would call the class with args alone and lose status, param and the like
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls, args, state):
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class SettingsError(RealizarError, ValueError):
     """A configuration value is out of range or of the wrong type; names the REALIZAR_ variable."""

@@ -140,6 +140,10 @@ class Settings:
     # model; requests spread over them. With a GPU, one worker per GPU (worker i on the i-th
     # visible one) and 0 = every visible GPU; on the CPU 0 = 1
     workers: int = 0
+    # `bentoml serve` runs each worker's engine (the backend and the step loop) in a process of its
+    # own, so that the server's HTTP and streaming work never holds up a step's launches (the GIL);
+    # off: the engine runs on a thread of the worker process
+    engine_process: bool = True
 
     ENV_PREFIX = "REALIZAR_"
 

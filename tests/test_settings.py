@@ -32,7 +32,7 @@ BAD = {
     "decode_activations": ["int4", "fp32-gemv"], "prefill_precision": ["fp8"], "prefill_weight_cache": ["always"],
     "self_check": ["si"], "log_level": ["LOUD"], "model_cache": ["", " ~/models"], "attention": ["sdpa"],
     "batched_decode": ["cublas"], "prompt_mmq_tokens": ["-8", "12", "264"],
-    "prebuilt_kernels": ["sometimes"], "workers": ["-1", "257", "all"],
+    "prebuilt_kernels": ["sometimes"], "workers": ["-1", "257", "all"], "engine_process": ["maybe"],
 }
 CASES = [(name, value) for name, values in BAD.items() for value in values]
 

@@ -16,7 +16,8 @@ pipelined as greedy steps are (engine/pipeline.py): the grammars' masks for step
 while its forward pass runs, after the host has consumed step n's tokens; a batch without one keeps
 the greedy path, and its rows never see a mask.
 
-Here: the request side (prepare, generate, abort, stats, shutdown) and the step loop, which plans
+Here: the request side (generate, abort, stats, shutdown; prepare is engine/prep.py's, shared
+with engine/process.py, which runs this engine in a process of its own) and the step loop, which plans
 with the scheduler, runs the plan (prefill here, the pipelined decode step in engine/pipeline.py),
 accepts each token drawn (`_accept`: the grammar's check, timing, logprobs; its text and stop
 checks are engine/outputs.py's text_and_stop, its output queued in an Outbox there) and ends
@@ -40,7 +41,7 @@ import numpy as np
 
 from .. import timeline
 from ..backends import Backend, PrefillItem, create_backend, start_device
-from ..errors import CapacityError, ContextOverflowError, GrammarError, RequestError
+from ..errors import CapacityError, ContextOverflowError, GrammarError
 from ..formats import open_model
 from ..model.default import default_model_path
 from ..settings import Settings
@@ -48,6 +49,7 @@ from .guidance import Guidance
 from .kv_manager import KVManager
 from .outputs import LoopSink, Outbox, RequestOutput, drain_merged, drain_text, text_and_stop
 from .pipeline import DecodePipeline
+from .prep import RequestPrep
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import Scheduler, Sequence
 
@@ -79,7 +81,7 @@ class NullObserver:
         pass
 
 
-class Engine:
+class Engine(RequestPrep):
     def __init__(self, backend: Backend, tokenizer, settings: Settings | None = None,
                  model_name: str = "model", observer: EngineObserver | None = None,
                  prewarm_guidance: bool = True):
@@ -174,49 +176,6 @@ class Engine:
 
     # ------------------------------------------------------------------ request side
 
-    def prepare(self, prompt: str | list[int] | None, params: SamplingParams,
-                messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
-        """Tokenize and validate a request; fills params.max_tokens when it is None, and compiles
-        params.constraint (cached). Blocking work: call it off the event loop. Raises
-        RequestError / ContextOverflowError before anything is queued. tools: the chat
-        template's `tools` (OpenAI's function definitions), rendered with the messages."""
-        if messages is not None:
-            kwargs = {"tools": tools} if tools else {}
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_context)
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True, limit=self.max_context)
-        elif isinstance(prompt, list):
-            vocab = self.config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-                raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-            ids = list(prompt)
-        else:
-            raise RequestError("prompt must be a string or a list of token ids", param="prompt")
-        if not ids:
-            raise RequestError("prompt is empty", param="prompt")
-        params.validate(self.config.vocab_size)
-        room = self.max_context - len(ids)
-        if room < 1:
-            raise ContextOverflowError(f"prompt has {len(ids)} tokens; this server's context is "
-                                       f"{self.max_context} tokens", param="prompt")
-        # one sequence must fit in the whole KV pool, or it could never finish
-        pool_room = self.kv_capacity - len(ids)
-        if pool_room < 1:
-            raise ContextOverflowError(f"prompt has {len(ids)} tokens; this server's KV cache holds "
-                                       f"{self.kv_capacity} tokens", param="prompt")
-        if params.max_tokens is None:
-            params.max_tokens = min(room, pool_room)
-        elif params.max_tokens > room:
-            raise ContextOverflowError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                                       f"exceeds this server's context of {self.max_context} tokens")
-        elif params.max_tokens > pool_room:
-            raise ContextOverflowError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                                       f"exceeds this server's KV cache of {self.kv_capacity} tokens")
-        if params.constraint is not None:
-            self.guidance.compile(params.constraint)     # a 400 naming the field, or cached for the guide
-        return ids
-
     def _new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None, sink) -> Sequence:
         if self._closing is not None:
             raise CapacityError("the server is shutting down; retry on another replica", retry_after_s=5)
@@ -227,6 +186,10 @@ class Engine:
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
                         sampler=Sampler(params, ids, self.config.vocab_size), sink=sink,
                         detok=self.tokenizer.detokenizer(ids), guide=guide)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink) -> None:
+        """Queue a prepared request whose outputs go to sink (a callable, or an outputs sink class)."""
+        self.scheduler.submit(self._new_sequence(prompt_ids, params, request_id, sink))
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

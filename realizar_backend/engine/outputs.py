@@ -138,11 +138,16 @@ class Outbox:
             return
         out, self.items = self.items, []
         by_loop: dict[Any, list] = {}
+        by_channel: dict[Any, list] = {}
         for sink, item in out:
             if isinstance(sink, LoopSink):
                 by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+            elif hasattr(sink, "channel"):      # engine/process.py: one message a step for the server
+                by_channel.setdefault(sink.channel, []).append((sink.request_id, item))
             else:
                 sink(item)
+        for channel, records in by_channel.items():
+            channel.put(records)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -222,6 +222,7 @@ class Realizar:
 
     def _load(self) -> None:
         from realizar_backend.engine.engine import Engine
+        from realizar_backend.engine.process import EngineClient
 
         t0 = time.perf_counter()
         log.info("worker %d of %d (%s): loading %s (backend=%s, context=%d, max_num_seqs=%d)",
@@ -231,7 +232,10 @@ class Realizar:
             if _bind_error is not None:
                 raise _bind_error
             # llguidance's vocabulary is built once the worker is ready (below), not before
-            engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
+            if SETTINGS.engine_process:
+                engine = EngineClient.start(SETTINGS, observer=STATE.metrics)
+            else:
+                engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
         except Exception as e:
             _stand_aside(e)
             return

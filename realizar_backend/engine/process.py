@@ -1,0 +1,359 @@
+"""The engine in a process of its own, and the client a server process talks to it through.
+
+In one process the engine's step thread and the server's event loop share the GIL: while a wave
+of requests is parsed, streamed and answered, the step's kernel launches wait for it (perf-notes
+v24), and the loop's work per token waits for the step. Here the child process owns the backend
+and the step loop (`Engine` unchanged), and the server process keeps what a request needs before
+it is queued (tokenizer, chat template, grammar check: `RequestPrep`) and the streams.
+
+The pipe between them carries pickled messages (multiprocessing.connection over a socket pair):
+- server -> engine: ("submit", request_id, prompt_ids, params), ("abort", request_id),
+  ("finish_all", reason), ("stats",), ("prewarm", delay_s), ("stop",);
+- engine -> server: ("ready", info) or ("failed", error) once; then ("out", records) once per
+  step with every stream's outputs of that step and the metrics events they came with, and
+  ("stats", dict) when the engine reports its gauges.
+An output is the `RequestOutput` (or the exception) that `Engine.generate` would have yielded.
+The child ignores SIGINT and SIGTERM (the server drains first, then says stop) and exits when the
+pipe closes, so a server that dies takes its engine with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from ..errors import BackendError, CapacityError
+from ..settings import Settings
+from .outputs import RequestOutput, _put_all, drain_merged
+from .prep import RequestPrep
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 900.0     # a large model's upload and kernel builds, on a slow disk
+_STOP_TIMEOUT_S = 15.0
+
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from realizar_backend.engine.process import child_main; child_main(int(sys.argv[2]))")
+
+
+# ------------------------------------------------------------------------------ the engine's side
+class Channel:
+    """The child's end of the pipe, shared by the step thread (outputs, events) and the command
+    thread (replies): one lock around each send. Metrics events wait for the step's outputs and
+    leave with them, in one message."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+        self._events: list[tuple] = []
+
+    def send(self, msg: tuple) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+    def event(self, ev: tuple) -> None:
+        self._events.append(ev)
+
+    def put(self, records: list[tuple[str, Any]]) -> None:
+        """A step's outputs, (request_id, output) in order (outputs.Outbox.flush)."""
+        events, self._events = self._events, []
+        self.send(("out", records, events))
+
+
+class ChannelSink:
+    """A sequence's sink in the engine process: its outputs go to the server through the channel."""
+    __slots__ = ("channel", "request_id")
+
+    def __init__(self, channel: Channel, request_id: str):
+        self.channel, self.request_id = channel, request_id
+
+    def __call__(self, item) -> None:
+        self.channel.put([(self.request_id, item)])
+
+
+class _RemoteObserver:
+    """The engine's observer in the child: the server's Metrics get the same calls, later."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+
+    def on_request_finished(self, *args) -> None:
+        self.channel.event(("finished", args))
+
+    def on_token_interval(self, seconds: float) -> None:
+        self.channel.event(("interval", seconds))
+
+    def on_step(self, stats: dict[str, Any]) -> None:
+        self.channel.send(("stats", stats))
+
+
+def child_main(fd: int) -> None:
+    """The engine process: settings arrive first, then commands until "stop" or end of input."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    settings: Settings = conn.recv()
+    logging.basicConfig(format="%(asctime)s %(levelname)s [engine %(process)d] %(name)s: %(message)s")
+    logging.getLogger("realizar_backend").setLevel(settings.log_level.upper())
+    channel = Channel(conn)
+    from .engine import Engine
+
+    try:
+        engine = Engine.from_settings(settings, observer=_RemoteObserver(channel), prewarm_guidance=False)
+    except BaseException as e:      # the server names it and stands aside
+        channel.send(("failed", e))
+        return
+    channel.send(("ready", {
+        "model_name": engine.model_name, "max_context": engine.max_context, "kv_capacity": engine.kv_capacity,
+        "max_slots": engine.backend.max_slots, "stats": engine.stats()}))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            op = msg[0]
+            if op == "submit":
+                _, rid, ids, params = msg
+                try:
+                    engine.submit(ids, params, rid, ChannelSink(channel, rid))
+                except Exception as e:      # closing, or no longer fits: the request's own error
+                    channel.put([(rid, e)])
+            elif op == "abort":
+                engine.abort(msg[1])
+            elif op == "finish_all":
+                engine.finish_all(msg[1])
+            elif op == "stats":
+                channel.send(("stats", engine.stats()))
+            elif op == "prewarm":
+                engine.prewarm_guidance(delay_s=msg[1])
+            elif op == "stop":
+                break
+    finally:
+        engine.shutdown()
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------ the server's side
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+class EngineClient(RequestPrep):
+    """What the server's routes call, with `Engine`'s request-side API (prepare, generate, abort,
+    stats, finish_all, prewarm_guidance, shutdown), over an engine running in a child process."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection, info: dict, tokenizer, guidance, config,
+                 settings: Settings, observer):
+        from .engine import NullObserver
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.guidance = guidance
+        self.config = config
+        self.model_name = info["model_name"]
+        self.max_context = info["max_context"]
+        self.kv_capacity = info["kv_capacity"]
+        self.observer = observer or NullObserver()
+        self._proc = proc
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._stats = info["stats"]
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="realizar-engine-pipe", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, settings: Settings, observer=None) -> "EngineClient":
+        """Start the engine process and, meanwhile, this side's tokenizer and grammar compiler;
+        returns once the engine is ready. Raises what the engine's start raised (a bad model file,
+        no GPU) or BackendError when the process died."""
+        from ..formats import open_model
+        from ..model.chat_template import TemplateLimits
+        from ..model.default import default_model_path
+        from ..model.tokenizer import Tokenizer
+        from .guidance import Guidance
+
+        mine, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", _BOOT, _package_root(), str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        conn = Connection(mine.detach())
+        try:
+            conn.send(settings)
+            path = Path(settings.model) if settings.model else default_model_path(settings)
+            model = open_model(path)
+            tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            while not conn.poll(1.0):
+                if proc.poll() is not None:
+                    raise BackendError(f"the engine process exited with status {proc.returncode} while loading")
+                if time.monotonic() > deadline:
+                    raise BackendError(f"the engine process was not ready after {_START_TIMEOUT_S:.0f} s")
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                raise BackendError(f"the engine process exited with status {proc.wait()} while loading") from None
+            if msg[0] == "failed":
+                raise msg[1]
+            info = msg[1]
+            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"],
+                                split_parts=settings.guidance_mask_parts)
+        except BaseException:
+            conn.close()
+            proc.kill()
+            proc.wait()
+            raise
+        log.info("engine process %d ready (%s)", proc.pid, info["stats"].get("backend"))
+        return cls(proc, conn, info, tokenizer, guidance, model.config, settings, observer)
+
+    # ---------------------------------------------------------------- request side (prepare: RequestPrep)
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    async def generate(self, prompt_ids: list[int], params, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise CapacityError(f"the engine process is gone ({self._dead}); retry on another replica",
+                                retry_after_s=5)
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already running")
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        done = False
+        held = None
+        try:
+            self._send(("submit", rid, list(prompt_ids), params))
+            while True:
+                item = held or await q.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                item, held = drain_merged(q, item)
+                if item.finish_reason is not None:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            if not done and self._dead is None:
+                try:
+                    self._send(("abort", rid))
+                except OSError:
+                    pass
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's latest report, and a fresh one asked for (it arrives on its own)."""
+        if self._dead is None:
+            try:
+                self._send(("stats",))
+            except OSError:
+                pass
+        return dict(self._stats)
+
+    def finish_all(self, reason: str = "shutdown") -> None:
+        self._send(("finish_all", reason))
+
+    def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+        self._send(("prewarm", delay_s))
+        # this side compiles grammars too (prepare's check), from the same vocabulary
+        def run() -> None:
+            time.sleep(delay_s)
+            try:
+                self.guidance.prewarm()
+            except Exception:
+                log.warning("constrained decoding (llguidance) could not read this tokenizer", exc_info=True)
+        threading.Thread(target=run, name="realizar-guidance", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._closing = True
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("engine process %d did not stop in %g s; killing it", self._proc.pid, _STOP_TIMEOUT_S)
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+        self._reader.join(timeout=5)
+
+    # ---------------------------------------------------------------- the pipe's reader thread
+    def _read(self) -> None:
+        obs = self.observer
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError) as e:
+                self._gone(e)
+                return
+            op = msg[0]
+            if op == "out":
+                self._deliver(msg[1])
+                for kind, value in msg[2]:
+                    if kind == "interval":
+                        obs.on_token_interval(value)
+                    else:
+                        obs.on_request_finished(*value)
+            elif op == "stats":
+                self._stats = msg[1]
+                obs.on_step(msg[1])
+
+    def _deliver(self, records: list[tuple[str, Any]]) -> None:
+        """A step's outputs to their streams: one wakeup per event loop (as outputs.Outbox does)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._streams_lock:
+            for rid, item in records:
+                s = self._streams.get(rid)
+                if s is not None:         # else: a stream that has left (its abort is on the way)
+                    by_loop.setdefault(s[0], []).append((s[1], item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+
+    def _gone(self, why: BaseException) -> None:
+        code = self._proc.poll()
+        if not self._closing:
+            log.error("the engine process exited (status %s); failing its %d requests", code, len(self._streams))
+        self._dead = BackendError(f"the engine process exited (status {code})")
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        err = CapacityError("the engine process exited; retry on another replica", retry_after_s=5)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, q in streams:
+            by_loop.setdefault(loop, []).append((q, err))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+

@@ -1,0 +1,135 @@
+"""The engine in a process of its own (engine/process.py), on the real SmolLM2 (NumPy backend): the
+same streams as the engine on a thread, cancels that free blocks, typed errors across the pipe,
+and a dead engine process that fails its streams instead of hanging them."""
+
+import asyncio
+import pickle
+import time
+
+import pytest
+
+from realizar_backend.engine.engine import Engine
+from realizar_backend.engine.process import EngineClient
+from realizar_backend.engine.sampling import SamplingParams
+from realizar_backend.errors import CapacityError, ContextOverflowError, RequestError
+from realizar_backend.settings import Settings
+from tests.server_util import start_server, wait_for
+
+SETTINGS = Settings(backend="cpu", max_num_seqs=4, context_length=256)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = EngineClient.start(SETTINGS)
+    yield c
+    c.shutdown()
+
+
+async def _stream(eng, prompt: str, request_id: str, **kw):
+    params = SamplingParams(**kw)
+    ids = eng.prepare(prompt, params)
+    outs = [o async for o in eng.generate(ids, params, request_id=request_id)]
+    return ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason,
+            outs[-1].completion_tokens)
+
+
+async def _all(eng, **kw):
+    return await asyncio.gather(*[_stream(eng, p, f"r{i}", **kw) for i, p in enumerate(PROMPTS)])
+
+
+def test_streams_equal_the_engine_on_a_thread(client):
+    remote = asyncio.run(_all(client, max_tokens=12, temperature=0))
+    local_engine = Engine.from_settings(SETTINGS, prewarm_guidance=False)
+    try:
+        local = asyncio.run(_all(local_engine, max_tokens=12, temperature=0))
+    finally:
+        local_engine.shutdown()
+    assert remote == local
+    assert all(r[3] == 12 and r[2] == "length" for r in remote)
+
+
+def test_seeded_sampling_and_stop_strings_cross_the_pipe(client):
+    kw = dict(max_tokens=16, temperature=0.9, seed=7, stop=["\n"])
+    a = asyncio.run(_stream(client, "Write a list:", "s1", **kw))
+    b = asyncio.run(_stream(client, "Write a list:", "s2", **kw))
+    assert a == b and "\n" not in a[0]
+
+
+def test_a_stream_left_early_frees_its_blocks_and_the_gauges_follow(client):
+    async def leave_early():
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        ids = client.prepare("Count slowly:", params)
+        n = 0
+        async for _ in client.generate(ids, params, request_id="leaver"):
+            n += 1
+            if n == 3:
+                break
+        return n
+
+    assert asyncio.run(leave_early()) == 3
+    wait_for(lambda: client.stats()["kv_used_blocks"] == 0 and client.stats()["running"] == 0, timeout=20)
+
+
+def test_errors_keep_their_type_and_fields_across_processes(client):
+    err = pickle.loads(pickle.dumps(ContextOverflowError("too long", param="prompt")))
+    assert (type(err), err.status, err.param, err.code) == (ContextOverflowError, 400, "prompt",
+                                                           "context_length_exceeded")
+    assert pickle.loads(pickle.dumps(CapacityError("full", retry_after_s=7))).retry_after_s == 7
+    # the client side checks a request before it reaches the engine, as the engine does
+    with pytest.raises(ContextOverflowError):
+        client.prepare("hello", SamplingParams(max_tokens=10_000))
+    with pytest.raises(RequestError):
+        client.prepare([10 ** 9], SamplingParams(max_tokens=4))
+
+
+def test_after_finish_all_new_requests_get_a_retryable_capacity_error():
+    c = EngineClient.start(SETTINGS)
+    try:
+        c.finish_all("shutdown")
+        with pytest.raises(CapacityError) as e:
+            asyncio.run(_stream(c, "Hello", "late", max_tokens=4, temperature=0))
+        assert e.value.retry_after_s == 5
+    finally:
+        c.shutdown()
+
+
+def test_a_dead_engine_process_fails_its_streams_promptly():
+    c = EngineClient.start(SETTINGS)
+
+    async def killed_mid_stream():
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        ids = c.prepare("Count slowly:", params)
+        n = 0
+        async for _ in c.generate(ids, params, request_id="victim"):
+            n += 1
+            if n == 2:
+                c._proc.kill()
+        return n
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CapacityError):
+            asyncio.run(asyncio.wait_for(killed_mid_stream(), timeout=30))
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(CapacityError):          # and later requests are refused at once
+            asyncio.run(_stream(c, "Hello", "after", max_tokens=4, temperature=0))
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.server
+def test_the_server_with_its_engine_on_a_thread_serves_the_same_text():
+    """REALIZAR_ENGINE_PROCESS=false: the engine on a thread of the worker (the default puts it in a
+    child process; every other server test runs that way)."""
+    body = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8, temperature=0)
+    texts = []
+    for flag in ("false", "true"):
+        server = start_server({"REALIZAR_ENGINE_PROCESS": flag})
+        try:
+            texts.append(server.openai().completions.create(**body).choices[0].text)
+            log = server.log_tail(400)
+        finally:
+            server.stop()
+        assert ("engine process" in log and "ready" in log) == (flag == "true")
+    assert texts[0] == texts[1] and texts[0]
