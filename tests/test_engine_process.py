@@ -1,11 +1,14 @@
 """The engine in a process of its own (engine/process.py), on the real SmolLM2 (NumPy backend): the
 same streams as the engine on a thread, cancels that free blocks, typed errors across the pipe,
-and a dead engine process that fails its streams instead of hanging them."""
+and a dead engine process that fails its streams instead of hanging them, and a server whose engine
+process dies standing aside."""
 
 import asyncio
 import pickle
+import threading
 import time
 
+import httpx
 import pytest
 
 from realizar_backend.engine.engine import Engine
@@ -133,3 +136,43 @@ def test_the_server_with_its_engine_on_a_thread_serves_the_same_text():
             server.stop()
         assert ("engine process" in log and "ready" in log) == (flag == "true")
     assert texts[0] == texts[1] and texts[0]
+
+
+@pytest.mark.server
+def test_a_server_whose_engine_process_dies_ends_its_streams_and_stands_aside():
+    server = start_server()
+    try:
+        engines = [p for p in server.worker().children()
+                   if any("realizar_backend.engine.process" in part for part in p.cmdline())]
+        assert len(engines) == 1, [p.cmdline() for p in server.worker().children()]
+        client = server.openai()
+        stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Count slowly:", max_tokens=200,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        got, err = [], []
+
+        def read():
+            try:
+                for chunk in stream:
+                    got.append(chunk)
+                    if len(got) == 2:
+                        engines[0].kill()
+            except Exception as e:          # the stream's end: an error event, or the connection closed
+                err.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(30)
+        assert not reader.is_alive(), "the stream hung after its engine died"
+        # the stream ended early, without a finish_reason of a normal end
+        assert len(got) >= 2 and not any(c.choices and c.choices[0].finish_reason in ("length", "stop") for c in got)
+        assert err and "engine process exited" in str(err[0]), err      # an error event, retryable
+        assert wait_for(lambda: httpx.get(server.url + "/readyz", timeout=10).status_code == 503, 30)
+        r = httpx.post(server.url + "/v1/completions", headers=server.auth,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"], r.text
+        # one worker, and it cannot serve: the whole server is dead to an orchestrator
+        assert wait_for(lambda: httpx.get(server.url + "/livez", timeout=10).status_code == 503, 30)
+        assert server.worker_statuses() == {"1": "failed"}
+        assert "cannot serve the model: BackendError: the engine process exited" in server.log_tail(400)
+    finally:
+        server.stop()

@@ -144,7 +144,7 @@ def test_a_worker_that_fails_to_load_stands_aside_and_the_other_serves(tmp_path)
         assert wait_for(lambda: "worker 2 of 2 (cpu) stopped accepting connections; worker(s) 1 serve"
                         in server.log_tail(400), 30), server.log_tail()
         log = server.log_tail(400)
-        assert "worker 2 of 2 (cpu) failed to load the model: ModelFormatError" in log
+        assert "worker 2 of 2 (cpu) cannot serve the model: ModelFormatError" in log
         failed_pid = server.workers()[2].pid
 
         before = server.metrics()

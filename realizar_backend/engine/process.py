@@ -157,7 +157,7 @@ class EngineClient(RequestPrep):
     stats, finish_all, prewarm_guidance, shutdown), over an engine running in a child process."""
 
     def __init__(self, proc: subprocess.Popen, conn: Connection, info: dict, tokenizer, guidance, config,
-                 settings: Settings, observer):
+                 settings: Settings, observer, on_exit=None):
         from .engine import NullObserver
         self.settings = settings
         self.tokenizer = tokenizer
@@ -175,14 +175,16 @@ class EngineClient(RequestPrep):
         self._streams_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._closing = False
+        self._on_exit = on_exit             # called once with the error when the process dies unasked
         self._reader = threading.Thread(target=self._read, name="realizar-engine-pipe", daemon=True)
         self._reader.start()
 
     @classmethod
-    def start(cls, settings: Settings, observer=None) -> "EngineClient":
+    def start(cls, settings: Settings, observer=None, on_exit=None) -> "EngineClient":
         """Start the engine process and, meanwhile, this side's tokenizer and grammar compiler;
         returns once the engine is ready. Raises what the engine's start raised (a bad model file,
-        no GPU) or BackendError when the process died."""
+        no GPU) or BackendError when the process died. on_exit(error): called (on the pipe's
+        reader thread) if the process later dies without being asked to stop."""
         from ..formats import open_model
         from ..model.chat_template import TemplateLimits
         from ..model.default import default_model_path
@@ -222,7 +224,7 @@ class EngineClient(RequestPrep):
             proc.wait()
             raise
         log.info("engine process %d ready (%s)", proc.pid, info["stats"].get("backend"))
-        return cls(proc, conn, info, tokenizer, guidance, model.config, settings, observer)
+        return cls(proc, conn, info, tokenizer, guidance, model.config, settings, observer, on_exit)
 
     # ---------------------------------------------------------------- request side (prepare: RequestPrep)
     def _send(self, msg: tuple) -> None:
@@ -327,33 +329,40 @@ class EngineClient(RequestPrep):
                 obs.on_step(msg[1])
 
     def _deliver(self, records: list[tuple[str, Any]]) -> None:
-        """A step's outputs to their streams: one wakeup per event loop (as outputs.Outbox does)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """A step's outputs to their streams."""
         with self._streams_lock:
-            for rid, item in records:
-                s = self._streams.get(rid)
-                if s is not None:         # else: a stream that has left (its abort is on the way)
-                    by_loop.setdefault(s[0], []).append((s[1], item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+            pairs = [(s, item) for rid, item in records
+                     for s in [self._streams.get(rid)] if s is not None]   # else: it left, its abort is on the way
+        _wake(pairs)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
 
     def _gone(self, why: BaseException) -> None:
-        code = self._proc.poll()
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:      # the pipe broke, the process lingers: end it
+            self._proc.kill()
+            code = self._proc.wait()
         if not self._closing:
             log.error("the engine process exited (status %s); failing its %d requests", code, len(self._streams))
         self._dead = BackendError(f"the engine process exited (status {code})")
-        with self._streams_lock:
-            streams = list(self._streams.values())
         err = CapacityError("the engine process exited; retry on another replica", retry_after_s=5)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, q in streams:
-            by_loop.setdefault(loop, []).append((q, err))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass
+        with self._streams_lock:
+            pairs = [(s, err) for s in self._streams.values()]
+        _wake(pairs)
+        if not self._closing and self._on_exit is not None:
+            self._on_exit(self._dead)
 
+
+def _wake(pairs: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:
+    """Items to their streams' queues: one wakeup per event loop (as outputs.Outbox does)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for (loop, q), item in pairs:
+        by_loop.setdefault(loop, []).append((q, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:      # that loop is closed: its callers are gone
+            pass

@@ -272,7 +272,7 @@ def create_app(state: ServerState) -> Starlette:
     def ready_engine():
         if state.engine is None:
             msg = "the model is still loading" if state.load_error is None else \
-                f"the model failed to load: {state.load_error}"
+                f"this worker cannot serve the model: {state.load_error}"
             raise _NotReady(msg)
         return state.engine
 

@@ -233,7 +233,7 @@ class Realizar:
                 raise _bind_error
             # llguidance's vocabulary is built once the worker is ready (below), not before
             if SETTINGS.engine_process:
-                engine = EngineClient.start(SETTINGS, observer=STATE.metrics)
+                engine = EngineClient.start(SETTINGS, observer=STATE.metrics, on_exit=self._engine_died)
             else:
                 engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
         except Exception as e:
@@ -255,6 +255,13 @@ class Realizar:
             time.sleep(REFRESH_S)
             if STATE.engine is engine:
                 STATE.metrics.on_step(engine.stats())
+
+    def _engine_died(self, error: Exception) -> None:
+        """The engine process died (a crash, the OOM killer): its requests have failed with a
+        retryable 503. The worker then stands aside as one that failed to load does."""
+        engine, STATE.engine = STATE.engine, None
+        if engine is not None:
+            threading.Thread(target=_stand_aside, args=(error,), name="realizar-stand-aside", daemon=True).start()
 
     # async, so that the probes never wait for a worker thread
     async def __is_ready__(self) -> bool:
@@ -279,7 +286,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 
 def _stand_aside(error: Exception) -> None:
     """This worker could not load the model (a bad file, a GPU that is missing or fails the
-    self-check). It does not exit: BentoML would start it again, outside a container without
+    self-check), or its engine process died later. It does not exit: BentoML would start it again, outside a container without
     end, each time loading and failing anew. It stays up without an engine: requests that reach
     it get 503 with the error (and Connection: close, so a retry may reach another worker),
     /readyz says not ready, and /livez says dead only once every worker has failed (then the
@@ -288,7 +295,7 @@ def _stand_aside(error: Exception) -> None:
     Runs on the loader thread; the other workers never notice."""
     from realizar_backend.serving.metrics import worker_statuses
 
-    log.error("worker %d of %d (%s) failed to load the model: %s: %s", WORKER, WORKERS, DEVICE,
+    log.error("worker %d of %d (%s) cannot serve the model: %s: %s", WORKER, WORKERS, DEVICE,
               type(error).__name__, error, exc_info=error)
     STATE.metrics.set_worker_status("failed")
     others = [str(w) for w in range(1, WORKERS + 1) if w != WORKER]
