@@ -202,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--mode", choices=["completions", "chat"], default="completions")
     lt.add_argument("--random-cancel", type=float, default=0.0, metavar="FRACTION",
                     help="close this fraction of the streams at a random point")
-    lt.add_argument("--seed", type=int, default=0, help="seeds the prompts and the cancels")
+    lt.add_argument("--seed", type=int, default=0,
+                    help="seeds the prompts and the cancels (a run with the seed of an earlier one against the same "
+                         "server finds its prompts in the prefix cache)")
     lt.add_argument("--no-ignore-eos", action="store_true",
                     help="leave out ignore_eos (for servers that reject it): outputs may end early")
     lt.add_argument("--processes", type=int, default=0,
