@@ -37,6 +37,17 @@ async def _stream(eng, prompt: str, request_id: str, **kw):
             outs[-1].completion_tokens)
 
 
+async def _long_stream(eng, request_id: str, at: int, then) -> int:
+    """A 200-token stream; after `at` outputs, then() and True from it: leave the stream."""
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    n = 0
+    async for _ in eng.generate(eng.prepare("Count slowly:", params), params, request_id=request_id):
+        n += 1
+        if n == at and then():
+            break
+    return n
+
+
 async def _all(eng, **kw):
     return await asyncio.gather(*[_stream(eng, p, f"r{i}", **kw) for i, p in enumerate(PROMPTS)])
 
@@ -60,17 +71,7 @@ def test_seeded_sampling_and_stop_strings_cross_the_pipe(client):
 
 
 def test_a_stream_left_early_frees_its_blocks_and_the_gauges_follow(client):
-    async def leave_early():
-        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        ids = client.prepare("Count slowly:", params)
-        n = 0
-        async for _ in client.generate(ids, params, request_id="leaver"):
-            n += 1
-            if n == 3:
-                break
-        return n
-
-    assert asyncio.run(leave_early()) == 3
+    assert asyncio.run(_long_stream(client, "leaver", 3, lambda: True)) == 3
     wait_for(lambda: client.stats()["kv_used_blocks"] == 0 and client.stats()["running"] == 0, timeout=20)
 
 
@@ -100,20 +101,10 @@ def test_after_finish_all_new_requests_get_a_retryable_capacity_error():
 def test_a_dead_engine_process_fails_its_streams_promptly():
     c = EngineClient.start(SETTINGS)
 
-    async def killed_mid_stream():
-        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        ids = c.prepare("Count slowly:", params)
-        n = 0
-        async for _ in c.generate(ids, params, request_id="victim"):
-            n += 1
-            if n == 2:
-                c._proc.kill()
-        return n
-
     try:
         t0 = time.monotonic()
         with pytest.raises(CapacityError):
-            asyncio.run(asyncio.wait_for(killed_mid_stream(), timeout=30))
+            asyncio.run(asyncio.wait_for(_long_stream(c, "victim", 2, lambda: c._proc.kill()), timeout=30))
         assert time.monotonic() - t0 < 30
         with pytest.raises(CapacityError):          # and later requests are refused at once
             asyncio.run(_stream(c, "Hello", "after", max_tokens=4, temperature=0))

@@ -47,7 +47,7 @@ from ..model.default import default_model_path
 from ..settings import Settings
 from .guidance import Guidance
 from .kv_manager import KVManager
-from .outputs import LoopSink, Outbox, RequestOutput, drain_merged, drain_text, text_and_stop
+from .outputs import LoopSink, Outbox, RequestOutput, drain_merged, drain_text, queue_outputs, text_and_stop
 from .pipeline import DecodePipeline
 from .prep import RequestPrep
 from .sampling import Sampler, SamplingParams, token_logprobs
@@ -191,28 +191,22 @@ class Engine(RequestPrep):
         """Queue a prepared request whose outputs go to sink (a callable, or an outputs sink class)."""
         self.scheduler.submit(self._new_sequence(prompt_ids, params, request_id, sink))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, asynchronously; it is queued at the first iteration, and leaving
+        the iteration early cancels it."""
         q: asyncio.Queue = asyncio.Queue()
-        seq = self._new_sequence(prompt_ids, params, request_id, LoopSink(asyncio.get_running_loop(), q))
-        self.scheduler.submit(seq)
-        done = False
-        held = None
-        try:
-            while True:
-                item = held or await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                item, held = drain_merged(q, item)
-                if item.finish_reason is not None:
-                    done = True
-                yield item
-                if done:
-                    return
-        finally:
+        seq: list[Sequence] = []
+
+        def start() -> None:
+            seq.append(self._new_sequence(prompt_ids, params, request_id, LoopSink(asyncio.get_running_loop(), q)))
+            self.scheduler.submit(seq[0])
+
+        def leave(done: bool) -> None:
             if not done:
-                self.scheduler.abort(seq.request_id)
+                self.scheduler.abort(seq[0].request_id)
+
+        return queue_outputs(q, start, leave)
 
     def generate_sync(self, prompt_ids: list[int], params: SamplingParams,
                       request_id: str | None = None) -> Iterator[RequestOutput]:

@@ -41,6 +41,31 @@ def drain_merged(q: asyncio.Queue, item):
     return item, None
 
 
+async def queue_outputs(q: asyncio.Queue, start, leave):
+    """A sequence's outputs as its caller iterates them (the engine's generate, on a thread or in
+    another process): start() queues the sequence at the first iteration (its errors raise
+    there), outputs come from q merged as drain_merged merges them until the sequence ends or an
+    exception arrives (raised), and leave(done) runs at the end; done is False when the caller
+    left early, and the sequence must then be cancelled."""
+    start()
+    done = False
+    held = None
+    try:
+        while True:
+            item = held or await q.get()
+            if isinstance(item, BaseException):
+                done = True
+                raise item
+            item, held = drain_merged(q, item)
+            if item.finish_reason is not None:
+                done = True
+            yield item
+            if done:
+                return
+    finally:
+        leave(done)
+
+
 def add_text(seq: Sequence, delta: str) -> tuple[str, bool]:
     """Stop-string handling: returns (text safe to emit, whether a stop string was hit)."""
     stops = seq.params.stop

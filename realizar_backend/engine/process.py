@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator
 
 from ..errors import BackendError, CapacityError
 from ..settings import Settings
-from .outputs import RequestOutput, _put_all, drain_merged
+from .outputs import RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep
 
 log = logging.getLogger(__name__)
@@ -231,33 +231,26 @@ class EngineClient(RequestPrep):
         with self._send_lock:
             self._conn.send(msg)
 
-    async def generate(self, prompt_ids: list[int], params, request_id: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        if self._dead is not None:
-            raise CapacityError(f"the engine process is gone ({self._dead}); retry on another replica",
-                                retry_after_s=5)
+    def generate(self, prompt_ids: list[int], params, request_id: str | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already running")
-            self._streams[rid] = (asyncio.get_running_loop(), q)
-        done = False
-        held = None
-        try:
-            self._send(("submit", rid, list(prompt_ids), params))
-            while True:
-                item = held or await q.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                item, held = drain_merged(q, item)
-                if item.finish_reason is not None:
-                    done = True
-                yield item
-                if done:
-                    return
-        finally:
+
+        def start() -> None:
+            if self._dead is not None:
+                raise CapacityError(f"the engine process is gone ({self._dead}); retry on another replica",
+                                    retry_after_s=5)
+            with self._streams_lock:
+                if rid in self._streams:
+                    raise ValueError(f"request id {rid!r} is already running")
+                self._streams[rid] = (asyncio.get_running_loop(), q)
+            try:
+                self._send(("submit", rid, list(prompt_ids), params))
+            except BaseException:
+                leave(True)
+                raise
+
+        def leave(done: bool) -> None:
             with self._streams_lock:
                 self._streams.pop(rid, None)
             if not done and self._dead is None:
@@ -265,6 +258,8 @@ class EngineClient(RequestPrep):
                     self._send(("abort", rid))
                 except OSError:
                     pass
+
+        return queue_outputs(q, start, leave)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
