@@ -4,8 +4,9 @@ Works against this package's server and any OpenAI-compatible one (llama-server,
 `clients` workers sends streaming requests one after another until `requests` have been sent or
 `duration` has passed; streams still open at the time limit are closed and reported as cut.
 
-Prompts are fixed in length and different for every request (so a prefix cache cannot turn the
-run into a replay): in completions mode, random token ids sent as a token-id prompt, exact on
+Prompts are fixed in length and different for every request of a run (so a prefix cache cannot
+turn the run into a replay; a second run with the same --seed repeats the first one's prompts,
+which the report's prefix-cache hits then show): in completions mode, random token ids sent as a token-id prompt, exact on
 every server that accepts them; in chat mode, random common words, their number sized once
 against the server's own count (`usage.prompt_tokens` of a few one-token requests), because chat
 messages are text and the OpenAI API has no tokenize route. Outputs are greedy, `max_tokens` long,
@@ -57,6 +58,7 @@ METRIC_PREFIXES = ("realizar_", "llamacpp:", "vllm:")
 BUSY_GAUGES = ("realizar_requests_running", "realizar_requests_waiting", "llamacpp:requests_processing",
                "llamacpp:requests_deferred", "vllm:num_requests_running", "vllm:num_requests_waiting")
 SETTLE_S = 15.0            # how long to wait after the run for those gauges to reach 0
+PREFIX_HITS = "realizar_prefix_cache_hit_tokens_total"   # this package's server: prompt tokens not prefilled
 PROGRESS_EVERY_S = 5.0     # plain progress lines when stderr is not a terminal
 CALIBRATION_ROUNDS = 4
 CLIENTS_PER_PROCESS = 16   # streams per client process when --processes is 0
@@ -597,7 +599,10 @@ def _report(cfg, model, results, elapsed, before, after, settled, chat_words, ch
         delta = {k: v - before["counters"].get(k, 0.0) for k, v in after["counters"].items()}
         server = {"gauges_before": before["gauges"], "gauges_after": after["gauges"], "settled": settled,
                   "counters_delta": {k: v for k, v in delta.items() if not k.split("{")[0].endswith(("_sum", "_count"))},
-                  "histogram_means": _histogram_means(delta)}
+                  "histogram_means": _histogram_means(delta),
+                  # prompt tokens this run did not prefill (our server's counter; None elsewhere)
+                  "prefix_cache_hit_tokens": sum(v for k, v in delta.items() if k.split("{")[0] == PREFIX_HITS)
+                  if any(k.split("{")[0] == PREFIX_HITS for k in delta) else None}
     return {
         "url": cfg.root, "model": model, "mode": cfg.mode,
         "config": {"clients": cfg.clients, "requests": cfg.requests, "duration_s": cfg.duration_s,
@@ -718,6 +723,11 @@ def run_loadtest(args) -> int:
     if args.requests_out:
         write_requests(results, args.requests_out)
     print(format_report(rep), flush=True)
+    hits = (rep["server"] or {}).get("prefix_cache_hit_tokens")
+    if hits:
+        print(f"loadtest: the server found {hits:,.0f} of this run's prompt tokens in its prefix cache and did not "
+              f"prefill them (an earlier run with the same --seed?); use another --seed for prompt work like a "
+              f"fresh load's", file=sys.stderr, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)

@@ -116,6 +116,22 @@ def test_clients_spread_over_processes(server, tmp_path, capsys):
     assert "3 clients in 2 processes" in capsys.readouterr().err
 
 
+def test_a_repeated_seed_is_reported_as_prefix_cache_hits(server, tmp_path, capsys):
+    """Prompts differ within a run; a second run with the same seed sends the same prompts, which the
+    server then finds in its prefix cache: the report counts them and says so on stderr."""
+    args = ["--api-key", API_KEY, "--clients", "2", "--requests", "3", "--prompt-tokens", "40", "--max-tokens", "2",
+            "--seed", "424242"]
+    assert wait_for(lambda: idle(server), 30)
+    rc, first = loadtest(server.url, tmp_path, *args)
+    assert rc == 0 and first["server"]["prefix_cache_hit_tokens"] == 0
+    assert "prefix cache" not in capsys.readouterr().err
+    assert wait_for(lambda: idle(server), 30)
+    rc, again = loadtest(server.url, tmp_path, *args)
+    # each prompt's two full blocks of 16 tokens come from the cache
+    assert rc == 0 and again["server"]["prefix_cache_hit_tokens"] >= 3 * 32
+    assert "in its prefix cache and did not prefill them" in capsys.readouterr().err
+
+
 def test_chat_prompts_are_sized_by_the_server(server, tmp_path):
     assert wait_for(lambda: idle(server), 30)
     before = server.metrics()
