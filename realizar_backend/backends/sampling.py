@@ -113,11 +113,20 @@ class RowConstants:
     step: int
 
 
+def _inv_temp(t: float) -> np.float32:
+    """float32(1 / t); 0 for greedy. A tiny temperature gives +inf, as the kernel's float32 does
+    (step 2 of the contract maps what follows), not an overflow warning."""
+    if t <= 0:
+        return np.float32(0.0)
+    with np.errstate(over="ignore"):
+        return np.float32(1.0 / t)
+
+
 def row_constants(row: SampleRow, vocab: int) -> RowConstants:
     k = int(row.top_k)
     return RowConstants(
         greedy=row.greedy, penalties=row.penalties,
-        inv_temp=np.float32(1.0 / row.temperature) if row.temperature > 0 else np.float32(0.0),
+        inv_temp=_inv_temp(row.temperature),
         top_k=k if 0 < k < vocab else 0,
         top_p_fx=min(int(round(float(row.top_p) * 2.0 ** 32)), 1 << 32),
         min_p_log=np.float32(math.log(row.min_p)) if row.min_p > 0 else None,
