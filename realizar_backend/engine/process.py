@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ..errors import BackendError, CapacityError
+from ..model.chat_template import package_root
 from ..settings import Settings
 from .outputs import RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep
@@ -62,12 +63,15 @@ class Channel:
             self.conn.send(msg)
 
     def event(self, ev: tuple) -> None:
-        self._events.append(ev)
+        with self._lock:
+            self._events.append(ev)
 
     def put(self, records: list[tuple[str, Any]]) -> None:
-        """A step's outputs, (request_id, output) in order (outputs.Outbox.flush)."""
-        events, self._events = self._events, []
-        self.send(("out", records, events))
+        """A step's outputs, (request_id, output) in order (outputs.Outbox.flush); the command
+        thread also puts a refused request's error, so the events are taken under the lock."""
+        with self._lock:
+            events, self._events = self._events, []
+            self.conn.send(("out", records, events))
 
 
 class ChannelSink:
@@ -148,10 +152,6 @@ def child_main(fd: int) -> None:
 
 
 # ------------------------------------------------------------------------------ the server's side
-def _package_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
 class EngineClient(RequestPrep):
     """What the server's routes call, with `Engine`'s request-side API (prepare, generate, abort,
     stats, finish_all, prewarm_guidance, shutdown), over an engine running in a child process."""
@@ -193,7 +193,7 @@ class EngineClient(RequestPrep):
 
         mine, theirs = socket.socketpair()
         try:
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, _package_root(), str(theirs.fileno())],
+            proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root(), str(theirs.fileno())],
                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()

@@ -101,7 +101,8 @@ def plain(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the parent side
-def _package_root() -> str:
+def package_root() -> str:
+    """The directory holding the realizar_backend package, for a child `python -c` to import it from."""
     return str(Path(__file__).resolve().parents[2])
 
 
@@ -114,7 +115,7 @@ class _Worker:
 
     def __init__(self, limits: TemplateLimits):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, _package_root(), str(limits.max_chars), str(limits.memory_mb)],
+            [sys.executable, "-c", _BOOT, package_root(), str(limits.max_chars), str(limits.memory_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self._buf = b""
         try:
