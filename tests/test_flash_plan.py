@@ -22,7 +22,7 @@ def test_decode_plan_in_clusters_keeps_one_partial_per_cluster():
     assert p.grid == (64, 2, 1) and p.cluster == 8
     assert p.part_floats == 12 * 128 * 8                   # 8 cluster partials per (row, KV head)
     assert p.ml_count == 12 * 4 * 8                        # (m, l) per 32-dim slice and cluster
-    assert p.counters == 2 * 8                             # one per slice owner (cluster rank)
+    assert p.counters == 12 * 4                            # one per 32-dim slice of every head
     assert flash.plan_decode(3, 12, 2, 128, splits=32, cluster=4).part_floats == 3 * 12 * 128 * 8
     assert flash.plan_decode(1, 12, 2, 128, splits=1, cluster=1).counters == 0
 

@@ -20,6 +20,21 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// cluster_sync in two halves: after arrive, this thread's earlier shared-memory reads and writes are
+// done as far as the cluster is concerned; wait returns once every thread of the cluster arrived.
+// Work between the two (global writes, a counter vote) overlaps the barrier's latency.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
 // the float at the same shared-memory address in block `rank` of this cluster
 __device__ __forceinline__ float cluster_ld(const float* p, unsigned rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

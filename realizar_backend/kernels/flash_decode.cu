@@ -31,41 +31,69 @@
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
+#define FLD_PREG 16   // cluster partials the last level holds in registers (qwen15's one-row plan: 16)
 
-// The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g,
-// s_f[w][g] its weight, s_M / s_L the block's (m, l) per head. Level 1: every block merges its warps
-// into ow[0], then takes slices x = rank, rank + C, ... (32 dims of one head: head x / (D / 32)),
-// one per warp, and combines the cluster's C blocks' copies of it through distributed shared memory.
+// The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g
+// and s_m / s_l[w][g] its (m, l). Level 1: every block merges its warps into ow[0] (and its (M, L)
+// per head into s_M / s_L), then takes slices x = rank, rank + C, ... (32 dims of one head: head
+// x / (D / 32)), one per warp, and combines the cluster's C blocks' copies of it through distributed
+// shared memory.
 // One cluster (ncl == 1): that is the output. Else the slice's cluster partial goes to part_o
-// [row, kh][cluster][G][D] with its (M, L) in part_ml [row, kh][cluster][slice], and the last
-// cluster to arrive at the slice owner's counter (counters [row, kh][C]) combines the ncl partials.
+// [row, kh][cluster][G][D] with its (M, L) in part_ml [row, kh][cluster][slice], and the warp of the
+// last cluster to arrive at the slice's counter (counters [row, kh][slice]) combines the ncl partials.
+// Each level reads all of its partials in one round of loads, and the votes are per warp (no block
+// barrier); a block leaves only after the cluster's last reader of its shared memory has arrived.
 template <int D>
-__device__ __forceinline__ void fl_decode_cluster(float* ow, const float* s_M, const float* s_L,
-                                               const float (*s_f)[16], int w, int lane, int C, int rank, int cl,
+__device__ __forceinline__ void fl_decode_cluster(float* ow, const float (*s_m)[16], const float (*s_l)[16],
+                                               float* s_M, float* s_L, int w, int lane, int C, int rank, int cl,
                                                int maxcl, int ncl, int G, long long rowp, float* out, u16* o16,
                                                i8* oq, float2* od, long long head0, float* part_o, float2* part_ml,
-                                               int* counters, int* s_flag) {
+                                               int* counters) {
     constexpr int SL = D / 32;                                    // slices per head
     const int nsl = G * SL;
     const long long pG = (long long)G * D;
     for (int x = w; x < nsl; x += FLD_NW) {                       // the block's own merge, in place
         const int gg = x / SL, d = 32 * (x - gg * SL) + lane;
-        float v = 0.0f;
+        float M = -INFINITY, L = 0.0f, v = 0.0f;                  // every lane weighs the warps itself
 #pragma unroll
-        for (int ww = 0; ww < FLD_NW; ++ww) v += s_f[ww][gg] * ow[(ww * 16 + gg) * D + d];
+        for (int ww = 0; ww < FLD_NW; ++ww) M = fmaxf(M, s_m[ww][gg]);
+#pragma unroll
+        for (int ww = 0; ww < FLD_NW; ++ww) {
+            const float f = s_l[ww][gg] > 0.0f ? exp2f(s_m[ww][gg] - M) : 0.0f;   // a warp with no keys: 0
+            L += f * s_l[ww][gg];
+            v += f * ow[(ww * 16 + gg) * D + d];
+        }
         ow[gg * D + d] = v;
+        if (lane == 0 && x == gg * SL) {                          // the head's first slice: its (M, L)
+            s_M[gg] = M;
+            s_L[gg] = L;
+        }
     }
     cluster_sync();
     for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {        // warp-uniform
         const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
+        float pm[8], pl[8], pv[8];
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {                             // every copy's loads in flight at once
+            pm[p] = -INFINITY;
+            pl[p] = pv[p] = 0.0f;
+            if (p < C) {
+                pm[p] = cluster_ld(s_M + gg, (unsigned)p);
+                pl[p] = cluster_ld(s_L + gg, (unsigned)p);
+                pv[p] = cluster_ld(ow + gg * D + d, (unsigned)p);
+            }
+        }
         float M = -INFINITY;
-        for (int p = 0; p < C; ++p) M = fmaxf(M, cluster_ld(s_M + gg, (unsigned)p));
+#pragma unroll
+        for (int p = 0; p < 8; ++p) M = fmaxf(M, pm[p]);
         float L = 0.0f, v = 0.0f;
-        for (int p = 0; p < C; ++p) {
-            const float l = cluster_ld(s_L + gg, (unsigned)p);
-            const float f = l > 0.0f ? exp2f(cluster_ld(s_M + gg, (unsigned)p) - M) : 0.0f;
-            L += f * l;
-            v += f * cluster_ld(ow + gg * D + d, (unsigned)p);
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+            if (p < C) {
+                const float f = pl[p] > 0.0f ? exp2f(pm[p] - M) : 0.0f;
+                L += f * pl[p];
+                v += f * pv[p];
+            }
         }
         if (ncl == 1) {
             const long long ob = (head0 + gg) * D;
@@ -76,24 +104,63 @@ __device__ __forceinline__ void fl_decode_cluster(float* ow, const float* s_M, c
             if (lane == 0) part_ml[(rowp * maxcl + cl) * nsl + x] = make_float2(M, L);
         }
     }
-    cluster_sync();                                               // a block's shared memory outlives its readers
-    if (ncl == 1 || !fl_arrive_last(counters + rowp * C + rank, ncl, s_flag)) return;
-    for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {
-        const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
-        const float2* ml = part_ml + rowp * maxcl * nsl + x;
-        float M = -INFINITY;
-        for (int i = 0; i < ncl; ++i) M = fmaxf(M, __ldcg(ml + i * nsl).x);
-        float L = 0.0f, v = 0.0f;
-        for (int i = 0; i < ncl; ++i) {
-            const float2 e = __ldcg(ml + i * nsl);
-            const float f = exp2f(e.x - M);                       // a cluster partial always has keys
-            L += f * e.y;
-            v += f * __ldcg(part_o + (rowp * maxcl + i) * pG + (long long)gg * D + d);
+    cluster_arrive();                                             // this block's remote reads are done
+    if (ncl > 1) {
+        for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {
+            // the warp's vote: its partial is visible before its count, the winner reads after its own
+            __threadfence();
+            __syncwarp();
+            int win = 0;
+            if (lane == 0) {
+                int* ctr = counters + rowp * nsl + x;
+                win = atomicAdd(ctr, 1) == ncl - 1;
+                if (win) *ctr = 0;
+            }
+            win = __shfl_sync(0xffffffffu, win, 0);
+            __syncwarp();                                         // orders every lane after the count
+            if (!win) continue;
+            __threadfence();
+            const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
+            const float2* ml = part_ml + rowp * maxcl * nsl + x;
+            const float* po = part_o + rowp * maxcl * pG + (long long)gg * D + d;
+            float M = -INFINITY, L = 0.0f, v = 0.0f;
+            if (ncl <= FLD_PREG) {
+                float2 e[FLD_PREG];
+                float pv[FLD_PREG];
+#pragma unroll
+                for (int i = 0; i < FLD_PREG; ++i) {              // every partial's loads in flight at once
+                    e[i] = make_float2(-INFINITY, 0.0f);
+                    pv[i] = 0.0f;
+                    if (i < ncl) {
+                        e[i] = __ldcg(ml + i * nsl);
+                        pv[i] = __ldcg(po + i * pG);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < FLD_PREG; ++i) M = fmaxf(M, e[i].x);
+#pragma unroll
+                for (int i = 0; i < FLD_PREG; ++i) {
+                    if (i < ncl) {
+                        const float f = exp2f(e[i].x - M);        // a cluster partial always has keys
+                        L += f * e[i].y;
+                        v += f * pv[i];
+                    }
+                }
+            } else {                                              // the same sums, in two rounds
+                for (int i = 0; i < ncl; ++i) M = fmaxf(M, __ldcg(ml + i * nsl).x);
+                for (int i = 0; i < ncl; ++i) {
+                    const float2 e = __ldcg(ml + i * nsl);
+                    const float f = exp2f(e.x - M);
+                    L += f * e.y;
+                    v += f * __ldcg(po + i * pG);
+                }
+            }
+            const long long ob = (head0 + gg) * D;
+            fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
+                       oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
         }
-        const long long ob = (head0 + gg) * D;
-        fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr,
-                   od ? od + (ob >> 5) : nullptr);
     }
+    cluster_wait();                                               // a block's shared memory outlives its readers
 }
 
 template <int D, bool QS>
@@ -336,6 +403,11 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         *(float2*)(ow + (w * 16 + g + 8) * D + d) = make_float2(o[dt][2], o[dt][3]);
     }
     __syncthreads();
+    if (clu) {                                                    // block-uniform
+        fl_decode_cluster<D>(ow, s_m, s_l, s_M, s_L, w, lane, C, rank, s / C, S / C, ncl, G,
+                             (long long)t * KVH + kh, out, o16, oq, od, t * H + kh * G, part_o, part_ml, counters);
+        return;
+    }
     if (tid < 16) {
         float M = -INFINITY, L = 0.0f;
 #pragma unroll
@@ -352,11 +424,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     __syncthreads();
     const long long rowp = (long long)t * KVH + kh;               // (row, KV head): partials and counters
     const long long pG = (long long)G * D;
-    if (clu) {
-        fl_decode_cluster<D>(ow, s_M, s_L, s_f, w, lane, C, rank, s / C, S / C, ncl, G, rowp, out, o16, oq, od,
-                             t * H + kh * G, part_o, part_ml, counters, &s_flag);
-        return;
-    }
     for (int x = w; x < G * (D / 32); x += FLD_NW) {              // warp-uniform: head gg, dims 32 c..
         const int gg = x / (D / 32), c = x - gg * (D / 32), d = 32 * c + lane;
         float v = 0.0f;

@@ -314,6 +314,11 @@ static inline float __shfl_sync(unsigned, float v, int src) {
     emu::gather(v, all, "shfl");
     return all[src & 31];
 }
+static inline int __shfl_sync(unsigned, int v, int src) {
+    int all[32];
+    emu::gather(v, all, "shfl32");
+    return all[src & 31];
+}
 static inline long long __shfl_sync(unsigned, long long v, int src) {
     long long all[32];
     emu::gather(v, all, "shfl64");

@@ -123,10 +123,10 @@ def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool 
         return Plan(name, opts, (1, KVH, n), 32 * FLD_NW, decode_smem(D), 1, 0, 0, 0)
     if cluster > 1:
         # one partial per cluster ([row, KV head][cluster][G][D]), its (m, l) per 32-dim slice, and a
-        # counter per slice owner (rank)
+        # counter per slice (the warps of the last level vote on their own)
         maxcl = splits // cluster
         return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits, n * H * D * maxcl,
-                    n * H * (D // 32) * maxcl, n * KVH * cluster, cluster=cluster)
+                    n * H * (D // 32) * maxcl, n * H * (D // 32), cluster=cluster)
     maxg = -(-splits // FL_MAXC)
     lvl = splits + (maxg if splits > FL_MAXC else 0)
     return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits,
