@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--no-ignore-eos", action="store_true",
                     help="leave out ignore_eos (for servers that reject it): outputs may end early")
     lt.add_argument("--processes", type=int, default=0,
-                    help="client processes the clients are spread over (0: one per 16 clients, at most the CPUs)")
+                    help="client processes the clients are spread over (0: one per 4 clients, at most the CPUs)")
     lt.add_argument("--json", help="write the report as JSON to this file")
     lt.add_argument("--requests-out", metavar="FILE",
                     help="write one JSON line per request (start, first token, end of stream, close: Unix epoch "

@@ -14,9 +14,9 @@ with `ignore_eos` so that every request generates the same number of tokens.
 
 Requests go through the official `openai` async client (URL, auth, error statuses), and the
 stream is read as raw server-sent events, which keeps one client process fast enough to measure
-tens of thousands of tokens per second. The clients are spread over processes of 16 (`--processes`),
+tens of thousands of tokens per second. The clients are spread over processes of 4 (`--processes`),
 because building a request through the official client costs ~2 ms: one process would send a wave
-of 64 new requests late. Timing is taken on the client per streamed chunk that
+of new requests late. Timing is taken on the client per streamed chunk that
 carries text: time to first token, the gaps between chunks (inter-token latency), per-request time
 per output token and end-to-end latency.
 Tokens are counted from the usage chunk (`stream_options.include_usage`) when the server sends one,

@@ -19,7 +19,7 @@ WORDS = ("time year people way day man thing woman life child world school state
          "education").split()
 PROGRESS_EVERY_S = 5.0     # plain progress lines when stderr is not a terminal
 CALIBRATION_ROUNDS = 4
-CLIENTS_PER_PROCESS = 16   # streams per client process when --processes is 0
+CLIENTS_PER_PROCESS = 4    # streams per client process when --processes is 0
 START_TIMEOUT_S = 120.0    # for client processes to start (import the client, connect)
 
 
@@ -56,9 +56,11 @@ class LoadtestConfig:
 
     @property
     def process_count(self) -> int:
-        """Client processes: one asyncio loop drives CLIENTS_PER_PROCESS streams well, but a burst of
-        new requests (64 streams ending together) costs it ~2 ms of request building each, so that
-        later streams' ends are read late and the server idles between waves it did not make."""
+        """Client processes: one asyncio loop reads many streams well, but a burst of new requests
+        (streams ending together) costs it ~2 ms of request building each, so that later streams'
+        ends are read late and the server idles between waves it did not make. H100, qwen15 twin,
+        64 clients (perf-notes v31): 16 clients a process 8,926 / 9,474 tok/s, 8 9,566 / 9,607,
+        4 9,856 / 9,650."""
         n = self.processes or min(-(-self.clients // CLIENTS_PER_PROCESS), os.cpu_count() or 1)
         return max(1, min(n, self.clients, self.requests))
 
