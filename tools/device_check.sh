@@ -18,7 +18,7 @@
 #            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
-#            $LT_CLIENTS clients (LT_WARMUP=1: after one unmeasured run of the same size), a soak with random cancels
+#            $LT_CLIENTS clients (LT_WARMUP=1: after two unmeasured runs of the same size), a soak with random cancels
 #            ($SOAK_REQUESTS completions), and $LT_VARIANTS (server settings, one fresh server each)
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
 #   llamacpp llama.cpp beside us on the qwen15 twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
@@ -157,12 +157,15 @@ serve_up() {  # model port [env...]: bentoml serve on the GPU in the background,
   echo "server on port $port never became ready"; tail -20 "/tmp/serve_$port.log"; return 1
 }
 serve_down() { pkill -f "port $1" ; sleep 2; }
-lt_warm() {  # port: with LT_WARMUP=1, one run of the loadtest first (graphs, cuBLAS, allocator), not measured:
-  # as many requests as the measured run, since prompt steps replay from a graph only once their shape came twice;
-  # prompts of another seed, or the measured run's would all be found in the prefix cache
+lt_warm() {  # port: with LT_WARMUP=1, two runs of the loadtest first (graphs, cuBLAS, allocator), not measured:
+  # a prompt step's graph is captured the second time its shape comes, so one run of as many requests left the
+  # captures to the measured run (~5% slower than the runs after it); prompts of other seeds, or the measured
+  # run's would all be found in the prefix cache
   [ "${LT_WARMUP:-0}" = 1 ] || return 0
-  python3 -m realizar_backend.cli loadtest http://127.0.0.1:$1 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) --seed 1 \
-    --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1
+  for s in 1 2; do
+    python3 -m realizar_backend.cli loadtest http://127.0.0.1:$1 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
+      --seed $s --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1
+  done
 }
 lt_line() {  # file tag: one line of a loadtest's figures
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); q=lambda k: (d.get(k) or {}).get('p50') or 0
