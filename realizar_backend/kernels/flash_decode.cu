@@ -13,46 +13,58 @@
 // keys; blocks past a row's count exit at once. Partials combine in the last block of each group of
 // FL_MAXC splits, then (more than one group) in the last group's block (flash.cuh).
 // Launched in thread-block clusters of C splits (sm_90, pdl.py; gridDim.x a multiple of C), the
-// splits of a cluster combine through distributed shared memory instead, each block taking every
-// C-th 32-dim slice of the group's heads: no global round trip, fence or counter at that level. A
-// row of more than C splits leaves one partial per cluster, and the last cluster to arrive (per
-// slice owner, so with no second cluster barrier) combines those. The per-level fences and serial
-// combines of the global path were most of this kernel's time at a few thousand keys (perf-notes v23).
+// splits of a cluster combine through distributed shared memory instead: each block owns every
+// C-th 32-dim slice of the group's heads, and the cluster's blocks push their copies of a slice
+// into its owner's shared memory (st.async, counted on the owner's barrier: no cluster barrier
+// after the keys). A row of more than C splits leaves one partial per cluster, and the last cluster
+// to arrive (per slice) combines those. The per-level fences and serial combines of the global path
+// were most of this kernel's time at a few thousand keys (perf-notes v23).
 // fuse != 0: RoPE of q and of the new k from the cos/sin table rt (float2 [positions][rope_dim / 2],
 // ops.rope_table), and the KV write: the block holding the row's last key writes the new k and v
 // (fp16) to the pool and uses them from shared memory for that key. No block of the launch reads a
-// row another block writes. The K/V copies start before pdl_wait (cached rows, which the kernel
-// before does not write); fuse == 0 (q roped and the cache written by rope_kv): after it.
+// row another block writes. The K/V copies and the cos/sin reads start before pdl_wait (cached rows
+// and a constant table, which the kernel before does not write), then every q load at once; fuse ==
+// 0 (q roped and the cache written by rope_kv): the copies after it. flash_timing.cuh stamps the
+// kernel's steps where it is compiled in.
 //
 // Entry points flash_decode_d<D>_q<QS>; QS = 1 (the default) splits q into hi + lo fp16 parts: the
 // scores then carry fp32-like accuracy, at no cost in a kernel that waits on memory.
 #include "flash.cuh"
 #include "cluster.cuh"
+#include "flash_timing.cuh"
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
 #define FLD_PREG 16   // cluster partials the last level holds in registers (qwen15's one-row plan: 16)
 
+
 // The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g
-// and s_m / s_l[w][g] its (m, l). Level 1: every block merges its warps into ow[0] (and its (M, L)
-// per head into s_M / s_L), then takes slices x = rank, rank + C, ... (32 dims of one head: head
-// x / (D / 32)), one per warp, and combines the cluster's C blocks' copies of it through distributed
-// shared memory.
+// and s_m / s_l[w][g] its (m, l). Level 1: slice x (32 dims of one head: head x / (D / 32)) belongs
+// to block x % C of the cluster. Every block merges its warps per slice and pushes the slice's copy
+// (32 values, then M and L) into the owner's recv[rank][x / C] with st.async, which counts the bytes
+// on the owner's barrier `bar` (cluster.cuh); an owner waits for its C copies of each of its slices
+// and combines them from its own shared memory, in rank order as the pull through distributed
+// shared memory did (the same sums, bit for bit). The cluster barrier before the first push (every
+// owner's barrier initialised, its q tile read: recv lies over it) was passed long before, right
+// after the q fragments went to registers; a pull needed a barrier after the merge and one before exit.
 // One cluster (ncl == 1): that is the output. Else the slice's cluster partial goes to part_o
 // [row, kh][cluster][G][D] with its (M, L) in part_ml [row, kh][cluster][slice], and the warp of the
 // last cluster to arrive at the slice's counter (counters [row, kh][slice]) combines the ncl partials.
 // Each level reads all of its partials in one round of loads, and the votes are per warp (no block
-// barrier); a block leaves only after the cluster's last reader of its shared memory has arrived.
+// barrier).
 template <int D>
-__device__ __forceinline__ void fl_decode_cluster(float* ow, const float (*s_m)[16], const float (*s_l)[16],
-                                               float* s_M, float* s_L, int w, int lane, int C, int rank, int cl,
-                                               int maxcl, int ncl, int G, long long rowp, float* out, u16* o16,
-                                               i8* oq, float2* od, long long head0, float* part_o, float2* part_ml,
-                                               int* counters) {
-    constexpr int SL = D / 32;                                    // slices per head
-    const int nsl = G * SL;
+__device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (*s_m)[16], const float (*s_l)[16],
+                                               float* recv, unsigned long long* bar, int w, int lane, int C,
+                                               int rank, int cl, int maxcl, int ncl, int G, long long rowp,
+                                               float* out, u16* o16, i8* oq, float2* od, long long head0,
+                                               float* part_o, float2* part_ml, int* counters) {
+    constexpr int SL = D / 32, REC = 34;                          // slices per head; floats per slice copy
+    const int nsl = G * SL, nmax = (nsl + C - 1) / C;
     const long long pG = (long long)G * D;
-    for (int x = w; x < nsl; x += FLD_NW) {                       // the block's own merge, in place
+    const int nown = rank < nsl ? (nsl - rank + C - 1) / C : 0;   // slices this block owns
+    if (threadIdx.x == 0) mbar_expect(bar, (unsigned)(C * nown * REC * 4));
+    cluster_wait();                                               // every owner's barrier is ready
+    for (int x = w; x < nsl; x += FLD_NW) {                       // merge the warps, push to the owner
         const int gg = x / SL, d = 32 * (x - gg * SL) + lane;
         float M = -INFINITY, L = 0.0f, v = 0.0f;                  // every lane weighs the warps itself
 #pragma unroll
@@ -63,24 +75,25 @@ __device__ __forceinline__ void fl_decode_cluster(float* ow, const float (*s_m)[
             L += f * s_l[ww][gg];
             v += f * ow[(ww * 16 + gg) * D + d];
         }
-        ow[gg * D + d] = v;
-        if (lane == 0 && x == gg * SL) {                          // the head's first slice: its (M, L)
-            s_M[gg] = M;
-            s_L[gg] = L;
-        }
+        const unsigned owner = (unsigned)(x % C);
+        float* dst = recv + (rank * nmax + x / C) * REC;
+        cluster_push(dst + lane, owner, v, bar);
+        if (lane == 0) cluster_push2(dst + 32, owner, M, L, bar);
     }
-    cluster_sync();
+    FLD_T(5);
+    if (nown > 0) mbar_wait(bar, 0);
     for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {        // warp-uniform
         const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
+        const float* src = recv + (x / C) * REC;
         float pm[8], pl[8], pv[8];
 #pragma unroll
-        for (int p = 0; p < 8; ++p) {                             // every copy's loads in flight at once
+        for (int p = 0; p < 8; ++p) {
             pm[p] = -INFINITY;
             pl[p] = pv[p] = 0.0f;
             if (p < C) {
-                pm[p] = cluster_ld(s_M + gg, (unsigned)p);
-                pl[p] = cluster_ld(s_L + gg, (unsigned)p);
-                pv[p] = cluster_ld(ow + gg * D + d, (unsigned)p);
+                pm[p] = src[p * nmax * REC + 32];
+                pl[p] = src[p * nmax * REC + 33];
+                pv[p] = src[p * nmax * REC + lane];
             }
         }
         float M = -INFINITY;
@@ -104,22 +117,24 @@ __device__ __forceinline__ void fl_decode_cluster(float* ow, const float (*s_m)[
             if (lane == 0) part_ml[(rowp * maxcl + cl) * nsl + x] = make_float2(M, L);
         }
     }
-    cluster_arrive();                                             // this block's remote reads are done
+    FLD_T(6);
     if (ncl > 1) {
         for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {
-            // the warp's vote: its partial is visible before its count, the winner reads after its own
-            __threadfence();
+            // the warp's vote: the count's release publishes the partial the warp wrote (every lane's
+            // store is ordered before it by __syncwarp), its acquire lets the winner read the others'
             __syncwarp();
             int win = 0;
             if (lane == 0) {
                 int* ctr = counters + rowp * nsl + x;
-                win = atomicAdd(ctr, 1) == ncl - 1;
+                int old;
+                asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
+                win = old == ncl - 1;
                 if (win) *ctr = 0;
             }
             win = __shfl_sync(0xffffffffu, win, 0);
-            __syncwarp();                                         // orders every lane after the count
+            __syncwarp();
             if (!win) continue;
-            __threadfence();
+            FLD_T(8);
             const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
             const float2* ml = part_ml + rowp * maxcl * nsl + x;
             const float* po = part_o + rowp * maxcl * pG + (long long)gg * D + d;
@@ -138,6 +153,7 @@ __device__ __forceinline__ void fl_decode_cluster(float* ow, const float (*s_m)[
                 }
 #pragma unroll
                 for (int i = 0; i < FLD_PREG; ++i) M = fmaxf(M, e[i].x);
+                FLD_T(9);
 #pragma unroll
                 for (int i = 0; i < FLD_PREG; ++i) {
                     if (i < ncl) {
@@ -158,9 +174,11 @@ __device__ __forceinline__ void fl_decode_cluster(float* ow, const float (*s_m)[
             const long long ob = (head0 + gg) * D;
             fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
                        oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
+            FLD_T(10);
         }
     }
-    cluster_wait();                                               // a block's shared memory outlives its readers
+    FLD_T(7);
+    FLD_FLUSH(ncl);
 }
 
 template <int D, bool QS>
@@ -181,6 +199,10 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     u16* kvs = (u16*)smem;                                        // [NW][NST][K, V][KW][LDS]
     u16* qh = kvs + FLD_NW * NST * STAGE;                         // [16][LDS] q heads of the group
     u16* ql = qh + 16 * LDS;                                      // QS: their lo parts
+    // clusters: the copies of the slices this block owns, pushed by the cluster's blocks (fl_decode_cluster);
+    // over the q tile where its fragments live in registers, else after it
+    float* recv = (float*)(D <= 128 ? qh : ql + 16 * LDS);
+    static_assert(D > 128 || 2 * 16 * LDS * 2 >= (16 * D / 32) * 34 * 4, "recv must fit over the q tile");
     __shared__ __align__(16) u16 s_knew[D], s_vnew[D];
     __shared__ float s_m[FLD_NW][16], s_l[FLD_NW][16], s_f[FLD_NW][16], s_M[16], s_L[16];
     __shared__ float s_w[(FL_MAXC + 1) * 16];
@@ -202,6 +224,8 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     const int C = (int)place.y, rank = (int)place.x, ncl = (nsplit + C - 1) / C;
     const bool clu = C > 1 && nsplit > 1;
     if (clu ? s / C >= ncl : s >= nsplit) return;                 // block-uniform (cluster-uniform)
+    __shared__ __align__(8) unsigned long long s_bar;             // clusters: counts the copies pushed here
+    if (clu && tid == 0) mbar_init(&s_bar);
     const int kb = start + s * chunk, ke = min(kb + chunk, pos + 1);   // keys [kb, ke)
     const int ntw = (ke - kb + FLD_KW - 1) / FLD_KW;
     const int cnt = w < ntw ? (ntw - w + FLD_NW - 1) / FLD_NW : 0;     // this warp's tiles: w, w + NW, ...
@@ -232,39 +256,44 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         }
         fl_commit();
     };
+    FLD_T_RESET();
+    FLD_T(0);
     if (!fuse) pdl_wait();
 #pragma unroll
     for (int i = 0; i < NST; ++i) issue(i);
-    pdl_wait();
-
-    // the group's q heads, roped (fuse) and scaled into the log2 domain, as fp16 (hi, lo); thread i
-    // takes pair i % (D/2) of head i / (D/2): a rotated pair (ia, ib) below rope_dim / 2, else two
-    // consecutive dims past rope_dim
+    // every q pair this thread rotates: the cos/sin first (a constant table: before pdl_wait), then
+    // after it every q load at once (one memory latency, not one per pass)
+    constexpr int QIT = 16 * (D / 2) / NT;
     const int half = rope_dim / 2;
     const float qsc = scale * FL_LOG2E;
-    for (int i = tid; i < 16 * (D / 2); i += NT) {
-        const int gg = i / (D / 2), p = i - gg * (D / 2);
-        int ia, ib;
-        float c = 1.0f, sn = 0.0f;
-        if (p < half) {
-            ia = style ? p : 2 * p;
-            ib = style ? p + half : 2 * p + 1;
-            if (fuse) {
-                const float2 cs = rt[(long long)pos * half + p];
-                c = cs.x;
-                sn = cs.y;
-            }
-        } else {
-            ia = rope_dim + 2 * (p - half);
-            ib = ia + 1;
-        }
-        float a = 0.0f, b = 0.0f;
+    float2 qcs[QIT];
+#pragma unroll
+    for (int k = 0; k < QIT; ++k) {
+        const int i = tid + k * NT, gg = i / (D / 2), p = i - gg * (D / 2);
+        qcs[k] = make_float2(1.0f, 0.0f);
+        if (fuse && p < half && gg < G) qcs[k] = rt[(long long)pos * half + p];
+    }
+    pdl_wait();
+    FLD_T(1);
+    float qva[QIT], qvb[QIT];
+#pragma unroll
+    for (int k = 0; k < QIT; ++k) {
+        const int i = tid + k * NT, gg = i / (D / 2), p = i - gg * (D / 2);
+        const int ia = p < half ? (style ? p : 2 * p) : rope_dim + 2 * (p - half);
+        const int ib = p < half ? (style ? p + half : 2 * p + 1) : ia + 1;
+        qva[k] = qvb[k] = 0.0f;
         if (gg < G) {
             const float* qr = q + ((long long)t * H + kh * G + gg) * D;
-            a = qr[ia];
-            b = qr[ib];
+            qva[k] = qr[ia];
+            qvb[k] = qr[ib];
         }
-        const float2 r2 = rope_rot(a, b, c, sn);
+    }
+#pragma unroll
+    for (int k = 0; k < QIT; ++k) {
+        const int i = tid + k * NT, gg = i / (D / 2), p = i - gg * (D / 2);
+        const int ia = p < half ? (style ? p : 2 * p) : rope_dim + 2 * (p - half);
+        const int ib = p < half ? (style ? p + half : 2 * p + 1) : ia + 1;
+        const float2 r2 = rope_rot(qva[k], qvb[k], qcs[k].x, qcs[k].y);
         const float xa = r2.x * qsc, xb = r2.y * qsc;
         const u16 ha = f2h(xa), hb = f2h(xb);
         qh[gg * LDS + ia] = ha;
@@ -306,6 +335,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         }
     }
     __syncthreads();
+    FLD_T(2);
 
     // the group's q fragments, in registers for the whole loop (256-dim heads: too many registers)
     constexpr bool HQ = D <= 128;
@@ -317,12 +347,16 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
             if constexpr (QS) fl_afrag(qla[kk], ql, LDS, 0, kk, lane);
         }
     }
+    // clusters: this block's barrier is initialised and (D <= 128) the q tile read; the blocks wait
+    // for each other only before their first push
+    if (clu) cluster_arrive();
     float o[D / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     for (int i = 0; i < cnt; ++i) {                               // warp-uniform
         fl_wait<NST - 1>();
         __syncwarp();
+        if (i == 0) FLD_T(11);
         u16* ks = mine + (i % NST) * STAGE;
         u16* vs = ks + FLD_KW * LDS;
         const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
@@ -373,13 +407,16 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                 for (int e = 0; e < 4; ++e)
                     if (k0 + nt * 8 + 2 * tq + (e & 1) >= ke) sc[nt][e] = -INFINITY;
         }
+        if (i == 0) FLD_T(12);
         u32 pf[1][4];
         fl_softmax_step<2, D / 8>(sc, m, l, o, pf);
         fl_pv16<D>(o, pf[0], vs, LDS, lane);
+        if (i == 0) FLD_T(13);
         __syncwarp();                                             // the stage is consumed: refill it
         issue(i + NST);
     }
     fl_wait<0>();
+    FLD_T(3);
     pdl_trigger();                                                // every key read
 
     // merge the warps: each writes its rows' (m, l) and O to shared memory (over the stages)
@@ -403,8 +440,9 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         *(float2*)(ow + (w * 16 + g + 8) * D + d) = make_float2(o[dt][2], o[dt][3]);
     }
     __syncthreads();
+    FLD_T(4);
     if (clu) {                                                    // block-uniform
-        fl_decode_cluster<D>(ow, s_m, s_l, s_M, s_L, w, lane, C, rank, s / C, S / C, ncl, G,
+        fl_decode_cluster<D>(ow, s_m, s_l, recv, &s_bar, w, lane, C, rank, s / C, S / C, ncl, G,
                              (long long)t * KVH + kh, out, o16, oq, od, t * H + kh * G, part_o, part_ml, counters);
         return;
     }

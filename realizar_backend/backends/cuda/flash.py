@@ -59,9 +59,12 @@ def prefill_smem(D: int, nw: int = 4, qsplit: bool = False, wm: int = 1) -> int:
 
 def decode_smem(D: int) -> int:
     """Dynamic shared memory of a decode block (flash_decode.cu): each warp's stages (3, or 2 for
-    256-dim heads), then the q tile (hi, lo)."""
+    256-dim heads), then the q tile (hi, lo); for 256-dim heads then the slice copies a cluster's
+    blocks push (34 floats per 32-dim slice of up to 16 heads), which smaller heads keep over the q
+    tile (their q fragments live in registers)."""
     lds, nst = D + 8, 3 if D <= 128 else 2
-    return (FLD_NW * nst * 2 * FLD_KW * lds + 2 * 16 * lds) * 2
+    recv = 16 * (D // 32) * 34 * 4 if D > 128 else 0
+    return (FLD_NW * nst * 2 * FLD_KW * lds + 2 * 16 * lds) * 2 + recv
 
 
 @dataclass(frozen=True)
