@@ -37,16 +37,14 @@
 #define FLD_KW 16     // keys per warp tile
 #define FLD_PREG 16   // cluster partials the last level holds in registers (qwen15's one-row plan: 16)
 
-
 // The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g
 // and s_m / s_l[w][g] its (m, l). Level 1: slice x (32 dims of one head: head x / (D / 32)) belongs
 // to block x % C of the cluster. Every block merges its warps per slice and pushes the slice's copy
 // (32 values, then M and L) into the owner's recv[rank][x / C] with st.async, which counts the bytes
 // on the owner's barrier `bar` (cluster.cuh); an owner waits for its C copies of each of its slices
-// and combines them from its own shared memory, in rank order as the pull through distributed
-// shared memory did (the same sums, bit for bit). The cluster barrier before the first push (every
-// owner's barrier initialised, its q tile read: recv lies over it) was passed long before, right
-// after the q fragments went to registers; a pull needed a barrier after the merge and one before exit.
+// and combines them, in rank order, from its own shared memory. The one cluster barrier (every
+// owner's barrier initialised, its q tile read: recv lies over it) is passed right after the q
+// fragments reach registers, long before the first push, so no block waits at it.
 // One cluster (ncl == 1): that is the output. Else the slice's cluster partial goes to part_o
 // [row, kh][cluster][G][D] with its (M, L) in part_ml [row, kh][cluster][slice], and the warp of the
 // last cluster to arrive at the slice's counter (counters [row, kh][slice]) combines the ncl partials.
