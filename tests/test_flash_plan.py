@@ -20,11 +20,20 @@ def test_decode_plan_scratch_holds_two_combine_levels():
 def test_decode_plan_in_clusters_keeps_one_partial_per_cluster():
     p = flash.plan_decode(1, 12, 2, 128, splits=64, cluster=8)
     assert p.grid == (64, 2, 1) and p.cluster == 8
-    assert p.part_floats == 12 * 128 * 8                   # 8 cluster partials per (row, KV head)
-    assert p.ml_count == 12 * 4 * 8                        # (m, l) per 32-dim slice and cluster
-    assert p.counters == 12 * 4                            # one per 32-dim slice of every head
-    assert flash.plan_decode(3, 12, 2, 128, splits=32, cluster=4).part_floats == 3 * 12 * 128 * 8
+    assert p.part_floats == p.ml_count == 0                # the partials live in the counters, flagged
+    # a counter per 32-dim slice of every head, then 8 cluster partials of each slice as 34 64-bit words
+    assert p.counters == 12 * 4 + 2 * 12 * 4 * 8 * 34
+    assert flash.plan_decode(3, 3, 1, 64, splits=32, cluster=4).counters == 18 + 2 * 18 * 8 * 34
     assert flash.plan_decode(1, 12, 2, 128, splits=1, cluster=1).counters == 0
+
+
+def test_decode_cluster_waits_only_where_the_waiting_blocks_leave_room():
+    one = flash.plan_decode(1, 12, 2, 128, splits=128, cluster=8)
+    assert flash.decode_spins(one, 132)                    # 2 waiting blocks of 8: one per SM at most
+    assert not flash.decode_spins(one, 15)
+    many = flash.plan_decode(9, 12, 2, 128, splits=64, cluster=8)
+    assert not flash.decode_spins(many, 132)               # 144 waiting blocks: the counter elects
+    assert not flash.decode_spins(flash.plan_decode(1, 12, 2, 128, splits=64), 132)   # no clusters
 
 
 def test_decode_cluster_choice():

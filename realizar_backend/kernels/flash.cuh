@@ -220,6 +220,32 @@ __device__ void fl_combine(int nitem, int cnt, const float* po, long long po_spl
     }
 }
 
+// Flagged words: a float and a flag (1: written, 0: consumed) in one 64-bit word, which a store
+// writes and a load reads whole. A reader that sees the flag has the value, with no fence between
+// writer and reader: the writer need not wait for its stores before it signals. The reader zeroes
+// the words it consumed, so every launch finds them at 0 (as the counters).
+__device__ __forceinline__ void fl_flag_put(u64* p, float v) {
+    const u64 w = (1ull << 32) | __float_as_uint(v);
+#if defined(__CUDA_ARCH__)
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+#else
+    *p = w;
+#endif
+}
+
+__device__ __forceinline__ u64 fl_flag_get(const u64* p) {
+#if defined(__CUDA_ARCH__)
+    u64 w;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+    return w;
+#else
+    return *(const volatile u64*)p;
+#endif
+}
+
+__device__ __forceinline__ bool fl_flagged(u64 w) { return (w >> 32) == 1u; }
+__device__ __forceinline__ float fl_flag_val(u64 w) { return __uint_as_float((u32)w); }
+
 // The block's vote after writing its partial: true in the one block that arrives last at *counter
 // (of `expected`), which also resets it. Every thread calls it; partials are visible to the winner.
 __device__ __forceinline__ bool fl_arrive_last(int* counter, int expected, int* s_flag) {

@@ -45,20 +45,23 @@
 // and combines them, in rank order, from its own shared memory. The one cluster barrier (every
 // owner's barrier initialised, its q tile read: recv lies over it) is passed right after the q
 // fragments reach registers, long before the first push, so no block waits at it.
-// One cluster (ncl == 1): that is the output. Else the slice's cluster partial goes to part_o
-// [row, kh][cluster][G][D] with its (M, L) in part_ml [row, kh][cluster][slice], and the warp of the
-// last cluster to arrive at the slice's counter (counters [row, kh][slice]) combines the ncl partials.
-// Each level reads all of its partials in one round of loads, and the votes are per warp (no block
-// barrier).
+// One cluster (ncl == 1): that is the output. Else the slice's cluster partial goes out as flagged
+// words (flash.cuh) to ll [row, kh][cluster][slice][34] (its 32 values, then M and L), and one warp
+// per slice waits for the ncl partials' flags, combines them in cluster order in one round of loads,
+// and zeroes the words. With spin (flash.py: only where every block that can wait here fits on the
+// GPU beside the blocks it waits for) that is cluster 0's owner of the slice, which starts as soon
+// as its own partial is out. Otherwise the warps vote at the slice's counter (counters [row, kh]
+// [slice]) and the last to arrive combines; the vote is relaxed (the words carry their own
+// readiness, so no writer waits for its stores to land before it counts), and every other warp
+// wrote before it voted, so the flags are set or in flight. No block barrier: per warp.
 template <int D>
 __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (*s_m)[16], const float (*s_l)[16],
                                                float* recv, unsigned long long* bar, int w, int lane, int C,
                                                int rank, int cl, int maxcl, int ncl, int G, long long rowp,
                                                float* out, u16* o16, i8* oq, float2* od, long long head0,
-                                               float* part_o, float2* part_ml, int* counters) {
+                                               u64* ll, int* counters, int spin) {
     constexpr int SL = D / 32, REC = 34;                          // slices per head; floats per slice copy
     const int nsl = G * SL, nmax = (nsl + C - 1) / C;
-    const long long pG = (long long)G * D;
     const int nown = rank < nsl ? (nsl - rank + C - 1) / C : 0;   // slices this block owns
     if (threadIdx.x == 0) mbar_expect(bar, (unsigned)(C * nown * REC * 4));
     cluster_wait();                                               // every owner's barrier is ready
@@ -80,8 +83,9 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
     }
     FLD_T(5);
     if (nown > 0) mbar_wait(bar, 0);
+    const long long cs = (long long)nsl * REC;                    // words between two clusters' copies of a slice
     for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {        // warp-uniform
-        const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
+        const int gg = x / SL, c = x - gg * SL;
         const float* src = recv + (x / C) * REC;
         float pm[8], pl[8], pv[8];
 #pragma unroll
@@ -111,68 +115,95 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
             fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr,
                        od ? od + (ob >> 5) : nullptr);
         } else {
-            part_o[(rowp * maxcl + cl) * pG + (long long)gg * D + d] = v;
-            if (lane == 0) part_ml[(rowp * maxcl + cl) * nsl + x] = make_float2(M, L);
+            u64* mine = ll + (rowp * maxcl + cl) * cs + (long long)x * REC;
+            fl_flag_put(mine + lane, v);
+            if (lane < 2) fl_flag_put(mine + 32 + lane, lane ? L : M);
         }
     }
     FLD_T(6);
     if (ncl > 1) {
         for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {
-            // the warp's vote: the count's release publishes the partial the warp wrote (every lane's
-            // store is ordered before it by __syncwarp), its acquire lets the winner read the others'
-            __syncwarp();
-            int win = 0;
-            if (lane == 0) {
-                int* ctr = counters + rowp * nsl + x;
-                int old;
-                asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
-                win = old == ncl - 1;
-                if (win) *ctr = 0;
+            int win = cl == 0;                                    // spin: cluster 0 combines
+            if (!spin) {
+                __syncwarp();
+                win = 0;
+                if (lane == 0) {
+                    int* ctr = counters + rowp * nsl + x;
+                    int old;
+                    asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ctr) : "memory");
+                    win = old == ncl - 1;
+                    if (win) *ctr = 0;
+                }
+                win = __shfl_sync(0xffffffffu, win, 0);
             }
-            win = __shfl_sync(0xffffffffu, win, 0);
-            __syncwarp();
             if (!win) continue;
             FLD_T(8);
-            const int gg = x / SL, c = x - gg * SL, d = 32 * c + lane;
-            const float2* ml = part_ml + rowp * maxcl * nsl + x;
-            const float* po = part_o + rowp * maxcl * pG + (long long)gg * D + d;
+            const int gg = x / SL, c = x - gg * SL;
+            u64* src = ll + rowp * maxcl * cs + (long long)x * REC;    // cluster i's copy at src + i * cs
             float M = -INFINITY, L = 0.0f, v = 0.0f;
             if (ncl <= FLD_PREG) {
-                float2 e[FLD_PREG];
-                float pv[FLD_PREG];
+                // every partial's words in flight at once: each lane its value of every partial, lane
+                // i partial i's (m, l), shared by shuffles (96 registers if every lane held them all)
+                float pv[FLD_PREG], pm = -INFINITY, pl = 0.0f;
+                bool ok;
+                do {
+                    ok = true;
 #pragma unroll
-                for (int i = 0; i < FLD_PREG; ++i) {              // every partial's loads in flight at once
-                    e[i] = make_float2(-INFINITY, 0.0f);
-                    pv[i] = 0.0f;
-                    if (i < ncl) {
-                        e[i] = __ldcg(ml + i * nsl);
-                        pv[i] = __ldcg(po + i * pG);
+                    for (int i = 0; i < FLD_PREG; ++i) {
+                        pv[i] = 0.0f;
+                        if (i < ncl) {
+                            const u64 a = fl_flag_get(src + i * cs + lane);
+                            ok = ok & fl_flagged(a);
+                            pv[i] = fl_flag_val(a);
+                        }
                     }
-                }
+                    if (lane < ncl) {
+                        const u64 b = fl_flag_get(src + lane * cs + 32), e = fl_flag_get(src + lane * cs + 33);
+                        ok = ok & fl_flagged(b) & fl_flagged(e);
+                        pm = fl_flag_val(b);
+                        pl = fl_flag_val(e);
+                    }
+                } while (__ballot_sync(0xffffffffu, !ok) != 0u);
+                M = pm;
 #pragma unroll
-                for (int i = 0; i < FLD_PREG; ++i) M = fmaxf(M, e[i].x);
+                for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
                 FLD_T(9);
+                const float f = exp2f(pm - M);                    // lane i's partial (a cluster partial has keys)
 #pragma unroll
                 for (int i = 0; i < FLD_PREG; ++i) {
+                    const float fi = __shfl_sync(0xffffffffu, f, i), li = __shfl_sync(0xffffffffu, pl, i);
                     if (i < ncl) {
-                        const float f = exp2f(e[i].x - M);        // a cluster partial always has keys
-                        L += f * e[i].y;
-                        v += f * pv[i];
+                        L += fi * li;
+                        v += fi * pv[i];
                     }
                 }
-            } else {                                              // the same sums, in two rounds
-                for (int i = 0; i < ncl; ++i) M = fmaxf(M, __ldcg(ml + i * nsl).x);
+            } else {                                              // the same sums, a partial at a time
                 for (int i = 0; i < ncl; ++i) {
-                    const float2 e = __ldcg(ml + i * nsl);
-                    const float f = exp2f(e.x - M);
-                    L += f * e.y;
-                    v += f * __ldcg(po + i * pG);
+                    const u64* p = src + i * cs;
+                    u64 b;
+                    for (;;) {
+                        const u64 a = fl_flag_get(p + lane);
+                        b = fl_flag_get(p + 32);
+                        const u64 e = fl_flag_get(p + 33);
+                        if (__ballot_sync(0xffffffffu, !(fl_flagged(a) & fl_flagged(b) & fl_flagged(e))) == 0u) break;
+                    }
+                    M = fmaxf(M, fl_flag_val(b));
+                }
+                for (int i = 0; i < ncl; ++i) {
+                    const u64* p = src + i * cs;
+                    const float f = exp2f(fl_flag_val(fl_flag_get(p + 32)) - M);
+                    L += f * fl_flag_val(fl_flag_get(p + 33));
+                    v += f * fl_flag_val(fl_flag_get(p + lane));
                 }
             }
             const long long ob = (head0 + gg) * D;
             fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
                        oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
             FLD_T(10);
+            for (int i = 0; i < ncl; ++i) {                       // consumed: the next launch finds zeros
+                src[i * cs + lane] = 0ull;
+                if (lane < 2) src[i * cs + 32 + lane] = 0ull;
+            }
         }
     }
     FLD_T(7);
@@ -187,7 +218,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                                           const int* __restrict__ positions, int n, int H, int KVH, float scale,
                                           int window, const float2* __restrict__ rt, int rope_dim, int style,
                                           int fuse, float* part_o, float2* part_ml, int* counters, int single_max,
-                                          int split_keys) {
+                                          int split_keys, int spin) {
     // NST shared-memory stages per warp: 3 (a block has 192 keys in flight from its prologue on, so
     // a row of up to 192 keys costs one memory latency), 2 for 256-dim heads (shared memory)
     constexpr int LDS = D + 8, NT = 32 * FLD_NW, KD = D / 16, CPR = D / 8, NST = D <= 128 ? 3 : 2;
@@ -440,8 +471,10 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     __syncthreads();
     FLD_T(4);
     if (clu) {                                                    // block-uniform
+        // the flagged words after the counters (an even count: 8-byte aligned; flash.py plan_decode)
+        u64* ll = (u64*)(counters + (long long)n * KVH * G * (D / 32));
         fl_decode_cluster<D>(ow, s_m, s_l, recv, &s_bar, w, lane, C, rank, s / C, S / C, ncl, G,
-                             (long long)t * KVH + kh, out, o16, oq, od, t * H + kh * G, part_o, part_ml, counters);
+                             (long long)t * KVH + kh, out, o16, oq, od, t * H + kh * G, ll, counters, spin);
         return;
     }
     if (tid < 16) {
@@ -505,12 +538,12 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     const float *q, const float *kin, const float *vin, float *out, u16 *o16, i8 *oq, float2 *od, u16 *kpool,  \
         u16 *vpool, const int *bt, int max_blocks, int bs_log2, const int *slots, const int *positions, int n,  \
         int H, int KVH, float scale, int window, const float2 *rt, int rope_dim, int style, int fuse,          \
-        float *part_o, float2 *part_ml, int *counters, int single_max, int split_keys
+        float *part_o, float2 *part_ml, int *counters, int single_max, int split_keys, int spin
 #define FL_DECODE_(D, QS)                                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * FLD_NW) flash_decode_d##D##_q##QS(FL_DECODE_ARGS) {       \
         fl_decode<D, QS != 0>(q, kin, vin, out, o16, oq, od, kpool, vpool, bt, max_blocks, bs_log2, slots,       \
                               positions, n, H, KVH, scale, window, rt, rope_dim, style, fuse, part_o, part_ml,   \
-                              counters, single_max, split_keys);                                                 \
+                              counters, single_max, split_keys, spin);                                   \
     }
 #define FL_DECODE(D, QS) FL_DECODE_(D, QS)
 

@@ -253,6 +253,28 @@ def test_decode_long_single_row_in_clusters(fk, rng, length):
     _check_decode(fk, c, True, cluster=8)
 
 
+@pytest.mark.parametrize("lengths", [[4096], [16384], [300, 5000, 9000]], ids=["4096", "16384", "three"])
+def test_decode_cluster_last_level_waits_or_votes_alike(fk, rng, lengths):
+    """The cross-cluster combine run by cluster 0 waiting for the others' flagged partials, and by
+    the last cluster to arrive at a counter (what launches too big to wait use): the same bits,
+    and both leave the counters and the flagged words at zero."""
+    _need_clusters()
+    from realizar_backend.backends.cuda import flash
+    c = decode_case(rng, lengths, 12, 2, 128, 16, 0, fuse=True, theta=1e6)
+    splits = flash.decode_cluster(flash.decode_splits(c.n, c.KVH, fk.sm_count, clusters=True), True)[0]
+    plan = flash.plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, cluster=8)
+    assert flash.decode_spins(plan, fk.sm_count) and not flash.decode_spins(plan, 1)
+    waits, _ = run_decode(fk, c, True, splits=splits, cluster=8)
+    sm = fk.sm_count
+    try:
+        fk.sm_count = 1                                 # no launch fits: the counter elects the combiner
+        votes, ref = run_decode(fk, c, True, splits=splits, cluster=8)
+    finally:
+        fk.sm_count = sm
+    assert same_bits(waits["out"], votes["out"])
+    assert rel_err(votes["out"], ref) <= TOL_QS
+
+
 def test_decode_clusters_outputs_window_and_pdl(fk, rng):
     """fp16 and 8-bit outputs (per 32-dim slice, as the cluster's blocks own them), a sliding
     window, q roped before (no fuse), and a programmatic dependent launch, all in clusters."""

@@ -97,7 +97,8 @@ int main(int argc, char** argv) {
         emu::launch(grid, block, smem, [&] {
             fn(q.data(), ptr(kin), ptr(vin), out.data(), ptr(o16), ptr(oq), ptr(od), kpool.data(), vpool.data(),
                bt.data(), max_blocks, bs_log2, slots.data(), positions.data(), n, H, KVH, scale, window, ptr(rt),
-               rope_dim, style, fuse, ptr(part_o), ptr(part_ml), ptr(counters), single_max, split_keys);
+               rope_dim, style, fuse, ptr(part_o), ptr(part_ml), ptr(counters), single_max, split_keys,
+               0);   // spin: the host's blocks are clusters of one, which never wait for each other
         });
     } else {
         std::fprintf(stderr, "flash_emu: unknown kernel %s\n", kernel.c_str());

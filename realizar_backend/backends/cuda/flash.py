@@ -5,8 +5,9 @@ A plan (plan_prefill / plan_decode) is pure arithmetic: the kernel's name, grid,
 shared memory and the split-K scratch the launch needs. It is fixed per launch shape, so a decode
 graph captured for a batch bucket replays at every context length: the kernel picks each row's
 split count on the device from the row's length. The scratch (FlashScratch) holds the partials of
-split rows and the counters that elect the block combining them; the counters must start at zero
-(allocate does) and every launch leaves them at zero.
+split rows and the counters that elect the block combining them (in clusters, also the partials, as
+flagged words after the counters); the counters must start at zero (allocate does) and every launch
+leaves them at zero.
 
 Pool layout (paged_kv.cuh): per layer K and V are fp16 [num_blocks + 1][block_size][KVH][D]; the
 sequence in slot s owns blocks bt[s * max_blocks + i]; block_size = 1 << bs_log2."""
@@ -29,6 +30,7 @@ _U64, _I32, _F32 = np.uint64, np.int32, np.float32
 HEAD_DIMS = (64, 128, 256)
 FL_MAXC = 8                       # flash.cuh: partials one block combines
 FLD_NW, FLD_KW = 4, 16             # flash_decode.cu: warps per block, keys per warp tile
+FLD_LL_WORDS = 34                  # flash_decode.cu: flagged words of a cluster partial's 32-dim slice
 MAX_PREFILL_SPLITS = FL_MAXC
 MAX_DECODE_SPLITS = FL_MAXC * FL_MAXC   # two combine levels
 MAX_CLUSTER_SPLITS = 128                # in clusters: one partial per cluster, combined by the last cluster
@@ -125,11 +127,13 @@ def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool 
     if splits == 1:
         return Plan(name, opts, (1, KVH, n), 32 * FLD_NW, decode_smem(D), 1, 0, 0, 0)
     if cluster > 1:
-        # one partial per cluster ([row, KV head][cluster][G][D]), its (m, l) per 32-dim slice, and a
-        # counter per slice (the warps of the last level vote on their own)
-        maxcl = splits // cluster
-        return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits, n * H * D * maxcl,
-                    n * H * (D // 32) * maxcl, n * H * (D // 32), cluster=cluster)
+        # in the counters (zero between launches, as the flagged words are): a counter per 32-dim
+        # slice (the warps of the last level vote on their own; an even count, D / 32 being even),
+        # then one partial per cluster and slice as 34 flagged 64-bit words (32 values, m, l)
+        maxcl, nsl = splits // cluster, n * H * (D // 32)
+        words = nsl * maxcl * FLD_LL_WORDS
+        return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits, 0, 0,
+                    nsl + 2 * words, cluster=cluster)
     maxg = -(-splits // FL_MAXC)
     lvl = splits + (maxg if splits > FL_MAXC else 0)
     return Plan(name, opts, (splits, KVH, n), 32 * FLD_NW, decode_smem(D), splits,
@@ -176,6 +180,16 @@ def decode_splits(n: int, KVH: int, sm_count: int, target_blocks: int | None = N
         return max(1, min(MAX_CLUSTER_SPLITS, 2 * sm_count // (n * KVH)))
     target = target_blocks or sm_count
     return max(1, min(MAX_DECODE_SPLITS, target // (n * KVH)))
+
+
+def decode_spins(plan: Plan, sm_count: int) -> bool:
+    """Whether a cluster plan's last level waits in cluster 0 (flash_decode.cu) instead of electing the
+    last cluster by a counter. A waiting block holds its SM slot until the partials it waits for are
+    written, so it may wait only if the blocks that write them can always run beside it: the waiting
+    blocks (cluster 0 of each row and KV head) are at most one per SM, and an SM holds two or more
+    decode blocks (decode_smem, 168-207 registers a thread), so every cluster still finds room. H100,
+    qwen15, one row (report 2 of 2026-11-27 s15): 774.5 against 769.7 tok/s at depth 4,096 (counter)."""
+    return plan.cluster > 1 and plan.grid[1] * plan.grid[2] * plan.cluster <= sm_count
 
 
 def _check_dims(H: int, KVH: int, D: int) -> None:
@@ -358,4 +372,5 @@ def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: in
     _launch(fn, plan, (_U64(q), _U64(kin), _U64(vin), _U64(out), _U64(o16), _U64(oq), _U64(od), _U64(kpool),
                        _U64(vpool), _U64(bt), _I32(max_blocks), _I32(bs_log2), _U64(slots), _U64(positions), _I32(n),
                        _I32(H), _I32(KVH), _F32(scale), _I32(window), _U64(table), _I32(rope_dim), _I32(int(neox)),
-                       _I32(fuse), part, ml, cnt, _I32(single_max), _I32(split_keys)), pdl)
+                       _I32(fuse), part, ml, cnt, _I32(single_max), _I32(split_keys),
+                       _I32(int(decode_spins(plan, fk.sm_count)))), pdl)
