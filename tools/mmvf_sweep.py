@@ -57,6 +57,9 @@ SHAPES = [
     ("q05_gate_up", [(Q.Q5_0, 4864)], 896, "ffnf"),
     ("q05_down", [(Q.Q6_K, 896)], 4864, "mmvf"),
     ("q05_head", [(Q.Q8_0, 151936)], 896, "mmvf"),
+    # the other twins' LM heads (tied Q8_0 embeddings)
+    ("smol_head", [(Q.Q8_0, 49152)], 576, "mmvf"),
+    ("g270_head", [(Q.Q8_0, 262144)], 640, "mmvf"),
 ]
 
 

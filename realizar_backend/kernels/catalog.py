@@ -45,6 +45,10 @@ MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf/mmvq launch colu
 # staging the input); 4 from two rows up, where every weight is applied to each row and blocks run
 # long (qwen15 B=2, realizar bench: 1,073 -> 1,191 tok/s at 4; the 4- and 8-row sweeps: 3-15%)
 MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
+# rows a warp group owns in the LM head's launch at one row (-DMMVF_R; the other launches: 2). H100,
+# tools/mmvf_sweep.py, us a head at rows 2 / 4: qwen15 Q6_K 97.3 / 88.5, qwen05 Q8_0 63.6 / 55.1,
+# gemma270 Q8_0 97.7 / 79.2, smol135 Q8_0 18.1 / 16.1 (8 rows: slower, 255 registers)
+MMVF_HEAD_R = 4
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..4
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -93,9 +97,11 @@ def qmask_option(qtypes: Iterable[int]) -> str:
     return f"-DREALIZAR_QMASK={sum(1 << int(q) for q in set(qtypes)):#x}ull"
 
 
-def mmvf_options(nb: int, kind: int) -> tuple[str, ...]:
-    """The options of mmvf.cu's module of batch width nb and kind 1 (mmvf) or 2 (ffnf)."""
-    return (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}", f"-DMMVF_WARPS={MMVF_WARPS[nb]}")
+def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
+    """The options of mmvf.cu's module of batch width nb and kind 1 (mmvf) or 2 (ffnf); head: the
+    LM head's mmvf at one row (MMVF_HEAD_R rows a group)."""
+    opts = (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}", f"-DMMVF_WARPS={MMVF_WARPS[nb]}")
+    return opts + (f"-DMMVF_R={MMVF_HEAD_R}",) if head else opts
 
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:
@@ -103,6 +109,8 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out = [("mmvf.cu", mmvf_options(nb, kind)) for nb in MMV_NB for kind in (1, 2)]
     out += [("mmvf.cu", (qmask_option(m),) + mmvf_options(nb, kind))
             for m in PREBUILT_QMASKS for nb in MMV_NB for kind in (1, 2)]
+    out += [("mmvf.cu", mask + mmvf_options(1, 1, head=True))
+            for mask in [()] + [(qmask_option(m),) for m in PREBUILT_QMASKS]]
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",

@@ -102,8 +102,21 @@ def test_ffn_f_folded_norm(kernels, rng, q, nb):
     assert err <= FP32_TOL
 
 
+@pytest.mark.parametrize("q", BLOCK32 + KQUANT, ids=lambda q: q.name)
+@pytest.mark.parametrize("nb", [1, 3])
+def test_mmvf_head(kernels, rng, q, nb):
+    """The LM head's launch (one row: its own module, more rows a warp group): a head of rows that
+    no group divides, over more groups than one wave of blocks holds, with the norm folded in."""
+    from realizar_backend.backends.cuda.selfcheck import check_mmvf
+    K = 1536 if q in KQUANT else 896
+    err = check_mmvf(kernels, [(q, 20_003)], K, nb, rng, norm=True, head=True)
+    print(f"mmvf head {q.name} 20003x{K} batch {nb}: rel.err {err:.2e}")
+    assert err <= FP32_TOL
+
+
 @pytest.mark.parametrize("nb", [1, 2, 5, 8])
-def test_mmvf_fused_argmax(kernels, rng, nb):
+@pytest.mark.parametrize("head", [False, True], ids=["mmvf", "head"])
+def test_mmvf_fused_argmax(kernels, rng, nb, head):
     """The LM head's fused argmax equals argmax of the logits it wrote (first index on ties, NaN
     never wins), and the key buffer is left zeroed for the next step."""
     import cupy
@@ -118,7 +131,7 @@ def test_mmvf_fused_argmax(kernels, rng, nb):
     out = cupy.full(8, -7, cupy.int32)
     for step in range(3):
         y = cupy.full((nb, N), np.nan, cupy.float32)
-        ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, x.data.ptr, K, nb, amax=key.data.ptr)
+        ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, x.data.ptr, K, nb, amax=key.data.ptr, head=head)
         ops.argmax_unpack(kernels, key.data.ptr, out.data.ptr, nb)
         logits = y.get()
         assert out[:nb].get().tolist() == np.argmax(logits, axis=1).tolist()
@@ -127,7 +140,7 @@ def test_mmvf_fused_argmax(kernels, rng, nb):
     # ties: a zero input gives all-zero logits, the first row wins
     z = cupy.zeros((nb, K), cupy.float32)
     y = cupy.empty((nb, N), cupy.float32)
-    ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, z.data.ptr, K, nb, amax=key.data.ptr)
+    ops.mmvf(kernels, [(w, 0, y.data.ptr, N)], K, z.data.ptr, K, nb, amax=key.data.ptr, head=head)
     ops.argmax_unpack(kernels, key.data.ptr, out.data.ptr, nb)
     assert out[:nb].get().tolist() == [0] * nb
 

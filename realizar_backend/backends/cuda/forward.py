@@ -276,7 +276,7 @@ class Forward:
             # norm, LM head and argmax in one launch (+ the tiny unpack)
             x, norm = g.normed(rows, self.w.output_norm, n)
             ops.mmvf(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden, x.data.ptr,
-                     x.shape[1], n, norm=norm, amax=self.am_key.data.ptr, pdl=self.pdl)
+                     x.shape[1], n, norm=norm, amax=self.am_key.data.ptr, pdl=self.pdl, head=True)
             ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
             return
         else:

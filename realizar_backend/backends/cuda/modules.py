@@ -232,6 +232,8 @@ class Kernels:
             return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + catalog.mmvf_options(nb, i), 100 * 1024, lazy)
                          for i, kind in ((1, "mmvf"), (2, "ffnf")))
         self._mmvf = {1: gemvs(1)}
+        # the LM head at one row: the same kernel with more rows a warp group (catalog.MMVF_HEAD_R)
+        self._mmvf_head = build("mmvf.cu", ["mmvf_nb1"], typed + catalog.mmvf_options(1, 1, head=True), 100 * 1024)
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")],
                           typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
@@ -285,6 +287,7 @@ class Kernels:
                     setattr(self, name, fn)
             for fut in self._mmvf[1]:
                 fut.result()
+            self.mmvf_head = self._mmvf_head.result()["mmvf_nb1"]
             eager = MMV_NB[-1] if max_batch is None else next((v for v in MMV_NB if v >= max_batch), MMV_NB[-1])
             self._mmvf.update({nb: self._gemvs(nb, lazy=nb > eager) for nb in MMV_NB[1:]})
             _module_future(self.device.id, "sampling.cu", None, self.prebuilt)   # loaded by its user (sampling.py)

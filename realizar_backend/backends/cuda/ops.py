@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import MMVF_WARPS
+from ...kernels.catalog import MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
 from .modules import MMV_NB, QTYPES, Kernels, resident_blocks
 
@@ -184,28 +184,30 @@ def _stage_args(norm, K: int, nb: int):
 
 
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
-         norm=None, amax: int = 0, pdl: bool = False) -> None:
+         norm=None, amax: int = 0, pdl: bool = False, head: bool = False) -> None:
     """y_s[b] (+)= W_s @ h[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
     sharing one fp32 activation input x [nb, K] (row stride xs): h = x, or with norm = (weight
     pointer, eps) h = RMSNorm(x) computed in the launch. amax: a zeroed uint64 [nb] buffer that
-    receives the packed argmax of each output row (one segment; argmax_unpack reads it)."""
+    receives the packed argmax of each output row (one segment; argmax_unpack reads it). head: the
+    LM head; at one row it takes the module of MMVF_HEAD_R rows a group."""
     _check_x(x, xs, K)
+    v = _nb_variant(nb)
+    fn, R = (k.mmvf_head, MMVF_HEAD_R) if head and v == 1 else (k.mmvf[v], MMVF_R)
     args = []
     groups = 0
     rows = 0
     for w, bias, y, ys in segs:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-        groups += -(-w.rows // MMVF_R)
+        groups += -(-w.rows // R)
         rows += w.rows
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
     stage, nw, eps, smem = _stage_args(norm, K, nb)
-    v = _nb_variant(nb)
     W = MMVF_WARPS[v]
     wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage), W)
     gpb = W // wpr
-    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.mmvf[v], smem, W)), (nb + v - 1) // v)
-    _launch(k.mmvf[v], grid, (W * 32,),
+    grid = (min((groups + gpb - 1) // gpb, _max_grid(k, fn, smem, W)), (nb + v - 1) // v)
+    _launch(fn, grid, (W * 32,),
             (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), stage, nw, eps,
              _U64(amax)), smem, pdl)
 

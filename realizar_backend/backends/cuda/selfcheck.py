@@ -139,10 +139,10 @@ def _norm_input(rng, K: int, norm: bool):
 
 
 def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accumulate: bool = False,
-               x_pad: int = 4, norm: bool = False) -> float:
+               x_pad: int = 4, norm: bool = False, head: bool = False) -> float:
     """mmvf.cu: segs = [(qtype, rows)], up to three matrices sharing one fp32 input (row stride
     K + x_pad), outputs with a row stride wider than the rows (the tail must stay untouched);
-    norm: the input is RMSNorm(x) folded into the launch."""
+    norm: the input is RMSNorm(x) folded into the launch; head: launched as the LM head."""
     x = (rng.standard_normal((nb, K + x_pad)) * rng.uniform(0.1, 30.0, (nb, 1))).astype(np.float32)
     xd = _dev(x)
     nw, nwd, nrm = _norm_input(rng, K, norm)
@@ -170,7 +170,7 @@ def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accum
             ref += y0[:, :N]
             scale += np.abs(y0[:, :N])
         checks.append((y, ref, y0, N, scale))
-    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate, norm=nrm)
+    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate, norm=nrm, head=head)
     errs = []
     for y, ref, y0, N, scale in checks:
         got = y.get()
