@@ -49,6 +49,8 @@ MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
 # tools/mmvf_sweep.py, us a head at rows 2 / 4: qwen15 Q6_K 97.3 / 88.5, qwen05 Q8_0 63.6 / 55.1,
 # gemma270 Q8_0 97.7 / 79.2, smol135 Q8_0 18.1 / 16.1 (8 rows: slower, 255 registers)
 MMVF_HEAD_R = 4
+# rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
+FFNF_R = {1: 1}
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..4
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -101,7 +103,9 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
     """The options of mmvf.cu's module of batch width nb and kind 1 (mmvf) or 2 (ffnf); head: the
     LM head's mmvf at one row (MMVF_HEAD_R rows a group)."""
     opts = (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}", f"-DMMVF_WARPS={MMVF_WARPS[nb]}")
-    return opts + (f"-DMMVF_R={MMVF_HEAD_R}",) if head else opts
+    if head:
+        return opts + (f"-DMMVF_R={MMVF_HEAD_R}",)
+    return opts + (f"-DMMVF_R={FFNF_R[nb]}",) if kind == 2 and nb in FFNF_R else opts
 
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:

@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import MMVF_HEAD_R, MMVF_WARPS
+from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
 from .modules import MMV_NB, QTYPES, Kernels, resident_blocks
 
@@ -234,7 +234,7 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage), W)
     lpg = ffnf_lanes(K, wpr, nb)
     gpb = W * (32 // lpg) // wpr
-    groups = -(-wg.rows // MMVF_R)
+    groups = -(-wg.rows // FFNF_R.get(v, MMVF_R))
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, k.ffnf[v], smem, W)), (nb + v - 1) // v)
     _launch(k.ffnf[v], grid, (W * 32,),
             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
