@@ -16,9 +16,10 @@
 // splits of a cluster combine through distributed shared memory instead: each block owns every
 // C-th 32-dim slice of the group's heads, and the cluster's blocks push their copies of a slice
 // into its owner's shared memory (st.async, counted on the owner's barrier: no cluster barrier
-// after the keys). A row of more than C splits leaves one partial per cluster, and the last cluster
-// to arrive (per slice) combines those. The per-level fences and serial combines of the global path
-// were most of this kernel's time at a few thousand keys (perf-notes v23).
+// after the keys). A row of more than C splits leaves one partial per cluster as flagged words
+// (flash.cuh), which cluster 0 (where the launch leaves room for it to wait) or the last cluster
+// to arrive combines, per slice. The per-level fences and serial combines of the global path were
+// most of this kernel's time at a few thousand keys (perf-notes v23, v33).
 // fuse != 0: RoPE of q and of the new k from the cos/sin table rt (float2 [positions][rope_dim / 2],
 // ops.rope_table), and the KV write: the block holding the row's last key writes the new k and v
 // (fp16) to the pool and uses them from shared memory for that key. No block of the launch reads a
