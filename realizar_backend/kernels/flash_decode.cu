@@ -37,6 +37,7 @@
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
 #define FLD_PREG 16   // cluster partials the last level holds in registers (qwen15's one-row plan: 16)
+static_assert(FLD_PREG <= 32, "the last level keeps partial i's (m, l) in lane i");
 
 // The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g
 // and s_m / s_l[w][g] its (m, l). Level 1: slice x (32 dims of one head: head x / (D / 32)) belongs

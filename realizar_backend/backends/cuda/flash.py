@@ -33,7 +33,7 @@ FLD_NW, FLD_KW = 4, 16             # flash_decode.cu: warps per block, keys per 
 FLD_LL_WORDS = 34                  # flash_decode.cu: flagged words of a cluster partial's 32-dim slice
 MAX_PREFILL_SPLITS = FL_MAXC
 MAX_DECODE_SPLITS = FL_MAXC * FL_MAXC   # two combine levels
-MAX_CLUSTER_SPLITS = 128                # in clusters: one partial per cluster, combined by the last cluster
+MAX_CLUSTER_SPLITS = 128                # in clusters: one partial per cluster, combined once (decode_spins)
 DECODE_MAX_GROUP = 16             # q heads per KV head the decode kernel packs into one mma tile
 DECODE_CLUSTERS = (1, 2, 4, 8)    # splits per thread-block cluster (8: the portable limit)
 
