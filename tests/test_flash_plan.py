@@ -29,11 +29,12 @@ def test_decode_plan_in_clusters_keeps_one_partial_per_cluster():
 
 def test_decode_cluster_waits_only_where_the_waiting_blocks_leave_room():
     one = flash.plan_decode(1, 12, 2, 128, splits=128, cluster=8)
-    assert flash.decode_spins(one, 132)                    # 2 waiting blocks of 8: one per SM at most
-    assert not flash.decode_spins(one, 15)
+    assert flash.decode_spins(one, 132, 2)                 # 2 waiting blocks of 8 in 264 slots
+    assert flash.decode_spins(one, 64, 1)                  # 16 of 64: a quarter
+    assert not flash.decode_spins(one, 63, 1)
     many = flash.plan_decode(9, 12, 2, 128, splits=64, cluster=8)
-    assert not flash.decode_spins(many, 132)               # 144 waiting blocks: the counter elects
-    assert not flash.decode_spins(flash.plan_decode(1, 12, 2, 128, splits=64), 132)   # no clusters
+    assert not flash.decode_spins(many, 132, 2)            # 144 waiting blocks: the counter elects
+    assert not flash.decode_spins(flash.plan_decode(1, 12, 2, 128, splits=64), 132, 2)   # no clusters
 
 
 def test_decode_cluster_choice():

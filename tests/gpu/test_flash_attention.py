@@ -255,24 +255,27 @@ def test_decode_long_single_row_in_clusters(fk, rng, length):
 
 @pytest.mark.parametrize("lengths", [[4096], [16384], [300, 5000, 9000]], ids=["4096", "16384", "three"])
 def test_decode_cluster_last_level_waits_or_votes_alike(fk, rng, lengths):
-    """The cross-cluster combine run by cluster 0 waiting for the others' flagged partials, and by
-    the last cluster to arrive at a counter (what launches too big to wait use): the same bits,
-    and both leave the counters and the flagged words at zero."""
+    """The cross-cluster combine run by cluster 0 waiting for the others' flagged partials (what the
+    one-row plan of the decode graphs does), and by the last cluster to arrive at a counter (what
+    launches too big to wait use): the same bits, and both leave the counters and the flagged
+    words at zero."""
     _need_clusters()
     from realizar_backend.backends.cuda import flash
     c = decode_case(rng, lengths, 12, 2, 128, 16, 0, fuse=True, theta=1e6)
     splits = flash.decode_cluster(flash.decode_splits(c.n, c.KVH, fk.sm_count, clusters=True), True)[0]
     plan = flash.plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, cluster=8)
-    assert flash.decode_spins(plan, fk.sm_count) and not flash.decode_spins(plan, 1)
-    waits, _ = run_decode(fk, c, True, splits=splits, cluster=8)
-    sm = fk.sm_count
+    if c.n == 1:
+        assert fk.spins(plan)
+    sm, res = fk.sm_count, {}
     try:
-        fk.sm_count = 1                                 # no launch fits: the counter elects the combiner
-        votes, ref = run_decode(fk, c, True, splits=splits, cluster=8)
+        for path, count in (("waits", 1 << 20), ("votes", 1)):   # as if every launch fits / none does
+            fk.sm_count = count
+            assert fk.spins(plan) == (path == "waits")
+            res[path], ref = run_decode(fk, c, True, splits=splits, cluster=8)
     finally:
         fk.sm_count = sm
-    assert same_bits(waits["out"], votes["out"])
-    assert rel_err(votes["out"], ref) <= TOL_QS
+    assert same_bits(res["waits"]["out"], res["votes"]["out"])
+    assert rel_err(res["votes"]["out"], ref) <= TOL_QS
 
 
 def test_decode_clusters_outputs_window_and_pdl(fk, rng):

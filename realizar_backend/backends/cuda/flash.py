@@ -23,7 +23,7 @@ import numpy as np
 
 from ...kernels import catalog
 from . import pdl as _pdl
-from .modules import _module, _pool
+from .modules import _module, _pool, resident_blocks
 
 _U64, _I32, _F32 = np.uint64, np.int32, np.float32
 
@@ -182,14 +182,16 @@ def decode_splits(n: int, KVH: int, sm_count: int, target_blocks: int | None = N
     return max(1, min(MAX_DECODE_SPLITS, target // (n * KVH)))
 
 
-def decode_spins(plan: Plan, sm_count: int) -> bool:
+def decode_spins(plan: Plan, sm_count: int, per_sm: int) -> bool:
     """Whether a cluster plan's last level waits in cluster 0 (flash_decode.cu) instead of electing the
-    last cluster by a counter. A waiting block holds its SM slot until the partials it waits for are
-    written, so it may wait only if the blocks that write them can always run beside it: the waiting
-    blocks (cluster 0 of each row and KV head) are at most one per SM, and an SM holds two or more
-    decode blocks (decode_smem, 168-207 registers a thread), so every cluster still finds room. H100,
-    qwen15, one row (report 2 of 2026-11-27 s15): 774.5 against 769.7 tok/s at depth 4,096 (counter)."""
-    return plan.cluster > 1 and plan.grid[1] * plan.grid[2] * plan.cluster <= sm_count
+    last cluster by a counter; per_sm: decode blocks an SM holds (FlashKernels.spins asks the driver).
+    A waiting block keeps its slot until the partials it waits for are written, so it may wait only
+    where the blocks that write them can always be placed: the waiting blocks (cluster 0 of each row
+    and KV head) take at most a quarter of the GPU's slots, which leaves some GPC with three quarters
+    of its slots free, room for a cluster of 8 even at one block an SM (256-dim heads: shared memory).
+    H100, qwen15, one row (16 waiting blocks of 264 slots; report 2 of 2026-11-27 s15): 774.5 against
+    769.7 tok/s at depth 4,096 with the counter."""
+    return plan.cluster > 1 and 4 * plan.grid[1] * plan.grid[2] * plan.cluster <= per_sm * sm_count
 
 
 def _check_dims(H: int, KVH: int, D: int) -> None:
@@ -271,6 +273,10 @@ class FlashKernels:
         if plan.smem > fn.max_dynamic_shared_size_bytes:
             fn.max_dynamic_shared_size_bytes = plan.smem
         return fn
+
+    def spins(self, plan: Plan) -> bool:
+        """decode_spins on this device (one block an SM where the driver cannot say)."""
+        return decode_spins(plan, self.sm_count, resident_blocks(self.get(plan), plan.threads, plan.smem) or 1)
 
 
 _kernels: dict[tuple[int, bool], FlashKernels] = {}
@@ -373,4 +379,4 @@ def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: in
                        _U64(vpool), _U64(bt), _I32(max_blocks), _I32(bs_log2), _U64(slots), _U64(positions), _I32(n),
                        _I32(H), _I32(KVH), _F32(scale), _I32(window), _U64(table), _I32(rope_dim), _I32(int(neox)),
                        _I32(fuse), part, ml, cnt, _I32(single_max), _I32(split_keys),
-                       _I32(int(decode_spins(plan, fk.sm_count)))), pdl)
+                       _I32(int(fk.spins(plan)))), pdl)
