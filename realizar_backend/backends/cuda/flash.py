@@ -246,6 +246,7 @@ class FlashKernels:
         self.prebuilt = prebuilt
         self.sm_count = int(self.device.attributes["MultiProcessorCount"])
         self._mods: dict[tuple, Future] = {}
+        self._per_sm: dict[Plan, int] = {}
         self._lock = threading.Lock()
 
     def prepare(self, *plans: Plan) -> None:
@@ -276,7 +277,10 @@ class FlashKernels:
 
     def spins(self, plan: Plan) -> bool:
         """decode_spins on this device (one block an SM where the driver cannot say)."""
-        return decode_spins(plan, self.sm_count, resident_blocks(self.get(plan), plan.threads, plan.smem) or 1)
+        per_sm = self._per_sm.get(plan)
+        if per_sm is None:           # a driver call: once per plan, not on every eager launch
+            per_sm = self._per_sm[plan] = resident_blocks(self.get(plan), plan.threads, plan.smem) or 1
+        return decode_spins(plan, self.sm_count, per_sm)
 
 
 _kernels: dict[tuple[int, bool], FlashKernels] = {}
