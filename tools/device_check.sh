@@ -27,7 +27,7 @@
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
 #   workers  one worker per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients ($((8 * LT_CLIENTS)) requests,
-#            after a warm-up run) through `bentoml serve` on the qwen15 twin with REALIZAR_WORKERS=1 (GPU 0),
+#            seed 3, after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with REALIZAR_WORKERS=1 (GPU 0),
 #            then =2 (GPUs 0 and 1); /metrics and nvidia-smi's processes of each; the speed-up of generation
 #            tok/s (2 vs 1), the errors and the per-worker split in serve.json ("workers") and the log
 # `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
@@ -243,10 +243,14 @@ if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2
       sleep 0.5
     done
     curl -s 127.0.0.1:3903/metrics | grep '^realizar_worker_status' | grep ' 1.0$'
-    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $LT_CLIENTS \
-      --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1      # warm-up: graph captures, allocator
+    # warm-up as lt_warm's: two full runs of other seeds, so that each worker has captured the prompt steps'
+    # shapes (the second time a shape comes) and the measured run's prompts are not in any prefix cache
+    for s in 1 2; do
+      python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
+        --seed $s --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1
+    done
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $((8 * LT_CLIENTS)) \
-      --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/workers$n.json 2>/dev/null | tail -40
+      --seed 3 --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/workers$n.json 2>/dev/null | tail -40
     curl -s 127.0.0.1:3903/metrics | grep -E '^realizar_(worker_status|requests_total|generation_tokens_total|gpu_memory_used_bytes|requests_running)' \
       | grep -v ' 0.0$' | tee /tmp/bench/workers${n}_metrics.txt
     nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader
