@@ -130,13 +130,36 @@ if _spec is not None:
 """
 
 
+_BIND_ATTEMPTS = 3
+
+
+def _lost_its_port(server: Server, within_s: float = 30.0) -> bool:
+    """True when the server exited because its port was taken (BentoML's arbiter binds it first,
+    within seconds of the start); False once it listens, or exits for any other reason."""
+    import psutil
+
+    port = int(server.url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            return "Could not bind" in server.log_tail()
+        try:
+            proc = psutil.Process(server.proc.pid)
+            conns = (getattr(proc, "net_connections", None) or proc.connections)(kind="tcp")   # psutil < 6: connections
+        except psutil.Error:
+            conns = []
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns):
+            return False
+        time.sleep(0.2)
+    return False
+
+
 def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
                  bentoml_home: Path | None = None, worker_env: dict[int, dict[str, str]] | None = None,
                  wait_ready: bool = True) -> Server:
     """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one.
     worker_env: more environment for single workers, by index (from 1). wait_ready=False
     returns once the server answers /livez, ready or not."""
-    port = free_port()
     home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
     full_env = {**os.environ, **SERVER_ENV, **(env or {}),
                 "BENTOML_HOME": str(bentoml_home or home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
@@ -147,12 +170,18 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
             worker_env={str(k): v for k, v in worker_env.items()}))
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))
     log_path = home / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
-             "--port", str(port)],
-            cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path, full_env.get("REALIZAR_API_KEY"))
+    # free_port's port comes from the ephemeral range, which the suite's own client connections
+    # draw from too: one may take it before the server binds it; then the server starts on another
+    for attempt in range(_BIND_ATTEMPTS):
+        port = free_port()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
+                 "--port", str(port)],
+                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = Server(f"http://127.0.0.1:{port}", proc, log_path, full_env.get("REALIZAR_API_KEY"))
+        if not _lost_its_port(server):
+            break
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
