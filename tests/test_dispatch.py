@@ -33,6 +33,7 @@ def dense(types: dict[str, Q], layers: int = 2, hidden: int = 1536, q_dim: int =
 
 
 Q4_K_M = {"v": Q.Q6_K, "down": Q.Q6_K}                    # Qwen2.5 Q4_K_M: Q4_K + Q6_K
+Q5_K_M = {**dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), Q.Q5_K), **Q4_K_M}   # Q5_K + Q6_K
 SMOL = dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), Q.Q4_1)   # SmolLM2 Q4_1 (+ Q8_0 head)
 
 
@@ -161,3 +162,43 @@ def test_without_tensor_core_prompt_steps_gemvs_then_gemms_on_recurring_row_coun
 def test_split16_pairs_rows_only_while_gemms_are_bound_by_reading_weights():
     assert Dispatcher.split16_paired(128, 1024) and not Dispatcher.split16_paired(129, 1024)
     assert not Dispatcher.split16_paired(64, 100)         # 2 x rows must fit the workspace
+
+
+# the quantized types of the GPU's table that the tensor-core kernels take (mmq.cu; mmqs.cu)
+TENSOR_CORE_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+SMALL_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qt", TENSOR_CORE_TYPES, ids=lambda q: q.name)
+def test_each_type_has_its_tensor_core_rows(qt):
+    """A model of one type decodes its batches on the tensor cores: mmq.cu for rows of whole blocks,
+    mmqs.cu (from 4 rows) where it has the type; a row of a partial block stays on the GEMVs."""
+    block = QTYPES[qt].block
+    w = mat(qt, 96, 2 * max(block, 64))
+    assert d.mmvf_ok(w) and d.mmq_ok(w)
+    assert d.mmqs_ok(w) == (qt in SMALL_TYPES)
+    groups, head = dense(dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), qt), hidden=1024, q_dim=1024,
+                         ffn=2048, vocab=1000, head=qt)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    assert disp.mmq_all and disp.mmqs_all == (qt in SMALL_TYPES)
+    step = disp.decode_step(16)
+    assert step.family == "mmq"
+    want = Kernel.MMQS if qt in SMALL_TYPES else Kernel.MMQ
+    assert disp.linear(step, groups[0][1]).kernel is want
+    assert disp.gated(step, *groups[2][1]) == d.Choice((want, want), True)
+    if block > 32:
+        assert not d.mmq_ok(mat(qt, 96, block + 32)) and d.mmvf_ok(mat(qt, 96, block + 32))
+
+
+def test_a_q5_k_m_file_decodes_its_batches_on_the_tensor_cores():
+    """Q5_K_M (Q5_K with Q6_K attn_v, ffn_down and head): every group on mmqs.cu up to 16 rows,
+    the head on mmq.cu's tiles beyond, and short prompts on the tensor cores."""
+    groups, head = dense(Q5_K_M)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    assert disp.mmq_all and disp.mmqs_all and disp.mmq_min_rows == d.MMQS_MIN_ROWS
+    for rows in (4, 16, 64):
+        step = disp.decode_step(rows)
+        assert step.family == "mmq"
+        assert all(disp.linear(step, g).kernel in (Kernel.MMQS, Kernel.MMQ) for kind, g in groups if kind == "linear")
+    assert disp.head(16) is Kernel.MMQS and disp.head(64) is Kernel.MMQ
+    assert disp.prompt_step(40) == Step("mmq", 48)

@@ -70,8 +70,8 @@ _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
 QMASK_EXACT = frozenset({"mmvf.cu", "mmqs.cu"})
 # quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
 # (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +
-# Q8_0, as SmolLM2-135M), as GGML type numbers
-PREBUILT_QMASKS = ((12, 14), (6, 8, 12, 14), (3, 8))
+# Q8_0, as SmolLM2-135M; Q5_K_M: Q5_K + Q6_K), as GGML type numbers
+PREBUILT_QMASKS = ((12, 14), (6, 8, 12, 14), (3, 8), (13, 14))
 
 
 def source(name: str) -> str:

@@ -226,10 +226,12 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
 // ------------------------------------------------------------------ weights -> A tile
 // One piece of a weight row per work item: 32 weights of one chunk as loaded from global memory
 // (what each type keeps differs), then decoded into the A tile and its unit's scale, half-unit
-// scale and min (meta[u] = {d0, d1, m, 0}; d0 for columns 0..15, d1 for 16..31).
+// scale and min (meta[u] = {d0, d1, m, 0}; d0 for columns 0..15, d1 for 16..31). A field a type
+// never sets holds no register in that type's instantiation (e: Q5_K's fifth bits only).
 struct MmqRaw {
     uint4 a, b;
     u32 c, d;
+    uint4 e;
 };
 
 // 16 columns 16s + 4t + k (byte k of w[t]) into the A-tile unit at ua: positions 16s + 2t + k
@@ -267,6 +269,35 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q4_K>(const MmqRaw& r, 
     u8* ulo = ar + 64 * (2 * (p >> 1));
     mmq_put16(ulo, p & 1, r.a.x & M4, r.a.y & M4, r.a.z & M4, r.a.w & M4, off);
     mmq_put16(ulo + 64, p & 1, (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4, off);
+    int sc, m;
+    scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
+    const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
+    mr[p] = make_float4(d, d, -h2f((u16)(r.b.x >> 16)) * m, 0.0f);
+}
+
+// Q5_K: {d, dmin, scales[12], qh[32], qs[128]} (176 bytes); pieces as Q4_K's (qs bytes 64h + 16p..
+// +15 of the chunk's half h), plus qh bytes 16(p & 1)..+15, whose bit j is the fifth bit of that
+// column of block unit j.
+template <> __device__ __forceinline__ void mmq_load<QT_Q5_K>(const u8* __restrict__ row, int, int c, int p, MmqRaw& r) {
+    const u8* b = row + (c >> 1) * 176;
+    r.a = __ldg((const uint4*)(b + 48 + 64 * (c & 1) + 16 * p));
+    r.b = __ldg((const uint4*)b);
+    r.e = __ldg((const uint4*)(b + 16 + 16 * (p & 1)));
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q5_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    const u32 M4 = 0x0F0F0F0Fu, B1 = 0x01010101u, off = mmq_off2(0);
+    const int j = 4 * (c & 1) + 2 * (p >> 1);            // block unit of the low nibbles; j + 1: high
+    const u32 q[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, h[4] = {r.e.x, r.e.y, r.e.z, r.e.w};
+    u32 lo[4], hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo[i] = (q[i] & M4) | (((h[i] >> j) & B1) << 4);
+        hi[i] = ((q[i] >> 4) & M4) | (((h[i] >> (j + 1)) & B1) << 4);
+    }
+    u8* ulo = ar + 64 * (2 * (p >> 1));
+    mmq_put16(ulo, p & 1, lo[0], lo[1], lo[2], lo[3], off);
+    mmq_put16(ulo + 64, p & 1, hi[0], hi[1], hi[2], hi[3], off);
     int sc, m;
     scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
     const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
@@ -367,6 +398,32 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q4_1>(const MmqRaw& r, 
     mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
 }
 
+// Q5_1: GGUF's {d, m, qh, qs[16]} (24 bytes, 8-byte aligned): w = d q + m, q = nibble | fifth bit
+// (qh bit j: column j)
+template <> __device__ __forceinline__ void mmq_load<QT_Q5_1>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    const uint2* b = (const uint2*)(row + 24 * u);
+    const uint2 dmh = __ldg(b), q0 = __ldg(b + 1), q1 = __ldg(b + 2);
+    r.c = dmh.x;
+    r.d = dmh.y;
+    r.a = make_uint4(q0.x, q0.y, q1.x, q1.y);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q5_1>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    const u32 M4 = 0x0F0F0F0Fu;
+    const u32 q[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+    u32 v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[i] = (q[i] & M4) | (u32)bits_to_b4(r.d >> (4 * i));
+        v[i + 4] = ((q[i] >> 4) & M4) | (u32)bits_to_b4(r.d >> (16 + 4 * i));
+    }
+    mmq_put32(ar + 64 * p, v, mmq_off2(0));
+    const float d = h2f((u16)(r.c & 0xFFFF));
+    mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
+}
+
 // ------------------------------------------------------------------ the tile product
 // acc += the chunk's nuc units: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
 // X (BN activation rows of 32 16-byte pieces, piece q of row t at q ^ 4(t & 1): the two rows a
@@ -376,7 +433,8 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
                                           int wm, int wn, int lane,
                                           float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
     constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT;
-    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1;   // w = d q + m: the min needs the unit sums
+    // w = d q + m: the min needs the unit sums
+    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1 || QT == QT_Q5_K || QT == QT_Q5_1;
     constexpr bool HALF = QT == QT_Q6_K;                   // a scale per 16 columns
     const int gid = lane >> 2, tig = lane & 3;
     const u8* arow = As + (wm * 16 * MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
@@ -589,6 +647,8 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         MMQ_CASE(QT_Q8_0)
         MMQ_CASE(QT_Q4_K)
         MMQ_CASE(QT_Q6_K)
+        MMQ_CASE(QT_Q5_K)
+        MMQ_CASE(QT_Q5_1)
         default: break;
     }
 #undef MMQ_CASE

@@ -65,8 +65,8 @@ GEMM_ROW_STEP = 64
 SPLIT16_PAIRED_MAX_ROWS = 128
 
 # the quant types of each kernel (the rest of QTYPES: float matrices)
-MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})     # mmq.cu
-MMQS_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})                    # mmqs.cu
+MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})     # mmq.cu
+MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1})                    # mmqs.cu
 
 
 class Kernel(enum.Enum):
@@ -104,7 +104,7 @@ def mmvf_ok(w: WeightRef) -> bool:
 
 def mmq_ok(w: WeightRef) -> bool:
     """mmq.cu: its types, whole blocks per row."""
-    return w.qtype in MMQ_TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
+    return w.qtype in MMQ_TYPES and w.cols % QTYPES[w.qtype].block == 0
 
 
 def mmqs_ok(w: WeightRef) -> bool:
