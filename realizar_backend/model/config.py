@@ -65,6 +65,12 @@ class ModelConfig:
     rope_theta_local: float = 0.0
     attn_scale: float = 0.0      # 0 = 1/sqrt(head_dim)
     rope_scaling: RopeScaling | None = None
+    # mixture of experts (qwen3moe): n_experts per layer, n_experts_used per token, each expert's
+    # FFN width; the chosen experts' probabilities renormalised to sum to one
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    expert_renormalize: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -107,6 +113,7 @@ def _check_dims(path, c: dict[str, Any]) -> None:
 
 MAX_DIM = 1 << 20            # hidden, FFN and head sizes: far above any real model, far below 2**63
 MAX_CONTEXT = (1 << 31) - 1  # positions are int32 on every backend
+MAX_EXPERTS = 1 << 12        # experts per layer (real models: up to 512)
 
 
 def _gguf_rope_scaling(path, m: Metadata, a: str, context_length: int, rope_dim: int, rope_freqs) -> RopeScaling | None:
@@ -188,6 +195,12 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freq
         cfg.update(activation="gelu_tanh", embed_scale=hidden ** 0.5, post_norms=True,
                    sliding_window=m.integer(a + "attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT),
                    sliding_pattern=6, rope_theta_local=10000.0)
+    if spec.experts:
+        n = m.integer(a + "expert_count", required=True, lo=1, hi=MAX_EXPERTS)
+        # qwen3moe's router always renormalises its top k (llama.cpp's norm_w for this arch)
+        cfg.update(n_experts=n, n_experts_used=m.integer(a + "expert_used_count", required=True, lo=1, hi=n),
+                   expert_ffn_dim=m.integer(a + "expert_feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
+                   expert_renormalize=m.boolean(a + "expert_weights_norm", True))
     return ModelConfig(**cfg)
 
 
