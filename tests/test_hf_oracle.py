@@ -6,8 +6,8 @@ loader too. Architectures we do not run yet must be refused by name when opened.
 
 import pytest
 
-from hf_oracle import ARCHS, assert_greedy_parity, available, reference_greedy, reference_model, tiny_gguf, \
-    tokenizer_dir
+from hf_oracle import ARCHS, STEPS, assert_greedy_parity, available, reference_greedy, reference_model, \
+    tiny_gguf, tokenizer_dir
 from paging import contiguous_tables
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.errors import UnsupportedModelError
@@ -16,17 +16,17 @@ from realizar_backend.model.arch import supported_list
 
 pytestmark = pytest.mark.slow
 
-# case -> (tiny architecture, config.json overrides, prompts run)
+# case -> (tiny architecture, config.json overrides, prompts run, greedy steps)
 CASES = {
-    "llama": ("llama", {}, 3),
-    "qwen2": ("qwen2", {}, 3),
-    "qwen3": ("qwen3", {}, 3),
-    "gemma3": ("gemma3", {}, 3),
+    "llama": ("llama", {}, 3, STEPS),
+    "qwen2": ("qwen2", {}, 3, STEPS),
+    "qwen3": ("qwen3", {}, 3, STEPS),
+    "gemma3": ("gemma3", {}, 3, STEPS),
     # Gemma 3 27B scales its queries by 1/sqrt(hidden / heads) (168), not 1/sqrt(head_dim) (128).
     # GGUF has no key for that: llama.cpp tells the model by its 62 layers, and so must a reader.
-    # One prompt: the reference takes seconds per prompt through 62 layers.
+    # One prompt and a few steps: the reference takes a second per step through 62 layers.
     "gemma3-27b": ("gemma3", dict(num_hidden_layers=62, num_attention_heads=2, num_key_value_heads=1,
-                                  head_dim=64, query_pre_attn_scalar=32, intermediate_size=64), 1),
+                                  head_dim=64, query_pre_attn_scalar=32, intermediate_size=64), 1, 4),
 }
 SAFETENSORS = ("llama", "qwen2", "qwen3")     # the architectures our safetensors loader reads
 # Converted and opened, not run yet: the loader must say so by name.
@@ -38,7 +38,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "<|endoftext|>SELECT name, count(*) FROM users WHERE age > 30 GROUP BY name;",
 ]
-RUNS = [(name, source, i) for name, (_, _, n) in CASES.items()
+RUNS = [(name, source, i) for name, (_, _, n, _) in CASES.items()
         for source in ("gguf", "safetensors") if source == "gguf" or name in SAFETENSORS
         for i in range(n)]
 
@@ -58,7 +58,7 @@ class _Models:
         self.ours: dict[tuple[str, str], CPUBackend] = {}
 
     def get(self, name: str, source: str):
-        arch, overrides, _ = CASES[name]
+        arch, overrides, _, _ = CASES[name]
         path = tiny_gguf(arch, **overrides)
         if name not in self.refs:
             self.refs[name] = (reference_model(path), {})
@@ -79,9 +79,10 @@ def test_greedy_tokens_and_logits_match_transformers(models, tokenizer, run):
     name, source, i = run
     (ref, memo), ours = models.get(name, source)
     ids = tokenizer(PROMPTS[i])["input_ids"]
+    steps = CASES[name][3]
     if i not in memo:
-        memo[i] = reference_greedy(ref, ids)
-    assert_greedy_parity(ref, ours, ids, label=f"{name} ({source})", tokenizer=tokenizer,
+        memo[i] = reference_greedy(ref, ids, steps)
+    assert_greedy_parity(ref, ours, ids, steps, label=f"{name} ({source})", tokenizer=tokenizer,
                          reference=memo[i])
 
 
