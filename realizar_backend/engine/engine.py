@@ -96,7 +96,13 @@ class Engine(RequestPrep):
         self.model_name = model_name
         self.observer = observer or NullObserver()
         self.max_context = backend.max_context
-        self.kv = KVManager(backend.num_blocks, backend.block_size, self.settings.enable_prefix_caching)
+        prefix_caching = self.settings.enable_prefix_caching
+        if prefix_caching and self.config.has_recurrent_state:
+            # a hybrid's sequence resumes from its recurrent state, which no KV block holds: a cached
+            # prefix could not be skipped
+            log.info("prefix caching off: %s layers keep a recurrent state per sequence", self.config.arch)
+            prefix_caching = False
+        self.kv = KVManager(backend.num_blocks, backend.block_size, prefix_caching)
         self.kv_capacity = backend.num_blocks * backend.block_size      # tokens
         self.scheduler = Scheduler(self.kv, backend.max_slots, self.settings.max_waiting,
                                    self.settings.prefill_chunk_tokens)

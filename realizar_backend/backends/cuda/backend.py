@@ -66,9 +66,10 @@ class CUDABackend:
         the reference the tests compare them with."""
         self.settings = settings or Settings()
         c = self.config = model.config
-        if c.n_experts:
-            raise UnsupportedModelError(model.path, f"{c.arch}: the GPU backend does not run mixture-of-experts "
-                                                    "models yet (REALIZAR_BACKEND=cpu runs it)")
+        if c.n_experts or c.has_recurrent_state:
+            kind = "mixture-of-experts" if c.n_experts else "linear-attention hybrid"
+            raise UnsupportedModelError(model.path, f"{c.arch}: the GPU backend does not run {kind} models yet "
+                                                    "(REALIZAR_BACKEND=cpu runs it)")
         self.max_slots = max_slots or self.settings.max_num_seqs
         want = max_context or self.settings.context_length or c.context_length
         self.max_context = min(want, c.context_length) if c.context_length else want
