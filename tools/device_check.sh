@@ -2,7 +2,7 @@
 # THE device script: everything the GPU machine checks, in one call, with a report under $OUT.
 #   bash tools/device_check.sh              every stage
 #   STAGES="tests bench" bash tools/device_check.sh    some of them (setup always runs first)
-#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a tool
+#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a benchmark
 # Stages:
 #   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; the shape twins
 #            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json +
