@@ -17,7 +17,7 @@ from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig
 from ..model.families import build_model
-from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
+from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu, swiglu_oai
 from ..model.ops import AttentionSpec
 from ..progress import progress
 from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
@@ -33,7 +33,7 @@ def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:
 
 
 class _Dequantized:
-    """The model's loader (model/dense.py Loader): every tensor as float32, dequantized once."""
+    """The model's loader (model/transformer.py Loader): every tensor as float32, dequantized once."""
 
     def __init__(self, model: ModelFile, advance: Callable[[int], None]):
         self.file, self.advance = model, advance
@@ -49,7 +49,8 @@ class _Dequantized:
         return self.file.get(name) is not None
 
 
-_ACT = {"silu": silu, "gelu_tanh": gelu_tanh}
+# act(gate, up) of a gated MLP, by the model's activation
+_GATED = {"silu": lambda g, u: silu(g) * u, "gelu_tanh": lambda g, u: gelu_tanh(g) * u, "swiglu_oai": swiglu_oai}
 
 
 class CpuOps:
@@ -74,7 +75,7 @@ class CpuOps:
         T = y.shape[0]
         return rms_norm(y.reshape(T, -1, w.size), w, self.c.rms_eps).reshape(T, -1)
 
-    def attention(self, q, k, v, spec: AttentionSpec) -> np.ndarray:
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None) -> np.ndarray:
         c, T, D = self.c, q.shape[0], self.c.head_dim
         q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
         r = spec.rope
@@ -91,18 +92,41 @@ class CpuOps:
             kc = kp[self.reads[j]].reshape(-1, c.n_kv_heads, D)[:L]
             vc = vp[self.reads[j]].reshape(-1, c.n_kv_heads, D)[:L]
             out[a:b] = attention(q[a:b], kc.astype(np.float32, copy=False), vc.astype(np.float32, copy=False),
-                                 self.pos[a:b], spec.scale, spec.window)
+                                 self.pos[a:b], spec.scale, spec.window, sinks)
         return out
 
-    def linear_residual(self, a, w, x, post_norm) -> np.ndarray:
-        o = a @ w.T
+    def linear_residual(self, a, w, x, post_norm, bias=None) -> np.ndarray:
+        o = a @ w.T if bias is None else a @ w.T + bias
         if post_norm is not None:
             o = rms_norm(o, post_norm, self.c.rms_eps)
         return x + o
 
     def norm_gated_mlp(self, x, norm, gate, up, act: str) -> np.ndarray:
         h = rms_norm(x, norm, self.c.rms_eps)
-        return _ACT[act](h @ gate.T) * (h @ up.T)
+        return _GATED[act](h @ gate.T, h @ up.T)
+
+    def norm_moe_residual(self, x, norm, e) -> np.ndarray:
+        h = rms_norm(x, norm, self.c.rms_eps)
+        z = (h @ e.router.T if e.router_bias is None else h @ e.router.T + e.router_bias).astype(np.float64)
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argsort(-p, axis=1, kind="stable")[:, :e.top_k]          # ties: the lower index
+        w = np.take_along_axis(p, top, axis=1)
+        if e.renormalize:
+            w /= w.sum(axis=1, keepdims=True)
+        w = w.astype(np.float32)
+        out = np.zeros_like(x)
+        gated = _GATED[e.act]
+
+        def proj(m, bias, ex, rows):
+            return rows @ m[ex].T if bias is None else rows @ m[ex].T + bias[ex]
+
+        for ex in np.unique(top):                   # each chosen expert over the rows that chose it
+            rows, k = np.nonzero(top == ex)
+            hr = h[rows]
+            a = gated(proj(e.gate, e.gate_bias, ex, hr), proj(e.up, e.up_bias, ex, hr))
+            out[rows] += w[rows, k, None] * proj(e.down, e.down_bias, ex, a)
+        return x + out
 
     def logits(self, x, norm, w) -> np.ndarray:
         return rms_norm(x[self.bounds[1:] - 1], norm, self.c.rms_eps) @ w.T
@@ -154,7 +178,8 @@ class CPUBackend:
 
     def weight_bytes(self) -> int:
         m = self.model
-        arrays = {id(a): a for lw in m.layers for a in vars(lw).values() if isinstance(a, np.ndarray)}
+        blocks = [b for layer in m.layers for b in (layer.attention, layer.ffn)]
+        arrays = {id(a): a for b in blocks for a in vars(b).values() if isinstance(a, np.ndarray)}
         arrays.update({id(a): a for a in (m.tok_embd, m.output, m.output_norm)})
         return sum(a.nbytes for a in arrays.values())
 
