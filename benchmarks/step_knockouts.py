@@ -38,27 +38,27 @@ def knockouts(fwd, family: str) -> dict[str, list[tuple[object, str, object]]]:
     residual = S.linear_residual
 
     def skip(role: str):
-        def linear_residual(self, a, w, x, post_norm):
-            return self.fwd.ws.x if role in w.name else residual(self, a, w, x, post_norm)
+        def linear_residual(self, a, w, *rest, **kw):
+            return self.fwd.ws.x if role in w.name else residual(self, a, w, *rest, **kw)
         return linear_residual
 
-    def gated(self, x, norm, gate, up, act):
+    def gated(self, *_a, **_k):
         # a split16 step's down projection reads the gated MLP's output as split rows
         return linear.SplitRows(ws.split_inv[1].data.ptr) if self.step.family == "split16" else ws.a
 
     out: dict[str, list[tuple[object, str, object]]] = {
         "whole step": [],
-        "no q/k/v": [(S, "norm_linear", lambda self, x, norm, mats, biases: (ws.q, ws.k, ws.v)[:len(mats)])],
-        "no attention": [(S, "attention", lambda self, q, k, v, spec: ws.attn)],
+        "no q/k/v": [(S, "norm_linear", lambda self, x, norm, mats, *_a, **_k: (ws.q, ws.k, ws.v)[:len(mats)])],
+        "no attention": [(S, "attention", lambda self, *_a, **_k: ws.attn)],
         "no o": [(S, "linear_residual", skip("attn_output"))],
         "no gate/up": [(S, "norm_gated_mlp", gated)],
         "no down": [(S, "linear_residual", skip("ffn_down"))],
-        "no head": [(S, "logits", lambda self, x, norm, w: ws.logits)],
+        "no head": [(S, "logits", lambda self, *_a, **_k: ws.logits)],
     }
     if family == "mmq":
         # the launches then read stale records: the prep buffer's check is knocked out with them
         out["no prep"] = [(linear.MmqLinear, "_prep", _noop), (mmq, "_check", _noop)]
-    out["no layers"] = [(fwd.model, "layer", lambda ops, lw, x: x)]
+    out["no layers"] = [(fwd.model, "layers", [])]
     return out
 
 
