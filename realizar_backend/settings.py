@@ -62,8 +62,8 @@ class Settings:
     gpu_memory_utilization: float = 0.90
     # prompts are prefilled in chunks of at most this many tokens per step, between the decode
     # steps of the running sequences (a long prompt never freezes the others' streams for more
-    # than a chunk: ~50 ms for qwen15 on the H100); a burst of short prompts shares one step (64
-    # clients' 128-token prompts, H100: 6,517 and 6,743 tok/s served with 2048, 6,132 with 512)
+    # than a chunk); a burst of short prompts shares steps (16 prompts of 128 tokens a step: fewer,
+    # larger steps serve such a burst sooner than more, smaller ones)
     prefill_chunk_tokens: int = 2048
     # full KV blocks are kept keyed by their tokens (and all before them), so a request that
     # shares a prefix with an earlier one reuses them instead of prefilling it again

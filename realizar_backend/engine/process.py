@@ -1,8 +1,8 @@
 """The engine in a process of its own, and the client a server process talks to it through.
 
 In one process the engine's step thread and the server's event loop share the GIL: while a wave
-of requests is parsed, streamed and answered, the step's kernel launches wait for it (perf-notes
-v24), and the loop's work per token waits for the step. Here the child process owns the backend
+of requests is parsed, streamed and answered, the step's kernel launches wait for it,
+and the loop's work per token waits for the step. Here the child process owns the backend
 and the step loop (`Engine` unchanged), and the server process keeps what a request needs before
 it is queued (tokenizer, chat template, grammar check: `RequestPrep`) and the streams.
 

@@ -58,7 +58,7 @@ _own_metrics_dir()
 def _tracing_config() -> dict:
     """BentoML's tracing settings for this service: without a tracing exporter, the OpenAI routes
     are left out of its OpenTelemetry middleware. The middleware opens a span for every `send`, so
-    a stream pays one per token (about a third of the event loop's time at 64 streams on the H100),
+    a stream pays one per token (a large share of the event loop's time with many streams),
     and without an exporter those spans go nowhere. With `tracing.exporter_type` or
     `tracing.excluded_urls` in BentoML's configuration, nothing is added. (A service's config is
     the default under the user's configuration, merged in when BentoML builds the app.)"""
