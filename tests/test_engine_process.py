@@ -167,3 +167,94 @@ def test_a_server_whose_engine_process_dies_ends_its_streams_and_stands_aside():
         assert "cannot serve the model: BackendError: the engine process exited" in server.log_tail(400)
     finally:
         server.stop()
+
+
+def _counter(registry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, {"worker": "1", **labels}) or 0.0
+
+
+def test_a_stopped_engine_never_blocks_the_caller_and_says_it_is_stuck():
+    """SIGSTOP the engine process while long prompts arrive: each submit returns at once (the
+    event loop keeps running), submits past max_waiting that the pipe cannot take are refused
+    with a retryable CapacityError, and stall() names the silence once it outlasts
+    engine_stall_timeout_s; after SIGCONT the engine answers again and serves."""
+    import os
+    import signal as sig
+
+    settings = SETTINGS.replace(max_waiting=4, engine_stall_timeout_s=2.0, context_length=8192)
+    c = EngineClient.start(settings)
+    try:
+        prompt = list(range(100, 8100))         # 8,000 tokens: a few fill the pipe
+        params = SamplingParams(max_tokens=1, temperature=0)
+
+        os.kill(c._proc.pid, sig.SIGSTOP)
+        try:
+            async def run():
+                results = []
+                async def one(i):
+                    gen = c.generate(prompt, params, request_id=f"long{i}")
+                    try:
+                        async for _ in gen:
+                            pass
+                        results.append("done")
+                    except CapacityError:
+                        results.append("refused")
+                    finally:
+                        await gen.aclose()
+                tasks = [asyncio.create_task(one(i)) for i in range(40)]
+                # the loop runs on while the submits queue: a tick every 10 ms is never late
+                worst = 0.0
+                for _ in range(50):
+                    t0 = time.perf_counter()
+                    await asyncio.sleep(0.01)
+                    worst = max(worst, time.perf_counter() - t0)
+                refused = results.count("refused")
+                assert worst < 0.1, worst
+                assert refused >= 20, results       # the pipe and max_waiting hold the rest
+                assert c.stall() is None            # not yet: under engine_stall_timeout_s
+                assert wait_for(lambda: c.stall() is not None, timeout=10, interval=0.1)
+                assert "has not answered" in c.stall()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            asyncio.run(run())
+        finally:
+            os.kill(c._proc.pid, sig.SIGCONT)
+        assert wait_for(lambda: c.stall() is None, timeout=10, interval=0.1)
+        assert wait_for(lambda: c.stats()["running"] == 0 and c.stats()["waiting"] == 0, timeout=120)
+        text = asyncio.run(_stream(c, "The capital of France is", "after", max_tokens=4, temperature=0))
+        assert text[3] == 4
+    finally:
+        c.shutdown()
+
+
+def test_a_killed_engine_counts_its_sequences_as_errors_and_zeroes_its_gauges():
+    from prometheus_client import CollectorRegistry
+
+    from realizar_backend.serving.metrics import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry=registry)
+    c = EngineClient.start(SETTINGS, observer=metrics)
+    try:
+        async def four():
+            running = []
+
+            def kill_when_all_run():
+                running.append(1)
+                if len(running) == 4:              # every stream has had 3 outputs
+                    c._proc.kill()
+                return False
+
+            return await asyncio.gather(*[_long_stream(c, f"k{i}", 3, kill_when_all_run) for i in range(4)],
+                                        return_exceptions=True)
+
+        wait_for(lambda: registry.get_sample_value("realizar_requests_running", {"worker": "1"}) is not None, 10)
+        outcomes = asyncio.run(asyncio.wait_for(four(), timeout=60))
+        assert all(isinstance(o, CapacityError) for o in outcomes), outcomes
+        assert _counter(registry, "realizar_requests_total", finish_reason="error") == 4
+        assert _counter(registry, "realizar_generation_tokens_total") >= 4 * 3
+        for gauge in ("realizar_requests_running", "realizar_requests_waiting", "realizar_kv_cache_used_blocks"):
+            assert registry.get_sample_value(gauge, {"worker": "1"}) == 0, gauge
+    finally:
+        c.shutdown()

@@ -113,6 +113,7 @@ class Engine(RequestPrep):
         self.step_prompt_tokens = 0
         self.idle_seconds = 0.0
         self._step_kind: str | None = None
+        self._busy_since: float | None = None      # when the step now running began (None: waiting)
         self._step_work = (0, 0, 0)          # this step's prompt tokens, prompt sequences, decode rows
         self._trace = open(self.settings.step_trace, "a", buffering=1) if self.settings.step_trace else None
         self._t_start = time.perf_counter()
@@ -258,6 +259,19 @@ class Engine(RequestPrep):
             "engine_idle_seconds": self.idle_seconds,
         }
 
+    def busy_s(self) -> float:
+        """How long the step now running has run (0 while the loop waits for work): the engine's
+        heartbeat. A step that runs past Settings.engine_stall_timeout_s means a stuck engine."""
+        since = self._busy_since
+        return time.perf_counter() - since if since is not None else 0.0
+
+    def stall(self) -> str | None:
+        """Why this engine is stuck (a step running past Settings.engine_stall_timeout_s), or None."""
+        busy = self.busy_s()
+        if busy > self.settings.engine_stall_timeout_s:
+            return f"the engine's current step has run for {busy:.0f} s"
+        return None
+
     def finish_all(self, reason: str = "shutdown") -> None:
         """End every sequence at the next step and take no new ones (a graceful shutdown's
         deadline): a running sequence gets a final output with `reason` as its finish_reason and
@@ -299,6 +313,7 @@ class Engine(RequestPrep):
             idle_s = t0 - t_idle if idle else 0.0
             self.idle_seconds += idle_s
             self._step_kind = None
+            self._busy_since = t0
             try:
                 self._step()
             except Exception as e:  # a backend failure must not kill the loop or the waiting requests
@@ -307,6 +322,8 @@ class Engine(RequestPrep):
                 for seq in list(sch.running):
                     self._fail(seq, e)
                 self._flush()
+            finally:
+                self._busy_since = None
             if self._step_kind is not None:
                 wall = time.perf_counter() - t0
                 self.step_counts[self._step_kind] += 1

@@ -251,10 +251,18 @@ class Realizar:
         engine.prewarm_guidance(delay_s=GUIDANCE_PREWARM_DELAY_S)
         # the engine updates the gauges after each step; an idle engine takes no steps, so refresh
         # them now and then (decode tokens/s must fall to 0 when traffic stops)
+        said_stuck = None
         while STATE.engine is engine:
             time.sleep(REFRESH_S)
             if STATE.engine is engine:
                 STATE.metrics.on_step(engine.stats())
+                stuck = engine.stall()
+                if stuck and not said_stuck:
+                    log.error("worker %d of %d (%s): the engine is stuck (%s): /livez and /readyz answer 503 until "
+                              "it moves", WORKER, WORKERS, DEVICE, stuck)
+                elif said_stuck and not stuck:
+                    log.warning("worker %d of %d (%s): the engine moves again", WORKER, WORKERS, DEVICE)
+                said_stuck = stuck
 
     def _engine_died(self, error: Exception) -> None:
         """The engine process died (a crash, the OOM killer): its requests have failed with a
@@ -263,12 +271,19 @@ class Realizar:
         if engine is not None:
             threading.Thread(target=_stand_aside, args=(error,), name="realizar-stand-aside", daemon=True).start()
 
-    # async, so that the probes never wait for a worker thread
+    # async, so that the probes never wait for a worker thread (nor for the engine: stall() reads
+    # the time of the engine's last heartbeat, engine/process.py)
     async def __is_ready__(self) -> bool:
-        return STATE.engine is not None and not STATE.draining
+        engine = STATE.engine
+        return engine is not None and not STATE.draining and engine.stall() is None
 
     async def __is_alive__(self) -> bool:
-        # a worker that failed to load is dead only when no worker of the server can serve
+        # a stuck engine (no heartbeat, or a step that never ends, for engine_stall_timeout_s) is
+        # dead until it moves again; a worker that failed to load is dead only when no worker of
+        # the server can serve
+        engine = STATE.engine
+        if engine is not None and engine.stall() is not None:
+            return False
         return STATE.load_error is None or not _NO_WORKER_CAN_SERVE.is_set()
 
     @bentoml.on_shutdown
