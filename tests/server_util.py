@@ -156,10 +156,11 @@ def _lost_its_port(server: Server, within_s: float = 30.0) -> bool:
 
 def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
                  bentoml_home: Path | None = None, worker_env: dict[int, dict[str, str]] | None = None,
-                 wait_ready: bool = True) -> Server:
+                 wait_ready: bool = True, nofile: int | None = None) -> Server:
     """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one.
     worker_env: more environment for single workers, by index (from 1). wait_ready=False
-    returns once the server answers /livez, ready or not."""
+    returns once the server answers /livez, ready or not. nofile: the server's open-file limit
+    (its soft RLIMIT_NOFILE), as a machine with a small one would have."""
     home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
     full_env = {**os.environ, **SERVER_ENV, **(env or {}),
                 "BENTOML_HOME": str(bentoml_home or home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
@@ -178,7 +179,8 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
                  "--port", str(port)],
-                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=None if nofile is None else lambda: _limit_files(nofile))
         server = Server(f"http://127.0.0.1:{port}", proc, log_path, full_env.get("REALIZAR_API_KEY"))
         if not _lost_its_port(server):
             break
@@ -197,6 +199,11 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def _limit_files(n: int) -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
 _shared: Server | None = None

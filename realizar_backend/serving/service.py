@@ -216,6 +216,7 @@ class Realizar:
         STATE.started = time.time()
         timeline.mark("worker %d: service created, loading the model", WORKER)
         _drain_on_sigterm()
+        _guard_connections()
         # load in the background so /livez answers at once and /readyz turns ready when done
         self._loader = threading.Thread(target=self._load, name="realizar-load", daemon=True)
         self._loader.start()
@@ -378,6 +379,18 @@ def _drain_on_sigterm() -> None:
             loop.call_soon_threadsafe(lambda: loop.create_task(_drain(uvicorn_handler)))
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _guard_connections() -> None:
+    """This worker's uvicorn makes its connections with serving/connections.py's limits (header
+    and body timeouts, header size, a connection limit). Its server object is found through the
+    SIGTERM handler it installed (_drain_on_sigterm), before it listens."""
+    from realizar_backend.serving import connections
+
+    if _uvicorn is None or not hasattr(_uvicorn, "config"):
+        log.warning("not under uvicorn: HTTP connections have no read timeouts or limits here")
+        return
+    connections.install(_uvicorn, SETTINGS, on_refused=STATE.metrics.on_http_error)
 
 
 async def _drain(uvicorn_handler) -> None:
