@@ -160,13 +160,13 @@ class Settings:
     # again, else 408 and the connection closes; headers larger than max_header_bytes get 431;
     # past max_connections open connections a new one closes the one that has waited longest
     # for its request (or gets 503 when every connection is a request being served). 0: the
-    # process's open-file limit less FD_RESERVE
+    # process's open-file limit less serving/connections.py's FD_RESERVE
     read_timeout_s: float = 30.0
     max_header_bytes: int = 64 << 10
     max_connections: int = 0
     # BLAS threads of the CPU backend's process (NumPy's matrix multiplies); 0: one per core this
-    # process may run on, at most CPU_THREADS_AUTO_MAX (threads beyond the free cores spin and
-    # slow every step when the cores are shared)
+    # process may run on less one, which the server's own work keeps (BLAS threads beyond the free
+    # cores spin while they wait and slow every step: backends/__init__.py's cpu_threads)
     cpu_threads: int = 0
 
     ENV_PREFIX = "REALIZAR_"

@@ -129,34 +129,52 @@ def test_the_server_with_its_engine_on_a_thread_serves_the_same_text():
     assert texts[0] == texts[1] and texts[0]
 
 
+def _engine_process(server):
+    engines = [p for p in server.worker().children()
+               if any("realizar_backend.engine.process" in part for part in p.cmdline())]
+    assert len(engines) == 1, [p.cmdline() for p in server.worker().children()]
+    return engines[0]
+
+
 @pytest.mark.server
 def test_a_server_whose_engine_process_dies_ends_its_streams_and_stands_aside():
+    from server_util import sample
+
     server = start_server()
     try:
-        engines = [p for p in server.worker().children()
-                   if any("realizar_backend.engine.process" in part for part in p.cmdline())]
-        assert len(engines) == 1, [p.cmdline() for p in server.worker().children()]
+        engine = _engine_process(server)
         client = server.openai()
-        stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Count slowly:", max_tokens=200,
-                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
-        got, err = [], []
+        streams = [client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Count slowly {i}:",
+                                             max_tokens=200, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True}) for i in range(4)]
+        got, err = [[] for _ in streams], [[] for _ in streams]
+        killed = threading.Event()
 
-        def read():
+        def read(i):
             try:
-                for chunk in stream:
-                    got.append(chunk)
-                    if len(got) == 2:
-                        engines[0].kill()
+                for chunk in streams[i]:
+                    got[i].append(chunk)
+                    if all(len(g) >= 2 for g in got) and not killed.is_set():
+                        killed.set()
+                        engine.kill()
             except Exception as e:          # the stream's end: an error event, or the connection closed
-                err.append(e)
+                err[i].append(e)
 
-        reader = threading.Thread(target=read)
-        reader.start()
-        reader.join(30)
-        assert not reader.is_alive(), "the stream hung after its engine died"
-        # the stream ended early, without a finish_reason of a normal end
-        assert len(got) >= 2 and not any(c.choices and c.choices[0].finish_reason in ("length", "stop") for c in got)
-        assert err and "engine process exited" in str(err[0]), err      # an error event, retryable
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(60)
+        assert not any(r.is_alive() for r in readers), "a stream hung after its engine died"
+        for g, e in zip(got, err):
+            # each stream ended early, without a finish_reason of a normal end, with an error event
+            assert len(g) >= 2 and not any(c.choices and c.choices[0].finish_reason in ("length", "stop") for c in g)
+            assert e and "engine process exited" in str(e[0]), e      # retryable
+        # the killed sequences are counted as errors, and the gauges say nothing runs
+        m = server.metrics()
+        assert sample(m, "realizar_requests_total", finish_reason="error") == 4
+        assert sample(m, "realizar_requests_running") == 0 and sample(m, "realizar_requests_waiting") == 0
+        assert sample(m, "realizar_kv_cache_used_blocks") == 0
         assert wait_for(lambda: httpx.get(server.url + "/readyz", timeout=10).status_code == 503, 30)
         r = httpx.post(server.url + "/v1/completions", headers=server.auth,
                        json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2}, timeout=30)
@@ -258,3 +276,66 @@ def test_a_killed_engine_counts_its_sequences_as_errors_and_zeroes_its_gauges():
             assert registry.get_sample_value(gauge, {"worker": "1"}) == 0, gauge
     finally:
         c.shutdown()
+
+
+@pytest.mark.server
+def test_a_stopped_engine_process_stalls_no_probe_and_livez_says_it_is_stuck():
+    """SIGSTOP the engine process for 20 s while 60 requests with 8,000-token prompts arrive:
+    /livez answers within 100 ms throughout (503 once the engine has been silent for
+    REALIZAR_ENGINE_STALL_TIMEOUT_S, 200 again after SIGCONT), /readyz and /metrics answer, and
+    every request gets an answer: 503 with Retry-After for those the engine cannot take."""
+    import os
+    import signal
+
+    from server_util import LivezProbe, sample
+
+    stall_s, stop_s = 3, 20
+    server = start_server({"REALIZAR_CONTEXT_LENGTH": "8192", "REALIZAR_ENGINE_STALL_TIMEOUT_S": str(stall_s)})
+    try:
+        engine = _engine_process(server)
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": list(range(1000, 9000)), "max_tokens": 1}
+        answers = []
+
+        def post():
+            # the client gives up before the engine resumes, so that its prompt is not computed
+            try:
+                r = httpx.post(server.url + "/v1/completions", json=body, headers=server.auth, timeout=stop_s - 6)
+                answers.append((r.status_code, r.headers.get("retry-after")))
+            except httpx.TimeoutException:
+                answers.append(("timeout", None))
+
+        with LivezProbe(server.url) as probe:
+            os.kill(engine.pid, signal.SIGSTOP)
+            t_stop = time.monotonic()
+            try:
+                clients = [threading.Thread(target=post) for _ in range(60)]
+                for c in clients:
+                    c.start()
+                    time.sleep(0.05)
+                slow = []
+                while time.monotonic() - t_stop < stop_s:
+                    for path in ("/readyz", "/metrics"):
+                        t0 = time.monotonic()
+                        httpx.get(server.url + path, timeout=10)
+                        slow.append((path, time.monotonic() - t0))
+                    time.sleep(0.5)
+                for c in clients:
+                    c.join(30)
+                assert httpx.get(server.url + "/readyz", timeout=10).status_code == 503
+            finally:
+                os.kill(engine.pid, signal.SIGCONT)
+            assert wait_for(lambda: httpx.get(server.url + "/livez", timeout=10).status_code == 200, 10)
+        assert probe.worst() < 0.1, [(i, s, round(t, 3)) for i, (s, t) in enumerate(probe.samples) if t > 0.05 or (i and s != probe.samples[i-1][0])]
+        assert probe.statuses() == {"200", "503"}
+        # every request was answered (none hung); those refused can retry
+        assert len(answers) == 60 and all(s in (503, "timeout") for s, _ in answers), answers
+        refused = [ra for s, ra in answers if s == 503]
+        assert len(refused) >= 30 and all(ra and int(ra) >= 1 for ra in refused), answers
+        assert max(t for _, t in slow) < 1.0, slow
+        assert wait_for(lambda: httpx.get(server.url + "/readyz", timeout=10).status_code == 200, 10)
+        m = lambda: server.metrics()
+        assert wait_for(lambda: sample(m(), "realizar_requests_running") + sample(m(), "realizar_requests_waiting")
+                        == 0, 120)
+        assert "the engine is stuck" in server.log_tail(400)
+    finally:
+        server.stop()
