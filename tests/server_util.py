@@ -218,6 +218,15 @@ def shared_server() -> Server:
     return _shared
 
 
+def warm(server) -> None:
+    """Wait out a fresh server's one-time work (llguidance's vocabulary, built on a thread a
+    second after ready, holds the GIL for up to seconds): a guided request needs it built."""
+    r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
+                   json={"model": "SmolLM2-135M-Instruct", "prompt": "Yes or no?", "max_tokens": 1,
+                         "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
     """Poll until predicate() is truthy; returns its last value (falsy on timeout)."""
     deadline = time.monotonic() + timeout
@@ -284,6 +293,10 @@ print(json.dumps(out))
 
     def worst(self) -> float:
         return max(t for _, t in self.samples)
+
+    def late(self, bound: float) -> list[tuple[int, str, float]]:
+        """(index, status, seconds) of every answer slower than `bound`."""
+        return [(i, s, t) for i, (s, t) in enumerate(self.samples) if t > bound]
 
     def statuses(self) -> set[str]:
         return {code for code, _ in self.samples}
