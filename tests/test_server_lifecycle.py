@@ -152,3 +152,37 @@ def test_openai_routes_are_traced_only_where_spans_go_somewhere(tmp_path, config
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(not traced), "False"]
+
+
+def test_workers_and_engines_end_with_a_killed_server_and_free_the_port():
+    """SIGKILL the server's main process (BentoML's arbiter): its workers (each in a session of
+    its own) and their engine processes end too, and the port is free within seconds."""
+    import psutil
+    import socket
+
+    server = start_server()
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    try:
+        assert server.workers() and any("realizar_backend.engine.process" in " ".join(p.cmdline()) for p in children)
+        port = int(server.url.rsplit(":", 1)[1])
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, [p.cmdline() for p in alive]
+
+        def port_free() -> bool:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                    return True
+                except OSError:
+                    return False
+
+        assert wait_for(port_free, 5)
+    finally:
+        for p in children:           # what a failure left running
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        server.stop()

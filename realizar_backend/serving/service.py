@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
 import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +36,36 @@ from realizar_backend.serving.state import ServerState
 from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
+
+_PR_SET_PDEATHSIG = 1            # linux/prctl.h
+_PARENT_POLL_S = 1.0
+
+
+def _end_with_the_server() -> None:
+    """A worker ends when the server's main process (BentoML's arbiter, its parent) ends, even
+    by SIGKILL: BentoML starts each worker in a session of its own, so nothing else would stop it,
+    and it would keep serving on (and holding) the port. Linux: the kernel sends SIGKILL at the
+    parent's death (PR_SET_PDEATHSIG; the engine process then ends when its pipe closes);
+    elsewhere a thread watches the parent's pid."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+            if os.getppid() != parent:         # it died before the request took effect
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        log.error("the server's main process is gone; this worker ends")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="realizar-parent-watch", daemon=True).start()
+
+
+if bentoml.server_context.worker_index is not None:
+    _end_with_the_server()
 
 SETTINGS = Settings.from_env()       # a bad REALIZAR_* value stops `bentoml serve` here, naming it
 logging.getLogger("realizar_backend").setLevel(SETTINGS.log_level.upper())
