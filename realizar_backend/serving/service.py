@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ import time
 import bentoml
 
 from realizar_backend import timeline
-from realizar_backend.errors import SettingsError
+from realizar_backend.errors import RealizarError, SettingsError
 from realizar_backend.serving.state import ServerState
 from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
 
@@ -67,6 +68,29 @@ def _end_with_the_server() -> None:
 if bentoml.server_context.worker_index is not None:
     _end_with_the_server()
 
+
+def _one_line_errors(kind, error, tb) -> None:
+    """The serving process's uncaught errors that a user can fix (a bad setting, a port in use)
+    as one line, not BentoML's 50-70 lines of traceback; Python then exits with status 1."""
+    if isinstance(error, SettingsError):
+        print(f"realizar: {error}", file=sys.stderr)
+    elif isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+        where = ""
+        while tb is not None:         # circus's socket, in the frame that bound it, knows the address
+            owner = tb.tb_frame.f_locals.get("self")
+            if hasattr(owner, "host") and hasattr(owner, "port"):
+                where = f" {owner.host}:{owner.port}"
+            tb = tb.tb_next
+        print(f"realizar: cannot listen on{where}: the address is in use (another server? choose another "
+              f"with --port)", file=sys.stderr)
+    else:
+        _excepthook(kind, error, tb)
+
+
+if bentoml.server_context.worker_index is None:
+    _excepthook = sys.excepthook
+    sys.excepthook = _one_line_errors
+
 SETTINGS = Settings.from_env()       # a bad REALIZAR_* value stops `bentoml serve` here, naming it
 logging.getLogger("realizar_backend").setLevel(SETTINGS.log_level.upper())
 
@@ -79,9 +103,29 @@ def _own_metrics_dir() -> None:
     the path set here is the one its workers get; a worker's own value is never used."""
     from bentoml._internal.configuration.containers import BentoMLContainer
 
-    path = os.path.join(tempfile.gettempdir(), f"realizar-metrics-{os.getpid()}")
+    path = _server_dir(os.getpid())
     BentoMLContainer.prometheus_multiproc_dir.set(path)
-    atexit.register(shutil.rmtree, path, True)
+    atexit.register(_at_exit, path)
+
+
+def _server_dir(pid: int) -> str:
+    """The directory of the server whose main process is `pid`: its workers' metric files, and
+    the mark a worker leaves when the server must exit with an error (_FAILED)."""
+    return os.path.join(tempfile.gettempdir(), f"realizar-metrics-{pid}")
+
+
+_FAILED = "failed"
+
+
+def _at_exit(path: str) -> None:
+    """The serving process's last act: remove its directory, and exit with status 1 where its
+    single worker could not load the model (the worker said why, in one line, and stopped it)."""
+    failed = os.path.exists(os.path.join(path, _FAILED))
+    shutil.rmtree(path, True)
+    if failed:
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 _own_metrics_dir()
@@ -270,7 +314,10 @@ class Realizar:
             else:
                 engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
         except Exception as e:
-            _stand_aside(e)
+            if WORKERS == 1:
+                _stop_the_server(e)
+            else:
+                _stand_aside(e)
             return
         STATE.metrics.on_step(engine.stats())       # gauges exist before the first step
         STATE.engine = engine
@@ -368,6 +415,27 @@ def _stand_aside(error: Exception) -> None:
                             WORKER, WORKERS, DEVICE, ", ".join(w for w in others if statuses.get(w) == "ready"))
                 return
         time.sleep(REFRESH_S)
+
+
+# errors whose message says it all: no traceback for them when a single worker stops the server
+_PLAIN_ERRORS = (RealizarError, OSError, MemoryError)
+
+
+def _stop_the_server(error: Exception) -> None:
+    """A server of one worker that cannot load its model has nothing to serve: say why in one
+    line and stop it with a non-zero status (the serving process's _at_exit), rather than stand
+    aside answering 503 as one of several workers does."""
+    log.error("cannot serve the model: %s: %s", type(error).__name__, error,
+              exc_info=None if isinstance(error, _PLAIN_ERRORS) else error)
+    STATE.metrics.set_worker_status("failed")
+    STATE.load_error = f"{type(error).__name__}: {error}"
+    _NO_WORKER_CAN_SERVE.set()
+    try:
+        with open(os.path.join(_server_dir(os.getppid()), _FAILED), "w") as f:
+            f.write(STATE.load_error)
+        os.kill(os.getppid(), signal.SIGTERM)
+    except OSError as e:           # not under `bentoml serve`'s arbiter: stay up, unready, as before
+        log.error("could not stop the server (%s); this worker stays up without a model", e)
 
 
 def _stop_accepting() -> bool:
