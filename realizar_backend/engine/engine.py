@@ -61,6 +61,15 @@ STEP_KINDS = ("decode", "prefill", "mixed")
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
+def served_name(path: Path) -> str:
+    """The model id a server reports and requests name, for a model given by path: the file's
+    name without `.gguf` (a safetensors directory: its name), which a client can type and a curl
+    line can carry, unlike a GGUF's `general.name` ("Smollm2 135M 8k Lc100K Mix1 Ep2").
+    REALIZAR_MODEL_NAME overrides it."""
+    name = path.name
+    return name[:-5] if name.lower().endswith(".gguf") and len(name) > 5 else name
+
+
 class EngineObserver(Protocol):
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                             e2e_s: float, ttft_s: float | None) -> None: ...
@@ -167,7 +176,7 @@ class Engine(RequestPrep):
             except BaseException:
                 backend.close()
                 raise
-        name = settings.model_name or (model.name if settings.model else "SmolLM2-135M-Instruct")
+        name = settings.model_name or (served_name(path) if settings.model else "SmolLM2-135M-Instruct")
         log.info("loaded %s (%s, %s backend) in %.1f s", name, model.config.arch, backend.name,
                  time.perf_counter() - t0)
         engine = cls(backend, tokenizer, settings, model_name=name, observer=observer,
