@@ -156,11 +156,12 @@ def _lost_its_port(server: Server, within_s: float = 30.0) -> bool:
 
 def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
                  bentoml_home: Path | None = None, worker_env: dict[int, dict[str, str]] | None = None,
-                 wait_ready: bool = True, nofile: int | None = None) -> Server:
+                 wait_ready: bool = True, nofile: int | None = None, host: str | None = "127.0.0.1") -> Server:
     """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one.
     worker_env: more environment for single workers, by index (from 1). wait_ready=False
     returns once the server answers /livez, ready or not. nofile: the server's open-file limit
-    (its soft RLIMIT_NOFILE), as a machine with a small one would have."""
+    (its soft RLIMIT_NOFILE), as a machine with a small one would have. host: `--host` (None:
+    none given, the service's default)."""
     home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
     full_env = {**os.environ, **SERVER_ENV, **(env or {}),
                 "BENTOML_HOME": str(bentoml_home or home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
@@ -177,7 +178,7 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         port = free_port()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
+                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", *(["--host", host] if host else []),
                  "--port", str(port)],
                 cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=None if nofile is None else lambda: _limit_files(nofile))

@@ -35,7 +35,7 @@ def test_auto_without_cupy_says_why_and_cuda_names_the_real_cause():
     if host.nvidia_driver() is None:
         assert why == "no NVIDIA GPU driver on this machine"
     else:
-        assert "CuPy is not installed" in why and "pip install 'realizar-backend[cuda" in why
+        assert "CuPy is not installed" in why and "pip install 'cupy-cuda1" in why
     with pytest.raises(BackendError) as e:
         choose_backend(Settings(backend="cuda"))
     assert str(e.value) == f"REALIZAR_BACKEND=cuda, but {why}"
@@ -63,3 +63,12 @@ def test_cpu_threads_set_the_blas_pool(smol_model):
     backend.close()
     blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
     assert blas and all(p["num_threads"] == 1 for p in blas)
+
+
+def test_the_cupy_install_hint_matches_the_package_extras():
+    import tomllib
+    from pathlib import Path
+    extras = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    for extra, wheel in host.CUPY_EXTRAS.values():
+        assert extras[extra] == [wheel]

@@ -226,3 +226,18 @@ def test_workers_and_engines_end_with_a_killed_server_and_free_the_port():
             except psutil.NoSuchProcess:
                 pass
         server.stop()
+
+
+def test_bentoml_serve_listens_on_this_machine_only_unless_asked():
+    import psutil
+
+    server = start_server(host=None)
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        conns = (getattr(psutil.Process(server.proc.pid), "net_connections", None)
+                 or psutil.Process(server.proc.pid).connections)(kind="inet")
+        listening = {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+        assert wait_for(lambda: f"listening on 127.0.0.1 port {port}" in server.log_tail(200), 10), server.log_tail()
+    finally:
+        server.stop()

@@ -44,14 +44,17 @@ def cuda_major() -> int | None:
         return None
 
 
+# the package's CuPy extras (pyproject.toml), by the CUDA major version of the driver
+CUPY_EXTRAS = {12: ("cuda12", "cupy-cuda12x>=13"), 13: ("cuda13", "cupy-cuda13x>=14")}
+
+
 def cupy_extra() -> str:
-    """The install command that brings the CuPy wheel for this driver."""
+    """How to install the CuPy wheel for this driver, in words."""
     major = cuda_major()
-    if major is not None and major >= 13:
-        return "pip install 'realizar-backend[cuda13]'"
-    if major == 12:
-        return "pip install 'realizar-backend[cuda12]'"
-    return "pip install 'realizar-backend[cuda12]' (or [cuda13] for a CUDA 13 driver)"
+    if major is not None and major >= 12:
+        extra, wheel = CUPY_EXTRAS[min(major, max(CUPY_EXTRAS))]
+        return f"install the [{extra}] extra: pip install '{wheel}'"
+    return "install the [cuda12] extra: pip install 'cupy-cuda12x>=13' (cuda13 and 'cupy-cuda13x>=14' for a CUDA 13 driver)"
 
 
 def cores() -> int:

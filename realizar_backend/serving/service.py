@@ -218,6 +218,7 @@ IMAGE = (
     .run("realizar pull")
 )
 
+LOCAL_HOST = "127.0.0.1"
 REFRESH_S = 2.0
 GUIDANCE_PREWARM_DELAY_S = 1.0
 STATE = ServerState(settings=SETTINGS)
@@ -280,6 +281,10 @@ timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.serv
     # the timeout runs until a response starts; a long non-streaming CPU generation needs minutes
     traffic={"timeout": 900},
     tracing=_tracing_config(),
+    # this machine only, unless `--host` (or BENTOML_HOST) says otherwise: there is no API key
+    # unless REALIZAR_API_KEY sets one. The container image sets BENTOML_HOST=0.0.0.0
+    # (bentofile.yaml): inside a container, the published port is the boundary
+    http={"host": LOCAL_HOST},
 )
 @bentoml.asgi_app(app, path="/")
 class Realizar:
@@ -325,6 +330,8 @@ class Realizar:
         log.info("worker %d of %d (%s) ready: serving %s on %s in %.1f s", WORKER, WORKERS, DEVICE,
                  engine.model_name, engine.stats().get("backend"), time.perf_counter() - t0)
         timeline.mark("worker %d ready", WORKER)
+        if WORKER == 1:
+            _say_where()
         # llguidance holds the GIL for 0.2-3 s while it builds its vocabulary: done after ready (and
         # after the readiness probes have had a moment to see it), a constrained request before then
         # builds it itself
@@ -479,6 +486,23 @@ def _drain_on_sigterm() -> None:
             loop.call_soon_threadsafe(lambda: loop.create_task(_drain(uvicorn_handler)))
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _say_where() -> None:
+    """Say where the server listens, as it is (BentoML's own line calls every interface
+    "localhost"), and warn when every interface can reach a server with no API key."""
+    try:
+        host, port = next(sock.getsockname()[:2] for server in (getattr(_uvicorn, "servers", None) or [])
+                          for sock in server.sockets)
+    except (StopIteration, OSError, AttributeError):
+        return
+    if host in ("0.0.0.0", "::"):
+        log.log(logging.INFO if SETTINGS.api_key else logging.WARNING,
+                "listening on every interface (%s port %d)%s", host, port,
+                "" if SETTINGS.api_key else " with no API key: anyone who reaches this machine can use it "
+                                            "(REALIZAR_API_KEY sets one)")
+    else:
+        log.info("listening on %s port %d", host, port)
 
 
 def _guard_connections() -> None:
