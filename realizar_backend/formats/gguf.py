@@ -24,7 +24,7 @@ from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..model.arch import required_tensors
 from ..model.config import config_from_gguf
-from . import ModelFile, Tensor
+from .model_file import ModelFile, Tensor
 from .quants import SUPPORTED
 
 log = logging.getLogger(__name__)
