@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import ctypes
-import errno
 import logging
 import os
-import shutil
 import signal
-import sys
-import tempfile
 import threading
 import time
 
@@ -33,63 +28,16 @@ import bentoml
 
 from realizar_backend import timeline
 from realizar_backend.errors import RealizarError, SettingsError
+from realizar_backend.serving import lifecycle
 from realizar_backend.serving.state import ServerState
 from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
 
-_PR_SET_PDEATHSIG = 1            # linux/prctl.h
-_PARENT_POLL_S = 1.0
-
-
-def _end_with_the_server() -> None:
-    """A worker ends when the server's main process (BentoML's arbiter, its parent) ends, even
-    by SIGKILL: BentoML starts each worker in a session of its own, so nothing else would stop it,
-    and it would keep serving on (and holding) the port. Linux: the kernel sends SIGKILL at the
-    parent's death (PR_SET_PDEATHSIG; the engine process then ends when its pipe closes);
-    elsewhere a thread watches the parent's pid."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
-            if os.getppid() != parent:         # it died before the request took effect
-                os._exit(1)
-            return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        log.error("the server's main process is gone; this worker ends")
-        os._exit(1)
-
-    threading.Thread(target=watch, name="realizar-parent-watch", daemon=True).start()
-
-
 if bentoml.server_context.worker_index is not None:
-    _end_with_the_server()
-
-
-def _one_line_errors(kind, error, tb) -> None:
-    """The serving process's uncaught errors that a user can fix (a bad setting, a port in use)
-    as one line, not BentoML's 50-70 lines of traceback; Python then exits with status 1."""
-    if isinstance(error, SettingsError):
-        print(f"realizar: {error}", file=sys.stderr)
-    elif isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
-        where = ""
-        while tb is not None:         # circus's socket, in the frame that bound it, knows the address
-            owner = tb.tb_frame.f_locals.get("self")
-            if hasattr(owner, "host") and hasattr(owner, "port"):
-                where = f" {owner.host}:{owner.port}"
-            tb = tb.tb_next
-        print(f"realizar: cannot listen on{where}: the address is in use (another server? choose another "
-              f"with --port)", file=sys.stderr)
-    else:
-        _excepthook(kind, error, tb)
-
-
-if bentoml.server_context.worker_index is None:
-    _excepthook = sys.excepthook
-    sys.excepthook = _one_line_errors
+    lifecycle.end_with_the_server()
+else:
+    lifecycle.one_line_errors()
 
 SETTINGS = Settings.from_env()       # a bad REALIZAR_* value stops `bentoml serve` here, naming it
 logging.getLogger("realizar_backend").setLevel(SETTINGS.log_level.upper())
@@ -103,29 +51,9 @@ def _own_metrics_dir() -> None:
     the path set here is the one its workers get; a worker's own value is never used."""
     from bentoml._internal.configuration.containers import BentoMLContainer
 
-    path = _server_dir(os.getpid())
+    path = lifecycle.server_dir(os.getpid())
     BentoMLContainer.prometheus_multiproc_dir.set(path)
-    atexit.register(_at_exit, path)
-
-
-def _server_dir(pid: int) -> str:
-    """The directory of the server whose main process is `pid`: its workers' metric files, and
-    the mark a worker leaves when the server must exit with an error (_FAILED)."""
-    return os.path.join(tempfile.gettempdir(), f"realizar-metrics-{pid}")
-
-
-_FAILED = "failed"
-
-
-def _at_exit(path: str) -> None:
-    """The serving process's last act: remove its directory, and exit with status 1 where its
-    single worker could not load the model (the worker said why, in one line, and stopped it)."""
-    failed = os.path.exists(os.path.join(path, _FAILED))
-    shutil.rmtree(path, True)
-    if failed:
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(1)
+    atexit.register(lifecycle.at_exit, path)
 
 
 _own_metrics_dir()
@@ -438,9 +366,7 @@ def _stop_the_server(error: Exception) -> None:
     STATE.load_error = f"{type(error).__name__}: {error}"
     _NO_WORKER_CAN_SERVE.set()
     try:
-        with open(os.path.join(_server_dir(os.getppid()), _FAILED), "w") as f:
-            f.write(STATE.load_error)
-        os.kill(os.getppid(), signal.SIGTERM)
+        lifecycle.fail_the_server(STATE.load_error)
     except OSError as e:           # not under `bentoml serve`'s arbiter: stay up, unready, as before
         log.error("could not stop the server (%s); this worker stays up without a model", e)
 
