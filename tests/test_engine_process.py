@@ -1,7 +1,8 @@
 """The engine in a process of its own (engine/process.py), on the real SmolLM2 (NumPy backend): the
 same streams as the engine on a thread, cancels that free blocks, typed errors across the pipe,
-and a dead engine process that fails its streams instead of hanging them, and a server whose engine
-process dies standing aside."""
+a dead engine process that fails its streams instead of hanging them (counted, its gauges zeroed),
+a stopped one that never blocks its caller and is reported stuck, and servers whose engine process
+dies (standing aside) or stops (probes answering, /livez saying so)."""
 
 import asyncio
 import pickle
