@@ -219,13 +219,18 @@ def shared_server() -> Server:
     return _shared
 
 
-def warm(server) -> None:
+def warm(server, timeout: float = 120.0) -> None:
     """Wait out a fresh server's one-time work (llguidance's vocabulary, built on a thread a
-    second after ready, holds the GIL for up to seconds): a guided request needs it built."""
-    r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
-                   json={"model": "SmolLM2-135M-Instruct", "prompt": "Yes or no?", "max_tokens": 1,
-                         "guided_choice": ["yes", "no"]})
-    assert r.status_code == 200, r.text
+    second after ready in the worker and in its engine process, holds the GIL for up to seconds:
+    a server with a short REALIZAR_ENGINE_STALL_TIMEOUT_S may call its engine stuck meanwhile and
+    answer 503): a guided request needs it built."""
+    def served():
+        r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Yes or no?", "max_tokens": 1,
+                             "guided_choice": ["yes", "no"]})
+        assert r.status_code in (200, 503), r.text
+        return r.status_code == 200
+    assert wait_for(served, timeout, interval=1.0), "the server did not serve a guided request"
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):

@@ -200,7 +200,10 @@ def test_a_stopped_engine_never_blocks_the_caller_and_says_it_is_stuck():
     import os
     import signal as sig
 
-    settings = SETTINGS.replace(max_waiting=4, engine_stall_timeout_s=2.0, context_length=8192)
+    # short prefill steps: once resumed, the engine meets the cancels of the abandoned prompts
+    # after a step of 256 tokens, not of 2048
+    settings = SETTINGS.replace(max_waiting=4, engine_stall_timeout_s=2.0, context_length=8192,
+                                prefill_chunk_tokens=256)
     c = EngineClient.start(settings)
     try:
         prompt = list(range(100, 8100))         # 8,000 tokens: a few fill the pipe
@@ -229,7 +232,7 @@ def test_a_stopped_engine_never_blocks_the_caller_and_says_it_is_stuck():
                     worst = max(worst, time.perf_counter() - t0)
                 refused = results.count("refused")
                 assert worst < 0.1, worst
-                assert refused >= 20, results       # the pipe and max_waiting hold the rest
+                assert 0 < refused == len(results), results     # the pipe and max_waiting hold the rest
                 assert c.stall() is None            # not yet: under engine_stall_timeout_s
                 assert wait_for(lambda: c.stall() is not None, timeout=10, interval=0.1)
                 assert "has not answered" in c.stall()
@@ -291,7 +294,8 @@ def test_a_stopped_engine_process_stalls_no_probe_and_livez_says_it_is_stuck():
     from server_util import LivezProbe, sample, warm
 
     stall_s, stop_s = 3, 20
-    server = start_server({"REALIZAR_CONTEXT_LENGTH": "8192", "REALIZAR_ENGINE_STALL_TIMEOUT_S": str(stall_s)})
+    server = start_server({"REALIZAR_CONTEXT_LENGTH": "8192", "REALIZAR_ENGINE_STALL_TIMEOUT_S": str(stall_s),
+                           "REALIZAR_PREFILL_CHUNK_TOKENS": "256"})      # resumed, it meets the cancels soon
     try:
         engine = _engine_process(server)
         warm(server)
@@ -334,7 +338,7 @@ def test_a_stopped_engine_process_stalls_no_probe_and_livez_says_it_is_stuck():
         # every request was answered (none hung); those refused can retry
         assert len(answers) == 60 and all(s in (503, "timeout") for s, _ in answers), answers
         refused = [ra for s, ra in answers if s == 503]
-        assert len(refused) >= 30 and all(ra and int(ra) >= 1 for ra in refused), answers
+        assert len(refused) >= 10 and all(ra and int(ra) >= 1 for ra in refused), answers
         assert max(t for _, t in slow) < 1.0, slow
         assert wait_for(lambda: httpx.get(server.url + "/readyz", timeout=10).status_code == 200, 10)
         m = lambda: server.metrics()
