@@ -19,7 +19,7 @@ def mat(qtype: Q, rows: int, cols: int, name: str = "w") -> WeightRef:
 
 def dense(types: dict[str, Q], layers: int = 2, hidden: int = 1536, q_dim: int = 1536, kv_dim: int = 256,
           ffn: int = 8960, vocab: int = 151936, head: Q = Q.Q6_K):
-    """A dense model's projection groups (model/dense.py projections) and LM head, with the types
+    """A dense model's projection groups (model/transformer.py projections) and LM head, with the types
     given per role (missing roles: Q4_K)."""
     t = {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q4_K, "o": Q.Q4_K, "gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q4_K, **types}
     groups = []

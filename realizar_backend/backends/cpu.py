@@ -33,7 +33,7 @@ def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:
 
 
 class _Dequantized:
-    """The model's loader (model/dense.py Loader): every tensor as float32, dequantized once."""
+    """The model's loader (model/transformer.py Loader): every tensor as float32, dequantized once."""
 
     def __init__(self, model: ModelFile, advance: Callable[[int], None]):
         self.file, self.advance = model, advance
@@ -104,6 +104,24 @@ class CpuOps:
         h = rms_norm(x, norm, self.c.rms_eps)
         return _ACT[act](h @ gate.T) * (h @ up.T)
 
+    def norm_moe_residual(self, x, norm, e) -> np.ndarray:
+        h = rms_norm(x, norm, self.c.rms_eps)
+        z = (h @ e.router.T).astype(np.float64)
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argsort(-p, axis=1, kind="stable")[:, :e.top_k]          # ties: the lower index
+        w = np.take_along_axis(p, top, axis=1)
+        if e.renormalize:
+            w /= w.sum(axis=1, keepdims=True)
+        w = w.astype(np.float32)
+        out = np.zeros_like(x)
+        act = _ACT[e.act]
+        for ex in np.unique(top):                   # each chosen expert over the rows that chose it
+            rows, k = np.nonzero(top == ex)
+            hr = h[rows]
+            out[rows] += w[rows, k, None] * ((act(hr @ e.gate[ex].T) * (hr @ e.up[ex].T)) @ e.down[ex].T)
+        return x + out
+
     def logits(self, x, norm, w) -> np.ndarray:
         return rms_norm(x[self.bounds[1:] - 1], norm, self.c.rms_eps) @ w.T
 
@@ -154,7 +172,8 @@ class CPUBackend:
 
     def weight_bytes(self) -> int:
         m = self.model
-        arrays = {id(a): a for lw in m.layers for a in vars(lw).values() if isinstance(a, np.ndarray)}
+        blocks = [b for layer in m.layers for b in (layer.attention, layer.ffn)]
+        arrays = {id(a): a for b in blocks for a in vars(b).values() if isinstance(a, np.ndarray)}
         arrays.update({id(a): a for a in (m.tok_embd, m.output, m.output_norm)})
         return sum(a.nbytes for a in arrays.values())
 

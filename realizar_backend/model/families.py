@@ -1,15 +1,15 @@
-"""Architecture -> the model file that defines it. A new architecture is a model file and a row
-here (and its tensor names and flags in arch.py / config.py)."""
+"""Architecture -> the model that defines it (model/transformer.py). A new architecture is its
+layer's blocks there and a row here (and its tensor names and flags in arch.py / config.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .config import ModelConfig
-from .dense import DenseTransformer, Loader
+from .transformer import DenseTransformer, Loader, MoeTransformer
 
 FAMILIES = {"llama": DenseTransformer, "qwen2": DenseTransformer, "qwen3": DenseTransformer,
-            "gemma3": DenseTransformer}
+            "gemma3": DenseTransformer, "qwen3moe": MoeTransformer}
 
 
 def build_model(config: ModelConfig, loader: Loader) -> Any:

@@ -1,6 +1,6 @@
 """The operations a model is written in, and what each means.
 
-A model file (dense.py) calls these on an `Ops` object for one step; a backend implements them:
+A model (transformer.py) calls these on an `Ops` object for one step; a backend implements them:
 the NumPy backend as the plain math of model/math.py, the CUDA backend as kernel launches (fused
 where a kernel does several at once, on the kernel its matrix-multiply dispatcher picks). Values
 are the backend's own: NumPy arrays on the CPU, workspace buffers on the GPU. A step covers T
@@ -10,7 +10,8 @@ The fusions are named operations, so a backend that fuses them needs no second c
 - norm_linear: RMSNorm then one or more projections of the normed rows (Q, K and V share one);
 - linear_residual: a projection added into the residual stream (through a post-norm where the
   model has one, gemma3);
-- norm_gated_mlp: RMSNorm then act(gate) * up.
+- norm_gated_mlp: RMSNorm then act(gate) * up;
+- norm_moe_residual: RMSNorm, the router and the chosen experts' MLPs, into the residual.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class Ops(Protocol):
 
     def norm_gated_mlp(self, x: Any, norm: Any, gate: Any, up: Any, act: str) -> Any:
         """h = RMSNorm(x) * norm; act(h @ gate.T) * (h @ up.T) (act: "silu" | "gelu_tanh")."""
+
+    def norm_moe_residual(self, x: Any, norm: Any, experts: Any) -> Any:
+        """h = RMSNorm(x) * norm; each row's router probabilities softmax(h @ router.T), its top_k
+        experts e (their probabilities p_e renormalised to sum to one where experts.renormalize);
+        x + sum_e p_e * down_e(act(h @ gate_e.T) * (h @ up_e.T)) (model/transformer.py Experts)."""
 
     def logits(self, x: Any, norm: Any, w: Any) -> Any:
         """RMSNorm(x) * norm @ w.T at the last row of each sequence of the step (a decode step's

@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 
 from ... import timeline
-from ...errors import BackendError
+from ...errors import BackendError, UnsupportedModelError
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
@@ -66,6 +66,9 @@ class CUDABackend:
         the reference the tests compare them with."""
         self.settings = settings or Settings()
         c = self.config = model.config
+        if c.n_experts:
+            raise UnsupportedModelError(model.path, f"{c.arch}: the GPU backend does not run mixture-of-experts "
+                                                    "models yet (REALIZAR_BACKEND=cpu runs it)")
         self.max_slots = max_slots or self.settings.max_num_seqs
         want = max_context or self.settings.context_length or c.context_length
         self.max_context = min(want, c.context_length) if c.context_length else want

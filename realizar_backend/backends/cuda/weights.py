@@ -29,7 +29,7 @@ _ALIGN = 256   # every tensor starts 256-byte aligned: the decoders rely on 16-b
 
 
 class DeviceWeights:
-    """The model's loader (model/dense.py Loader) on the GPU: matrix() plans a matrix's place in the
+    """The model's loader (model/transformer.py Loader) on the GPU: matrix() plans a matrix's place in the
     arena and returns its WeightRef, whose pointer upload() fills; vector() uploads a vector."""
 
     def __init__(self, model: ModelFile, kernels: Kernels):
