@@ -23,6 +23,7 @@ CASES = {
     "qwen3": ("qwen3", {}, 3, STEPS),
     "gemma3": ("gemma3", {}, 3, STEPS),
     "qwen3moe": ("qwen3_moe", {}, 3, STEPS),
+    "gpt-oss": ("gpt_oss", {}, 3, STEPS),
     # Gemma 3 27B scales its queries by 1/sqrt(hidden / heads) (168), not 1/sqrt(head_dim) (128).
     # GGUF has no key for that: llama.cpp tells the model by its 62 layers, and so must a reader.
     # One prompt and a few steps: the reference takes a second per step through 62 layers.
@@ -31,7 +32,7 @@ CASES = {
 }
 SAFETENSORS = ("llama", "qwen2", "qwen3")     # the architectures our safetensors loader reads
 # Converted and opened, not run yet: the loader must say so by name.
-NOT_YET = ("gpt_oss", "qwen3_5", "qwen3_5_moe")
+NOT_YET = ("qwen3_5", "qwen3_5_moe")
 
 # Longer than gemma3's tiny sliding window (8 positions), so that it matters from the prompt on.
 PROMPTS = [

@@ -17,7 +17,7 @@ from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig
 from ..model.families import build_model
-from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
+from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu, swiglu_oai
 from ..model.ops import AttentionSpec
 from ..progress import progress
 from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
@@ -49,7 +49,8 @@ class _Dequantized:
         return self.file.get(name) is not None
 
 
-_ACT = {"silu": silu, "gelu_tanh": gelu_tanh}
+# act(gate, up) of a gated MLP, by the model's activation
+_GATED = {"silu": lambda g, u: silu(g) * u, "gelu_tanh": lambda g, u: gelu_tanh(g) * u, "swiglu_oai": swiglu_oai}
 
 
 class CpuOps:
@@ -74,7 +75,7 @@ class CpuOps:
         T = y.shape[0]
         return rms_norm(y.reshape(T, -1, w.size), w, self.c.rms_eps).reshape(T, -1)
 
-    def attention(self, q, k, v, spec: AttentionSpec) -> np.ndarray:
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None) -> np.ndarray:
         c, T, D = self.c, q.shape[0], self.c.head_dim
         q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
         r = spec.rope
@@ -91,22 +92,22 @@ class CpuOps:
             kc = kp[self.reads[j]].reshape(-1, c.n_kv_heads, D)[:L]
             vc = vp[self.reads[j]].reshape(-1, c.n_kv_heads, D)[:L]
             out[a:b] = attention(q[a:b], kc.astype(np.float32, copy=False), vc.astype(np.float32, copy=False),
-                                 self.pos[a:b], spec.scale, spec.window)
+                                 self.pos[a:b], spec.scale, spec.window, sinks)
         return out
 
-    def linear_residual(self, a, w, x, post_norm) -> np.ndarray:
-        o = a @ w.T
+    def linear_residual(self, a, w, x, post_norm, bias=None) -> np.ndarray:
+        o = a @ w.T if bias is None else a @ w.T + bias
         if post_norm is not None:
             o = rms_norm(o, post_norm, self.c.rms_eps)
         return x + o
 
     def norm_gated_mlp(self, x, norm, gate, up, act: str) -> np.ndarray:
         h = rms_norm(x, norm, self.c.rms_eps)
-        return _ACT[act](h @ gate.T) * (h @ up.T)
+        return _GATED[act](h @ gate.T, h @ up.T)
 
     def norm_moe_residual(self, x, norm, e) -> np.ndarray:
         h = rms_norm(x, norm, self.c.rms_eps)
-        z = (h @ e.router.T).astype(np.float64)
+        z = (h @ e.router.T if e.router_bias is None else h @ e.router.T + e.router_bias).astype(np.float64)
         p = np.exp(z - z.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
         top = np.argsort(-p, axis=1, kind="stable")[:, :e.top_k]          # ties: the lower index
@@ -115,11 +116,16 @@ class CpuOps:
             w /= w.sum(axis=1, keepdims=True)
         w = w.astype(np.float32)
         out = np.zeros_like(x)
-        act = _ACT[e.act]
+        gated = _GATED[e.act]
+
+        def proj(m, bias, ex, rows):
+            return rows @ m[ex].T if bias is None else rows @ m[ex].T + bias[ex]
+
         for ex in np.unique(top):                   # each chosen expert over the rows that chose it
             rows, k = np.nonzero(top == ex)
             hr = h[rows]
-            out[rows] += w[rows, k, None] * ((act(hr @ e.gate[ex].T) * (hr @ e.up[ex].T)) @ e.down[ex].T)
+            a = gated(proj(e.gate, e.gate_bias, ex, hr), proj(e.up, e.up_bias, ex, hr))
+            out[rows] += w[rows, k, None] * proj(e.down, e.down_bias, ex, a)
         return x + out
 
     def logits(self, x, norm, w) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,7 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     # gemma3 only
-    activation: str = "silu"     # silu | gelu_tanh
+    activation: str = "silu"     # silu | gelu_tanh | swiglu_oai (gpt-oss: clamped, math.swiglu_oai)
     embed_scale: float = 1.0     # gemma multiplies embeddings by sqrt(hidden)
     post_norms: bool = False     # gemma: norms after attention and FFN outputs
     sliding_window: int = 0      # 0 = full attention everywhere
@@ -202,9 +203,18 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freq
                    sliding_pattern=6,
                    rope_theta_local=m.number(a + "rope.freq_base_swa", 10000.0, positive=True),
                    attn_scale=(hidden / n_heads) ** -0.5 if n_layers == GEMMA3_27B_LAYERS else 0.0)
+    if arch == "gpt-oss":
+        # layers alternate sliding (even) and full attention; YaRN on every layer with its ramp
+        # corners unrounded (the model's config, transformers' truncate=False); a feed-forward of
+        # experts with the clamped SwiGLU. None of these is in the GGUF metadata.
+        rs = cfg["rope_scaling"]
+        cfg.update(activation="swiglu_oai", sliding_pattern=2,
+                   sliding_window=m.integer(a + "attention.sliding_window", required=True, lo=1, hi=MAX_CONTEXT),
+                   rope_scaling=dataclasses.replace(rs, truncate=False) if rs and rs.kind == "yarn" else rs)
     if spec.experts:
         n = m.integer(a + "expert_count", required=True, lo=1, hi=MAX_EXPERTS)
-        # qwen3moe's router always renormalises its top k (llama.cpp's norm_w for this arch)
+        # the routers of qwen3moe and gpt-oss renormalise their top k (llama.cpp's norm_w; gpt-oss's
+        # softmax over the top k logits is the same thing)
         cfg.update(n_experts=n, n_experts_used=m.integer(a + "expert_used_count", required=True, lo=1, hi=n),
                    expert_ffn_dim=m.integer(a + "expert_feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
                    expert_renormalize=m.boolean(a + "expert_weights_norm", True))

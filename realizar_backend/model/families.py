@@ -9,7 +9,7 @@ from .config import ModelConfig
 from .transformer import DenseTransformer, Loader, MoeTransformer
 
 FAMILIES = {"llama": DenseTransformer, "qwen2": DenseTransformer, "qwen3": DenseTransformer,
-            "gemma3": DenseTransformer, "qwen3moe": MoeTransformer}
+            "gemma3": DenseTransformer, "qwen3moe": MoeTransformer, "gpt-oss": MoeTransformer}
 
 
 def build_model(config: ModelConfig, loader: Loader) -> Any:

@@ -84,11 +84,25 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU: gate clamped from above and up both ways at SWIGLU_LIMIT, then
+    gate * sigmoid(SWIGLU_ALPHA * gate) * (up + 1)."""
+    g = np.minimum(gate, SWIGLU_LIMIT)
+    u = np.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    with np.errstate(over="ignore"):
+        return g / (1.0 + np.exp(-SWIGLU_ALPHA * g)) * (u + 1.0)
+
+
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,
-              window: int = 0) -> np.ndarray:
+              window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """q: [T, H, D] at absolute positions q_pos; k, v: [S, KVH, D] for positions 0..S-1.
     Causal (and sliding-window when window > 0) softmax attention with grouped KV heads (the
-    products as batched matrix products: BLAS, so long prompts stay affordable)."""
+    products as batched matrix products: BLAS, so long prompts stay affordable). sinks [H]: one more
+    logit per head in each row's softmax, whose probability goes nowhere (gpt-oss)."""
     T, H, D = q.shape
     kvh = k.shape[1]
     group = H // kvh
@@ -99,8 +113,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
     if window:
         mask |= kpos[None, :] <= q_pos[:, None] - window
     scores += np.where(mask, np.float32(-np.inf), np.float32(0.0))      # [T, S], broadcast
-    scores -= scores.max(axis=-1, keepdims=True)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float32).reshape(kvh, group, 1, 1)
+        top = np.maximum(top, sink)
+    scores -= top
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    total = scores.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sink - top)
+    scores /= total
     out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])                  # [KVH, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32)

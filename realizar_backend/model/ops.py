@@ -52,21 +52,23 @@ class Ops(Protocol):
     def head_norm(self, y: Any, w: Any) -> Any:
         """RMSNorm of each head of y (rows of heads of len(w) values) times w."""
 
-    def attention(self, q: Any, k: Any, v: Any, spec: AttentionSpec) -> Any:
+    def attention(self, q: Any, k: Any, v: Any, spec: AttentionSpec, sinks: Any | None = None) -> Any:
         """RoPE on q and k; k and v written to the layer's KV cache at each row's position; each
         row attends (causal, within spec.window) to its sequence's cached positions up to its own,
-        grouped KV heads; returns the rows of the heads' outputs."""
+        grouped KV heads (sinks: one more logit per head in the softmax, attending nowhere);
+        returns the rows of the heads' outputs."""
 
-    def linear_residual(self, a: Any, w: Any, x: Any, post_norm: Any | None) -> Any:
-        """x + (a @ w.T), or x + RMSNorm(a @ w.T) * post_norm: the new residual stream."""
+    def linear_residual(self, a: Any, w: Any, x: Any, post_norm: Any | None, bias: Any | None = None) -> Any:
+        """x + (a @ w.T + bias), or x + RMSNorm(a @ w.T + bias) * post_norm: the new residual stream."""
 
     def norm_gated_mlp(self, x: Any, norm: Any, gate: Any, up: Any, act: str) -> Any:
         """h = RMSNorm(x) * norm; act(h @ gate.T) * (h @ up.T) (act: "silu" | "gelu_tanh")."""
 
     def norm_moe_residual(self, x: Any, norm: Any, experts: Any) -> Any:
-        """h = RMSNorm(x) * norm; each row's router probabilities softmax(h @ router.T), its top_k
-        experts e (their probabilities p_e renormalised to sum to one where experts.renormalize);
-        x + sum_e p_e * down_e(act(h @ gate_e.T) * (h @ up_e.T)) (model/transformer.py Experts)."""
+        """h = RMSNorm(x) * norm; each row's router probabilities softmax(h @ router.T + router_bias),
+        its top_k experts e (their probabilities p_e renormalised to sum to one where
+        experts.renormalize); x + sum_e p_e * down_e(act(h @ gate_e.T, h @ up_e.T)), each projection
+        with its expert's bias where it has one (model/transformer.py Experts)."""
 
     def logits(self, x: Any, norm: Any, w: Any) -> Any:
         """RMSNorm(x) * norm @ w.T at the last row of each sequence of the step (a decode step's

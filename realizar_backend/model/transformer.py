@@ -1,16 +1,17 @@
 """The models, written once: the blocks a layer is made of and the layer of every family.
 
     x = embed(tokens) * embed_scale
-    dense (llama, qwen2, qwen3, gemma3):  x = attention(x);  x = mlp(x)
-    mixture of experts (qwen3moe):        x = attention(x);  x = experts(x)
+    dense (llama, qwen2, qwen3, gemma3):        x = attention(x);  x = mlp(x)
+    mixture of experts (qwen3moe, gpt-oss):    x = attention(x);  x = experts(x)
     logits = RMSNorm(x) @ output.T
 
-attention: RMSNorm -> q, k, v (biases: qwen2) -> per-head q/k norms (qwen3, gemma3) -> RoPE and the
-KV cache -> attention (a sliding window on gemma3's local layers) -> output projection into the
-residual (through a post-norm: gemma3). mlp: RMSNorm -> act(gate) * up -> down into the residual
-(post-norm: gemma3). experts: RMSNorm -> the router's softmax picks each token's top k experts ->
-their SwiGLU MLPs, weighted by the routing probabilities (renormalised over the k), into the
-residual. The optional tensors are the differences between the architectures.
+attention: RMSNorm -> q, k, v (biases: qwen2, gpt-oss) -> per-head q/k norms (qwen3, gemma3) -> RoPE
+and the KV cache -> attention (a sliding window on gemma3's local and gpt-oss's even layers; a sink
+logit per head: gpt-oss) -> output projection (bias: gpt-oss) into the residual (through a post-norm:
+gemma3). mlp: RMSNorm -> act(gate) * up -> down into the residual (post-norm: gemma3). experts:
+RMSNorm -> the router's softmax (bias: gpt-oss) picks each token's top k experts -> their gated MLPs
+(biases and the clamped SwiGLU: gpt-oss), weighted by the routing probabilities renormalised over
+the k, into the residual. The optional tensors are the differences between the architectures.
 
 Weights are whatever the backend keeps (NumPy arrays, device pointers): `load` asks the backend's
 loader for each tensor by its GGUF name. The operations are model/ops.py's.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .arch import ARCHITECTURES
 from .config import ModelConfig
 from .ops import AttentionSpec, Ops, Rope
 
@@ -54,8 +56,10 @@ class Attention:
     bq: Any = None
     bk: Any = None
     bv: Any = None
+    bo: Any = None
     q_norm: Any = None
     k_norm: Any = None
+    sinks: Any = None
     post_norm: Any = None
 
     @classmethod
@@ -64,15 +68,16 @@ class Attention:
         opt = _optional(ld, b)
         return cls(attention_spec(c, i), ld.vector(b + "attn_norm.weight"), ld.matrix(b + "attn_q.weight"),
                    ld.matrix(b + "attn_k.weight"), ld.matrix(b + "attn_v.weight"), ld.matrix(b + "attn_output.weight"),
-                   opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias"), opt("attn_q_norm.weight"),
-                   opt("attn_k_norm.weight"), opt("post_attention_norm.weight"))
+                   opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias"), opt("attn_output.bias"),
+                   opt("attn_q_norm.weight"), opt("attn_k_norm.weight"), opt("attn_sinks.weight"),
+                   opt("post_attention_norm.weight") if c.post_norms else None)
 
     def __call__(self, ops: Ops, x: Any) -> Any:
         q, k, v = ops.norm_linear(x, self.norm, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         if self.q_norm is not None:
             q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
-        o = ops.attention(q, k, v, self.spec)
-        return ops.linear_residual(o, self.wo, x, self.post_norm)
+        o = ops.attention(q, k, v, self.spec, self.sinks)
+        return ops.linear_residual(o, self.wo, x, self.post_norm, self.bo)
 
     def projections(self) -> list[tuple[str, tuple]]:
         return [("linear", (self.wq, self.wk, self.wv)), ("linear", (self.wo,))]
@@ -91,7 +96,8 @@ class MLP:
     def load(cls, c: ModelConfig, i: int, ld: Loader) -> "MLP":
         b = f"blk.{i}."
         return cls(ld.vector(b + "ffn_norm.weight"), ld.matrix(b + "ffn_gate.weight"), ld.matrix(b + "ffn_up.weight"),
-                   ld.matrix(b + "ffn_down.weight"), c.activation, _optional(ld, b)("post_ffw_norm.weight"))
+                   ld.matrix(b + "ffn_down.weight"), c.activation,
+                   _optional(ld, b)("post_ffw_norm.weight") if c.post_norms else None)
 
     def __call__(self, ops: Ops, x: Any) -> Any:
         a = ops.norm_gated_mlp(x, self.norm, self.gate, self.up, self.act)
@@ -103,9 +109,9 @@ class MLP:
 
 @dataclass
 class Experts:
-    """n experts' SwiGLU MLPs stacked: gate and up [n, ffn, hidden], down [n, hidden, ffn]; the
-    router [n, hidden]; each token takes the top_k (renormalize: their probabilities rescaled to
-    sum to one)."""
+    """n experts' gated MLPs stacked: gate and up [n, ffn, hidden], down [n, hidden, ffn] (biases
+    [n, ffn] and [n, hidden] where the model has them); the router [n, hidden] (+ bias [n]); each
+    token takes the top_k (renormalize: their probabilities rescaled to sum to one)."""
     norm: Any
     router: Any
     gate: Any
@@ -114,13 +120,20 @@ class Experts:
     top_k: int
     renormalize: bool
     act: str
+    router_bias: Any = None
+    gate_bias: Any = None
+    up_bias: Any = None
+    down_bias: Any = None
 
     @classmethod
     def load(cls, c: ModelConfig, i: int, ld: Loader) -> "Experts":
         b = f"blk.{i}."
-        return cls(ld.vector(b + "ffn_norm.weight"), ld.matrix(b + "ffn_gate_inp.weight"),
+        opt = _optional(ld, b)
+        return cls(ld.vector(b + ARCHITECTURES[c.arch].ffn_norm), ld.matrix(b + "ffn_gate_inp.weight"),
                    ld.matrix(b + "ffn_gate_exps.weight"), ld.matrix(b + "ffn_up_exps.weight"),
-                   ld.matrix(b + "ffn_down_exps.weight"), c.n_experts_used, c.expert_renormalize, c.activation)
+                   ld.matrix(b + "ffn_down_exps.weight"), c.n_experts_used, c.expert_renormalize, c.activation,
+                   opt("ffn_gate_inp.bias"), opt("ffn_gate_exps.bias"), opt("ffn_up_exps.bias"),
+                   opt("ffn_down_exps.bias"))
 
     def __call__(self, ops: Ops, x: Any) -> Any:
         return ops.norm_moe_residual(x, self.norm, self)
