@@ -4,6 +4,7 @@ field here, filled from `REALIZAR_<FIELD>` environment variables or set by the c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -34,6 +35,12 @@ def _parse(kind: Any, raw: str):
         return raw or None
     return raw
 
+
+# REALIZAR_* variables that are not settings: the test suite's and the GPU tools' own (tests/,
+# tools/device_check.sh). Any other unknown REALIZAR_* name stops the start, so that a misspelt
+# setting is never ignored silently
+NOT_SETTINGS_PREFIXES = ("REALIZAR_TEST_",)
+NOT_SETTINGS = frozenset({"REALIZAR_TWINS", "REALIZAR_REAL_SMOL"})
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str, type(None))}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -107,6 +114,23 @@ class Settings:
     # own, so that the server's HTTP and streaming work never holds up a step's launches (the GIL);
     # off: the engine runs on a thread of the worker process
     engine_process: bool = True
+    # a worker whose engine process answers no heartbeat, or has requests and completes no step,
+    # for this long is stuck: /livez and /readyz turn 503 until it moves again. Above the longest
+    # step the engine may take (a prefill chunk of a large model on the CPU)
+    engine_stall_timeout_s: float = 60.0
+    # HTTP connections (serving/connections.py): a client must send a request's headers within
+    # read_timeout_s of connecting (or of its previous response), and its body within as long
+    # again, else 408 and the connection closes; headers larger than max_header_bytes get 431;
+    # past max_connections open connections a new one closes the one that has waited longest
+    # for its request (or gets 503 when every connection is a request being served). 0: the
+    # process's open-file limit less serving/connections.py's FD_RESERVE
+    read_timeout_s: float = 30.0
+    max_header_bytes: int = 64 << 10
+    max_connections: int = 0
+    # BLAS threads of the CPU backend's process (NumPy's matrix multiplies); 0: one per core this
+    # process may run on less one, which the server's own work keeps (BLAS threads beyond the free
+    # cores spin while they wait and slow every step: backends/__init__.py's cpu_threads)
+    cpu_threads: int = 0
 
     ENV_PREFIX = "REALIZAR_"
 
@@ -120,6 +144,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Settings":
         env = os.environ if environ is None else environ
+        cls._refuse_unknown(env)
         values: dict[str, Any] = {}
         for f in fields(cls):
             key = cls.env_name(f.name)
@@ -130,6 +155,19 @@ class Settings:
                     raise SettingsError(f"{key}={env[key]!r}: {e}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    @classmethod
+    def _refuse_unknown(cls, env) -> None:
+        """A REALIZAR_* variable that names no setting is a typo until shown otherwise: stop with
+        the nearest setting's name, as the API answers an unknown field."""
+        known = [cls.env_name(f.name) for f in fields(cls)]
+        for key in sorted(env):
+            if (not key.startswith(cls.ENV_PREFIX) or key in known or key in NOT_SETTINGS
+                    or key.startswith(NOT_SETTINGS_PREFIXES)):
+                continue
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else " (docs/serving.md lists them)"
+            raise SettingsError(f"{key}: no such setting{hint}")
 
     def _bad(self, name: str, why: str) -> SettingsError:
         shown = "<hidden>" if name == "api_key" else repr(getattr(self, name))
@@ -184,6 +222,12 @@ class Settings:
         at_least("shutdown_grace_s", 0)
         one_of("prefill_weight_cache", "auto", "on", "off")
         at_least("workers", 0, 256)
+        for name in ("engine_stall_timeout_s", "read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise self._bad(name, "must be greater than 0")
+        at_least("max_header_bytes", 1024, 1 << 24)
+        at_least("max_connections", 0, 1 << 20)
+        at_least("cpu_threads", 0, 1024)
         if self.log_level.upper() not in _LOG_LEVELS:
             raise self._bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
 
