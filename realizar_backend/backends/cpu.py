@@ -127,6 +127,9 @@ class CpuOps:
             hr = h[rows]
             a = gated(proj(e.gate, e.gate_bias, ex, hr), proj(e.up, e.up_bias, ex, hr))
             out[rows] += w[rows, k, None] * proj(e.down, e.down_bias, ex, a)
+        if e.shared_gate is not None:
+            shared = _GATED[e.act](h @ e.shared_gate.T, h @ e.shared_up.T) @ e.shared_down.T
+            out += _sigmoid(h @ e.shared_router.T) * shared
         return x + out
 
     def split_heads(self, y, parts: int) -> tuple:

@@ -45,6 +45,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen35": ArchSpec("qwen35", "neox", ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight",
                                           "ffn_up.weight", "ffn_down.weight"),
                        recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
+    "qwen35moe": ArchSpec("qwen35moe", "neox", ("attn_norm.weight", "post_attention_norm.weight") + _EXPERTS[1:],
+                          experts=True, recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
 }
 
 # transformers' `architectures` entries -> canonical arch

@@ -68,7 +68,8 @@ class Ops(Protocol):
         """h = RMSNorm(x) * norm; each row's router probabilities softmax(h @ router.T + router_bias),
         its top_k experts e (their probabilities p_e renormalised to sum to one where
         experts.renormalize); x + sum_e p_e * down_e(act(h @ gate_e.T, h @ up_e.T)), each projection
-        with its expert's bias where it has one (model/transformer.py Experts)."""
+        with its expert's bias where it has one; plus sigmoid(h @ shared_router.T) times the shared
+        expert's SwiGLU MLP of h where the model has one (model/transformer.py Experts)."""
 
     def split_heads(self, y: Any, parts: int) -> tuple:
         """Rows of heads whose each head is `parts` equal pieces [p0 | p1 | ...] -> the rows of the

@@ -4,6 +4,7 @@
     dense (llama, qwen2, qwen3, gemma3):        x = attention(x);  x = mlp(x)
     mixture of experts (qwen3moe, gpt-oss):    x = attention(x);  x = experts(x)
     linear-attention hybrid (qwen35):          x = delta_net(x) or gated_attention(x);  x = mlp(x)
+    hybrid mixture of experts (qwen35moe):     x = delta_net(x) or gated_attention(x);  x = experts(x)
     logits = RMSNorm(x) @ output.T
 
 attention: RMSNorm -> q, k, v (biases: qwen2, gpt-oss) -> per-head q/k norms (qwen3, gemma3) -> RoPE
@@ -12,7 +13,7 @@ logit per head: gpt-oss) -> output projection (bias: gpt-oss) into the residual 
 gemma3). mlp: RMSNorm -> act(gate) * up -> down into the residual (post-norm: gemma3). experts:
 RMSNorm -> the router's softmax (bias: gpt-oss) picks each token's top k experts -> their gated MLPs
 (biases and the clamped SwiGLU: gpt-oss), weighted by the routing probabilities renormalised over
-the k, into the residual. delta_net (Gated DeltaNet: three of every four qwen35 layers): RMSNorm ->
+the k, plus a shared expert gated by sigmoid (qwen35moe), into the residual. delta_net (Gated DeltaNet: three of every four qwen35 layers): RMSNorm ->
 the mixed q|k|v rows, the output gate z, beta and alpha -> a short causal convolution, then the
 gated delta rule over a fixed-size state per sequence -> RMSNorm of each head times silu(z) -> the
 output projection into the residual. gated_attention (qwen35's other layers): attention whose q
@@ -131,6 +132,11 @@ class Experts:
     gate_bias: Any = None
     up_bias: Any = None
     down_bias: Any = None
+    # a shared expert every token takes (qwen35moe), weighted by sigmoid(h @ shared_router.T)
+    shared_gate: Any = None
+    shared_up: Any = None
+    shared_down: Any = None
+    shared_router: Any = None
 
     @classmethod
     def load(cls, c: ModelConfig, i: int, ld: Loader) -> "Experts":
@@ -140,13 +146,17 @@ class Experts:
                    ld.matrix(b + "ffn_gate_exps.weight"), ld.matrix(b + "ffn_up_exps.weight"),
                    ld.matrix(b + "ffn_down_exps.weight"), c.n_experts_used, c.expert_renormalize, c.activation,
                    opt("ffn_gate_inp.bias"), opt("ffn_gate_exps.bias"), opt("ffn_up_exps.bias"),
-                   opt("ffn_down_exps.bias"))
+                   opt("ffn_down_exps.bias"), *(ld.matrix(b + n) if ld.has(b + n) else None for n in (
+                       "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+                       "ffn_gate_inp_shexp.weight")))
 
     def __call__(self, ops: Ops, x: Any) -> Any:
         return ops.norm_moe_residual(x, self.norm, self)
 
     def projections(self) -> list[tuple[str, tuple]]:
-        return [("router", (self.router,)), ("experts", (self.gate, self.up, self.down))]
+        shared = [("shared", (self.shared_gate, self.shared_up, self.shared_down, self.shared_router))] \
+            if self.shared_gate is not None else []
+        return [("router", (self.router,)), ("experts", (self.gate, self.up, self.down))] + shared
 
 
 class GatedAttention(Attention):
@@ -267,3 +277,7 @@ class HybridTransformer(Transformer):
     @staticmethod
     def mixer(c: ModelConfig, i: int) -> type:
         return DeltaNet if c.is_recurrent(i) else GatedAttention
+
+
+class HybridMoeTransformer(HybridTransformer):
+    FFN = Experts

@@ -31,7 +31,6 @@ import numpy as np
 
 from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes
 from .modules import MMQ_BN, mmq_smem_bytes
-from . import pdl as _pdl
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
 

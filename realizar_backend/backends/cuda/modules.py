@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import cupy
-from gguf import GGMLQuantizationType as Q
 
 from ...formats.gpu_layout import REGROUPED
 from .matrices import QTYPES

@@ -13,7 +13,7 @@ import numpy as np
 from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
-from .matrices import QTYPES, WeightRef  # noqa: F401  (WeightRef: the launchers' matrices)
+from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
