@@ -5,8 +5,8 @@ The engine-to-GPU mapping is plain logic, tested here for N GPUs without one. Th
 engine processes (the NumPy backend, SmolLM2): a group's text equals one engine's, requests in
 flight spread evenly, a prompt whose head an engine served goes back to it (and hits its prefix
 cache), and an engine that dies ends its own streams while the others serve on. Then a real
-`bentoml serve` with two engines: /metrics adds up what both served and names each engine's
-state, and killing one leaves a server that answers every request."""
+`bentoml serve` with two engines: /metrics shows what each served, adding up to what was sent,
+and names each engine's state; killing one leaves a server that answers every request."""
 
 from __future__ import annotations
 
@@ -246,6 +246,10 @@ def test_two_engines_behind_one_front_end_serve_and_one_may_die():
         assert delta("realizar_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
         assert delta("realizar_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
         assert delta("realizar_engine_steps_total", kind="decode") > 0
+        # each engine's series: both served, about evenly (least in flight first)
+        per = [sum(delta("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
+               for e in ("1", "2")]
+        assert sum(per) == len(usages) and min(per) >= len(usages) // 3, per
 
         server.engines()[1].kill()                   # the OOM killer takes engine 2
         assert wait_for(lambda: server.engine_statuses().get("2") == ("cpu", "dead"), 30), server.log_tail()

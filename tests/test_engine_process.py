@@ -173,7 +173,7 @@ def test_a_server_whose_engine_process_dies_ends_its_streams_and_stands_aside():
 
 
 def _counter(registry, name: str, **labels) -> float:
-    return registry.get_sample_value(name, {"worker": "1", **labels}) or 0.0
+    return registry.get_sample_value(name, {"engine": "1", "worker": "1", **labels}) or 0.0
 
 
 def test_a_stopped_engine_never_blocks_the_caller_and_says_it_is_stuck():
@@ -248,7 +248,7 @@ def test_a_killed_engine_counts_its_sequences_as_errors_and_zeroes_its_gauges():
 
     registry = CollectorRegistry()
     metrics = Metrics(registry=registry)
-    c = EngineClient.start(SETTINGS, observer=metrics)
+    c = EngineClient.start(SETTINGS, observer=metrics.engine(1))
     try:
         async def four():
             running = []
@@ -262,13 +262,14 @@ def test_a_killed_engine_counts_its_sequences_as_errors_and_zeroes_its_gauges():
             return await asyncio.gather(*[_long_stream(c, f"k{i}", 3, kill_when_all_run) for i in range(4)],
                                         return_exceptions=True)
 
-        wait_for(lambda: registry.get_sample_value("realizar_requests_running", {"worker": "1"}) is not None, 10)
+        mine = {"engine": "1", "worker": "1"}
+        wait_for(lambda: registry.get_sample_value("realizar_requests_running", mine) is not None, 10)
         outcomes = asyncio.run(asyncio.wait_for(four(), timeout=60))
         assert all(isinstance(o, CapacityError) for o in outcomes), outcomes
         assert _counter(registry, "realizar_requests_total", finish_reason="error") == 4
         assert _counter(registry, "realizar_generation_tokens_total") >= 4 * 3
         for gauge in ("realizar_requests_running", "realizar_requests_waiting", "realizar_kv_cache_used_blocks"):
-            assert registry.get_sample_value(gauge, {"worker": "1"}) == 0, gauge
+            assert registry.get_sample_value(gauge, mine) == 0, gauge
     finally:
         c.shutdown()
 

@@ -68,29 +68,10 @@ def merge_stats(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-class _MemberObserver:
-    """An engine's observer: its request and token events go to the front end's metrics as they
-    are; its reports are merged with the other engines' first."""
-
-    def __init__(self, group: "EngineGroup", index: int):
-        self.group, self.index = group, index
-
-    def on_request_finished(self, *args) -> None:
-        self.group.observer.on_request_finished(*args)
-
-    def on_token_interval(self, seconds: float) -> None:
-        self.group.observer.on_token_interval(seconds)
-
-    def on_step(self, stats: dict[str, Any]) -> None:
-        self.group.on_member_stats(self.index, stats)
-
-
 class EngineGroup(RequestPrep):
-    def __init__(self, settings: Settings, observer, devices: list[str], on_exit: Callable | None = None):
+    def __init__(self, settings: Settings, devices: list[str], on_exit: Callable | None = None):
         """devices: one label per engine (its GPU, or "cpu"); start() fills the members."""
-        from .engine import NullObserver
         self.settings = settings
-        self.observer = observer or NullObserver()
         self.devices = devices
         self.members: list[Any] = [None] * len(devices)      # EngineClient, or None where it failed
         self.failures: dict[int, BaseException] = {}
@@ -104,18 +85,21 @@ class EngineGroup(RequestPrep):
 
     # ---------------------------------------------------------------- start
     @classmethod
-    def start(cls, settings: Settings, devices: list[str | None], observer=None,
+    def start(cls, settings: Settings, devices: list[str | None], observer_of: Callable[[int], Any] | None = None,
               on_exit: Callable | None = None) -> "EngineGroup":
         """Start one engine process per entry of devices (a GPU's CUDA_VISIBLE_DEVICES entry, or
         None: the CPU) side by side; returns once every one is ready or has failed. An engine that
-        fails stands aside; when every one fails, the first one's error is raised."""
+        fails stands aside; when every one fails, the first one's error is raised. observer_of(i):
+        engine i's observer (from 1; engine.EngineObserver), which gets its first report at once.
+        on_exit(error): called once the last engine has died."""
         from ..formats import open_model
         from ..model.chat_template import TemplateLimits
         from ..model.default import default_model_path
         from ..model.tokenizer import Tokenizer
         from .process import EngineClient
 
-        group = cls(settings, observer, [d if d is not None else "cpu" for d in devices], on_exit)
+        group = cls(settings, [d if d is not None else "cpu" for d in devices], on_exit)
+        observers = [observer_of(i + 1) if observer_of else None for i in range(len(devices))]
         # the front end's tokenizer, built once while the engines load
         with ThreadPoolExecutor(len(devices) + 1, thread_name_prefix="engine-start") as pool:
             def tokenizer():
@@ -123,7 +107,7 @@ class EngineGroup(RequestPrep):
                 path = Path(settings.model) if settings.model else default_model_path(settings)
                 return Tokenizer.from_model_file(open_model(path), TemplateLimits.from_settings(settings))
             tok = pool.submit(tokenizer)
-            futures = [pool.submit(EngineClient.start, settings, _MemberObserver(group, i),
+            futures = [pool.submit(EngineClient.start, settings, observers[i],
                                    (lambda err, i=i: group._member_died(i, err)), gpu=d, index=i + 1,
                                    tokenizer=tok)
                        for i, d in enumerate(devices)]
@@ -138,6 +122,9 @@ class EngineGroup(RequestPrep):
                           group.devices[i], type(e).__name__, e)
         if not any(group.members):
             raise group.failures[0]          # the server says it, once
+        for m, obs in zip(group.members, observers):
+            if m is not None and obs is not None:
+                obs.on_step(m.stats())       # the gauges exist before the first step
         return group
 
     def _live(self) -> list[int]:
@@ -233,13 +220,9 @@ class EngineGroup(RequestPrep):
             self.members[i].abort(request_id)
 
     # ---------------------------------------------------------------- state
-    def on_member_stats(self, index: int, stats: dict[str, Any]) -> None:
-        with self._lock:
-            self._reports[index] = dict(stats)
-            merged = merge_stats(self._reports)
-        self.observer.on_step(merged)
-
     def stats(self) -> dict[str, Any]:
+        """The engines' reports added up (merge_stats); asks each engine for a fresh one, which
+        reaches its observer when it comes."""
         reports = [m.stats() if m is not None else {} for m in self.members]
         with self._lock:
             self._reports = [r or old for r, old in zip(reports, self._reports)]

@@ -205,11 +205,11 @@ class Realizar:
                  SETTINGS.context_length, SETTINGS.max_num_seqs)
         try:
             # llguidance's vocabulary is built once the server is ready (below), not before
-            engine = EngineGroup.start(SETTINGS, ENGINE_DEVICES, observer=STATE.metrics, on_exit=self._engine_died)
+            engine = EngineGroup.start(SETTINGS, ENGINE_DEVICES, observer_of=STATE.metrics.engine,
+                                       on_exit=self._engine_died)
         except Exception as e:
             _stop_the_server(e)
             return
-        STATE.metrics.on_step(engine.stats())       # gauges exist before the first step
         STATE.metrics.set_engine_statuses(engine.engine_statuses())
         STATE.engine = engine
         STATE.metrics.set_worker_status("ready")
@@ -222,13 +222,13 @@ class Realizar:
         # after the readiness probes have had a moment to see it), a constrained request before then
         # builds it itself
         engine.prewarm_guidance(delay_s=GUIDANCE_PREWARM_DELAY_S)
-        # the engines update the gauges after each step; an idle engine takes no steps, so refresh
-        # them now and then (decode tokens/s must fall to 0 when traffic stops)
+        # the engines update their gauges after each step; an idle engine takes no steps, so ask
+        # for their reports now and then (decode tokens/s must fall to 0 when traffic stops)
         said_stuck, said = None, engine.engine_statuses()
         while STATE.engine is engine:
             time.sleep(REFRESH_S)
             if STATE.engine is engine:
-                STATE.metrics.on_step(engine.stats())
+                engine.stats()                       # each engine's report reaches its observer
                 statuses = engine.engine_statuses()
                 STATE.metrics.set_engine_statuses(statuses)
                 for i, ((device, status), (_, before)) in enumerate(zip(statuses, said), 1):
