@@ -26,7 +26,10 @@ GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 F64 = np.float64
-KQUANT = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# the types of 256-weight blocks (rows of whole blocks)
+KQUANT = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+# lowbit.cuh's types on the tensor cores (the rest of the dispatcher's rows)
+LOWBIT = [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]
 FP32_TOL = 2e-5          # the fp32 GEMV's bound (tests/gpu/test_kernels_f32.py)
 EXACT_TOL = 2e-6         # with exact tensor-core sums only fp32 roundings are left
 
@@ -251,3 +254,20 @@ def test_small_qkv_ffn_head(emu, tmp_path):
     for tc_model in (0, 1):
         res = run_case(emu, tmp_path, rng, [(Q.Q4_K, 21)], 1024, 7, -8, 4, stress=True, tc_model=tc_model, twice=False)
         check(f"mmqs stress model={tc_model}", res, FP32_TOL if tc_model else EXACT_TOL)
+
+
+@pytest.mark.parametrize("qt", LOWBIT, ids=lambda q: q.name)
+def test_lowbit_types_both_kernels(emu, tmp_path, qt):
+    """lowbit.cuh's types (Q3_K, the I-quants, MXFP4) through mmq.cu (a token-tile width, K split
+    over CTAs, rows no tile divides, a partial last chunk where the type allows it) and mmqs.cu (one
+    and two token tiles, K over 1 to 8 warps, a batch in two token groups), and the fused FFN on each:
+    exact against gguf's dequantize of the same blocks."""
+    rng = np.random.default_rng(int(qt) * 31337)
+    i = LOWBIT.index(qt)
+    for bn, M, splits in (((8, 16, 32, 64)[i % 4], (5, 13, 29, 37)[i % 4], 2), (-8, 7, 3), (-16, 16, 8), (-16, 19, 2)):
+        K = 768 if qt in KQUANT else (544 if bn > 0 else 576)       # mmqs.cu: whole 64-column items
+        res = run_case(emu, tmp_path, rng, [(qt, 37)], K, M, bn, splits, bias=True)
+        check(f"{qt.name} bn{bn} M{M} splits/warps {splits}", res, EXACT_TOL)
+    for bn, M, splits in ((16, 9, 1), (-8, 6, 2)):
+        res = run_case(emu, tmp_path, rng, [(qt, 33)], 512, M, bn, splits, mode=1, act=i % 2, norm=True)
+        check(f"{qt.name} ffn bn{bn}", res, EXACT_TOL)

@@ -61,7 +61,7 @@ NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
 # Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu) and of a
-# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders, and a decode
+# few (mmqs.cu). Compiled for every type, their kernels switch over every decoder, and a decode
 # step of one row runs markedly slower than on a module built for the model's own types. A model
 # whose mask ships no module of these compiles it with NVRTC (once: CuPy caches it on disk) rather
 # than take the general one.

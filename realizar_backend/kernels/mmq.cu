@@ -424,6 +424,86 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q5_1>(const MmqRaw& r, 
     mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
 }
 
+// The whole-unit types of lowbit.cuh (the I-quants, MXFP4): piece p = unit 4c + p, loaded as an LRaw
+// (a, b, c, d -> MmqRaw a, c, d, b.x) and decoded to its bytes b = q + 128 and scales
+template <int QT>
+__device__ __forceinline__ void mmq_load_lb(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    LRaw l;
+    lb_load<QT>(row, u, nu, l);
+    r.a = l.a;
+    r.c = l.b;
+    r.d = l.c;
+    r.b.x = l.d;
+}
+
+template <int QT>
+__device__ __forceinline__ void mmq_store_lb(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    LRaw l;
+    l.a = r.a;
+    l.b = r.c;
+    l.c = r.d;
+    l.d = r.b.x;
+    LUnit w;
+    lb_decode<QT>(l, 4 * c + p, w);
+    mmq_put32(ar + 64 * p, w.v, mmq_off2(lowbit_off(QT)));
+    mr[p] = make_float4(w.a0, w.a1, 0.0f, 0.0f);
+}
+
+#define MMQ_LOWBIT(Q)                                                                                         \
+    template <> __device__ __forceinline__ void mmq_load<Q>(const u8* __restrict__ row, int nu, int c, int p,  \
+                                                            MmqRaw& r) {                                      \
+        mmq_load_lb<Q>(row, nu, c, p, r);                                                                     \
+    }                                                                                                         \
+    template <> __device__ __forceinline__ void mmq_store<Q>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) { \
+        mmq_store_lb<Q>(r, c, p, ar, mr);                                                                     \
+    }
+MMQ_LOWBIT(QT_IQ4_NL)
+MMQ_LOWBIT(QT_IQ4_XS)
+MMQ_LOWBIT(QT_MXFP4)
+MMQ_LOWBIT(QT_IQ2_XXS)
+MMQ_LOWBIT(QT_IQ2_XS)
+MMQ_LOWBIT(QT_IQ2_S)
+MMQ_LOWBIT(QT_IQ3_XXS)
+MMQ_LOWBIT(QT_IQ3_S)
+#undef MMQ_LOWBIT
+
+// 8 columns 8p..8p+7 (bytes of w0: 8p..8p+3, of w1: 8p+4..) into the A-tile unit at ua: step p >> 1,
+// t = 2(p & 1) and t + 1 of mmq_put16's positions
+__device__ __forceinline__ void mmq_put8(u8* ua, int p, u32 w0, u32 w1, u32 off2) {
+    u8* q = ua + 32 * (p >> 1) + 8 * (p & 1);
+    *(uint2*)q = make_uint2(mmq_pair<0>(w0, off2), mmq_pair<0>(w1, off2));
+    *(uint2*)(q + 16) = make_uint2(mmq_pair<1>(w0, off2), mmq_pair<1>(w1, off2));
+}
+
+// Q3_K (lowbit.cuh q3k_unit): chunk c is half h = c & 1 of block c >> 1, whose 4 units j = 4h + s share
+// qs bytes 32h..32h+31 (bits 2s) and the 32 hmask bytes (bit j). Piece p: columns 8p..8p+7 of all 4
+// units (qs bytes 32h + 8p.., hmask bytes 8p..), and the scales of unit p; values q + 4 in 0..7.
+template <> __device__ __forceinline__ void mmq_load<QT_Q3_K>(const u8* __restrict__ row, int, int c, int p, MmqRaw& r) {
+    const u8* b = row + (c >> 1) * 110;
+    const u8* q = b + 32 + 32 * (c & 1) + 8 * p;
+    r.a = make_uint4((u32)ld32_a2(q), (u32)ld32_a2(q + 4), (u32)ld32_a2(b + 8 * p), (u32)ld32_a2(b + 8 * p + 4));
+    r.c = ld16(b + 96 + 2 * p);
+    r.d = ld16(b + 104 + 2 * (p & 1));
+    r.b.x = ld16(b + 108);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q3_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    const int h = c & 1;
+    const u32 off = mmq_off2(4);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const int j = 4 * h + s;
+        const u32 w0 = ((r.a.x >> (2 * s)) & 0x03030303u) | (((r.a.z >> j) & 0x01010101u) << 2);
+        const u32 w1 = ((r.a.y >> (2 * s)) & 0x03030303u) | (((r.a.w >> j) & 0x01010101u) << 2);
+        mmq_put8(ar + 64 * s, p, w0, w1, off);
+    }
+    float a0, a1;
+    q3k_scale_pair(r.c, r.d, r.b.x, 4 * h + p, a0, a1);
+    mr[p] = make_float4(a0, a1, 0.0f, 0.0f);
+}
+
 // ------------------------------------------------------------------ the tile product
 // acc += the chunk's nuc units: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
 // X (BN activation rows of 32 16-byte pieces, piece q of row t at q ^ 4(t & 1): the two rows a
@@ -435,7 +515,8 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
     constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT;
     // w = d q + m: the min needs the unit sums
     constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1 || QT == QT_Q5_K || QT == QT_Q5_1;
-    constexpr bool HALF = QT == QT_Q6_K;                   // a scale per 16 columns
+    // a scale per 16 columns
+    constexpr bool HALF = QT == QT_Q6_K || QT == QT_Q3_K || QT == QT_IQ2_XS || QT == QT_IQ2_S;
     const int gid = lane >> 2, tig = lane & 3;
     const u8* arow = As + (wm * 16 * MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
 #pragma unroll 1
@@ -649,6 +730,15 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         MMQ_CASE(QT_Q6_K)
         MMQ_CASE(QT_Q5_K)
         MMQ_CASE(QT_Q5_1)
+        MMQ_CASE(QT_Q3_K)
+        MMQ_CASE(QT_IQ4_NL)
+        MMQ_CASE(QT_IQ4_XS)
+        MMQ_CASE(QT_MXFP4)
+        MMQ_CASE(QT_IQ2_XXS)
+        MMQ_CASE(QT_IQ2_XS)
+        MMQ_CASE(QT_IQ2_S)
+        MMQ_CASE(QT_IQ3_XXS)
+        MMQ_CASE(QT_IQ3_S)
         default: break;
     }
 #undef MMQ_CASE

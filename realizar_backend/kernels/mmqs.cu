@@ -32,8 +32,12 @@
 #define MMQS_REC 528         // mmq.cu MMQ_REC: bytes per (token, 128-column chunk) prep record
 
 // items a warp keeps in flight per type: fewer where one item's registers are many (Q5_K: its fifth
-// bits), so that the loop does not spill
-__host__ __device__ constexpr int mmqs_items(int qt) { return qt == QT_Q5_K ? 2 : MMQS_ITEMS; }
+// bits; Q3_K: four words and its scale bytes; the I-quants with a second index or sign word), so
+// that the loop does not spill
+__host__ __device__ constexpr int mmqs_items(int qt) {
+    return qt == QT_Q5_K || qt == QT_Q3_K || qt == QT_IQ2_XXS || qt == QT_IQ2_XS || qt == QT_IQ2_S || qt == QT_IQ3_S
+               ? 2 : MMQS_ITEMS;
+}
 
 // ------------------------------------------------------------------ weights -> A fragments
 // Per type: Raw holds the registers of one item for rows gid (r = 0) and gid + 8 (r = 1); load()
@@ -271,6 +275,42 @@ template <> struct Mqs<QT_Q5_1> {
     }
 };
 
+// The types of lowbit.cuh (Q3_K, the I-quants, MXFP4): each thread's two words of a unit from
+// lt_load / lt_decode (values b = q + OFF, a scale per half unit, no min)
+template <int QT> struct MqsLow {
+    static constexpr bool MIN = false, HALF = QT == QT_Q3_K || QT == QT_IQ2_XS || QT == QT_IQ2_S;
+    struct Raw {
+        LRaw l[2][2];    // [row][unit]
+    };
+    static __device__ __forceinline__ void load(const u8* r0, const u8* r1, int i, int nu, int tig, Raw& w) {
+        const u8* rows[2] = {r0, r1};
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) lt_load<QT>(rows[r], 2 * i + e, nu, tig, w.l[r][e]);
+    }
+    static __device__ __forceinline__ void unit(const Raw& w, int i, int e, int tig, u32 (&a)[2][4], float (&d)[2][2],
+                                                float (&mn)[2]) {
+        u32 v[2][2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            lt_decode<QT>(w.l[r][e], 2 * i + e, tig, v[r][0], v[r][1], d[r][0], d[r][1]);
+            mn[r] = 0.0f;
+        }
+#pragma unroll
+        for (int s = 0; s < 2; ++s) mmqs_frag(a[s], v[0][s], v[1][s], mmq_off2(lowbit_off(QT)));
+    }
+};
+template <> struct Mqs<QT_Q3_K> : MqsLow<QT_Q3_K> {};
+template <> struct Mqs<QT_IQ4_NL> : MqsLow<QT_IQ4_NL> {};
+template <> struct Mqs<QT_IQ4_XS> : MqsLow<QT_IQ4_XS> {};
+template <> struct Mqs<QT_MXFP4> : MqsLow<QT_MXFP4> {};
+template <> struct Mqs<QT_IQ2_XXS> : MqsLow<QT_IQ2_XXS> {};
+template <> struct Mqs<QT_IQ2_XS> : MqsLow<QT_IQ2_XS> {};
+template <> struct Mqs<QT_IQ2_S> : MqsLow<QT_IQ2_S> {};
+template <> struct Mqs<QT_IQ3_XXS> : MqsLow<QT_IQ3_XXS> {};
+template <> struct Mqs<QT_IQ3_S> : MqsLow<QT_IQ3_S> {};
+
 // ------------------------------------------------------------------ the K loop
 // acc[m][n] += the items w, w + W, ... of the MT 16-row tiles (rows[m]: the rows gid and gid + 8
 // of tile m) for the token tiles n (xr[n]: this thread's B-fragment token's prep records; sr[n][j]:
@@ -366,6 +406,15 @@ __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2],
         MMQS_CASE(QT_Q5_0)
         MMQS_CASE(QT_Q5_K)
         MMQS_CASE(QT_Q5_1)
+        MMQS_CASE(QT_Q3_K)
+        MMQS_CASE(QT_IQ4_NL)
+        MMQS_CASE(QT_IQ4_XS)
+        MMQS_CASE(QT_MXFP4)
+        MMQS_CASE(QT_IQ2_XXS)
+        MMQS_CASE(QT_IQ2_XS)
+        MMQS_CASE(QT_IQ2_S)
+        MMQS_CASE(QT_IQ3_XXS)
+        MMQS_CASE(QT_IQ3_S)
         default: break;
     }
 #undef MMQS_CASE

@@ -1,6 +1,6 @@
 """GPU-resident weights: the model definition (model/families.py) built with device weights. Every
-matrix it asks for is uploaded once into one arena in its device layout (GGUF's blocks; Q5_0, Q8_0
-and Q6_K regrouped on the GPU, formats/gpu_layout.py) and stands in the model as a WeightRef
+matrix it asks for is uploaded once into one arena in its device layout (GGUF's blocks; Q5_0, Q8_0,
+Q6_K and MXFP4 regrouped on the GPU, formats/gpu_layout.py) and stands in the model as a WeightRef
 (device pointer, type, shape), so a step never formats a name or looks a tensor up in a dict.
 Norm weights and biases (tiny) are float32 vectors, in the model as device pointers."""
 
@@ -16,10 +16,11 @@ import numpy as np
 from ...errors import UnsupportedModelError
 from ...formats import ModelFile, Tensor
 from ...formats.gpu_layout import REGROUPED
-from ...formats.quants import dequantize, row_bytes
+from ...formats.quants import dequantize
 from ...model.families import build_model
 from ...progress import progress
-from .modules import QTYPES, Kernels
+from .matrices import check_matrix
+from .modules import Kernels
 from .ops import ATT_MAXD, WeightRef
 from .ops import row_bytes as device_row_bytes
 
@@ -52,14 +53,7 @@ class DeviceWeights:
     # ------------------------------------------------------------ the model's loader
     def matrix(self, name: str) -> WeightRef:
         t = self.file.tensor(name)
-        info = QTYPES.get(t.qtype)
-        if info is None:
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: type {t.type_name} has no GPU kernel")
-        if len(t.shape) != 2 or t.shape[1] % info.block:
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: shape {t.shape} is not a matrix of "
-                                                        f"whole {t.type_name} blocks")
-        if t.nbytes != t.shape[0] * row_bytes(t.qtype, t.shape[1]):
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: {t.nbytes} bytes for shape {t.shape}")
+        check_matrix(self.file.path, name, t.qtype, t.shape, t.nbytes)
         rows, cols = t.shape
         rb = device_row_bytes(t.qtype, cols)
         ref = WeightRef(name, t.qtype, 0, rows, cols, rb)     # the pointer: once uploaded
@@ -111,7 +105,7 @@ class DeviceWeights:
                     at = host.ctypes.data - start
                     rows, cols = t.shape
                     if t.qtype in REGROUPED:
-                        # Q5_0 / Q8_0 / Q6_K arrive in GGUF bytes and are regrouped here (repack.cu)
+                        # the REGROUPED types arrive in GGUF bytes and are regrouped here (repack.cu)
                         total = rows * (cols // 32)
                         self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
                                                      (staging[at:], np.int32(rows), np.int32(cols),
