@@ -358,9 +358,14 @@ def _say_where() -> None:
 def _guard_connections() -> None:
     """This worker's uvicorn makes its connections with serving/connections.py's limits (header
     and body timeouts, header size, a connection limit). Its server object is found through the
-    SIGTERM handler it installed (_drain_on_sigterm), before it listens."""
-    from realizar_backend.serving import connections
-
+    SIGTERM handler it installed (_drain_on_sigterm), before it listens. Without httptools (a
+    dependency; an install that lost it) the server serves on uvicorn's own parser, and says so:
+    a worker that failed here would be started again by BentoML without end."""
+    try:
+        from realizar_backend.serving import connections
+    except ImportError as e:
+        log.error("HTTP connections have no read timeouts or limits: %s (pip install httptools)", e)
+        return
     if _uvicorn is None or not hasattr(_uvicorn, "config"):
         log.warning("not under uvicorn: HTTP connections have no read timeouts or limits here")
         return
