@@ -53,6 +53,8 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
+    stop_string: str | None = None       # the stop string that ended it (outputs.add_text)
+    cached_tokens: int | None = None     # prompt tokens the prefix cache held at its first admission
     preemptions: int = 0
     synced_blocks: int = 0               # entries of its block table the backend has been given
     # constrained decoding (engine/guidance.py): the grammar's state after the tokens generated
@@ -180,6 +182,8 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 seq.num_computed = hit
+                if seq.cached_tokens is None:
+                    seq.cached_tokens = min(hit, len(seq.prompt_ids))
                 seq.slot = self.free_slots.pop()
                 seq.synced_blocks = 0
                 self.running.insert(bisect.bisect([s.order for s in self.running], seq.order), seq)
