@@ -181,7 +181,7 @@ class _Routes:
 
     def build(self):
         if self.app is None:
-            from realizar_backend.serving.openai import create_app
+            from realizar_backend.serving.app import create_app
             self.app = create_app(STATE) if WORKERS == 1 else _ConnectionPerRequest(create_app(STATE))
         return self.app
 
