@@ -74,6 +74,10 @@ class Settings:
     # string is at most max_stop_chars characters (the engine searches every one per token)
     max_request_bytes: int = 4 << 20
     max_stop_chars: int = 256
+    # the Responses API's previous_response_id: the last this many stored responses (with their
+    # conversations) are kept in memory by each worker, least recently used out first; 0: none
+    # are kept, every request stands alone
+    responses_store_size: int = 256
     # chat templates come with the model file and may do anything Jinja can: each render runs in
     # a separate process (chat_template_workers of them) and is stopped after this many seconds,
     # this many characters of output or this much address space
@@ -214,6 +218,7 @@ class Settings:
         at_least("max_waiting", 1)
         at_least("max_request_bytes", 1024, 1 << 30)
         at_least("max_stop_chars", 1, 1 << 16)
+        at_least("responses_store_size", 0, 1 << 20)
         if self.chat_template_timeout_s <= 0:
             raise self._bad("chat_template_timeout_s", "must be greater than 0")
         at_least("chat_template_max_chars", 1024)

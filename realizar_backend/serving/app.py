@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import anthropic, openai
+from . import anthropic, openai, responses
 from .handlers import InFlight, error_json, make_endpoint
 from .state import ServerState
 
@@ -25,7 +25,8 @@ _GET_UNDER = ("/v1/models/", "/v1/responses/")
 def create_app(state: ServerState):
     """Every API's routes over `state`; the service mounts this at /."""
     endpoint = make_endpoint(state)
-    routes = [*openai.routes(state, endpoint), *anthropic.routes(state, endpoint)]
+    routes = [*openai.routes(state, endpoint), *responses.routes(state, endpoint),
+              *anthropic.routes(state, endpoint)]
 
     async def fallback(request: Request) -> Response:
         # BentoML answers unmatched paths itself (plain text); catching /v1/* here keeps the
