@@ -156,10 +156,12 @@ def _lost_its_port(server: Server, within_s: float = 30.0) -> bool:
 
 def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
                  bentoml_home: Path | None = None, worker_env: dict[int, dict[str, str]] | None = None,
-                 wait_ready: bool = True) -> Server:
+                 wait_ready: bool = True, nofile: int | None = None, host: str | None = "127.0.0.1") -> Server:
     """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one.
     worker_env: more environment for single workers, by index (from 1). wait_ready=False
-    returns once the server answers /livez, ready or not."""
+    returns once the server answers /livez, ready or not. nofile: the server's open-file limit
+    (its soft RLIMIT_NOFILE), as a machine with a small one would have. host: `--host` (None:
+    none given, the service's default)."""
     home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
     full_env = {**os.environ, **SERVER_ENV, **(env or {}),
                 "BENTOML_HOME": str(bentoml_home or home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
@@ -176,9 +178,10 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         port = free_port()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
+                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", *(["--host", host] if host else []),
                  "--port", str(port)],
-                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=None if nofile is None else lambda: _limit_files(nofile))
         server = Server(f"http://127.0.0.1:{port}", proc, log_path, full_env.get("REALIZAR_API_KEY"))
         if not _lost_its_port(server):
             break
@@ -199,6 +202,11 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log_tail()}")
 
 
+def _limit_files(n: int) -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 _shared: Server | None = None
 
 
@@ -209,6 +217,20 @@ def shared_server() -> Server:
         _shared = start_server()
         atexit.register(_shared.stop)
     return _shared
+
+
+def warm(server, timeout: float = 120.0) -> None:
+    """Wait out a fresh server's one-time work (llguidance's vocabulary, built on a thread a
+    second after ready in the worker and in its engine process, holds the GIL for up to seconds:
+    a server with a short REALIZAR_ENGINE_STALL_TIMEOUT_S may call its engine stuck meanwhile and
+    answer 503): a guided request needs it built."""
+    def served():
+        r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Yes or no?", "max_tokens": 1,
+                             "guided_choice": ["yes", "no"]})
+        assert r.status_code in (200, 503), r.text
+        return r.status_code == 200
+    assert wait_for(served, timeout, interval=1.0), "the server did not serve a guided request"
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
@@ -277,6 +299,10 @@ print(json.dumps(out))
 
     def worst(self) -> float:
         return max(t for _, t in self.samples)
+
+    def late(self, bound: float) -> list[tuple[int, str, float]]:
+        """(index, status, seconds) of every answer slower than `bound`."""
+        return [(i, s, t) for i, (s, t) in enumerate(self.samples) if t > bound]
 
     def statuses(self) -> set[str]:
         return {code for code, _ in self.samples}

@@ -398,9 +398,9 @@ def corrupt(src: str | Path, dst: str | Path, kind: str) -> Path:
         put("<Q", first["offset"], struct.unpack_from("<Q", data, first["offset"])[0] + 1)
     elif kind == "tensor_type_unknown":
         put("<I", first["type"], 250)
-    elif kind == "tensor_type_unsupported":          # a real type, same block geometry as Q4_K
+    elif kind == "tensor_type_unsupported":          # a real type whose blocks fit in Q4_K's bytes
         t = lay["tensors"]["blk.0.ffn_up.weight"]
-        put("<I", t["type"], int(Q.IQ4_XS))
+        put("<I", t["type"], int(Q.TQ2_0))
     elif kind == "kv_count_huge":
         put("<Q", 16, 2 ** 60)
     elif kind == "tensor_count_huge":

@@ -2,19 +2,21 @@
 # THE device script: everything the GPU machine checks, in one call, with a report under $OUT.
 #   bash tools/device_check.sh              every stage
 #   STAGES="tests bench" bash tools/device_check.sh    some of them (setup always runs first)
-#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a tool
+#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a benchmark
 # Stages:
-#   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; shape twins
-#            (.twins/NAME.head.gz + NAME.json + twin_expand.py) into /tmp/twins; the real SmolLM2 from its
+#   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; the shape twins
+#            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json +
+#            twin_expand.py) into /tmp/twins; the real SmolLM2 from its
 #            parts (.device/smol.part*, staged in /tmp/stage while the machine stays warm); the prebuilt
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
 #   tests    pytest -m gpu over $PYTEST_PATHS (default tests/gpu), no -x: the full report
-#   kbench   the kernel benchmarks ($KBENCH, default both): tools/mmq_bench.py ($MMQ_BENCH_ARGS), tools/attn_bench.py
-#   bench    `realizar bench` on each twin (pp512, tg128) and on qwen15 at every batch of $BATCHES
-#            (128-token prompts, 128 new tokens each), at depth ($DEPTHS: prefill and decode at that depth)
-#            and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
-#            and, with $CONSTRAINED_BATCHES, qwen15 held to a JSON schema on every row and on every other
+#   kbench   the kernel benchmarks ($KBENCH, default both): benchmarks/mmq_bench.py ($MMQ_BENCH_ARGS),
+#            benchmarks/attn_bench.py
+#   bench    `realizar bench` on each twin of $BENCH_TWINS (pp512, tg128) and on each of $BATCH_TWINS
+#            (default qwen15) at every batch of $BATCHES (128-token prompts, 128 new tokens each), at depth
+#            ($DEPTHS: prefill and decode at that depth) and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
+#            and, with $CONSTRAINED_BATCHES, held to a JSON schema on every row and on every other
 #            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
@@ -67,7 +69,7 @@ for d in .whl*; do
     || { echo "wheel install from $d failed"; exit 1; }
 done
 export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
-for n in smol135 qwen05 gemma270 qwen15; do
+for n in ${TWINS:-smol135 qwen05 gemma270 qwen15}; do
   if [ -f .twins/$n.head.gz ] && [ ! -f /tmp/twins/$n.gguf ]; then
     gunzip -c .twins/$n.head.gz > /tmp/twins/$n.head && cp .twins/$n.json /tmp/twins/
     python3 .twins/twin_expand.py /tmp/twins/$n /tmp/twins/$n.gguf || echo "twin $n failed"
@@ -102,10 +104,10 @@ fi
 # ---------------------------------------------------------------- kernel benchmarks
 if has kbench; then
   if [[ " ${KBENCH:-mmq attn} " == *" mmq "* ]]; then
-    python3 tools/mmq_bench.py ${MMQ_BENCH_ARGS:-} --json /tmp/bench/k_mmq.json 2>&1 | tail -70 || echo "mmq_bench failed"
+    python3 benchmarks/mmq_bench.py ${MMQ_BENCH_ARGS:-} --json /tmp/bench/k_mmq.json 2>&1 | tail -70 || echo "mmq_bench failed"
   fi
   if [[ " ${KBENCH:-mmq attn} " == *" attn "* ]]; then
-    python3 tools/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
+    python3 benchmarks/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
     tail -40 /tmp/attn_bench.txt
   fi
   python3 - "$OUT" <<'PY'
@@ -130,22 +132,23 @@ if has bench; then
   for n in ${BENCH_TWINS:-smol135 qwen05 gemma270 qwen15}; do
     [ -f /tmp/twins/$n.gguf ] && bench $n short --prompt-tokens 512 --gen-tokens 128 --repetitions 5
   done
-  if [ -f /tmp/twins/qwen15.gguf ]; then
+  for n in ${BATCH_TWINS:-qwen15}; do
+    [ -f /tmp/twins/$n.gguf ] || continue
     for b in $BATCHES; do
-      bench qwen15 batch$b --batch $b --prompt-tokens 128 --gen-tokens 128 --repetitions 3
+      bench $n batch$b --batch $b --prompt-tokens 128 --gen-tokens 128 --repetitions 3
     done
     for d in $DEPTHS; do
-      bench qwen15 depth$d --depth $d --prompt-tokens $d --gen-tokens 128 --repetitions 2
+      bench $n depth$d --depth $d --prompt-tokens $d --gen-tokens 128 --repetitions 2
     done
     for bd in ${DEPTH_BATCHES:-}; do        # BATCH:DEPTH, e.g. 16:4096
-      bench qwen15 b${bd%%:*}d${bd##*:} --batch ${bd%%:*} --depth ${bd##*:} --prompt-tokens 0 --gen-tokens 128 --repetitions 2
+      bench $n b${bd%%:*}d${bd##*:} --batch ${bd%%:*} --depth ${bd##*:} --prompt-tokens 0 --gen-tokens 128 --repetitions 2
     done
     for b in $CONSTRAINED_BATCHES; do
       for m in all half; do
-        bench qwen15 json${m}$b --batch $b --constrained $m --prompt-tokens 0 --gen-tokens 128 --repetitions 3
+        bench $n json${m}$b --batch $b --constrained $m --prompt-tokens 0 --gen-tokens 128 --repetitions 3
       done
     done
-  fi
+  done
 fi
 
 # ---------------------------------------------------------------- serving

@@ -20,20 +20,24 @@ import asyncio
 import atexit
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 
 import bentoml
 
 from realizar_backend import timeline
-from realizar_backend.errors import SettingsError
+from realizar_backend.errors import RealizarError, SettingsError
+from realizar_backend.serving import lifecycle
 from realizar_backend.serving.state import ServerState
 from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
+
+if bentoml.server_context.worker_index is not None:
+    lifecycle.end_with_the_server()
+else:
+    lifecycle.one_line_errors()
 
 SETTINGS = Settings.from_env()       # a bad REALIZAR_* value stops `bentoml serve` here, naming it
 logging.getLogger("realizar_backend").setLevel(SETTINGS.log_level.upper())
@@ -47,9 +51,9 @@ def _own_metrics_dir() -> None:
     the path set here is the one its workers get; a worker's own value is never used."""
     from bentoml._internal.configuration.containers import BentoMLContainer
 
-    path = os.path.join(tempfile.gettempdir(), f"realizar-metrics-{os.getpid()}")
+    path = lifecycle.server_dir(os.getpid())
     BentoMLContainer.prometheus_multiproc_dir.set(path)
-    atexit.register(shutil.rmtree, path, True)
+    atexit.register(lifecycle.at_exit, path)
 
 
 _own_metrics_dir()
@@ -58,7 +62,7 @@ _own_metrics_dir()
 def _tracing_config() -> dict:
     """BentoML's tracing settings for this service: without a tracing exporter, the OpenAI routes
     are left out of its OpenTelemetry middleware. The middleware opens a span for every `send`, so
-    a stream pays one per token (about a third of the event loop's time at 64 streams on the H100),
+    a stream pays one per token (a large share of the event loop's time with many streams),
     and without an exporter those spans go nowhere. With `tracing.exporter_type` or
     `tracing.excluded_urls` in BentoML's configuration, nothing is added. (A service's config is
     the default under the user's configuration, merged in when BentoML builds the app.)"""
@@ -142,6 +146,7 @@ IMAGE = (
     .run("realizar pull")
 )
 
+LOCAL_HOST = "127.0.0.1"
 REFRESH_S = 2.0
 GUIDANCE_PREWARM_DELAY_S = 1.0
 STATE = ServerState(settings=SETTINGS)
@@ -204,6 +209,10 @@ timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.serv
     # the timeout runs until a response starts; a long non-streaming CPU generation needs minutes
     traffic={"timeout": 900},
     tracing=_tracing_config(),
+    # this machine only, unless `--host` (or BENTOML_HOST) says otherwise: there is no API key
+    # unless REALIZAR_API_KEY sets one. The container image sets BENTOML_HOST=0.0.0.0
+    # (bentofile.yaml): inside a container, the published port is the boundary
+    http={"host": LOCAL_HOST},
 )
 @bentoml.asgi_app(app, path="/")
 class Realizar:
@@ -216,6 +225,7 @@ class Realizar:
         STATE.started = time.time()
         timeline.mark("worker %d: service created, loading the model", WORKER)
         _drain_on_sigterm()
+        _guard_connections()
         # load in the background so /livez answers at once and /readyz turns ready when done
         self._loader = threading.Thread(target=self._load, name="realizar-load", daemon=True)
         self._loader.start()
@@ -237,7 +247,10 @@ class Realizar:
             else:
                 engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
         except Exception as e:
-            _stand_aside(e)
+            if WORKERS == 1:
+                _stop_the_server(e)
+            else:
+                _stand_aside(e)
             return
         STATE.metrics.on_step(engine.stats())       # gauges exist before the first step
         STATE.engine = engine
@@ -245,16 +258,26 @@ class Realizar:
         log.info("worker %d of %d (%s) ready: serving %s on %s in %.1f s", WORKER, WORKERS, DEVICE,
                  engine.model_name, engine.stats().get("backend"), time.perf_counter() - t0)
         timeline.mark("worker %d ready", WORKER)
+        if WORKER == 1:
+            _say_where()
         # llguidance holds the GIL for 0.2-3 s while it builds its vocabulary: done after ready (and
         # after the readiness probes have had a moment to see it), a constrained request before then
         # builds it itself
         engine.prewarm_guidance(delay_s=GUIDANCE_PREWARM_DELAY_S)
         # the engine updates the gauges after each step; an idle engine takes no steps, so refresh
         # them now and then (decode tokens/s must fall to 0 when traffic stops)
+        said_stuck = None
         while STATE.engine is engine:
             time.sleep(REFRESH_S)
             if STATE.engine is engine:
                 STATE.metrics.on_step(engine.stats())
+                stuck = engine.stall()
+                if stuck and not said_stuck:
+                    log.error("worker %d of %d (%s): the engine is stuck (%s): /livez and /readyz answer 503 until "
+                              "it moves", WORKER, WORKERS, DEVICE, stuck)
+                elif said_stuck and not stuck:
+                    log.warning("worker %d of %d (%s): the engine moves again", WORKER, WORKERS, DEVICE)
+                said_stuck = stuck
 
     def _engine_died(self, error: Exception) -> None:
         """The engine process died (a crash, the OOM killer): its requests have failed with a
@@ -263,12 +286,19 @@ class Realizar:
         if engine is not None:
             threading.Thread(target=_stand_aside, args=(error,), name="realizar-stand-aside", daemon=True).start()
 
-    # async, so that the probes never wait for a worker thread
+    # async, so that the probes never wait for a worker thread (nor for the engine: stall() reads
+    # the time of the engine's last heartbeat, engine/process.py)
     async def __is_ready__(self) -> bool:
-        return STATE.engine is not None and not STATE.draining
+        engine = STATE.engine
+        return engine is not None and not STATE.draining and engine.stall() is None
 
     async def __is_alive__(self) -> bool:
-        # a worker that failed to load is dead only when no worker of the server can serve
+        # a stuck engine (no heartbeat, or a step that never ends, for engine_stall_timeout_s) is
+        # dead until it moves again; a worker that failed to load is dead only when no worker of
+        # the server can serve
+        engine = STATE.engine
+        if engine is not None and engine.stall() is not None:
+            return False
         return STATE.load_error is None or not _NO_WORKER_CAN_SERVE.is_set()
 
     @bentoml.on_shutdown
@@ -322,6 +352,25 @@ def _stand_aside(error: Exception) -> None:
         time.sleep(REFRESH_S)
 
 
+# errors whose message says it all: no traceback for them when a single worker stops the server
+_PLAIN_ERRORS = (RealizarError, OSError, MemoryError)
+
+
+def _stop_the_server(error: Exception) -> None:
+    """A server of one worker that cannot load its model has nothing to serve: say why in one
+    line and stop it with a non-zero status (the serving process's _at_exit), rather than stand
+    aside answering 503 as one of several workers does."""
+    log.error("cannot serve the model: %s: %s", type(error).__name__, error,
+              exc_info=None if isinstance(error, _PLAIN_ERRORS) else error)
+    STATE.metrics.set_worker_status("failed")
+    STATE.load_error = f"{type(error).__name__}: {error}"
+    _NO_WORKER_CAN_SERVE.set()
+    try:
+        lifecycle.fail_the_server(STATE.load_error)
+    except OSError as e:           # not under `bentoml serve`'s arbiter: stay up, unready, as before
+        log.error("could not stop the server (%s); this worker stays up without a model", e)
+
+
 def _stop_accepting() -> bool:
     """Close this worker's copy of the listening socket the workers share (the others keep
     accepting on theirs). False when uvicorn has not opened it yet."""
@@ -363,6 +412,35 @@ def _drain_on_sigterm() -> None:
             loop.call_soon_threadsafe(lambda: loop.create_task(_drain(uvicorn_handler)))
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _say_where() -> None:
+    """Say where the server listens, as it is (BentoML's own line calls every interface
+    "localhost"), and warn when every interface can reach a server with no API key."""
+    try:
+        host, port = next(sock.getsockname()[:2] for server in (getattr(_uvicorn, "servers", None) or [])
+                          for sock in server.sockets)
+    except (StopIteration, OSError, AttributeError):
+        return
+    if host in ("0.0.0.0", "::"):
+        log.log(logging.INFO if SETTINGS.api_key else logging.WARNING,
+                "listening on every interface (%s port %d)%s", host, port,
+                "" if SETTINGS.api_key else " with no API key: anyone who reaches this machine can use it "
+                                            "(REALIZAR_API_KEY sets one)")
+    else:
+        log.info("listening on %s port %d", host, port)
+
+
+def _guard_connections() -> None:
+    """This worker's uvicorn makes its connections with serving/connections.py's limits (header
+    and body timeouts, header size, a connection limit). Its server object is found through the
+    SIGTERM handler it installed (_drain_on_sigterm), before it listens."""
+    from realizar_backend.serving import connections
+
+    if _uvicorn is None or not hasattr(_uvicorn, "config"):
+        log.warning("not under uvicorn: HTTP connections have no read timeouts or limits here")
+        return
+    connections.install(_uvicorn, SETTINGS, on_refused=STATE.metrics.on_http_error)
 
 
 async def _drain(uvicorn_handler) -> None:
