@@ -102,3 +102,34 @@ def test_format_and_prompt_state_come_from_the_template():
         assert not opened(QWEN35_LIKE, enable_thinking=False)
     finally:
         renderer.close()
+
+
+def test_tool_calls_inside_or_after_a_thought_parse():
+    """A chat reply through both parsers (serving/chat.py): the thought, then calls in Qwen3.5's
+    XML syntax, whether the thought closed first or the call began inside it; whole and streamed."""
+    from realizar_backend.serving.chat import ChatReply, message
+    from realizar_backend.serving.plans import Plan
+    from realizar_backend.serving.tools import parse_tool_request
+    from thinking_model import THINKING_TEMPLATE
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    cases = [("<think>\nThe user wants weather.\n</think>\n\n" + call, False),
+             ("The user wants weather.\n" + call, True),                 # the call began inside the thought
+             ("The user wants weather.\n</think>\n\n" + call, True)]
+    for text, inside in cases:
+        plan = Plan([], 0, False, False, False, tools=parse_tool_request(tools, "auto", None, THINKING_TEMPLATE),
+                    reasoning=THINK, thinking_inside=inside)
+        msg, reason = message(plan, text, "stop")
+        assert reason == "tool_calls" and msg["content"] is None
+        assert msg["reasoning_content"] == msg["reasoning"] == "The user wants weather."
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
+            [("get_weather", '{"city": "Oslo"}')]
+        for step in (1, 3, 7):
+            reply = ChatReply(plan)
+            deltas = [d for k in range(0, len(text), step) for d in reply.feed(text[k:k + step])]
+            deltas += reply.feed("", final=True)
+            assert "".join(d.get("reasoning", "") for d in deltas) == "The user wants weather."
+            args = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []))
+            assert args == '{"city": "Oslo"}' and not any(d.get("content") for d in deltas)
