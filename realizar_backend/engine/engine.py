@@ -238,6 +238,7 @@ class Engine(RequestPrep):
         b = self.backend.stats()
         return {
             "backend": self.backend.name,
+            "model_name": self.model_name,
             "running": len(s.running),
             "waiting": len(s.waiting),
             "kv_usage": kv.usage,                 # blocks in use / blocks in the pool
