@@ -35,13 +35,13 @@ USER = [{"role": "user", "content": "What is two plus two?"}]
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return write_thinking_model(tmp_path_factory.mktemp("thinker") / "thinker.gguf")
+    return write_thinking_model(tmp_path_factory.mktemp("thinker") / "thinker.gguf", context_length=4096)
 
 
 @pytest.fixture(scope="module")
 def server(model_path):
     s = start_server({"REALIZAR_MODEL": str(model_path), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "2"})
+                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_MAX_NUM_SEQS": "2"})
     yield s
     s.stop()
 
@@ -193,27 +193,36 @@ def test_unknown_model_health_and_version(server, client):
 
 def test_vllm_waiting_gauge_moves(server, client):
     """Two sequences run at once here: a third waits, and vllm:num_requests_waiting says so."""
-    def long_stream():
-        for _ in client.completions.create(model=MODEL, prompt="Count:", max_tokens=300, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
-            pass
-    threads = [threading.Thread(target=long_stream) for _ in range(3)]
-    for t in threads:
-        t.start()
+    def stream():
+        s = client.completions.create(model=MODEL, prompt="Count:", max_tokens=4000, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(s))                      # running
+        return s
+
+    def gauge(name):
+        return sample(server.metrics(), name, model_name=MODEL)
+
+    running, third = [stream(), stream()], None
     try:
-        assert wait_for(lambda: sample(server.metrics(), "vllm:num_requests_waiting", model_name=MODEL) >= 1, 30)
-        assert sample(server.metrics(), "vllm:num_requests_running", model_name=MODEL) == 2
+        assert wait_for(lambda: gauge("vllm:num_requests_running") == 2, 30)
+        third = threading.Thread(target=lambda: running.append(stream()))
+        third.start()
+        assert wait_for(lambda: gauge("vllm:num_requests_waiting") >= 1, 30)
     finally:
-        for t in threads:
-            t.join(120)
-    assert wait_for(lambda: sample(server.metrics(), "vllm:num_requests_waiting") == 0, 15)
+        for s in running[:2]:
+            s.close()                      # the two leave; the third runs, then is closed too
+        if third is not None:
+            third.join(60)
+        for s in running[2:]:
+            s.close()
+    assert wait_for(lambda: gauge("vllm:num_requests_waiting") == 0 and gauge("vllm:num_requests_running") == 0, 30)
 
 
 def test_a_request_past_the_time_limit_gets_a_504(model_path):
     s = start_server({"REALIZAR_MODEL": str(model_path), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_REQUEST_TIMEOUT_S": "1"})
+                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_REQUEST_TIMEOUT_S": "1"})
     try:
-        body = {"model": MODEL, "prompt": "Count:", "max_tokens": 1000, "ignore_eos": True, "n": 8}
+        body = {"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "n": 4}
         r = httpx.post(s.url + "/v1/completions", json=body, headers=s.auth, timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
         assert "REALIZAR_REQUEST_TIMEOUT_S" in r.json()["error"]["message"]

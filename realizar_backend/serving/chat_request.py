@@ -24,7 +24,7 @@ from typing import Any
 
 from ..engine.token_rules import Thinking
 from ..errors import RequestError
-from .reasoning import ReasoningFormat, detect_reasoning
+from .reasoning import ReasoningFormat, detect_reasoning, engine_thinking
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_TEMPLATE_KWARGS_BYTES = 64 << 10     # the kwargs' JSON text: plenty for flags and a few documents
@@ -103,8 +103,5 @@ def chat_options(data: dict, tokenizer) -> ChatOptions:
         if fmt is None:
             raise _bad("max_reasoning_tokens", "this model's chat template does not think (no <think> tags)",
                        "unsupported_parameter")
-    thinking = None
-    if fmt is not None:
-        thinking = Thinking(fmt.open, fmt.close, tuple(tokenizer.encode(fmt.open, add_special_tokens=False)),
-                            tuple(tokenizer.encode(fmt.close, add_special_tokens=False)), budget)
+    thinking = engine_thinking(fmt, tokenizer, budget) if fmt is not None else None
     return ChatOptions(kwargs, gen, cont, fmt, thinking)

@@ -233,6 +233,9 @@ class _InFlight:
         limit = self.state.settings.request_timeout_s
         try:
             await asyncio.wait((task, waiter), timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:    # the server stops this request: the route's task with it
+            task.cancel()
+            raise
         finally:
             waiter.cancel()
         if task.done() or started.is_set():

@@ -18,6 +18,11 @@ The interface (stable: the other APIs' routes use it):
     r, c = p.finish()                              # what was held back, at the end of the reply
     p.saw_reasoning                                # the reply had a thought (even an empty one)
 
+    # the engine's view of the thought (engine/token_rules.py), for a request's SamplingParams:
+    params.thinking = engine_thinking(fmt, tokenizer, max_tokens=budget)   # budget: None = no limit
+    ids = engine.prepare(..., params, messages, ...)   # renders the prompt, sets params.thinking.inside
+    inside = params.thinking.inside
+
 Rules (the same whole or streamed, however the text is split):
 - a thought is recognised only at the start of the reply (leading whitespace aside), or from the
   first character when `inside`; a reply that does not open one is all content, unchanged;
@@ -32,6 +37,8 @@ split_reasoning's reasoning is None when the reply had no thought.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..engine.token_rules import Thinking
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,15 @@ def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
         if fmt.open in chat_template and fmt.close in chat_template:
             return fmt
     return None
+
+
+def engine_thinking(fmt: ReasoningFormat, tokenizer, max_tokens: int | None = None) -> Thinking:
+    """The engine's view of a thought in this format (its tags' token ids by `tokenizer`), with a
+    budget of max_tokens thought tokens before the close tag is forced (None: no limit). Set it as
+    SamplingParams.thinking; RequestPrep.prepare then sets its `inside` from the rendered prompt."""
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+    return Thinking(fmt.open, fmt.close, ids(fmt.open), ids(fmt.close), max_tokens)
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str, inside: bool = False,
