@@ -88,52 +88,15 @@ class Settings:
     # them with a final chunk and exit
     shutdown_grace_s: float = 20.0
     cuda_graphs: bool = True
-    # decode graphs link their kernels by programmatic dependent launch (compute capability 9.0+):
-    # each kernel starts, and prefetches its weights, while the one before finishes
-    programmatic_launch: bool = True
-    # decode step n+1 is started on the device's own tokens before the host reads step n's
-    # (greedy and sampled); off: every step waits for the host (the unpipelined reference)
-    pipelined_decode: bool = True
     # a file the engine appends one JSON line per step to (when it started, its kind, prompt tokens
     # and sequences, decode rows, wall ms, the idle ms before it, waiting and running after it):
     # where a server's time goes, step by step. None: no trace
     step_trace: str | None = None
-    # constrained decoding: the vocabulary in this many parts, so that a row's token mask is
-    # computed on as many threads while rows x parts fit the cores (small batches, where a slow
-    # mask would hold up the step); 0 or 1: one thread a row
-    guidance_mask_parts: int = 4
-    # numeric trade-offs of the CUDA path (speed vs closeness to the float32 reference; the
-    # defaults are the ones that pass the parity bar of the test suite, see README):
-    # decode projections on float32 activations ("fp32"), on 8-bit activation blocks ("int8"),
-    # or on 8-bit blocks except the FFN down projection ("int8-fp32-down")
-    decode_activations: str = "fp32"
-    # prefill GEMMs: "split16" (fp16 tensor cores on hi + lo fp16 pairs of weights and activations:
-    # three fp16 products per weight, about fp32 accuracy), "fp32" (plain SGEMM, no tensor cores) or
-    # "fp16" (one fp16 product per weight: fastest, but prompt logits drift on sensitive models; the
-    # down projection's input row-scaled by powers of two, as fp16 cannot hold its range)
-    prefill_precision: str = "split16"
-    # split16 prefill keeps every layer's weights dequantized and split (4 bytes per weight) instead
-    # of redoing that in each prefill (qwen15 pp512: 2.5 of 19.8 ms): "on", "off", or "auto" (on
-    # when the copy takes at most a quarter of the device memory free at start)
+    # the CUDA backend's prompt steps (and decode steps of 64+ rows) multiply fp16 halves of the
+    # dequantized weights; it keeps them on the device from start-up (4 bytes a weight) instead of
+    # dequantizing and splitting them in every such step: "on", "off", or "auto" (on when they take
+    # at most a quarter of the device memory free at start)
     prefill_weight_cache: str = "auto"
-    # decode steps of many rows (buckets of 8+, or 4+ when mmqs.cu has every matrix's type): the
-    # tensor-core matrix multiplies on the quantized blocks ("mmq": kernels/mmqs.cu, and mmq.cu's
-    # tiles for the LM head past 16 rows), or from 16 rows the split16 GEMMs on the prefill's kept
-    # split weights ("split16": 4 bytes a weight per step, read at GEMM speed, a cost that hardly
-    # grows with the rows; needs the kept weights, prefill_weight_cache), or "auto": mmq below 64
-    # rows, split16 from 64 where the weights are kept (qwen15 twin, H100, tok/s: 64 rows 11.5k ->
-    # 13.5k, 128 rows 14.5k -> 22.3k, 256 rows 15.6k -> 29.1k; at 32 mmq stays ahead)
-    batched_decode: str = "auto"
-    # prompt steps of up to this many tokens (the tail after a cached prefix, short prompts, a burst
-    # of them) run on those tensor-core projections too, padded to a token bucket (8, then
-    # multiples of 16) and replayed from one CUDA graph per bucket; longer steps take the prefill
-    # GEMMs, launched eagerly (~560 launches: 8-16 ms of host time for qwen15). 0: GEMVs
-    # below 12 tokens and GEMMs from there, as before. A multiple of 8, at most 256
-    prompt_mmq_tokens: int = 64
-    # attention kernels of the CUDA path: "flash" (tensor cores: tiled flash attention for prompts,
-    # flash-decoding split over the sequence for long decode rows) or "classic" (CUDA cores: one
-    # block per row and head for decode, 16-row tiles for prompts)
-    attention: str = "flash"
     self_check: bool = True            # run kernel self-check at CUDA start-up
     # load the kernel modules shipped compiled for this GPU (kernels/cubin, tools/build_kernels.py)
     # where they match the sources; off: compile every module with NVRTC at start-up
@@ -210,7 +173,6 @@ class Settings:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise self._bad("gpu_memory_utilization", "must be in (0, 1]")
         at_least("kv_cache_tokens", 0)
-        at_least("guidance_mask_parts", 0, 64)
         if 0 < self.kv_cache_tokens < self.block_size:
             raise self._bad("kv_cache_tokens", f"is less than one block ({self.block_size} tokens)")
         at_least("prefill_chunk_tokens", 1)
@@ -225,13 +187,6 @@ class Settings:
         at_least("chat_template_memory_mb", 256)
         at_least("chat_template_workers", 1, 64)
         at_least("shutdown_grace_s", 0)
-        one_of("decode_activations", "int8", "int8-fp32-down", "fp32")
-        one_of("prefill_precision", "split16", "fp32", "fp16")
-        one_of("attention", "flash", "classic")
-        one_of("batched_decode", "auto", "mmq", "split16")
-        at_least("prompt_mmq_tokens", 0, 256)
-        if self.prompt_mmq_tokens % 8:
-            raise self._bad("prompt_mmq_tokens", "must be a multiple of 8")
         one_of("prefill_weight_cache", "auto", "on", "off")
         at_least("workers", 0, 256)
         if self.log_level.upper() not in _LOG_LEVELS:

@@ -85,9 +85,11 @@ class NullObserver:
 class Engine(RequestPrep):
     def __init__(self, backend: Backend, tokenizer, settings: Settings | None = None,
                  model_name: str = "model", observer: EngineObserver | None = None,
-                 prewarm_guidance: bool = True):
+                 prewarm_guidance: bool = True, pipelined: bool = True):
         """prewarm_guidance: build llguidance's vocabulary now, on a thread (False: on the first
-        constrained request, or when the caller calls prewarm_guidance(), e.g. once it serves)."""
+        constrained request, or when the caller calls prewarm_guidance(), e.g. once it serves).
+        pipelined: start decode step n+1 on the device's own tokens before the host reads step n's
+        (False: every step waits for the host; the reference the tests compare it with)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.settings = settings or Settings()
@@ -104,6 +106,7 @@ class Engine(RequestPrep):
         self._decode_window: list[tuple[float, int]] = []   # (time, tokens) of recent decode steps
         self._outbox = Outbox()             # this step's outputs, delivered by its flush()
         # the decode step on the device, and the step started ahead of it
+        self.pipelined = pipelined
         self.pipeline = DecodePipeline(self, prefill=self._prefill, flush=self._flush)
         self._last_shape: tuple[int, int] = (-1, -1)
         self._last_report = 0.0
@@ -118,8 +121,7 @@ class Engine(RequestPrep):
         self._trace = open(self.settings.step_trace, "a", buffering=1) if self.settings.step_trace else None
         self._t_start = time.perf_counter()
         self._epoch = time.time() - self._t_start          # perf_counter -> Unix time, for the trace
-        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots,
-                                 split_parts=self.settings.guidance_mask_parts)
+        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots)
         if prewarm_guidance:
             self.prewarm_guidance()
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
@@ -140,7 +142,7 @@ class Engine(RequestPrep):
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None,
-                      prewarm_guidance: bool = True) -> "Engine":
+                      prewarm_guidance: bool = True, pipelined: bool = True) -> "Engine":
         from ..model.chat_template import TemplateLimits
         from ..model.tokenizer import Tokenizer
         settings = settings or Settings.from_env()
@@ -171,7 +173,7 @@ class Engine(RequestPrep):
         log.info("loaded %s (%s, %s backend) in %.1f s", name, model.config.arch, backend.name,
                  time.perf_counter() - t0)
         engine = cls(backend, tokenizer, settings, model_name=name, observer=observer,
-                     prewarm_guidance=prewarm_guidance)
+                     prewarm_guidance=prewarm_guidance, pipelined=pipelined)
         timeline.mark("engine ready")
         return engine
 

@@ -28,7 +28,7 @@ How the engine drives a Guide (engine/engine.py):
 Stop tokens (the model's EOS set) are allowed exactly when the grammar accepts, so a sequence that
 draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads;
 at small batches each row's own mask is also spread over threads, the vocabulary cut in parts
-(mask_split.py, Settings.guidance_mask_parts), so a slow mask (a bounded string near its
+(mask_split.py, MASK_PARTS), so a slow mask (a bounded string near its
 maxLength walks most of the vocabulary) does not hold up the step.
 Sequences without a constraint have no Guide and cost nothing.
 """
@@ -70,6 +70,10 @@ _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
 _LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)
 SLICES = [r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{k}}}" for k in _LADDER] + [f"{_STRING_CHAR}+"]
 POOL_SIZE = 64            # finished matchers kept per grammar for the next sequences
+# a row's mask computed in this many parts of the vocabulary on as many threads, while rows x parts
+# fit the cores: at small batches a slow mask (a bounded string near its maxLength walks most of
+# the vocabulary) would otherwise hold up the step
+MASK_PARTS = 4
 
 
 @dataclass(frozen=True)
@@ -172,10 +176,10 @@ class Guidance:
     use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE,
-                 slices: Sequence[str] | None = None, split_parts: int = 0, threads: int | None = None):
+                 slices: Sequence[str] | None = None, split_parts: int | None = None, threads: int | None = None):
         """split_parts: cut the vocabulary in that many parts (mask_split) so that a batch's masks
-        run on split_parts threads a row while rows * split_parts <= threads (0, 1 or more than
-        threads: never).
+        run on split_parts threads a row while rows * split_parts <= threads (None: MASK_PARTS; 0, 1
+        or more than threads: never).
         threads: llguidance's executor (default: every core this process may use)."""
         self.tokenizer = tokenizer
         # None: our ladder (SLICES); tools/mask_bench.py passes llguidance's own to compare
@@ -194,6 +198,7 @@ class Guidance:
         self.threads = int(threads) if threads else min(32, len(os.sched_getaffinity(0)))
         # parts only where one row's fit the threads (never on a 2-core machine with 4 parts: no
         # part tokenizers to build there)
+        split_parts = MASK_PARTS if split_parts is None else split_parts
         self.split_parts = int(split_parts) if split_parts and 1 < split_parts <= self.threads else 0
         self._split: VocabSplit | None = None
         self._split_lock = threading.Lock()

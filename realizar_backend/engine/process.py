@@ -216,8 +216,7 @@ class EngineClient(RequestPrep):
             if msg[0] == "failed":
                 raise msg[1]
             info = msg[1]
-            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"],
-                                split_parts=settings.guidance_mask_parts)
+            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"])
         except BaseException:
             conn.close()
             proc.kill()

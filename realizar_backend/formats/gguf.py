@@ -24,7 +24,7 @@ from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..model.arch import required_tensors
 from ..model.config import config_from_gguf
-from . import ModelFile, Tensor
+from .model_file import ModelFile, Tensor
 from .quants import SUPPORTED
 
 log = logging.getLogger(__name__)
@@ -340,6 +340,10 @@ def validate_model(mf: ModelFile) -> None:
             b + "attn_q_norm.weight": (c.head_dim,), b + "attn_k_norm.weight": (c.head_dim,),
             b + "post_attention_norm.weight": (c.hidden,), b + "post_ffw_norm.weight": (c.hidden,),
         })
+        if c.n_experts:
+            E, F = c.n_experts, c.expert_ffn_dim
+            expect.update({b + "ffn_gate_inp.weight": (E, c.hidden), b + "ffn_gate_exps.weight": (E, F, c.hidden),
+                           b + "ffn_up_exps.weight": (E, F, c.hidden), b + "ffn_down_exps.weight": (E, c.hidden, F)})
     for name, shape in expect.items():
         t = mf.tensors.get(name)
         if t is not None and tuple(t.shape) != shape:

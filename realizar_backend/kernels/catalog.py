@@ -40,7 +40,7 @@ KERNEL_DIR = Path(__file__).resolve().parent
 CUBIN_DIR = KERNEL_DIR / "cubin"
 MANIFEST = CUBIN_DIR / "manifest.json"
 
-MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf/mmvq launch column (template instances)
+MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf launch column (template instances)
 # warps per block of mmvf.cu's kernels by batch width (-DMMVF_WARPS): 8 at one row (half the blocks
 # staging the input); 4 from two rows up, where every weight is applied to each row and blocks run
 # long (qwen15 B=2, realizar bench: 1,073 -> 1,191 tok/s at 4; the 4- and 8-row sweeps: 3-15%)
@@ -52,7 +52,7 @@ MMVF_HEAD_R = 4
 # rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
 FFNF_R = {1: 1}
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
-ATT_KINDS = ("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..4
+ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
 # compute capabilities shipped prebuilt: 8.0 (A100; its modules also serve 8.6 and 8.9: A10, RTX 30,
 # L4, L40, RTX 40) and 9.0 (H100, H200). Each arch costs ~9 minutes of one core to build.
@@ -118,7 +118,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",
-                                    "prefill.cu", "mmvq.cu", "gemv.cu", "sampling.cu")]
+                                    "prefill.cu", "gemv.cu", "sampling.cu")]
     out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
     out.append(("mmqs.cu", ()))
     out += [("mmqs.cu", (qmask_option(m),)) for m in PREBUILT_QMASKS]

@@ -9,10 +9,9 @@ fused argmax) or `mmq_ffn` (gate and up, a = act(g) * u). One prep serves every 
 input. Launches allocate nothing and never synchronize: buffers come from MmqPrep and MmqScratch,
 sized once for the largest batch, so the sequence can be captured in a CUDA graph.
 
-Matrices whose types are all in SMALL_TYPES take kernels/mmqs.cu instead (same prep, same
-numerics) for batches of up to 16 rows, and for larger batches in token groups of 16 unless the
-matrix is LM-head-sized (`_use_small`): one block per 16 weight rows and token group, its warps
-splitting K, weights straight from memory into the mma fragments (`small_warps`: warps per block).
+The dispatcher (dispatch.py) sends launches to kernels/mmqs.cu instead (`small`: same prep, same
+numerics): one block per 16 weight rows and token group of up to 16 rows, its warps splitting K,
+weights straight from memory into the mma fragments (`small_warps`: warps per block).
 Where those blocks would leave SMs empty (qwen15's 1536-row projections at up to 16 rows), a
 thread-block cluster of blocks shares each tile's K (`small_cluster`, sm_90).
 
@@ -29,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import cupy
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
+from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes
 from .modules import MMQ_BN, mmq_smem_bytes
 from . import pdl as _pdl
 from .pdl import clusters_ok
@@ -43,10 +42,6 @@ _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MMQ_BM, MMQ_KC, MMQ_REC
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
-TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
-SMALL_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})    # kernels/mmqs.cu
-SMALL_MAX_M = 16                                 # its widest token tile (mmqs_t16)
-SMALL_WIDE_MAX_BYTES = 64 << 20                  # beyond 16 rows, matrices up to this size (_use_small)
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
 SMALL_WARPS_PER_SM = 16                          # the warps a launch aims to keep on each SM
 SMALL_MIN_WARPS = 4
@@ -56,16 +51,6 @@ SMALL_MAX_CLUSTER = 4                            # blocks per cluster sharing on
 SMALL_CLUSTER_MIN_ITEMS = 4                      # 64-column items each warp of a cluster keeps (small_cluster)
 CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): the K split aims at one such wave
 MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
-
-
-def mmq_ok(w: WeightRef) -> bool:
-    """The matrix has a tensor-core kernel here (its type, whole blocks per row)."""
-    return w.qtype in TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
-
-
-def small_ok(w: WeightRef) -> bool:
-    """The matrix has a kernel in mmqs.cu (batches of up to SMALL_MAX_M rows)."""
-    return w.qtype in SMALL_TYPES and mmq_ok(w) and w.cols % 64 == 0
 
 
 def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
@@ -246,18 +231,14 @@ def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: i
             mmq_smem_bytes(pl.bn), pdl)
 
 
-def _use_small(mats, M: int, small: bool | None) -> bool:
-    """mmqs.cu serves any M (in token groups of 16) and is chosen up to SMALL_MAX_M rows, and beyond
-    for matrices of up to SMALL_WIDE_MAX_BYTES: each token group re-reads the weights, which a
-    layer's matrices find in L2 and an LM head does not (qwen15, tools/mmq_bench.py, 64 rows: gate/up
-    70 us against 89 on mmq.cu's tiles, the 190 MB head 781 against 456)."""
-    ok = all(small_ok(w) for w in mats)
-    if small and not ok:
+def _small_ok(mats, M: int, small: bool | None) -> bool:
+    """Whether a launch runs on mmqs.cu: as asked, or (None) as the dispatcher's rule says."""
+    if small is None:
+        return mmqs_takes(mats, M)
+    if small and not all(mmqs_ok(w) for w in mats):
         raise ValueError(f"mmqs: {', '.join(getattr(w.qtype, 'name', str(w.qtype)) for w in mats)} "
-                         f"(types {', '.join(sorted(q.name for q in SMALL_TYPES))}) have no small-batch kernel")
-    if small is not None:
-        return small
-    return ok and (M <= SMALL_MAX_M or sum(w.rows * w.row_bytes for w in mats) <= SMALL_WIDE_MAX_BYTES)
+                         f"(types {', '.join(sorted(q.name for q in MMQS_TYPES))}) have no small-batch kernel")
+    return small
 
 
 def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mode: int, act: int,
@@ -286,9 +267,9 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
     """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
     pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
     segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
-    argmax_unpack reads and resets it). small: force mmqs.cu (True) or mmq.cu (False); None picks
-    (a benchmark's comparison); warps: mmqs's warps per block (None: small_warps); cluster: its
-    blocks per cluster (None: small_cluster where clusters_ok, else 1)."""
+    argmax_unpack reads and resets it). small: mmqs.cu (True) or mmq.cu's tiles (False), as the
+    dispatcher says (None: its rule, dispatch.mmqs_takes); warps: mmqs's warps per block (None: small_warps);
+    cluster: its blocks per cluster (None: small_cluster where clusters_ok, else 1)."""
     if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
         raise ValueError("mmq: one to three segments, and only one with amax")
     mats = [w for w, _, _, _ in segs]
@@ -296,7 +277,7 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
     args: list = []
     for w, bias, y, ys in segs:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-    if _use_small(mats, M, small):
+    if _small_ok(mats, M, small):
         tiles = sum(-(-w.rows // 16) for w in mats)
         return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps, cluster)
     pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits)
@@ -314,7 +295,7 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
     args = []
     for w in (wg, wu):
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
-    if _use_small([wg, wu], M, small):
+    if _small_ok([wg, wu], M, small):
         return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps, cluster)
     pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)
