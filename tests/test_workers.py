@@ -173,6 +173,7 @@ def test_when_every_worker_fails_livez_says_dead_and_requests_get_the_error(tmp_
         assert wait_for(lambda: all(httpx.get(server.url + "/livez", timeout=10).status_code == 503
                                     for _ in range(4)), 30)
         assert httpx.get(server.url + "/readyz", timeout=10).status_code == 503
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
         r = httpx.post(server.url + "/v1/completions", headers=server.auth,
                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.headers["connection"] == "close"

@@ -7,7 +7,7 @@ reasons), the same split chat completions make.
 The API key comes as `x-api-key` or `Authorization: Bearer` (handlers.py); `anthropic-version`
 and `anthropic-beta` headers are accepted, whatever they say. Errors come in Anthropic's shape,
 `{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}`, with the status
-Anthropic gives each type (handlers.error_json).
+Anthropic gives each type (streaming.error_json).
 
 A streamed reply is Anthropic's event sequence: message_start, a ping, then per content block
 content_block_start, content_block_delta (text_delta, input_json_delta or thinking_delta) and
@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ..errors import CapacityError, RequestError
 from . import anthropic_input as ai
 from . import requests as rq
-from .handlers import SSE_HEADERS, Guarded, Last, anthropic_error_body, dumps, merged
+from .streaming import SSE_HEADERS, Guarded, Last, anthropic_error_body, dumps, merged
 from .replies import ReplyReader, read_whole
 from .state import ServerState
 

@@ -12,7 +12,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from . import anthropic, openai, responses
-from .handlers import InFlight, error_json, make_endpoint
+from .handlers import InFlight, make_endpoint
+from .streaming import error_json
 from .state import ServerState
 
 # /v1 routes and their one method, for the 405 of a wrong one (a /v1/models/... or

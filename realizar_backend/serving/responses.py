@@ -38,7 +38,7 @@ from starlette.routing import Route
 from ..errors import CapacityError, RequestError
 from . import requests as rq
 from . import responses_input as ri
-from .handlers import SSE_HEADERS, Guarded, Last, dumps, merged
+from .streaming import SSE_HEADERS, Guarded, Last, dumps, merged
 from .replies import ReplyReader, read_whole
 from .state import ServerState
 

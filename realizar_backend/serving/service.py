@@ -148,6 +148,7 @@ IMAGE = (
 
 LOCAL_HOST = "127.0.0.1"
 REFRESH_S = 2.0
+BENTOML_TIMEOUT_MARGIN_S = 60.0
 GUIDANCE_PREWARM_DELAY_S = 1.0
 STATE = ServerState(settings=SETTINGS)
 
@@ -206,8 +207,9 @@ timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.serv
     image=IMAGE,
     resources=RESOURCES,
     workers=WORKERS,
-    # the timeout runs until a response starts; a long non-streaming CPU generation needs minutes
-    traffic={"timeout": 900},
+    # BentoML's own limit runs until a response starts; the routes end a request at
+    # request_timeout_s with an OpenAI-shaped 504 (serving/openai.py), so this one is a backstop
+    traffic={"timeout": SETTINGS.request_timeout_s + BENTOML_TIMEOUT_MARGIN_S},
     tracing=_tracing_config(),
     # this machine only, unless `--host` (or BENTOML_HOST) says otherwise: there is no API key
     # unless REALIZAR_API_KEY sets one. The container image sets BENTOML_HOST=0.0.0.0
