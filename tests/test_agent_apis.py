@@ -1,6 +1,7 @@
 """The APIs coding agents speak, end to end: Anthropic's Messages API through the official
-`anthropic` client and OpenAI's Responses API through the official `openai` client, against one
-real `bentoml serve` of Qwen2.5-Coder-0.5B on the CPU for the module.
+`anthropic` client and OpenAI's Responses API through the official `openai` client, against the
+real `bentoml serve` of Qwen2.5-Coder-0.5B on the CPU that the test process shares
+(server_util.shared_qwen_server).
 
 The model is small, so replies are held where the assertions need them: tool calls are forced
 (tool_choice) and structured output has a schema; what is checked is what a client sees (shapes,
@@ -16,12 +17,12 @@ import httpx
 import jsonschema
 import pytest
 
-from server_util import start_server
+from server_util import QWEN_MODEL, shared_qwen_server
 from tool_defs import CALC, WEATHER
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-MODEL = "qwen2.5-coder-0.5b"
+MODEL = QWEN_MODEL
 GREEDY = {"temperature": 0}
 WEATHER_SCHEMA = WEATHER["function"]["parameters"]
 # the same tools in each API's own shape
@@ -35,11 +36,7 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxL
 
 @pytest.fixture(scope="module")
 def server():
-    from real_models import real_model
-    s = start_server({"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_RESPONSES_STORE_SIZE": "4"})
-    yield s
-    s.stop()
+    return shared_qwen_server()      # the test process's Qwen server; it keeps 4 responses
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +259,62 @@ def test_responses_store_and_errors(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model=MODEL, input="hi", extra_body={"max_output_token": 5})
     assert e.value.body["code"] == "unknown_parameter" and "max_output_tokens" in e.value.body["message"]
+
+
+# ------------------------------------------------------------------------------ a model that thinks
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A tiny random qwen3 whose template thinks (tests/thinking_model.py), served for this module."""
+    from server_util import start_server
+    from thinking_model import write_thinking_model
+    path = write_thinking_model(tmp_path_factory.mktemp("thinker") / "thinker.gguf", context_length=1024)
+    s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": "thinker",
+                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "2"})
+    yield s
+    s.stop()
+
+
+def test_thought_as_thinking_blocks_and_reasoning_items(thinker):
+    """Every API splits a reply the same way: the thought chat completions return as
+    reasoning_content is Anthropic's thinking block and the Responses API's reasoning item. (The
+    random model's reply is held to a schema; the template opened a thought, which the reply, cut
+    short or not, never closes: all of it is the thought.)"""
+    import anthropic
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 12}}, "required": ["word"],
+              "additionalProperties": False}
+    question = _user("Say a word.")
+    chat = thinker.openai().chat.completions.create(
+        model="thinker", messages=question, max_tokens=24, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    thought = chat.choices[0].message.reasoning_content
+    assert thought and json.loads(thought)["word"] is not None and not chat.choices[0].message.content
+    claude = anthropic.Anthropic(base_url=thinker.url, api_key=thinker.api_key, max_retries=0, timeout=120)
+    kwargs = dict(model="thinker", max_tokens=24, messages=question, thinking={"type": "adaptive"},
+                  output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+    r = claude.messages.create(**kwargs)
+    assert [(b.type, b.thinking) for b in r.content] == [("thinking", thought)]
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.thinking) for b in final.content] == [("thinking", thought)]
+    resp = thinker.openai().responses.create(model="thinker", input=question, max_output_tokens=24, temperature=0,
+                                             text={"format": {"type": "json_schema", "name": "w", "schema": schema}})
+    assert [item.type for item in resp.output] == ["reasoning"] and resp.output[0].content[0].text == thought
+    assert 0 < resp.usage.output_tokens_details.reasoning_tokens <= resp.usage.output_tokens
+
+
+def test_langchain_with_the_responses_api(server):
+    """langchain-openai's ChatOpenAI(use_responses_api=True): a forced tool call comes back parsed."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key=server.api_key, temperature=0,
+                     max_tokens=60, max_retries=0, use_responses_api=True)
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    [call] = msg.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str) and call["id"]

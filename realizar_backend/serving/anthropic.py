@@ -74,10 +74,6 @@ def _usage(prompt: int, output: int, cached: int) -> dict:
     return {"input_tokens": prompt - cached, "output_tokens": output, "cache_read_input_tokens": cached}
 
 
-def _reasoning_shown(plan: ai.MessagesPlan) -> bool:
-    return plan.thinking
-
-
 async def _whole(state, plan: ai.MessagesPlan, engine, head: dict) -> AsyncIterator[bytes]:
     text, finish, out_tokens, cached, stop_string = "", None, 0, 0, None
     async for _, out in merged(engine, plan.jobs):
@@ -85,14 +81,13 @@ async def _whole(state, plan: ai.MessagesPlan, engine, head: dict) -> AsyncItera
         out_tokens, cached = out.completion_tokens, max(cached, out.cached_tokens)
         if out.finish_reason is not None:
             finish, stop_string = out.finish_reason, out.stop_string
-    reply = read_whole(text, plan.tools)
+    reply = read_whole(text, plan)
     content = []
     for part in reply.parts:
         if part.kind == "text":
             content.append({"type": "text", "text": part.text})
         elif part.kind == "reasoning":
-            if _reasoning_shown(plan):
-                content.append({"type": "thinking", "thinking": part.text, "signature": ""})
+            content.append({"type": "thinking", "thinking": part.text, "signature": ""})
         else:
             try:
                 args = json.loads(part.text or "{}")
@@ -114,10 +109,9 @@ class _Blocks:
     """The content blocks of a streamed reply: opens a block when the kind of event changes,
     closes the one before."""
 
-    def __init__(self, show_reasoning: bool):
+    def __init__(self):
         self.index = -1
         self.open: str | None = None
-        self.show_reasoning = show_reasoning
 
     def _start(self, kind: str, block: dict) -> list[bytes]:
         out = self.close()
@@ -145,8 +139,6 @@ class _Blocks:
                     out += self._start("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": ev[1]}))
             elif kind == "reasoning":
-                if not self.show_reasoning:
-                    continue
                 if self.open != "thinking":
                     out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
                 out.append(self._delta({"type": "thinking_delta", "thinking": ev[1]}))
@@ -159,8 +151,8 @@ class _Blocks:
 
 
 async def _stream(plan: ai.MessagesPlan, engine, head: dict) -> AsyncIterator[bytes]:
-    reader = ReplyReader(plan.tools)
-    blocks = _Blocks(_reasoning_shown(plan))
+    reader = ReplyReader(plan)
+    blocks = _Blocks()
     started = False
     try:
         async for _, out in merged(engine, plan.jobs):

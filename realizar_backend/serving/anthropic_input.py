@@ -21,9 +21,14 @@ template, tool-call grammar and parser serve Anthropic's API exactly as they ser
   the room the context leaves after the prompt is cut to that room.
 - structured output: `output_config.format` (or the beta's `output_format`), a JSON schema.
 
+- `thinking`: a model whose template thinks is asked not to (Qwen3's `enable_thinking: false`)
+  unless thinking is `enabled`, `adaptive` or `between_tools`, as Anthropic's models think only
+  when asked; its thought comes back as thinking blocks, and `budget_tokens` bounds it.
+
 Every field the API defines is known: those that cannot change this server's output
-(`metadata`, `service_tier`, `context_management`, `output_config.effort`, a thinking budget,
-`cache_control` on blocks) are accepted and ignored; others are a 400 naming the field.
+(`metadata`, `service_tier`, `context_management`, `output_config.effort`, `cache_control`,
+`speed`, `inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`) are accepted and
+ignored; others are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from ..engine.guidance import Constraint
 from ..engine.sampling import SamplingParams
 from ..errors import RequestError
 from . import requests as rq
+from .chat_request import ChatOptions, chat_options
 from .plans import chat_jobs
-from .tools import MAX_TOOLS, ToolRequest, tool_request
+from .reasoning import ReasoningFormat, detect_reasoning
+from .tools import MAX_TOOLS, ToolRequest, ToolStreamParser, tool_request
 
 _COMMON = {"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management", "mcp_servers",
            "output_config", "output_format", "cache_control", "speed", "user_profile_id", "workspace_id"}
@@ -62,7 +69,7 @@ class Conversation:
     messages: list[dict]
     tools: ToolRequest | None
     constraint: Constraint | None
-    thinking: bool                 # the reply's reasoning may be returned (as thinking blocks)
+    options: ChatOptions            # the template's kwargs and the model's thought
 
 
 @dataclass
@@ -71,7 +78,12 @@ class MessagesPlan:
     prompt_tokens: int
     stream: bool
     tools: ToolRequest | None
-    thinking: bool
+    reasoning: ReasoningFormat | None = None    # the model thinks in this format
+    thinking_inside: bool = False               # the prompt left the model inside a thought
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tools is not None and ToolStreamParser(self.tools).active
 
 
 def messages_plan(raw: bytes, engine, settings) -> MessagesPlan:
@@ -92,8 +104,11 @@ def messages_plan(raw: bytes, engine, settings) -> MessagesPlan:
     body.unsupported("container")
     params = SamplingParams(max_tokens=max_tokens, temperature=body.get("temperature", "number", 1.0),
                             top_p=body.get("top_p", "number", 1.0), top_k=body.get("top_k", "int", 0), stop=stop)
-    jobs, prompt_tokens = chat_jobs(engine, params, conv.messages, conv.tools, conv.constraint, cap_to_context=True)
-    return MessagesPlan(jobs, prompt_tokens, body.get("stream", "bool", False), conv.tools, conv.thinking)
+    jobs, prompt_tokens = chat_jobs(engine, params, conv.messages, conv.tools, conv.constraint, cap_to_context=True,
+                                    options=conv.options)
+    thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
+    return MessagesPlan(jobs, prompt_tokens, body.get("stream", "bool", False), conv.tools, conv.options.reasoning,
+                        thinking is not None and thinking.inside)
 
 
 def count_tokens(raw: bytes, engine) -> dict:
@@ -102,7 +117,9 @@ def count_tokens(raw: bytes, engine) -> dict:
     body.only(COUNT_FIELDS)
     conv = _conversation(body, engine)
     tok = engine.tokenizer
-    kwargs = {"tools": conv.tools.template_tools} if conv.tools is not None and conv.tools.template_tools else {}
+    kwargs = dict(conv.options.template_kwargs)
+    if conv.tools is not None and conv.tools.template_tools:
+        kwargs["tools"] = conv.tools.template_tools
     text = tok.apply_chat_template(conv.messages, add_generation_prompt=True, **kwargs)
     return {"input_tokens": len(tok.encode(text, add_special_tokens=False))}
 
@@ -114,22 +131,28 @@ def _conversation(body: rq.Body, engine) -> Conversation:
     if not getattr(engine.tokenizer, "has_chat_template", True):
         raise bad("messages", "this model has no chat template")
     body.unsupported("mcp_servers")
-    thinking = _thinking(body.get("thinking", "dict"))
+    options = _thinking(body.get("thinking", "dict"), engine.tokenizer)
     tools = _tools(body.get("tools", "list"), body.get("tool_choice", "dict"), engine.tokenizer.chat_template)
     messages = _system(body.data.get("system")) + _messages(body.require("messages", "list"))
-    return Conversation(messages, tools, _output_format(body), thinking)
+    return Conversation(messages, tools, _output_format(body), options)
 
 
-def _thinking(value: dict | None) -> bool:
-    if value is None:
-        return False
-    kind = value.get("type")
+def _thinking(value: dict | None, tokenizer) -> ChatOptions:
+    """`thinking` as the template's and the engine's options: a model whose template thinks is
+    asked not to (Qwen3's `enable_thinking: false`) unless thinking is on, as Anthropic's models
+    think only when asked; `budget_tokens` is the most tokens its thought may take."""
+    kind = "disabled" if value is None else value.get("type")
     if kind not in _THINKING:
         raise bad("thinking.type", f"must be one of {', '.join(_THINKING)}, got {kind!r}")
-    budget = value.get("budget_tokens")
+    budget = (value or {}).get("budget_tokens")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise bad("thinking.budget_tokens", "expected a positive integer")
-    return kind != "disabled"
+    data: dict[str, Any] = {}
+    if kind == "disabled":
+        data["chat_template_kwargs"] = {"enable_thinking": False}
+    elif budget is not None and detect_reasoning(tokenizer.chat_template) is not None:
+        data["max_reasoning_tokens"] = budget
+    return chat_options(data, tokenizer)
 
 
 def _text_of(blocks: Any, where: str) -> str:

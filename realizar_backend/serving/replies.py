@@ -1,12 +1,15 @@
 """A chat reply read back for the APIs that answer in typed parts (Anthropic's content blocks, the
 Responses API's output items): the engine's text deltas become events, in order,
 
+    ("reasoning", piece)                the model's thought (a model whose template thinks)
     ("text", piece)                     answer text
     ("call", index, call_id, name)      a tool call starts (index counts the reply's calls)
     ("args", index, piece)              the call's arguments: pieces of the model's JSON text
 
-The tool calls are found by tools.ToolStreamParser, the same parser as chat completions', so a
-reply is split the same way by every API, streamed or whole, however its text was cut.
+The reply goes through chat completions' own parsers (chat.ChatReply: the thought by
+reasoning.py's parser, then the tool calls by tools.ToolStreamParser), so a reply is split the
+same way by every API, streamed or whole, however its text was cut. A plan here is anything with
+chat.ChatReply's fields: tools, calls_tools, reasoning and thinking_inside.
 `Reply` joins a reply's events into its parts, which is what a whole (non-streamed) answer lists.
 """
 
@@ -14,32 +17,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tools import ToolRequest, ToolStreamParser
+from .chat import ChatReply
 
 
 class ReplyReader:
     """Text deltas -> events (see the module); finish() at the end of the reply."""
 
-    def __init__(self, tools: ToolRequest | None):
-        parser = ToolStreamParser(tools) if tools is not None else None
-        self._tools = parser if parser is not None and parser.active else None
+    def __init__(self, plan):
+        self._chat = ChatReply(plan)
 
     @property
     def calls(self) -> int:
-        return self._tools.n_calls if self._tools is not None else 0
+        return self._chat.n_calls
 
     def feed(self, text: str) -> list[tuple]:
-        if self._tools is None:
-            return [("text", text)] if text else []
-        return _events(self._tools.feed(text))
+        return _events(self._chat.feed(text))
 
     def finish(self) -> list[tuple]:
-        return _events(self._tools.finish()) if self._tools is not None else []
+        return _events(self._chat.feed("", final=True))
 
 
 def _events(deltas: list[dict]) -> list[tuple]:
     out: list[tuple] = []
     for d in deltas:
+        if d.get("reasoning_content"):
+            out.append(("reasoning", d["reasoning_content"]))
         if d.get("content"):
             out.append(("text", d["content"]))
         for tc in d.get("tool_calls", ()):
@@ -52,7 +54,7 @@ def _events(deltas: list[dict]) -> list[tuple]:
 
 @dataclass
 class Part:
-    kind: str                   # text | call
+    kind: str                   # reasoning | text | call
     text: str = ""              # text: the text; call: the arguments' JSON text
     call_id: str = ""
     name: str = ""
@@ -81,9 +83,9 @@ class Reply:
         return [p for p in self.parts if p.kind == "call"]
 
 
-def read_whole(text: str, tools: ToolRequest | None) -> Reply:
+def read_whole(text: str, plan) -> Reply:
     """A whole reply's parts (what its streamed events add up to)."""
-    reader = ReplyReader(tools)
+    reader = ReplyReader(plan)
     reply = Reply()
     reply.add(reader.feed(text) + reader.finish())
     return reply

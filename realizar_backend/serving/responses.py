@@ -144,15 +144,19 @@ class _Run:
                 "content": [{"type": "reasoning_text", "text": text}]}
 
     def response(self, status: str, usage: dict | None, error: dict | None = None) -> dict:
+        done = status in ("completed", "incomplete")
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "background": False, "error": error,
+                "completed_at": int(time.time()) if done else None, "background": False, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "model": self.model, "output": self.output, "usage": usage, **self.plan.echo}
 
-    def usage(self, output_tokens: int, cached: int) -> dict:
+    def usage(self, output_tokens: int, cached: int, tokenizer) -> dict:
         prompt = self.plan.prompt_tokens
+        # the thought's tokens, counted again from its text (the reply's tokens are not kept apart)
+        thought = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
+        reasoning = min(len(tokenizer.encode(thought, add_special_tokens=False)), output_tokens) if thought else 0
         return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": prompt + output_tokens}
 
     def finished(self, finish: str | None, usage: dict) -> dict:
@@ -170,7 +174,7 @@ class _Run:
             text += out.text
             out_tokens, cached = out.completion_tokens, max(cached, out.cached_tokens)
             finish = out.finish_reason or finish
-        for part in read_whole(text, self.plan.tools).parts:
+        for part in read_whole(text, self.plan).parts:
             if part.kind == "text":
                 self.output.append(self.message_item(part.text))
             elif part.kind == "reasoning":
@@ -179,13 +183,14 @@ class _Run:
                 self.output.append(self.call_item(part.call_id, part.name, part.text))
         if finish in ("length", "shutdown") and self.output:
             self.output[-1]["status"] = "incomplete"
-        yield Last(await dumps(state, self.finished(finish, self.usage(out_tokens, cached)), len(text)))
+        yield Last(await dumps(state, self.finished(finish, self.usage(out_tokens, cached, engine.tokenizer)),
+                             len(text)))
 
     # -------------------------------------------------------------- streamed
 
     async def stream(self, engine) -> AsyncIterator[bytes]:
         ev = _Events(self)
-        reader = ReplyReader(self.plan.tools)
+        reader = ReplyReader(self.plan)
         started = False
         cached = 0
         try:
@@ -204,7 +209,7 @@ class _Run:
                 chunks += ev.write(events + reader.finish())
                 incomplete = out.finish_reason in ("length", "shutdown")
                 chunks += ev.close("incomplete" if incomplete else "completed")
-                body = self.finished(out.finish_reason, self.usage(out.completion_tokens, cached))
+                body = self.finished(out.finish_reason, self.usage(out.completion_tokens, cached, engine.tokenizer))
                 chunks.append(ev.emit("response.incomplete" if incomplete else "response.completed", response=body))
                 yield Last(b"".join(chunks))
                 return

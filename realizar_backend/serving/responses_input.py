@@ -6,7 +6,8 @@ template takes them, function tools, and a constraint for structured output.
   assistant; content a string or `input_text` / `output_text` parts), `function_call` (an
   assistant's call: `call_id`, `name`, `arguments` as JSON text), `function_call_output` (the
   tool message answering that call_id), and `reasoning` (earlier reasoning: not shown to the
-  model). Image, file and audio parts and other item types are a 400.
+  model).
+- `reasoning.effort`: given to the chat template as `reasoning_effort` (templates that read it). Image, file and audio parts and other item types are a 400.
 - `instructions`: a system message before everything else (not carried to a later response
   that names this one in `previous_response_id`, as OpenAI does).
 - `tools`: function tools in the flat shape (`{"type": "function", "name", "description",
@@ -21,8 +22,8 @@ template takes them, function tools, and a constraint for structured output.
   before `input`; an id that is not stored (never, not with `store: true`, or dropped since) is a
   404.
 
-Fields that cannot change this server's output (`metadata`, `user`, `include`, `reasoning`,
-`store` aside, `prompt_cache_key`, `service_tier`, `truncation`, ...) are accepted and ignored;
+Fields that cannot change this server's output (`metadata`, `user`, `include`,
+`reasoning.summary`, `prompt_cache_key`, `service_tier`, `truncation`, ...) are accepted and ignored;
 features it lacks (`background`, `conversation`, `prompt`, `top_logprobs`) are a 400 unless
 neutral; unknown fields are a 400 naming the field, as on every OpenAI route.
 """
@@ -38,9 +39,11 @@ from ..engine.guidance import Constraint
 from ..engine.sampling import SamplingParams
 from ..errors import RequestError
 from . import requests as rq
+from .chat_request import REASONING_EFFORTS, chat_options
 from .plans import chat_jobs
+from .reasoning import ReasoningFormat
 from .requests import bad
-from .tools import MAX_TOOLS, ToolRequest, tool_request
+from .tools import MAX_TOOLS, ToolRequest, ToolStreamParser, tool_request
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
           "top_p", "stream", "store", "previous_response_id", "reasoning", "parallel_tool_calls", "metadata", "user",
@@ -66,6 +69,12 @@ class ResponsesPlan:
     items: list[dict]            # the conversation so far (the previous response's, then input) to store
     echo: dict                   # the request's fields a response object repeats
     namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)   # model's name -> (namespace, name)
+    reasoning: ReasoningFormat | None = None    # the model thinks in this format
+    thinking_inside: bool = False               # the prompt left the model inside a thought
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tools is not None and ToolStreamParser(self.tools).active
 
 
 def responses_plan(raw: bytes, engine, settings, previous: Callable[[str], list[dict] | None]) -> ResponsesPlan:
@@ -100,7 +109,12 @@ def responses_plan(raw: bytes, engine, settings, previous: Callable[[str], list[
     params = SamplingParams(max_tokens=max_tokens, temperature=body.get("temperature", "number", 1.0),
                             top_p=body.get("top_p", "number", 1.0))
     fmt, constraint = _text_format(body.get("text", "dict"))
-    jobs, prompt_tokens = chat_jobs(engine, params, messages, tools, constraint, cap_to_context=True)
+    # reasoning.effort goes to the template as chat's reasoning_effort does (templates that read it)
+    effort = (body.data.get("reasoning") or {}).get("effort")
+    options = chat_options({"reasoning_effort": effort} if effort in REASONING_EFFORTS else {}, engine.tokenizer)
+    jobs, prompt_tokens = chat_jobs(engine, params, messages, tools, constraint, cap_to_context=True,
+                                    options=options)
+    thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
     store = body.get("store", "bool", True)
     choice = body.data.get("tool_choice") or "auto"
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "parallel_tool_calls":
@@ -110,7 +124,8 @@ def responses_plan(raw: bytes, engine, settings, previous: Callable[[str], list[
             "user": body.data.get("user"), "store": store,
             "truncation": body.data.get("truncation") or "disabled",
             "reasoning": {"effort": (body.data.get("reasoning") or {}).get("effort"), "summary": None}}
-    return ResponsesPlan(jobs, prompt_tokens, body.get("stream", "bool", False), store, tools, items, echo, namespaced)
+    return ResponsesPlan(jobs, prompt_tokens, body.get("stream", "bool", False), store, tools, items, echo, namespaced,
+                         options.reasoning, thinking is not None and thinking.inside)
 
 
 def input_items(value: Any) -> list[dict]:
