@@ -79,15 +79,28 @@ def cmd_inspect(args) -> int:
         "chat_template": bool(mf.metadata.get("tokenizer.chat_template") or mf.tokenizer_config.get("chat_template")),
         "tensors": len(mf.tensors), "tensor_bytes": mf.total_bytes, "quant_mix": mf.quant_mix(),
     }
+    if c.n_experts:
+        info["experts"] = f"{c.n_experts_used} of {c.n_experts} per token, FFN {c.expert_ffn_dim}" + (
+            f", a shared expert of FFN {c.shared_expert_ffn_dim}" if c.shared_expert_ffn_dim else "")
+    if c.has_recurrent_state:
+        info["recurrent_layers"] = sum(c.recurrent)
+        info["state_bytes_per_sequence"] = c.recurrent_state_bytes
+    # which backend runs what: the NumPy backend every type it reads; the GPU's own table (support.py)
+    from .backends.cuda import support
+    gpu = support.gpu_types(mf)
+    info["backends_by_type"] = {t: ["cpu", "cuda"] if gpu.get(t, True) else ["cpu"] for t in info["quant_mix"]}
+    info["gpu"] = support.refusal(mf) or "runs"
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         for k, v in info.items():
-            if k == "tensor_bytes":
+            if k in ("tensor_bytes", "state_bytes_per_sequence"):
                 v = f"{v:,} ({v / 2**20:.1f} MiB)"
+            elif k == "backends_by_type":
+                v = ", ".join(f"{t}: {'+'.join(b)}" for t, b in v.items())
             elif k == "quant_mix":
                 v = ", ".join(f"{t} x{n}" for t, n in v.items())
-            print(f"{k:16} {v}")
+            print(f"{k:24} {v}")
     return 0
 
 

@@ -113,6 +113,14 @@ class ModelConfig:
         return any(self.recurrent)
 
     @property
+    def recurrent_state_bytes(self) -> int:
+        """A sequence's recurrent state (float32): per recurrent layer the conv inputs kept
+        (kernel - 1 rows of the mixed q|k|v channels) and the DeltaNet state of every value head."""
+        channels = 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+        per_layer = (self.ssm_conv_kernel - 1) * channels + self.ssm_v_heads * self.ssm_k_dim * self.ssm_v_dim
+        return 4 * per_layer * sum(self.recurrent)
+
+    @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
 

@@ -10,9 +10,11 @@ has set the directory, i.e. when the service instance is created (`get_metrics()
 `Metrics` is the engine's observer (see engine.EngineObserver): the engine calls it when a
 sequence finishes, per output token and after every step.
 
-A server may run several workers (one per GPU, serving/service.py). Every series carries a
-`worker` label (BentoML's worker index, from 1), so /metrics shows each worker and a sum over the
-label gives the server's total; `realizar_worker_status` also names each worker's device.
+A server runs one BentoML worker (the front end) and one engine process per GPU behind it
+(engine/group.py): the engines' reports reach this worker, which adds them up, so each series is
+the server's total. `realizar_engine_status` names each engine's device and state. Every series
+also carries a `worker` label (BentoML's worker index, 1), so that a worker BentoML starts again
+replaces the old one's series.
 
 Beside ours, the vLLM names of the same quantities (`vllm:num_requests_running`, ... VLLM), so
 that dashboards and autoscalers made for vLLM work unchanged: each is fed by the same call as its
@@ -47,6 +49,8 @@ STEP_KINDS = ("decode", "prefill", "mixed")
 # decode_steps_total's `start` label (engine/pipeline.py's PIPELINE_REASONS after "ahead")
 DECODE_STARTS = ("ahead", "prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 WORKER_STATUSES = ("loading", "ready", "failed")
+# an engine's state (EngineGroup.engine_statuses): failed at load, dead since, stuck for now
+ENGINE_STATUSES = ("ready", "stuck", "dead", "failed")
 WORKER_LABEL = "worker"
 
 # (name, documentation): the public list, also used by the docs and the tests
@@ -104,7 +108,8 @@ GAUGES = {
     "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
     "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
     "gpu_memory_used_bytes": "Device memory in use by this process",
-    "worker_status": "The worker's state (1 for the current one: loading, ready, failed) and its device",
+    "worker_status": "The server's state (1 for the current one: loading, ready, failed)",
+    "engine_status": "Each engine's state (1 for the current one: ready, stuck, dead, failed) and its device",
 }
 
 
@@ -171,6 +176,7 @@ class Metrics:
         self.pool_bytes = gauge("buffer_pool_bytes", "livesum")
         self.gpu_memory = gauge("gpu_memory_used_bytes", "livesum")
         self.worker_status = gauge("worker_status", "livemax", ["status", "device"])
+        self.engine_status = gauge("engine_status", "livemax", ["engine", "device", "status"])
         for reason in ("stop", "length", "abort", "error", "shutdown"):
             self.requests.labels(reason, worker)          # present at 0 before the first request
         for status in ("400", "401", "404", "503"):
@@ -313,6 +319,13 @@ class Metrics:
             self.worker_status.labels(known, self.device, self.worker).set(1.0 if known == status else 0.0)
 
 
+    def set_engine_statuses(self, statuses: list[tuple[str, str]]) -> None:
+        """statuses: (device, status) of engine 1, 2, ..."""
+        for i, (device, status) in enumerate(statuses, 1):
+            for known in ENGINE_STATUSES:
+                self.engine_status.labels(str(i), device, known, self.worker).set(1.0 if known == status else 0.0)
+
+
 _metrics: Metrics | None = None
 _metrics_lock = threading.Lock()
 
@@ -372,26 +385,6 @@ def forget_dead_processes() -> None:
                 mp.mark_process_dead(pid, path)
             except FileNotFoundError:        # another worker removed them first
                 pass
-
-
-def worker_statuses() -> dict[str, str]:
-    """{worker: loading | ready | failed} of every live worker of this server, read from the
-    metric files all of them share (the same values /metrics aggregates)."""
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    if not _multiproc_dir():
-        return {}
-    forget_dead_processes()
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    out: dict[str, str] = {}
-    for family in registry.collect():
-        if family.name == PREFIX + "worker_status":
-            for s in family.samples:
-                if s.value == 1.0:
-                    out[s.labels[WORKER_LABEL]] = s.labels["status"]
-    return out
 
 
 def metric_names() -> list[str]:

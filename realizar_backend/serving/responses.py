@@ -7,9 +7,9 @@ completions make.
 
 Stateless by default, as far as the engine goes: a response is kept (its conversation: the
 earlier one it continued, its input and its output) only so that a later request can name it in
-`previous_response_id` or GET it. Each worker keeps the last REALIZAR_RESPONSES_STORE_SIZE
+`previous_response_id` or GET it. The front end keeps the last REALIZAR_RESPONSES_STORE_SIZE
 responses in memory (least recently used out first; 0: none); `store: false` keeps nothing.
-With several workers a stored response is known only to the worker that made it.
+A stored response is known only to the server process that made it (not to other replicas).
 
 A streamed response is the Responses API's event sequence, each event with its `type` and a
 `sequence_number` from 0: response.created, response.in_progress, then per output item

@@ -25,6 +25,7 @@ from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .sampling import GpuSampler
+from .support import refusal
 from .token_ring import TokenRing
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
@@ -66,10 +67,9 @@ class CUDABackend:
         the reference the tests compare them with."""
         self.settings = settings or Settings()
         c = self.config = model.config
-        if c.n_experts or c.has_recurrent_state:
-            kind = "mixture-of-experts" if c.n_experts else "linear-attention hybrid"
-            raise UnsupportedModelError(model.path, f"{c.arch}: the GPU backend does not run {kind} models yet "
-                                                    "(REALIZAR_BACKEND=cpu runs it)")
+        why = refusal(model)
+        if why is not None:
+            raise UnsupportedModelError(model.path, f"{why} (REALIZAR_BACKEND=cpu runs this model)")
         self.max_slots = max_slots or self.settings.max_num_seqs
         want = max_context or self.settings.context_length or c.context_length
         self.max_context = min(want, c.context_length) if c.context_length else want

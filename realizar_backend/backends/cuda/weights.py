@@ -47,11 +47,6 @@ class DeviceWeights:
         if c.rope_dim > c.head_dim or c.rope_dim % 2:
             raise UnsupportedModelError(model.path, f"rope dimension {c.rope_dim} with head_dim {c.head_dim}")
         self.model = build_model(c, self)
-        for i, layer in enumerate(self.model.layers):
-            for what, present in (("attn_output.bias", layer.attention.bo), ("attn_sinks.weight", layer.attention.sinks)):
-                if present is not None:
-                    raise UnsupportedModelError(model.path, f"tensor blk.{i}.{what}: the GPU backend has no kernel "
-                                                            "for it yet (REALIZAR_BACKEND=cpu runs this model)")
         self.upload()
 
     # ------------------------------------------------------------ the model's loader
