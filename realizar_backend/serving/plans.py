@@ -95,7 +95,7 @@ def chat_plan(raw: bytes, engine, settings) -> Plan:
         max_tokens = body.get("max_tokens", "int")
     params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
     constraint = request_constraint(body.data, chat=True)
-    tool_constraint = tool_req.constraint(engine.guidance) if tool_req is not None else None
+    tool_constraint = tool_req.constraint(engine.guidance, options.reasoning) if tool_req is not None else None
     if tool_constraint is not None and constraint is not None:
         raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
                                     f"\"none\"")
