@@ -44,8 +44,8 @@ def test_min_tokens_holds_back_the_stop_tokens(engine, temperature):
     ids, text, last = run(engine, dataclasses.replace(base, min_tokens=7), prompt="Count: 7")
     assert text == "abababab" and ids[-1] == eos and eos not in ids[:-1] and last.finish_reason == "stop"
     assert last.completion_tokens == len(ids) == 9
-    # a request's own stop token, without a grammar: the model's favourite token is one here
-    first = run(engine, SamplingParams(max_tokens=1, temperature=0))[0][0]
+    # a request's own stop token, without a grammar: the token this request draws first is one here
+    first = run(engine, SamplingParams(max_tokens=1, temperature=temperature, seed=2))[0][0]
     plain = SamplingParams(max_tokens=20, temperature=temperature, seed=2, stop_token_ids=[first])
     assert run(engine, plain)[0] == [first]
     ids, _, last = run(engine, dataclasses.replace(plain, min_tokens=5))

@@ -449,3 +449,23 @@ def test_an_empty_arguments_string_is_an_empty_object():
                 {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
     assert check_tool_messages(msgs)[1]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_a_thinking_model_may_think_before_its_calls(guidance, xml_req, hermes):
+    """With the model's reasoning format, every tool grammar lets a thought come first (here the
+    tags are spelled out: Qwen2.5's vocabulary has no <think> token), then holds the calls as before."""
+    from realizar_backend.serving.reasoning import THINK
+    from thinking_model import THINKING_TEMPLATE
+    n_ids = lambda s: len(guidance.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    thought = "<think>\nThe user wants Paris.\n</think>\n\n"
+    for template, call in ((THINKING_TEMPLATE, XML_W), (hermes_template := None, CALL_W)):
+        t = template or guidance.tokenizer.chat_template
+        for choice in ("required", "auto"):
+            c = parse_tool_request(TOOLS + [TIMER] if template else TOOLS, choice, None, t).constraint(guidance, THINK)
+            for reply in (thought + call, "The user wants Paris.\n</think>\n" + call, call):
+                n, g = _walk(guidance, c, reply)
+                assert n == n_ids(reply) and _stop_allowed(guidance, g), (choice, reply)
+            if choice == "required":
+                assert _walk(guidance, c, thought + "Sunny.")[0] < n_ids(thought + "Sunny.")
+                bad = thought + call.replace("Paris", "Paris</think>") if template is None else None
+                assert bad is None or _walk(guidance, c, bad)[0] <= n_ids(bad)

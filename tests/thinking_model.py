@@ -53,6 +53,6 @@ THINKING_TEMPLATE = (
 
 
 def write_thinking_model(path: str | Path, context_length: int = 1024) -> Path:
-    m = synth.write_gguf(path, "qwen3", added_tokens=ADDED_TOKENS, seed=3, context_length=context_length,
+    m = synth.write_gguf(path, "qwen3", added_tokens=ADDED_TOKENS, seed=3, context_length=context_length, tied=False,
                          name="thinker", extra_metadata={"tokenizer.chat_template": THINKING_TEMPLATE})
     return m.path

@@ -112,7 +112,8 @@ def chat_jobs(engine, params: SamplingParams, messages: list[dict], tool_req: To
     (Anthropic's and the Responses API's), cut to the room the context leaves after the prompt
     rather than refused. options: the template's kwargs and flags and the model's thought
     (chat_request.chat_options). Blocking: call it on a worker thread."""
-    tool_constraint = tool_req.constraint(engine.guidance) if tool_req is not None else None
+    reasoning = options.reasoning if options is not None else None
+    tool_constraint = tool_req.constraint(engine.guidance, reasoning) if tool_req is not None else None
     if tool_constraint is not None and constraint is not None:
         raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
                                     f"\"none\"")

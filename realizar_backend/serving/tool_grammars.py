@@ -15,6 +15,8 @@ Tool schemas often name shared parts (`$defs`, or the older `definitions`) and r
 (`{"$ref": "#/$defs/Address"}`). Nested under a call's `arguments`, such a pointer would no longer
 lead anywhere, so each function's parts are hoisted to the call schema's root under names of
 their own (`tool0_Address`), and its references rewritten to them (`prepare_parameters`).
+
+For a model whose template thinks, every grammar lets a thought come first (`with_thought`).
 """
 
 from __future__ import annotations
@@ -164,6 +166,26 @@ def xml_grammar(guidance, fns: list, forced: bool, one_call: bool, open_: str, c
         lines.append("TEXT: /(.|\\n)+/" if op.startswith("<") else
                      "TEXT: /(.|\\n)+/ & ~/(?s:.*)" + _rx(open_) + "(?s:.*)/")
     return "\n".join(lines)
+
+
+def with_thought(guidance, lark: str, fmt) -> str:
+    """A tool grammar that lets a thinking model think first: an optional thought (its open tag
+    optional too, for a prompt that opened it; then its text and close tag) before what the grammar
+    held. fmt: the model's ReasoningFormat (serving/reasoning.py)."""
+    head, _, rest = lark.partition("\n")
+    assert head.startswith("start: ")
+    op, cl = marker(guidance, fmt.open), marker(guidance, fmt.close)
+    if cl.startswith('"'):
+        # a spelled close tag ends its own lexeme (the thought's text up to the first one), so that
+        # no text of the thought is taken for its end
+        end = _rx(fmt.close)
+        body = [f"thought: {op}? THOUGHT AFTER_THOUGHT?", f"THOUGHT: /(?s:.*){end}/ & ~/(?s:.*){end}(?s:.+)/"]
+    else:           # a special token is never inside a text lexeme
+        body = [f"thought: {op}? THOUGHT? {cl} AFTER_THOUGHT?", "THOUGHT: /(.|\\n)+/"]
+    return "\n".join([f"start: thought? ({head[len('start: '):]})", rest, *body,
+                      # a model writes a blank line or two here; no more, so that a weak one cannot
+                      # spend its tokens on white space instead of its calls
+                      "AFTER_THOUGHT: /[ \\t\\r\\n]{1,4}/"])
 
 
 def _rx(text: str) -> str:

@@ -90,9 +90,10 @@ class ToolRequest:
     parallel: bool
     template_tools: list[dict] | None = field(default=None)
 
-    def constraint(self, guidance) -> Constraint | None:
+    def constraint(self, guidance, reasoning=None) -> Constraint | None:
         """The grammar the reply is held to (None for tool_choice none). guidance: the engine's
-        Guidance (it knows whether the call markers are special tokens of the vocabulary)."""
+        Guidance (it knows whether the call markers are special tokens of the vocabulary);
+        reasoning: the model's ReasoningFormat when its template thinks (a thought may come first)."""
         if self.choice == "none" or self.format is None:
             return None
         fns = [self.functions[self.named]] if self.choice == "function" else list(self.functions.values())
@@ -106,6 +107,8 @@ class ToolRequest:
         else:
             schema = tool_grammars.calls_schema(fns, f.args_key)
             lark = tool_grammars.llama3_grammar(guidance, schema, forced, _PYTHON_TAG)
+        if reasoning is not None:
+            lark = tool_grammars.with_thought(guidance, lark, reasoning)
         return Constraint("lark", lark, param="tools")
 
 
