@@ -186,7 +186,7 @@ def test_wrong_model_and_key_are_reported_by_status(server, tmp_path, capsys):
                        "--requests", "3", "--clients", "2")
     assert rc == 1
     assert rep["requests"]["errors"] == 3 and list(rep["errors"]) == ["HTTP 404"]
-    assert rep["errors"]["HTTP 400"]["count"] == 3 and "no-such-model" in rep["errors"]["HTTP 400"]["message"]
+    assert rep["errors"]["HTTP 404"]["count"] == 3 and "no-such-model" in rep["errors"]["HTTP 404"]["message"]
     assert rep["server"]["counters_delta"]['realizar_request_errors_total{status_code="400"}'] == 3
     assert "| HTTP 400 | 3 |" in capsys.readouterr().out
 
