@@ -187,8 +187,8 @@ def test_wrong_model_and_key_are_reported_by_status(server, tmp_path, capsys):
     assert rc == 1
     assert rep["requests"]["errors"] == 3 and list(rep["errors"]) == ["HTTP 404"]
     assert rep["errors"]["HTTP 404"]["count"] == 3 and "no-such-model" in rep["errors"]["HTTP 404"]["message"]
-    assert rep["server"]["counters_delta"]['realizar_request_errors_total{status_code="400"}'] == 3
-    assert "| HTTP 400 | 3 |" in capsys.readouterr().out
+    assert rep["server"]["counters_delta"]['realizar_request_errors_total{status_code="404"}'] == 3
+    assert "| HTTP 404 | 3 |" in capsys.readouterr().out
 
     rc, rep = loadtest(server.url, tmp_path, "--api-key", "wrong", "--model", "SmolLM2-135M-Instruct",
                        "--requests", "2", "--clients", "2")
