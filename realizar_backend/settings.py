@@ -106,14 +106,11 @@ class Settings:
     # where they match the sources; off: compile every module with NVRTC at start-up
     prebuilt_kernels: bool = True
     log_level: str = "INFO"
-    # `bentoml serve` runs this many worker processes, each with its own engine and copy of the
-    # model; requests spread over them. With a GPU, one worker per GPU (worker i on the i-th
-    # visible one) and 0 = every visible GPU; on the CPU 0 = 1
+    # `bentoml serve` runs this many engine cores (each a process with its own copy of the model,
+    # KV cache and step loop) behind its one front end, which sends each request to the least busy
+    # (engine/group.py). With a GPU, one per GPU (engine i on the i-th visible one) and 0 = every
+    # visible GPU; on the CPU 0 = 1
     workers: int = 0
-    # `bentoml serve` runs each worker's engine (the backend and the step loop) in a process of its
-    # own, so that the server's HTTP and streaming work never holds up a step's launches (the GIL);
-    # off: the engine runs on a thread of the worker process
-    engine_process: bool = True
     # a worker whose engine process answers no heartbeat, or has requests and completes no step,
     # for this long is stuck: /livez and /readyz turn 503 until it moves again. Above the longest
     # step the engine may take (a prefill chunk of a large model on the CPU)
@@ -236,9 +233,9 @@ class Settings:
 
 
 # ------------------------------------------------------------------------------ GPUs of `bentoml serve`
-# The one place CUDA_VISIBLE_DEVICES is read and set. BentoML gives every worker of a service the
-# same CUDA_VISIBLE_DEVICES (all the GPUs its resources ask for), so each worker narrows it to its
-# own GPU before anything starts CUDA in the process, and then uses device 0.
+# The one place CUDA_VISIBLE_DEVICES is read and set. BentoML gives the service's worker every GPU
+# its resources ask for, in one CUDA_VISIBLE_DEVICES; each engine process it starts sees one of
+# them (gpu_environ) and uses device 0.
 
 def visible_gpus(driver_gpus: int | Callable[[], int], environ: dict[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's, up to
@@ -256,34 +253,22 @@ def visible_gpus(driver_gpus: int | Callable[[], int], environ: dict[str, str] |
     return out
 
 
-def serve_workers(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
-    """How many workers `bentoml serve` starts: one per GPU with a GPU (settings.workers of them,
-    or every visible one), settings.workers (at least 1) on the CPU. Asking for more GPUs than
-    are visible stops the start; none visible (a build machine) leaves the count to the setting."""
+def gpu_environ(gpu: str) -> dict[str, str]:
+    """This process's environment for a child that sees only `gpu` (a CUDA_VISIBLE_DEVICES entry)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+
+
+def serve_engines(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
+    """How many engine cores `bentoml serve` runs: one per GPU with a GPU (settings.workers of them,
+    or every visible one), settings.workers (at least 1) on the CPU. Asking for more GPUs than are
+    visible stops the start; none visible (a build machine) leaves the count to the setting."""
     if not use_gpu:
         return settings.workers or 1
     if settings.device:
-        raise settings._bad("device", "under `bentoml serve` worker i takes the i-th visible GPU; "
+        raise settings._bad("device", "under `bentoml serve` engine i takes the i-th visible GPU; "
                                       "choose the GPUs with CUDA_VISIBLE_DEVICES")
     n = settings.workers or max(1, len(gpus))
     if gpus and n > len(gpus):
-        raise settings._bad("workers", f"one GPU per worker, and {len(gpus)} are visible "
+        raise settings._bad("workers", f"one GPU per engine, and {len(gpus)} are visible "
                                        f"(CUDA_VISIBLE_DEVICES entries {','.join(gpus)})")
     return n
-
-
-def worker_gpu(worker: int, gpus: list[str]) -> str:
-    """The GPU of BentoML worker `worker` (numbered from 1): the worker-th of the visible ones."""
-    if not 1 <= worker <= len(gpus):
-        shown = ",".join(gpus) or "none"
-        raise SettingsError(f"worker {worker} has no GPU of its own: the visible GPUs are {shown}")
-    return gpus[worker - 1]
-
-
-def bind_worker_gpu(settings: Settings, worker: int, gpus: list[str],
-                    environ: dict[str, str] | None = None) -> tuple[Settings, str]:
-    """Make worker_gpu(worker, gpus) the only GPU this process sees (CUDA_VISIBLE_DEVICES) and
-    return the settings that use it (device 0) with its entry. Call before CUDA starts."""
-    gpu = worker_gpu(worker, gpus)
-    (os.environ if environ is None else environ)["CUDA_VISIBLE_DEVICES"] = gpu
-    return settings.replace(device=0), gpu

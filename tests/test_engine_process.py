@@ -114,27 +114,9 @@ def test_a_dead_engine_process_fails_its_streams_promptly():
         c.shutdown()
 
 
-@pytest.mark.server
-def test_the_server_with_its_engine_on_a_thread_serves_the_same_text():
-    """REALIZAR_ENGINE_PROCESS=false: the engine on a thread of the worker (the default puts it in a
-    child process; every other server test runs that way)."""
-    body = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8, temperature=0)
-    texts = []
-    for flag in ("false", "true"):
-        server = start_server({"REALIZAR_ENGINE_PROCESS": flag})
-        try:
-            texts.append(server.openai().completions.create(**body).choices[0].text)
-            log = server.log_tail(400)
-        finally:
-            server.stop()
-        assert ("engine process" in log and "ready" in log) == (flag == "true")
-    assert texts[0] == texts[1] and texts[0]
-
-
 def _engine_process(server):
-    engines = [p for p in server.worker().children()
-               if any("realizar_backend.engine.process" in part for part in p.cmdline())]
-    assert len(engines) == 1, [p.cmdline() for p in server.worker().children()]
+    engines = server.engines()
+    assert len(engines) == 1, [p.cmdline() for p in engines]
     return engines[0]
 
 
@@ -181,16 +163,17 @@ def test_a_server_whose_engine_process_dies_ends_its_streams_and_stands_aside():
         r = httpx.post(server.url + "/v1/completions", headers=server.auth,
                        json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"], r.text
-        # one worker, and it cannot serve: the whole server is dead to an orchestrator
+        # its one engine is gone: the whole server is dead to an orchestrator
         assert wait_for(lambda: httpx.get(server.url + "/livez", timeout=10).status_code == 503, 30)
         assert server.worker_statuses() == {"1": "failed"}
-        assert "cannot serve the model: BackendError: the engine process exited" in server.log_tail(400)
+        assert server.engine_statuses() == {"1": ("cpu", "dead")}
+        assert "no engine can serve the model: BackendError: the engine process exited" in server.log_tail(400)
     finally:
         server.stop()
 
 
 def _counter(registry, name: str, **labels) -> float:
-    return registry.get_sample_value(name, {"worker": "1", **labels}) or 0.0
+    return registry.get_sample_value(name, {"engine": "1", "worker": "1", **labels}) or 0.0
 
 
 def test_a_stopped_engine_never_blocks_the_caller_and_says_it_is_stuck():
@@ -265,7 +248,7 @@ def test_a_killed_engine_counts_its_sequences_as_errors_and_zeroes_its_gauges():
 
     registry = CollectorRegistry()
     metrics = Metrics(registry=registry)
-    c = EngineClient.start(SETTINGS, observer=metrics)
+    c = EngineClient.start(SETTINGS, observer=metrics.engine(1))
     try:
         async def four():
             running = []
@@ -279,13 +262,14 @@ def test_a_killed_engine_counts_its_sequences_as_errors_and_zeroes_its_gauges():
             return await asyncio.gather(*[_long_stream(c, f"k{i}", 3, kill_when_all_run) for i in range(4)],
                                         return_exceptions=True)
 
-        wait_for(lambda: registry.get_sample_value("realizar_requests_running", {"worker": "1"}) is not None, 10)
+        mine = {"engine": "1", "worker": "1"}
+        wait_for(lambda: registry.get_sample_value("realizar_requests_running", mine) is not None, 10)
         outcomes = asyncio.run(asyncio.wait_for(four(), timeout=60))
         assert all(isinstance(o, CapacityError) for o in outcomes), outcomes
         assert _counter(registry, "realizar_requests_total", finish_reason="error") == 4
         assert _counter(registry, "realizar_generation_tokens_total") >= 4 * 3
         for gauge in ("realizar_requests_running", "realizar_requests_waiting", "realizar_kv_cache_used_blocks"):
-            assert registry.get_sample_value(gauge, {"worker": "1"}) == 0, gauge
+            assert registry.get_sample_value(gauge, mine) == 0, gauge
     finally:
         c.shutdown()
 
@@ -352,6 +336,6 @@ def test_a_stopped_engine_process_stalls_no_probe_and_livez_says_it_is_stuck():
         m = lambda: server.metrics()
         assert wait_for(lambda: sample(m(), "realizar_requests_running") + sample(m(), "realizar_requests_waiting")
                         == 0, 120)
-        assert "the engine is stuck" in server.log_tail(400)
+        assert "every engine is stuck" in server.log_tail(400)
     finally:
         server.stop()

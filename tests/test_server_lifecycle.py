@@ -61,11 +61,12 @@ def test_a_port_in_use_is_one_line_and_a_non_zero_exit(command):
     assert "Traceback" not in log, log[-3000:]
 
 
-def test_a_single_worker_that_cannot_load_its_model_exits_with_one_line(tmp_path):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_a_server_that_cannot_load_its_model_exits_with_one_line(tmp_path, engines):
     missing = tmp_path / "nowhere.gguf"
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="exited with 1") as e:
-        start_server({"REALIZAR_MODEL": str(missing)}, timeout=120)
+        start_server({"REALIZAR_MODEL": str(missing), "REALIZAR_WORKERS": str(engines)}, timeout=120)
     log = str(e.value)
     errors = [line for line in log.splitlines() if "cannot serve the model" in line]
     assert len(errors) == 1 and f"ModelFormatError: {missing}: no such file" in errors[0], log[-2000:]
@@ -194,16 +195,16 @@ def test_openai_routes_are_traced_only_where_spans_go_somewhere(tmp_path, config
     assert out.stdout.split() == [str(not traced), "False"]
 
 
-def test_workers_and_engines_end_with_a_killed_server_and_free_the_port():
-    """SIGKILL the server's main process (BentoML's arbiter): its workers (each in a session of
-    its own) and their engine processes end too, and the port is free within seconds."""
+def test_the_worker_and_its_engines_end_with_a_killed_server_and_free_the_port():
+    """SIGKILL the server's main process (BentoML's arbiter): its worker (in a session of its own)
+    and the worker's engine processes end too, and the port is free within seconds."""
     import psutil
     import socket
 
     server = start_server()
     children = psutil.Process(server.proc.pid).children(recursive=True)
     try:
-        assert server.workers() and any("realizar_backend.engine.process" in " ".join(p.cmdline()) for p in children)
+        assert server.worker() and any("realizar_backend.engine.process" in " ".join(p.cmdline()) for p in children)
         port = int(server.url.rsplit(":", 1)[1])
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=10)

@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator
 
 from ..errors import BackendError, CapacityError
 from ..model.chat_template import package_root
-from ..settings import Settings
+from ..settings import Settings, gpu_environ
 from .outputs import RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep
 
@@ -206,11 +206,14 @@ class EngineClient(RequestPrep):
         self._writer.start()
 
     @classmethod
-    def start(cls, settings: Settings, observer=None, on_exit=None) -> "EngineClient":
+    def start(cls, settings: Settings, observer=None, on_exit=None, gpu: str | None = None, index: int = 1,
+              tokenizer=None) -> "EngineClient":
         """Start the engine process and, meanwhile, this side's tokenizer and grammar compiler;
         returns once the engine is ready. Raises what the engine's start raised (a bad model file,
         no GPU) or BackendError when the process died. on_exit(error): called (on the pipe's
-        reader thread) if the process later dies without being asked to stop."""
+        reader thread) if the process later dies without being asked to stop. gpu: the one GPU the
+        process sees (a CUDA_VISIBLE_DEVICES entry; None: as this process); index: its number in
+        the log; tokenizer: this side's, made elsewhere (a Tokenizer or a future of one)."""
         from ..formats import open_model
         from ..model.chat_template import TemplateLimits
         from ..model.default import default_model_path
@@ -218,9 +221,13 @@ class EngineClient(RequestPrep):
         from .guidance import Guidance
 
         mine, theirs = socket.socketpair()
+        env = None
+        if gpu is not None:
+            env = gpu_environ(gpu)
+            settings = settings.replace(device=0)
         try:
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root(), str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+            proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root(), str(theirs.fileno()), str(index)],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True, env=env)
         finally:
             theirs.close()
         conn = Connection(mine.detach())
@@ -228,7 +235,10 @@ class EngineClient(RequestPrep):
             conn.send(settings)
             path = Path(settings.model) if settings.model else default_model_path(settings)
             model = open_model(path)
-            tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+            elif hasattr(tokenizer, "result"):
+                tokenizer = tokenizer.result()
             deadline = time.monotonic() + _START_TIMEOUT_S
             while not conn.poll(1.0):
                 if proc.poll() is not None:
@@ -248,7 +258,8 @@ class EngineClient(RequestPrep):
             proc.kill()
             proc.wait()
             raise
-        log.info("engine process %d ready (%s)", proc.pid, info["stats"].get("backend"))
+        log.info("engine process %d (engine %d%s) ready (%s)", proc.pid, index, f", GPU {gpu}" if gpu else "",
+                 info["stats"].get("backend"))
         return cls(proc, conn, info, tokenizer, guidance, model.config, settings, observer, on_exit)
 
     # ---------------------------------------------------------------- request side (prepare: RequestPrep)
