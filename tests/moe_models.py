@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,12 +71,13 @@ def model_path(name: str) -> Path | None:
     if d and (Path(d) / file_name(name)).exists():
         return Path(d) / file_name(name)
     try:
-        from hf_oracle import CACHE, available
+        from hf_oracle import available, tiny_gguf
         if not available(ARCH):
             return None
-        out = CACHE / "moe-models" / file_name(name)
+        # beside the converted model, in hf_oracle's cache (keyed by its config, seed and versions)
+        out = tiny_gguf(ARCH, **OVERRIDES[name]).parent / file_name(name)
         return out if out.exists() else make(name, out)
-    except Exception:           # no transformers/torch, or no network for the converter
+    except (ImportError, subprocess.CalledProcessError):     # no transformers, or no network for the converter
         return None
 
 
