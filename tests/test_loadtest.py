@@ -9,16 +9,11 @@ import os
 
 import pytest
 
-from server_util import API_KEY, free_port, sample, shared_server, wait_for
+from server_util import API_KEY, free_port, sample, wait_for
 
 from realizar_backend.cli import main
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 def loadtest(url: str, tmp_path, *args: str) -> tuple[int, dict]:
