@@ -13,7 +13,8 @@ source's spread (`random_quant`), and `source` then holds their decoded values: 
 those types for backend-against-backend tests, not a codec test.
 
 `corrupt(src, dst, kind)` writes a copy of a valid file with one deliberate defect, for the
-bad-file tests; `write_hf_dir` writes the same weights as a Hugging Face checkpoint directory.
+bad-file tests; `write_hf_dir` writes the same weights as a Hugging Face checkpoint directory;
+`requantize(src, dst, qtypes)` a copy of any GGUF with its tensors stored in other types.
 """
 
 from __future__ import annotations
@@ -164,9 +165,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def tiny_tokenizer(n_merges: int = 40) -> tuple[list[str], list[str], list[int]]:
+def tiny_tokenizer(n_merges: int = 40, added: tuple[str, ...] = ()) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token_types): specials first (ids 0..2), then the 256 byte tokens, then
-    one token per merge, learned greedily from a fixed sentence (deterministic)."""
+    one token per merge, learned greedily from a fixed sentence (deterministic), then `added`
+    as user-defined tokens (matched whole in text and kept in decoded text, as Qwen's <think>)."""
     b2u = bytes_to_unicode()
     words = [[b2u[b] for b in w.encode()] for w in re.findall(r" ?\S+", _CORPUS)]
     tokens = SPECIALS + [b2u[b] for b in range(256)]
@@ -188,12 +190,12 @@ def tiny_tokenizer(n_merges: int = 40) -> tuple[list[str], list[str], list[int]]
                     w[i:i + 2] = [a + b]
                 i += 1
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))   # 3 = control, 1 = normal
-    return tokens, merges, types
+    return tokens + list(added), merges, types + [4] * len(added)          # 4 = user-defined
 
 
 # ------------------------------------------------------------------ the model writer
 
-ARCH_DEFAULTS = {"llama": dict(qkv_bias=False), "qwen2": dict(qkv_bias=True)}
+ARCH_DEFAULTS = {"llama": dict(qkv_bias=False), "qwen2": dict(qkv_bias=True), "qwen3": dict(qkv_bias=False)}
 
 
 @dataclass
@@ -243,6 +245,8 @@ def make_weights(arch: str = "llama", *, n_layers: int = 2, hidden: int = 256, n
                   b + "attn_output.weight": mat(hidden, qd), b + "ffn_norm.weight": norm(hidden),
                   b + "ffn_gate.weight": mat(ffn, hidden), b + "ffn_up.weight": mat(ffn, hidden),
                   b + "ffn_down.weight": mat(hidden, ffn)})
+        if arch == "qwen3":                 # per-head RMS norms of q and k
+            w.update({b + "attn_q_norm.weight": norm(head_dim), b + "attn_k_norm.weight": norm(head_dim)})
         if qkv_bias:
             w.update({b + "attn_q.bias": (0.1 * rng.standard_normal(qd)).astype(np.float32),
                       b + "attn_k.bias": (0.1 * rng.standard_normal(kvd)).astype(np.float32),
@@ -258,14 +262,17 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
                rms_eps: float = 1e-5, weights: dict[str, np.ndarray] | None = None,
                extra_metadata: dict[str, Any] | None = None, skip_metadata: tuple[str, ...] = (),
                drop_tensors: tuple[str, ...] = (), tokenizer: bool = True, name: str = "synth",
-               **dims) -> SynthModel:
+               added_tokens: tuple[str, ...] = (), **dims) -> SynthModel:
     """Write a tiny model. `qtype` applies to every 2-D weight; `qtypes` overrides it per tensor
     (a dict, or a function returning a type or None); 1-D tensors (norms, biases) stay F32 unless
     named in `qtypes`. `weights`/`dims` come from `make_weights` (pass `seed` for repeatability).
     `extra_metadata` adds or replaces keys (a (value, GGUFValueType) pair forces a type);
-    `skip_metadata` leaves keys out; `drop_tensors` leaves tensors out."""
+    `skip_metadata` leaves keys out; `drop_tensors` leaves tensors out; `added_tokens` extends the
+    tiny tokenizer with user-defined tokens (and the vocabulary with rows for them)."""
     path = Path(path)
     if weights is None:
+        if added_tokens and "vocab" not in dims:
+            dims["vocab"] = len(tiny_tokenizer(added=added_tokens)[0])
         weights, dims = make_weights(arch, **dims)
     else:
         weights, dims = dict(weights), dict(dims)
@@ -288,7 +295,7 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
         "general.file_type": (1, GGUFValueType.UINT32),
     }
     if tokenizer:
-        tokens, merges, types = tiny_tokenizer()
+        tokens, merges, types = tiny_tokenizer(added=added_tokens)
         if len(tokens) != d["vocab"]:
             raise ValueError(f"the tiny tokenizer has {len(tokens)} tokens but vocab is {d['vocab']}")
         kv.update({
@@ -342,6 +349,34 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
             f.seek(4)
             f.write(struct.pack("<I", version))
     return SynthModel(path, arch, dims, weights, chosen, kv)
+
+
+def requantize(src: str | Path, dst: str | Path, qtypes: Callable[[str, tuple[int, ...]], Q | None]) -> Path:
+    """Copy the GGUF `src` (every metadata key as it is) to `dst` with each tensor stored as the type
+    qtypes(name, shape) gives (shape in NumPy order; None: as it is): the float weights of a model
+    written elsewhere (tests/hf_oracle.py), quantized as `quantize` does."""
+    from realizar_backend.formats.quants import dequantize
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        want = qtypes(t.name, shape)
+        if want is None or want == t.tensor_type:
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=shape if t.tensor_type not in (Q.F32, Q.F16) else None,
+                         raw_dtype=None if t.tensor_type in (Q.F32, Q.F16) else t.tensor_type)
+            continue
+        x = dequantize(np.asarray(t.data), t.tensor_type, shape).astype(np.float32)
+        w.add_tensor(t.name, quantize(x, want), raw_dtype=None if want in (Q.F32, Q.F16) else want)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)
 
 
 def _infer_type(val) -> GGUFValueType:

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from server_util import CONTEXT, MAX_NUM_SEQS, MAX_WAITING, sample, shared_server, wait_for
+from server_util import CONTEXT, MAX_NUM_SEQS, MAX_WAITING, sample, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ CASES = [
     ("body-not-object", "POST", C, b'[1, 2, 3]', AUTH, 400, "invalid_json"),
     ("body-not-utf8", "POST", C, b'\xff\xfe\x00', AUTH, 400, "invalid_json"),
     ("missing-model", "POST", C, {"prompt": "hi"}, AUTH, 400, "model"),
-    ("unknown-model", "POST", C, comp(model="gpt-17"), AUTH, 400, "model_not_found"),
+    ("unknown-model", "POST", C, comp(model="gpt-17"), AUTH, 404, "model_not_found"),
     ("model-not-string", "POST", C, comp(model=3), AUTH, 400, "model"),
     ("missing-prompt", "POST", C, {"model": MODEL}, AUTH, 400, "prompt"),
     ("prompt-number", "POST", C, comp(prompt=42), AUTH, 400, "prompt"),
@@ -115,7 +115,7 @@ CASES = [
     ("tokenize-unknown-field", "POST", "/tokenize", {"prompt": "x", "add_special_token": True}, AUTH, 400,
      "add_special_token"),
     ("detokenize-not-a-token", "POST", "/detokenize", {"tokens": [1, 10 ** 9]}, AUTH, 400, "tokens"),
-    ("chat-unknown-model", "POST", CH, chat(model="nope"), AUTH, 400, "model_not_found"),
+    ("chat-unknown-model", "POST", CH, chat(model="nope"), AUTH, 404, "model_not_found"),
     ("no-api-key", "POST", C, comp(), {}, 401, "invalid_api_key"),
     ("wrong-api-key", "POST", C, comp(), {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
     ("not-bearer", "GET", "/v1/models", None, {"Authorization": "Basic dGVzdA=="}, 401, "invalid_api_key"),
@@ -123,11 +123,6 @@ CASES = [
     ("wrong-method", "GET", C, None, AUTH, 405, "method_not_allowed"),
     ("unknown-model-retrieve", "GET", "/v1/models/gpt-17", None, AUTH, 404, "model_not_found"),
 ]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 def _send(server, method, path, body, headers):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedModelError
@@ -47,27 +48,38 @@ QTYPES: dict[Q, QInfo] = {
 
 
 def check_matrix(path, name: str, qtype, shape: tuple[int, ...], nbytes: int) -> QInfo:
-    """The GPU's entry for a model's matrix (weights.py, before anything is uploaded): raises
-    UnsupportedModelError naming the tensor and its type when the GPU has no kernel for the type,
-    the tensor is not a matrix of whole blocks, or its bytes disagree with its shape."""
+    """The GPU's entry for a model's matrix or stack of experts' matrices [experts, rows, cols]
+    (weights.py, before anything is uploaded): raises UnsupportedModelError naming the tensor and
+    its type when the GPU has no kernel for the type, the tensor is not a matrix (or stack) of whole
+    blocks, or its bytes disagree with its shape."""
     info = QTYPES.get(qtype)
     type_name = getattr(qtype, "name", str(qtype))
     if info is None:
         raise UnsupportedModelError(path, f"tensor {name}: type {type_name} has no GPU kernel (the GPU runs "
                                           f"{', '.join(q.name for q in QTYPES)}; the CPU backend runs every type)")
-    if len(shape) != 2 or shape[1] % info.block:
-        raise UnsupportedModelError(path, f"tensor {name}: shape {shape} is not a matrix of whole {type_name} blocks")
-    if nbytes != shape[0] * row_bytes(qtype, shape[1]):
+    if len(shape) not in (2, 3) or shape[-1] % info.block:
+        raise UnsupportedModelError(path, f"tensor {name}: shape {shape} is not a matrix (or a stack of experts' "
+                                          f"matrices) of whole {type_name} blocks")
+    if nbytes != int(np.prod(shape[:-1])) * row_bytes(qtype, shape[-1]):
         raise UnsupportedModelError(path, f"tensor {name}: {nbytes} bytes for shape {shape}")
     return info
 
 
 @dataclass
 class WeightRef:
-    """A matrix on the GPU in its device layout (formats/gpu_layout.py): rows x cols, `row_bytes` per row."""
+    """A matrix on the GPU in its device layout (formats/gpu_layout.py): rows x cols, `row_bytes` per row.
+    A stack of experts' matrices (a 3-D GGUF tensor [experts, rows, cols]) is one WeightRef with
+    `experts` > 0: its experts * rows rows lie back to back, expert e's matrix from
+    ptr + e * expert_bytes."""
     name: str
     qtype: object
     ptr: int
     rows: int
     cols: int
     row_bytes: int
+    experts: int = 0
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes from one expert's matrix to the next (a stack of experts)."""
+        return self.rows * self.row_bytes
