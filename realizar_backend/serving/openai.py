@@ -287,9 +287,8 @@ def create_app(state: ServerState) -> Starlette:
                 # a new connection may reach another worker that is ready (serving/service.py)
                 return JSONResponse(error_body(str(e), "server_error", None, "model_not_ready"),
                                     status_code=503, headers={"Retry-After": "5", "Connection": "close"})
-            except rq.ClientGone:
-                log.info("%s %s: the client left while sending its request body", request.method,
-                         request.url.path)
+            except rq.ClientGone as e:
+                log.info("%s %s: %s", request.method, request.url.path, e)
                 return _client_closed_response()
             except Exception as e:       # typed errors keep their status; anything else is a logged 500
                 return _error_response(state, e)
@@ -310,7 +309,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def completions(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(plans.completion_plan, raw, engine, state.settings)
+        plan = await plans.planned(state, request.receive, plans.completion_plan, raw, engine, state.settings)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if plan.stream:
@@ -319,7 +318,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def chat(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(plans.chat_plan, raw, engine, state.settings)
+        plan = await plans.planned(state, request.receive, plans.chat_plan, raw, engine, state.settings)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "created": created, "model": engine.model_name}
         if plan.stream:

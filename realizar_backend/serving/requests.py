@@ -71,7 +71,11 @@ def bad(param: str | None, message: str, code: str | None = None) -> RequestErro
 
 
 class ClientGone(Exception):
-    """The client closed the connection before its request body arrived."""
+    """The client closed the connection before its request was queued (while sending its body,
+    or while the request was checked)."""
+
+    def __init__(self, message: str = "the client left while sending its request body"):
+        super().__init__(message)
 
 
 # ------------------------------------------------------------------------------ the body
