@@ -17,6 +17,10 @@ from ..errors import RequestError
 from .tools import parse_tool_request
 
 
+# what the chat template gets from the request's own fields: chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
 def _bad(param: str, message: str, code: str | None = None) -> RequestError:
     return RequestError(f"{param}: {message}", param=param, code=code)
 
@@ -51,6 +55,10 @@ def tokenize(engine, data: dict, messages: list[dict] | None = None) -> dict:
         kwargs = data.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise _bad("chat_template_kwargs", "expected an object", "invalid_type")
+        taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs))
+        if taken:
+            raise _bad(f"chat_template_kwargs.{taken[0]}", "set by the request's own fields (messages, "
+                                                           "add_generation_prompt, tools), not here")
         req = parse_tool_request(data.get("tools"), None, None, tok.chat_template)
         text = tok.apply_chat_template(messages, add_generation_prompt=_flag(data, "add_generation_prompt", True),
                                        tools=req.template_tools if req else None, **kwargs)
