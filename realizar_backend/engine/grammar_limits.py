@@ -32,14 +32,15 @@ MAX_REFERENCE_DEPTH = 1000
 # lexer builds that many states, and past ~100k it gives up with an error at the first token
 MAX_REGEX_EXPANSION = 1 << 16
 
-_WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
-         "choice": "choice list"}
+# what each constraint kind is called in errors
+WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
+        "choice": "choice list"}
 
 
 def check(kind: str, spec: Any, param: str, text_chars: int) -> None:
     """RequestError (400 grammar_too_large) when a constraint passes a structural limit.
     text_chars: the length of the constraint's text (its JSON form: Constraint.key)."""
-    what = _WHAT.get(kind, "grammar")
+    what = WHAT.get(kind, "grammar")
     if text_chars > MAX_GRAMMAR_CHARS:
         raise _too_large(param, f"this {what} is {text_chars:,} characters long; at most {MAX_GRAMMAR_CHARS:,} "
                                 f"are accepted")

@@ -63,8 +63,6 @@ log = logging.getLogger(__name__)
 # spend its tokens on newlines and indentation (or never stop).
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_object", "json_schema", "lark", "regex", "choice")
-_WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
-         "choice": "choice list"}
 CACHE_SIZE = 256          # compiled grammars kept (by their text)
 # llguidance's "slices": token classes whose bits are set wholesale when the lexer state accepts
 # every string of the class (an exact subsumption check, so masks are the same with any slices),
@@ -302,7 +300,7 @@ class Guidance:
             if hit is not None:
                 self._cache.move_to_end(c.key)
                 return hit
-        what = _WHAT[c.kind]
+        what = grammar_limits.WHAT[c.kind]
         grammar_limits.check(c.kind, c.spec, c.param, len(c.key))
         try:
             g = grammar_source(c)
