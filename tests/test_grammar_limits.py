@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -174,3 +175,18 @@ def test_the_limits_measure_what_they_name():
     # a cycle counts each of its rules once; chains add up
     assert gl.longest_chain(["a", "b", "c", "d"], {"a": ["b"], "b": ["c", "a"], "c": ["d"], "d": []}.get) == 4
     assert gl.longest_chain(range(10), lambda i: [i + 1] if i < 9 else []) == 10
+
+
+def test_a_burst_of_one_new_grammar_is_checked_once(tokenizer, smol_model):
+    g = Guidance(tokenizer, smol_model.config.vocab_size, check_timeout_s=30.0)
+    checks = []
+    checker = g.checker                   # the process's checker of this vocabulary: counted, then as it was
+    checker.check = lambda grammar, cancel=None: (checks.append(grammar), type(checker).check(checker, grammar,
+                                                                                               cancel))[1]
+    try:
+        c = Constraint("json_schema", object_of(200, required=True))
+        with ThreadPoolExecutor(8) as pool:
+            grammars = list(pool.map(lambda _: g.compile(c), range(8)))
+    finally:
+        del checker.check
+    assert len(set(grammars)) == 1 and len(checks) == 1

@@ -206,6 +206,9 @@ class Guidance:
         self._lock = threading.Lock()
         # constraint key -> the checked grammar and its pool of matchers
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
+        # constraint key -> the lock its first compile holds: a burst of requests with one new
+        # schema compiles (and checks) it once, the others wait for the cache
+        self._compiling: dict[str, threading.Lock] = {}
         self._cache_size = cache_size
         self._pool_size = pool_size
         self._executor: llguidance.LLExecutor | None = None
@@ -300,6 +303,21 @@ class Guidance:
             if hit is not None:
                 self._cache.move_to_end(c.key)
                 return hit
+            first = self._compiling.setdefault(c.key, threading.Lock())
+        while not first.acquire(timeout=0.05):        # another request compiles this one now
+            if cancel is not None and cancel.is_set():
+                raise RequestError("the client closed the request", status=499, code="client_closed_request")
+        try:
+            with self._lock:
+                hit = self._cache.get(c.key)
+            return hit if hit is not None else self._compile(c, cancel, check)
+        finally:
+            first.release()
+            with self._lock:     # done (cached, or refused: a waiter then tries it itself)
+                if self._compiling.get(c.key) is first:
+                    del self._compiling[c.key]
+
+    def _compile(self, c: Constraint, cancel: threading.Event | None, check: bool) -> _Entry:
         what = grammar_limits.WHAT[c.kind]
         grammar_limits.check(c.kind, c.spec, c.param, len(c.key))
         try:
