@@ -236,7 +236,7 @@ def run_bench(args) -> int:
         if args.schema:
             with open(args.schema) as f:
                 schema = json.load(f)
-        guidance = Guidance(Tokenizer.from_model_file(mf), vocab, split_parts=settings.guidance_mask_parts)
+        guidance = Guidance(Tokenizer.from_model_file(mf), vocab)
         guidance.build_split()     # as in a server that has served constrained rows for a while
         constraint = Constraint("json_schema", schema, param="--schema")
         guidance.compile(constraint)

@@ -91,3 +91,14 @@ class BackendError(RealizarError):
 class ModelFetchError(RealizarError):
     """The default model could not be fetched into the model cache (no package index, a bad
     download, no pip). The message says what to do instead."""
+
+
+class ChatTemplateError(Exception):
+    """A render that failed. kind: "syntax" (the template does not parse), "render" (it raised:
+    raise_exception, a sandbox refusal, a type error on these messages), "limit" (time, output
+    size or memory), "unavailable" (no worker process could be started)."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        self.message = message
+        super().__init__(message)

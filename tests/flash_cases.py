@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from realizar_backend.backends.cpu import apply_rope, attention, rope_angles
+from realizar_backend.model.math import apply_rope, attention, rope_angles
 
 
 @dataclass

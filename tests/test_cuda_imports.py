@@ -9,8 +9,8 @@ import pytest
 def test_cuda_modules_import():
     pytest.importorskip("cupy")
     mods = {n: importlib.import_module(f"realizar_backend.backends.cuda.{n}")
-            for n in ("modules", "ops", "forward", "projections", "prefill", "kv_cache", "graphs", "sampling", "backend",
-                      "selfcheck", "profile")}
+            for n in ("modules", "ops", "forward", "linear", "dispatch", "matrices", "split16", "mmq", "flash", "kv_cache",
+                      "graphs", "sampling", "backend", "selfcheck", "weights", "workspace")}
     for name in ("get_kernels", "load_module", "Kernels", "QTYPES"):
         assert callable(getattr(mods["modules"], name)) or isinstance(getattr(mods["modules"], name), dict)
     assert callable(mods["backend"].CUDABackend)

@@ -128,7 +128,7 @@ def test_engine_tokens_are_the_same_with_and_without_steps_started_ahead(smol_mo
     jobs = JOBS if sampled else [(p, n, {}, a, None) for p, n, _, a, _ in JOBS]
     got, steps = {}, {}
     for pipelined in (False, True):
-        eng = Engine.from_settings(Settings(**BASE, pipelined_decode=pipelined), prewarm_guidance=False)
+        eng = Engine.from_settings(Settings(**BASE), prewarm_guidance=False, pipelined=pipelined)
         try:
             got[pipelined] = _run_all(eng, jobs)
             deadline = time.monotonic() + 10

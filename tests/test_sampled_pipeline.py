@@ -123,7 +123,7 @@ def test_engine_sampled_text_is_the_same_with_and_without_the_pipeline(smol_mode
     and not."""
     got = {}
     for pipelined in (False, True):
-        eng = Engine.from_settings(Settings(**BASE, pipelined_decode=pipelined))
+        eng = Engine.from_settings(Settings(**BASE), pipelined=pipelined)
         try:
             got[pipelined] = _all(eng)
         finally:

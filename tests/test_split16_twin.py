@@ -1,4 +1,4 @@
-"""NumPy twin of the split16 prefill GEMM (kernels/prefill.cu, backends/cuda/prefill.py) and the
+"""NumPy twin of the split16 prefill GEMM (kernels/prefill.cu, backends/cuda/split16.py) and the
 proof of its error bound against float64.
 
 The twin does the exact arithmetic of the GPU path: the weight and activation splits (fp16
@@ -20,7 +20,7 @@ from realizar_backend.formats.quants import dequantize
 
 F16, F32, F64 = np.float16, np.float32, np.float64
 LO_SHIFT = 12                     # weights: W = Wh + Wl * 2^-12 (prefill.cu LO_UP / LO_DOWN)
-MAIN_K_PER_CALL = 4096            # backends/cuda/prefill.py (the GPU test checks they agree)
+MAIN_K_PER_CALL = 4096            # backends/cuda/split16.py (the GPU test checks they agree)
 ALIGN = 64
 
 
@@ -132,7 +132,7 @@ def rel(y: np.ndarray, ref: np.ndarray) -> float:
 # unit of 2^-24 of the running sum fall with no common pattern grows like sqrt(K) 2^-24. Measured as
 # multiples of sqrt(K) 2^-24: split16 on the H100 0.23-0.92 (tests/gpu/test_prefill_split.py, six
 # shapes, K 640-8960), cuBLAS fp32 SGEMM 0.07-0.27, the (pessimistic) tensor-core models of this twin
-# 0.4-1.1 (real weights, docs/perf-notes.md). The bound is 4x that (H100 worst: 4.3x below it).
+# 0.4-1.1 (real weights). The bound is 4x that (H100 worst: 4.3x below it).
 # Single fp16 inputs err by their own rounding, ~2^-12 per input: 2e-4..4e-4 at any K, 13x or more
 # above the bound for K <= 8960 and still 6x at K = 16384, so an fp16-class result cannot pass.
 SPLIT16_SQRT_K = 4.0
@@ -252,19 +252,13 @@ def test_split16_error_synthetic(qtype, K):
     check_errors(f"{qtype.name} K={K}", errors(X, W), K)
 
 
-def test_default_prefill_precision_is_split16():
-    from realizar_backend.settings import Settings
-    assert Settings().prefill_precision == "split16"
-    assert Settings.from_env({"REALIZAR_PREFILL_PRECISION": "fp32"}).prefill_precision == "fp32"
-
-
 # ------------------------------------------------------------------ real weights and activations
 def _projection_inputs(name: str, layer: int, T: int = 16, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Run layers 0..layer of a real model with the oracle's math on T random tokens and return
     (input rows, weight) of every projection of `layer` (q|k|v and gate|up stacked)."""
     from real_models import real_model
 
-    from realizar_backend.backends.cpu import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
+    from realizar_backend.model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
     from realizar_backend.formats import open_model
     m = open_model(real_model(name))
     c = m.config

@@ -1,144 +1,28 @@
 """NumPy reference backend: the oracle every GPU kernel is checked against.
 
 Weights are dequantized once at load (through `gguf.quants`, the llama.cpp team's reference) to
-float32, and the forward pass is the textbook transformer, written to be read top to bottom.
+float32; the model is the one definition in model/ (model/families.py), and `CpuOps` runs its
+operations as the plain math of model/math.py, which is written independently of the GPU kernels.
 It also serves small models where no GPU exists.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..formats import ModelFile
 from ..formats.quants import dequantize
-from ..model.config import ModelConfig, RopeScaling
+from ..model.config import ModelConfig
+from ..model.families import build_model
+from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu, swiglu_oai
+from ..model.ops import AttentionSpec
 from ..progress import progress
 from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LayerWeights:
-    attn_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    ffn_norm: np.ndarray
-    w_gate: np.ndarray
-    w_up: np.ndarray
-    w_down: np.ndarray
-    bq: np.ndarray | None = None
-    bk: np.ndarray | None = None
-    bv: np.ndarray | None = None
-    q_norm: np.ndarray | None = None
-    k_norm: np.ndarray | None = None
-    post_attn_norm: np.ndarray | None = None
-    post_ffn_norm: np.ndarray | None = None
-
-
-# ---------------------------------------------------------------- math shared with the GPU tests
-
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
-    return (x / np.sqrt(ms + eps)).astype(np.float32) * w
-
-
-def rope_frequencies(rope_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[np.ndarray, float]:
-    """(angle per position of each rotary pair, float64 [rope_dim / 2]; the factor on cos and sin),
-    with the model's RoPE scaling applied as transformers' rope init functions and llama.cpp's
-    ggml_rope_ext define it."""
-    inv = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-    if scaling is None:
-        return inv, 1.0
-    sc = scaling
-    if sc.freq_factors is not None:           # GGUF rope_freqs: llama.cpp divides each pair's angle
-        inv = inv / np.asarray(sc.freq_factors, np.float64)
-    if sc.kind == "linear":
-        inv = inv / sc.factor
-    elif sc.kind == "yarn":
-        # pairs below `low` keep their frequency (extrapolation), pairs past `high` are divided by
-        # the factor (interpolation), a linear ramp in between; the corners are the pairs that turn
-        # beta_fast and beta_slow times over the original context
-        def corner(rotations: float) -> float:
-            return rope_dim * np.log(sc.original_context / (rotations * 2 * np.pi)) / (2 * np.log(theta))
-        low, high = corner(sc.beta_fast), corner(sc.beta_slow)
-        if sc.truncate:
-            low, high = np.floor(low), np.ceil(high)
-        low, high = max(low, 0.0), min(high, rope_dim - 1.0)
-        ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float64) - low) / max(high - low, 0.001), 0.0, 1.0)
-        extra = (1.0 - ramp) * sc.ext_factor
-        inv = inv / sc.factor * (1.0 - extra) + inv * extra
-    elif sc.kind == "llama3":
-        wavelen = 2 * np.pi / inv
-        low_wl, high_wl = sc.original_context / sc.low_freq_factor, sc.original_context / sc.high_freq_factor
-        smooth = (sc.original_context / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
-        scaled = np.where(wavelen > low_wl, inv / sc.factor, inv)
-        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-        inv = np.where(medium, (1 - smooth) * scaled / sc.factor + smooth * scaled, scaled)
-    return inv, sc.mscale
-
-
-def rope_angles(positions: np.ndarray, rope_dim: int, theta: float,
-                scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of each position's angle per rotary pair, float32 [len(positions), rope_dim / 2]
-    (YaRN: both times its mscale, which scales the scores by mscale squared)."""
-    inv, mscale = rope_frequencies(rope_dim, theta, scaling)
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
-    return (np.cos(ang) * mscale).astype(np.float32), (np.sin(ang) * mscale).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
-    """x: [T, heads, head_dim]; cos/sin: [T, rope_dim/2]. "normal" rotates adjacent pairs
-    (GGUF llama after llama.cpp's q/k permutation), "neox" rotates the two halves."""
-    half = cos.shape[1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = x.copy()
-    if style == "normal":
-        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        out[..., 0:2 * half:2] = a * c - b * s
-        out[..., 1:2 * half:2] = a * s + b * c
-    else:
-        a, b = x[..., :half], x[..., half:2 * half]
-        out[..., :half] = a * c - b * s
-        out[..., half:2 * half] = a * s + b * c
-    return out
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):   # exp(-x) -> inf for very negative x gives the right 0
-        return x / (1.0 + np.exp(-x))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,
-              window: int = 0) -> np.ndarray:
-    """q: [T, H, D] at absolute positions q_pos; k, v: [S, KVH, D] for positions 0..S-1.
-    Causal (and sliding-window when window > 0) softmax attention with grouped KV heads (the
-    products as batched matrix products: BLAS, so long prompts stay affordable)."""
-    T, H, D = q.shape
-    kvh = k.shape[1]
-    group = H // kvh
-    qg = q.reshape(T, kvh, group, D).transpose(1, 2, 0, 3)                 # [KVH, G, T, D]
-    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None]) * scale          # [KVH, G, T, S]
-    kpos = np.arange(k.shape[0])
-    mask = kpos[None, :] > q_pos[:, None]
-    if window:
-        mask |= kpos[None, :] <= q_pos[:, None] - window
-    scores += np.where(mask, np.float32(-np.inf), np.float32(0.0))      # [T, S], broadcast
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, v.transpose(1, 0, 2)[:, None])                  # [KVH, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32)
 
 
 def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:
@@ -146,6 +30,163 @@ def _as_slice(blocks: np.ndarray) -> np.ndarray | slice:
     if blocks.size and blocks[-1] - blocks[0] == blocks.size - 1 and np.all(np.diff(blocks) == 1):
         return slice(int(blocks[0]), int(blocks[-1]) + 1)
     return blocks
+
+
+class _Dequantized:
+    """The model's loader (model/transformer.py Loader): every tensor as float32, dequantized once."""
+
+    def __init__(self, model: ModelFile, advance: Callable[[int], None]):
+        self.file, self.advance = model, advance
+
+    def matrix(self, name: str) -> np.ndarray:
+        t = self.file.tensor(name)
+        self.advance(t.nbytes)
+        return np.ascontiguousarray(dequantize(t.data, t.qtype, t.shape))
+
+    vector = matrix
+
+    def has(self, name: str) -> bool:
+        return self.file.get(name) is not None
+
+
+# act(gate, up) of a gated MLP, by the model's activation
+_GATED = {"silu": lambda g, u: silu(g) * u, "gelu_tanh": lambda g, u: gelu_tanh(g) * u, "swiglu_oai": swiglu_oai}
+
+
+class CpuOps:
+    """The model's operations (model/ops.py) for one forward over a batch of segments: segment j is
+    the rows bounds[j]:bounds[j+1] of one slot, at positions pos; `writes[j]` are the pool rows its
+    new K/V go to, `reads[j]` the blocks holding its positions 0..ends[j]-1. Matrix products run over
+    every row at once; attention per segment."""
+
+    def __init__(self, be: "CPUBackend", ids: np.ndarray, pos: np.ndarray, bounds: np.ndarray, writes, reads,
+                 ends: list[int], slots: Sequence[int], starts: Sequence[int]):
+        self.be, self.c = be, be.config
+        self.ids, self.pos, self.bounds, self.writes, self.reads, self.ends = ids, pos, bounds, writes, reads, ends
+        self.slots, self.starts = slots, starts
+
+    def embed(self, table: np.ndarray, scale: float) -> np.ndarray:
+        return table[self.ids] * np.float32(scale)
+
+    def norm_linear(self, x, norm, mats, biases) -> tuple:
+        h = rms_norm(x, norm, self.c.rms_eps)
+        return tuple(h @ w.T if b is None else h @ w.T + b for w, b in zip(mats, biases))
+
+    def head_norm(self, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+        T = y.shape[0]
+        return rms_norm(y.reshape(T, -1, w.size), w, self.c.rms_eps).reshape(T, -1)
+
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None) -> np.ndarray:
+        c, T, D = self.c, q.shape[0], self.c.head_dim
+        q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
+        r = spec.rope
+        cos, sin = rope_angles(self.pos, r.dim, r.theta, r.scaling)
+        q, k = apply_rope(q, cos, sin, r.style), apply_rope(k, cos, sin, r.style)
+        out = np.empty((T, q.shape[1] * D), np.float32)
+        kp, vp = self.be.k_pool[spec.layer], self.be.v_pool[spec.layer]
+        bounds = self.bounds
+        for j, L in enumerate(self.ends):
+            a, b = bounds[j], bounds[j + 1]
+            blk, off = self.writes[j]
+            kp[blk, off], vp[blk, off] = k[a:b], v[a:b]
+            # the sequence's K/V in position order, gathered through its table
+            kc = kp[self.reads[j]].reshape(-1, c.n_kv_heads, D)[:L]
+            vc = vp[self.reads[j]].reshape(-1, c.n_kv_heads, D)[:L]
+            out[a:b] = attention(q[a:b], kc.astype(np.float32, copy=False), vc.astype(np.float32, copy=False),
+                                 self.pos[a:b], spec.scale, spec.window, sinks)
+        return out
+
+    def linear_residual(self, a, w, x, post_norm, bias=None) -> np.ndarray:
+        o = a @ w.T if bias is None else a @ w.T + bias
+        if post_norm is not None:
+            o = rms_norm(o, post_norm, self.c.rms_eps)
+        return x + o
+
+    def norm_gated_mlp(self, x, norm, gate, up, act: str) -> np.ndarray:
+        h = rms_norm(x, norm, self.c.rms_eps)
+        return _GATED[act](h @ gate.T, h @ up.T)
+
+    def norm_moe_residual(self, x, norm, e) -> np.ndarray:
+        h = rms_norm(x, norm, self.c.rms_eps)
+        z = (h @ e.router.T if e.router_bias is None else h @ e.router.T + e.router_bias).astype(np.float64)
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argsort(-p, axis=1, kind="stable")[:, :e.top_k]          # ties: the lower index
+        w = np.take_along_axis(p, top, axis=1)
+        if e.renormalize:
+            w /= w.sum(axis=1, keepdims=True)
+        w = w.astype(np.float32)
+        out = np.zeros_like(x)
+        gated = _GATED[e.act]
+
+        def proj(m, bias, ex, rows):
+            return rows @ m[ex].T if bias is None else rows @ m[ex].T + bias[ex]
+
+        for ex in np.unique(top):                   # each chosen expert over the rows that chose it
+            rows, k = np.nonzero(top == ex)
+            hr = h[rows]
+            a = gated(proj(e.gate, e.gate_bias, ex, hr), proj(e.up, e.up_bias, ex, hr))
+            out[rows] += w[rows, k, None] * proj(e.down, e.down_bias, ex, a)
+        if e.shared_gate is not None:
+            shared = _GATED[e.act](h @ e.shared_gate.T, h @ e.shared_up.T) @ e.shared_down.T
+            out += _sigmoid(h @ e.shared_router.T) * shared
+        return x + out
+
+    def split_heads(self, y, parts: int) -> tuple:
+        T, D = y.shape[0], self.c.head_dim
+        h = y.reshape(T, -1, parts, D)
+        return tuple(np.ascontiguousarray(h[:, :, i]).reshape(T, -1) for i in range(parts))
+
+    def sigmoid_gate(self, y, gate) -> np.ndarray:
+        return y * _sigmoid(gate)
+
+    def delta_rule(self, mixed, z, beta, alpha, net) -> np.ndarray:
+        T, C = mixed.shape
+        nk, dk, nv, dv = net.k_heads, net.k_dim, net.v_heads, net.v_dim
+        K = net.conv.shape[1]
+        conv_state, states = self.be.recurrent_state(net.layer, C, K - 1, nv, dk, dv)
+        g = np.exp(net.a_coef * _softplus(alpha + net.dt_bias))     # decay per row and value head
+        b = _sigmoid(beta)
+        out = np.empty((T, nv, dv), np.float32)
+        for j, (slot, start) in enumerate(zip(self.slots, self.starts)):
+            a0, a1 = self.bounds[j], self.bounds[j + 1]
+            n = a1 - a0
+            if start == 0:                        # a sequence's first step: no state before it
+                conv_state[slot] = 0
+                states[slot] = 0
+            xs = np.concatenate([conv_state[slot], mixed[a0:a1]], axis=0)          # [K - 1 + n, C]
+            conv_state[slot] = xs[n:]
+            y = silu(sum(xs[i:i + n] * net.conv[:, i] for i in range(K)))
+            q, k, v = np.split(y, [nk * dk, 2 * nk * dk], axis=1)
+            # value head h reads key head h % nk: the key heads tiled nv // nk times
+            q = np.tile(_l2norm(q.reshape(n, nk, dk)), (1, nv // nk, 1)) / np.sqrt(dk)
+            k = np.tile(_l2norm(k.reshape(n, nk, dk)), (1, nv // nk, 1))
+            v = v.reshape(n, nv, dv)
+            S = states[slot].astype(np.float64)
+            for t in range(n):
+                S *= g[a0 + t][:, None, None]
+                delta = (v[t] - np.einsum("hkv,hk->hv", S, k[t])) * b[a0 + t][:, None]
+                S += k[t][:, :, None] * delta[:, None, :]
+                out[a0 + t] = np.einsum("hkv,hk->hv", S, q[t])
+            states[slot] = S
+        return (rms_norm(out, net.out_norm, self.c.rms_eps) * silu(z.reshape(T, nv, dv))).reshape(T, nv * dv)
+
+    def logits(self, x, norm, w) -> np.ndarray:
+        return rms_norm(x[self.bounds[1:] - 1], norm, self.c.rms_eps) @ w.T
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def _l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """x / sqrt(sum x^2 + eps) over the last axis (the DeltaNet's q and k per head)."""
+    return x / np.sqrt(np.sum(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
 
 
 # ---------------------------------------------------------------- the backend
@@ -167,30 +208,7 @@ class CPUBackend:
 
         # GGUF bytes read and dequantized (a bar on a terminal: a 1.5B model takes a while)
         with progress("cpu: dequantizing weights", total=model.total_bytes, log=log) as advance:
-            def w(name: str) -> np.ndarray:
-                t = model.tensor(name)
-                advance(t.nbytes)
-                return np.ascontiguousarray(dequantize(t.data, t.qtype, t.shape))
-
-            def opt(name: str) -> np.ndarray | None:
-                return w(name) if model.get(name) is not None else None
-
-            self.tok_embd = w("token_embd.weight")
-            self.output = self.tok_embd if c.tie_embeddings else w("output.weight")
-            self.output_norm = w("output_norm.weight")
-            self.layers: list[LayerWeights] = []
-            for i in range(c.n_layers):
-                b = f"blk.{i}."
-                self.layers.append(LayerWeights(
-                    attn_norm=w(b + "attn_norm.weight"), wq=w(b + "attn_q.weight"), wk=w(b + "attn_k.weight"),
-                    wv=w(b + "attn_v.weight"), wo=w(b + "attn_output.weight"), ffn_norm=w(b + "ffn_norm.weight"),
-                    w_gate=w(b + "ffn_gate.weight"), w_up=w(b + "ffn_up.weight"), w_down=w(b + "ffn_down.weight"),
-                    bq=opt(b + "attn_q.bias"), bk=opt(b + "attn_k.bias"), bv=opt(b + "attn_v.bias"),
-                    q_norm=opt(b + "attn_q_norm.weight"), k_norm=opt(b + "attn_k_norm.weight"),
-                    post_attn_norm=opt(b + "post_attention_norm.weight"),
-                    post_ffn_norm=opt(b + "post_ffw_norm.weight"),
-                ))
-        self.act = gelu_tanh if c.activation == "gelu_tanh" else silu
+            self.model = build_model(c, _Dequantized(model, advance))
         # KV pool: per layer [num_blocks, block_size, kv_heads, head_dim] for K and for V; a slot
         # reads and writes it through its block table. np.zeros pages in lazily.
         self.block_size = block_size
@@ -200,10 +218,22 @@ class CPUBackend:
         self.k_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
         self.v_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
         self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(max_slots)]
+        # per recurrent layer (hybrids): each slot's conv inputs and DeltaNet state, made on first use
+        self._recurrent: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.counts: np.ndarray | None = None   # [slots, vocab] token counts, made on first use
         log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights; KV pool %d blocks "
                  "x %d positions (%.0f MB, paged in as used)", c.arch, c.n_layers, c.hidden,
                  self.weight_bytes() / 1e6, self.num_blocks, block_size, self.kv_bytes() / 1e6)
+
+    def recurrent_state(self, layer: int, channels: int, taps: int, heads: int, k_dim: int,
+                        v_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """Recurrent layer `layer`'s state of every slot: the last `taps` conv inputs [slots, taps,
+        channels] and the DeltaNet state [slots, heads, k_dim, v_dim] (float32)."""
+        st = self._recurrent.get(layer)
+        if st is None:
+            st = self._recurrent[layer] = (np.zeros((self.max_slots, taps, channels), np.float32),
+                                           np.zeros((self.max_slots, heads, k_dim, v_dim), np.float32))
+        return st
 
     def kv_bytes(self) -> int:
         return sum(a.nbytes for a in self.k_pool) + sum(a.nbytes for a in self.v_pool)
@@ -216,15 +246,15 @@ class CPUBackend:
             self.tables[slot] = t
 
     def weight_bytes(self) -> int:
-        total = self.tok_embd.nbytes + (0 if self.output is self.tok_embd else self.output.nbytes)
-        for lw in self.layers:
-            total += sum(a.nbytes for a in vars(lw).values() if isinstance(a, np.ndarray))
-        return total
+        m = self.model
+        blocks = [b for layer in m.layers for b in (layer.attention, layer.ffn)]
+        arrays = {id(a): a for b in blocks for a in vars(b).values() if isinstance(a, np.ndarray)}
+        arrays.update({id(a): a for a in (m.tok_embd, m.output, m.output_norm)})
+        return sum(a.nbytes for a in arrays.values())
 
     # One forward over a batch of segments: segment j is `tokens[j]` for slot `slots[j]`
     # starting at `starts[j]`. Matmuls run over all tokens at once; attention per segment.
     def _forward(self, slots: Sequence[int], tokens: Sequence[np.ndarray], starts: Sequence[int]) -> np.ndarray:
-        c = self.config
         lens = [len(t) for t in tokens]
         bs = self.block_size
         for slot, n, s in zip(slots, lens, starts):
@@ -239,43 +269,8 @@ class CPUBackend:
         # per segment: the pool rows its new tokens go to, and the blocks holding its positions
         writes = [(self.tables[sl][pos[a:b] // bs], pos[a:b] % bs) for sl, a, b in zip(slots, bounds, bounds[1:])]
         reads = [_as_slice(self.tables[sl][:-(-(st + n) // bs)]) for sl, st, n in zip(slots, starts, lens)]
-        x = self.tok_embd[ids] * np.float32(c.embed_scale)
-        T = len(ids)
-        for li, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.attn_norm, c.rms_eps)
-            q, k, v = h @ lw.wq.T, h @ lw.wk.T, h @ lw.wv.T
-            if lw.bq is not None:
-                q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
-            q = q.reshape(T, c.n_heads, c.head_dim)
-            k = k.reshape(T, c.n_kv_heads, c.head_dim)
-            v = v.reshape(T, c.n_kv_heads, c.head_dim)
-            if lw.q_norm is not None:
-                q, k = rms_norm(q, lw.q_norm, c.rms_eps), rms_norm(k, lw.k_norm, c.rms_eps)
-            cos, sin = rope_angles(pos, c.rope_dim, c.layer_rope_theta(li), c.layer_rope_scaling(li))
-            q, k = apply_rope(q, cos, sin, c.rope_style), apply_rope(k, cos, sin, c.rope_style)
-            window = c.sliding_window if c.is_sliding(li) else 0
-            attn = np.empty((T, c.q_dim), np.float32)
-            kp, vp = self.k_pool[li], self.v_pool[li]
-            for j in range(len(slots)):
-                a, b, L = bounds[j], bounds[j + 1], starts[j] + lens[j]
-                blk, off = writes[j]
-                kp[blk, off], vp[blk, off] = k[a:b], v[a:b]
-                # the sequence's K/V in position order, gathered through its table
-                kc = kp[reads[j]].reshape(-1, c.n_kv_heads, c.head_dim)[:L]
-                vc = vp[reads[j]].reshape(-1, c.n_kv_heads, c.head_dim)[:L]
-                attn[a:b] = attention(q[a:b], kc.astype(np.float32, copy=False),
-                                      vc.astype(np.float32, copy=False), pos[a:b], c.scale, window)
-            o = attn @ lw.wo.T
-            if lw.post_attn_norm is not None:
-                o = rms_norm(o, lw.post_attn_norm, c.rms_eps)
-            x = x + o
-            h = rms_norm(x, lw.ffn_norm, c.rms_eps)
-            d = (self.act(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T
-            if lw.post_ffn_norm is not None:
-                d = rms_norm(d, lw.post_ffn_norm, c.rms_eps)
-            x = x + d
-        last = x[bounds[1:] - 1]
-        return (rms_norm(last, self.output_norm, c.rms_eps) @ self.output.T).astype(np.float32)
+        ops = CpuOps(self, ids, pos, bounds, writes, reads, [s + n for s, n in zip(starts, lens)], slots, starts)
+        return self.model.forward(ops).astype(np.float32)
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
         return self._forward([it.slot for it in items], [it.tokens for it in items],

@@ -14,9 +14,9 @@ would crash, stall or fail at its first token, or that allows no text, is a 400 
 
 A guide's matcher is never a `deep_copy` of another: llguidance's copies share one lexer behind a
 mutex that every mask computation holds, so the masks of a batch's rows would be computed one
-after the other whatever the threads (on the H100 host, 16 rows of a JSON schema: ~10 ms a step).
-Each guide has an independent matcher instead, taken from its grammar's pool of finished ones
-(reset to the start, its lexer's cache still warm; a new one is ~0.5 ms), and `release` returns it.
+after the other whatever the threads. Each guide has an independent matcher instead, taken from
+its grammar's pool of finished ones (reset to the start, its lexer's cache still warm: cheaper than
+a new one), and `release` returns it.
 
 How the engine drives a Guide (engine/engine.py):
     compile(constraint)                          # in Engine.prepare, off the event loop: 400s here
@@ -33,7 +33,7 @@ How the engine drives a Guide (engine/engine.py):
 Stop tokens (the model's EOS set) are allowed exactly when the grammar accepts, so a sequence that
 draws one ends as usual. `fill_masks` computes many guides' masks at once on llguidance's threads;
 at small batches each row's own mask is also spread over threads, the vocabulary cut in parts
-(mask_split.py, Settings.guidance_mask_parts), so a slow mask (a bounded string near its
+(mask_split.py, MASK_PARTS), so a slow mask (a bounded string near its
 maxLength walks most of the vocabulary) does not hold up the step.
 Sequences without a constraint have no Guide and cost nothing.
 """
@@ -68,13 +68,17 @@ CACHE_SIZE = 256          # compiled grammars kept (by their text)
 # every string of the class (an exact subsumption check, so masks are the same with any slices),
 # the rest of the vocabulary is walked through the token trie. Its default classes are JSON string
 # chars of length 1-10, 11-30 and longer: inside a string with a maxLength, fewer than 10 chars
-# before the bound no class fits and the walk covers the whole 152k vocabulary (~1 ms), and even
-# with 10-29 left the 11-30 class is walked (0.2 ms). A ladder of lengths lets the longest class
+# before the bound no class fits and the walk covers the whole vocabulary, and even with 10-29
+# left the 11-30 class is walked. A ladder of lengths lets the longest class
 # that still fits be set at once; what is left is the walk of the tokens longer than the room.
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
 _LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)
 SLICES = [r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{k}}}" for k in _LADDER] + [f"{_STRING_CHAR}+"]
 POOL_SIZE = 64            # finished matchers kept per grammar for the next sequences
+# a row's mask computed in this many parts of the vocabulary on as many threads, while rows x parts
+# fit the cores: at small batches a slow mask (a bounded string near its maxLength walks most of
+# the vocabulary) would otherwise hold up the step
+MASK_PARTS = 4
 
 
 @dataclass(frozen=True)
@@ -184,11 +188,11 @@ class Guidance:
     use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE,
-                 slices: Sequence[str] | None = None, split_parts: int = 0, threads: int | None = None,
+                 slices: Sequence[str] | None = None, split_parts: int | None = None, threads: int | None = None,
                  check_timeout_s: float | None = None, check_workers: int = 1):
         """split_parts: cut the vocabulary in that many parts (mask_split) so that a batch's masks
-        run on split_parts threads a row while rows * split_parts <= threads (0, 1 or more than
-        threads: never).
+        run on split_parts threads a row while rows * split_parts <= threads (None: MASK_PARTS; 0, 1
+        or more than threads: never).
         threads: llguidance's executor (default: every core this process may use).
         check_timeout_s: `compile` tries each new grammar in a worker process first
         (grammar_check.py; check_workers of them) with this time limit; None: compiled here only
@@ -198,7 +202,7 @@ class Guidance:
         self.check_workers = check_workers
         self._checker: GrammarChecker | None = None
         self._json: str | None = None
-        # None: our ladder (SLICES); tools/mask_bench.py passes llguidance's own to compare
+        # None: our ladder (SLICES); benchmarks/mask_bench.py passes llguidance's own to compare
         self.slices = list(SLICES if slices is None else slices)
         self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
         self.words = mask_words(self.vocab_size)
@@ -217,6 +221,7 @@ class Guidance:
         self.threads = int(threads) if threads else min(32, len(os.sched_getaffinity(0)))
         # parts only where one row's fit the threads (never on a 2-core machine with 4 parts: no
         # part tokenizers to build there)
+        split_parts = MASK_PARTS if split_parts is None else split_parts
         self.split_parts = int(split_parts) if split_parts and 1 < split_parts <= self.threads else 0
         self._split: VocabSplit | None = None
         self._split_lock = threading.Lock()
@@ -239,7 +244,7 @@ class Guidance:
     def split(self) -> VocabSplit | None:
         """The vocabulary's parts (mask_split), once built. The first batch that could use them
         starts their build on a thread and is served by its rows' main matchers meanwhile: for a
-        152k vocabulary the build takes ~2 s on the H100's host, in pieces that hold the GIL, which
+        large vocabulary the build takes seconds, in pieces that hold the GIL, which
         would otherwise stall every stream at once (at start-up in prewarm, or on the step thread)."""
         if self.split_parts and self._split is None and self._split_thread is None:
             with self._lock:

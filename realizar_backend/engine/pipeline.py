@@ -17,26 +17,33 @@ flush at the points of a step where they belong.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from ..backends import SampleResult
 from .scheduler import Sequence, StepPlan
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class StepOwner(Protocol):
+    """What the pipeline reads through its engine (engine.py's Engine), never a copy: a tool may
+    swap the backend for a wrapper."""
+    backend: Any
+    scheduler: Any
+    guidance: Any
+    pipelined: bool
+
 
 # why a decode step was not started ahead: a prefill in the step before (no longer a reason: the
 # prefill queues behind the step; the label stays, at 0, so that figures from before compare), every
 # row stopping after it (max_tokens or the context's end), no free KV block for a row's next
-# position, the setting off, the batch changed under a step started ahead (a cancellation or a
+# position, the engine made unpipelined, the batch changed under a step started ahead (a cancellation or a
 # preemption), greedy and sampled batches switching, no decode step before it
 PIPELINE_REASONS = ("prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 
 
 class DecodePipeline:
-    def __init__(self, engine: "Engine", prefill: Callable[[list], None], flush: Callable[[], None]):
+    def __init__(self, engine: StepOwner, prefill: Callable[[list], None], flush: Callable[[], None]):
         """prefill: runs a step's prompt chunks (the engine's); flush: delivers the outputs queued
         so far to their callers."""
         self.engine = engine
@@ -134,7 +141,7 @@ class DecodePipeline:
         is only known later, and dropped then) and the sequences whose prompt this step's prefill
         completed, on the same path (greedy or sampled). The kept rows' tokens stay on the device;
         the pool gives every row a block for the position it writes, or nothing goes ahead."""
-        if not self.engine.settings.pipelined_decode:
+        if not self.engine.pipelined:
             self.why = "off"
             return
         room = self.backend.max_context - 1

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..model.arch import HF_TO_CANONICAL, required_tensors
 from ..model.config import config_from_hf
-from . import ModelFile, Tensor
+from .model_file import ModelFile, Tensor
 
 log = logging.getLogger(__name__)
 

@@ -240,9 +240,9 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
     }
 }
 
-// ATT_KIND selects one entry point per compilation (1 attn_decode, 2 attn_prompt, 3 attn_tile,
-// 4 attn_tile_v2; unset or 0: all): the loader compiles them as separate modules, in parallel, so a cold
-// start waits for the slowest one, not for all four in one NVRTC call
+// ATT_KIND selects one entry point per compilation (1 attn_decode, 2 attn_tile, 3 attn_tile_v2;
+// unset or 0: all): the loader compiles them as separate modules, in parallel, so a cold start waits
+// for the slowest one, not for all three in one NVRTC call
 #ifndef ATT_KIND
 #define ATT_KIND 0
 #endif
@@ -276,24 +276,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
 }
 #endif
 
-#if ATT_ON(2)
-// prompt rows (thousands of blocks): one key per pass, two blocks per SM
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
-    attn_prompt(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
-                const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
-                int window, int n, i8* oq, float2* od, u16* o16, const float* kin, const float* vin, int rope_dim,
-                int style, int fuse, const float2* rt) {
-    __shared__ AttSmem sm;
-    attn_body<1, ATT_DV>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                         vin, rope_dim, style, fuse, rt, sm);
-}
-#endif
-
 // ------------------------------------------------------------------ prompt rows, tiled
 // A block takes ATT_TQ consecutive rows of one head. Rows of one sequence at consecutive positions
 // (a "run": normally the whole tile) share every K/V tile the block stages in shared memory, so
-// K/V traffic falls by the tile height against one block per row (attn_prompt), which was 40% of a
-// qwen15 pp512. Warp w owns row w of the run; lane j scores key j of a tile of ATT_KT keys, then the
+// K/V traffic falls by the tile height against one block per row. Warp w owns row w of the run; lane j scores key j of a tile of ATT_KT keys, then the
 // warp adds the V rows weighted by the tile's probabilities (broadcast by shuffles); lane l owns dims
 // VEC l + 32 VEC i (VEC = 4: 16-byte reads and writes, for D % 128 == 0; 2 otherwise, so D = 64 keeps
 // every lane busy). A tile holding rows of two sequences runs one run after the other. Rows see keys
@@ -442,7 +428,7 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
     }
 }
 
-#if ATT_ON(3)
+#if ATT_ON(2)
 // two blocks per SM (64 registers): one block of 16 warps cannot hide the staging barriers
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
@@ -452,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
 }
 #endif
 
-#if ATT_ON(4)
+#if ATT_ON(3)
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile_v2(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                  const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,

@@ -40,19 +40,17 @@ KERNEL_DIR = Path(__file__).resolve().parent
 CUBIN_DIR = KERNEL_DIR / "cubin"
 MANIFEST = CUBIN_DIR / "manifest.json"
 
-MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf/mmvq launch column (template instances)
+MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf launch column (template instances)
 # warps per block of mmvf.cu's kernels by batch width (-DMMVF_WARPS): 8 at one row (half the blocks
-# staging the input); 4 from two rows up, where every weight is applied to each row and blocks run
-# long (qwen15 B=2, realizar bench: 1,073 -> 1,191 tok/s at 4; the 4- and 8-row sweeps: 3-15%)
+# staging the input); 4 from two rows up, where every weight is applied to each row and blocks run long
 MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
-# rows a warp group owns in the LM head's launch at one row (-DMMVF_R; the other launches: 2). H100,
-# tools/mmvf_sweep.py, us a head at rows 2 / 4: qwen15 Q6_K 97.3 / 88.5, qwen05 Q8_0 63.6 / 55.1,
-# gemma270 Q8_0 97.7 / 79.2, smol135 Q8_0 18.1 / 16.1 (8 rows: slower, 255 registers)
+# rows a warp group owns in the LM head's launch at one row (-DMMVF_R; the other launches: 2): a
+# head's many rows keep more loads in flight with 4 a group; 8 runs out of registers
 MMVF_HEAD_R = 4
 # rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
 FFNF_R = {1: 1}
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
-ATT_KINDS = ("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..4
+ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
 # compute capabilities shipped prebuilt: 8.0 (A100; its modules also serve 8.6 and 8.9: A10, RTX 30,
 # L4, L40, RTX 40) and 9.0 (H100, H200). Each arch costs ~9 minutes of one core to build.
@@ -63,10 +61,10 @@ NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
 # Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu) and of a
-# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders; the qwen15 twin's
-# batch-1 step took 1,369 us on the general module and 1,180 us on one built for Q4_K + Q6_K, and
-# batch 4 gained 2-3% (perf-notes v27). A model whose mask ships no module of these compiles it with
-# NVRTC (once: CuPy caches it on disk) rather than take the general one.
+# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders, and a decode
+# step of one row runs markedly slower than on a module built for the model's own types. A model
+# whose mask ships no module of these compiles it with NVRTC (once: CuPy caches it on disk) rather
+# than take the general one.
 QMASK_EXACT = frozenset({"mmvf.cu", "mmqs.cu"})
 # quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
 # (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +
@@ -118,7 +116,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",
-                                    "prefill.cu", "mmvq.cu", "gemv.cu", "sampling.cu")]
+                                    "prefill.cu", "gemv.cu", "sampling.cu")]
     out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
     out.append(("mmqs.cu", ()))
     out += [("mmqs.cu", (qmask_option(m),)) for m in PREBUILT_QMASKS]

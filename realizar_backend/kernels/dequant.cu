@@ -1,5 +1,5 @@
-// Dequantize family: raw GGUF rows -> float32 / fp16 / bf16 rows (the prefill GEMM's weights),
-// and embed_<type>, which gathers token-embedding rows (by token ids read from a device buffer, so
+// Dequantize family: raw GGUF rows -> float32 rows (the start-up self-check of every type's
+// decoder), and embed_<type>, which gathers token-embedding rows (by token ids read from a device buffer, so
 // a captured graph replays with new tokens) and applies the embedding scale.
 //
 // One thread decodes one 32-weight unit into registers, as everywhere else. A thread storing its
@@ -55,11 +55,6 @@ __device__ __forceinline__ void pack_f32(const float (&w)[32], u32 (&v)[32]) {
     for (int i = 0; i < 32; ++i) v[i] = __float_as_uint(w[i]);
 }
 
-__device__ __forceinline__ void pack_x16(const float (&w)[32], int bf, u32 (&v)[16]) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = (u32)f2x(w[2 * i], bf) | ((u32)f2x(w[2 * i + 1], bf) << 16);
-}
-
 // flattened unit idx of an N x K matrix -> decoded unit in w, its destination and valid count
 template <int QT, typename T>
 __device__ __forceinline__ int load_flat_unit(const u8* __restrict__ W, long long row_bytes, int N, int K,
@@ -89,19 +84,6 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ W, long long
     u32 v[32];
     pack_f32(w, v);
     warp_store_units<8>(v, dst, nv, sm + (threadIdx.x >> 5) * 32 * 8);
-}
-
-// fp16 (bf = 0) or bf16 (bf = 1) rows for the tensor-core prefill GEMM
-template <int QT>
-__device__ __forceinline__ void dequant16_body(const u8* __restrict__ W, long long row_bytes, int N, int K,
-                                               u16* __restrict__ out, long long os, int bf) {
-    __shared__ uint4 sm[DQ_WARPS * 32 * 4];
-    float w[32];
-    u16* dst;
-    const int nv = load_flat_unit<QT>(W, row_bytes, N, K, out, os, w, dst);
-    u32 v[16];
-    pack_x16(w, bf, v);
-    warp_store_units<4>(v, dst, nv, sm + (threadIdx.x >> 5) * 32 * 4);
 }
 
 template <int QT>
@@ -142,45 +124,6 @@ __device__ __forceinline__ void embed_body(const u8* __restrict__ W, long long r
         embed_body<QT>(W, row_bytes, K, tokens, n, scale, out, os);                                 \
     }
 
-#define DEFINE_DEQUANT16(name, QT)                                                                  \
-    extern "C" __global__ void dequant16_##name(const u8* W, long long row_bytes, int N, int K,    \
-                                                u16* out, long long os, int bf) {                  \
-        dequant16_body<QT>(W, row_bytes, N, K, out, os, bf);                                        \
-    }
-
-#if QT_ON(QT_F32)
-DEFINE_DEQUANT16(f32, QT_F32)
-#endif
-#if QT_ON(QT_F16)
-DEFINE_DEQUANT16(f16, QT_F16)
-#endif
-#if QT_ON(QT_BF16)
-DEFINE_DEQUANT16(bf16, QT_BF16)
-#endif
-#if QT_ON(QT_Q4_0)
-DEFINE_DEQUANT16(q4_0, QT_Q4_0)
-#endif
-#if QT_ON(QT_Q4_1)
-DEFINE_DEQUANT16(q4_1, QT_Q4_1)
-#endif
-#if QT_ON(QT_Q5_0)
-DEFINE_DEQUANT16(q5_0, QT_Q5_0)
-#endif
-#if QT_ON(QT_Q5_1)
-DEFINE_DEQUANT16(q5_1, QT_Q5_1)
-#endif
-#if QT_ON(QT_Q8_0)
-DEFINE_DEQUANT16(q8_0, QT_Q8_0)
-#endif
-#if QT_ON(QT_Q4_K)
-DEFINE_DEQUANT16(q4_k, QT_Q4_K)
-#endif
-#if QT_ON(QT_Q5_K)
-DEFINE_DEQUANT16(q5_k, QT_Q5_K)
-#endif
-#if QT_ON(QT_Q6_K)
-DEFINE_DEQUANT16(q6_k, QT_Q6_K)
-#endif
 
 #if QT_ON(QT_F32)
 DEFINE_DEQUANT(f32, QT_F32)

@@ -1,72 +1,12 @@
-// Small glue kernels: the GEMM-path epilogue (bias / residual), activation * up for the
-// prefill FFN, fp16 GEMM inputs (plain and row-scaled), row gather (each prefill item's last
-// hidden state), and greedy argmax.
+// Small glue kernels: activation * up for the GEMVs of float matrices, row gather (each prompt's
+// last hidden state), a continuation's decode inputs, and greedy argmax.
 #include "common.cuh"
-
-// y[r, c] = (accumulate ? y[r, c] : 0) + t[r, c] + (bias ? bias[c] : 0)
-extern "C" __global__ void epilogue(float* y, const float* __restrict__ t, const float* __restrict__ bias,
-                                    int rows, int cols, int accumulate) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * cols) return;
-    int c = (int)(i % cols);
-    float v = t[i] + (bias ? bias[c] : 0.0f);
-    y[i] = accumulate ? y[i] + v : v;
-}
 
 // a = act(g) * u, elementwise over n values (act 0 = SiLU, 1 = GELU-tanh)
 extern "C" __global__ void act_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ a,
                                    long long n, int act) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) a[i] = act_f(g[i], act) * u[i];
-}
-
-// fp16 (bf = 0) or bf16 (bf = 1) copy of n fp32 values (prefill GEMM inputs)
-extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ y, long long n, int bf) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = f2x(x[i], bf);
-}
-
-// Row-scaled fp16 copy for a GEMM input with no bound fp16 can hold (act(g) * u): each row is
-// multiplied by the power of two that brings its largest magnitude into [2^14, 2^15), so the
-// scaling is exact and every row keeps fp16's full mantissa; inv[r] undoes it after the GEMM.
-// One block per row.
-extern "C" __global__ void row_scale_f16(const float* __restrict__ x, int xs, u16* __restrict__ y, int ys,
-                                         float* __restrict__ inv, int rows, int cols) {
-    __shared__ float sm[32];
-    int r = blockIdx.x;
-    if (r >= rows) return;
-    const float* xr = x + (long long)r * xs;
-    float m = 0.0f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(xr[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    if (lane == 0) sm[wid] = m;
-    __syncthreads();
-    if (wid == 0) {
-        m = lane < ((blockDim.x + 31) >> 5) ? sm[lane] : 0.0f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) sm[0] = m;
-    }
-    __syncthreads();
-    m = sm[0];
-    int e = 0;
-    if (m > 0.0f && isfinite(m)) frexpf(m, &e);          // m = f * 2^e, f in [0.5, 1)
-    float s = ldexpf(1.0f, 15 - e);                       // m * s in [2^14, 2^15)
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) y[(long long)r * ys + i] = f2x(xr[i] * s, 0);
-    if (threadIdx.x == 0) inv[r] = ldexpf(1.0f, e - 15);
-}
-
-// y[r, c] = (accumulate ? y[r, c] : 0) + t[r, c] * inv[r]: undoes row_scale_f16 after the GEMM
-extern "C" __global__ void unscale_rows(float* y, int ys, const float* t, int ts,   // t may be y
-                                        const float* __restrict__ inv, int rows, int cols, int accumulate) {
-    int r = blockIdx.y;
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows || c >= cols) return;
-    float v = t[(long long)r * ts + c] * inv[r];
-    float* yp = y + (long long)r * ys + c;
-    *yp = accumulate ? *yp + v : v;
 }
 
 // dst[b, :] = src[idx[b], :]

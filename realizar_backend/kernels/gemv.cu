@@ -1,8 +1,8 @@
-// Quantized GEMV family: y[b, r] = sum_k W[r, k] * x[b, k] for a small batch of activation rows,
-// straight from raw GGUF blocks (dequantized in registers, never expanded in memory).
-// One warp per output row; lanes stride over 32-weight units so consecutive lanes read
-// consecutive blocks; each unit is decoded once and applied to up to GEMV_MAXB activation rows
-// (grid.y covers larger batches). Blocks of 4 warps spread rows over every SM.
+// GEMV family of the float matrices (F32, F16, BF16; the quantized ones take mmvf.cu):
+// y[b, r] = sum_k W[r, k] * x[b, k] for a small batch of activation rows. One warp per output row;
+// lanes stride over 32-weight units so consecutive lanes read consecutive ones; each unit is
+// converted once and applied to up to GEMV_MAXB activation rows (grid.y covers larger batches).
+// Blocks of 4 warps spread rows over every SM.
 #include "common.cuh"
 
 #define GEMV_MAXB 8
@@ -99,7 +99,7 @@ __device__ __forceinline__ void ffn_gate_up_body(const u8* __restrict__ Wg, cons
     }
 }
 
-// One dispatch entry per quant type: gemv_<type>, ffn_gate_up_<type>.
+// One dispatch entry per float type: gemv_<type>, ffn_gate_up_<type>.
 #define DEFINE_GEMV(name, QT)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                      \
         gemv_##name(const u8* W, long long row_bytes, int N, int K, const float* x, int xs, float* y, \
@@ -120,28 +120,4 @@ DEFINE_GEMV(f16, QT_F16)
 #endif
 #if QT_ON(QT_BF16)
 DEFINE_GEMV(bf16, QT_BF16)
-#endif
-#if QT_ON(QT_Q4_0)
-DEFINE_GEMV(q4_0, QT_Q4_0)
-#endif
-#if QT_ON(QT_Q4_1)
-DEFINE_GEMV(q4_1, QT_Q4_1)
-#endif
-#if QT_ON(QT_Q5_0)
-DEFINE_GEMV(q5_0, QT_Q5_0)
-#endif
-#if QT_ON(QT_Q5_1)
-DEFINE_GEMV(q5_1, QT_Q5_1)
-#endif
-#if QT_ON(QT_Q8_0)
-DEFINE_GEMV(q8_0, QT_Q8_0)
-#endif
-#if QT_ON(QT_Q4_K)
-DEFINE_GEMV(q4_k, QT_Q4_K)
-#endif
-#if QT_ON(QT_Q5_K)
-DEFINE_GEMV(q5_k, QT_Q5_K)
-#endif
-#if QT_ON(QT_Q6_K)
-DEFINE_GEMV(q6_k, QT_Q6_K)
 #endif

@@ -13,11 +13,19 @@ class ArchSpec:
     gguf_rope_style: str                 # llama.cpp permutes llama q/k to adjacent pairs
     block_required: tuple[str, ...]
     block_optional: tuple[str, ...] = ()
+    experts: bool = False                # mixture of experts (model/transformer.py Experts)
+    recurrent: bool = False              # linear-attention hybrid (model/transformer.py DeltaNet layers)
+    gated_attention: bool = False        # attn_q also gives a gate per head ([query | gate])
+    # the RMSNorm before the feed-forward block (llama.cpp names gpt-oss's post_attention_norm)
+    ffn_norm: str = "ffn_norm.weight"
 
 
 _LLAMA_BLOCK = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
                 "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
                 "ffn_down.weight")
+_ATTENTION = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+_EXPERTS = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+            "ffn_down_exps.weight")
 _BIAS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 _QKNORM = ("attn_q_norm.weight", "attn_k_norm.weight")
 
@@ -27,6 +35,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3": ArchSpec("qwen3", "neox", _LLAMA_BLOCK + _QKNORM, _BIAS),
     "gemma3": ArchSpec("gemma3", "neox", _LLAMA_BLOCK + _QKNORM + (
         "post_attention_norm.weight", "post_ffw_norm.weight")),
+    "qwen3moe": ArchSpec("qwen3moe", "neox", _ATTENTION + _QKNORM + _EXPERTS, _BIAS, experts=True),
+    "gpt-oss": ArchSpec("gpt-oss", "neox", _ATTENTION + _BIAS + (
+        "attn_output.bias", "attn_sinks.weight", "post_attention_norm.weight", "ffn_gate_inp.weight",
+        "ffn_gate_inp.bias", "ffn_gate_exps.weight", "ffn_gate_exps.bias", "ffn_up_exps.weight", "ffn_up_exps.bias",
+        "ffn_down_exps.weight", "ffn_down_exps.bias"), experts=True, ffn_norm="post_attention_norm.weight"),
+    # Qwen3.5 / 3.6: Gated DeltaNet layers and gated full-attention layers (their tensors vary by
+    # layer kind: model/transformer.py loads each kind's; these are the ones every layer has)
+    "qwen35": ArchSpec("qwen35", "neox", ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight",
+                                          "ffn_up.weight", "ffn_down.weight"),
+                       recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
+    "qwen35moe": ArchSpec("qwen35moe", "neox", ("attn_norm.weight", "post_attention_norm.weight") + _EXPERTS[1:],
+                          experts=True, recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
 }
 
 # transformers' `architectures` entries -> canonical arch

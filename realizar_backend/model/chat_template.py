@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import ChatTemplateError
+
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<Q")
@@ -41,17 +43,6 @@ TRIAL_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
                   {"role": "user", "content": "Hello!"},
                   {"role": "assistant", "content": "Hi! How can I help?"},
                   {"role": "user", "content": "Tell me a joke."}]
-
-
-class ChatTemplateError(Exception):
-    """A render that failed. kind: "syntax" (the template does not parse), "render" (it raised:
-    raise_exception, a sandbox refusal, a type error on these messages), "limit" (time, output
-    size or memory), "unavailable" (no worker process could be started)."""
-
-    def __init__(self, kind: str, message: str):
-        self.kind = kind
-        self.message = message
-        super().__init__(message)
 
 
 @dataclass(frozen=True)

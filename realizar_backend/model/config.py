@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,7 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     # gemma3 only
-    activation: str = "silu"     # silu | gelu_tanh
+    activation: str = "silu"     # silu | gelu_tanh | swiglu_oai (gpt-oss: clamped, math.swiglu_oai)
     embed_scale: float = 1.0     # gemma multiplies embeddings by sqrt(hidden)
     post_norms: bool = False     # gemma: norms after attention and FFN outputs
     sliding_window: int = 0      # 0 = full attention everywhere
@@ -65,6 +66,21 @@ class ModelConfig:
     rope_theta_local: float = 0.0
     attn_scale: float = 0.0      # 0 = 1/sqrt(head_dim)
     rope_scaling: RopeScaling | None = None
+    # mixture of experts (qwen3moe): n_experts per layer, n_experts_used per token, each expert's
+    # FFN width; the chosen experts' probabilities renormalised to sum to one
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    expert_renormalize: bool = True
+    shared_expert_ffn_dim: int = 0   # qwen35moe: a shared expert beside the routed ones (0: none)
+    # linear-attention hybrids (qwen35): which layers are Gated DeltaNet (the rest full attention),
+    # and the DeltaNet's dims: conv kernel, key heads and their dim, value heads and their dim
+    recurrent: tuple[bool, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_k_heads: int = 0
+    ssm_k_dim: int = 0
+    ssm_v_heads: int = 0
+    ssm_v_dim: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -87,6 +103,23 @@ class ModelConfig:
         scale the global layers only)."""
         return None if self.is_sliding(layer) and self.rope_theta_local else self.rope_scaling
 
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[layer]
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layer keeps a per-sequence recurrent state (a hybrid): a prefix's KV blocks alone
+        cannot resume a sequence."""
+        return any(self.recurrent)
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """A sequence's recurrent state (float32): per recurrent layer the conv inputs kept
+        (kernel - 1 rows of the mixed q|k|v channels) and the DeltaNet state of every value head."""
+        channels = 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+        per_layer = (self.ssm_conv_kernel - 1) * channels + self.ssm_v_heads * self.ssm_k_dim * self.ssm_v_dim
+        return 4 * per_layer * sum(self.recurrent)
+
     @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
@@ -107,6 +140,8 @@ def _check_dims(path, c: dict[str, Any]) -> None:
 
 MAX_DIM = 1 << 20            # hidden, FFN and head sizes: far above any real model, far below 2**63
 MAX_CONTEXT = (1 << 31) - 1  # positions are int32 on every backend
+MAX_EXPERTS = 1 << 12        # experts per layer (real models: up to 512)
+GEMMA3_27B_LAYERS = 62       # llama.cpp tells Gemma 3 27B by its layer count
 
 
 def _gguf_rope_scaling(path, m: Metadata, a: str, context_length: int, rope_dim: int, rope_freqs) -> RopeScaling | None:
@@ -185,9 +220,46 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freq
     _check_dims(path, cfg)
     cfg["rope_scaling"] = _gguf_rope_scaling(path, m, a, cfg["context_length"], cfg["rope_dim"], rope_freqs)
     if arch == "gemma3":
+        # As llama.cpp reads a Gemma 3 file: the sliding layers' RoPE base from rope.freq_base_swa
+        # (10000 when absent), every 6th layer global, and the attention scale from the shape (GGUF
+        # has no query_pre_attn_scalar): 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B
+        # model, whose scalar (168) is not its head_dim (128).
         cfg.update(activation="gelu_tanh", embed_scale=hidden ** 0.5, post_norms=True,
                    sliding_window=m.integer(a + "attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT),
-                   sliding_pattern=6, rope_theta_local=10000.0)
+                   sliding_pattern=6,
+                   rope_theta_local=m.number(a + "rope.freq_base_swa", 10000.0, positive=True),
+                   attn_scale=(hidden / n_heads) ** -0.5 if n_layers == GEMMA3_27B_LAYERS else 0.0)
+    if arch == "gpt-oss":
+        # layers alternate sliding (even) and full attention; YaRN on every layer with its ramp
+        # corners unrounded (the model's config, transformers' truncate=False); a feed-forward of
+        # experts with the clamped SwiGLU. None of these is in the GGUF metadata.
+        rs = cfg["rope_scaling"]
+        cfg.update(activation="swiglu_oai", sliding_pattern=2,
+                   sliding_window=m.integer(a + "attention.sliding_window", required=True, lo=1, hi=MAX_CONTEXT),
+                   rope_scaling=dataclasses.replace(rs, truncate=False) if rs and rs.kind == "yarn" else rs)
+    if spec.recurrent:
+        flags = m.booleans(a + "attention.recurrent_layers", length=n_layers)
+        if flags is not None:
+            recurrent = tuple(flags)
+        else:
+            every = m.integer(a + "full_attention_interval", required=True, lo=1, hi=n_layers)
+            recurrent = tuple((i + 1) % every != 0 for i in range(n_layers))
+        v_heads = m.integer(a + "ssm.time_step_rank", required=True, lo=1, hi=MAX_DIM)
+        k_heads = m.integer(a + "ssm.group_count", required=True, lo=1, hi=v_heads)
+        inner = m.integer(a + "ssm.inner_size", required=True, lo=v_heads, hi=MAX_DIM)
+        if v_heads % k_heads or inner % v_heads:
+            raise ModelFormatError(path, f"{a}ssm: {v_heads} value heads over {k_heads} key heads, inner size {inner}")
+        cfg.update(recurrent=recurrent, ssm_conv_kernel=m.integer(a + "ssm.conv_kernel", required=True, lo=1, hi=64),
+                   ssm_k_heads=k_heads, ssm_k_dim=m.integer(a + "ssm.state_size", required=True, lo=1, hi=MAX_DIM),
+                   ssm_v_heads=v_heads, ssm_v_dim=inner // v_heads)
+    if spec.experts:
+        n = m.integer(a + "expert_count", required=True, lo=1, hi=MAX_EXPERTS)
+        # the routers of qwen3moe and gpt-oss renormalise their top k (llama.cpp's norm_w; gpt-oss's
+        # softmax over the top k logits is the same thing)
+        cfg.update(n_experts=n, n_experts_used=m.integer(a + "expert_used_count", required=True, lo=1, hi=n),
+                   expert_ffn_dim=m.integer(a + "expert_feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
+                   expert_renormalize=m.boolean(a + "expert_weights_norm", True),
+                   shared_expert_ffn_dim=m.integer(a + "expert_shared_feed_forward_length", 0, lo=0, hi=MAX_DIM * 4))
     return ModelConfig(**cfg)
 
 

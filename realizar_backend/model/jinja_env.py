@@ -14,7 +14,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .chat_template import ChatTemplateError
+from ..errors import ChatTemplateError
 
 _CACHE_SIZE = 4     # compiled templates kept per worker (one model: one template)
 

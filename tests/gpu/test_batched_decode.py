@@ -1,6 +1,6 @@
-"""Decode steps of many sequences at once (buckets of 8+ rows: the tensor-core matrix multiply,
-or the split16 GEMMs with Settings.batched_decode "split16") against the NumPy oracle, and each
-row of a batch against the same sequence decoded alone (batch 1: the GEMVs)."""
+"""Decode steps of many sequences at once (buckets of 4-8+ rows: the tensor-core matrix multiply;
+64+: the split16 GEMMs; both forced at 32 rows here) against the NumPy oracle, and each row of a
+batch against the same sequence decoded alone (batch 1: the GEMVs)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ from test_model_parity import COS_MIN, TWINS, _assert_parity, _cos, _open, _real
 pytestmark = pytest.mark.gpu
 
 ROWS = 20          # a bucket of 32: 12 padded rows ride along on the scratch slot
+
+
+def _force(gpu, family: str):
+    """Decode steps of 8+ rows run in `family` (the dispatcher's choice for those rows replaced
+    before any graph is captured), so both batched families are checked at the same rows."""
+    from realizar_backend.backends.cuda.dispatch import Step
+    disp = gpu.fwd.dispatcher
+    own = disp.decode_step
+    disp.decode_step = lambda b: Step(family, b) if b >= 8 else own(b)
+    return gpu
 
 
 def _model(name):
@@ -33,10 +43,9 @@ def test_batched_rows_match_the_oracle(name, mode, rng):
     model = _model(name)
     ctx = 96
     cpu = contiguous_tables(CPUBackend(model, max_slots=ROWS, max_context=ctx, kv_dtype=np.float16))
-    gpu = contiguous_tables(CUDABackend(model, max_slots=ROWS, max_context=ctx,
-                                        settings=Settings(self_check=False, batched_decode=mode,
-                                                          prefill_weight_cache="on")))
-    assert gpu.fwd.decode_projections(32) is (gpu.fwd.gemm if mode == "split16" else gpu.fwd.mmq)
+    gpu = contiguous_tables(_force(CUDABackend(model, max_slots=ROWS, max_context=ctx,
+                                               settings=Settings(self_check=False, prefill_weight_cache="on")), mode))
+    assert gpu.fwd.dispatcher.decode_step(32).family == mode
     V = model.config.vocab_size
     lens = [int(n) for n in rng.integers(3, 40, ROWS)]
     items = [PrefillItem(s, rng.integers(0, V, n).astype(np.int32)) for s, n in enumerate(lens)]
@@ -68,9 +77,8 @@ def test_batched_greedy_equals_single_stream_on_real_smollm2(mode, rng):
     from realizar_backend.settings import Settings
     model = _model("real")
     n, steps, ctx = 24, 24, 128
-    gpu = contiguous_tables(CUDABackend(model, max_slots=n, max_context=ctx,
-                                        settings=Settings(self_check=False, batched_decode=mode,
-                                                          prefill_weight_cache="on")))
+    gpu = contiguous_tables(_force(CUDABackend(model, max_slots=n, max_context=ctx,
+                                               settings=Settings(self_check=False, prefill_weight_cache="on")), mode))
     prompts = [rng.integers(0, 2000, int(k)).astype(np.int32) for k in rng.integers(4, 30, n)]
     first = gpu.prefill([PrefillItem(s, p) for s, p in enumerate(prompts)]).argmax(-1)
     slots = list(range(n))
@@ -102,9 +110,9 @@ def test_batched_greedy_equals_single_stream_on_real_smollm2(mode, rng):
     assert compared >= n * steps // 2                        # the comparison covered most tokens
 
 
-def test_auto_takes_the_split16_gemms_from_64_rows(rng):
-    """Settings.batched_decode "auto" (the default): buckets below 64 rows on the tensor-core
-    matrix multiplies, from 64 on the split16 GEMMs (paired rows up to 128, prefill.cu); 130
+def test_the_split16_gemms_take_64_rows_and_more(rng):
+    """The dispatcher: buckets below 64 rows on the tensor-core matrix multiplies, from 64 on the
+    split16 GEMMs (paired rows up to 128, prefill.cu) where the split weights are kept; 130
     sequences decoding together (bucket 256, captured) stay at the parity bar against the oracle."""
     from realizar_backend.backends.base import PrefillItem
     from realizar_backend.backends.cpu import CPUBackend
@@ -114,9 +122,8 @@ def test_auto_takes_the_split16_gemms_from_64_rows(rng):
     n, ctx = 130, 48
     gpu = contiguous_tables(CUDABackend(model, max_slots=n, max_context=ctx,
                                         settings=Settings(self_check=False, prefill_weight_cache="on")))
-    assert Settings().batched_decode == "auto"
-    assert gpu.fwd.decode_projections(32) is gpu.fwd.mmq
-    assert all(gpu.fwd.decode_projections(b) is gpu.fwd.gemm for b in (64, 128, 256))
+    assert gpu.fwd.dispatcher.decode_step(32).family == "mmq"
+    assert all(gpu.fwd.dispatcher.decode_step(b).family == "split16" for b in (64, 128, 256))
     cpu = contiguous_tables(CPUBackend(model, max_slots=n, max_context=ctx, kv_dtype=np.float16))
     V = model.config.vocab_size
     items = [PrefillItem(s, rng.integers(0, V, int(k)).astype(np.int32)) for s, k in enumerate(rng.integers(2, 20, n))]
@@ -131,6 +138,6 @@ def test_auto_takes_the_split16_gemms_from_64_rows(rng):
     st = gpu.stats()["graph_status"]
     gpu.close()
     cos = np.concatenate(rows)
-    print(f"qwen05 auto, {n} rows: decode cos min {cos.min():.6f}; graphs {st}")
+    print(f"qwen05, {n} rows: decode cos min {cos.min():.6f}; graphs {st}")
     _assert_parity("qwen05", cos, COS_MIN)
     assert any(k.startswith("256") and v == "captured" for k, v in st.items()), st

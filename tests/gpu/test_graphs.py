@@ -41,8 +41,8 @@ def test_eager_equals_replay(name, batch, programmatic, rng):
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model(name)
-    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=128,
-                                        settings=Settings(self_check=False, programmatic_launch=programmatic)))
+    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=128, settings=Settings(self_check=False),
+                                        programmatic_launch=programmatic))
     expect_pdl = programmatic and int(cupy.cuda.Device().compute_capability) >= 90
     V = model.config.vocab_size
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 9 + s).astype(np.int32)) for s in range(batch)])
@@ -206,7 +206,7 @@ def test_prompt_step_replay_equals_eager(name, tokens, rng):
     prompt = rng.integers(0, V, 600 + tokens).astype(np.int32)
     gpu.prefill([PrefillItem(0, prompt[:600])])
     tail = [PrefillItem(0, prompt[600:], 600)]
-    if gpu.fwd.prompt_step(tokens)[0] == "gemm":
+    if gpu.fwd.prompt_step(tokens).family == "split16":
         gpu.close()
         pytest.skip(f"{name}: {tokens} tokens run on the GEMMs here (a projection without tensor-core kernels)")
     eager = gpu.prefill(tail)                  # eager, then captured
@@ -229,12 +229,12 @@ def test_gemm_prompt_step_is_captured_when_it_recurs(name, lengths, rng):
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model(name)
-    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=512,
-                                        settings=Settings(self_check=False, prompt_mmq_tokens=0)))
+    gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=512, settings=Settings(self_check=False)))
+    gpu.fwd.dispatcher.buckets = ()            # no tensor-core prompt steps: 100 tokens on the GEMMs too
     V = model.config.vocab_size
     prompts = [rng.integers(0, V, n).astype(np.int32) for n in lengths]
-    kind, rows = gpu.fwd.prompt_step(sum(lengths))
-    assert kind == "gemm" and rows % 64 == 0 and rows >= sum(lengths)
+    step = gpu.fwd.prompt_step(sum(lengths))
+    assert step.family == "split16" and step.rows % 64 == 0 and step.rows >= sum(lengths)
     items = [PrefillItem(i, p) for i, p in enumerate(prompts)]
     runs, steps = [], []
     for _ in range(3):

@@ -164,7 +164,7 @@ def test_engine_steps_ahead_match_unpipelined_on_the_gpu():
         got, steps = {}, {}
         for pipelined in (False, True):
             eng = Engine.from_settings(Settings(model=str(path), backend="cuda", max_num_seqs=8, context_length=256,
-                                                self_check=False, pipelined_decode=pipelined))
+                                                self_check=False), pipelined=pipelined)
             try:
                 async def all_():
                     seen = [0]

@@ -45,7 +45,7 @@ def _both(cc, filename: str, extra=()):
 @pytest.mark.parametrize("rows,width", [(1, 896), (5, 576), (3, 2048), (2, 33)])
 def test_prebuilt_rms_norm_equals_nvrtc(cc, rng, rows, width):
     import cupy
-    from realizar_backend.backends.cpu import rms_norm
+    from realizar_backend.model.math import rms_norm
     pre, nvrtc = _both(cc, "norm.cu")
     x = rng.standard_normal((rows, width)).astype(np.float32) * 3
     w = rng.standard_normal(width).astype(np.float32)
@@ -64,17 +64,23 @@ def test_prebuilt_rms_norm_equals_nvrtc(cc, rng, rows, width):
     assert np.array_equal(outs[0], outs[1]), f"prebuilt and NVRTC differ by up to {diff:g}"
 
 
-def test_prebuilt_f32_to_f16_equals_nvrtc(cc, rng):
+def _act_mul(mod, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """elementwise.cu's act_mul (SiLU) on the device: a plain kernel to tell two modules apart."""
     import cupy
+    n = g.size
+    a = cupy.full(n, np.nan, cupy.float32)
+    mod.get_function("act_mul")(((n + 255) // 256,), (256,), (cupy.asarray(g), cupy.asarray(u), a, np.int64(n),
+                                                              np.int32(0)))
+    return cupy.asnumpy(a)
+
+
+def test_prebuilt_act_mul_equals_nvrtc(cc, rng):
+    from realizar_backend.model.math import silu
     pre, nvrtc = _both(cc, "elementwise.cu")
     n = 100_003
-    x = (rng.standard_normal(n) * 1e3).astype(np.float32)
-    outs = []
-    for mod in (pre, nvrtc):
-        y = cupy.full(n, 0xFFFF, cupy.uint16)
-        mod.get_function("f32_to_f16")(((n + 255) // 256,), (256,), (cupy.asarray(x), y, np.int64(n), np.int32(0)))
-        outs.append(cupy.asnumpy(y))
-    assert np.array_equal(outs[0], x.astype(np.float16).view(np.uint16))
+    g, u = rng.standard_normal((2, n)).astype(np.float32) * 4
+    outs = [_act_mul(mod, g, u) for mod in (pre, nvrtc)]
+    np.testing.assert_allclose(outs[0], silu(g.astype(np.float64)) * u, rtol=1e-5, atol=1e-6)
     assert np.array_equal(outs[0], outs[1])
 
 
@@ -87,7 +93,7 @@ def test_prebuilt_modules_match_nvrtc_resources(cc):
     arch = "sm_" + served.split("=")[1]
     rows = []
     for m in catalog.manifest()["modules"]:
-        if m["arch"] != arch or m["file"] in ("gemv.cu", "mmvq.cu"):   # opt-in families: long NVRTC compiles
+        if m["arch"] != arch or m["file"] == "gemv.cu":   # float matrices only: loaded on first use
             continue
         extra = tuple(m["options"][2:])
         pre, nvrtc = _both(cc, m["file"], extra)
@@ -112,7 +118,7 @@ k = modules.get_kernels(0, qtypes, int(sys.argv[2]), wait=False)
 k.ready(max_batch=int(sys.argv[3]))
 modules.load_module(0, "prefill.cu", k.qtypes)
 modules.load_module(0, "sampling.cu")
-_ = k.gemv[next(iter(qtypes))], k.mmv_q8[1]                 # the families loaded on first use
+_ = [k.gemv[q] for q in k.gemv]                              # the families loaded on first use
 _ = [(k.mmvf[nb], k.ffnf[nb]) for nb in modules.MMV_NB]      # and those loading in the background
 print(json.dumps({"seconds": time.perf_counter() - t0,
                   "loaded": [[f, list(o), v] for (d, f, o), v in modules.loaded_modules().items()]}))
@@ -144,13 +150,12 @@ def test_a_model_start_loads_only_prebuilt_modules(cc, mix, head_dim):
     others = [n for n in nvrtc if n not in own]
     assert not others, f"compiled with NVRTC although prebuilt kernels ship for sm_{cc}: {others}"
     assert {f for f, _, _ in got["loaded"]} >= {"mmvf.cu", "attention.cu", "dequant.cu", "prefill.cu",
-                                                 "sampling.cu", "gemv.cu", "mmvq.cu"}
+                                                 "sampling.cu"}
 
 
 def test_a_cubin_the_driver_refuses_falls_back_to_nvrtc(cc, rng, tmp_path, monkeypatch):
     import lzma
 
-    import cupy
     from realizar_backend.backends.cuda import modules
     from realizar_backend.kernels import catalog
     # a manifest whose cubin for elementwise.cu (with an option no other test asks for) is garbage
@@ -160,8 +165,6 @@ def test_a_cubin_the_driver_refuses_falls_back_to_nvrtc(cc, rng, tmp_path, monke
     monkeypatch.setattr(catalog, "_by_key", lambda: {catalog.module_key(catalog.source("elementwise.cu"), opts): bad})
     mod = modules._module(0, "elementwise.cu", opts, prebuilt=True)
     assert modules.loaded_modules()[(0, "elementwise.cu", opts)] == "nvrtc"
-    n = 1000
-    x = rng.standard_normal(n).astype(np.float32)
-    y = cupy.full(n, 0xFFFF, cupy.uint16)
-    mod.get_function("f32_to_f16")(((n + 255) // 256,), (256,), (cupy.asarray(x), y, np.int64(n), np.int32(0)))
-    assert np.array_equal(cupy.asnumpy(y), x.astype(np.float16).view(np.uint16))
+    from realizar_backend.model.math import silu
+    g, u = rng.standard_normal((2, 1000)).astype(np.float32)
+    np.testing.assert_allclose(_act_mul(mod, g, u), silu(g.astype(np.float64)) * u, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,7 @@
 """The split16 prefill on the GPU: the coalesced dequantize kernels (dequant.cu) and the split
 kernels (prefill.cu) against NumPy with outputs poisoned (NaN) before the launch, the split GEMM
 (cuBLAS on fp16 halves) against float64 beside cuBLAS fp32 SGEMM and single fp16, and whole-model
-parity with prefill_precision "split16" against the oracle (fp16 KV cache, as the GPU stores it)."""
+parity of the split16 steps against the oracle (fp16 KV cache, as the GPU stores it)."""
 
 from __future__ import annotations
 
@@ -27,21 +27,12 @@ CASES = [(q, n, k) for q, shapes in SHAPES.items() for n, k in shapes]
 
 @pytest.fixture(scope="module")
 def kx():
-    from realizar_backend.backends.cuda.prefill import load_kernels
+    from realizar_backend.backends.cuda.split16 import load_kernels
     return load_kernels(0)
 
 
 def _id(c):
     return f"{c[0].name}-{c[1]}x{c[2]}"
-
-
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    u = x.astype(F32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _ulps16(got: np.ndarray, ref: np.ndarray) -> int:
-    return int(np.max(np.abs(got.astype(np.int32) - ref.astype(np.int32)), initial=0))
 
 
 def _quant(qtype, N, K, rng):
@@ -56,8 +47,8 @@ def _quant(qtype, N, K, rng):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 @pytest.mark.parametrize("pad", [0, 3], ids=["dense", "stride+3"])
 def test_dequant_kernels(kernels, rng, case, pad):
-    """dequant (fp32), dequant16 (fp16 and bf16) and embed against gguf's dequantize: within one
-    ulp (the decode is exact in fp32), and nothing written past a row's K or the last row."""
+    """dequant (fp32) and embed against gguf's dequantize: within one ulp (the decode is exact in
+    fp32), and nothing written past a row's K or the last row."""
     import cupy
 
     from realizar_backend.backends.cuda import ops
@@ -69,13 +60,6 @@ def test_dequant_kernels(kernels, rng, case, pad):
     got = out.get()
     assert np.all(np.isnan(got[:n, k:])) and np.all(np.isnan(got[n:]))
     np.testing.assert_array_max_ulp(got[:n, :k], ref, maxulp=1)
-    for bf in (False, True):
-        o16 = cupy.full((n + 1, os_), POISON16, cupy.uint16)
-        ops.dequant16(kernels, w, o16.data.ptr, os_, bf)
-        g = o16.get()
-        assert np.all(g[:n, k:] == POISON16) and np.all(g[n:] == POISON16)
-        want = _bf16_bits(ref) if bf else ref.astype(F16).view(np.uint16)
-        assert _ulps16(g[:n, :k], want) <= 1, ("bf16" if bf else "fp16")
     tok = rng.integers(0, n, 9).astype(np.int32)
     emb = cupy.full((9, os_), np.nan, F32)
     tokd = cupy.asarray(tok)
@@ -99,7 +83,7 @@ def test_split_weights(kx, rng, K, segs):
     import cupy
     from test_split16_twin import LO_SHIFT, weight_rows
 
-    from realizar_backend.backends.cuda.prefill import split_weights
+    from realizar_backend.backends.cuda.split16 import split_weights
     keep, mats, refs = [], [], []
     for q, n in segs:
         w, dev, ref = _quant(q, n, K, rng)
@@ -126,8 +110,8 @@ def test_norm_split(kx, rng, T, K, norm):
     import cupy
     from test_split16_twin import LO_SHIFT, outlier_rows, split_rows as twin_split
 
-    from realizar_backend.backends.cpu import rms_norm
-    from realizar_backend.backends.cuda.prefill import split_rows
+    from realizar_backend.model.math import rms_norm
+    from realizar_backend.backends.cuda.split16 import split_rows
     X = np.zeros((T, K + 5), F32)
     X[:, :K] = outlier_rows(max(T, 3), K, rng)[:T]
     w = (1 + 0.5 * rng.standard_normal(K)).astype(F32) if norm else None
@@ -157,8 +141,8 @@ def test_norm_split(kx, rng, T, K, norm):
 def test_act_split(kx, rng, T, F, act):
     import cupy
 
-    from realizar_backend.backends.cpu import gelu_tanh, silu
-    from realizar_backend.backends.cuda.prefill import act_split
+    from realizar_backend.model.math import gelu_tanh, silu
+    from realizar_backend.backends.cuda.split16 import act_split
     y = (rng.standard_normal((T, 2 * F)) * 3e4).astype(F32)
     y[0, :3] = [4e6, -4e6, 0.0]                  # large activations (x100 after act * u)
     inv_in = np.ldexp(F32(1), rng.integers(-15, -12, T)).astype(F32)
@@ -181,8 +165,8 @@ def test_act_split(kx, rng, T, F, act):
 def test_unscale_kernels(kx, rng):
     import cupy
 
-    from realizar_backend.backends.cpu import rms_norm
-    from realizar_backend.backends.cuda.prefill import unscale_add, unscale_scatter
+    from realizar_backend.model.math import rms_norm
+    from realizar_backend.backends.cuda.split16 import unscale_add, unscale_scatter
     T, n = 9, (1536, 256, 256)
     ys = sum(n)
     y = (rng.standard_normal((T, ys)) * 1e4).astype(F32)
@@ -224,7 +208,7 @@ def test_paired_rows(kx, rng):
     second row is 0)."""
     import cupy
 
-    from realizar_backend.backends.cuda.prefill import act_split, split_rows, unscale_add, unscale_scatter
+    from realizar_backend.backends.cuda.split16 import act_split, split_rows, unscale_add, unscale_scatter
     T, K, F, H = 5, 1536, 1024, 640
     X = (rng.standard_normal((T, K)) * 3).astype(F32)
     w = (1 + 0.5 * rng.standard_normal(K)).astype(F32)
@@ -270,7 +254,7 @@ def test_paired_rows(kx, rng):
 def test_split_calls_match_the_twin():
     import test_split16_twin as twin
 
-    from realizar_backend.backends.cuda import prefill
+    from realizar_backend.backends.cuda import split16 as prefill
     assert prefill.MAIN_K_PER_CALL == twin.MAIN_K_PER_CALL
     for K in (37, 640, 896, 1000, 1536, 2048, 4864, 8960, 14336):
         assert prefill.split_calls(K) == twin.split_calls(K), K
@@ -291,11 +275,10 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     from test_split16_twin import fma_gemm, outlier_rows, rel, split16_error_bound, split16_matmul
 
     from realizar_backend.backends.cuda import ops
-    from realizar_backend.backends.cuda.prefill import split_gemm, split_rows, split_weights
+    from realizar_backend.backends.cuda.split16 import split_gemm, split_rows, split_weights
     w, keep, W = _quant(qtype, N, K, rng)
     X = outlier_rows(T, K, rng)
     ref = X.astype(F64) @ W.astype(F64).T
-    stream = cupy.cuda.get_current_stream().ptr
     xd = cupy.asarray(X)
     ws = cupy.full((N, 2 * K), POISON16, cupy.uint16)
     x16 = cupy.full((T, 3 * K), POISON16, cupy.uint16)
@@ -314,14 +297,10 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     e_paired = rel((ypair[0::2] + ypair[1::2]) * inv.get()[:, None], ref)
     deq = cupy.empty((N, K), F32)
     ops.dequant(kernels, w, deq.data.ptr, K)
-    y32 = cupy.full((T, N), np.nan, F32)
-    ops.gemm(deq.data.ptr, N, K, xd.data.ptr, K, y32.data.ptr, N, T, False, stream, "fp32")
-    e_sgemm = rel(y32.get(), ref)
-    deq16 = cupy.empty((N, K), F16)
-    ops.dequant16(kernels, w, deq16.data.ptr, K)
-    y16 = cupy.full((T, N), np.nan, F32)
-    ops.gemm(deq16.data.ptr, N, K, x16.data.ptr + 2 * K, 3 * K, y16.data.ptr, N, T, False, stream, "fp16")
-    e_fp16 = rel(y16.get() * inv.get()[:, None], ref)
+    e_sgemm = rel(cupy.matmul(xd, deq.T).get(), ref)                   # cuBLAS fp32 (no TF32)
+    # single fp16 inputs (the scaled activations' hi half, the weights rounded), fp32 out
+    xh = x16[:, K:2 * K].view(F16).astype(F32)
+    e_fp16 = rel(cupy.matmul(xh, deq.astype(F16).astype(F32).T).get() * inv.get()[:, None], ref)
     rows = rng.choice(N, min(N, 64), replace=False)
     e_twin = rel(split16_matmul(X[:4], W[rows]), ref[:4, rows]) if K * 3 * 64 <= 2e6 else float("nan")
     sgemm_twin = rel(fma_gemm(X[:4], W[rows]), ref[:4, rows]) if K * 64 <= 2e6 else float("nan")
@@ -342,7 +321,7 @@ def test_split_gemm_in_a_cuda_graph(kx, rng):
     poisoned in between, on a down-projection-like shape (K 8,960: four calls, beta = 1 joins)."""
     import cupy
 
-    from realizar_backend.backends.cuda.prefill import split_calls, split_gemm, split_rows, split_weights
+    from realizar_backend.backends.cuda.split16 import split_calls, split_gemm, split_rows, split_weights
     N, K, T = 320, 8960, 24
     w, keep, W = _quant(Q.Q4_K, N, K, rng)
     assert len(split_calls(K)) == 4
@@ -383,8 +362,7 @@ def test_split16_model_parity(name, rng):
     if path is None or not path.exists():
         pytest.skip(f"{name} not on this machine")
     model = _open(path)
-    cpu, gpu = _backends(model, slots=3, ctx=320, prefill_precision="split16")
-    assert gpu.fwd.gemm.prefill == "split16"
+    cpu, gpu = _backends(model, slots=3, ctx=320)
     V = model.config.vocab_size
     rows = []
     for lens in PROMPTS:
@@ -415,7 +393,7 @@ def test_split16_model_parity(name, rng):
 def test_split_weight_cache_gives_the_same_logits(name, rng):
     """Split weights kept from start-up (prefill_weight_cache "on") give the prompt logits of
     splitting them in every prefill ("off") bit for bit; "off" keeps none. (64 tokens: the GEMMs
-    only with the tensor-core prompt steps off.)"""
+    only with the tensor-core prompt steps off: the dispatcher's buckets emptied.)"""
     from test_model_parity import TWINS, _open
 
     from realizar_backend.backends.base import PrefillItem
@@ -431,9 +409,10 @@ def test_split_weight_cache_gives_the_same_logits(name, rng):
     out = {}
     for cache in ("on", "off"):
         be = contiguous_tables(CUDABackend(model, max_slots=2, max_context=64,
-                                           settings=Settings(self_check=False, prefill_weight_cache=cache,
-                                                             prompt_mmq_tokens=0)))
-        assert len(be.fwd.gemm.cached) == (4 * model.config.n_layers if cache == "on" else 0)
+                                           settings=Settings(self_check=False, prefill_weight_cache=cache)))
+        be.fwd.dispatcher.buckets = ()
+        assert be.fwd.prompt_step(64).family == "split16"
+        assert len(be.fwd.split16.kept) == (4 * model.config.n_layers if cache == "on" else 0)
         out[cache] = be.prefill(items)
         be.close()
     assert np.isfinite(out["on"]).all()

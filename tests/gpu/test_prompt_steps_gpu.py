@@ -1,4 +1,4 @@
-"""Short prompt steps on the tensor-core projections (Settings.prompt_mmq_tokens: the tail after a
+"""Short prompt steps on the tensor-core projections (up to dispatch.PROMPT_MMQ_TOKENS: the tail after a
 cached prefix, short prompts, a burst of them in one step), padded to a token bucket and replayed
 from a CUDA graph, against the same steps on the prefill GEMMs: the same logits and the same K/V
 (the next decode step) within fp32-class rounding, and nothing written into the other sequences."""
@@ -34,13 +34,14 @@ def test_short_prompt_step_on_the_tensor_cores_equals_the_gemms(name, tails, rng
                                         settings=Settings(self_check=False)))
     fwd = gpu.fwd
     k = len(tails)
-    if not fwd.prompt_buckets:
+    disp = fwd.dispatcher
+    if not disp.buckets:
         gpu.close()
         pytest.skip(f"{name}: a projection without tensor-core kernels")
     V = model.config.vocab_size
     prefix = rng.integers(0, V, PREFIX).astype(np.int32)
     tail = [rng.integers(0, V, n).astype(np.int32) for n in tails]
-    kind, rows = fwd.prompt_step(sum(tails))
+    kind, rows = (lambda s: (s.family, s.rows))(fwd.prompt_step(sum(tails)))
     if kind != "mmq":          # below min_rows: 8 on a model with types only mmq.cu's tiles take
         gpu.close()
         pytest.skip(f"{name}: {sum(tails)} tokens run on the {kind.upper()}s")
@@ -49,13 +50,13 @@ def test_short_prompt_step_on_the_tensor_cores_equals_the_gemms(name, tails, rng
         gpu.prefill([PrefillItem(s, prefix)])
     mmq = gpu.prefill([PrefillItem(i, tail[i], PREFIX) for i in range(k)])
     again = gpu.prefill([PrefillItem(i, tail[i], PREFIX) for i in range(k)])     # the graph's replay
-    auto = fwd.prompt_buckets, fwd.gemm_min_tokens
-    fwd.prompt_buckets, fwd.gemm_min_tokens = (), 1          # every prompt step on the GEMMs
+    auto = disp.buckets, disp.gemm_min_tokens
+    disp.buckets, disp.gemm_min_tokens = (), 1          # every prompt step on the GEMMs
     try:
-        assert fwd.prompt_step(sum(tails))[0] == "gemm"
+        assert fwd.prompt_step(sum(tails)).family == "split16"
         gemm = gpu.prefill([PrefillItem(k + i, tail[i], PREFIX) for i in range(k)])
     finally:
-        fwd.prompt_buckets, fwd.gemm_min_tokens = auto
+        disp.buckets, disp.gemm_min_tokens = auto
     slots = list(range(2 * k))
     tok = [int(t) for t in np.argmax(gemm, axis=1)] * 2
     pos = [PREFIX + n for n in tails] * 2

@@ -130,7 +130,7 @@ def test_engine_sampled_pipeline_matches_unpipelined_on_the_gpu():
     got = {}
     for pipelined in (False, True):
         eng = Engine.from_settings(Settings(model=str(path), backend="cuda", max_num_seqs=4, context_length=256,
-                                            self_check=False, pipelined_decode=pipelined))
+                                            self_check=False), pipelined=pipelined)
         try:
             got[pipelined] = asyncio.run(all_(eng))
         finally:

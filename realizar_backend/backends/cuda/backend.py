@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 
 from ... import timeline
-from ...errors import BackendError
+from ...errors import BackendError, UnsupportedModelError
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
@@ -25,6 +25,7 @@ from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .sampling import GpuSampler
+from .support import refusal
 from .token_ring import TokenRing
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 PREFILL_TOKENS = 512   # initial prefill capacity per step; the workspace grows past it on demand
 # decode steps take the long-row attention (flash-decoding, split over the sequence) from this many
 # rows, or when a row is this deep in its context; below both, attention.cu's one block per row and
-# head is faster (H100, qwen15 shapes: 5.7 us a layer at depth 128, batch 1, against 8.6)
+# head is faster (its one pass over a short row needs no combine)
 LONG_ATTENTION_ROWS = 16
 LONG_ATTENTION_POS = 384
 
@@ -58,11 +59,17 @@ class CUDABackend:
     name = "cuda"
 
     def __init__(self, model: ModelFile, max_slots: int | None = None, max_context: int | None = None,
-                 settings: Settings | None = None):
+                 settings: Settings | None = None, programmatic_launch: bool = True):
         """max_slots / max_context: None takes them from settings (max_num_seqs; context_length,
-        0 = the model's own, never more than the model's)."""
+        0 = the model's own, never more than the model's). programmatic_launch: decode graphs link
+        their kernels by programmatic dependent launch on compute capability 9.0+ (each kernel
+        starts, and prefetches its weights, while the one before finishes); False: plain launches,
+        the reference the tests compare them with."""
         self.settings = settings or Settings()
         c = self.config = model.config
+        why = refusal(model)
+        if why is not None:
+            raise UnsupportedModelError(model.path, f"{why} (REALIZAR_BACKEND=cpu runs this model)")
         self.max_slots = max_slots or self.settings.max_num_seqs
         want = max_context or self.settings.context_length or c.context_length
         self.max_context = min(want, c.context_length) if c.context_length else want
@@ -84,7 +91,7 @@ class CUDABackend:
         timeline.mark("cuda: core kernels ready")
         if self.settings.self_check:
             from .selfcheck import run_self_check
-            run_self_check(self.kernels, qtypes, c, decode_activations=self.settings.decode_activations)
+            run_self_check(self.kernels, qtypes, c)
             timeline.mark("cuda: self-check passed")
         self.buckets = [1 << i for i in range(next_pow2(self.max_slots).bit_length())]
         self.ws = Workspace(c, self.buckets[-1], PREFILL_TOKENS, self.weights.max_matrix_elems)
@@ -99,15 +106,15 @@ class CUDABackend:
         self.kv = self.fwd.kv = KVCache(c, self.num_blocks, self.block_size, self.max_slots, self.max_context)
         timeline.mark("cuda: KV pool allocated")
         # programmatic dependent launches inside the decode graphs (sm_90+, pdl.py)
-        use_pdl = (self.settings.cuda_graphs and self.settings.programmatic_launch
-                   and int(self.device.compute_capability) >= 90 and pdl.launcher() is not None)
+        use_pdl = (programmatic_launch and self.settings.cuda_graphs and int(self.device.compute_capability) >= 90
+                   and pdl.launcher() is not None)
         self.graphs = DecodeGraphs(self.stream, self.fwd.decode_step, self.settings.cuda_graphs,
                                    lambda on: setattr(self.fwd, "pdl", on), use_pdl)
         self.ws.listeners.append(self.graphs.drop)
-        # prompt steps: key (rows, head rows, splits, projections), Forward.prefill_key; those on
-        # the GEMMs are captured once their key comes again
+        # prompt steps: key (rows, head rows, splits, family), Forward.prefill_key; those on the
+        # split16 GEMMs are captured once their key comes again
         self.prefill_graphs = PrefillGraphs(
-            self.stream, lambda rows, n, splits, kind: self.fwd.prefill_launches(rows, n, kind),
+            self.stream, lambda rows, n, splits, family: self.fwd.prefill_launches(rows, n, family),
             self.settings.cuda_graphs)
         self.ws.listeners.append(self.prefill_graphs.drop)
         self.fwd.scratch_listeners.append(self.prefill_graphs.drop)

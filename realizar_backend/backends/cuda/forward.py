@@ -1,24 +1,17 @@
-"""The transformer forward pass as a sequence of kernel launches over the workspace.
+"""The model on the GPU: the model definition of model/ (weights.py builds it with device weights)
+run by `StepOps`, the model's operations (model/ops.py) as kernel launches over the workspace.
 
-Everything a step reads that changes per step (token ids, positions, slots) is already in
-device buffers, so a decode step is a fixed launch sequence per batch bucket that a CUDA graph
-can capture and replay.
-
-`block` is the one definition of a layer, shared by every kind of step: RMSNorm + Q/K/V, the
-per-head q/k norms (qwen3, gemma3), RoPE and the KV write, attention over the paged KV cache
-(kv_cache.py), the output projection into the residual (with gemma3's post-norm), RMSNorm +
-gate/up/activation, and the down projection into the residual. How the projections of a step run
-is its Projections object (projections.py): GEMVs for decode steps of a few rows and prompt steps
-of a few tokens (several rows per launch; integer-dot on 8-bit activations, fp32-activation or, for
-float types, plain), a tensor-core matrix multiply on the quantized blocks for decode steps of
-MMQ_MIN_ROWS rows or more and prompt steps of up to Settings.prompt_mmq_tokens (mmq.py), GEMMs
-for longer prompt steps (prefill.py). A new architecture is flags in model/arch.py plus, where it
-changes the layer, an edit here.
+Everything a step reads that changes per step (token ids, positions, slots) is already in device
+buffers, so a decode step is a fixed launch sequence per batch bucket that a CUDA graph can
+capture and replay. Which kernel multiplies each matrix of a step is the dispatcher's
+(dispatch.py); the families of kernels it picks from implement the multiplying operations
+(linear.py).
 
 Decode rows (one new token per sequence) fold RoPE and the KV write into attention; prompt rows
 read each other's cache rows, so RoPE and the KV write run first (rope_kv). Attention runs on the
 flash kernels (flash.py: tensor cores, split over the sequence where one row's keys must fill the
-GPU) or, with Settings.attention "classic", on attention.cu's.
+GPU) where they take the head size, and on attention.cu's otherwise and for decode rows that are
+all short (the backend's choice per step: `long_decode`).
 """
 
 from __future__ import annotations
@@ -30,68 +23,16 @@ import numpy as np
 
 from ... import timeline
 from ...model.config import ModelConfig
+from ...model.ops import AttentionSpec
 from ...settings import Settings
-from . import flash, ops
+from . import dispatch, flash, ops
+from .dispatch import Dispatcher, Kernel, Step
 from .kv_cache import KVCache
-from .pdl import clusters_ok
+from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear
 from .modules import Kernels
-from .prefill import GemmProjections
-from .projections import GemvProjections, MmqProjections, Projections, StepContext
-from .weights import DeviceWeights, LayerIndex
-from .workspace import Workspace
-
-# prompt steps the tensor-core projections do not take (prompt_step) use the GEMM projections from
-# this many tokens, shorter ones the GEMVs, whose GPU time grows with every row. GEMV and
-# tensor-core steps replay CUDA graphs (graphs.PrefillGraphs); GEMM steps run eagerly, their token
-# counts vary from step to step (~560 launches: 8.5-9.5 ms of host time on the H100 machine's
-# host for qwen15 whatever the rows).
-# tools/prefill_rows_bench.py, qwen15 twin, depth 4,000: GEMV graph 2.7 / 5.0 / 8.0 / 13.2 ms at
-# 1 / 4 / 8 / 16 tokens, the eager split16 GEMMs 8.5-9.4 ms: the GEMMs win from about 12 tokens
-# when their split weights are kept from start-up (no dequantize per step), else from 17
-GEMM_MIN_TOKENS = 17
-GEMM_MIN_TOKENS_KEPT = 12
-# decode steps (buckets) of this many rows or more use the tensor-core matrix multiply (mmq.py),
-# which reads each weight block once per 64 rows; smaller ones the GEMVs (once per 8 rows)
-MMQ_MIN_ROWS = 8
-# from this many rows, when every projection's matrices have mmqs.cu's types (MmqProjections.small),
-# the tensor cores take over from the GEMVs already: mmqs reads each weight once per 16 rows (qwen15
-# step projections, tools/mmq_bench.py: 1.95 ms against the GEMVs' 2.99 at 4 rows, 1.92 / 1.70 at 2)
-SMALL_MIN_ROWS = 4
-# ... and the LM head from this many (tools/mmq_bench.py --shapes head, 2 rows: 125.8 us on mmqs, prep
-# included, against 151.7 on the 2-row GEMV; one row stays on the GEMV, ~96 us)
-SMALL_HEAD_MIN_ROWS = 2
-# decode steps of this many rows or more run the prefill's split16 GEMMs on its kept split weights
-# (blas.py: captured like the rest of the step), with Settings.batched_decode "split16" / "auto"
-SPLIT16_MIN_ROWS = {"split16": 16, "auto": 64}
-# prompt steps on the GEMMs run on their token count rounded up to a multiple of this (the rows past
-# it: padding on the scratch slot), so that their launches recur as a few graph keys
-# (graphs.PrefillGraphs): eager, a step's ~840 launches (GEMMs included) cost the host 10-15 ms, and
-# several times that while the server's other threads want the GIL (perf-notes v24)
-GEMM_ROW_STEP = 64
-# prompt steps on the tensor-core projections are padded to a bucket of this many rows or a multiple
-# of 16 (mmqs.cu takes 8- and 16-row tiles, then token groups of 16: a bucket costs about what its
-# largest step would), so a few graphs serve every length up to Settings.prompt_mmq_tokens
-PROMPT_MIN_BUCKET = 8
-
-
-def prompt_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Row counts of the prompt steps on the tensor-core projections, for steps of up to max_tokens
-    (Settings.prompt_mmq_tokens; 0: none): 8, the multiples of 16 below max_tokens, max_tokens."""
-    if max_tokens <= 0:
-        return ()
-    return tuple(sorted({min(PROMPT_MIN_BUCKET, max_tokens), max_tokens,
-                         *range(16, max_tokens, 16)}))
-
-
-def prompt_step(T: int, mmq_min: int, buckets: tuple[int, ...], gemm_min: int) -> tuple[str, int]:
-    """How a prompt step of T tokens runs, and on how many rows: ("mmq", its bucket) from mmq_min
-    tokens up to the largest bucket; else ("gemm", T rounded up to GEMM_ROW_STEP) from gemm_min
-    tokens; else ("gemv", T)."""
-    if buckets and mmq_min <= T <= buckets[-1]:
-        return "mmq", next(b for b in buckets if b >= T)
-    if T >= gemm_min:
-        return "gemm", -(-T // GEMM_ROW_STEP) * GEMM_ROW_STEP
-    return "gemv", T
+from .pdl import clusters_ok
+from .weights import DeviceWeights
+from .workspace import Workspace, next_pow2
 
 
 def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool], np.ndarray]:
@@ -111,48 +52,38 @@ def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool
 class Forward:
     def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, settings: Settings, max_context: int,
                  rope_host: Future | None = None):
-        """settings.decode_activations: "fp32" (every projection on fp32 activations: the reference
-        the others approximate, on mmvf.cu), "int8" (8-bit activation blocks everywhere they apply),
-        "int8-fp32-down" (all but the FFN down projection, whose input has the widest range).
-        settings.prefill_precision / prefill_weight_cache: the prefill GEMMs (prefill.py). The KV
+        """settings.prefill_weight_cache: whether the split16 weights are kept (linear.py). The KV
         cache (`kv`) is set by the backend once it has sized the pool from what is left.
         rope_host: rope_host_tables(config, max_context) made ahead (None: made here)."""
         self.k, self.w, self.ws = k, w, ws
-        self.c = w.config
+        self.model = w.model
+        c = self.c = w.config
         self.kv: KVCache | None = None
-        self.ctx = StepContext(k, w, ws, self.c, 1 if self.c.activation == "gelu_tanh" else 0)
-        self.gemv = GemvProjections(self.ctx, settings.decode_activations)
-        self.gemm = GemmProjections(self.ctx, settings.prefill_precision, settings.prefill_weight_cache)
-        timeline.mark("cuda: prefill GEMMs set up (%s, %d split weight groups kept)", self.gemm.prefill,
-                      len(self.gemm.cached))
-        buckets = prompt_buckets(settings.prompt_mmq_tokens)
-        mmq_rows = max(ws.max_rows, buckets[-1] if buckets else 0)
-        self.mmq = (MmqProjections(self.ctx, mmq_rows, self.gemv, MMQ_MIN_ROWS, SMALL_MIN_ROWS)
-                    if mmq_rows >= SMALL_MIN_ROWS else None)
-        # prompt steps of prompt_mmq_min .. prompt_buckets[-1] tokens run on the tensor-core
-        # projections where every projection of the model has them (else the GEMVs would take
-        # the rest, whose time grows with every row)
-        self.prompt_buckets = buckets if self.mmq is not None and self.mmq.all_on else ()
-        self.prompt_mmq_min = self.mmq.min_rows if self.mmq is not None else 0
-        kept = self.gemm.prefill == "split16" and bool(self.gemm.cached)
-        self.split16_min_rows = SPLIT16_MIN_ROWS.get(settings.batched_decode) if kept else None
-        int8 = settings.decode_activations != "fp32"
-        self.head_q8 = ops.blocks_ok(w.output) and self.ctx.norm16 and int8
-        self.head_f32 = ops.blocks_ok(w.output)
+        groups = self.model.projections()
+        head = self.model.output
+        self.ctx = Context(k, ws, c)
+        self.gemv = GemvLinear(self.ctx)
+        self.split16 = Split16Linear(self.ctx, [g for _, g in groups], settings.prefill_weight_cache)
+        timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
+        self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept))
+        shapes = {(g[0].cols, tuple(m.rows for m in g), kind == "gated") for kind, g in groups}
+        shapes.add((head.cols, (head.rows,), False))
+        self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
+        self._family = {Kernel.MMVF: self.gemv, Kernel.GEMV: self.gemv, Kernel.MMQS: self.mmq,
+                        Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16}
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct (theta, scaling) of
         # the layers (gemma3's sliding layers: their own base, unscaled)
-        host = rope_host.result() if rope_host is not None else rope_host_tables(self.c, max_context)
+        host = rope_host.result() if rope_host is not None else rope_host_tables(c, max_context)
         tables = {key: cupy.asarray(t) for key, t in host.items()}
-        self.rope_tables = [tables[(self.c.layer_rope_theta(li), self.c.layer_rope_scaling(li) is not None)]
-                            for li in range(len(w.layers))]
+        self.rope_tables = [tables[(c.layer_rope_theta(li), c.layer_rope_scaling(li) is not None)]
+                            for li in range(c.n_layers)]
         timeline.mark("cuda: RoPE tables up (%d positions x %d)", max_context, len(tables))
         # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
         self.token_ring = (0, 0)
-        self.flash = settings.attention == "flash" and self.c.head_dim in flash.HEAD_DIMS
+        self.flash = c.head_dim in flash.HEAD_DIMS
         if self.flash:
-            c = self.c
             self.fk = flash.get_flash_kernels(k.device.id, getattr(k, "prebuilt", True))
             buckets = [1 << i for i in range(ws.max_rows.bit_length()) if 1 << i <= ws.max_rows]
             # on sm_90 the splits of a row combine in thread-block clusters (flash_decode.cu)
@@ -168,10 +99,8 @@ class Forward:
             self.dec_scratch.ensure(*self.dec_plans.values())
             # the prompt scratch holds the bucketed steps' plans at any depth from the start: growing
             # it later would drop every prompt graph (scratch_listeners)
-            self.pre_scratch.ensure(*(self._prefill_plan(b, max_context) for b in self.prompt_buckets))
+            self.pre_scratch.ensure(*(self._prefill_plan(b, max_context) for b in self.dispatcher.buckets))
             self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
-        self.gemm_min_tokens = (GEMM_MIN_TOKENS_KEPT if self.gemm.prefill == "split16" and self.gemm.cached
-                                else GEMM_MIN_TOKENS)
         self.max_pos = 0          # largest position of the prompt rows being run (prefill_step)
         self.scratch_listeners: list = []   # called when the prompt attention's scratch moves
         self.long_decode = False  # this decode step's attention: flash-decoding (long rows) or attention.cu
@@ -185,8 +114,7 @@ class Forward:
     @property
     def nbytes(self) -> int:
         """Device bytes of the step buffers kept here (batched-decode and flash scratch)."""
-        n = self.mmq.nbytes if self.mmq is not None else 0
-        return n + (self.dec_scratch.nbytes + self.pre_scratch.nbytes if self.flash else 0)
+        return self.mmq.nbytes + (self.dec_scratch.nbytes + self.pre_scratch.nbytes if self.flash else 0)
 
     @property
     def pdl(self) -> bool:
@@ -198,91 +126,33 @@ class Forward:
     def pdl(self, on: bool) -> None:
         self.ctx.pdl = on
 
-    # ------------------------------------------------------------ attention and its inputs
-    def qk_norm(self, lw: LayerIndex, T: int) -> None:
-        """Per-head RMSNorm of q and k (qwen3, gemma3), in place."""
-        if lw.q_norm:
-            c, k, ws, D = self.c, self.k, self.ws, self.c.head_dim
-            ops.rms_norm(k, ws.q.data.ptr, D, lw.q_norm, ws.q.data.ptr, D, T * c.n_heads, D, c.rms_eps)
-            ops.rms_norm(k, ws.k.data.ptr, D, lw.k_norm, ws.k.data.ptr, D, T * c.n_kv_heads, D, c.rms_eps)
+    def family(self, kernel: Kernel):
+        return self._family[kernel]
 
-    def rope_kv(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int) -> None:
-        """RoPE of q and k in place, and k, v into the cache rows of (slots[t], pos[t])."""
-        c, ws = self.c, self.ws
-        ops.rope_kv(self.k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, self.kv.layer(li),
-                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, self.rope_tables[li].data.ptr,
-                    c.rope_style == "neox", T)
-
-    def attention(self, li: int, lw: LayerIndex, T: int, pos: int, slots: int, outs: tuple[int, int, int],
-                  fuse_rope: bool) -> None:
-        """ws.attn[:T] (and outs: 8-bit values and scales, fp16); fuse_rope: decode rows (T is the
-        bucket), RoPE and the KV write done here."""
-        c, ws, kv = self.c, self.ws, self.kv.layer(li)
-        oq, od, o16 = outs
-        rope = ((ws.k.data.ptr, ws.v.data.ptr, c.rope_dim, c.rope_style == "neox",
-                 self.rope_tables[li].data.ptr) if fuse_rope else None)
+    # ------------------------------------------------------------ attention
+    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool) -> None:
+        """ws.attn[:T] from ws.q, ws.k, ws.v: RoPE and the KV write (in the attention launch for
+        decode rows), then attention over the paged cache."""
+        c, ws, kv, li = self.c, self.ws, self.kv.layer(spec.layer), spec.layer
+        neox = spec.rope.style == "neox"
+        fuse = decode and c.head_dim <= ops.ATT_MAXD
+        if not fuse:
+            ops.rope_kv(self.k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv, c.n_heads,
+                        c.n_kv_heads, c.head_dim, spec.rope.dim, self.rope_tables[li].data.ptr, neox, T)
+        rope = (ws.k.data.ptr, ws.v.data.ptr, spec.rope.dim, neox, self.rope_tables[li].data.ptr) if fuse else None
         args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
-                c.n_heads, c.n_kv_heads, c.head_dim, c.scale, lw.window)
-        if self.flash and fuse_rope and self.long_decode:
-            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, o16=o16, oq=oq, od=od,
-                         pdl=self.pdl)
-        elif self.flash and not fuse_rope and not oq:
+                c.n_heads, c.n_kv_heads, c.head_dim, spec.scale, spec.window)
+        if self.flash and fuse and self.long_decode:
+            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl)
+        elif self.flash and not fuse:
             plan = self._prefill_plan(T, self.max_pos + 1)
             if self.pre_scratch.ensure(plan):
                 for cb in self.scratch_listeners:
                     cb()
-            flash.prefill(self.fk, plan, *args, self.pre_scratch, o16=o16, pdl=self.pdl)
+            flash.prefill(self.fk, plan, *args, self.pre_scratch, pdl=self.pdl)
         else:
             ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv, slots, pos, c.n_heads, c.n_kv_heads,
-                          c.head_dim, c.scale, lw.window, T, oq, od, o16, rope, pdl=self.pdl)
-
-    # ------------------------------------------------------------ the layer
-    def block(self, li: int, lw: LayerIndex, p: Projections, T: int, pos: int, slots: int, decode: bool) -> None:
-        """Layer li over T rows (positions pos[t] of the sequences in slots[t]: device pointers);
-        the residual stream is ws.x. decode: one new token per sequence."""
-        p.qkv(li, lw, T)
-        self.qk_norm(lw, T)
-        fuse = decode and self.c.head_dim <= ops.ATT_MAXD
-        if not fuse:
-            self.rope_kv(li, lw, T, pos, slots)
-        self.attention(li, lw, T, pos, slots, p.attn_outputs(li), fuse)
-        p.out(li, lw, T)
-        p.ffn(li, lw, T)
-        p.down(li, lw, T)
-
-    def layers(self, p: Projections, T: int, tok: int, pos: int, slots: int, decode: bool = False) -> None:
-        """Embed token ids (device pointer tok) and run every layer; the residual stream ends in ws.x[:T]."""
-        c, ws = self.c, self.ws
-        ops.embed(self.k, self.w.tok_embd, tok, T, c.embed_scale, ws.x.data.ptr, c.hidden)
-        for li, lw in enumerate(self.w.layers):
-            self.block(li, lw, p, T, pos, slots, decode)
-
-    def head(self, rows: cupy.ndarray, n: int, io: cupy.ndarray | None = None) -> None:
-        """Final norm + LM head + greedy argmax for rows[:n] -> ws.logits, ws.argmax (MMQ_MIN_ROWS rows
-        or more: on the tensor cores, mmq.py); io: the decode inputs (ws.dec_io), which also receive
-        the argmax tokens and advanced positions."""
-        c, ws, g = self.c, self.ws, self.gemv
-        feed = (io.data.ptr, io.shape[1], *self.token_ring) if io is not None else (0, 0, 0, 0)
-        if self.mmq is not None and self.mmq.head_ok and n >= (SMALL_HEAD_MIN_ROWS if self.mmq.small
-                                                               else self.mmq.min_rows):
-            self.mmq.head(rows, n, self.w.output_norm, ws.logits, self.am_key.data.ptr)
-            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
-            return
-        if self.head_q8:
-            g.norm_q8(rows, self.w.output_norm, n, None, ws.head_q, ws.head_d)
-            ops.mmv_q8(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden,
-                       ws.head_q.data.ptr, ws.head_d.data.ptr, n)
-        elif self.head_f32:
-            # norm, LM head and argmax in one launch (+ the tiny unpack)
-            x, norm = g.normed(rows, self.w.output_norm, n)
-            ops.mmvf(self.k, [(self.w.output, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden, x.data.ptr,
-                     x.shape[1], n, norm=norm, amax=self.am_key.data.ptr, pdl=self.pdl, head=True)
-            ops.argmax_unpack(self.k, self.am_key.data.ptr, ws.argmax.data.ptr, n, *feed, pdl=self.pdl)
-            return
-        else:
-            g.norm(rows, self.w.output_norm, ws.last_norm, n)
-            g.gemv(self.w.output, ws.last_norm, n, ws.logits)
-        ops.argmax_rows(self.k, ws.logits.data.ptr, c.vocab_size, c.vocab_size, ws.argmax.data.ptr, n, *feed)
+                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl)
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int, long: bool = False) -> None:
@@ -293,50 +163,94 @@ class Forward:
         ws.dec_io[0/1]: the next step's inputs when the host feeds none."""
         self.long_decode = long
         io = self.ws.dec_io
-        p = self.decode_projections(b)
-        self.layers(p, b, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True)
-        self.head(self.ws.x, b, io)
+        step = self.dispatcher.decode_step(b)
+        self.model.forward(StepOps(self, step, io[0].data.ptr, io[1].data.ptr, io[2].data.ptr, decode=True,
+                                   head_rows=b))
 
-    def decode_projections(self, b: int) -> Projections:
-        """How a decode step of b rows runs its projections (fixed per bucket: captured once)."""
-        if self.split16_min_rows is not None and b >= self.split16_min_rows:
-            return self.gemm
-        if self.mmq is not None and b >= self.mmq.min_rows:
-            return self.mmq
-        return self.gemv
-
-    def prompt_step(self, T: int) -> tuple[str, int]:
-        """The projections of a prompt step of T tokens ("gemv", "mmq" or "gemm") and the rows it
-        runs: T, or for "mmq" its bucket (the rows past T: padding on the scratch slot)."""
-        return prompt_step(T, self.prompt_mmq_min, self.prompt_buckets, self.gemm_min_tokens)
+    def prompt_step(self, T: int) -> Step:
+        """The family of a prompt step of T tokens and the rows it runs (the rows past T: padding
+        on the scratch slot)."""
+        return self.dispatcher.prompt_step(T)
 
     def prefill_key(self, T: int, n_items: int, max_pos: int) -> tuple[int, int, int, str]:
         """What fixes the launches of a prompt step of T tokens of n_items sequences whose last row
-        sits at max_pos (a graph's key): the rows it runs, n_items, the attention plan's key
-        splits, the projections."""
-        kind, rows = self.prompt_step(T)
-        splits = self._prefill_plan(rows, max_pos + 1).splits if self.flash else 0
-        return rows, self.prompt_items(n_items, kind), splits, kind
+        sits at max_pos (a graph's key): the rows it runs, its head rows, the attention plan's key
+        splits, the family of its projections."""
+        step = self.prompt_step(T)
+        splits = self._prefill_plan(step.rows, max_pos + 1).splits if self.flash else 0
+        return step.rows, self.prompt_items(n_items, step.family), splits, step.family
 
-    def prompt_items(self, n_items: int, kind: str) -> int:
-        """The sequences a prompt step's head runs for n_items: on the GEMMs a power of two (up to
-        the workspace's rows), so that their graph keys recur (the extra rows repeat row 0)."""
-        if kind != "gemm":
+    def prompt_items(self, n_items: int, family: str) -> int:
+        """The sequences a prompt step's head runs for n_items: on the split16 GEMMs a power of two
+        (up to the workspace's rows), so that their graph keys recur (the extra rows repeat row 0)."""
+        if family != "split16":
             return n_items
-        return min(1 << (n_items - 1).bit_length(), self.ws.max_rows)
+        return min(next_pow2(n_items), self.ws.max_rows)
 
-    def prefill_step(self, T: int, n_items: int, max_pos: int) -> None:
-        """A prompt step of T tokens of n_items sequences, launched eagerly; the inputs of its rows
-        (prompt_step: T, or the bucket with its padding) in the workspace; ws.last_idx[:n_items]
-        holds each item's last row; max_pos: the largest position among them."""
-        self.max_pos = max_pos
-        kind, rows = self.prompt_step(T)
-        self.prefill_launches(rows, n_items, kind)
-
-    def prefill_launches(self, T: int, n_items: int, kind: str) -> None:
-        """The launches of a prompt step of T rows (self.max_pos set) on the projections of kind."""
+    def prefill_launches(self, T: int, n_items: int, family: str) -> None:
+        """The launches of a prompt step of T rows (self.max_pos set) in the family given; the
+        inputs of its rows in the workspace, ws.last_idx[:n_items] each item's last row."""
         ws = self.ws
-        p = {"gemv": self.gemv, "mmq": self.mmq, "gemm": self.gemm}[kind]
-        self.layers(p, T, ws.tokens.data.ptr, ws.positions.data.ptr, ws.slots.data.ptr)
-        ops.gather_rows(self.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n_items, self.c.hidden)
-        self.head(ws.last, n_items)
+        self.model.forward(StepOps(self, Step(family, T), ws.tokens.data.ptr, ws.positions.data.ptr,
+                                   ws.slots.data.ptr, decode=False, head_rows=n_items))
+
+
+class StepOps:
+    """The model's operations (model/ops.py) for one GPU step of step.rows rows at positions pos[t]
+    of the sequences in slots[t] (device pointers; tok: the token ids). Values are workspace
+    buffers: the residual stream is ws.x, q/k/v ws.q/k/v, attention's output ws.attn, the gated
+    MLP's ws.a (or its split16 rows). decode: one new token per sequence, the head over every row
+    and its tokens fed to the next step's inputs (ws.dec_io); else a prompt step, the head over
+    each sequence's last row (ws.last_idx[:head_rows])."""
+
+    def __init__(self, fwd: Forward, step: Step, tok: int, pos: int, slots: int, decode: bool, head_rows: int):
+        self.fwd, self.step, self.T = fwd, step, step.rows
+        self.tok, self.pos, self.slots, self.decode, self.head_rows = tok, pos, slots, decode, head_rows
+
+    def embed(self, table, scale: float):
+        ws, c = self.fwd.ws, self.fwd.c
+        ops.embed(self.fwd.k, table, self.tok, self.T, scale, ws.x.data.ptr, c.hidden)
+        return ws.x
+
+    def norm_linear(self, x, norm: int, mats, biases) -> tuple:
+        ws = self.fwd.ws
+        choice = self.fwd.dispatcher.linear(self.step, mats)
+        outs = (ws.q, ws.k, ws.v)[:len(mats)]
+        segs = [(w, b or 0, o.data.ptr, o.shape[1]) for w, b, o in zip(mats, biases, outs)]
+        self.fwd.family(choice.kernels[0]).norm_linear(x, norm, segs, choice, self.T)
+        return outs
+
+    def head_norm(self, y, w: int):
+        c, D = self.fwd.c, self.fwd.c.head_dim
+        ops.rms_norm(self.fwd.k, y.data.ptr, D, w, y.data.ptr, D, self.T * (y.shape[1] // D), D, c.rms_eps)
+        return y
+
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("attention sinks on the GPU")      # support.py refuses such models
+        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode)
+        return self.fwd.ws.attn
+
+    def linear_residual(self, a, w, x, post_norm, bias=None):
+        if bias is not None:
+            raise NotImplementedError("an output projection bias on the GPU")   # support.py refuses them
+        kern = self.fwd.dispatcher.linear(self.step, (w,)).kernels[0]
+        self.fwd.family(kern).linear_residual(a, w, post_norm or 0, kern, self.T)
+        return self.fwd.ws.x
+
+    def norm_gated_mlp(self, x, norm: int, gate, up, act: str):
+        choice = self.fwd.dispatcher.gated(self.step, gate, up)
+        return self.fwd.family(choice.kernels[0]).gated(x, norm, gate, up, choice, ACT[act], self.T)
+
+    def logits(self, x, norm: int, w):
+        fwd, ws, c = self.fwd, self.fwd.ws, self.fwd.c
+        n = self.head_rows
+        if self.decode:
+            rows, io = ws.x, ws.dec_io
+            feed = (io.data.ptr, io.shape[1], *fwd.token_ring)
+        else:
+            ops.gather_rows(fwd.k, ws.x.data.ptr, ws.last_idx.data.ptr, ws.last.data.ptr, n, c.hidden)
+            rows, feed = ws.last, (0, 0, 0, 0)
+        kern = fwd.dispatcher.head(n)
+        fwd.family(kern).head(rows, n, norm, w, kern, fwd.am_key.data.ptr, feed)
+        return ws.logits

@@ -118,18 +118,18 @@ class DecodeGraphs:
 
 
 class PrefillGraphs(DecodeGraphs):
-    """Graphs of prompt steps, keyed (rows, head rows, key splits of the attention plan, projections:
-    "gemv" at the exact token count, "mmq" at a token bucket, "gemm" at a multiple of
-    forward.GEMM_ROW_STEP rows and a power of two of head rows): eager, their launches cost the host
-    several times the GPU's work on short steps, and on long ones they hold the GIL the server's
-    other threads want. A key of the `recur` projections is captured when it comes again (its first
-    step runs eagerly and is remembered): GEMM steps are long and their keys many, so one that never
-    recurs costs no capture. At most `keep` graphs, the least recently used dropped first."""
+    """Graphs of prompt steps, keyed (rows, head rows, key splits of the attention plan, the
+    dispatcher's family: "gemv" at the exact token count, "mmq" at a token bucket, "split16" at a
+    multiple of dispatch.GEMM_ROW_STEP rows and a power of two of head rows): eager, their launches
+    cost the host several times the GPU's work on short steps, and on long ones they hold the GIL
+    the server's other threads want. A key of the `recur` families is captured when it comes again
+    (its first step runs eagerly and is remembered): GEMM steps are long and their keys many, so one
+    that never recurs costs no capture. At most `keep` graphs, the least recently used dropped first."""
     kind = "prompt step"
     captured_level = logging.DEBUG
 
     def __init__(self, stream: cupy.cuda.Stream, step: Callable[..., None], enabled: bool, keep: int = 48,
-                 recur: tuple[str, ...] = ("gemm",)):
+                 recur: tuple[str, ...] = ("split16",)):
         super().__init__(stream, step, enabled, lambda on: None, False)
         self.keep, self.recur = keep, recur
         self._seen: dict[tuple, None] = {}        # recur keys run once, oldest first

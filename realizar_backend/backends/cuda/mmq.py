@@ -9,16 +9,15 @@ fused argmax) or `mmq_ffn` (gate and up, a = act(g) * u). One prep serves every 
 input. Launches allocate nothing and never synchronize: buffers come from MmqPrep and MmqScratch,
 sized once for the largest batch, so the sequence can be captured in a CUDA graph.
 
-Matrices whose types are all in SMALL_TYPES take kernels/mmqs.cu instead (same prep, same
-numerics) for batches of up to 16 rows, and for larger batches in token groups of 16 unless the
-matrix is LM-head-sized (`_use_small`): one block per 16 weight rows and token group, its warps
-splitting K, weights straight from memory into the mma fragments (`small_warps`: warps per block).
-Where those blocks would leave SMs empty (qwen15's 1536-row projections at up to 16 rows), a
+The dispatcher (dispatch.py) sends launches to kernels/mmqs.cu instead (`small`: same prep, same
+numerics): one block per 16 weight rows and token group of up to 16 rows, its warps splitting K,
+weights straight from memory into the mma fragments (`small_warps`: warps per block).
+Where those blocks would leave SMs empty (1536-row projections at up to 16 rows), a
 thread-block cluster of blocks shares each tile's K (`small_cluster`, sm_90).
 
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
 of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
-(FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (qwen15's 1536-row
+(FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (1536-row
 projections), K is split over CTAs; the last CTA of a tile adds the partial sums in a fixed order
 (deterministic), bounded so that it reads at most MAX_PARTIAL_READ bytes."""
 
@@ -29,10 +28,9 @@ from typing import TYPE_CHECKING
 
 import cupy
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
+from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes
 from .modules import MMQ_BN, mmq_smem_bytes
-from . import pdl as _pdl
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
 
@@ -43,10 +41,6 @@ _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MMQ_BM, MMQ_KC, MMQ_REC
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
-TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})
-SMALL_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})    # kernels/mmqs.cu
-SMALL_MAX_M = 16                                 # its widest token tile (mmqs_t16)
-SMALL_WIDE_MAX_BYTES = 64 << 20                  # beyond 16 rows, matrices up to this size (_use_small)
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
 SMALL_WARPS_PER_SM = 16                          # the warps a launch aims to keep on each SM
 SMALL_MIN_WARPS = 4
@@ -58,21 +52,12 @@ CTAS_PER_SM = 2                                  # __launch_bounds__(256, 2): th
 MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the last CTA of a split tile reads
 
 
-def mmq_ok(w: WeightRef) -> bool:
-    """The matrix has a tensor-core kernel here (its type, whole blocks per row)."""
-    return w.qtype in TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
-
-
-def small_ok(w: WeightRef) -> bool:
-    """The matrix has a kernel in mmqs.cu (batches of up to SMALL_MAX_M rows)."""
-    return w.qtype in SMALL_TYPES and mmq_ok(w) and w.cols % 64 == 0
-
-
 def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
     """Warps per block of an mmqs launch of `tiles` 16-row tiles (blocks: tiles x cluster): enough
-    for SMALL_WARPS_PER_SM warps on every SM, at least SMALL_MIN_WARPS (the LM head at 16 rows:
-    164 us with 4, 346 with 1), at most one per 64-column item of K among the cluster's warps; then
-    fewer, where that takes a last wave of blocks off (`small_cost`)."""
+    for SMALL_WARPS_PER_SM warps on every SM, at least SMALL_MIN_WARPS (a launch of many tiles, as
+    an LM head's, still needs warps to keep its loads in flight), at most one per 64-column item of
+    K among the cluster's warps; then fewer, where that takes a last wave of blocks off
+    (`small_cost`)."""
     items = K // 64 // cluster
     want = max(SMALL_MIN_WARPS, -(-SMALL_WARPS_PER_SM * sm_count // (tiles * cluster)))
     w0 = max(1, min(SMALL_MAX_WARPS, items, want))
@@ -81,9 +66,9 @@ def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
 
 def small_cost(blocks: int, items: int, warps: int, sm_count: int) -> int:
     """A launch's time in units of one warp's 64-column item: waves of blocks (as many a block as
-    the SM's registers hold at SMALL_REGS a thread) x the items each warp takes. qwen15's gate/up at
-    4-16 rows is 560 blocks: at 4 warps (4 blocks an SM) two waves, the second of 32 blocks; at 3 (5
-    an SM) one. tools/mmq_bench.py --warps, H100, 4 rows: 26.1 us at 4 warps, 21.4 at 3, 24.5 at 2."""
+    the SM's registers hold at SMALL_REGS a thread) x the items each warp takes. A gate/up launch of
+    560 blocks at 4 warps (4 blocks an SM, 132 SMs) is two waves, the second of 32 blocks; at 3 (5
+    an SM) one."""
     per_sm = max(1, SM_REGS // (SMALL_REGS * 32 * warps))
     return -(-blocks // (per_sm * sm_count)) * -(-items // warps)
 
@@ -92,9 +77,8 @@ def small_cluster(tiles: int, K: int, sm_count: int, limit: int | None = None) -
     """Blocks per cluster of an mmqs launch of `tiles` blocks (16-row tiles x token groups): doubled
     while the launch leaves SMs without a block and K is long enough that every warp of the larger
     cluster, at SMALL_MAX_WARPS a block, keeps SMALL_CLUSTER_MIN_ITEMS 64-column items; at most
-    limit (None: SMALL_MAX_CLUSTER). qwen15 at 4 rows (tools/mmq_bench.py --clusters, H100): the
-    down projection (K 8,960, 96 tiles) 23.4 -> 19.6 us in clusters of 2, 23.6 in 4; q/k/v and o
-    (K 1,536) 9.0-9.5 -> 10.0, where the cluster's barriers cost more than the SMs gain."""
+    limit (None: SMALL_MAX_CLUSTER). Short K (a few items a warp) stays unclustered: there the
+    cluster's barriers cost more than the idle SMs gain."""
     limit = SMALL_MAX_CLUSTER if limit is None else limit
     c = 1
     while (2 * c <= limit and tiles * c < sm_count
@@ -246,18 +230,14 @@ def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: i
             mmq_smem_bytes(pl.bn), pdl)
 
 
-def _use_small(mats, M: int, small: bool | None) -> bool:
-    """mmqs.cu serves any M (in token groups of 16) and is chosen up to SMALL_MAX_M rows, and beyond
-    for matrices of up to SMALL_WIDE_MAX_BYTES: each token group re-reads the weights, which a
-    layer's matrices find in L2 and an LM head does not (qwen15, tools/mmq_bench.py, 64 rows: gate/up
-    70 us against 89 on mmq.cu's tiles, the 190 MB head 781 against 456)."""
-    ok = all(small_ok(w) for w in mats)
-    if small and not ok:
+def _small_ok(mats, M: int, small: bool | None) -> bool:
+    """Whether a launch runs on mmqs.cu: as asked, or (None) as the dispatcher's rule says."""
+    if small is None:
+        return mmqs_takes(mats, M)
+    if small and not all(mmqs_ok(w) for w in mats):
         raise ValueError(f"mmqs: {', '.join(getattr(w.qtype, 'name', str(w.qtype)) for w in mats)} "
-                         f"(types {', '.join(sorted(q.name for q in SMALL_TYPES))}) have no small-batch kernel")
-    if small is not None:
-        return small
-    return ok and (M <= SMALL_MAX_M or sum(w.rows * w.row_bytes for w in mats) <= SMALL_WIDE_MAX_BYTES)
+                         f"(types {', '.join(sorted(q.name for q in MMQS_TYPES))}) have no small-batch kernel")
+    return small
 
 
 def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mode: int, act: int,
@@ -286,9 +266,9 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
     """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
     pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
     segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
-    argmax_unpack reads and resets it). small: force mmqs.cu (True) or mmq.cu (False); None picks
-    (a benchmark's comparison); warps: mmqs's warps per block (None: small_warps); cluster: its
-    blocks per cluster (None: small_cluster where clusters_ok, else 1)."""
+    argmax_unpack reads and resets it). small: mmqs.cu (True) or mmq.cu's tiles (False), as the
+    dispatcher says (None: its rule, dispatch.mmqs_takes); warps: mmqs's warps per block (None: small_warps);
+    cluster: its blocks per cluster (None: small_cluster where clusters_ok, else 1)."""
     if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
         raise ValueError("mmq: one to three segments, and only one with amax")
     mats = [w for w, _, _, _ in segs]
@@ -296,7 +276,7 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
     args: list = []
     for w, bias, y, ys in segs:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-    if _use_small(mats, M, small):
+    if _small_ok(mats, M, small):
         tiles = sum(-(-w.rows // 16) for w in mats)
         return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps, cluster)
     pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits)
@@ -314,7 +294,7 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
     args = []
     for w in (wg, wu):
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
-    if _use_small([wg, wu], M, small):
+    if _small_ok([wg, wu], M, small):
         return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps, cluster)
     pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)

@@ -14,12 +14,11 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import cupy
-from gguf import GGMLQuantizationType as Q
 
 from ...formats.gpu_layout import REGROUPED
+from .matrices import QTYPES
 from ...kernels import catalog
 from ...kernels.catalog import MMQ_BN  # noqa: F401  (token-tile widths of mmq.cu, one module each)
 from ...kernels.catalog import MMV_NB  # noqa: F401  (activation rows per launch column; ops imports it here)
@@ -34,31 +33,6 @@ def mmq_smem_bytes(bn: int) -> int:
     """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
     (272-byte rows), its unit scales (80 bytes a row), D + 1 activation chunks with their unit sums."""
     return 128 * 272 + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * (512 + 16)
-
-
-@dataclass(frozen=True)
-class QInfo:
-    suffix: str          # kernel name suffix: gemv_<suffix>
-    block: int           # weights per block
-    block_bytes: int
-    q8: bool = False     # has an integer-dot (8-bit activation) GEMV in mmvq.cu, and the fast
-                         # fp32-activation GEMV of mmvf.cu
-
-
-# The GPU's quant table: every type in the four real models plus the neighbours the design names.
-QTYPES: dict[Q, QInfo] = {
-    Q.F32: QInfo("f32", 1, 4),
-    Q.F16: QInfo("f16", 1, 2),
-    Q.BF16: QInfo("bf16", 1, 2),
-    Q.Q4_0: QInfo("q4_0", 32, 18, True),
-    Q.Q4_1: QInfo("q4_1", 32, 20, True),
-    Q.Q5_0: QInfo("q5_0", 32, 22, True),
-    Q.Q5_1: QInfo("q5_1", 32, 24, True),
-    Q.Q8_0: QInfo("q8_0", 32, 34, True),
-    Q.Q4_K: QInfo("q4_k", 256, 144, True),
-    Q.Q5_K: QInfo("q5_k", 256, 176, True),
-    Q.Q6_K: QInfo("q6_k", 256, 210, True),
-}
 
 
 class _Lazy:
@@ -192,8 +166,8 @@ class Kernels:
     Modules ship prebuilt for common GPUs (loaded in milliseconds); elsewhere a first start
     compiles them with NVRTC. To keep that short: only the quant types of the model are compiled in
     (qtypes; None = all, for tests), every module loads on its own thread, the fast GEMVs build once
-    per batch width, and the families a batch-1 start does not need (wider batches, the 8-bit and
-    reference GEMVs) load in the background or on first use; so does the batched-decode matrix
+    per batch width, and the families a batch-1 start does not need (wider batches, the GEMVs of
+    float matrices) load in the background or on first use; so does the batched-decode matrix
     multiply (mmq, one module per token-tile width). prebuilt=False: NVRTC for all."""
 
     def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None, prebuilt: bool = True):
@@ -234,24 +208,24 @@ class Kernels:
         self._mmvf = {1: gemvs(1)}
         # the LM head at one row: the same kernel with more rows a warp group (catalog.MMVF_HEAD_R)
         self._mmvf_head = build("mmvf.cu", ["mmvf_nb1"], typed + catalog.mmvf_options(1, 1, head=True), 100 * 1024)
-        self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant16", "dequant", "embed")],
+        self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant", "embed")],
                           typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
         hd = (f"-DATT_HEAD_DIM={head_dim}",) if head_dim else ()
         self._core = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
-                      for i, name in enumerate(("attn_decode", "attn_prompt", "attn_tile", "attn_tile_v2"), 1)]
+                      for i, name in enumerate(catalog.ATT_KINDS, 1)]
         # Q5_0 / Q8_0 / Q6_K matrices are regrouped on the GPU at upload (repack.cu, formats/gpu_layout.py)
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
-        self._core += [build("elementwise.cu", ["f32_to_f16", "row_scale_f16", "unscale_rows", "spin_ns", "epilogue",
+        self._core += [build("elementwise.cu", ["spin_ns",
                                                 "act_mul", "gather_rows", "argmax_rows", "argmax_unpack",
                                                 "decode_io_merge"]),
-                       build("norm.cu", ["rms_norm", "rms_norm_q8"]),
+                       build("norm.cu", ["rms_norm"]),
                        build("rope.cu", ["rope_kv"])]
-        _module_future(device_id, "prefill.cu", self.qtypes, prebuilt)   # loaded by its user (prefill.py)
-        # the 8-bit and reference GEMVs serve opt-in settings and float-type matrices: compiled on first use
-        mmvq = build("mmvq.cu", [f"{p}_nb{nb}" for nb in MMV_NB for p in ("mmv_q8", "ffn_q8")], typed, lazy=True)
-        gemv = build("gemv.cu", [f"{p}_{x}" for x in sfx.values() for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
+        _module_future(device_id, "prefill.cu", self.qtypes, prebuilt)   # loaded by its user (split16.py)
+        # the GEMVs of float matrices (F32, F16, BF16): compiled on first use
+        floats = [q for q in types if not QTYPES[q].blocks]
+        gemv = build("gemv.cu", [f"{p}_{sfx[q]}" for q in floats for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
         # the batched-decode matrix multiply (mmq.cu), one module per token-tile width, and its prep
         mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + (f"-DMMQ_BN={bn}",), smem=mmq_smem_bytes(bn), lazy=True)
                for bn in MMQ_BN}
@@ -264,10 +238,8 @@ class Kernels:
         # lookups that wait for their own module only: the weights upload (repack) can run while
         # the rest compiles
         self.repack = _Family({q: (repack, "repack_" + sfx[q]) for q in regrouped})
-        self.mmv_q8 = _Family({nb: (mmvq, f"mmv_q8_nb{nb}") for nb in MMV_NB})
-        self.ffn_q8 = _Family({nb: (mmvq, f"ffn_q8_nb{nb}") for nb in MMV_NB})
-        self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in types})
-        self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in types})
+        self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in floats})
+        self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
 
@@ -279,7 +251,6 @@ class Kernels:
             if self._ready:
                 return self
             sfx, deq = self._sfx, self._deq
-            self.dequant16 = {q: deq.result()["dequant16_" + sfx[q]] for q in self.qtypes}
             self.dequant = {q: deq.result()["dequant_" + sfx[q]] for q in self.qtypes}
             self.embed = {q: deq.result()["embed_" + sfx[q]] for q in self.qtypes}
             for fut in self._core:
@@ -297,8 +268,8 @@ class Kernels:
         came = [v for (d, _, _), v in loaded_modules().items() if d == self.device.id]
         n_pre = sum(v.startswith("prebuilt") for v in came)
         log.info("cuda kernels for compute capability %s: core ready, %d quant types, %d modules prebuilt and "
-                 "%d compiled with NVRTC so far; wider batches and sampling load in the background, the 8-bit "
-                 "and reference GEMVs on first use", self.device.compute_capability, len(self.qtypes), n_pre,
+                 "%d compiled with NVRTC so far; wider batches and sampling load in the background, the GEMVs "
+                 "of float matrices on first use", self.device.compute_capability, len(self.qtypes), n_pre,
                  len(came) - n_pre)
         return self
 

@@ -13,24 +13,12 @@ import numpy as np
 from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
-from .modules import MMV_NB, QTYPES, Kernels, resident_blocks
+from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
+from .modules import MMV_NB, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 GEMV_WARPS, GEMV_MAXB, ATT_WARPS, ATT_MAXD = 4, 8, 16, 256   # must match the .cu defines
 ATT_TQ, ATT_KT = 16, 32                                        # attention.cu attn_tile
-MMV_WARPS, FFN_WARPS = 4, 8                                    # mmvq.cu
-NQ_MAXK = 8                                                    # norm.cu: rms_norm_q8 width <= 8 * 1024
-
-
-@dataclass
-class WeightRef:
-    """A matrix on the GPU in its device layout (formats/gpu_layout.py): rows x cols, `row_bytes` per row."""
-    name: str
-    qtype: object
-    ptr: int
-    rows: int
-    cols: int
-    row_bytes: int
 
 
 @dataclass(frozen=True)
@@ -71,12 +59,6 @@ def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
                      _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate))))
 
 
-def blocks_ok(w: WeightRef) -> bool:
-    """The matrix is stored in 32-weight blocks (quantized types, whole units per row): it has the
-    integer-dot GEMV (mmvq.cu) and the fast fp32-activation GEMV (mmvf.cu); float types do not."""
-    return QTYPES[w.qtype].q8 and w.cols % 32 == 0
-
-
 def _nb_variant(nb: int) -> int:
     return next((v for v in MMV_NB if v >= nb), MMV_NB[-1])
 
@@ -87,34 +69,6 @@ def warps_per_row(K: int) -> int:
     return 1 if nu <= 64 else (2 if nu <= 128 else 4)
 
 
-def mmv_q8(k: Kernels, segs, K: int, xq: int, xd: int, nb: int, accumulate: bool = False) -> None:
-    """y_s[b] (+)= W_s @ x[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
-    sharing one 8-bit activation input (xq int8 [nb, K], xd float2 [nb, K/32])."""
-    args = []
-    rows = 0
-    for w, bias, y, ys in segs:
-        args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-        rows += w.rows
-    for _ in range(3 - len(segs)):
-        args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    wpr = warps_per_row(K)
-    v = _nb_variant(nb)
-    rpb = MMV_WARPS // wpr
-    grid = ((rows + rpb - 1) // rpb, (nb + v - 1) // v)
-    k.mmv_q8[v](grid, (MMV_WARPS * 32,),
-                (*args, _I32(K), _U64(xq), _U64(xd), _I32(nb), _I32(wpr), _I32(int(accumulate))))
-
-
-def ffn_q8(k: Kernels, wg: WeightRef, wu: WeightRef, xq: int, xd: int, nb: int, act: int,
-           aq: int, ad: int, af: int = 0) -> None:
-    """a = act(gate @ x) * (up @ x) as 8-bit blocks (aq, ad) and optionally fp32 (af); rows % 32 == 0."""
-    v = _nb_variant(nb)
-    grid = (wg.rows // 32, (nb + v - 1) // v)
-    k.ffn_q8[v](grid, (FFN_WARPS * 32,),
-                (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(wg.cols),
-                 _I32(int(wg.qtype)), _U64(xq), _U64(xd), _I32(nb), _I32(act), _U64(aq), _U64(ad), _U64(af)))
-
-
 MMVF_R = 2                                                     # mmvf.cu: rows a group
 
 
@@ -122,8 +76,7 @@ def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True, warps: int =
     """Warps sharing one row group: as warps_per_row, then doubled while the launch has fewer
     than two blocks per SM and the added warps still get units to read. Staged launches take at
     most 2 warps a group: each block stages the whole input, so fewer, longer-lived blocks win
-    (tools/mmvf_sweep.py, qwen15 down projection, one call: Q4_K 8.9 us at 2 warps against 10.0 at
-    4 in one resident wave, Q6_K 10.0 against 10.5)."""
+    (benchmarks/mmvf_sweep.py --policy times the choice)."""
     wpr = min(warps_per_row(K), 2) if staged else warps_per_row(K)
     most = 2 if staged else warps
     groups = -(-rows // MMVF_R)
@@ -216,8 +169,7 @@ def ffnf_lanes(K: int, wpr: int, nb: int = 1) -> int:
     """Lanes that share one row group of an ffnf launch of nb rows: 16 (two groups a warp) where
     that leaves fewer lanes idle in a row's last pass than 32 do (K = 1536: 48 units, 3 full passes
     of 16 lanes against a full and a half-empty one of 32), for rows of up to 64 units in groups of
-    one warp (wpr 1) and launches of up to 4 rows (the 8-row kernel keeps 32: registers); else 32.
-    H100, qwen15 twin, decode step graph replay: -25 us at one row, -162 at two (perf-notes v29)."""
+    one warp (wpr 1) and launches of up to 4 rows (the 8-row kernel keeps 32: registers); else 32."""
     nu = K // 32
     return 16 if wpr == 1 and nu <= 64 and _nb_variant(nb) <= 4 and (-nu) % 16 < (-nu) % 32 else 32
 
@@ -240,56 +192,6 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
              _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), stage, nw, eps, _I32(lpg)),
             smem, pdl)
-
-
-def rms_norm_q8(k: Kernels, x: int, xs: int, w: int, out32: int, out16: int, xq: int, xd: int,
-                rows: int, width: int, eps: float) -> None:
-    threads = next(t for t in (256, 512, 1024) if width <= NQ_MAXK * t)
-    k.rms_norm_q8((rows,), (threads,), (_U64(x), _I32(xs), _U64(w), _U64(out32), _U64(out16), _U64(xq), _U64(xd),
-                                    _I32(rows), _I32(width), _F32(eps)))
-
-
-def dequant16(k: Kernels, w: WeightRef, out: int, os: int, bf16: bool = False) -> None:
-    total = w.rows * ((w.cols + 31) // 32)
-    k.dequant16[w.qtype](((total + 255) // 256,), (256,),
-                         (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(out), _I64(os),
-                          _I32(int(bf16))))
-
-
-def f32_to_f16(k: Kernels, x: int, y: int, n: int, bf16: bool = False) -> None:
-    k.f32_to_f16(((n + 255) // 256,), (256,), (_U64(x), _U64(y), _I64(n), _I32(int(bf16))))
-
-
-_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
-
-
-def row_scale_f16(k: Kernels, x: int, xs: int, y: int, ys: int, inv: int, rows: int, cols: int) -> None:
-    k.row_scale_f16((rows,), (256,), (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(inv), _I32(rows), _I32(cols)))
-
-
-def unscale_rows(k: Kernels, y: int, ys: int, t: int, ts: int, inv: int, rows: int, cols: int,
-                 accumulate: bool) -> None:
-    k.unscale_rows(((cols + 255) // 256, rows), (256,),
-                   (_U64(y), _I32(ys), _U64(t), _I32(ts), _U64(inv), _I32(rows), _I32(cols), _I32(int(accumulate))))
-
-
-CUBLAS_COMPUTE_32F = 68      # plain fp32 (the handle's default math mode: no TF32)
-CUDA_R_16BF = 14
-
-
-def gemm(w: int, N: int, K: int, x: int, xs: int, y: int, ys: int, T: int, accumulate: bool,
-         stream_ptr: int, dtype: str = "fp16") -> None:
-    """y[:T, :N] (+)= x[:T, :K] @ w[:N, :K].T on the tensor cores, fp32 accumulate and output
-    (cuBLAS column-major view: C[N x T] = W^T' . X). dtype names the inputs: "fp16", "bf16" or
-    "fp32" (no tensor cores: TF32 would truncate inputs to fp16's mantissa, and its bias showed
-    as worse parity than fp16 on the gemma270 twin)."""
-    from cupy.cuda import runtime
-    from .blas import blas
-    dt, compute = {"fp16": (runtime.CUDA_R_16F, CUBLAS_COMPUTE_32F),
-                   "bf16": (CUDA_R_16BF, CUBLAS_COMPUTE_32F),
-                   "fp32": (runtime.CUDA_R_32F, CUBLAS_COMPUTE_32F)}[dtype]
-    blas().gemm_ex(1, 0, N, T, K, _ONE.ctypes.data, w, dt, K, x, dt, xs, (_ONE if accumulate else _ZERO).ctypes.data,
-                   y, runtime.CUDA_R_32F, ys, compute, stream=stream_ptr)
 
 
 def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int,
@@ -339,45 +241,36 @@ def rope_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> cupy.ndar
 
 def rope_host_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.ndarray:
     """rope_table's values on the host (NumPy, which releases the GIL here: it may run on a thread)."""
-    from ..cpu import rope_angles
+    from ...model.math import rope_angles
     cos, sin = rope_angles(np.arange(ctx), rope_dim, float(np.float32(theta)), scaling)
     return np.stack([cos, sin], axis=-1)
 
 
 def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: int,
-              H: int, KVH: int, D: int, scale: float, window: int, n: int,
-              oq: int = 0, od: int = 0, o16: int = 0, rope=None, pdl: bool = False) -> None:
-    """out (fp32) and, when given, the same rows as 8-bit blocks (oq, od) and fp16 (o16); row t
-    attends to positions [0, positions[t]] of the sequence in slots[t] (paged: kv's tables).
-    rope = (k, v, rope_dim, neox, table): decode only (one row per sequence), RoPE of q and of the
-    new k and the KV-cache write done here, from the unrotated q, k, v rows (no rope_kv launch);
-    table: a rope_table(...) pointer. Without rope (prompt rows, already in the cache) and without
-    8-bit outputs: attn_tile."""
-    if rope is None and not oq:
+              H: int, KVH: int, D: int, scale: float, window: int, n: int, rope=None, pdl: bool = False) -> None:
+    """out (fp32): row t attends to positions [0, positions[t]] of the sequence in slots[t] (paged:
+    kv's tables). rope = (k, v, rope_dim, neox, table): decode rows (one per sequence, attn_decode),
+    RoPE of q and of the new k and the KV-cache write done here, from the unrotated q, k, v rows (no
+    rope_kv launch); table: a rope_table(...) pointer. Without rope: prompt rows already in the
+    cache (attn_tile). The kernels' 8-bit and fp16 outputs are not used (null)."""
+    if rope is None:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
         smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
         fn = k.attn_tile if D % 128 == 0 else k.attn_tile_v2      # 4 or 2 dims per lane: no idle lanes
         _launch(fn, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
                 (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
-                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(o16)), smem, pdl)
+                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(0)), smem, pdl)
         return
-    kin, vin, rope_dim, neox, table = rope if rope is not None else (0, 0, 0, False, 0)
-    if rope is not None and not table:
+    kin, vin, rope_dim, neox, table = rope
+    if not table:
         raise ValueError("attention: decode RoPE needs a cos/sin table (rope_table)")
     if getattr(k, "head_dim", None) and D > k.head_dim:
         raise ValueError(f"attention: decode kernels compiled for head_dim {k.head_dim}, got {D}")
-    fn = k.attn_decode if rope is not None else k.attn_prompt     # decode rows fuse RoPE; 8-bit prompt rows
-    _launch(fn, (n, H), (ATT_WARPS * 32,),
+    _launch(k.attn_decode, (n, H), (ATT_WARPS * 32,),
             (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
              _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
-             _U64(oq), _U64(od), _U64(o16), _U64(kin), _U64(vin), _I32(rope_dim),
-             _I32(int(neox)), _I32(int(rope is not None)), _U64(table)), 0, pdl)
-
-
-def epilogue(k: Kernels, y: int, t: int, bias: int, rows: int, cols: int, accumulate: bool) -> None:
-    total = rows * cols
-    k.epilogue(((total + 255) // 256,), (256,),
-               (_U64(y), _U64(t), _U64(bias), _I32(rows), _I32(cols), _I32(int(accumulate))))
+             _U64(0), _U64(0), _U64(0), _U64(kin), _U64(vin), _I32(rope_dim),
+             _I32(int(neox)), _I32(1), _U64(table)), 0, pdl)
 
 
 def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:

@@ -53,16 +53,13 @@ class Workspace:
         self.last = cupy.empty((max_rows, c.hidden), f32)
         self.last_norm = cupy.empty((max_rows, c.hidden), f32)
         self.last_idx = cupy.empty(max_rows, cupy.int32)
-        # one matrix for the prefill GEMM in fp32 (fp16 uses its first half; split16, two halves
-        # per weight, may grow it to a fused group of matrices: ensure_dequant)
+        # one matrix's split16 halves (two fp16 per weight), grown to a group of matrices split
+        # before each GEMM where the split weights are not kept (ensure_dequant)
         self.deq = cupy.empty(dequant_elems, cupy.float32)
         # decode inputs (token ids, positions, slots) in one fixed buffer: one host copy per step,
         # and addresses that no pool growth moves (the captured graphs read them)
         self.dec_io = cupy.zeros((4, max_rows), cupy.int32)   # tokens, positions, slots, ring row
-        self.head_q = cupy.empty((max_rows, c.hidden), cupy.int8)      # final norm as 8-bit blocks
-        self.head_d = cupy.empty((max_rows, c.hidden // 32 * 2), f32)
-        self._fixed = [self.logits, self.argmax, self.last, self.last_norm, self.last_idx, self.deq,
-                       self.dec_io, self.head_q, self.head_d]
+        self._fixed = [self.logits, self.argmax, self.last, self.last_norm, self.last_idx, self.deq, self.dec_io]
         self.ensure(max(tokens, max_rows))
 
     def ensure(self, tokens: int) -> None:
@@ -78,26 +75,15 @@ class Workspace:
         self.k = cupy.empty((cap, c.kv_dim), f32)
         self.v = cupy.empty((cap, c.kv_dim), f32)
         self.attn = cupy.empty((cap, c.q_dim), f32)
-        # 8-bit activation blocks (int8 values + float2 (d, d*sum) per 32) of the three GEMV inputs
-        i8 = cupy.int8
-        self.hq, self.hd = cupy.empty((cap, c.hidden), i8), cupy.empty((cap, c.hidden // 32 * 2), f32)
-        self.aq, self.ad = cupy.empty((cap, c.q_dim), i8), cupy.empty((cap, c.q_dim // 32 * 2), f32)
-        self.fq, self.fd = cupy.empty((cap, c.ffn_dim), i8), cupy.empty((cap, c.ffn_dim // 32 * 2), f32)
-        # fp16 GEMM inputs for prefill: normed hidden, attention output (the FFN activation a16
-        # is in ffn_pool)
-        f16 = cupy.float16
-        self.h16 = cupy.empty((cap, c.hidden), f16)
-        self.attn16 = cupy.empty((cap, c.q_dim), f16)
-        self.row_inv = cupy.empty(cap, f32)              # per-row scales of a16 (row_scale_f16)
-        # The FFN rows of the decode and fp32/fp16 prefill paths (g, u, a: fp32; a16) and the
-        # split16 prefill's scratch are never live in the same step, so they share ffn_pool:
-        # y32 holds a GEMM's output rows before 1/s (q|k|v or gate|up side by side), x16 the split
-        # activation rows [xh*2^-12 | xh | xl] of the projection being computed (prefill.cu).
+        # The FFN rows of the GEMV and tensor-core steps (g, u, a) and the split16 steps' scratch
+        # are never live in the same step, so they share ffn_pool: y32 holds a GEMM's output rows
+        # before 1/s (q|k|v or gate|up side by side), x16 the split activation rows
+        # [xh*2^-12 | xh | xl] of the projection being computed (prefill.cu).
         F = c.ffn_dim
         n_y = max(2 * F, c.q_dim + 2 * c.kv_dim)
         k_max = max(c.hidden, c.q_dim, F)
-        self.ffn_pool, ((self.g, self.u, self.a, self.a16), (self.y32, self.x16)) = _carve(
-            cap, [(f32, F), (f32, F), (f32, F), (f16, F)], [(f32, n_y), (f16, 3 * k_max)])
+        self.ffn_pool, ((self.g, self.u, self.a), (self.y32, self.x16)) = _carve(
+            cap, [(f32, F), (f32, F), (f32, F)], [(f32, n_y), (cupy.float16, 3 * k_max)])
         self.split_inv = cupy.empty((2, cap), f32)       # 1/s of the split rows (input, FFN down input)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
@@ -111,8 +97,8 @@ class Workspace:
                 cb()
 
     def ensure_dequant(self, elems: int) -> None:
-        """Make the prefill dequantize buffer hold `elems` float32 (the split16 prefill keeps a
-        fused group of matrices there, q+k+v or gate+up, at two fp16 halves per weight). Called at
+        """Make the dequantize buffer hold `elems` float32 (split16 steps split a group of matrices
+        there, q+k+v or gate+up, at two fp16 halves per weight). Called at
         load; no captured graph reads this buffer, but growing it is treated as any pool growth
         (graphs dropped) so that one rule covers every buffer."""
         if elems <= self.deq.size:
@@ -128,6 +114,5 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.ffn_pool,
-                self.hq, self.hd, self.aq, self.ad, self.fq, self.fd, self.h16, self.attn16, self.row_inv,
                 self.split_inv, self.tokens, self.positions, self.slots)
         return sum(a.nbytes for a in grow) + sum(a.nbytes for a in self._fixed)

@@ -1,0 +1,206 @@
+"""The matrix-multiply dispatcher: the one place that decides which kernel multiplies each matrix
+of a GPU step.
+
+A step runs its projections in one of three families, chosen from its rows (`decode_step`,
+`prompt_step`):
+- "gemv": GEMVs, several activation rows per launch, each weight read once per 8 rows: MMVF
+  (mmvf.cu, quantized blocks, fp32 activations, the RMSNorm before a projection folded into it)
+  or GEMV (gemv.cu, float matrices);
+- "mmq": tensor-core matrix multiplies on the quantized blocks (a prep launch turns the input rows
+  into row-scaled fp16 halves): MMQS (mmqs.cu, 16-row weight tiles, weights straight into the mma
+  fragments) or MMQ (mmq.cu, 128-row tiles, each weight read once per 64 rows);
+- "split16": the weights dequantized into fp16 hi/lo halves (kept from start-up where memory
+  allows, `Settings.prefill_weight_cache`), multiplied by cuBLAS on the tensor cores at fp32-class
+  accuracy (split16.py): a cost that hardly grows with the rows.
+Within a family a group of matrices that share an input (Q, K and V; gate and up) takes one
+launch when every matrix of it has the family's kernel, and otherwise the GEMVs (`linear`,
+`gated`). The LM head has its own rule (`head`).
+
+Every threshold is an entry of the table below, with the rule that sets it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from gguf import GGMLQuantizationType as Q
+
+from .matrices import QTYPES, WeightRef
+
+# ---------------------------------------------------------------- the table
+# Decode steps of this many rows or more run on the tensor cores: mmq.cu reads each weight block once
+# per 64 rows, the GEMVs once per 8, so the GEMVs lose once a step has a tile's worth of rows.
+MMQ_MIN_ROWS = 8
+# ... from this many already when every matrix of the model (the LM head included) has an mmqs.cu
+# kernel: mmqs reads each weight once per 16 rows, and beats the 4-row GEMV on every matrix shape.
+MMQS_MIN_ROWS = 4
+# The LM head takes the tensor cores from this many rows where mmqs.cu has its type (its prep is
+# paid back from two rows on); one row stays on the GEMV with the argmax folded in.
+MMQS_HEAD_MIN_ROWS = 2
+# mmqs.cu serves any rows in groups of 16, re-reading the weights per group: beyond 16 rows it keeps
+# the matrices whose weights stay in L2 between groups (up to this many bytes a launch); larger
+# ones (an LM head) take mmq.cu's 64-row tiles.
+MMQS_MAX_ROWS = 16
+MMQS_L2_BYTES = 64 << 20
+# Decode steps of this many rows or more run on the kept split16 weights: 4 bytes a weight read at
+# GEMM speed once per step, which beats re-reading the quantized blocks per 64-row tile from here.
+SPLIT16_MIN_ROWS = 64
+# Prompt steps of up to this many tokens (short prompts, the tail after a cached prefix) run on the
+# tensor-core projections, padded to a bucket (PROMPT_MIN_BUCKET, then multiples of 16: mmqs.cu's
+# 8- and 16-row tiles) and replayed from one CUDA graph per bucket.
+PROMPT_MMQ_TOKENS = 64
+PROMPT_MIN_BUCKET = 8
+# Longer prompt steps run on the split16 GEMMs from this many tokens (fewer: the GEMVs, whose time
+# grows with every row), sooner when the split weights are kept (no dequantize per step).
+GEMM_MIN_TOKENS = 17
+GEMM_MIN_TOKENS_KEPT = 12
+# GEMM prompt steps run on their token count rounded up to this multiple (padding rows on the
+# scratch slot), so that their launches recur as a few graph keys.
+GEMM_ROW_STEP = 64
+# split16 steps of up to this many rows pair each activation row's hi and lo halves into one GEMM
+# row: the GEMMs of so few rows are bound by reading the split weights, which the pairs read once
+# instead of 1.5 times; past it the GEMMs turn compute-bound and the pairs' extra products cost more.
+SPLIT16_PAIRED_MAX_ROWS = 128
+
+# the quant types of each kernel (the rest of QTYPES: float matrices)
+MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})     # mmq.cu
+MMQS_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})                    # mmqs.cu
+
+
+class Kernel(enum.Enum):
+    MMVF = "mmvf"
+    GEMV = "gemv"
+    MMQS = "mmqs"
+    MMQ = "mmq"
+    SPLIT16 = "split16"
+
+
+@dataclass(frozen=True)
+class Step:
+    family: str          # "gemv" | "mmq" | "split16"
+    rows: int            # rows the step runs (padding included)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernels of one group of matrices sharing an input: one per matrix; `fused`: gate and up
+    in one launch that applies the activation on the way out."""
+    kernels: tuple[Kernel, ...]
+    fused: bool = False
+
+    @property
+    def kernel(self) -> Kernel | None:
+        """The group's one kernel when every matrix takes it (one launch), else None."""
+        return self.kernels[0] if len(set(self.kernels)) == 1 else None
+
+
+# ---------------------------------------------------------------- what each kernel takes
+def mmvf_ok(w: WeightRef) -> bool:
+    """mmvf.cu: quantized types, whole 32-weight units per row (every quantized type has them)."""
+    return QTYPES[w.qtype].blocks and w.cols % 32 == 0
+
+
+def mmq_ok(w: WeightRef) -> bool:
+    """mmq.cu: its types, whole blocks per row."""
+    return w.qtype in MMQ_TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
+
+
+def mmqs_ok(w: WeightRef) -> bool:
+    """mmqs.cu: its types, rows of whole 64-weight items."""
+    return w.qtype in MMQS_TYPES and mmq_ok(w) and w.cols % 64 == 0
+
+
+def same_shape(a: WeightRef, b: WeightRef) -> bool:
+    return a.qtype == b.qtype and a.rows == b.rows and a.cols == b.cols and a.row_bytes == b.row_bytes
+
+
+def mmqs_takes(mats: Sequence[WeightRef], rows: int) -> bool:
+    """A tensor-core launch over mats (every one mmq_ok) at `rows` rows runs on mmqs.cu: up to
+    MMQS_MAX_ROWS rows, and beyond for launches of up to MMQS_L2_BYTES of weights."""
+    return all(mmqs_ok(w) for w in mats) and (
+        rows <= MMQS_MAX_ROWS or sum(w.rows * w.row_bytes for w in mats) <= MMQS_L2_BYTES)
+
+
+def prompt_buckets(max_tokens: int = PROMPT_MMQ_TOKENS) -> tuple[int, ...]:
+    """Row counts of the prompt steps on the tensor-core projections, for steps of up to
+    max_tokens: PROMPT_MIN_BUCKET, the multiples of 16 below max_tokens, max_tokens."""
+    if max_tokens <= 0:
+        return ()
+    return tuple(sorted({min(PROMPT_MIN_BUCKET, max_tokens), max_tokens, *range(16, max_tokens, 16)}))
+
+
+class Dispatcher:
+    def __init__(self, groups: Sequence[tuple[str, tuple[WeightRef, ...]]], head: WeightRef, split16_kept: bool):
+        """groups: every group of matrices the model's steps multiply, ("linear" | "gated", mats)
+        (the model's `projections()`); head: the LM head; split16_kept: the split16 weights are
+        kept on the device."""
+        self.head_matrix = head
+        self.split16_kept = split16_kept
+        mats = [w for _, g in groups for w in g]
+        # every group on the tensor cores: prompt steps may take them (else the GEMVs would take
+        # the rest of such a step, whose time grows with every row)
+        self.mmq_all = all(self._mmq_group(kind, g) for kind, g in groups)
+        self.mmqs_all = self.mmq_all and mmq_ok(head) and all(mmqs_ok(w) for w in mats + [head])
+        self.mmq_min_rows = MMQS_MIN_ROWS if self.mmqs_all else MMQ_MIN_ROWS
+        self.buckets = prompt_buckets() if self.mmq_all else ()
+        self.gemm_min_tokens = GEMM_MIN_TOKENS_KEPT if split16_kept else GEMM_MIN_TOKENS
+
+    @staticmethod
+    def _mmq_group(kind: str, mats: Sequence[WeightRef]) -> bool:
+        ok = all(mmq_ok(w) for w in mats)
+        return ok and (kind != "gated" or same_shape(*mats))
+
+    # ------------------------------------------------------------ steps
+    def decode_step(self, b: int) -> Step:
+        """The family of a decode step of b rows (a bucket: fixed per bucket, captured once)."""
+        if self.split16_kept and b >= SPLIT16_MIN_ROWS:
+            return Step("split16", b)
+        if b >= self.mmq_min_rows:
+            return Step("mmq", b)
+        return Step("gemv", b)
+
+    def prompt_step(self, T: int) -> Step:
+        """The family of a prompt step of T tokens and the rows it runs: a tensor-core step at its
+        bucket, a GEMM step at T rounded up to GEMM_ROW_STEP, or T rows on the GEMVs."""
+        if self.buckets and self.mmq_min_rows <= T <= self.buckets[-1]:
+            return Step("mmq", next(b for b in self.buckets if b >= T))
+        if T >= self.gemm_min_tokens:
+            return Step("split16", -(-T // GEMM_ROW_STEP) * GEMM_ROW_STEP)
+        return Step("gemv", T)
+
+    # ------------------------------------------------------------ matrices
+    @staticmethod
+    def _gemv(mats: Sequence[WeightRef]) -> tuple[Kernel, ...]:
+        return tuple(Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV for w in mats)
+
+    def linear(self, step: Step, mats: Sequence[WeightRef]) -> Choice:
+        """The kernels of projections that share one input."""
+        if step.family == "split16":
+            return Choice((Kernel.SPLIT16,) * len(mats))
+        if step.family == "mmq" and self._mmq_group("linear", mats):
+            return Choice(((Kernel.MMQS if mmqs_takes(mats, step.rows) else Kernel.MMQ),) * len(mats))
+        return Choice(self._gemv(mats))
+
+    def gated(self, step: Step, gate: WeightRef, up: WeightRef) -> Choice:
+        """The kernels of act(gate) * up: fused into one launch where both share type and shape."""
+        fused = same_shape(gate, up)
+        if step.family == "split16":
+            return Choice((Kernel.SPLIT16,) * 2, True)
+        if step.family == "mmq" and self._mmq_group("gated", (gate, up)):
+            return Choice(((Kernel.MMQS if mmqs_takes((gate, up), step.rows) else Kernel.MMQ),) * 2, True)
+        return Choice(self._gemv((gate, up)), fused)
+
+    def head(self, rows: int) -> Kernel:
+        """The LM head's kernel for `rows` rows (its argmax folded in wherever the kernel can)."""
+        w = self.head_matrix
+        if mmq_ok(w) and rows >= (MMQS_HEAD_MIN_ROWS if self.mmqs_all else self.mmq_min_rows):
+            return Kernel.MMQS if mmqs_takes((w,), rows) else Kernel.MMQ
+        return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
+
+    @staticmethod
+    def split16_paired(rows: int, capacity: int) -> bool:
+        """A split16 step pairs its rows' halves (see SPLIT16_PAIRED_MAX_ROWS) while 2 x rows fit
+        the workspace."""
+        return rows <= SPLIT16_PAIRED_MAX_ROWS and 2 * rows <= capacity

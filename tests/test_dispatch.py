@@ -1,0 +1,163 @@
+"""The matrix-multiply dispatcher (backends/cuda/dispatch.py): which kernel family each step runs and
+which kernel each matrix takes, for the type mixes of real files. Pure rules over matrix shapes and
+types: runs anywhere (no CuPy)."""
+
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from realizar_backend.backends.cuda import dispatch as d
+from realizar_backend.backends.cuda.dispatch import Dispatcher, Kernel, Step
+from realizar_backend.backends.cuda.matrices import QTYPES, WeightRef
+from realizar_backend.formats.gpu_layout import device_row_bytes
+
+
+def mat(qtype: Q, rows: int, cols: int, name: str = "w") -> WeightRef:
+    return WeightRef(name, qtype, 0, rows, cols, device_row_bytes(qtype, cols))
+
+
+def dense(types: dict[str, Q], layers: int = 2, hidden: int = 1536, q_dim: int = 1536, kv_dim: int = 256,
+          ffn: int = 8960, vocab: int = 151936, head: Q = Q.Q6_K):
+    """A dense model's projection groups (model/transformer.py projections) and LM head, with the types
+    given per role (missing roles: Q4_K)."""
+    t = {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q4_K, "o": Q.Q4_K, "gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q4_K, **types}
+    groups = []
+    for _ in range(layers):
+        groups += [("linear", (mat(t["q"], q_dim, hidden, "q"), mat(t["k"], kv_dim, hidden, "k"),
+                               mat(t["v"], kv_dim, hidden, "v"))),
+                   ("linear", (mat(t["o"], hidden, q_dim, "o"),)),
+                   ("gated", (mat(t["gate"], ffn, hidden, "gate"), mat(t["up"], ffn, hidden, "up"))),
+                   ("linear", (mat(t["down"], hidden, ffn, "down"),))]
+    return groups, mat(head, vocab, hidden, "head")
+
+
+Q4_K_M = {"v": Q.Q6_K, "down": Q.Q6_K}                    # Qwen2.5 Q4_K_M: Q4_K + Q6_K
+SMOL = dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), Q.Q4_1)   # SmolLM2 Q4_1 (+ Q8_0 head)
+
+
+def test_every_quant_type_has_a_gemv_and_floats_take_gemv_cu():
+    for qt, info in QTYPES.items():
+        k = d.Dispatcher._gemv([mat(qt, 64, 256)])[0]
+        assert k is (Kernel.MMVF if info.blocks else Kernel.GEMV), qt.name
+
+
+def test_decode_families_by_rows_for_a_q4_k_m_model():
+    groups, head = dense(Q4_K_M)
+    disp = Dispatcher(groups, head, split16_kept=True)
+    assert disp.mmqs_all and disp.mmq_min_rows == d.MMQS_MIN_ROWS
+    assert [disp.decode_step(b).family for b in (1, 2, 4, 8, 32, 64, 256)] == \
+        ["gemv", "gemv", "mmq", "mmq", "mmq", "split16", "split16"]
+    # without the kept split weights, wide steps stay on the tensor cores
+    assert Dispatcher(groups, head, split16_kept=False).decode_step(256).family == "mmq"
+
+
+def test_a_type_mmqs_lacks_moves_the_tensor_cores_to_eight_rows():
+    groups, head = dense(SMOL)
+    disp = Dispatcher(groups, mat(Q.Q8_0, 49152, 576), split16_kept=False)
+    assert disp.mmq_all and not disp.mmqs_all
+    assert disp.decode_step(4).family == "gemv" and disp.decode_step(8).family == "mmq"
+    step = disp.decode_step(8)
+    assert disp.linear(step, groups[0][1]).kernel is Kernel.MMQ
+
+
+def test_mmqs_takes_up_to_16_rows_and_beyond_only_what_stays_in_l2():
+    groups, head = dense(Q4_K_M)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    qkv, gate_up = groups[0][1], groups[2][1]
+    for rows in (4, 8, 16):
+        assert disp.linear(Step("mmq", rows), qkv).kernel is Kernel.MMQS
+    # 32 rows: q/k/v (~2 MB) stay on mmqs; the 152k x 1536 head (~200 MB) takes mmq.cu's tiles
+    assert disp.linear(Step("mmq", 32), qkv).kernel is Kernel.MMQS
+    assert disp.head(32) is Kernel.MMQ and disp.head(16) is Kernel.MMQS
+    assert disp.gated(Step("mmq", 8), *gate_up) == d.Choice((Kernel.MMQS, Kernel.MMQS), True)
+
+
+def test_the_lm_head_takes_the_tensor_cores_from_two_rows_and_one_row_folds_the_argmax():
+    groups, head = dense(Q4_K_M)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    assert disp.head(1) is Kernel.MMVF
+    assert disp.head(2) is Kernel.MMQS
+    f16_head = mat(Q.F16, 32000, 1536)
+    assert Dispatcher(groups, f16_head, split16_kept=False).head(8) is Kernel.GEMV
+
+
+def test_a_group_the_tensor_cores_cannot_take_runs_on_the_gemvs_matrix_by_matrix():
+    """A Q4_K_M file with one F16 projection (a vision model's converted layer, say): that group
+    falls back to the GEMVs in a tensor-core step (mmvf for its quantized matrices, gemv.cu for the
+    float one), the rest stays on the tensor cores, and no prompt step is a tensor-core step."""
+    groups, head = dense({**Q4_K_M, "k": Q.F16})
+    disp = Dispatcher(groups, head, split16_kept=False)
+    step = disp.decode_step(16)
+    assert step.family == "mmq" and not disp.mmq_all and disp.buckets == ()
+    assert disp.linear(step, groups[0][1]).kernels == (Kernel.MMVF, Kernel.GEMV, Kernel.MMVF)
+    assert disp.linear(step, groups[1][1]).kernel is Kernel.MMQS
+    assert disp.prompt_step(16).family == "gemv"
+
+
+def test_gate_and_up_of_different_types_are_not_fused():
+    groups, head = dense({"gate": Q.Q4_K, "up": Q.Q6_K})
+    disp = Dispatcher(groups, head, split16_kept=False)
+    gate, up = groups[2][1]
+    for rows in (1, 16):
+        c = disp.gated(disp.decode_step(rows), gate, up)
+        assert not c.fused and c.kernel is Kernel.MMVF
+
+
+def test_split16_steps_run_every_matrix_there():
+    groups, head = dense({**Q4_K_M, "k": Q.F16})
+    disp = Dispatcher(groups, head, split16_kept=True)
+    step = disp.prompt_step(512)
+    assert step == Step("split16", 512)
+    assert disp.linear(step, groups[0][1]).kernel is Kernel.SPLIT16
+    assert disp.gated(step, *groups[2][1]) == d.Choice((Kernel.SPLIT16,) * 2, True)
+
+
+def test_default_prompt_buckets():
+    assert d.prompt_buckets() == (8, 16, 32, 48, 64)
+    assert d.prompt_buckets(0) == ()
+    assert d.prompt_buckets(8) == (8,)
+    assert d.prompt_buckets(40) == (8, 16, 32, 40)
+
+
+@pytest.mark.parametrize("limit", range(8, 257, 8))
+def test_every_bucket_holds_its_steps_with_under_a_block_of_padding(limit):
+    """Each step up to the limit has a bucket that holds it with fewer than 16 rows to spare: the
+    padding fits one KV block of the scratch slot (default block size 16) as one run of rows."""
+    buckets = d.prompt_buckets(limit)
+    assert buckets[-1] == limit and list(buckets) == sorted(set(buckets))
+    for T in range(1, limit + 1):
+        rows = next(b for b in buckets if b >= T)
+        assert T <= rows < T + 16
+
+
+def test_prompt_steps_by_tokens():
+    groups, head = dense(Q4_K_M)
+    disp = Dispatcher(groups, head, split16_kept=True)
+    for T in range(1, d.MMQS_MIN_ROWS):
+        assert disp.prompt_step(T) == Step("gemv", T)
+    assert disp.prompt_step(16) == Step("mmq", 16)
+    assert disp.prompt_step(17) == Step("mmq", 32)
+    assert disp.prompt_step(64) == Step("mmq", 64)
+    for T, rows in ((65, 128), (100, 128), (512, 512), (513, 576), (4096, 4096)):
+        assert disp.prompt_step(T) == Step("split16", rows)
+
+
+def test_without_tensor_core_prompt_steps_gemvs_then_gemms_on_recurring_row_counts():
+    """A model with a group the tensor cores do not take: GEMVs below the GEMM threshold at the
+    exact token count, GEMMs from there on a multiple of GEMM_ROW_STEP rows (fewer than that of
+    padding: the keys of their graphs recur); the threshold is lower with the split weights kept."""
+    groups, head = dense({**Q4_K_M, "o": Q.F16})
+    for kept, first in ((True, d.GEMM_MIN_TOKENS_KEPT), (False, d.GEMM_MIN_TOKENS)):
+        disp = Dispatcher(groups, head, split16_kept=kept)
+        for T in range(1, 300):
+            s = disp.prompt_step(T)
+            if T < first:
+                assert s == Step("gemv", T)
+            else:
+                assert s.family == "split16" and s.rows % d.GEMM_ROW_STEP == 0 and T <= s.rows < T + d.GEMM_ROW_STEP
+
+
+def test_split16_pairs_rows_only_while_gemms_are_bound_by_reading_weights():
+    assert Dispatcher.split16_paired(128, 1024) and not Dispatcher.split16_paired(129, 1024)
+    assert not Dispatcher.split16_paired(64, 100)         # 2 x rows must fit the workspace
