@@ -2,7 +2,8 @@
 
 `shared_server()` starts one server per test process (CPU backend, the default SmolLM2 model,
 an API key) on a free local port and waits for /readyz; every server test module uses it, so
-the model loads once per pytest run. The process is stopped at interpreter exit.
+the model loads once per pytest run. `shared_qwen_server()` is the same for Qwen2.5-Coder-0.5B
+(the tool-calling and structured-output tests). The processes are stopped at interpreter exit.
 
 `Server.engines()` finds the engine processes behind the server's one worker (one per GPU, or
 REALIZAR_WORKERS on the CPU), and `engine_statuses()` what /metrics says of each.
@@ -186,16 +187,34 @@ def _limit_files(n: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
-_shared: Server | None = None
+_shared: dict[str, Server] = {}
+
+QWEN_MODEL = "qwen2.5-coder-0.5b"
 
 
 def shared_server() -> Server:
-    """The one server of this test process (started on first use, stopped at exit)."""
-    global _shared
-    if _shared is None or _shared.proc.poll() is not None:
-        _shared = start_server()
-        atexit.register(_shared.stop)
-    return _shared
+    """The one SmolLM2 server of this test process (started on first use, stopped at exit)."""
+    return _shared_server("smol", dict)
+
+
+def shared_qwen_server() -> Server:
+    """The one Qwen2.5-Coder-0.5B server of this test process (tools, structured output, client
+    libraries; served as QWEN_MODEL), started on first use and stopped at exit."""
+    def env() -> dict[str, str]:
+        from real_models import real_model
+        return {"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": QWEN_MODEL,
+                "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20", "REALIZAR_MAX_WAITING": "32",
+                # few, so that tests/test_agent_apis.py sees the Responses store drop its oldest
+                "REALIZAR_RESPONSES_STORE_SIZE": "4"}
+    return _shared_server("qwen", env)
+
+
+def _shared_server(key: str, env) -> Server:
+    server = _shared.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _shared[key] = start_server(env())
+        atexit.register(server.stop)
+    return server
 
 
 def warm(server, timeout: float = 120.0) -> None:

@@ -144,9 +144,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def tiny_tokenizer(n_merges: int = 40) -> tuple[list[str], list[str], list[int]]:
+def tiny_tokenizer(n_merges: int = 40, added: tuple[str, ...] = ()) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token_types): specials first (ids 0..2), then the 256 byte tokens, then
-    one token per merge, learned greedily from a fixed sentence (deterministic)."""
+    one token per merge, learned greedily from a fixed sentence (deterministic), then `added`
+    as user-defined tokens (matched whole in text and kept in decoded text, as Qwen's <think>)."""
     b2u = bytes_to_unicode()
     words = [[b2u[b] for b in w.encode()] for w in re.findall(r" ?\S+", _CORPUS)]
     tokens = SPECIALS + [b2u[b] for b in range(256)]
@@ -168,12 +169,12 @@ def tiny_tokenizer(n_merges: int = 40) -> tuple[list[str], list[str], list[int]]
                     w[i:i + 2] = [a + b]
                 i += 1
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))   # 3 = control, 1 = normal
-    return tokens, merges, types
+    return tokens + list(added), merges, types + [4] * len(added)          # 4 = user-defined
 
 
 # ------------------------------------------------------------------ the model writer
 
-ARCH_DEFAULTS = {"llama": dict(qkv_bias=False), "qwen2": dict(qkv_bias=True)}
+ARCH_DEFAULTS = {"llama": dict(qkv_bias=False), "qwen2": dict(qkv_bias=True), "qwen3": dict(qkv_bias=False)}
 
 
 @dataclass
@@ -223,6 +224,8 @@ def make_weights(arch: str = "llama", *, n_layers: int = 2, hidden: int = 256, n
                   b + "attn_output.weight": mat(hidden, qd), b + "ffn_norm.weight": norm(hidden),
                   b + "ffn_gate.weight": mat(ffn, hidden), b + "ffn_up.weight": mat(ffn, hidden),
                   b + "ffn_down.weight": mat(hidden, ffn)})
+        if arch == "qwen3":                 # per-head RMS norms of q and k
+            w.update({b + "attn_q_norm.weight": norm(head_dim), b + "attn_k_norm.weight": norm(head_dim)})
         if qkv_bias:
             w.update({b + "attn_q.bias": (0.1 * rng.standard_normal(qd)).astype(np.float32),
                       b + "attn_k.bias": (0.1 * rng.standard_normal(kvd)).astype(np.float32),
@@ -238,14 +241,17 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
                rms_eps: float = 1e-5, weights: dict[str, np.ndarray] | None = None,
                extra_metadata: dict[str, Any] | None = None, skip_metadata: tuple[str, ...] = (),
                drop_tensors: tuple[str, ...] = (), tokenizer: bool = True, name: str = "synth",
-               **dims) -> SynthModel:
+               added_tokens: tuple[str, ...] = (), **dims) -> SynthModel:
     """Write a tiny model. `qtype` applies to every 2-D weight; `qtypes` overrides it per tensor
     (a dict, or a function returning a type or None); 1-D tensors (norms, biases) stay F32 unless
     named in `qtypes`. `weights`/`dims` come from `make_weights` (pass `seed` for repeatability).
     `extra_metadata` adds or replaces keys (a (value, GGUFValueType) pair forces a type);
-    `skip_metadata` leaves keys out; `drop_tensors` leaves tensors out."""
+    `skip_metadata` leaves keys out; `drop_tensors` leaves tensors out; `added_tokens` extends the
+    tiny tokenizer with user-defined tokens (and the vocabulary with rows for them)."""
     path = Path(path)
     if weights is None:
+        if added_tokens and "vocab" not in dims:
+            dims["vocab"] = len(tiny_tokenizer(added=added_tokens)[0])
         weights, dims = make_weights(arch, **dims)
     else:
         dims = dict(dims)
@@ -268,7 +274,7 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
         "general.file_type": (1, GGUFValueType.UINT32),
     }
     if tokenizer:
-        tokens, merges, types = tiny_tokenizer()
+        tokens, merges, types = tiny_tokenizer(added=added_tokens)
         if len(tokens) != d["vocab"]:
             raise ValueError(f"the tiny tokenizer has {len(tokens)} tokens but vocab is {d['vocab']}")
         kv.update({

@@ -10,7 +10,7 @@ import pytest
 
 from server_util import sample, shared_server, wait_for
 
-from realizar_backend.serving.metrics import COUNTERS, DECODE_STARTS, GAUGES, HISTOGRAMS, metric_names
+from realizar_backend.serving.metrics import COUNTERS, DECODE_STARTS, GAUGES, HISTOGRAMS, VLLM, metric_names
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -46,6 +46,12 @@ def test_every_metric_is_exposed_with_prometheus_names(server):
     assert all(s.labels.get("engine") == "1" for s in ours if s.name not in front)
     assert server.worker_statuses() == {"1": "ready"}
     assert server.engine_statuses() == {"1": ("cpu", "ready")}
+    # vLLM's names, with its model_name and engine labels
+    for name, (kind, _, _) in VLLM.items():
+        assert families[name].type == kind
+        assert families[name].samples and all(
+            s.labels.get("model_name") == MODEL and s.labels.get("engine") == "1" and s.labels.get("worker") == "1"
+            for s in families[name].samples), name
 
 
 def test_metrics_move_with_traffic(server):
@@ -104,6 +110,15 @@ def test_metrics_move_with_traffic(server):
         assert delta(after, before, h + "_sum") > 0
         assert delta(after, before, h + "_bucket", le="+Inf") == k
     assert delta(after, before, "realizar_prompt_length_tokens_sum") == prompt
+    # vLLM's names moved exactly as their realizar_ twins
+    for name, (kind, twin, _) in VLLM.items():
+        if kind == "counter":
+            moved = delta(after, before, name + "_total")
+            assert moved == delta(after, before, "realizar_" + twin) and (moved > 0 or "hits" in name), name
+        elif kind == "histogram":
+            for part in ("_count", "_sum"):
+                assert delta(after, before, name + part) == pytest.approx(
+                    delta(after, before, "realizar_" + twin + part)) and delta(after, before, name + part) > 0, name
     # one interval per output token after a sequence's first
     assert delta(after, before, "realizar_time_per_output_token_seconds_count") == gen - k
     # end-to-end covers first-token time
@@ -133,6 +148,8 @@ def test_gauges_during_and_after_decoding(server):
     assert sample(during, "realizar_kv_cache_used_blocks") >= 1
     assert sample(during, "realizar_kv_cache_used_tokens") > sample(during, "realizar_kv_cache_used_blocks")
     assert sample(during, "realizar_decode_tokens_per_second") > 0.0
+    assert sample(during, "vllm:num_requests_running") == 1
+    assert sample(during, "vllm:kv_cache_usage_perc") == sample(during, "realizar_kv_cache_usage_ratio") > 0.0
 
     def idle():
         m = server.metrics()
@@ -166,3 +183,41 @@ def test_token_intervals_observed_in_batches_equal_one_by_one():
     assert a.keys() == b.keys()
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-12, abs=1e-12), k
+
+
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                 "offset"}
+
+
+def dashboard_metrics(path) -> set[str]:
+    """The metric names the queries of a Grafana dashboard read: identifiers outside label
+    matchers, grouping clauses and strings that are not functions, keywords or numbers."""
+    import json
+    import re
+
+    dash = json.loads(path.read_text())          # valid JSON, or this fails
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dash.get("templating", {}).get("list", [])
+              if isinstance(v.get("query"), dict)]
+    names = set()
+    for e in exprs:
+        e = re.sub(r'"[^"]*"', "", e)
+        e = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", e)
+        e = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", e)
+        e = re.sub(r"label_values\(([^,]+),[^)]*\)", r"\1", e)
+        for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*(\s*\()?", e):
+            word = m.group(0).strip()
+            if not word.endswith("(") and word not in _PROMQL_WORDS:
+                names.add(word)
+    return names
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_server_exports(server):
+    from server_util import REPO
+
+    families = server.families()
+    exported = {f.name + suffix for f in families.values() for suffix in
+                {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(f.type, ("",))}
+    used = dashboard_metrics(REPO / "docs" / "grafana-dashboard.json")
+    assert used <= exported, used - exported
+    assert all(any(u.startswith(name) for u in used) for name in VLLM)      # every vLLM name has a panel

@@ -114,6 +114,7 @@ def test_sigterm_drains_then_ends_running_streams_and_exits():
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
         assert r.json()["error"]["code"] == "server_shutting_down"
         assert httpx.get(server.url + "/readyz", timeout=10).status_code == 503
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503     # vLLM's probe agrees
         assert httpx.get(server.url + "/livez", timeout=10).status_code == 200
         assert all("ended" not in s for s in streams), "a stream ended before the grace period"
 

@@ -116,7 +116,8 @@ def test_tokenize_and_detokenize(engine):
     ("tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),    # SmolLM2: no tool support
-    ("chat", {"continue_final_message": True}, "continue_final_message"),
+    ("chat", {"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ("chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("chat", {"prompt": "x"}, "prompt"),
     ("detokenize", {"tokens": "1 2"}, "tokens"),
     ("detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
@@ -129,7 +130,7 @@ def test_bad_token_requests(engine, fn, body, param):
             tokenize(engine, {"messages": msgs, **body}, messages=msgs)
         else:
             {"tokenize": tokenize, "detokenize": detokenize}[fn](engine, body)
-    assert e.value.status == 400 and e.value.param == param
+    assert e.value.status == (404 if param == "model" else 400) and e.value.param == param
 
 
 def test_echo(engine):

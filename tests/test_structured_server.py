@@ -1,5 +1,5 @@
 """Structured output and tool calling end to end: the official `openai` client against a real
-`bentoml serve` of Qwen2.5-Coder-0.5B on the CPU (one server for the module; short outputs).
+`bentoml serve` of Qwen2.5-Coder-0.5B on the CPU (the shared one of server_util; short outputs).
 
 - `client.beta.chat.completions.parse(..., response_format=<pydantic model>)` with nested objects,
   enums and arrays returns a valid instance for 20 different prompts;
@@ -20,23 +20,18 @@ from enum import Enum
 import httpx
 import pytest
 
-from server_util import start_server
+from server_util import QWEN_MODEL, shared_qwen_server
 from tool_defs import TOOLS
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
-MODEL = "qwen2.5-coder-0.5b"
+MODEL = QWEN_MODEL
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
 def server():
-    from real_models import real_model
-    s = start_server({"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20",
-                      "REALIZAR_MAX_WAITING": "32"})
-    yield s
-    s.stop()
+    return shared_qwen_server()
 
 
 @pytest.fixture(scope="module")

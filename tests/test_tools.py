@@ -11,7 +11,7 @@ import random
 import pytest
 
 from realizar_backend.errors import RequestError
-from realizar_backend.serving.tools import (HERMES, LLAMA3_JSON, ToolStreamParser, check_tool_messages,
+from realizar_backend.serving.tools import (HERMES, LLAMA3_JSON, QWEN_XML, ToolStreamParser, check_tool_messages,
                                             delta_chunks, detect_format, finish_reason, parse_reply,
                                             parse_tool_request)
 
@@ -336,3 +336,136 @@ def test_bad_parameter_schema_is_a_400(qwen_tok, guidance):
         guidance.compile(req.constraint(guidance))
     assert e.value.status == 400 and e.value.param == "tools" and "not" in e.value.message
 
+
+
+# ------------------------------------------------------------------ more call syntaxes and schemas
+
+TIMER = {"type": "function", "function": {"name": "set_timer", "parameters": {
+    "type": "object", "properties": {"minutes": {"type": "integer"}, "label": {"type": "string"},
+                                     "loud": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["minutes"]}}}
+XML_W = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+         "</parameter>\n</function>\n</tool_call>")
+XML_T = ("<tool_call>\n<function=set_timer>\n<parameter=minutes>\n5\n</parameter>\n<parameter=label>\ntea\nand "
+         "cake\n</parameter>\n<parameter=loud>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n"
+         "</function>\n</tool_call>")
+XML_CASES = [
+    (XML_W, None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ("Let me check.\n\n" + XML_W + "\n" + XML_T, "Let me check.",
+     [("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+      ("set_timer", '{"minutes": 5, "label": "tea\\nand cake", "loud": true, "tags": ["a", "b"]}')]),
+    ("<tool_call>\n<function=set_timer>\n</function>\n</tool_call>", None, [("set_timer", "{}")]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", None, [("get_weather", "{}")]),   # cut short
+    ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", []),
+    ('{"name": "get_weather"}', '{"name": "get_weather"}', []),      # JSON is not this format's call
+]
+
+
+@pytest.fixture(scope="module")
+def xml_req():
+    from thinking_model import THINKING_TEMPLATE
+    assert detect_format(THINKING_TEMPLATE) is QWEN_XML
+    return parse_tool_request(TOOLS + [TIMER], "auto", None, THINKING_TEMPLATE)
+
+
+@pytest.mark.parametrize("case", range(len(XML_CASES)))
+def test_qwen_xml_replies_whole_and_streamed(xml_req, case):
+    text, content, calls = XML_CASES[case]
+    got_content, got_calls = parse_reply(text, xml_req)
+    assert got_content == content and [(c.name, c.arguments) for c in got_calls] == calls
+    rng = random.Random(case)
+    for cuts in [[], list(range(1, len(text)))] + [rng.sample(range(1, len(text)), 6) for _ in range(30)]:
+        assert _assemble(_streamed(xml_req, text, cuts)[0]) == (content, calls), cuts
+
+
+def test_qwen_xml_arguments_stream_a_parameter_at_a_time(xml_req):
+    p = ToolStreamParser(xml_req)
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"
+    assert _assemble(p.feed(head)) == (None, [("get_weather", "")])
+    assert delta_chunks(p.feed("ris\n</parameter>\n<param")) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"'}}]}]
+    assert delta_chunks(p.feed("eter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")) == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": ', "unit": "celsius"}'}}]}]
+
+
+def test_qwen_xml_grammar(guidance, xml_req):
+    from thinking_model import THINKING_TEMPLATE
+    n_ids = lambda s: len(guidance.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    forced = parse_tool_request(TOOLS + [TIMER], "required", None, THINKING_TEMPLATE).constraint(guidance)
+    for reply in (XML_W, XML_W + "\n" + XML_T.replace("True", "true")):
+        n, g = _walk(guidance, forced, reply)
+        assert n == n_ids(reply) and _stop_allowed(guidance, g)
+    assert _walk(guidance, forced, "Sunny.")[0] == 0
+    for wrong in (XML_W.replace("celsius", "kelvin"),                  # not in the enum
+                  XML_T.replace("\n5\n", "\nfive\n"),                  # not an integer
+                  XML_W.replace("<parameter=city>\nParis\n</parameter>\n", "")):      # a required one left out
+        assert _walk(guidance, forced, wrong)[0] < n_ids(wrong)
+    auto = xml_req.constraint(guidance)
+    for reply in ("Sunny in Paris.", "Let me check.\n" + XML_W):
+        n, g = _walk(guidance, auto, reply)
+        assert n == n_ids(reply) and _stop_allowed(guidance, g)
+
+
+def test_a_fenced_json_call_parses(hermes):
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n```'
+    cases = [(fenced, None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+             ("Here:\n" + fenced + "\n", "Here:", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+             ('```json\n{"result": 3}\n```', '```json\n{"result": 3}\n```', []),
+             ("```python\nprint(1)\n```", "```python\nprint(1)\n```", [])]
+    for text, content, calls in cases:
+        c, got = parse_reply(text, hermes)
+        assert c == content and [(x.name, x.arguments) for x in got] == calls
+        for cuts in ([], list(range(1, len(text))), [3, 9, 20]):
+            assert _assemble(_streamed(hermes, text, cuts)[0]) == (content, calls)
+    # a fenced block that cannot be a call streams as content before it closes
+    p = ToolStreamParser(hermes)
+    assert "".join(d.get("content", "") for d in p.feed('```json\n{"result": 3,')) == '```json\n{"result": 3,'
+
+
+def test_schemas_with_defs_and_refs(qwen_tok, guidance):
+    """$defs (and definitions) of a function's parameters are found although the call nests them."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+               "required": ["city", "zip"], "additionalProperties": False}
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "$defs": {"Address": address},
+        "properties": {"to": {"$ref": "#/$defs/Address"}, "back": {"$ref": "#/definitions/Old"}},
+        "definitions": {"Old": address}, "required": ["to"], "additionalProperties": False}}}
+    for choice in ("required", "auto"):
+        req = parse_tool_request(TOOLS + [ship], choice, None, qwen_tok[0].chat_template)
+        c = req.constraint(guidance)
+        guidance.compile(c)                          # was a 400: "Pointer '/$defs/Address' does not exist"
+        good = ('<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Rome", "zip": "00100"}}}\n'
+                '</tool_call>')
+        n, g = _walk(guidance, c, good)
+        assert n == len(guidance.tokenizer.encode(good, add_special_tokens=False))
+        bad_call = good.replace(', "zip": "00100"', "")
+        assert _walk(guidance, c, bad_call)[0] < len(guidance.tokenizer.encode(bad_call, add_special_tokens=False))
+
+
+def test_an_empty_arguments_string_is_an_empty_object():
+    msgs = [{"role": "user", "content": "time?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    assert check_tool_messages(msgs)[1]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_a_thinking_model_may_think_before_its_calls(guidance, xml_req, hermes):
+    """With the model's reasoning format, every tool grammar lets a thought come first (here the
+    tags are spelled out: Qwen2.5's vocabulary has no <think> token), then holds the calls as before."""
+    from realizar_backend.serving.reasoning import THINK
+    from thinking_model import THINKING_TEMPLATE
+    n_ids = lambda s: len(guidance.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    thought = "<think>\nThe user wants Paris.\n</think>\n\n"
+    for template, call in ((THINKING_TEMPLATE, XML_W), (hermes_template := None, CALL_W)):
+        t = template or guidance.tokenizer.chat_template
+        for choice in ("required", "auto"):
+            c = parse_tool_request(TOOLS + [TIMER] if template else TOOLS, choice, None, t).constraint(guidance, THINK)
+            for reply in (thought + call, "The user wants Paris.\n</think>\n" + call, call):
+                n, g = _walk(guidance, c, reply)
+                assert n == n_ids(reply) and _stop_allowed(guidance, g), (choice, reply)
+            if choice == "required":
+                assert _walk(guidance, c, thought + "Sunny.")[0] < n_ids(thought + "Sunny.")
+                bad = thought + call.replace("Paris", "Paris</think>") if template is None else None
+                assert bad is None or _walk(guidance, c, bad)[0] <= n_ids(bad)

@@ -52,6 +52,7 @@ from .pipeline import DecodePipeline
 from .prep import RequestPrep
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import Scheduler, Sequence
+from .token_rules import TokenRules
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,8 @@ class Engine(RequestPrep):
         guide = self.guidance.guide(params.constraint) if params.constraint is not None else None
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
                         sampler=Sampler(params, ids, self.config.vocab_size), sink=sink,
-                        detok=self.tokenizer.detokenizer(ids), guide=guide)
+                        detok=self.tokenizer.detokenizer(ids), guide=guide,
+                        rules=TokenRules.for_params(params, self.tokenizer.stop_ids, self.guidance.words))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink) -> None:
         """Queue a prepared request whose outputs go to sink (a callable, or an outputs sink class)."""
@@ -260,6 +262,7 @@ class Engine(RequestPrep):
         b = self.backend.stats()
         return {
             "backend": self.backend.name,
+            "model_name": self.model_name,
             "running": len(s.running),
             "waiting": len(s.waiting),
             "kv_usage": kv.usage,                 # blocks in use / blocks in the pool
@@ -476,7 +479,7 @@ class Engine(RequestPrep):
             text = drain_text(seq)
             seq.emitted_text += text
             self._emit(seq, RequestOutput(seq.request_id, text, [], reason, len(seq.prompt_ids),
-                                          len(seq.output_ids)))
+                                          len(seq.output_ids), cached_tokens=seq.cached_tokens or 0))
             self._finish(seq, reason, notify=False)
         for seq in list(self.scheduler.waiting):
             self._emit(seq, CapacityError("the server is shutting down; retry on another replica", retry_after_s=5))
@@ -509,7 +512,10 @@ class Engine(RequestPrep):
         p = seq.params
         guide = seq.guide
         if token is None:
-            token = seq.sampler.sample(logits, mask=guide.compute_mask() if guide is not None else None)
+            mask = guide.compute_mask() if guide is not None else None
+            if seq.rules is not None:
+                mask = seq.rules.mask(seq.output_ids, mask)
+            token = seq.sampler.sample(logits, mask=mask)
         if consumed is None and guide is not None:
             consumed = guide.consume(token)
         if guide is not None and not consumed:
@@ -525,6 +531,8 @@ class Engine(RequestPrep):
             return
         seq.sampler.observe(token)
         seq.output_ids.append(token)
+        if seq.rules is not None:
+            seq.rules.observe(seq.output_ids)
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -544,7 +552,8 @@ class Engine(RequestPrep):
         text, reason = text_and_stop(seq, token, self.tokenizer.stop_ids)
         seq.emitted_text += text
         self._emit(seq, RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
-                                      len(seq.output_ids), lp))
+                                      len(seq.output_ids), lp, seq.cached_tokens or 0,
+                                      seq.stop_string if reason is not None else None))
         if reason is not None:
             self._finish(seq, reason, notify=False)
 
@@ -562,7 +571,8 @@ class Engine(RequestPrep):
         self._retire(seq)
         n_out = len(seq.output_ids)
         if notify:
-            self._emit(seq, RequestOutput(seq.request_id, "", [], reason, len(seq.prompt_ids), n_out))
+            self._emit(seq, RequestOutput(seq.request_id, "", [], reason, len(seq.prompt_ids), n_out,
+                                          cached_tokens=seq.cached_tokens or 0))
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         self.observer.on_request_finished(reason, len(seq.prompt_ids), n_out,
                                           time.perf_counter() - seq.arrival, ttft)

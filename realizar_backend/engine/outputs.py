@@ -20,6 +20,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int        # cumulative
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
+    cached_tokens: int = 0        # prompt tokens found in the prefix cache (none were prefilled again)
+    stop_string: str | None = None    # the request's stop string that ended the sequence, if one did
 
     def merged(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by a later one of the same sequence, as one output: a consumer
@@ -27,7 +29,8 @@ class RequestOutput:
         lp = None if self.logprobs is None and later.logprobs is None else \
             (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
-                             later.finish_reason, later.prompt_tokens, later.completion_tokens, lp)
+                             later.finish_reason, later.prompt_tokens, later.completion_tokens, lp,
+                             max(self.cached_tokens, later.cached_tokens), later.stop_string)
 
 
 def drain_merged(q: asyncio.Queue, item):
@@ -67,18 +70,25 @@ async def queue_outputs(q: asyncio.Queue, start, leave):
 
 
 def add_text(seq: Sequence, delta: str) -> tuple[str, bool]:
-    """Stop-string handling: returns (text safe to emit, whether a stop string was hit)."""
+    """Stop-string handling: returns (text safe to emit, whether a stop string was hit). A stop
+    string completed by one of the first min_tokens tokens does not stop the sequence (as the
+    stop tokens cannot come among them), and nothing is held back meanwhile."""
     stops = seq.params.stop
     if not stops:
         return delta, False
     pending = seq.pending_text + delta
-    # search from where a stop string could start: it may straddle emitted and pending text
+    if len(seq.output_ids) <= seq.params.min_tokens:
+        seq.pending_text = ""
+        return pending, False
+    # search from where a stop string could start: it may straddle emitted and pending text, but
+    # it ends in the pending text (one wholly in the emitted text was passed over by min_tokens)
     longest = max(map(len, stops))
     tail = seq.emitted_text[-(longest - 1):] if longest > 1 else ""
     window = tail + pending
-    hits = [i for i in (window.find(s) for s in stops) if i >= 0]
+    hits = [(i, s) for s in stops for i in [window.find(s, max(0, len(tail) - len(s) + 1))] if i >= 0]
     if hits:
-        cut = min(hits) - len(tail)
+        at, seq.stop_string = min(hits, key=lambda h: h[0])
+        cut = at - len(tail)
         seq.pending_text = ""
         return pending[:max(cut, 0)], True
     hold = 0

@@ -121,13 +121,23 @@ class DecodePipeline:
         guides = [s.guide for s in batch if s.guide is not None]
         masks = self._mask_rows(len(guides)) if guides else None
         rows, k = [], 0
+        ruled = []          # (sequence, its grammar's mask): the host's rules apply once the mask is filled
         for s in batch:
             mask = None
             if s.guide is not None:
                 mask, k = masks[k], k + 1
+                if s.rules is not None:
+                    ruled.append((s, mask))
+            elif s.rules is not None:
+                mask = s.rules.mask(s.output_ids, None)
             rows.append(s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
                                       want_logits=(s.params.logprobs or 0) > 1, mask=mask))
-        prepare = (lambda: self.engine.guidance.fill_masks(guides, masks)) if guides else None
+
+        def prepare() -> None:
+            self.engine.guidance.fill_masks(guides, masks)
+            for s, mask in ruled:
+                s.rules.mask(s.output_ids, mask)
+        prepare = prepare if guides else None
         self.backend.decode_sample_launch(h, rows, prepare)
         if prefill:
             self._prefill(prefill)

@@ -16,16 +16,22 @@ class RequestPrep:
     kv_capacity (tokens the KV pool holds)."""
 
     def prepare(self, prompt: str | list[int] | None, params: SamplingParams,
-                messages: list[dict] | None = None, tools: list[dict] | None = None,
-                cancel: threading.Event | None = None) -> list[int]:
-        """Tokenize and validate a request; fills params.max_tokens when it is None, and compiles
-        params.constraint (cached). Blocking work: call it off the event loop. Raises
-        RequestError / ContextOverflowError before anything is queued. tools: the chat
-        template's `tools` (OpenAI's function definitions), rendered with the messages.
-        cancel: set when the request's client has left; the grammar's check stops then."""
+                messages: list[dict] | None = None, tools: list[dict] | None = None, *,
+                template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, cancel: threading.Event | None = None) -> list[int]:
+        """Tokenize and validate a request; fills params.max_tokens when it is None, compiles
+        params.constraint (cached), and sets params.thinking's `inside` from the rendered prompt.
+        Blocking work: call it off the event loop. Raises RequestError / ContextOverflowError
+        before anything is queued. tools: the chat template's `tools` (OpenAI's function
+        definitions), rendered with the messages; template_kwargs: more template variables (checked
+        by the caller); add_generation_prompt / continue_final_message: as transformers takes them;
+        cancel: set when the request's client has left (the grammar's check stops then)."""
         if messages is not None:
-            kwargs = {"tools": tools} if tools else {}
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **kwargs)
+            if params.thinking is not None:
+                params.thinking = params.thinking.after_prompt(text)
             ids = self.tokenizer.encode(text, add_special_tokens=False, limit=self.max_context)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True, limit=self.max_context)

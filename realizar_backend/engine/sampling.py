@@ -39,6 +39,8 @@ class SamplingParams:
     logprobs: int | None = None     # None: off; k: chosen token plus the top k
     logit_bias: dict | None = None  # token id (int, or its decimal string as in JSON) -> bias in [-100, 100]
     constraint: Any = None          # engine.guidance.Constraint the output follows (a grammar), or None
+    min_tokens: int = 0             # stop tokens (and stop strings) have no effect before this many tokens
+    thinking: Any = None            # engine.token_rules.Thinking: a reasoning model's thought and its budget
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -69,6 +71,9 @@ class SamplingParams:
         num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
             num("seed", self.seed, -(1 << 63), (1 << 64) - 1, integer=True)
+        num("min_tokens", self.min_tokens, 0, 1 << 30, integer=True)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             num("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True)
         if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):

@@ -58,16 +58,21 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
+    stop_string: str | None = None       # the stop string that ended it (outputs.add_text)
     preemptions: int = 0
     synced_blocks: int = 0               # entries of its block table the backend has been given
     # constrained decoding (engine/guidance.py): the grammar's state after the tokens generated
     # so far. A preempted sequence keeps it: its output (all consumed) is kept too.
     guide: Any = None
+    # the host's rules on its next tokens (engine/token_rules.py: min_tokens, a thinking budget)
+    rules: Any = None
+    cached_tokens: int | None = None     # prompt tokens the prefix cache held at its first admission
 
     @property
     def constrained(self) -> bool:
-        """A grammar or a logit bias changes this sequence's logits before each draw."""
-        return self.guide is not None or self.sampler.logit_bias is not None
+        """A grammar, a logit bias or a rule of the host changes this sequence's logits before a draw."""
+        return (self.guide is not None or self.sampler.logit_bias is not None
+                or (self.rules is not None and self.rules.constrains(len(self.output_ids))))
 
     @property
     def kv_target(self) -> int:
@@ -216,6 +221,8 @@ class Scheduler:
             return None
         self.waiting.remove(seq)
         seq.num_computed = hit
+        if seq.cached_tokens is None:       # a readmission after a preemption is not the request's
+            seq.cached_tokens = min(hit, len(seq.prompt_ids))
         seq.slot = self.free_slots.pop()
         seq.synced_blocks = 0
         self.running.insert(bisect.bisect([s.order for s in self.running], seq.order), seq)

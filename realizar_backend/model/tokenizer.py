@@ -459,9 +459,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs) -> str:
         """The prompt string transformers' `apply_chat_template(messages, tokenize=False, ...)` renders.
         Extra keyword arguments (tools, documents, enable_thinking, ...) are visible to the template.
+        continue_final_message: the prompt ends where the final message's content ends (no end of
+        turn after it), so the model goes on writing that message, as transformers cuts it.
         It renders in a worker process within the limits (chat_template.py); a template that fails
         or exceeds a limit on these messages is a RequestError (400) for this request."""
         if not self.chat_template:
@@ -480,7 +483,7 @@ class Tokenizer:
         if self._renderer is None:
             self._renderer = renderer(TemplateLimits.from_settings(Settings()))
         try:
-            return self._renderer.render(self.chat_template, context)
+            text = self._renderer.render(self.chat_template, context)
         except ChatTemplateError as e:
             if e.kind == "unavailable":
                 raise CapacityError(f"chat templates cannot be rendered now: {e.message}", retry_after_s=5) from None
@@ -488,6 +491,7 @@ class Tokenizer:
                 raise UnsupportedModelError(self._path, e.message) from None
             code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
             raise RequestError(f"{e.message} (with these messages)", param="messages", code=code) from None
+        return _continued(text, chat[-1]) if continue_final_message else text
 
 
 def _built(m: Metadata, key: str, problem: str, build):
@@ -507,6 +511,21 @@ def _has_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def _continued(text: str, final: dict) -> str:
+    """The rendered chat cut right after the final message's content (transformers' rule: where
+    the template kept the content's spacing, after it exactly; else after its stripped text)."""
+    content = final.get("content")
+    if isinstance(content, list):       # text parts: the last one is what continues
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise RequestError("continue_final_message: the final message's content does not appear in the "
+                           "rendered chat (empty, or changed by the chat template)", param="continue_final_message")
+    at = text.rindex(content.strip())
+    if text[at:at + len(content.lstrip())] == content.lstrip():
+        return text[:at + len(content.lstrip())]
+    return text[:at + len(content.strip())]
 
 
 def _tool_call_arguments(message: dict) -> dict:

@@ -16,6 +16,10 @@ engine's series (label `engine`, from 1): a sum over the label gives the server'
 `realizar_engine_status` names each engine's device and state. Every series also carries a
 `worker` label (BentoML's worker index, 1), so that a worker BentoML starts again replaces the old
 one's series.
+
+Beside ours, the vLLM names of the same quantities (`vllm:num_requests_running`, ... VLLM), so
+that dashboards and autoscalers made for vLLM work unchanged: each is fed by the same call as its
+realizar_ twin, with vLLM's `model_name` and `engine` labels (and `worker`).
 """
 
 from __future__ import annotations
@@ -93,6 +97,23 @@ GAUGES = {
 }
 
 
+# vLLM's names (its v1 engine's), each fed with its realizar_ twin: name -> (type, twin, documentation)
+VLLM = {
+    "vllm:num_requests_running": ("gauge", "requests_running", "Requests in the running batch"),
+    "vllm:num_requests_waiting": ("gauge", "requests_waiting", "Requests waiting to be admitted"),
+    "vllm:kv_cache_usage_perc": ("gauge", "kv_cache_usage_ratio", "KV-cache usage, 0..1 (1 = full)"),
+    "vllm:time_to_first_token_seconds": ("histogram", "time_to_first_token_seconds", "Time to first token"),
+    "vllm:inter_token_latency_seconds": ("histogram", "time_per_output_token_seconds",
+                                         "Time between consecutive output tokens"),
+    "vllm:e2e_request_latency_seconds": ("histogram", "e2e_request_latency_seconds",
+                                         "Time from arrival to the end of a request"),
+    "vllm:prompt_tokens": ("counter", "prompt_tokens_total", "Prompt tokens processed"),
+    "vllm:generation_tokens": ("counter", "generation_tokens_total", "Generation tokens produced"),
+    "vllm:prefix_cache_queries": ("counter", "prefix_cache_queried_tokens_total",
+                                  "Prompt tokens looked up in the prefix cache"),
+    "vllm:prefix_cache_hits": ("counter", "prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache"),
+}
+VLLM_MODEL_LABEL = "model_name"
 ENGINE_LABEL = "engine"
 
 
@@ -160,6 +181,20 @@ class Metrics:
         self.engine_status = gauge("engine_status", "livemax", ["engine", "device", "status"], engine=False)
         for status in ("400", "401", "404", "503"):
             self.request_errors.labels(status, worker)       # present at 0 before the first request
+        # vLLM's names: twin -> metric; each engine makes its children once it has said the model's name
+        self.vllm: dict[str, Any] = {}
+        for name, (kind, twin, doc) in VLLM.items():
+            labels = [VLLM_MODEL_LABEL, e, w]
+            if kind == "counter":
+                metric = pc.Counter(name.removesuffix("_total"), doc, labels, **kw)
+            elif kind == "histogram":
+                buckets = {"time_to_first_token_seconds": TTFT_BUCKETS, "time_per_output_token_seconds": TPOT_BUCKETS,
+                           "e2e_request_latency_seconds": E2E_BUCKETS}[twin]
+                metric = pc.Histogram(name, doc, labels, buckets=buckets, **kw)
+            else:
+                metric = pc.Gauge(name, doc, labels, multiprocess_mode="livemax" if "usage" in twin else "livesum",
+                                  **kw)
+            self.vllm[twin] = metric
 
     def engine(self, index: int) -> "EngineMetrics":
         """Engine `index`'s series (from 1): its observer."""
@@ -222,6 +257,22 @@ class EngineMetrics:
         self._kv_totals = {"preemptions": (mine(m.preemptions), 0),
                            "prefix_cache_queried_tokens": (mine(m.prefix_queried), 0),
                            "prefix_cache_hit_tokens": (mine(m.prefix_hits), 0)}
+        self.vllm: dict[str, Any] = {}           # twin -> this engine's child of vLLM's name
+        self.model_name: str | None = None
+
+    def _vllm(self) -> dict[str, Any]:
+        """vLLM's children for this engine and model ("" until the engine has said its name)."""
+        if not self.vllm:
+            model = self.model_name or ""
+            self.vllm = {twin: metric.labels(model, self.engine, self.worker) for twin, metric in self.m.vllm.items()}
+        return self.vllm
+
+    def set_model_name(self, name: str) -> None:
+        if name and name != self.model_name:
+            for twin, child in self.vllm.items():      # gauges under the old name stop counting
+                if twin in ("requests_running", "requests_waiting", "kv_cache_usage_ratio"):
+                    child.set(0)
+            self.model_name, self.vllm = name, {}
 
     # ---------------------------------------------------------------- EngineObserver
 
@@ -229,13 +280,18 @@ class EngineMetrics:
                             e2e_s: float, ttft_s: float | None) -> None:
         with self._lock:
             self._observe_intervals()
+        v = self._vllm()
         self.m.requests.labels(finish_reason, self.engine, self.worker).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+        for c in (self.prompt_tokens, v["prompt_tokens_total"]):
+            c.inc(prompt_tokens)
+        for c in (self.generation_tokens, v["generation_tokens_total"]):
+            c.inc(completion_tokens)
         self.prompt_length.observe(prompt_tokens)
-        self.e2e.observe(e2e_s)
+        for h in (self.e2e, v["e2e_request_latency_seconds"]):
+            h.observe(e2e_s)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            for h in (self.ttft, v["time_to_first_token_seconds"]):
+                h.observe(ttft_s)
 
     def on_token_interval(self, seconds: float) -> None:
         # kept, and observed together at the next step report or request end: one histogram
@@ -246,13 +302,19 @@ class EngineMetrics:
         if self._intervals:
             values, self._intervals = self._intervals, []
             observe_many(self.tpot, values)
+            observe_many(self._vllm()["time_per_output_token_seconds"], values)
 
     def on_step(self, stats: dict[str, Any]) -> None:
         with self._lock:
+            self.set_model_name(stats.get("model_name") or "")
             self._observe_intervals()
-            self.running.set(stats.get("running", 0))
-            self.waiting.set(stats.get("waiting", 0))
-            self.kv_usage.set(stats.get("kv_usage", 0.0))
+            v = self._vllm()
+            for g in (self.running, v["requests_running"]):
+                g.set(stats.get("running", 0))
+            for g in (self.waiting, v["requests_waiting"]):
+                g.set(stats.get("waiting", 0))
+            for g in (self.kv_usage, v["kv_cache_usage_ratio"]):
+                g.set(stats.get("kv_usage", 0.0))
             self.kv_used_blocks.set(stats.get("kv_used_blocks", 0))
             self.kv_used_tokens.set(stats.get("kv_used_tokens", 0))
             self.decode_rate.set(stats.get("decode_tokens_per_s", 0.0))
@@ -287,6 +349,9 @@ class EngineMetrics:
                 total = int(stats.get(key, 0))
                 if total > last:
                     counter.inc(total - last)
+                    twin = v.get(key + "_total")
+                    if twin is not None:
+                        twin.inc(total - last)
                     self._kv_totals[key] = (counter, total)
 
 
@@ -354,4 +419,4 @@ def forget_dead_processes() -> None:
 def metric_names() -> list[str]:
     """Every family name as the Prometheus text parser reports it (counters without _total)."""
     return ([PREFIX + n.removesuffix("_total") for n in COUNTERS]
-            + [PREFIX + n for n in HISTOGRAMS] + [PREFIX + n for n in GAUGES])
+            + [PREFIX + n for n in HISTOGRAMS] + [PREFIX + n for n in GAUGES] + list(VLLM))

@@ -20,6 +20,8 @@ from ..engine.guidance import Constraint
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from . import requests as rq
 from . import tokens
+from .chat_request import ChatOptions, chat_options
+from .reasoning import ReasoningFormat
 from .requests import bad
 from .structured import request_constraint
 from .tools import ToolRequest, ToolStreamParser, parse_tool_request
@@ -35,13 +37,22 @@ class Plan:
     logprobs: bool
     echo: list[str] | None = None         # completions: per job, the text put before its output
     tools: ToolRequest | None = None      # chat: the tools the reply may call (None: plain text)
+    n: int = 1                            # choices per prompt (jobs n at a time share a prompt)
+    continuous_usage: bool = False        # streamed: every chunk carries usage so far
+    reasoning: ReasoningFormat | None = None   # chat: the model thinks in this format
+    thinking_inside: bool = False         # chat: the prompt left the model inside a thought
 
     @property
     def calls_tools(self) -> bool:
         return self.tools is not None and ToolStreamParser(self.tools).active
 
+    def cached_tokens(self, per_job: list[int]) -> int:
+        """usage.prompt_tokens_details.cached_tokens: each prompt counted once (as prompt_tokens
+        counts it), by its first choice: how much of it the prefix cache held when it came."""
+        return sum(per_job[::self.n])
 
-async def planned(state, receive, fn, *args) -> Plan:
+
+async def planned(state, receive, fn, *args):
     """fn(*args, cancel) on a worker thread, watching the client meanwhile (`receive`: the
     request's ASGI receive, its body already read): when it disconnects, `cancel` is set, so that
     a grammar check in progress stops, and ClientGone is raised at once."""
@@ -71,11 +82,12 @@ def completion_plan(raw: bytes, engine, settings, cancel: threading.Event | None
     body.only(rq.COMPLETION_FIELDS)
     rq.check_model(body, engine)
     body.unsupported("suffix")
+    rq.no_prompt_logprobs(body)
     prompts = rq.prompts(body)
     n = rq.choices(body, len(prompts), settings.max_waiting)
     body.unsupported("best_of", lambda v: v == n)
     stream = body.get("stream", "bool", False)
-    include_usage = rq.stream_options(body, stream)
+    include_usage, continuous = rq.stream_options(body, stream)
     logprobs = body.get("logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad("logprobs", f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
@@ -85,25 +97,27 @@ def completion_plan(raw: bytes, engine, settings, cancel: threading.Event | None
     echoes = [tokens.echo_text(engine, p, echo, logprobs) for p in prompts for _ in range(n)] if echo else None
     jobs, prompt_tokens = jobs_for(engine, params, prompts, n, None, limit=request_tokens(engine, settings),
                                    cancel=cancel)
-    return Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None, echo=echoes)
+    return Plan(jobs, prompt_tokens, stream, include_usage, logprobs is not None, echo=echoes, n=n,
+                continuous_usage=continuous)
 
 
 def chat_plan(raw: bytes, engine, settings, cancel: threading.Event | None = None) -> Plan:
     body = rq.parse_json(raw)
     body.only(rq.CHAT_FIELDS)
     rq.check_model(body, engine)
-    for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "reasoning_effort",
-                 "verbosity"):
+    for name in ("functions", "function_call", "audio", "prediction", "web_search_options", "verbosity"):
         body.unsupported(name)
     body.unsupported("modalities", lambda v: v == ["text"])
+    rq.no_prompt_logprobs(body)
     if not getattr(engine.tokenizer, "has_chat_template", True):
         raise bad("messages", "this model has no chat template; use /v1/completions")
     tool_req = parse_tool_request(body.data.get("tools"), body.data.get("tool_choice"),
                                   body.data.get("parallel_tool_calls"), engine.tokenizer.chat_template)
     messages = rq.messages(body)
+    options = chat_options(body.data, engine.tokenizer)
     n = rq.choices(body, 1, settings.max_waiting)
     stream = body.get("stream", "bool", False)
-    include_usage = rq.stream_options(body, stream)
+    include_usage, continuous = rq.stream_options(body, stream)
     want_lp = body.get("logprobs", "bool", False)
     top = body.get("top_logprobs", "int")
     if top is not None and not want_lp:
@@ -115,17 +129,48 @@ def chat_plan(raw: bytes, engine, settings, cancel: threading.Event | None = Non
         max_tokens = body.get("max_tokens", "int")
     params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
     constraint = request_constraint(body.data, chat=True)
-    tool_constraint = tool_req.constraint(engine.guidance) if tool_req is not None else None
+    jobs, prompt_tokens = chat_jobs(engine, params, messages, tool_req, constraint, n, options=options,
+                                    limit=request_tokens(engine, settings), cancel=cancel)
+    thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
+    return Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req, n=n, continuous_usage=continuous,
+                reasoning=options.reasoning, thinking_inside=thinking is not None and thinking.inside)
+
+
+def chat_jobs(engine, params: SamplingParams, messages: list[dict], tool_req: ToolRequest | None,
+              constraint: Constraint | None, n: int = 1, cap_to_context: bool = False,
+              options: ChatOptions | None = None, limit: int | None = None,
+              cancel: threading.Event | None = None):
+    """The jobs of a chat (every API's: chat completions, Responses, Anthropic's messages):
+    messages as the chat template takes them, the tools it renders and whose calls the reply is
+    held to, or a structured-output constraint (not both: the tools' grammar is the reply's),
+    tokenized and validated by jobs_for. cap_to_context: params.max_tokens is an upper bound
+    (Anthropic's and the Responses API's), cut to the room the context leaves after the prompt
+    rather than refused. options: the template's kwargs and flags and the model's thought
+    (chat_request.chat_options). limit: the request's cost bound (request_tokens); cancel: set when
+    its client leaves (the grammar checks stop). Blocking: call it on a worker thread."""
+    reasoning = options.reasoning if options is not None else None
+    tool_constraint = tool_req.constraint(engine.guidance, reasoning) if tool_req is not None else None
     if tool_constraint is not None and constraint is not None:
         raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
                                     f"\"none\"")
     params.constraint = tool_constraint or constraint
     if tool_constraint is not None:
         check_tool_schemas(engine, tool_req, cancel)
+    if options is not None:
+        params.thinking = options.thinking
+    cap = params.max_tokens if cap_to_context else None
+    if cap is not None:
+        params.max_tokens = None          # prepare() fills in the room left
     jobs, prompt_tokens = jobs_for(engine, params, [None], n, messages,
-                                   tool_req.template_tools if tool_req is not None else None,
-                                   limit=request_tokens(engine, settings), cancel=cancel)
-    return Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req)
+                                   tool_req.template_tools if tool_req is not None else None, options,
+                                   limit=limit, cancel=cancel)
+    if cap is not None:
+        for _, p in jobs:
+            p.max_tokens = min(p.max_tokens, cap)
+        asked = sum(p.max_tokens for _, p in jobs)
+        if limit is not None and asked > limit:
+            raise _too_costly("output tokens (max_tokens)", asked, 1, n, limit, "max_tokens")
+    return jobs, prompt_tokens
 
 
 def request_tokens(engine, settings) -> int:
@@ -149,20 +194,24 @@ def check_tool_schemas(engine, tool_req: ToolRequest, cancel: threading.Event | 
         engine.guidance.compile(Constraint("json_schema", schema, param=f"tools[{i}].function.parameters"), cancel)
 
 
-def jobs_for(engine, base: SamplingParams, prompts, n: int, messages, tools=None, limit: int | None = None,
-             cancel: threading.Event | None = None):
+def jobs_for(engine, base: SamplingParams, prompts, n: int, messages, tools=None, options: ChatOptions | None = None,
+             limit: int | None = None, cancel: threading.Event | None = None):
     """Validate and tokenize every prompt once (blocking: tokenizing, template rendering and
     compiling the grammar run here, on a worker thread), then one job (sequence) per choice;
     seeded choices get seed + i so that n > 1 gives n different, reproducible samples.
-    limit: the request's cost bound (request_tokens), checked as the prompts are tokenized;
-    the output side counts max_tokens only where the request gave it."""
+    options: a chat's template kwargs and generation-prompt flags. limit: the request's cost
+    bound (request_tokens), checked as the prompts are tokenized; the output side counts
+    max_tokens only where the request gave it. cancel: set when the client leaves."""
     if limit is not None and base.max_tokens is not None and base.max_tokens * n * len(prompts) > limit:
         raise _too_costly("output tokens (max_tokens)", base.max_tokens * n * len(prompts), len(prompts), n, limit,
                           "max_tokens")
     jobs, prompt_tokens = [], 0
+    chat = {} if options is None else dict(template_kwargs=options.template_kwargs,
+                                           add_generation_prompt=options.add_generation_prompt,
+                                           continue_final_message=options.continue_final_message)
     for prompt in prompts:
         params = dataclasses.replace(base)
-        ids = engine.prepare(prompt, params, messages, tools, cancel=cancel)
+        ids = engine.prepare(prompt, params, messages, tools, cancel=cancel, **chat)
         prompt_tokens += len(ids)
         if limit is not None and prompt_tokens * n > limit:
             raise _too_costly("prompt tokens", prompt_tokens * n, len(prompts), n, limit,

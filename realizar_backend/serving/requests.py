@@ -49,7 +49,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _COMMON = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
            "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
            # vLLM's sampling extras (the openai client sends them through extra_body)
-           "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+           "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "prompt_logprobs",
            # vLLM's guided decoding (serving/structured.py)
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
            "user"}
@@ -58,7 +58,9 @@ CHAT_FIELDS = _COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
     "parallel_tool_calls", "response_format", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "metadata", "store", "service_tier", "prompt_cache_key",
-    "safety_identifier"}
+    "safety_identifier",
+    # vLLM's chat extras (serving/chat_request.py)
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "max_reasoning_tokens"}
 # vLLM's token routes
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs", "messages", "add_generation_prompt",
                    "continue_final_message", "tools", "chat_template_kwargs"}
@@ -254,7 +256,7 @@ def check_model(body: Body, engine) -> None:
     model = body.require("model", "str")
     if model != engine.model_name:
         raise RequestError(f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
-                           status=400, param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
 
 
 def sampling(body: Body, max_tokens: int | None, logprobs: int | None, max_stop_chars: int) -> SamplingParams:
@@ -280,7 +282,18 @@ def sampling(body: Body, max_tokens: int | None, logprobs: int | None, max_stop_
         ignore_eos=body.get("ignore_eos", "bool", False),
         logprobs=logprobs,
         logit_bias=body.get("logit_bias", "dict"),
+        min_tokens=body.get("min_tokens", "int", 0),
     )
+
+
+def no_prompt_logprobs(body: Body) -> None:
+    """vLLM's prompt_logprobs needs the logits of every prompt position; a prefill computes only
+    its last position's (on the GPU the LM head runs on those rows alone), and prompt tokens found
+    in the prefix cache are not computed at all. Refused unless null."""
+    if body.data.get("prompt_logprobs") is not None:
+        raise bad("prompt_logprobs", "prompt_logprobs: not supported by this server (prompt positions' logits "
+                                     "are not computed: only the last position's, and none for a cached prefix)",
+                  "unsupported_parameter")
 
 
 def choices(body: Body, prompts: int, max_waiting: int) -> int:
@@ -297,16 +310,23 @@ def choices(body: Body, prompts: int, max_waiting: int) -> int:
     return n
 
 
-def stream_options(body: Body, stream: bool) -> bool:
+def stream_options(body: Body, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): a last chunk with the usage, and (vLLM's, with
+    include_usage) the usage so far in every chunk."""
     opts = body.get("stream_options", "dict")
     if opts is None:
-        return False
+        return False, False
     if not stream:
         raise bad("stream_options", "stream_options: only allowed when stream is true")
-    inc = opts.get("include_usage", False)
-    if not isinstance(inc, bool):
-        raise bad("stream_options", "stream_options.include_usage: expected a boolean", "invalid_type")
-    return inc
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        v = opts.get(name, False)
+        if v is None:
+            v = False
+        if not isinstance(v, bool):
+            raise bad("stream_options", f"stream_options.{name}: expected a boolean", "invalid_type")
+        flags.append(v)
+    return flags[0], flags[0] and flags[1]
 
 
 def prompts(body: Body) -> list[str | list[int]]:

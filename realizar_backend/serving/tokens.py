@@ -14,11 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import RequestError
+from .chat_request import template_kwargs
 from .tools import parse_tool_request
-
-
-# what the chat template gets from the request's own fields: chat_template_kwargs may not set them
-TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 def _bad(param: str, message: str, code: str | None = None) -> RequestError:
@@ -38,7 +35,7 @@ def _model(engine, data: dict) -> None:
     model = data.get("model")
     if model is not None and model != engine.model_name:
         raise RequestError(f"the model {model!r} does not exist; this server serves {engine.model_name!r}",
-                           param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
 
 
 def tokenize(engine, data: dict, messages: list[dict] | None = None) -> dict:
@@ -50,17 +47,13 @@ def tokenize(engine, data: dict, messages: list[dict] | None = None) -> dict:
     if messages is not None:
         if data.get("prompt") is not None:
             raise _bad("prompt", "give either prompt or messages")
-        if _flag(data, "continue_final_message", False):
-            raise _bad("continue_final_message", "not supported by this server", "unsupported_parameter")
-        kwargs = data.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise _bad("chat_template_kwargs", "expected an object", "invalid_type")
-        taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs))
-        if taken:
-            raise _bad(f"chat_template_kwargs.{taken[0]}", "set by the request's own fields (messages, "
-                                                           "add_generation_prompt, tools), not here")
+        cont = _flag(data, "continue_final_message", False)
+        gen = _flag(data, "add_generation_prompt", not cont)
+        if gen and cont:
+            raise _bad("continue_final_message", "cannot be combined with add_generation_prompt (set it to false)")
+        kwargs = template_kwargs(data.get("chat_template_kwargs"))
         req = parse_tool_request(data.get("tools"), None, None, tok.chat_template)
-        text = tok.apply_chat_template(messages, add_generation_prompt=_flag(data, "add_generation_prompt", True),
+        text = tok.apply_chat_template(messages, add_generation_prompt=gen, continue_final_message=cont,
                                        tools=req.template_tools if req else None, **kwargs)
         ids = tok.encode(text, add_special_tokens=_flag(data, "add_special_tokens", False))
     else:

@@ -2,10 +2,14 @@
 
 The model's own chat template renders the tools (and past tool calls and results), so a model
 is asked for calls in the syntax it was trained on; that syntax is chosen from the template:
-- hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks (Qwen2.5, Hermes),
-  or a bare call object as the whole reply (what small Qwen2.5 models write);
+- hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks (Qwen2.5, Qwen3,
+  Hermes), a bare call object as the whole reply (what small Qwen2.5 models write), or a call
+  object in a fenced ```json block (which they write too);
+- qwen_xml: `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n
+  </tool_call>` blocks (Qwen3-Coder, Qwen3.5: their templates spell `<function=`), see tool_xml.py;
 - llama3_json: the reply is `{"name": ..., "parameters": {...}}` (Llama 3.1 / 3.2).
-A template that never renders tools gets a 400 when tools are asked for.
+A template that never renders tools gets a 400 when tools are asked for. The grammars that hold
+calls to the tools' schemas are tool_grammars.py's.
 
 Decoding is constrained (engine/guidance.py) for every tool_choice but `none`: with `required` or
 a named function the reply is calls only (one for a named function, for a bare call object, or
@@ -13,8 +17,8 @@ when parallel_tool_calls is false) whose arguments follow the function's paramet
 `auto` the model may answer in text, but a call it starts is held to the same schemas. The reply
 is parsed into OpenAI `tool_calls` (`parse_reply`), or, streaming, into OpenAI-style deltas
 (`ToolStreamParser`): a call's id, type and name first, then its arguments as they are generated.
-The arguments string is the model's own JSON text of the arguments object, the same whole or
-streamed.
+The arguments string is the model's own JSON text of the arguments object (qwen_xml: the
+parameters written as JSON), the same whole or streamed.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.guidance import JSON_STYLE, Constraint
+from ..engine.guidance import Constraint
 from ..errors import RequestError
+from . import tool_grammars, tool_xml
+from .json_scan import ObjectScanner, member_spans
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -47,7 +53,9 @@ class ToolFormat:
 
 
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments")
+QWEN_XML = ToolFormat("qwen_xml", "<tool_call>", "</tool_call>", "arguments")
 LLAMA3_JSON = ToolFormat("llama3_json", None, None, "parameters")
+_FENCE_OPEN, _FENCE_CLOSE = "```json", "```"       # a hermes call in a fenced JSON block
 _PYTHON_TAG = "<|python_tag|>"     # Llama's marker before a JSON call (a special token: not in the text)
 
 
@@ -56,7 +64,7 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     if not chat_template or not re.search(r"\btools\b", chat_template):
         return None
     if "<tool_call>" in chat_template:
-        return HERMES
+        return QWEN_XML if "<function=" in chat_template else HERMES
     if '"parameters"' in chat_template:
         return LLAMA3_JSON
     return None
@@ -82,18 +90,25 @@ class ToolRequest:
     parallel: bool
     template_tools: list[dict] | None = field(default=None)
 
-    def constraint(self, guidance) -> Constraint | None:
+    def constraint(self, guidance, reasoning=None) -> Constraint | None:
         """The grammar the reply is held to (None for tool_choice none). guidance: the engine's
-        Guidance (it knows whether the call markers are special tokens of the vocabulary)."""
+        Guidance (it knows whether the call markers are special tokens of the vocabulary);
+        reasoning: the model's ReasoningFormat when its template thinks (a thought may come first)."""
         if self.choice == "none" or self.format is None:
             return None
         fns = [self.functions[self.named]] if self.choice == "function" else list(self.functions.values())
-        schema = _calls_schema(fns, self.format.args_key)
         one_call = self.choice == "function" or not self.parallel
-        if self.format is HERMES:
-            lark = _hermes_grammar(guidance, schema, forced=self.choice != "auto", one_call=one_call)
+        forced, f = self.choice != "auto", self.format
+        if f is QWEN_XML:
+            lark = tool_grammars.xml_grammar(guidance, fns, forced, one_call, f.open, f.close)
+        elif f is HERMES:
+            schema = tool_grammars.calls_schema(fns, f.args_key)
+            lark = tool_grammars.hermes_grammar(guidance, schema, forced, one_call, f.open, f.close)
         else:
-            lark = _llama3_grammar(guidance, schema, forced=self.choice != "auto")
+            schema = tool_grammars.calls_schema(fns, f.args_key)
+            lark = tool_grammars.llama3_grammar(guidance, schema, forced, _PYTHON_TAG)
+        if reasoning is not None:
+            lark = tool_grammars.with_thought(guidance, lark, reasoning)
         return Constraint("lark", lark, param="tools")
 
 
@@ -112,8 +127,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         raise _bad("tools", "expected an array of tools", "invalid_type")
     if len(tools) > MAX_TOOLS:
         raise _bad("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
-    functions: dict[str, Function] = {}
-    rendered = []
+    defined: list[tuple[str, str | None, dict]] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -126,7 +140,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, underscores or dashes")
-        if name in functions:
+        if any(name == d[0] for d in defined):
             raise _bad(f"{where}.function.name", f"two tools are named {name!r}")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
@@ -139,10 +153,8 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise _bad(f"{where}.function.strict", "expected a boolean", "invalid_type")
-        functions[name] = Function(name, params)
-        rendered.append({"type": "function", "function": {k: v for k, v in
-                                                          (("name", name), ("description", desc),
-                                                           ("parameters", params)) if v is not None}})
+        defined.append((name, desc, params))
+    names = [d[0] for d in defined]
     choice, named = "auto", None
     if tool_choice is None or tool_choice in ("none", "auto", "required"):
         choice = tool_choice or "auto"
@@ -151,17 +163,28 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         if tool_choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise _bad("tool_choice", 'expected "none", "auto", "required" or '
                                       '{"type": "function", "function": {"name": ...}}')
-        if fn["name"] not in functions:
-            raise _bad("tool_choice", f"no tool is named {fn['name']!r} (tools: {', '.join(functions)})")
+        if fn["name"] not in names:
+            raise _bad("tool_choice", f"no tool is named {fn['name']!r} (tools: {', '.join(names)})")
         choice, named = "function", fn["name"]
     else:
         raise _bad("tool_choice", 'expected "none", "auto", "required" or a function', "invalid_type")
+    return tool_request(defined, choice, named, parallel_tool_calls is not False, chat_template)
+
+
+def tool_request(defined: list[tuple[str, str | None, dict]], choice: str, named: str | None, parallel: bool,
+                 chat_template: str | None) -> ToolRequest:
+    """The ToolRequest of checked, distinct function definitions ((name, description, parameters
+    schema), in request order) whatever API they came in: choice is none | auto | required |
+    function (then `named` is one of them). A 400 for tools on a model whose template has none."""
     fmt = detect_format(chat_template)
     if fmt is None and choice != "none":
         raise _bad("tools", "this model's chat template has no tool support; tool calls need a model whose "
                             "template renders tools (e.g. Qwen2.5's)", "tools_not_supported")
-    return ToolRequest(fmt, functions, choice, named, parallel_tool_calls is not False,
-                       rendered if choice != "none" else None)
+    functions = {name: Function(name, params) for name, _, params in defined}
+    rendered = [{"type": "function", "function": {k: v for k, v in (("name", name), ("description", desc),
+                                                                   ("parameters", params)) if v is not None}}
+                for name, desc, params in defined]
+    return ToolRequest(fmt, functions, choice, named, parallel, rendered if choice != "none" else None)
 
 
 def check_tool_messages(messages: Any) -> list[dict]:
@@ -194,7 +217,9 @@ def check_tool_messages(messages: Any) -> list[dict]:
                 fn = call.get("function")
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise _bad(f"{cw}.function", "expected {name, arguments}")
-                args = fn.get("arguments", "{}")
+                args = fn.get("arguments")
+                if args is None or args == "":          # no arguments (some clients send "")
+                    args = "{}"
                 try:
                     ok = isinstance(args, str) and isinstance(json.loads(args), dict)
                 except ValueError:
@@ -220,43 +245,6 @@ def check_tool_messages(messages: Any) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------------ grammars
-
-def _calls_schema(fns: list[Function], args_key: str) -> dict:
-    one = [{"type": "object", "properties": {"name": {"const": f.name}, args_key: f.parameters},
-            "required": ["name", args_key], "additionalProperties": False} for f in fns]
-    schema = one[0] if len(one) == 1 else {"anyOf": one}
-    return {**schema, "x-guidance": JSON_STYLE}
-
-
-def _marker(guidance, text: str) -> str:
-    # a marker that is one special token of the vocabulary must be named as one in the grammar
-    return text if guidance.is_special(text) else json.dumps(text)
-
-
-def _hermes_grammar(guidance, schema: dict, forced: bool, one_call: bool) -> str:
-    op, cl = _marker(guidance, HERMES.open), _marker(guidance, HERMES.close)
-    lines = ["start: calls | bare" if forced else "start: TEXT | TEXT? calls | bare",
-             f'call: {op} "\\n" bare "\\n" {cl}',
-             "calls: call" if one_call else 'calls: call ("\\n" call)*',
-             # a bare call object is one call: the model stops after it
-             f"bare: %json {json.dumps(schema)}"]
-    if not forced:
-        # text may not start like a bare call, nor contain the opening marker
-        lines.append("TEXT: /[^{](.|\\n)*/" if op.startswith("<") else
-                     "TEXT: /[^{](.|\\n)*/ & ~/(?s:.*)" + re.escape(HERMES.open) + "(?s:.*)/")
-    return "\n".join(lines)
-
-
-def _llama3_grammar(guidance, schema: dict, forced: bool) -> str:
-    bare = f"bare: %json {json.dumps(schema)}"
-    if forced:
-        return "start: bare\n" + bare
-    tag = f" | {_PYTHON_TAG} bare" if guidance.is_special(_PYTHON_TAG) else ""
-    # the reply is a call, or text that does not start like one
-    return f"start: TEXT | bare{tag}\n{bare}\nTEXT: /[^{{](.|\\n)*/"
-
-
 # ------------------------------------------------------------------------------ parsing
 
 @dataclass
@@ -269,46 +257,10 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-def _member_spans(s: str) -> dict[str, tuple[int, int]] | None:
-    """Where each top-level member's value lies in the JSON object text s; None if s is not one."""
-    dec = json.JSONDecoder()
-    try:
-        i = _skip_ws(s, 0)
-        if s[i] != "{":
-            return None
-        spans: dict[str, tuple[int, int]] = {}
-        i = _skip_ws(s, i + 1)
-        if s[i] == "}":
-            return spans if not s[i + 1:].strip() else None
-        while True:
-            key, i = dec.raw_decode(s, i)
-            i = _skip_ws(s, i)
-            if not isinstance(key, str) or s[i] != ":":
-                return None
-            i = _skip_ws(s, i + 1)
-            _, j = dec.raw_decode(s, i)
-            spans[key] = (i, j)
-            i = _skip_ws(s, j)
-            if s[i] == ",":
-                i = _skip_ws(s, i + 1)
-                continue
-            if s[i] == "}" and not s[i + 1:].strip():
-                return spans
-            return None
-    except (ValueError, IndexError):
-        return None
-
-
 def _call_from_json(text: str, req: ToolRequest) -> ToolCall | None:
     """One call's JSON text -> ToolCall; None unless it is {"name": <a tool>, arguments} with the
     arguments an object (under "arguments" or "parameters", or a string holding one)."""
-    spans = _member_spans(text)
+    spans = member_spans(text)
     if spans is None or "name" not in spans:
         return None
     name = json.loads(text[slice(*spans["name"])])
@@ -360,37 +312,14 @@ def finish_reason(engine_reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and engine_reason == "stop" else engine_reason
 
 
-class _ObjectScanner:
-    """Follows a JSON object's text as it arrives and says where it ends (depth, strings, escapes)."""
-
-    def __init__(self):
-        self.depth = 0
-        self.in_str = self.esc = False
-        self.done = False
-
-    def feed(self, s: str) -> int:
-        """Consume s; returns how many characters belong to the object (all of s, unless it ends inside)."""
-        for k, ch in enumerate(s):
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return k + 1
-        return len(s)
-
-
 _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL_START = '{"name":'
+
+
+def _may_be_call(body: str) -> bool:
+    """Whether a fenced block's text so far may still be a call object ({"name": ...)."""
+    head = "".join(body.split())[:len(_CALL_START)]
+    return _CALL_START.startswith(head) or head.startswith(_CALL_START)
 _ARGS_NEXT = re.compile(r'\s*,\s*"(arguments|parameters)"\s*:\s*')
 
 
@@ -400,9 +329,12 @@ class ToolStreamParser:
     generated). parse_reply is this parser run over the whole text, so streamed and whole
     replies agree however the text is split.
 
-    A call is a marked block (hermes: <tool_call> ... </tool_call>, anywhere in the reply) or a
-    bare JSON call object at the start of the reply or right after another call (llama3_json's
-    only form; small Qwen models also answer this way). Whitespace next to a call is not content."""
+    A call is a marked block (hermes and qwen_xml: <tool_call> ... </tool_call>; hermes also a
+    fenced ```json block; anywhere in the reply) or a bare JSON call object at the start of the
+    reply or right after another call (llama3_json's only form; small Qwen models also answer this
+    way). A marked block that is not a call of one of the tools stays content (a fenced block is
+    given up as soon as it cannot be one, so that a code answer streams on). Whitespace next to a
+    call is not content."""
 
     def __init__(self, req: ToolRequest):
         self.req = req
@@ -413,7 +345,12 @@ class ToolStreamParser:
         self._after_call = False
         self._body = ""              # the open call's text
         self._call: dict = {}        # the open call's streaming state
-        self._obj: _ObjectScanner | None = None   # where a bare call's object ends
+        self._obj: ObjectScanner | None = None   # where a bare call's object ends
+        f = req.format
+        # the (open, close) markers of a marked block in this format
+        self._markers = [] if f is None or f.open is None else \
+            [(f.open, f.close)] + ([(_FENCE_OPEN, _FENCE_CLOSE)] if f is HERMES else [])
+        self._pair: tuple[str, str] = ("", "")    # the open block's markers
 
     @property
     def active(self) -> bool:
@@ -431,7 +368,6 @@ class ToolStreamParser:
 
     def _run(self, final: bool) -> list[dict]:
         out: list[dict] = []
-        marker = self.req.format.open
         while True:
             if self._mode == "start":
                 rest = self._buf.lstrip()
@@ -442,40 +378,46 @@ class ToolStreamParser:
                         self._content("", out, final=True)
                     return out
                 self._mode = "text"
-                if rest[0] == "{":
+                if rest[0] == "{" and self.req.format is not QWEN_XML:
                     self._open("bare")
                 continue
             if self._mode == "text":
-                a = self._buf.find(marker) if marker else -1
-                if a < 0:
-                    # a tail that may be the start of the marker waits for the next delta
+                hits = [(a, pair) for pair in self._markers for a in [self._buf.find(pair[0])] if a >= 0]
+                if not hits:
+                    # a tail that may be the start of a marker waits for the next delta
                     keep = len(self._buf)
-                    if marker and not final:
-                        for k in range(min(len(marker) - 1, len(self._buf)), 0, -1):
-                            if marker.startswith(self._buf[-k:]):
-                                keep -= k
-                                break
+                    if not final:
+                        keep -= max((k for op, _ in self._markers
+                                     for k in range(min(len(op) - 1, len(self._buf)), 0, -1)
+                                     if op.startswith(self._buf[-k:])), default=0)
                     self._content(self._buf[:keep], out, final)
                     self._buf = self._buf[keep:]
                     return out
+                a, pair = min(hits)
                 self._content(self._buf[:a], out, final=False)
-                self._buf = self._buf[a + len(marker):]
-                self._open("marked")
+                self._buf = self._buf[a + len(pair[0]):]
+                self._open("marked", pair)
                 continue
             if self._mode == "marked":
-                close = self.req.format.close
+                op, close = self._pair
                 # the closing marker may straddle deltas: look for it in the call's text so far
                 start = max(0, len(self._body) - len(close) + 1)
                 self._body += self._buf
                 self._buf = ""
                 b = self._body.find(close, start)
+                if b < 0 and op == _FENCE_OPEN and not _may_be_call(self._body):
+                    # a fenced block that is not a call (code): content at once, not at its end
+                    self._buf, self._body = self._body, ""
+                    self._content(op, out, final=False)
+                    self._mode = "text"
+                    continue
                 if b < 0 and not final:
                     self._stream_call(out)
                     return out
                 closed = b >= 0
                 if closed:
                     self._body, self._buf = self._body[:b], self._body[b + len(close):]
-                self._close(out, marker + self._body + (close if closed else ""))
+                self._close(out, op + self._body + (close if closed else ""))
                 self._mode = "text"
                 if not closed:
                     return out
@@ -490,10 +432,30 @@ class ToolStreamParser:
             # after a call another may follow; after an object that is not one, text does
             self._mode = "start" if self._close(out, self._body) else "text"
 
-    def _open(self, mode: str) -> None:
-        self._mode, self._body = mode, ""
-        self._call = {"sent": False, "emitted": "", "scan": None, "pos": 0}
-        self._obj = _ObjectScanner() if mode == "bare" else None
+    def _open(self, mode: str, pair: tuple[str, str] = ("", "")) -> None:
+        self._mode, self._body, self._pair = mode, "", pair
+        self._call = {"sent": False, "emitted": "", "scan": None, "pos": 0, "writer": None}
+        self._obj = ObjectScanner() if mode == "bare" else None
+
+    @property
+    def _xml(self) -> bool:
+        """The open block is a qwen_xml call (not JSON)."""
+        return self.req.format is QWEN_XML and self._pair[0] == QWEN_XML.open
+
+    def _stream_xml(self, out: list[dict]) -> None:
+        c, body = self._call, self._body
+        if not c["sent"]:
+            head = tool_xml.function_name(body)
+            if head is None or head[0] not in self.req.functions:
+                return
+            c.update(sent=True, name=head[0], id=ToolCall(head[0], "").id, pos=head[1],
+                     writer=tool_xml.ArgumentsWriter(self.req.functions[head[0]].parameters))
+            out.append(self._header(c))
+        pairs, c["pos"] = tool_xml.parameters(body, c["pos"])
+        piece = "".join(c["writer"].piece(k, v) for k, v in pairs)
+        if piece:
+            c["emitted"] += piece
+            out.append(self._args(piece))
 
     def _content(self, text: str, out: list[dict], final: bool) -> None:
         """Text outside calls. Whitespace waits until text follows it (it is not content next to
@@ -515,6 +477,8 @@ class ToolStreamParser:
             out.append({"content": text})
 
     def _stream_call(self, out: list[dict]) -> None:
+        if self._xml:
+            return self._stream_xml(out)
         c, body = self._call, self._body
         if not c["sent"]:
             m = _NAME_FIRST.match(body)
@@ -532,8 +496,8 @@ class ToolStreamParser:
             m = _ARGS_NEXT.match(body, c["pos"])
             if m is None or m.end() >= len(body) or body[m.end()] != "{":
                 return
-            c["scan"], c["pos"] = _ObjectScanner(), m.end()
-        scan: _ObjectScanner = c["scan"]
+            c["scan"], c["pos"] = ObjectScanner(), m.end()
+        scan: ObjectScanner = c["scan"]
         if scan.done:
             return
         n = scan.feed(body[c["pos"]:])
@@ -547,7 +511,12 @@ class ToolStreamParser:
         """The open call's text is complete (or the reply ended): emit what is left of it.
         Returns whether it was a call."""
         self._stream_call(out)
-        c, call = self._call, _call_from_json(self._body, self.req)
+        c = self._call
+        if self._xml:
+            got = tool_xml.arguments(self._body, {k: f.parameters for k, f in self.req.functions.items()})
+            call = ToolCall(*got) if got is not None else None
+        else:
+            call = _call_from_json(self._body, self.req)
         if call is None and not c["sent"]:
             # not a call: its text is content, with the whitespace held before it
             out.append({"content": self._held + block})
