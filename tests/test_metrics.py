@@ -8,18 +8,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_util import sample, shared_server, wait_for
+from server_util import sample, wait_for
 
 from realizar_backend.serving.metrics import COUNTERS, DECODE_STARTS, GAUGES, HISTOGRAMS, VLLM, metric_names
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 def delta(after, before, name, **labels) -> float:

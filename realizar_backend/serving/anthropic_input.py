@@ -318,7 +318,7 @@ def _tools(tools: list | None, choice: dict | None, chat_template: str | None) -
 
 def _output_format(body: rq.Body) -> Constraint | None:
     config = body.get("output_config", "dict") or {}
-    found = [(f"output_config.format", config.get("format"))] if config.get("format") is not None else []
+    found = [("output_config.format", config.get("format"))] if config.get("format") is not None else []
     if body.data.get("output_format") is not None:
         found.append(("output_format", body.data["output_format"]))
     if len(found) > 1:
