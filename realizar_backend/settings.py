@@ -4,6 +4,7 @@ field here, filled from `REALIZAR_<FIELD>` environment variables or set by the c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -35,6 +36,12 @@ def _parse(kind: Any, raw: str):
     return raw
 
 
+# REALIZAR_* variables that are not settings: the test suite's and the GPU tools' own (tests/,
+# tools/device_check.sh). Any other unknown REALIZAR_* name stops the start, so that a misspelt
+# setting is never ignored silently
+NOT_SETTINGS_PREFIXES = ("REALIZAR_TEST_",)
+NOT_SETTINGS = frozenset({"REALIZAR_TWINS", "REALIZAR_REAL_SMOL"})
+
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str, type(None))}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -62,8 +69,8 @@ class Settings:
     gpu_memory_utilization: float = 0.90
     # prompts are prefilled in chunks of at most this many tokens per step, between the decode
     # steps of the running sequences (a long prompt never freezes the others' streams for more
-    # than a chunk: ~50 ms for qwen15 on the H100); a burst of short prompts shares one step (64
-    # clients' 128-token prompts, H100: 6,517 and 6,743 tok/s served with 2048, 6,132 with 512)
+    # than a chunk); a burst of short prompts shares steps (16 prompts of 128 tokens a step: fewer,
+    # larger steps serve such a burst sooner than more, smaller ones)
     prefill_chunk_tokens: int = 2048
     # full KV blocks are kept keyed by their tokens (and all before them), so a request that
     # shares a prefix with an earlier one reuses them instead of prefilling it again
@@ -102,14 +109,28 @@ class Settings:
     # where they match the sources; off: compile every module with NVRTC at start-up
     prebuilt_kernels: bool = True
     log_level: str = "INFO"
-    # `bentoml serve` runs this many worker processes, each with its own engine and copy of the
-    # model; requests spread over them. With a GPU, one worker per GPU (worker i on the i-th
-    # visible one) and 0 = every visible GPU; on the CPU 0 = 1
+    # `bentoml serve` runs this many engine cores (each a process with its own copy of the model,
+    # KV cache and step loop) behind its one front end, which sends each request to the least busy
+    # (engine/group.py). With a GPU, one per GPU (engine i on the i-th visible one) and 0 = every
+    # visible GPU; on the CPU 0 = 1
     workers: int = 0
-    # `bentoml serve` runs each worker's engine (the backend and the step loop) in a process of its
-    # own, so that the server's HTTP and streaming work never holds up a step's launches (the GIL);
-    # off: the engine runs on a thread of the worker process
-    engine_process: bool = True
+    # a worker whose engine process answers no heartbeat, or has requests and completes no step,
+    # for this long is stuck: /livez and /readyz turn 503 until it moves again. Above the longest
+    # step the engine may take (a prefill chunk of a large model on the CPU)
+    engine_stall_timeout_s: float = 60.0
+    # HTTP connections (serving/connections.py): a client must send a request's headers within
+    # read_timeout_s of connecting (or of its previous response), and its body within as long
+    # again, else 408 and the connection closes; headers larger than max_header_bytes get 431;
+    # past max_connections open connections a new one closes the one that has waited longest
+    # for its request (or gets 503 when every connection is a request being served). 0: the
+    # process's open-file limit less serving/connections.py's FD_RESERVE
+    read_timeout_s: float = 30.0
+    max_header_bytes: int = 64 << 10
+    max_connections: int = 0
+    # BLAS threads of the CPU backend's process (NumPy's matrix multiplies); 0: one per core this
+    # process may run on less one, which the server's own work keeps (BLAS threads beyond the free
+    # cores spin while they wait and slow every step: backends/__init__.py's cpu_threads)
+    cpu_threads: int = 0
 
     ENV_PREFIX = "REALIZAR_"
 
@@ -123,6 +144,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Settings":
         env = os.environ if environ is None else environ
+        cls._refuse_unknown(env)
         values: dict[str, Any] = {}
         for f in fields(cls):
             key = cls.env_name(f.name)
@@ -133,6 +155,19 @@ class Settings:
                     raise SettingsError(f"{key}={env[key]!r}: {e}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    @classmethod
+    def _refuse_unknown(cls, env) -> None:
+        """A REALIZAR_* variable that names no setting is a typo until shown otherwise: stop with
+        the nearest setting's name, as the API answers an unknown field."""
+        known = [cls.env_name(f.name) for f in fields(cls)]
+        for key in sorted(env):
+            if (not key.startswith(cls.ENV_PREFIX) or key in known or key in NOT_SETTINGS
+                    or key.startswith(NOT_SETTINGS_PREFIXES)):
+                continue
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else " (docs/serving.md lists them)"
+            raise SettingsError(f"{key}: no such setting{hint}")
 
     def _bad(self, name: str, why: str) -> SettingsError:
         shown = "<hidden>" if name == "api_key" else repr(getattr(self, name))
@@ -189,6 +224,12 @@ class Settings:
         at_least("shutdown_grace_s", 0)
         one_of("prefill_weight_cache", "auto", "on", "off")
         at_least("workers", 0, 256)
+        for name in ("engine_stall_timeout_s", "read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise self._bad(name, "must be greater than 0")
+        at_least("max_header_bytes", 1024, 1 << 24)
+        at_least("max_connections", 0, 1 << 20)
+        at_least("cpu_threads", 0, 1024)
         if self.log_level.upper() not in _LOG_LEVELS:
             raise self._bad("log_level", f"must be one of {', '.join(_LOG_LEVELS)}")
 
@@ -197,9 +238,9 @@ class Settings:
 
 
 # ------------------------------------------------------------------------------ GPUs of `bentoml serve`
-# The one place CUDA_VISIBLE_DEVICES is read and set. BentoML gives every worker of a service the
-# same CUDA_VISIBLE_DEVICES (all the GPUs its resources ask for), so each worker narrows it to its
-# own GPU before anything starts CUDA in the process, and then uses device 0.
+# The one place CUDA_VISIBLE_DEVICES is read and set. BentoML gives the service's worker every GPU
+# its resources ask for, in one CUDA_VISIBLE_DEVICES; each engine process it starts sees one of
+# them (gpu_environ) and uses device 0.
 
 def visible_gpus(driver_gpus: int | Callable[[], int], environ: dict[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: that variable's, up to
@@ -217,34 +258,22 @@ def visible_gpus(driver_gpus: int | Callable[[], int], environ: dict[str, str] |
     return out
 
 
-def serve_workers(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
-    """How many workers `bentoml serve` starts: one per GPU with a GPU (settings.workers of them,
-    or every visible one), settings.workers (at least 1) on the CPU. Asking for more GPUs than
-    are visible stops the start; none visible (a build machine) leaves the count to the setting."""
+def gpu_environ(gpu: str) -> dict[str, str]:
+    """This process's environment for a child that sees only `gpu` (a CUDA_VISIBLE_DEVICES entry)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+
+
+def serve_engines(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
+    """How many engine cores `bentoml serve` runs: one per GPU with a GPU (settings.workers of them,
+    or every visible one), settings.workers (at least 1) on the CPU. Asking for more GPUs than are
+    visible stops the start; none visible (a build machine) leaves the count to the setting."""
     if not use_gpu:
         return settings.workers or 1
     if settings.device:
-        raise settings._bad("device", "under `bentoml serve` worker i takes the i-th visible GPU; "
+        raise settings._bad("device", "under `bentoml serve` engine i takes the i-th visible GPU; "
                                       "choose the GPUs with CUDA_VISIBLE_DEVICES")
     n = settings.workers or max(1, len(gpus))
     if gpus and n > len(gpus):
-        raise settings._bad("workers", f"one GPU per worker, and {len(gpus)} are visible "
+        raise settings._bad("workers", f"one GPU per engine, and {len(gpus)} are visible "
                                        f"(CUDA_VISIBLE_DEVICES entries {','.join(gpus)})")
     return n
-
-
-def worker_gpu(worker: int, gpus: list[str]) -> str:
-    """The GPU of BentoML worker `worker` (numbered from 1): the worker-th of the visible ones."""
-    if not 1 <= worker <= len(gpus):
-        shown = ",".join(gpus) or "none"
-        raise SettingsError(f"worker {worker} has no GPU of its own: the visible GPUs are {shown}")
-    return gpus[worker - 1]
-
-
-def bind_worker_gpu(settings: Settings, worker: int, gpus: list[str],
-                    environ: dict[str, str] | None = None) -> tuple[Settings, str]:
-    """Make worker_gpu(worker, gpus) the only GPU this process sees (CUDA_VISIBLE_DEVICES) and
-    return the settings that use it (device 0) with its entry. Call before CUDA starts."""
-    gpu = worker_gpu(worker, gpus)
-    (os.environ if environ is None else environ)["CUDA_VISIBLE_DEVICES"] = gpu
-    return settings.replace(device=0), gpu

@@ -5,10 +5,8 @@ an API key) on a free local port and waits for /readyz; every server test module
 the model loads once per pytest run. `shared_qwen_server()` is the same for Qwen2.5-Coder-0.5B
 (the tool-calling and structured-output tests). The processes are stopped at interpreter exit.
 
-`start_server(worker_env=...)` gives single workers their own environment, as a machine whose
-GPUs differ would: BentoML gives every worker the same one, so a `sitecustomize` module on the
-server's PYTHONPATH adds it in the worker it names (BentoML starts a worker as
-`python -m _bentoml_impl.worker.service ... --worker-id N`).
+`Server.engines()` finds the engine processes behind the server's one worker (one per GPU, or
+REALIZAR_WORKERS on the CPU), and `engine_statuses()` what /metrics says of each.
 """
 
 from __future__ import annotations
@@ -82,27 +80,29 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
-    def workers(self) -> dict:
-        """The BentoML worker processes that hold the engines (psutil.Process), by worker index."""
-        import psutil
-        out = {}
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            cmd = p.cmdline()
-            if any("_bentoml_impl.worker" in part for part in cmd):
-                out[int(cmd[cmd.index("--worker-id") + 1])] = p
-        return out
-
     def worker(self):
-        """The BentoML worker process that holds the engine (a psutil.Process)."""
-        workers = self.workers()
-        if not workers:
-            raise RuntimeError("no worker process under the server")
-        return workers[min(workers)]
+        """The BentoML worker process, the front end (a psutil.Process)."""
+        import psutil
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            if any("_bentoml_impl.worker" in part for part in p.cmdline()):
+                return p
+        raise RuntimeError("no worker process under the server")
+
+    def engines(self) -> list:
+        """The worker's engine processes (psutil.Process), in the order it started them."""
+        return sorted((p for p in self.worker().children()
+                       if any("realizar_backend.engine.process" in part for part in p.cmdline())),
+                      key=lambda p: int(p.cmdline()[-1]))
 
     def worker_statuses(self) -> dict[str, str]:
         """{worker: loading | ready | failed} from realizar_worker_status on /metrics."""
         return {labels["worker"]: labels["status"] for (name, key), v in self.metrics().items()
                 if name == "realizar_worker_status" and v == 1.0 for labels in [dict(key)]}
+
+    def engine_statuses(self) -> dict[str, tuple[str, str]]:
+        """{engine: (device, ready | stuck | dead | failed)} from realizar_engine_status on /metrics."""
+        return {labels["engine"]: (labels["device"], labels["status"]) for (name, key), v in self.metrics().items()
+                if name == "realizar_engine_status" and v == 1.0 for labels in [dict(key)]}
 
     def stop(self) -> None:
         if self.proc.poll() is not None:
@@ -114,21 +114,6 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
-
-
-_SITECUSTOMIZE = """
-import os, sys
-_env = {worker_env!r}
-if "--worker-id" in sys.argv:
-    os.environ.update(_env.get(sys.argv[sys.argv.index("--worker-id") + 1], {{}}))
-# then the sitecustomize this one hides, if the interpreter has one
-import importlib.machinery, importlib.util
-_here = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
-if _spec is not None:
-    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-"""
 
 
 _BIND_ATTEMPTS = 3
@@ -156,20 +141,16 @@ def _lost_its_port(server: Server, within_s: float = 30.0) -> bool:
 
 
 def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
-                 bentoml_home: Path | None = None, worker_env: dict[int, dict[str, str]] | None = None,
-                 wait_ready: bool = True) -> Server:
+                 bentoml_home: Path | None = None,
+                 wait_ready: bool = True, nofile: int | None = None, host: str | None = "127.0.0.1") -> Server:
     """A server on a free port; its own BentoML home unless `bentoml_home` names a shared one.
-    worker_env: more environment for single workers, by index (from 1). wait_ready=False
-    returns once the server answers /livez, ready or not."""
+    wait_ready=False
+    returns once the server answers /livez, ready or not. nofile: the server's open-file limit
+    (its soft RLIMIT_NOFILE), as a machine with a small one would have. host: `--host` (None:
+    none given, the service's default)."""
     home = Path(tempfile.mkdtemp(prefix="realizar-serve-"))
     full_env = {**os.environ, **SERVER_ENV, **(env or {}),
                 "BENTOML_HOME": str(bentoml_home or home / "bentoml"), "BENTOML_DO_NOT_TRACK": "true"}
-    if worker_env:
-        site = home / "site"
-        site.mkdir()
-        (site / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(
-            worker_env={str(k): v for k, v in worker_env.items()}))
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))
     log_path = home / "serve.log"
     # free_port's port comes from the ephemeral range, which the suite's own client connections
     # draw from too: one may take it before the server binds it; then the server starts on another
@@ -177,9 +158,10 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         port = free_port()
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", "--host", "127.0.0.1",
+                [sys.executable, "-m", "bentoml", "serve", "service:Realizar", *(["--host", host] if host else []),
                  "--port", str(port)],
-                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=None if nofile is None else lambda: _limit_files(nofile))
         server = Server(f"http://127.0.0.1:{port}", proc, log_path, full_env.get("REALIZAR_API_KEY"))
         if not _lost_its_port(server):
             break
@@ -198,6 +180,11 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def _limit_files(n: int) -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
 _shared: dict[str, Server] = {}
@@ -226,6 +213,20 @@ def _shared_server(key: str, env) -> Server:
         server = _shared[key] = start_server(env())
         atexit.register(server.stop)
     return server
+
+
+def warm(server, timeout: float = 120.0) -> None:
+    """Wait out a fresh server's one-time work (llguidance's vocabulary, built on a thread a
+    second after ready in the worker and in its engine process, holds the GIL for up to seconds:
+    a server with a short REALIZAR_ENGINE_STALL_TIMEOUT_S may call its engine stuck meanwhile and
+    answer 503): a guided request needs it built."""
+    def served():
+        r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
+                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Yes or no?", "max_tokens": 1,
+                             "guided_choice": ["yes", "no"]})
+        assert r.status_code in (200, 503), r.text
+        return r.status_code == 200
+    assert wait_for(served, timeout, interval=1.0), "the server did not serve a guided request"
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
@@ -294,6 +295,10 @@ print(json.dumps(out))
 
     def worst(self) -> float:
         return max(t for _, t in self.samples)
+
+    def late(self, bound: float) -> list[tuple[int, str, float]]:
+        """(index, status, seconds) of every answer slower than `bound`."""
+        return [(i, s, t) for i, (s, t) in enumerate(self.samples) if t > bound]
 
     def statuses(self) -> set[str]:
         return {code for code, _ in self.samples}

@@ -374,7 +374,8 @@ CORRUPTIONS = (
 
 
 def corrupt(src: str | Path, dst: str | Path, kind: str) -> Path:
-    """Copy the valid GGUF `src` to `dst` with one defect (see CORRUPTIONS)."""
+    """Copy the valid GGUF `src` to `dst` with one defect (see CORRUPTIONS), or with one tensor's
+    type changed to one only the NumPy backend runs ("tensor_type_cpu_only": a valid file)."""
     src, dst = Path(src), Path(dst)
     data = bytearray(src.read_bytes())
     lay = _layout(src)
@@ -404,7 +405,10 @@ def corrupt(src: str | Path, dst: str | Path, kind: str) -> Path:
         put("<Q", first["offset"], struct.unpack_from("<Q", data, first["offset"])[0] + 1)
     elif kind == "tensor_type_unknown":
         put("<I", first["type"], 250)
-    elif kind == "tensor_type_unsupported":          # a real type, same block geometry as Q4_K
+    elif kind == "tensor_type_unsupported":          # a real type whose blocks fit in Q4_K's bytes
+        t = lay["tensors"]["blk.0.ffn_up.weight"]
+        put("<I", t["type"], int(Q.TQ2_0))
+    elif kind == "tensor_type_cpu_only":             # a type the NumPy backend decodes and the GPU does not
         t = lay["tensors"]["blk.0.ffn_up.weight"]
         put("<I", t["type"], int(Q.IQ4_XS))
     elif kind == "kv_count_huge":

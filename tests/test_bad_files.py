@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q, GGUFValueType as V
 import synth
 from realizar_backend.errors import ModelFormatError, RealizarError, UnsupportedModelError
 from realizar_backend.formats import open_model
+from realizar_backend.model.arch import supported_list
 
 MFE, UME = ModelFormatError, UnsupportedModelError
 LIMIT_S = 20         # generous for CI; a correct loader answers each case in well under a second
@@ -139,7 +140,7 @@ CASES = [
     ("offset-misaligned", corrupted("tensor_offset_misaligned"), MFE, "not a multiple of the alignment 32"),
     ("overlapping-tensors", corrupted("overlapping_tensors"), MFE, "overlap"),
     ("unknown-tensor-type", corrupted("tensor_type_unknown"), MFE, "unknown type id 250"),
-    ("unsupported-tensor-type", corrupted("tensor_type_unsupported"), UME, "IQ4_XS, which is not supported"),
+    ("unsupported-tensor-type", corrupted("tensor_type_unsupported"), UME, "TQ2_0, which is not supported"),
     ("kv-count-2**60", corrupted("kv_count_huge"), MFE, "metadata kv count is 1152921504606846976, impossible"),
     ("tensor-count-2**60", corrupted("tensor_count_huge"), MFE, "tensor count is 1152921504606846976"),
     ("array-len-2**60", corrupted("array_len_huge"), MFE, "array length of 'tokenizer.ggml.token_type'"),
@@ -155,7 +156,7 @@ CASES = [
     ("vocab-vs-embeddings", gguf_with(tokenizer=False, extra_metadata={"llama.vocab_size": 1000}), MFE,
      "'token_embd.weight' has shape"),
     ("unsupported-arch", gguf_with(extra_metadata={"general.architecture": "mamba"}), UME,
-     "architecture 'mamba' is not supported; supported: gemma3, llama, qwen2, qwen3"),
+     f"architecture 'mamba' is not supported; supported: {supported_list()}"),
     ("missing-metadata", gguf_with(skip_metadata=("llama.block_count",)), MFE, "'llama.block_count'"),
     ("block-count-10**12", gguf_with(extra_metadata={"llama.block_count": (10 ** 12, V.UINT64)}), MFE,
      "the metadata says 1000000000000 layers"),
@@ -189,7 +190,7 @@ CASES = [
     ("hf-missing-tensor", hf(lambda d: _rewrite_shard(d, drop=("model.layers.1.mlp.down_proj.weight",))), MFE,
      "missing required tensor 'model.layers.1.mlp.down_proj.weight' (blk.1.ffn_down.weight)"),
     ("hf-unknown-arch", hf(lambda d: _edit_json(d, "config.json", lambda o: o.update(
-        architectures=["GPT2LMHeadModel"], model_type="gpt2"))), UME, "is not supported; supported: gemma3, llama"),
+        architectures=["GPT2LMHeadModel"], model_type="gpt2"))), UME, f"is not supported; supported: {supported_list()}"),
     ("hf-gemma3", hf(lambda d: _edit_json(d, "config.json", lambda o: o.update(
         architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"))), UME, "gemma3 safetensors checkpoints"),
     ("hf-shape-vs-config", hf(lambda d: _edit_json(d, "config.json", lambda o: o.update(intermediate_size=384))),

@@ -130,3 +130,11 @@ def test_a_bento_for_n_gpus_asks_for_them_one_worker_each(tmp_path_factory):
     cpu = _build(tmp_path_factory, REALIZAR_BACKEND="cpu", REALIZAR_WORKERS="3")
     config = yaml.safe_load((cpu / "bento.yaml").read_text())["services"][0]["config"]
     assert "gpu" not in (config.get("resources") or {}) and config["workers"] == 3
+
+
+def test_the_image_listens_on_every_interface(bento):
+    """`bentoml serve` listens on 127.0.0.1 by default; the container's must take the published port."""
+    dockerfile = (bento / "env" / "docker" / "Dockerfile").read_text()
+    host = re.search(r"^ARG BENTOML_HOST=(\S+)$", dockerfile, re.M)
+    assert host and host.group(1) == "0.0.0.0", "the image does not set BENTOML_HOST=0.0.0.0"
+    assert "ENV BENTOML_HOST=$BENTOML_HOST" in dockerfile

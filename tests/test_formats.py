@@ -20,9 +20,13 @@ def _ref_dequant(t) -> np.ndarray:
     return gq.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
+# the types tests/synth.py can write (gguf-py decodes every SUPPORTED type but quantizes fewer)
+WRITABLE = [q for q in SUPPORTED if q in synth.TOLERANCE]
+
+
+@pytest.mark.parametrize("qtype", WRITABLE, ids=lambda q: q.name)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_every_supported_type_decodes_to_its_source(tmp_path, qtype, arch):
+def test_every_writable_type_decodes_to_its_source(tmp_path, qtype, arch):
     m = synth.write_gguf(tmp_path / "m.gguf", arch=arch, qtype=qtype)
     mf = open_model(m.path)
     assert mf.quant_mix()[qtype.name] >= 7 * m.dims["n_layers"]

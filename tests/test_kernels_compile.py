@@ -31,15 +31,3 @@ def test_kernel_compiles(src, arch, tmp_path):
     assert out.stat().st_size > 0
     # warnings are errors in waiting: a kernel must compile clean
     assert "warning" not in r.stderr.lower(), r.stderr
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-def test_decode_timeline_variant_compiles(tmp_path):
-    """flash_decode.cu with its timeline stamps (flash_timing.cuh), as tools/decode_timeline.py
-    builds it."""
-    out = tmp_path / "flash_decode_timing.cubin"
-    r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-std=c++17", "-I", str(KERNELS), "-DFLD_TIMING=1",
-                        "-DFL_D=128", "-DFL_QS=1", "-o", str(out), str(KERNELS / "flash_decode.cu")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "warning" not in r.stderr.lower(), r.stderr

@@ -1,6 +1,7 @@
 """/metrics of a real server, read with prometheus_client's parser: every realizar_ metric is
-there next to BentoML's own, labelled with its worker, and after traffic each moved the right way
-(the token counters by exactly the usage the clients were told). Several workers: test_workers.py."""
+there next to BentoML's own, labelled with its worker (and the engine's series with their engine),
+and after traffic each moved the right way
+(the token counters by exactly the usage the clients were told). Several engines: test_engine_group.py."""
 
 from __future__ import annotations
 
@@ -38,16 +39,18 @@ def test_every_metric_is_exposed_with_prometheus_names(server):
     for n in HISTOGRAMS:
         assert n.endswith(("_seconds", "_tokens"))
     assert sample(server.metrics(), "realizar_graph_status", bucket="all", status="disabled") == 1.0
-    # one worker: every series says so, and the worker says where it runs
+    # one worker and one engine: every series says so, and the engine says where it runs
     ours = [s for f in families.values() if f.name.startswith("realizar_") for s in f.samples]
     assert ours and all(s.labels.get("worker") == "1" for s in ours)
+    front = {"realizar_worker_status", "realizar_engine_status", "realizar_request_errors_total"}
+    assert all(s.labels.get("engine") == "1" for s in ours if s.name not in front)
     assert server.worker_statuses() == {"1": "ready"}
-    # vLLM's names, with its model_name label
+    assert server.engine_statuses() == {"1": ("cpu", "ready")}
+    # vLLM's names, with its model_name label (and the engine's)
     for name, (kind, _, _) in VLLM.items():
         assert families[name].type == kind
         assert families[name].samples and all(s.labels.get("model_name") == MODEL and s.labels.get("worker") == "1"
-                                               for s in families[name].samples), name
-    assert sample(server.metrics(), "realizar_worker_status", worker="1", device="cpu", status="ready") == 1.0
+                                               and s.labels.get("engine") == "1" for s in families[name].samples), name
 
 
 def test_metrics_move_with_traffic(server):

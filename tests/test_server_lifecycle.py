@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -22,15 +23,55 @@ MODEL = "SmolLM2-135M-Instruct"
 GRACE_S = 4
 
 
-@pytest.mark.parametrize("env", [{"REALIZAR_MAX_WAITING": "0"}, {"REALIZAR_MAX_WAITING": "-5"},
-                                 {"REALIZAR_SHUTDOWN_GRACE_S": "soon"}])
-def test_a_bad_setting_stops_the_start_naming_it(env):
+@pytest.mark.parametrize("env, line", [
+    ({"REALIZAR_MAX_WAITING": "0"}, "realizar: REALIZAR_MAX_WAITING=0: must be at least 1"),
+    ({"REALIZAR_MAX_WAITING": "-5"}, "realizar: REALIZAR_MAX_WAITING=-5: must be at least 1"),
+    ({"REALIZAR_SHUTDOWN_GRACE_S": "soon"}, "realizar: REALIZAR_SHUTDOWN_GRACE_S='soon': not a number"),
+    ({"REALIZAR_MAX_NUM_SEQ": "4"}, "realizar: REALIZAR_MAX_NUM_SEQ: no such setting; did you mean "
+                                    "REALIZAR_MAX_NUM_SEQS?")])
+def test_a_bad_setting_stops_the_start_with_one_line_naming_it(env, line):
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="exited") as e:
+    with pytest.raises(RuntimeError, match="exited with 1") as e:
         start_server(env, timeout=120)
-    var = next(iter(env))
-    assert f"{var}={env[var]!r}" in str(e.value) or f"{var}={env[var]}" in str(e.value), str(e.value)[-2000:]
+    assert line in str(e.value).splitlines(), str(e.value)[-2000:]
+    assert "Traceback" not in str(e.value)
     assert time.monotonic() - t0 < 120
+
+
+def _serve_once(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    import sys
+    from server_util import REPO
+    base = [sys.executable, "-m", "bentoml", "serve", "service:Realizar"] if cmd[0] == "bentoml" else \
+        [sys.executable, "-m", "realizar_backend.cli", "serve"]
+    return subprocess.run(base + cmd[1:], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "REALIZAR_BACKEND": "cpu", "BENTOML_DO_NOT_TRACK": "true", **env})
+
+
+@pytest.mark.parametrize("command", ["bentoml", "realizar"])
+def test_a_port_in_use_is_one_line_and_a_non_zero_exit(command):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _serve_once([command, "--host", "127.0.0.1", "--port", str(port)], {})
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert f"realizar: cannot listen on 127.0.0.1:{port}: the address is in use" in log, log[-2000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_a_server_that_cannot_load_its_model_exits_with_one_line(tmp_path, engines):
+    missing = tmp_path / "nowhere.gguf"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 1") as e:
+        start_server({"REALIZAR_MODEL": str(missing), "REALIZAR_WORKERS": str(engines)}, timeout=120)
+    log = str(e.value)
+    errors = [line for line in log.splitlines() if "cannot serve the model" in line]
+    assert len(errors) == 1 and f"ModelFormatError: {missing}: no such file" in errors[0], log[-2000:]
+    assert "Traceback" not in log
+    assert time.monotonic() - t0 < 60
 
 
 def _stream(server, body, out: dict) -> None:
@@ -153,3 +194,52 @@ def test_openai_routes_are_traced_only_where_spans_go_somewhere(tmp_path, config
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(not traced), "False"]
+
+
+def test_the_worker_and_its_engines_end_with_a_killed_server_and_free_the_port():
+    """SIGKILL the server's main process (BentoML's arbiter): its worker (in a session of its own)
+    and the worker's engine processes end too, and the port is free within seconds."""
+    import psutil
+    import socket
+
+    server = start_server()
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    try:
+        assert server.worker() and any("realizar_backend.engine.process" in " ".join(p.cmdline()) for p in children)
+        port = int(server.url.rsplit(":", 1)[1])
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, [p.cmdline() for p in alive]
+
+        def port_free() -> bool:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                    return True
+                except OSError:
+                    return False
+
+        assert wait_for(port_free, 5)
+    finally:
+        for p in children:           # what a failure left running
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        server.stop()
+
+
+def test_bentoml_serve_listens_on_this_machine_only_unless_asked():
+    import psutil
+
+    server = start_server(host=None)
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        conns = (getattr(psutil.Process(server.proc.pid), "net_connections", None)
+                 or psutil.Process(server.proc.pid).connections)(kind="inet")
+        listening = {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+        assert wait_for(lambda: f"listening on 127.0.0.1 port {port}" in server.log_tail(200), 10), server.log_tail()
+    finally:
+        server.stop()

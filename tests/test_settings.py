@@ -30,7 +30,9 @@ BAD = {
     "chat_template_max_chars": ["5"], "chat_template_memory_mb": ["16"], "chat_template_workers": ["0", "1000"],
     "shutdown_grace_s": ["-1", "nan"], "cuda_graphs": ["perhaps"], "step_trace": [" x", "/no/such/dir/steps.jsonl"],
     "prefill_weight_cache": ["always"], "self_check": ["si"], "log_level": ["LOUD"], "model_cache": ["", " ~/models"],
-    "prebuilt_kernels": ["sometimes"], "workers": ["-1", "257", "all"], "engine_process": ["maybe"],
+    "prebuilt_kernels": ["sometimes"], "workers": ["-1", "257", "all"],
+    "engine_stall_timeout_s": ["0", "-1", "inf"], "read_timeout_s": ["0", "nan"],
+    "max_header_bytes": ["100", "huge"], "max_connections": ["-1"], "cpu_threads": ["-2", "many"],
 }
 CASES = [(name, value) for name, values in BAD.items() for value in values]
 
@@ -76,3 +78,45 @@ def test_kv_cache_settings():
                 {"REALIZAR_KV_CACHE_TOKENS": "8", "REALIZAR_BLOCK_SIZE": "16"}):
         with pytest.raises(SettingsError):
             Settings.from_env(env)
+
+
+@pytest.mark.parametrize("typo, meant", [("REALIZAR_MAX_NUM_SEQ", "REALIZAR_MAX_NUM_SEQS"),
+                                         ("REALIZAR_CONTEXTLENGTH", "REALIZAR_CONTEXT_LENGTH"),
+                                         ("REALIZAR_BACKEN", "REALIZAR_BACKEND")])
+def test_a_misspelt_variable_stops_the_start_with_the_nearest_name(typo, meant):
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env({typo: "4", "REALIZAR_BACKEND": "cpu"})
+    assert str(e.value) == f"{typo}: no such setting; did you mean {meant}?"
+
+
+def test_an_unknown_variable_with_no_near_name_is_refused_too():
+    with pytest.raises(SettingsError, match="REALIZAR_ZZZ: no such setting"):
+        Settings.from_env({"REALIZAR_ZZZ": "1"})
+
+
+def test_the_test_suite_and_tools_variables_are_not_settings_and_pass():
+    env = {"REALIZAR_TEST_SEED": "7", "REALIZAR_TEST_MODEL_CACHE": "/tmp", "REALIZAR_TWINS": "/tmp/twins",
+           "REALIZAR_REAL_SMOL": "/tmp/smol.gguf", "REALIZAR_BACKEND": "cpu"}
+    assert Settings.from_env(env).backend == "cpu"
+
+
+def test_every_realizar_variable_the_repository_uses_is_known():
+    """Whatever the package, the tests, the tool scripts and the user docs name is a setting or
+    allowed, so that nothing of ours trips the typo check (kernel macros in .cu files are not
+    environment; docs/perf-notes.md is history and names settings since removed)."""
+    import re
+    from pathlib import Path
+    from realizar_backend.settings import NOT_SETTINGS, NOT_SETTINGS_PREFIXES
+    root = Path(__file__).resolve().parent.parent
+    known = {Settings.env_name(f.name) for f in fields(Settings)} | NOT_SETTINGS
+    used = set()
+    for path in [*root.glob("realizar_backend/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("tools/**/*.sh"),
+                 root / "docs" / "serving.md", root / "README.md", root / "bentofile.yaml"]:
+        if path.is_file():
+            used |= set(re.findall(r"REALIZAR_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    # names a comment or doc gives as placeholders, and this test's own examples
+    used -= {"REALIZAR_X", "REALIZAR_Y", "REALIZAR_KIT_VERSION", "REALIZAR_ZZZ", "REALIZAR_MAX_NUM_SEQ",
+             "REALIZAR_CONTEXTLENGTH", "REALIZAR_BACKEN", "REALIZAR_CC", "REALIZAR_QMASK", "REALIZAR_HOST_TEST",
+             "REALIZAR_TEST_FALLBACK"}
+    unknown = {u for u in used - known if not (u + "_").startswith(NOT_SETTINGS_PREFIXES)}
+    assert not unknown, unknown

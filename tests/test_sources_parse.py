@@ -1,5 +1,6 @@
-"""Every Python file of the package and its tools parses. The CUDA backend's modules are imported
-only on a machine with a GPU, so without this a syntax error there would pass the CPU suite."""
+"""Every Python file of the package, its tools and its benchmarks parses. The CUDA backend's modules
+are imported only on a machine with a GPU, so without this a syntax error there would pass the CPU
+suite."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = sorted(p for d in ("realizar_backend", "tools", "tests") for p in (ROOT / d).rglob("*.py"))
+FILES = sorted(p for d in ("realizar_backend", "tools", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -132,7 +132,7 @@ def rel(y: np.ndarray, ref: np.ndarray) -> float:
 # unit of 2^-24 of the running sum fall with no common pattern grows like sqrt(K) 2^-24. Measured as
 # multiples of sqrt(K) 2^-24: split16 on the H100 0.23-0.92 (tests/gpu/test_prefill_split.py, six
 # shapes, K 640-8960), cuBLAS fp32 SGEMM 0.07-0.27, the (pessimistic) tensor-core models of this twin
-# 0.4-1.1 (real weights, docs/perf-notes.md). The bound is 4x that (H100 worst: 4.3x below it).
+# 0.4-1.1 (real weights). The bound is 4x that (H100 worst: 4.3x below it).
 # Single fp16 inputs err by their own rounding, ~2^-12 per input: 2e-4..4e-4 at any K, 13x or more
 # above the bound for K <= 8960 and still 6x at K = 16384, so an fp16-class result cannot pass.
 SPLIT16_SQRT_K = 4.0

@@ -2,19 +2,21 @@
 # THE device script: everything the GPU machine checks, in one call, with a report under $OUT.
 #   bash tools/device_check.sh              every stage
 #   STAGES="tests bench" bash tools/device_check.sh    some of them (setup always runs first)
-#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a tool
+#   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a benchmark
 # Stages:
-#   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; shape twins
-#            (.twins/NAME.head.gz + NAME.json + twin_expand.py) into /tmp/twins; the real SmolLM2 from its
+#   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; the shape twins
+#            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json +
+#            twin_expand.py) into /tmp/twins; the real SmolLM2 from its
 #            parts (.device/smol.part*, staged in /tmp/stage while the machine stays warm); the prebuilt
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
 #   tests    pytest -m gpu over $PYTEST_PATHS (default tests/gpu), no -x: the full report
-#   kbench   the kernel benchmarks ($KBENCH, default both): tools/mmq_bench.py ($MMQ_BENCH_ARGS), tools/attn_bench.py
-#   bench    `realizar bench` on each twin (pp512, tg128) and on qwen15 at every batch of $BATCHES
-#            (128-token prompts, 128 new tokens each), at depth ($DEPTHS: prefill and decode at that depth)
-#            and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
-#            and, with $CONSTRAINED_BATCHES, qwen15 held to a JSON schema on every row and on every other
+#   kbench   the kernel benchmarks ($KBENCH, default both): benchmarks/mmq_bench.py ($MMQ_BENCH_ARGS),
+#            benchmarks/attn_bench.py
+#   bench    `realizar bench` on each twin of $BENCH_TWINS (pp512, tg128) and on each of $BATCH_TWINS
+#            (default qwen15) at every batch of $BATCHES (128-token prompts, 128 new tokens each), at depth
+#            ($DEPTHS: prefill and decode at that depth) and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
+#            and, with $CONSTRAINED_BATCHES, held to a JSON schema on every row and on every other
 #            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
@@ -26,10 +28,10 @@
 #            it; a build cut off by the call's limit resumes on the next call; ~270 s), then llama-bench (pp512, tg128,
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
-#   workers  one worker per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients ($((8 * LT_CLIENTS)) requests,
+#   workers  one engine per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each,
 #            seed 3, after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with REALIZAR_WORKERS=1 (GPU 0),
 #            then =2 (GPUs 0 and 1); /metrics and nvidia-smi's processes of each; the speed-up of generation
-#            tok/s (2 vs 1), the errors and the per-worker split in serve.json ("workers") and the log
+#            tok/s (2 vs 1), the errors and each engine's status in serve.json ("workers") and the log
 # `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
 # Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
 #         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json
@@ -67,7 +69,7 @@ for d in .whl*; do
     || { echo "wheel install from $d failed"; exit 1; }
 done
 export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
-for n in smol135 qwen05 gemma270 qwen15; do
+for n in ${TWINS:-smol135 qwen05 gemma270 qwen15}; do
   if [ -f .twins/$n.head.gz ] && [ ! -f /tmp/twins/$n.gguf ]; then
     gunzip -c .twins/$n.head.gz > /tmp/twins/$n.head && cp .twins/$n.json /tmp/twins/
     python3 .twins/twin_expand.py /tmp/twins/$n /tmp/twins/$n.gguf || echo "twin $n failed"
@@ -102,10 +104,10 @@ fi
 # ---------------------------------------------------------------- kernel benchmarks
 if has kbench; then
   if [[ " ${KBENCH:-mmq attn} " == *" mmq "* ]]; then
-    python3 tools/mmq_bench.py ${MMQ_BENCH_ARGS:-} --json /tmp/bench/k_mmq.json 2>&1 | tail -70 || echo "mmq_bench failed"
+    python3 benchmarks/mmq_bench.py ${MMQ_BENCH_ARGS:-} --json /tmp/bench/k_mmq.json 2>&1 | tail -70 || echo "mmq_bench failed"
   fi
   if [[ " ${KBENCH:-mmq attn} " == *" attn "* ]]; then
-    python3 tools/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
+    python3 benchmarks/attn_bench.py --json /tmp/bench/k_attn.json > /tmp/attn_bench.txt 2>&1 || { echo "attn_bench failed:"; grep -v "sys.excepthook\|^Original exception\|^$" /tmp/attn_bench.txt | head -60; }
     tail -40 /tmp/attn_bench.txt
   fi
   python3 - "$OUT" <<'PY'
@@ -130,22 +132,23 @@ if has bench; then
   for n in ${BENCH_TWINS:-smol135 qwen05 gemma270 qwen15}; do
     [ -f /tmp/twins/$n.gguf ] && bench $n short --prompt-tokens 512 --gen-tokens 128 --repetitions 5
   done
-  if [ -f /tmp/twins/qwen15.gguf ]; then
+  for n in ${BATCH_TWINS:-qwen15}; do
+    [ -f /tmp/twins/$n.gguf ] || continue
     for b in $BATCHES; do
-      bench qwen15 batch$b --batch $b --prompt-tokens 128 --gen-tokens 128 --repetitions 3
+      bench $n batch$b --batch $b --prompt-tokens 128 --gen-tokens 128 --repetitions 3
     done
     for d in $DEPTHS; do
-      bench qwen15 depth$d --depth $d --prompt-tokens $d --gen-tokens 128 --repetitions 2
+      bench $n depth$d --depth $d --prompt-tokens $d --gen-tokens 128 --repetitions 2
     done
     for bd in ${DEPTH_BATCHES:-}; do        # BATCH:DEPTH, e.g. 16:4096
-      bench qwen15 b${bd%%:*}d${bd##*:} --batch ${bd%%:*} --depth ${bd##*:} --prompt-tokens 0 --gen-tokens 128 --repetitions 2
+      bench $n b${bd%%:*}d${bd##*:} --batch ${bd%%:*} --depth ${bd##*:} --prompt-tokens 0 --gen-tokens 128 --repetitions 2
     done
     for b in $CONSTRAINED_BATCHES; do
       for m in all half; do
-        bench qwen15 json${m}$b --batch $b --constrained $m --prompt-tokens 0 --gen-tokens 128 --repetitions 3
+        bench $n json${m}$b --batch $b --constrained $m --prompt-tokens 0 --gen-tokens 128 --repetitions 3
       done
     done
-  fi
+  done
 fi
 
 # ---------------------------------------------------------------- serving
@@ -233,25 +236,33 @@ print(f'LT GPU utilization: mean {sum(v) / max(1, len(v)):.1f}% over {len(v)} sa
   done
 fi
 
-# ---------------------------------------------------------------- one worker per GPU
+# ---------------------------------------------------------------- one engine per GPU
 if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2>/dev/null; then
   echo "GPUs: $(nvidia-smi -L | wc -l)"
   for n in 1 2; do
     serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n || continue
-    for i in $(seq 1 240); do   # /readyz says one worker is ready: wait for all of them
-      [ "$(curl -s 127.0.0.1:3903/metrics | grep -c '^realizar_worker_status{.*status="ready".*} 1.0')" = "$n" ] && break
+    for i in $(seq 1 240); do   # /readyz says one engine is ready: wait for all of them
+      [ "$(curl -s 127.0.0.1:3903/metrics | grep -c '^realizar_engine_status{.*status="ready".*} 1.0')" = "$n" ] && break
       sleep 0.5
     done
-    curl -s 127.0.0.1:3903/metrics | grep '^realizar_worker_status' | grep ' 1.0$'
-    # warm-up as lt_warm's: two full runs of other seeds, so that each worker has captured the prompt steps'
-    # shapes (the second time a shape comes) and the measured run's prompts are not in any prefix cache
+    curl -s 127.0.0.1:3903/metrics | grep '^realizar_engine_status' | grep ' 1.0$'
+    # warm-up as lt_warm's: two full runs of other seeds, so that each engine has captured the prompt steps'
+    # shapes (the second time a shape comes) and the measured run's prompts are not in any prefix cache;
+    # LT_CLIENTS clients per GPU
+    c=$((LT_CLIENTS * n))
     for s in 1 2; do
-      python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
+      python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $c --requests $((4 * c)) \
         --seed $s --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1
     done
-    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $LT_CLIENTS --requests $((8 * LT_CLIENTS)) \
+    # the front end's CPU time over the measured run (one core = 1.0): where HTTP handling would be the limit
+    fe=$(pgrep -f "_bentoml_impl.worker" | head -1)
+    cpu0=$(awk '{print $14 + $15}' /proc/$fe/stat 2>/dev/null); t0=$(date +%s.%N)
+    python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $c --requests $((8 * c)) \
       --seed 3 --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/workers$n.json 2>/dev/null | tail -40
-    curl -s 127.0.0.1:3903/metrics | grep -E '^realizar_(worker_status|requests_total|generation_tokens_total|gpu_memory_used_bytes|requests_running)' \
+    cpu1=$(awk '{print $14 + $15}' /proc/$fe/stat 2>/dev/null); t1=$(date +%s.%N)
+    python3 -c "import sys; c0, c1, t0, t1 = map(float, sys.argv[1:]); print(f'FRONT_END_CPU {(c1 - c0) / 100 / (t1 - t0):.2f} cores')" \
+      "$cpu0" "$cpu1" "$t0" "$t1" | tee /tmp/bench/workers${n}_fe.txt
+    curl -s 127.0.0.1:3903/metrics | grep -E '^realizar_(engine_status|requests_total|generation_tokens_total|gpu_memory_used_bytes|requests_running)' \
       | grep -v ' 0.0$' | tee /tmp/bench/workers${n}_metrics.txt
     nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader
     serve_down 3903
@@ -267,9 +278,10 @@ for n in (1, 2):
         continue
     delta = (rep.get("server") or {}).get("counters_delta", {})
     r[f"workers{n}"] = {"tok_s": rep["output_tokens_per_s"], "errors": rep["requests"]["errors"],
+                        "requests_by_engine": {k: v for k, v in delta.items() if k.startswith("realizar_requests_total")
+                                               and 'engine="' in k and v},
                         "completed": rep["requests"]["completed"], "tpot_p50_s": (rep["tpot_s"] or {}).get("p50"),
-                        "requests_by_worker": {k: v for k, v in delta.items() if k.startswith("realizar_requests_total")
-                                               and 'worker="' in k and v},
+                        "front_end": open(f"/tmp/bench/workers{n}_fe.txt").read().strip(),
                         "metrics": open(f"/tmp/bench/workers{n}_metrics.txt").read().splitlines()}
 if all("tok_s" in r.get(f"workers{n}", {}) for n in (1, 2)):
     r["speedup"] = r["workers2"]["tok_s"] / r["workers1"]["tok_s"]

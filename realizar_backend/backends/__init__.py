@@ -1,25 +1,57 @@
-"""Backend selection: `auto` takes CUDA when CuPy sees a GPU, else the NumPy backend."""
+"""Backend selection: `auto` takes CUDA when CuPy sees a GPU, else the NumPy backend, and says in
+one line which and why (a GPU whose CuPy is missing is named, with the command that installs it).
+Before the CPU backend loads, its memory is checked against what the host has, and its BLAS
+threads are set."""
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 from .. import timeline
 from ..errors import BackendError, RealizarError
 from ..formats import ModelFile
 from ..settings import Settings
+from . import host
 from .base import Backend, PrefillItem, SampleResult, SampleRow
 
 log = logging.getLogger(__name__)
 
 
 def cuda_available() -> bool:
+    return _cuda_missing() is None
+
+
+def _cuda_missing() -> str | None:
+    """Why CuPy cannot run on a GPU here, in words, or None when it can."""
     try:
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
-        return False
+    except ImportError:
+        driver = host.nvidia_driver()
+        if driver is None:
+            return "no NVIDIA GPU driver on this machine"
+        return f"an NVIDIA GPU is here (driver {driver}) but CuPy is not installed: {host.cupy_extra()}"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CuPy without a usable driver or device: its own words
+        return f"CuPy cannot reach a GPU: {type(e).__name__}: {e}"
+    if n == 0:
+        return "CuPy sees no GPU (CUDA_VISIBLE_DEVICES hides them?)"
+    return None
+
+
+def choose_backend(settings: Settings) -> tuple[str, str]:
+    """(backend name, why), for the one line a start says; BackendError where the settings ask
+    for CUDA and it cannot run."""
+    if settings.backend == "cpu":
+        return "cpu", "REALIZAR_BACKEND=cpu"
+    missing = _cuda_missing()
+    if missing is None:
+        return "cuda", ("REALIZAR_BACKEND=cuda" if settings.backend == "cuda" else "a CUDA GPU is visible to CuPy")
+    if settings.backend == "cuda":
+        raise BackendError(f"REALIZAR_BACKEND=cuda, but {missing}")
+    return "cpu", missing
 
 
 _started: set[int] = set()
@@ -68,26 +100,66 @@ def context_length(model: ModelFile, settings: Settings) -> int:
 
 def create_backend(model: ModelFile, settings: Settings) -> Backend:
     slots, ctx = settings.max_num_seqs, context_length(model, settings)
-    want = settings.backend
-    if want == "auto":
-        want = "cuda" if cuda_available() else "cpu"
-        if want == "cuda":
-            try:
-                from .cuda import CUDABackend
-                timeline.mark("cuda backend imported")
-                return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
-            except RealizarError as e:
-                log.warning("CUDA backend unavailable for this model, falling back to CPU: %s", e)
-                want = "cpu"
-    if want == "cuda":
-        if not cuda_available():
-            raise BackendError("backend 'cuda' was asked for but no CUDA GPU is visible to CuPy")
-        from .cuda import CUDABackend
-        timeline.mark("cuda backend imported")
-        return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
+    name, why = choose_backend(settings)
+    if name == "cuda":
+        log.info("backend: cuda (%s)", why)
+        try:
+            from .cuda import CUDABackend
+            timeline.mark("cuda backend imported")
+            return CUDABackend(model, settings=settings, max_slots=slots, max_context=ctx)
+        except RealizarError as e:
+            if settings.backend == "cuda":
+                raise
+            why = f"the CUDA backend cannot serve this model: {e}"
+    # said at WARNING where a GPU is here but goes unused, so that a command line shows it too
+    gpu_unused = settings.backend != "cpu" and host.nvidia_driver() is not None
+    threads = cpu_threads(settings)
+    log.log(logging.WARNING if gpu_unused else logging.INFO, "backend: cpu (%s); %d BLAS thread(s)", why, threads)
+    blocks = cpu_kv_blocks(model, settings, slots, ctx)
+    check_cpu_memory(model, blocks * settings.block_size)
+    _limit_blas(threads)
     from .cpu import CPUBackend
-    return CPUBackend(model, max_slots=slots, max_context=ctx, block_size=settings.block_size,
-                      num_blocks=cpu_kv_blocks(model, settings, slots, ctx))
+    return CPUBackend(model, max_slots=slots, max_context=ctx, block_size=settings.block_size, num_blocks=blocks)
+
+
+def cpu_threads(settings: Settings) -> int:
+    """BLAS threads of the CPU backend: the setting, or one per core this process may run on
+    less one, which the server's own work (HTTP, tokenizing, templates) keeps. BLAS threads that
+    outnumber the free cores spin while they wait and slow every step."""
+    return settings.cpu_threads or max(1, host.cores() - 1)
+
+
+def _limit_blas(threads: int) -> None:
+    """This process's BLAS thread pools (OpenBLAS, MKL: whichever NumPy loaded) to `threads`."""
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(limits=threads, user_api="blas")
+
+
+CPU_HEADROOM_BYTES = 256 << 20   # the process beside its weights and KV pool: Python, a step's temporaries
+
+
+def cpu_memory_bytes(model: ModelFile, kv_tokens: int) -> tuple[int, int]:
+    """(weights, KV pool) in bytes as the CPU backend holds them: every weight as float32 (a
+    tied output matrix once), K and V as float32 for kv_tokens positions."""
+    weights = sum(4 * math.prod(t.shape) for t in model.tensors.values())
+    c = model.config
+    return weights, 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * kv_tokens
+
+
+def check_cpu_memory(model: ModelFile, kv_tokens: int) -> None:
+    """BackendError, with the figures, when the CPU backend's weights and KV pool cannot fit in
+    the memory this host has available: said at once instead of a MemoryError (or the OOM
+    killer) minutes into the load."""
+    avail = host.available_memory()
+    weights, kv = cpu_memory_bytes(model, kv_tokens)
+    if avail is None or weights + kv + CPU_HEADROOM_BYTES <= avail:
+        return
+    gib = 1 << 30
+    raise BackendError(
+        f"the CPU backend needs {(weights + kv + CPU_HEADROOM_BYTES) / gib:.1f} GiB for this model "
+        f"({weights / gib:.1f} GiB of weights as float32, {kv / gib:.1f} GiB of KV cache for {kv_tokens} tokens) "
+        f"and {avail / gib:.1f} GiB is available; use a GPU, a smaller model, or fewer KV tokens "
+        f"(REALIZAR_KV_CACHE_TOKENS)")
 
 
 CPU_KV_BYTES = 1 << 30   # the CPU's KV pool when kv_cache_tokens leaves it to the backend
@@ -104,4 +176,5 @@ def cpu_kv_blocks(model: ModelFile, settings: Settings, slots: int, ctx: int) ->
     return min(slots * per_seq, max(per_seq, CPU_KV_BYTES // per_token // bs))
 
 
-__all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "create_backend", "cuda_available", "start_device"]
+__all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "choose_backend", "create_backend", "cuda_available",
+           "start_device"]

@@ -60,9 +60,10 @@ class CpuOps:
     every row at once; attention per segment."""
 
     def __init__(self, be: "CPUBackend", ids: np.ndarray, pos: np.ndarray, bounds: np.ndarray, writes, reads,
-                 ends: list[int]):
+                 ends: list[int], slots: Sequence[int], starts: Sequence[int]):
         self.be, self.c = be, be.config
         self.ids, self.pos, self.bounds, self.writes, self.reads, self.ends = ids, pos, bounds, writes, reads, ends
+        self.slots, self.starts = slots, starts
 
     def embed(self, table: np.ndarray, scale: float) -> np.ndarray:
         return table[self.ids] * np.float32(scale)
@@ -126,10 +127,66 @@ class CpuOps:
             hr = h[rows]
             a = gated(proj(e.gate, e.gate_bias, ex, hr), proj(e.up, e.up_bias, ex, hr))
             out[rows] += w[rows, k, None] * proj(e.down, e.down_bias, ex, a)
+        if e.shared_gate is not None:
+            shared = _GATED[e.act](h @ e.shared_gate.T, h @ e.shared_up.T) @ e.shared_down.T
+            out += _sigmoid(h @ e.shared_router.T) * shared
         return x + out
+
+    def split_heads(self, y, parts: int) -> tuple:
+        T, D = y.shape[0], self.c.head_dim
+        h = y.reshape(T, -1, parts, D)
+        return tuple(np.ascontiguousarray(h[:, :, i]).reshape(T, -1) for i in range(parts))
+
+    def sigmoid_gate(self, y, gate) -> np.ndarray:
+        return y * _sigmoid(gate)
+
+    def delta_rule(self, mixed, z, beta, alpha, net) -> np.ndarray:
+        T, C = mixed.shape
+        nk, dk, nv, dv = net.k_heads, net.k_dim, net.v_heads, net.v_dim
+        K = net.conv.shape[1]
+        conv_state, states = self.be.recurrent_state(net.layer, C, K - 1, nv, dk, dv)
+        g = np.exp(net.a_coef * _softplus(alpha + net.dt_bias))     # decay per row and value head
+        b = _sigmoid(beta)
+        out = np.empty((T, nv, dv), np.float32)
+        for j, (slot, start) in enumerate(zip(self.slots, self.starts)):
+            a0, a1 = self.bounds[j], self.bounds[j + 1]
+            n = a1 - a0
+            if start == 0:                        # a sequence's first step: no state before it
+                conv_state[slot] = 0
+                states[slot] = 0
+            xs = np.concatenate([conv_state[slot], mixed[a0:a1]], axis=0)          # [K - 1 + n, C]
+            conv_state[slot] = xs[n:]
+            y = silu(sum(xs[i:i + n] * net.conv[:, i] for i in range(K)))
+            q, k, v = np.split(y, [nk * dk, 2 * nk * dk], axis=1)
+            # value head h reads key head h % nk: the key heads tiled nv // nk times
+            q = np.tile(_l2norm(q.reshape(n, nk, dk)), (1, nv // nk, 1)) / np.sqrt(dk)
+            k = np.tile(_l2norm(k.reshape(n, nk, dk)), (1, nv // nk, 1))
+            v = v.reshape(n, nv, dv)
+            S = states[slot].astype(np.float64)
+            for t in range(n):
+                S *= g[a0 + t][:, None, None]
+                delta = (v[t] - np.einsum("hkv,hk->hv", S, k[t])) * b[a0 + t][:, None]
+                S += k[t][:, :, None] * delta[:, None, :]
+                out[a0 + t] = np.einsum("hkv,hk->hv", S, q[t])
+            states[slot] = S
+        return (rms_norm(out, net.out_norm, self.c.rms_eps) * silu(z.reshape(T, nv, dv))).reshape(T, nv * dv)
 
     def logits(self, x, norm, w) -> np.ndarray:
         return rms_norm(x[self.bounds[1:] - 1], norm, self.c.rms_eps) @ w.T
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def _l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """x / sqrt(sum x^2 + eps) over the last axis (the DeltaNet's q and k per head)."""
+    return x / np.sqrt(np.sum(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
 
 
 # ---------------------------------------------------------------- the backend
@@ -161,10 +218,22 @@ class CPUBackend:
         self.k_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
         self.v_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
         self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(max_slots)]
+        # per recurrent layer (hybrids): each slot's conv inputs and DeltaNet state, made on first use
+        self._recurrent: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.counts: np.ndarray | None = None   # [slots, vocab] token counts, made on first use
         log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights; KV pool %d blocks "
                  "x %d positions (%.0f MB, paged in as used)", c.arch, c.n_layers, c.hidden,
                  self.weight_bytes() / 1e6, self.num_blocks, block_size, self.kv_bytes() / 1e6)
+
+    def recurrent_state(self, layer: int, channels: int, taps: int, heads: int, k_dim: int,
+                        v_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """Recurrent layer `layer`'s state of every slot: the last `taps` conv inputs [slots, taps,
+        channels] and the DeltaNet state [slots, heads, k_dim, v_dim] (float32)."""
+        st = self._recurrent.get(layer)
+        if st is None:
+            st = self._recurrent[layer] = (np.zeros((self.max_slots, taps, channels), np.float32),
+                                           np.zeros((self.max_slots, heads, k_dim, v_dim), np.float32))
+        return st
 
     def kv_bytes(self) -> int:
         return sum(a.nbytes for a in self.k_pool) + sum(a.nbytes for a in self.v_pool)
@@ -200,7 +269,7 @@ class CPUBackend:
         # per segment: the pool rows its new tokens go to, and the blocks holding its positions
         writes = [(self.tables[sl][pos[a:b] // bs], pos[a:b] % bs) for sl, a, b in zip(slots, bounds, bounds[1:])]
         reads = [_as_slice(self.tables[sl][:-(-(st + n) // bs)]) for sl, st, n in zip(slots, starts, lens)]
-        ops = CpuOps(self, ids, pos, bounds, writes, reads, [s + n for s, n in zip(starts, lens)])
+        ops = CpuOps(self, ids, pos, bounds, writes, reads, [s + n for s, n in zip(starts, lens)], slots, starts)
         return self.model.forward(ops).astype(np.float32)
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:

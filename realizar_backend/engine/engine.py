@@ -62,6 +62,15 @@ STEP_KINDS = ("decode", "prefill", "mixed")
 __all__ = ["Engine", "EngineObserver", "NullObserver", "RequestOutput", "drain_merged"]
 
 
+def served_name(path: Path) -> str:
+    """The model id a server reports and requests name, for a model given by path: the file's
+    name without `.gguf` (a safetensors directory: its name), which a client can type and a curl
+    line can carry, unlike a GGUF's `general.name` ("Smollm2 135M 8k Lc100K Mix1 Ep2").
+    REALIZAR_MODEL_NAME overrides it."""
+    name = path.name
+    return name[:-5] if name.lower().endswith(".gguf") and len(name) > 5 else name
+
+
 class EngineObserver(Protocol):
     def on_request_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                             e2e_s: float, ttft_s: float | None) -> None: ...
@@ -97,7 +106,13 @@ class Engine(RequestPrep):
         self.model_name = model_name
         self.observer = observer or NullObserver()
         self.max_context = backend.max_context
-        self.kv = KVManager(backend.num_blocks, backend.block_size, self.settings.enable_prefix_caching)
+        prefix_caching = self.settings.enable_prefix_caching
+        if prefix_caching and self.config.has_recurrent_state:
+            # a hybrid's sequence resumes from its recurrent state, which no KV block holds: a cached
+            # prefix could not be skipped
+            log.info("prefix caching off: %s layers keep a recurrent state per sequence", self.config.arch)
+            prefix_caching = False
+        self.kv = KVManager(backend.num_blocks, backend.block_size, prefix_caching)
         self.kv_capacity = backend.num_blocks * backend.block_size      # tokens
         self.scheduler = Scheduler(self.kv, backend.max_slots, self.settings.max_waiting,
                                    self.settings.prefill_chunk_tokens)
@@ -117,6 +132,7 @@ class Engine(RequestPrep):
         self.step_prompt_tokens = 0
         self.idle_seconds = 0.0
         self._step_kind: str | None = None
+        self._busy_since: float | None = None      # when the step now running began (None: waiting)
         self._step_work = (0, 0, 0)          # this step's prompt tokens, prompt sequences, decode rows
         self._trace = open(self.settings.step_trace, "a", buffering=1) if self.settings.step_trace else None
         self._t_start = time.perf_counter()
@@ -169,7 +185,7 @@ class Engine(RequestPrep):
             except BaseException:
                 backend.close()
                 raise
-        name = settings.model_name or (model.name if settings.model else "SmolLM2-135M-Instruct")
+        name = settings.model_name or (served_name(path) if settings.model else "SmolLM2-135M-Instruct")
         log.info("loaded %s (%s, %s backend) in %.1f s", name, model.config.arch, backend.name,
                  time.perf_counter() - t0)
         engine = cls(backend, tokenizer, settings, model_name=name, observer=observer,
@@ -263,6 +279,19 @@ class Engine(RequestPrep):
             "engine_idle_seconds": self.idle_seconds,
         }
 
+    def busy_s(self) -> float:
+        """How long the step now running has run (0 while the loop waits for work): the engine's
+        heartbeat. A step that runs past Settings.engine_stall_timeout_s means a stuck engine."""
+        since = self._busy_since
+        return time.perf_counter() - since if since is not None else 0.0
+
+    def stall(self) -> str | None:
+        """Why this engine is stuck (a step running past Settings.engine_stall_timeout_s), or None."""
+        busy = self.busy_s()
+        if busy > self.settings.engine_stall_timeout_s:
+            return f"the engine's current step has run for {busy:.0f} s"
+        return None
+
     def finish_all(self, reason: str = "shutdown") -> None:
         """End every sequence at the next step and take no new ones (a graceful shutdown's
         deadline): a running sequence gets a final output with `reason` as its finish_reason and
@@ -304,6 +333,7 @@ class Engine(RequestPrep):
             idle_s = t0 - t_idle if idle else 0.0
             self.idle_seconds += idle_s
             self._step_kind = None
+            self._busy_since = t0
             try:
                 self._step()
             except Exception as e:  # a backend failure must not kill the loop or the waiting requests
@@ -312,6 +342,8 @@ class Engine(RequestPrep):
                 for seq in list(sch.running):
                     self._fail(seq, e)
                 self._flush()
+            finally:
+                self._busy_since = None
             if self._step_kind is not None:
                 wall = time.perf_counter() - t0
                 self.step_counts[self._step_kind] += 1

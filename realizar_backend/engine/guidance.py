@@ -9,9 +9,9 @@ own) that gives the mask for its next token and consumes the token drawn.
 
 A guide's matcher is never a `deep_copy` of another: llguidance's copies share one lexer behind a
 mutex that every mask computation holds, so the masks of a batch's rows would be computed one
-after the other whatever the threads (on the H100 host, 16 rows of a JSON schema: ~10 ms a step).
-Each guide has an independent matcher instead, taken from its grammar's pool of finished ones
-(reset to the start, its lexer's cache still warm; a new one is ~0.5 ms), and `release` returns it.
+after the other whatever the threads. Each guide has an independent matcher instead, taken from
+its grammar's pool of finished ones (reset to the start, its lexer's cache still warm: cheaper than
+a new one), and `release` returns it.
 
 How the engine drives a Guide (engine/engine.py):
     compile(constraint)                          # in Engine.prepare, off the event loop: 400s here
@@ -63,8 +63,8 @@ CACHE_SIZE = 256          # compiled grammars kept (by their text)
 # every string of the class (an exact subsumption check, so masks are the same with any slices),
 # the rest of the vocabulary is walked through the token trie. Its default classes are JSON string
 # chars of length 1-10, 11-30 and longer: inside a string with a maxLength, fewer than 10 chars
-# before the bound no class fits and the walk covers the whole 152k vocabulary (~1 ms), and even
-# with 10-29 left the 11-30 class is walked (0.2 ms). A ladder of lengths lets the longest class
+# before the bound no class fits and the walk covers the whole vocabulary, and even with 10-29
+# left the 11-30 class is walked. A ladder of lengths lets the longest class
 # that still fits be set at once; what is left is the walk of the tokens longer than the room.
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
 _LADDER = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 30)
@@ -182,7 +182,7 @@ class Guidance:
         or more than threads: never).
         threads: llguidance's executor (default: every core this process may use)."""
         self.tokenizer = tokenizer
-        # None: our ladder (SLICES); tools/mask_bench.py passes llguidance's own to compare
+        # None: our ladder (SLICES); benchmarks/mask_bench.py passes llguidance's own to compare
         self.slices = list(SLICES if slices is None else slices)
         self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
         self.words = mask_words(self.vocab_size)
@@ -221,7 +221,7 @@ class Guidance:
     def split(self) -> VocabSplit | None:
         """The vocabulary's parts (mask_split), once built. The first batch that could use them
         starts their build on a thread and is served by its rows' main matchers meanwhile: for a
-        152k vocabulary the build takes ~2 s on the H100's host, in pieces that hold the GIL, which
+        large vocabulary the build takes seconds, in pieces that hold the GIL, which
         would otherwise stall every stream at once (at start-up in prewarm, or on the step thread)."""
         if self.split_parts and self._split is None and self._split_thread is None:
             with self._lock:

@@ -1,7 +1,7 @@
 """One constrained row's mask computed on several threads: the vocabulary cut in parts.
 
 llguidance computes a matcher's mask on one thread, walking the token trie; inside a bounded
-string near its maxLength that walk covers most of a 152k vocabulary (~1 ms), longer than the
+string near its maxLength that walk covers most of a large vocabulary, longer than the
 slack a batch-1 step leaves. Here each of K "part" tokenizers holds the tokens whose first two
 bytes fall in its part (parts balanced by the bytes they hold), plus every single-byte token and
 every special token; the other ids have no bytes, so no walk visits them. A sequence's K part matchers

@@ -1,25 +1,33 @@
 """The engine in a process of its own, and the client a server process talks to it through.
 
 In one process the engine's step thread and the server's event loop share the GIL: while a wave
-of requests is parsed, streamed and answered, the step's kernel launches wait for it (perf-notes
-v24), and the loop's work per token waits for the step. Here the child process owns the backend
+of requests is parsed, streamed and answered, the step's kernel launches wait for it,
+and the loop's work per token waits for the step. Here the child process owns the backend
 and the step loop (`Engine` unchanged), and the server process keeps what a request needs before
 it is queued (tokenizer, chat template, grammar check: `RequestPrep`) and the streams.
 
 The pipe between them carries pickled messages (multiprocessing.connection over a socket pair):
 - server -> engine: ("submit", request_id, prompt_ids, params), ("abort", request_id),
-  ("finish_all", reason), ("stats",), ("prewarm", delay_s), ("stop",);
+  ("finish_all", reason), ("stats",), ("prewarm", delay_s), ("ping", n), ("stop",);
 - engine -> server: ("ready", info) or ("failed", error) once; then ("out", records) once per
-  step with every stream's outputs of that step and the metrics events they came with, and
-  ("stats", dict) when the engine reports its gauges.
+  step with every stream's outputs of that step and the metrics events they came with,
+  ("stats", dict) when the engine reports its gauges, and ("pong", n, busy_s) for each ping.
 An output is the `RequestOutput` (or the exception) that `Engine.generate` would have yielded.
 The child ignores SIGINT and SIGTERM (the server drains first, then says stop) and exits when the
 pipe closes, so a server that dies takes its engine with it.
+
+The server never blocks on the pipe: its messages are pickled where they are made and written by
+a thread of their own, so a stalled engine (stopped, swapping, stuck in a step) cannot hold up the
+event loop. Submits that the engine has not taken are bounded (Settings.max_waiting of them beyond
+what the pipe holds); past that a new request gets a retryable CapacityError (503). The same
+thread pings the engine every HEARTBEAT_S; an engine that does not answer, or whose step runs on,
+for Settings.engine_stall_timeout_s is reported stuck (`stall()`: /livez and /readyz turn 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import socket
@@ -29,12 +37,13 @@ import threading
 import time
 import uuid
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ..errors import BackendError, CapacityError
 from ..model.chat_template import package_root
-from ..settings import Settings
+from ..settings import Settings, gpu_environ
 from .outputs import RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep
 
@@ -42,6 +51,10 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 900.0     # a large model's upload and kernel builds, on a slow disk
 _STOP_TIMEOUT_S = 15.0
+HEARTBEAT_S = 1.0            # between pings of the engine process (one unanswered at a time)
+# the gauges of an engine process that is gone: nothing runs, waits or holds memory
+_GONE_GAUGES = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_used_blocks": 0, "kv_used_tokens": 0,
+                "decode_tokens_per_s": 0.0, "pool_bytes": 0, "device_memory_bytes": 0}
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from realizar_backend.engine.process import child_main; child_main(int(sys.argv[2]))")
@@ -141,6 +154,8 @@ def child_main(fd: int) -> None:
                 channel.send(("stats", engine.stats()))
             elif op == "prewarm":
                 engine.prewarm_guidance(delay_s=msg[1])
+            elif op == "ping":       # answered here, on the command thread, with the step's age
+                channel.send(("pong", msg[1], engine.busy_s()))
             elif op == "stop":
                 break
     finally:
@@ -169,22 +184,36 @@ class EngineClient(RequestPrep):
         self.observer = observer or NullObserver()
         self._proc = proc
         self._conn = conn
-        self._send_lock = threading.Lock()
         self._stats = info["stats"]
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._closing = False
         self._on_exit = on_exit             # called once with the error when the process dies unasked
+        # what goes to the engine: (pickled message, is a submit), written by the writer thread
+        self._out: collections.deque[tuple[bytes, bool]] = collections.deque()
+        self._out_cond = threading.Condition()
+        self._unsent_submits = 0
+        self._max_unsent = settings.max_waiting
+        self._stats_asked = False           # a ("stats",) not yet written
+        self._pings = 0                     # pings written / the last one answered
+        self._pong = 0
+        self._pong_at = time.monotonic()    # when the engine last answered
+        self._busy_s = 0.0                  # the age of its step then
         self._reader = threading.Thread(target=self._read, name="realizar-engine-pipe", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="realizar-engine-send", daemon=True)
+        self._writer.start()
 
     @classmethod
-    def start(cls, settings: Settings, observer=None, on_exit=None) -> "EngineClient":
+    def start(cls, settings: Settings, observer=None, on_exit=None, gpu: str | None = None, index: int = 1,
+              tokenizer=None) -> "EngineClient":
         """Start the engine process and, meanwhile, this side's tokenizer and grammar compiler;
         returns once the engine is ready. Raises what the engine's start raised (a bad model file,
         no GPU) or BackendError when the process died. on_exit(error): called (on the pipe's
-        reader thread) if the process later dies without being asked to stop."""
+        reader thread) if the process later dies without being asked to stop. gpu: the one GPU the
+        process sees (a CUDA_VISIBLE_DEVICES entry; None: as this process); index: its number in
+        the log; tokenizer: this side's, made elsewhere (a Tokenizer or a future of one)."""
         from ..formats import open_model
         from ..model.chat_template import TemplateLimits
         from ..model.default import default_model_path
@@ -192,9 +221,13 @@ class EngineClient(RequestPrep):
         from .guidance import Guidance
 
         mine, theirs = socket.socketpair()
+        env = None
+        if gpu is not None:
+            env = gpu_environ(gpu)
+            settings = settings.replace(device=0)
         try:
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root(), str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True)
+            proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root(), str(theirs.fileno()), str(index)],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True, env=env)
         finally:
             theirs.close()
         conn = Connection(mine.detach())
@@ -202,7 +235,10 @@ class EngineClient(RequestPrep):
             conn.send(settings)
             path = Path(settings.model) if settings.model else default_model_path(settings)
             model = open_model(path)
-            tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+            elif hasattr(tokenizer, "result"):
+                tokenizer = tokenizer.result()
             deadline = time.monotonic() + _START_TIMEOUT_S
             while not conn.poll(1.0):
                 if proc.poll() is not None:
@@ -222,13 +258,67 @@ class EngineClient(RequestPrep):
             proc.kill()
             proc.wait()
             raise
-        log.info("engine process %d ready (%s)", proc.pid, info["stats"].get("backend"))
+        log.info("engine process %d (engine %d%s) ready (%s)", proc.pid, index, f", GPU {gpu}" if gpu else "",
+                 info["stats"].get("backend"))
         return cls(proc, conn, info, tokenizer, guidance, model.config, settings, observer, on_exit)
 
     # ---------------------------------------------------------------- request side (prepare: RequestPrep)
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        """Queue a message for the engine; never waits for the pipe. A submit is refused with a
+        retryable CapacityError when max_waiting of them are already waiting to be written."""
+        submit = msg[0] == "submit"
+        data = bytes(ForkingPickler.dumps(msg))
+        with self._out_cond:
+            if self._dead is not None:
+                raise OSError("the engine process is gone")
+            if submit:
+                if self._unsent_submits >= self._max_unsent:
+                    raise CapacityError(f"the engine is not keeping up: {self._unsent_submits} requests wait to "
+                                        "reach it; retry later", retry_after_s=5)
+                self._unsent_submits += 1
+            self._out.append((data, submit))
+            self._out_cond.notify()
+
+    def _write(self) -> None:
+        """The writer thread: every queued message to the pipe in order, and a ping each
+        HEARTBEAT_S while the last one has been answered. Ends with the pipe."""
+        ping = ForkingPickler.dumps
+        next_ping = time.monotonic()
+        while True:
+            with self._out_cond:
+                while not self._out and self._dead is None and time.monotonic() < next_ping:
+                    self._out_cond.wait(max(0.0, next_ping - time.monotonic()))
+                if self._dead is not None:
+                    return
+                if self._out:
+                    data, submit = self._out.popleft()
+                else:
+                    next_ping = time.monotonic() + HEARTBEAT_S
+                    if self._pong < self._pings:      # the last one is unanswered: no pile of pings
+                        continue
+                    self._pings += 1
+                    data, submit = bytes(ping(("ping", self._pings))), False
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError):        # the pipe is closed: the reader sees the end
+                return
+            finally:
+                if submit:
+                    with self._out_cond:
+                        self._unsent_submits -= 1
+
+    def stall(self) -> str | None:
+        """Why the engine process is stuck, or None: no answer to a ping, or one step running, for
+        longer than Settings.engine_stall_timeout_s. A process that is gone is not stuck (dead)."""
+        if self._dead is not None or self._closing:
+            return None
+        limit = self.settings.engine_stall_timeout_s
+        silent = time.monotonic() - self._pong_at
+        if silent > limit:
+            return f"the engine process has not answered for {silent:.0f} s"
+        if self._busy_s + silent > limit:
+            return f"the engine's current step has run for {self._busy_s + silent:.0f} s"
+        return None
 
     def generate(self, prompt_ids: list[int], params, request_id: str | None = None
                  ) -> AsyncIterator[RequestOutput]:
@@ -239,12 +329,18 @@ class EngineClient(RequestPrep):
             if self._dead is not None:
                 raise CapacityError(f"the engine process is gone ({self._dead}); retry on another replica",
                                     retry_after_s=5)
+            stuck = self.stall()
+            if stuck is not None:
+                raise CapacityError(f"the engine is stuck ({stuck}); retry on another replica", retry_after_s=5)
             with self._streams_lock:
                 if rid in self._streams:
                     raise ValueError(f"request id {rid!r} is already running")
-                self._streams[rid] = (asyncio.get_running_loop(), q)
+                self._streams[rid] = _Stream(asyncio.get_running_loop(), q, len(prompt_ids))
             try:
                 self._send(("submit", rid, list(prompt_ids), params))
+            except OSError:
+                leave(True)
+                raise CapacityError("the engine process is gone; retry on another replica", retry_after_s=5) from None
             except BaseException:
                 leave(True)
                 raise
@@ -265,7 +361,8 @@ class EngineClient(RequestPrep):
 
     def stats(self) -> dict[str, Any]:
         """The engine's latest report, and a fresh one asked for (it arrives on its own)."""
-        if self._dead is None:
+        if self._dead is None and not self._stats_asked:
+            self._stats_asked = True
             try:
                 self._send(("stats",))
             except OSError:
@@ -298,8 +395,12 @@ class EngineClient(RequestPrep):
             log.warning("engine process %d did not stop in %g s; killing it", self._proc.pid, _STOP_TIMEOUT_S)
             self._proc.kill()
             self._proc.wait()
-        self._conn.close()
         self._reader.join(timeout=5)
+        with self._out_cond:
+            self._dead = self._dead or BackendError("the engine process was stopped")
+            self._out_cond.notify()
+        self._writer.join(timeout=5)
+        self._conn.close()
 
     # ---------------------------------------------------------------- the pipe's reader thread
     def _read(self) -> None:
@@ -319,14 +420,26 @@ class EngineClient(RequestPrep):
                     else:
                         obs.on_request_finished(*value)
             elif op == "stats":
+                self._stats_asked = False
                 self._stats = msg[1]
                 obs.on_step(msg[1])
+            elif op == "pong":
+                self._pong, self._busy_s, self._pong_at = msg[1], msg[2], time.monotonic()
 
     def _deliver(self, records: list[tuple[str, Any]]) -> None:
         """A step's outputs to their streams."""
         with self._streams_lock:
-            pairs = [(s, item) for rid, item in records
-                     for s in [self._streams.get(rid)] if s is not None]   # else: it left, its abort is on the way
+            pairs = []
+            for rid, item in records:
+                s = self._streams.get(rid)
+                if s is None:            # it left, its abort is on the way
+                    continue
+                if type(item) is RequestOutput:
+                    s.completion_tokens = item.completion_tokens
+                    s.ended = item.finish_reason is not None
+                else:                    # an error ends it
+                    s.ended = True
+                pairs.append((s.where, item))
         _wake(pairs)
 
     @property
@@ -339,15 +452,39 @@ class EngineClient(RequestPrep):
         except subprocess.TimeoutExpired:      # the pipe broke, the process lingers: end it
             self._proc.kill()
             code = self._proc.wait()
-        if not self._closing:
-            log.error("the engine process exited (status %s); failing its %d requests", code, len(self._streams))
-        self._dead = BackendError(f"the engine process exited (status {code})")
+        with self._out_cond:
+            self._dead = BackendError(f"the engine process exited (status {code})")
+            self._out.clear()
+            self._out_cond.notify()
         err = CapacityError("the engine process exited; retry on another replica", retry_after_s=5)
         with self._streams_lock:
-            pairs = [(s, err) for s in self._streams.values()]
-        _wake(pairs)
+            lost = [s for s in self._streams.values() if not s.ended]
+            for s in lost:
+                s.ended = True
+        if not self._closing:
+            log.error("the engine process exited (status %s); failing its %d requests", code, len(lost))
+        # its sequences end here, counted as errors, and its gauges read what now runs: nothing
+        now = time.perf_counter()
+        for s in lost:
+            self.observer.on_request_finished("error", s.prompt_tokens, s.completion_tokens, now - s.arrival, None)
+        self._stats = {**self._stats, **_GONE_GAUGES}
+        self.observer.on_step(dict(self._stats))
+        _wake([(s.where, err) for s in lost])
         if not self._closing and self._on_exit is not None:
             self._on_exit(self._dead)
+
+
+class _Stream:
+    """A request the engine process runs for this side: where its outputs go, and what the
+    metrics need should the process die under it."""
+    __slots__ = ("where", "prompt_tokens", "arrival", "completion_tokens", "ended")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, prompt_tokens: int):
+        self.where = (loop, q)
+        self.prompt_tokens = prompt_tokens
+        self.arrival = time.perf_counter()
+        self.completion_tokens = 0
+        self.ended = False
 
 
 def _wake(pairs: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:

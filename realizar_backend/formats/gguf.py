@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..model.arch import required_tensors
+from ..model.arch import ARCHITECTURES, required_tensors
 from ..model.config import config_from_gguf
 from .model_file import ModelFile, Tensor
 from .quants import SUPPORTED
@@ -328,11 +328,12 @@ def validate_model(mf: ModelFile) -> None:
         "output.weight": (c.vocab_size, c.hidden),
         "output_norm.weight": (c.hidden,),
     }
+    q_rows = 2 * c.q_dim if ARCHITECTURES[c.arch].gated_attention else c.q_dim
     for i in range(c.n_layers):
         b = f"blk.{i}."
         expect.update({
             b + "attn_norm.weight": (c.hidden,), b + "ffn_norm.weight": (c.hidden,),
-            b + "attn_q.weight": (c.q_dim, c.hidden), b + "attn_k.weight": (c.kv_dim, c.hidden),
+            b + "attn_q.weight": (q_rows, c.hidden), b + "attn_k.weight": (c.kv_dim, c.hidden),
             b + "attn_v.weight": (c.kv_dim, c.hidden), b + "attn_output.weight": (c.hidden, c.q_dim),
             b + "ffn_gate.weight": (c.ffn_dim, c.hidden), b + "ffn_up.weight": (c.ffn_dim, c.hidden),
             b + "ffn_down.weight": (c.hidden, c.ffn_dim),

@@ -7,11 +7,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
-# Every storage type gguf-py can decode (the NumPy backend runs them all; which ones the GPU runs is
-# its own table, backends/cuda/matrices.py)
+# The storage types of the files people download that gguf-py decodes (the NumPy backend runs them
+# all; which ones the GPU runs is its own table, backends/cuda/matrices.py). Not here: the ternary
+# TQ types of BitNet models, an architecture this package does not run.
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
              Q.Q6_K, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
-             Q.TQ1_0, Q.TQ2_0, Q.MXFP4)
+             Q.MXFP4)
 
 
 def block_size(qtype: Q) -> int:

@@ -42,12 +42,10 @@ MANIFEST = CUBIN_DIR / "manifest.json"
 
 MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf launch column (template instances)
 # warps per block of mmvf.cu's kernels by batch width (-DMMVF_WARPS): 8 at one row (half the blocks
-# staging the input); 4 from two rows up, where every weight is applied to each row and blocks run
-# long (qwen15 B=2, realizar bench: 1,073 -> 1,191 tok/s at 4; the 4- and 8-row sweeps: 3-15%)
+# staging the input); 4 from two rows up, where every weight is applied to each row and blocks run long
 MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
-# rows a warp group owns in the LM head's launch at one row (-DMMVF_R; the other launches: 2). H100,
-# tools/mmvf_sweep.py, us a head at rows 2 / 4: qwen15 Q6_K 97.3 / 88.5, qwen05 Q8_0 63.6 / 55.1,
-# gemma270 Q8_0 97.7 / 79.2, smol135 Q8_0 18.1 / 16.1 (8 rows: slower, 255 registers)
+# rows a warp group owns in the LM head's launch at one row (-DMMVF_R; the other launches: 2): a
+# head's many rows keep more loads in flight with 4 a group; 8 runs out of registers
 MMVF_HEAD_R = 4
 # rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
 FFNF_R = {1: 1}
@@ -63,10 +61,10 @@ NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
 # Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu) and of a
-# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders; the qwen15 twin's
-# batch-1 step took 1,369 us on the general module and 1,180 us on one built for Q4_K + Q6_K, and
-# batch 4 gained 2-3% (perf-notes v27). A model whose mask ships no module of these compiles it with
-# NVRTC (once: CuPy caches it on disk) rather than take the general one.
+# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders, and a decode
+# step of one row runs markedly slower than on a module built for the model's own types. A model
+# whose mask ships no module of these compiles it with NVRTC (once: CuPy caches it on disk) rather
+# than take the general one.
 QMASK_EXACT = frozenset({"mmvf.cu", "mmqs.cu"})
 # quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
 # (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +

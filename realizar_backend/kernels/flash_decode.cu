@@ -19,24 +19,22 @@
 // after the keys). A row of more than C splits leaves one partial per cluster as flagged words
 // (flash.cuh), which cluster 0 (where the launch leaves room for it to wait) or the last cluster
 // to arrive combines, per slice. The per-level fences and serial combines of the global path were
-// most of this kernel's time at a few thousand keys (perf-notes v23, v33).
+// most of this kernel's time at a few thousand keys.
 // fuse != 0: RoPE of q and of the new k from the cos/sin table rt (float2 [positions][rope_dim / 2],
 // ops.rope_table), and the KV write: the block holding the row's last key writes the new k and v
 // (fp16) to the pool and uses them from shared memory for that key. No block of the launch reads a
 // row another block writes. The K/V copies and the cos/sin reads start before pdl_wait (cached rows
 // and a constant table, which the kernel before does not write), then every q load at once; fuse ==
-// 0 (q roped and the cache written by rope_kv): the copies after it. flash_timing.cuh stamps the
-// kernel's steps where it is compiled in.
+// 0 (q roped and the cache written by rope_kv): the copies after it.
 //
 // Entry points flash_decode_d<D>_q<QS>; QS = 1 (the default) splits q into hi + lo fp16 parts: the
 // scores then carry fp32-like accuracy, at no cost in a kernel that waits on memory.
 #include "flash.cuh"
 #include "cluster.cuh"
-#include "flash_timing.cuh"
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
-#define FLD_PREG 16   // cluster partials the last level holds in registers (qwen15's one-row plan: 16)
+#define FLD_PREG 16   // cluster partials the last level holds in registers (128 splits in clusters of 8)
 static_assert(FLD_PREG <= 32, "the last level keeps partial i's (m, l) in lane i");
 
 // The end of a split of a cluster launch: ow[w][g][d] holds each warp's unnormalised output of head g
@@ -83,7 +81,6 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
         cluster_push(dst + lane, owner, v, bar);
         if (lane == 0) cluster_push2(dst + 32, owner, M, L, bar);
     }
-    FLD_T(5);
     if (nown > 0) mbar_wait(bar, 0);
     const long long cs = (long long)nsl * REC;                    // words between two clusters' copies of a slice
     for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {        // warp-uniform
@@ -122,7 +119,6 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
             if (lane < 2) fl_flag_put(mine + 32 + lane, lane ? L : M);
         }
     }
-    FLD_T(6);
     if (ncl > 1) {
         for (int x = rank + C * w; x < nsl; x += C * FLD_NW) {
             int win = cl == 0;                                    // spin: cluster 0 combines
@@ -139,7 +135,6 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
                 win = __shfl_sync(0xffffffffu, win, 0);
             }
             if (!win) continue;
-            FLD_T(8);
             const int gg = x / SL, c = x - gg * SL;
             u64* src = ll + rowp * maxcl * cs + (long long)x * REC;    // cluster i's copy at src + i * cs
             float M = -INFINITY, L = 0.0f, v = 0.0f;
@@ -169,7 +164,6 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
                 M = pm;
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-                FLD_T(9);
                 const float f = exp2f(pm - M);                    // lane i's partial (a cluster partial has keys)
 #pragma unroll
                 for (int i = 0; i < FLD_PREG; ++i) {
@@ -201,15 +195,12 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
             const long long ob = (head0 + gg) * D;
             fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
                        oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
-            FLD_T(10);
             for (int i = 0; i < ncl; ++i) {                       // consumed: the next launch finds zeros
                 src[i * cs + lane] = 0ull;
                 if (lane < 2) src[i * cs + 32 + lane] = 0ull;
             }
         }
     }
-    FLD_T(7);
-    FLD_FLUSH(ncl);
 }
 
 template <int D, bool QS>
@@ -287,8 +278,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         }
         fl_commit();
     };
-    FLD_T_RESET();
-    FLD_T(0);
     if (!fuse) pdl_wait();
 #pragma unroll
     for (int i = 0; i < NST; ++i) issue(i);
@@ -305,7 +294,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         if (fuse && p < half && gg < G) qcs[k] = rt[(long long)pos * half + p];
     }
     pdl_wait();
-    FLD_T(1);
     float qva[QIT], qvb[QIT];
 #pragma unroll
     for (int k = 0; k < QIT; ++k) {
@@ -366,7 +354,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         }
     }
     __syncthreads();
-    FLD_T(2);
 
     // the group's q fragments, in registers for the whole loop (256-dim heads: too many registers)
     constexpr bool HQ = D <= 128;
@@ -387,7 +374,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     for (int i = 0; i < cnt; ++i) {                               // warp-uniform
         fl_wait<NST - 1>();
         __syncwarp();
-        if (i == 0) FLD_T(11);
         u16* ks = mine + (i % NST) * STAGE;
         u16* vs = ks + FLD_KW * LDS;
         const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
@@ -438,16 +424,13 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                 for (int e = 0; e < 4; ++e)
                     if (k0 + nt * 8 + 2 * tq + (e & 1) >= ke) sc[nt][e] = -INFINITY;
         }
-        if (i == 0) FLD_T(12);
         u32 pf[1][4];
         fl_softmax_step<2, D / 8>(sc, m, l, o, pf);
         fl_pv16<D>(o, pf[0], vs, LDS, lane);
-        if (i == 0) FLD_T(13);
         __syncwarp();                                             // the stage is consumed: refill it
         issue(i + NST);
     }
     fl_wait<0>();
-    FLD_T(3);
     pdl_trigger();                                                // every key read
 
     // merge the warps: each writes its rows' (m, l) and O to shared memory (over the stages)
@@ -471,7 +454,6 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         *(float2*)(ow + (w * 16 + g + 8) * D + d) = make_float2(o[dt][2], o[dt][3]);
     }
     __syncthreads();
-    FLD_T(4);
     if (clu) {                                                    // block-uniform
         // the flagged words after the counters (an even count: 8-byte aligned; flash.py plan_decode)
         u64* ll = (u64*)(counters + (long long)n * KVH * G * (D / 32));

@@ -1,11 +1,11 @@
-// Batched decode of small batches (2 to 16 rows) on the tensor cores (backends/cuda/mmq.py picks it
-// when every matrix of a projection has one of its types): y[t, r] = W[r] . h[t], with mmq.cu's
+// Batched decode of small batches on the tensor cores (the dispatcher, backends/cuda/dispatch.py, picks
+// it when every matrix of a projection has one of its types): y[t, r] = W[r] . h[t], with mmq.cu's
 // numerics (the same prep records from mmq_prep: row-scaled fp16 hi/lo halves and unit sums; exact
 // products summed in fp32 per 32-column unit, sub-block scales and mins applied by fp32 FMAs). What
 // differs is the data path: the weights go from global memory straight into the mma A fragments,
 // with no shared-memory tile and no barrier in the K loop, so the hot loop is a few hundred
-// instructions. mmq.cu's block-wide tile pipeline is bound by instruction fetch at small M
-// (perf-notes v17), and the GEMVs (mmvf.cu) pay per activation row for every weight.
+// instructions. mmq.cu's block-wide tile pipeline is bound by instruction fetch at small M, and
+// the GEMVs (mmvf.cu) pay per activation row for every weight.
 //
 // A warp computes one tile of 16 weight rows (the fused FFN: 16 gate rows and the same 16 up rows)
 // for up to 8 NT tokens, over every W-th 64-column item (two units) of K. Thread (gid, tig) loads,
@@ -20,8 +20,8 @@
 // mmqs_tT (T = 8 or 16 tokens): segments, mode, act, accumulate and amax as mmq_bnBN; more than T
 // tokens in groups of T (one block per weight tile and group). K is split over CTAs only within a
 // thread-block cluster (sm_90): the blocks' sums meet in distributed shared memory, in rank order,
-// with no scratch, fence or counter in global memory (mmq.cu's split pays those, which cost more
-// than they gave here: perf-notes v19). Requirements (checked on the host): K % 64 == 0 (K-quants:
+// with no scratch, fence or counter in global memory (mmq.cu's split pays those, which at these few
+// rows cost more than the split gains). Requirements (checked on the host): K % 64 == 0 (K-quants:
 // K % 256 == 0).
 #include "common.cuh"
 #include "mma.cuh"

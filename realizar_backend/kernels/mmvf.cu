@@ -29,13 +29,13 @@
 #include "common.cuh"
 
 #ifndef MMVF_WARPS
-#define MMVF_WARPS 8       // half the blocks of 4 warps: half the activation staging (qwen15: -40 us/token)
+#define MMVF_WARPS 8       // half the blocks of 4 warps: each block stages the input, so half the staging
 #endif
 #ifndef MMVF_R
 #define MMVF_R 2
 #endif
 #ifndef MMVF_UNROLL
-#define MMVF_UNROLL 2      // two units' loads in flight per lane (tools/mmvf_sweep.py: 5-10% on qwen15)
+#define MMVF_UNROLL 2      // two units' loads in flight per lane: one memory latency covers both
 #endif
 constexpr int kMmvfUnroll = MMVF_UNROLL;   // the pragma needs a constant expression, not a macro
 
@@ -69,7 +69,7 @@ __device__ __forceinline__ void mmvf_x(const float* x, int xs, int b, int u, int
 
 // acc += the decoded units w (unit u of every row) applied to every activation row. Row 0 always
 // exists: no branch around it, or the compiler sinks the weight loads into the branch, after the
-// activation reads (one memory latency more per pass: 5-10% on qwen15's GEMVs).
+// activation reads (one memory latency more per pass).
 template <int QT, int NB, int M>
 __device__ __forceinline__ void mmvf_apply(const FUnit (&w)[M][MMVF_R], int u, int nu, const float* x, int xs,
                                            int nbl, bool staged, float (&acc)[M][MMVF_R][NB]) {

@@ -1,4 +1,4 @@
-// split16 prefill (backends/cuda/prefill.py): every projection's two GEMM inputs as pairs of fp16
+// split16 prefill (backends/cuda/split16.py): every projection's two GEMM inputs as pairs of fp16
 // values, so that fp16 tensor cores with fp32 accumulation give about fp32 accuracy:
 //   W   = Wh + Wl * 2^-12   weight row n of the workspace:    [ Wl * 2^12 | Wh ]        (2K fp16)
 //   s x = xh + xl           activation row t of the workspace: [ xh * 2^-12 | xh | xl ] (3K fp16)

@@ -58,9 +58,8 @@ class LoadtestConfig:
     def process_count(self) -> int:
         """Client processes: one asyncio loop reads many streams well, but a burst of new requests
         (streams ending together) costs it ~2 ms of request building each, so that later streams'
-        ends are read late and the server idles between waves it did not make. H100, qwen15 twin,
-        64 clients (perf-notes v31): 16 clients a process 8,926 / 9,474 tok/s, 8 9,566 / 9,607,
-        4 9,856 / 9,650."""
+        ends are read late and the server idles between waves it did not make: hence CLIENTS_PER_PROCESS
+        clients a process, the fewest that still keeps one process's loop busy."""
         n = self.processes or min(-(-self.clients // CLIENTS_PER_PROCESS), os.cpu_count() or 1)
         return max(1, min(n, self.clients, self.requests))
 

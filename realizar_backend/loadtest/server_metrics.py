@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ..serving.metrics import WORKER_LABEL
+from ..serving.metrics import ENGINE_LABEL, WORKER_LABEL
 
 # Server metric families reported before and after the run, and the gauges that say it is idle.
 METRIC_PREFIXES = ("realizar_", "llamacpp:", "vllm:")
@@ -22,9 +22,9 @@ def metric_key(name: str, labels: dict[str, str]) -> str:
 
 async def scrape_metrics(root: str, headers: dict[str, str]) -> dict[str, dict[str, float]] | None:
     """Gauges and counters of the known server families on /metrics; None when there are none.
-    This package's server labels each series with its worker (one per GPU): the values are
-    given for the whole server (summed over the workers; a ratio gauge averaged) and, where
-    there are several workers, for each of them too."""
+    This package's server labels each series with its engine (one per GPU) and worker: the values
+    are given for the whole server (summed over them; a ratio gauge averaged) and, where there
+    are several, for each one too."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     try:
@@ -37,9 +37,9 @@ async def scrape_metrics(root: str, headers: dict[str, str]) -> dict[str, dict[s
         return None
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
-    per_worker: dict[tuple[bool, str], list[float]] = {}
-    workers: set[str] = set()
-    worker_keys: list[tuple[dict, str]] = []
+    per_unit: dict[tuple[bool, str], list[float]] = {}
+    units: set[tuple] = set()                # (engine, worker) pairs seen
+    unit_keys: list[tuple[dict, str]] = []
     for fam in families:
         if not fam.name.startswith(METRIC_PREFIXES) or fam.type not in ("gauge", "counter", "histogram"):
             continue
@@ -51,18 +51,19 @@ async def scrape_metrics(root: str, headers: dict[str, str]) -> dict[str, dict[s
             if not gauge and not s.name.endswith(ends):
                 continue                     # _created timestamps, histogram buckets
             labels = dict(s.labels)
-            worker = labels.pop(WORKER_LABEL, None) if s.name.startswith("realizar_") else None
-            if worker is None:
+            unit = ((labels.pop(ENGINE_LABEL, None), labels.pop(WORKER_LABEL, None))
+                    if s.name.startswith("realizar_") else (None, None))
+            if unit == (None, None):
                 out[metric_key(s.name, labels)] = s.value
                 continue
-            workers.add(worker)
+            units.add(unit)
             out[metric_key(s.name, s.labels)] = s.value
-            worker_keys.append((out, metric_key(s.name, s.labels)))
-            per_worker.setdefault((gauge, metric_key(s.name, labels)), []).append(s.value)
-    if len(workers) < 2:                     # one worker: its values are the server's
-        for out, k in worker_keys:
+            unit_keys.append((out, metric_key(s.name, s.labels)))
+            per_unit.setdefault((gauge, metric_key(s.name, labels)), []).append(s.value)
+    if len({u for u in units if u[0] is not None}) < 2:       # one engine: its values are the server's
+        for out, k in unit_keys:
             del out[k]
-    for (gauge, key), values in per_worker.items():
+    for (gauge, key), values in per_unit.items():
         ratio = gauge and key.split("{")[0].endswith("_ratio")
         (gauges if gauge else counters)[key] = sum(values) / len(values) if ratio else sum(values)
     if not gauges and not counters:

@@ -14,6 +14,8 @@ class ArchSpec:
     block_required: tuple[str, ...]
     block_optional: tuple[str, ...] = ()
     experts: bool = False                # mixture of experts (model/transformer.py Experts)
+    recurrent: bool = False              # linear-attention hybrid (model/transformer.py DeltaNet layers)
+    gated_attention: bool = False        # attn_q also gives a gate per head ([query | gate])
     # the RMSNorm before the feed-forward block (llama.cpp names gpt-oss's post_attention_norm)
     ffn_norm: str = "ffn_norm.weight"
 
@@ -38,6 +40,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "attn_output.bias", "attn_sinks.weight", "post_attention_norm.weight", "ffn_gate_inp.weight",
         "ffn_gate_inp.bias", "ffn_gate_exps.weight", "ffn_gate_exps.bias", "ffn_up_exps.weight", "ffn_up_exps.bias",
         "ffn_down_exps.weight", "ffn_down_exps.bias"), experts=True, ffn_norm="post_attention_norm.weight"),
+    # Qwen3.5 / 3.6: Gated DeltaNet layers and gated full-attention layers (their tensors vary by
+    # layer kind: model/transformer.py loads each kind's; these are the ones every layer has)
+    "qwen35": ArchSpec("qwen35", "neox", ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight",
+                                          "ffn_up.weight", "ffn_down.weight"),
+                       recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
+    "qwen35moe": ArchSpec("qwen35moe", "neox", ("attn_norm.weight", "post_attention_norm.weight") + _EXPERTS[1:],
+                          experts=True, recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
 }
 
 # transformers' `architectures` entries -> canonical arch

@@ -72,6 +72,15 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_ffn_dim: int = 0
     expert_renormalize: bool = True
+    shared_expert_ffn_dim: int = 0   # qwen35moe: a shared expert beside the routed ones (0: none)
+    # linear-attention hybrids (qwen35): which layers are Gated DeltaNet (the rest full attention),
+    # and the DeltaNet's dims: conv kernel, key heads and their dim, value heads and their dim
+    recurrent: tuple[bool, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_k_heads: int = 0
+    ssm_k_dim: int = 0
+    ssm_v_heads: int = 0
+    ssm_v_dim: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -93,6 +102,23 @@ class ModelConfig:
         """gemma3's sliding layers keep plain RoPE at their local base (transformers and llama.cpp
         scale the global layers only)."""
         return None if self.is_sliding(layer) and self.rope_theta_local else self.rope_scaling
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[layer]
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layer keeps a per-sequence recurrent state (a hybrid): a prefix's KV blocks alone
+        cannot resume a sequence."""
+        return any(self.recurrent)
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """A sequence's recurrent state (float32): per recurrent layer the conv inputs kept
+        (kernel - 1 rows of the mixed q|k|v channels) and the DeltaNet state of every value head."""
+        channels = 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+        per_layer = (self.ssm_conv_kernel - 1) * channels + self.ssm_v_heads * self.ssm_k_dim * self.ssm_v_dim
+        return 4 * per_layer * sum(self.recurrent)
 
     @property
     def scale(self) -> float:
@@ -211,13 +237,29 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freq
         cfg.update(activation="swiglu_oai", sliding_pattern=2,
                    sliding_window=m.integer(a + "attention.sliding_window", required=True, lo=1, hi=MAX_CONTEXT),
                    rope_scaling=dataclasses.replace(rs, truncate=False) if rs and rs.kind == "yarn" else rs)
+    if spec.recurrent:
+        flags = m.booleans(a + "attention.recurrent_layers", length=n_layers)
+        if flags is not None:
+            recurrent = tuple(flags)
+        else:
+            every = m.integer(a + "full_attention_interval", required=True, lo=1, hi=n_layers)
+            recurrent = tuple((i + 1) % every != 0 for i in range(n_layers))
+        v_heads = m.integer(a + "ssm.time_step_rank", required=True, lo=1, hi=MAX_DIM)
+        k_heads = m.integer(a + "ssm.group_count", required=True, lo=1, hi=v_heads)
+        inner = m.integer(a + "ssm.inner_size", required=True, lo=v_heads, hi=MAX_DIM)
+        if v_heads % k_heads or inner % v_heads:
+            raise ModelFormatError(path, f"{a}ssm: {v_heads} value heads over {k_heads} key heads, inner size {inner}")
+        cfg.update(recurrent=recurrent, ssm_conv_kernel=m.integer(a + "ssm.conv_kernel", required=True, lo=1, hi=64),
+                   ssm_k_heads=k_heads, ssm_k_dim=m.integer(a + "ssm.state_size", required=True, lo=1, hi=MAX_DIM),
+                   ssm_v_heads=v_heads, ssm_v_dim=inner // v_heads)
     if spec.experts:
         n = m.integer(a + "expert_count", required=True, lo=1, hi=MAX_EXPERTS)
         # the routers of qwen3moe and gpt-oss renormalise their top k (llama.cpp's norm_w; gpt-oss's
         # softmax over the top k logits is the same thing)
         cfg.update(n_experts=n, n_experts_used=m.integer(a + "expert_used_count", required=True, lo=1, hi=n),
                    expert_ffn_dim=m.integer(a + "expert_feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
-                   expert_renormalize=m.boolean(a + "expert_weights_norm", True))
+                   expert_renormalize=m.boolean(a + "expert_weights_norm", True),
+                   shared_expert_ffn_dim=m.integer(a + "expert_shared_feed_forward_length", 0, lo=0, hi=MAX_DIM * 4))
     return ModelConfig(**cfg)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ModelConfig
-from .transformer import DenseTransformer, Loader, MoeTransformer
+from .transformer import DenseTransformer, HybridMoeTransformer, HybridTransformer, Loader, MoeTransformer
 
 FAMILIES = {"llama": DenseTransformer, "qwen2": DenseTransformer, "qwen3": DenseTransformer,
-            "gemma3": DenseTransformer, "qwen3moe": MoeTransformer, "gpt-oss": MoeTransformer}
+            "gemma3": DenseTransformer, "qwen3moe": MoeTransformer, "gpt-oss": MoeTransformer,
+            "qwen35": HybridTransformer, "qwen35moe": HybridMoeTransformer}
 
 
 def build_model(config: ModelConfig, loader: Loader) -> Any:

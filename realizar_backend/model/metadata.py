@@ -99,7 +99,7 @@ class Metadata:
         if not isinstance(v, list):
             raise self.fail(key, f"should be an array, got {_show(v)}")
         if length is not None and len(v) != length:
-            raise self.fail(key, f"has {len(v)} entries; {length} are expected (one per token)")
+            raise self.fail(key, f"has {len(v)} entries; {length} are expected")
         if nonempty and not v:
             raise self.fail(key, "is an empty array")
         return v
@@ -120,6 +120,10 @@ class Metadata:
     def strings(self, key: str, default: Any = None, **kw) -> Any:
         return self._items(key, default, lambda x: isinstance(x, str), "strings", kw,
                            fast=lambda v: set(map(type, v)) <= {str})
+
+    def booleans(self, key: str, default: Any = None, **kw) -> Any:
+        return self._items(key, default, lambda x: isinstance(x, bool), "booleans", kw,
+                           fast=lambda v: set(map(type, v)) <= {bool})
 
     def integers(self, key: str, default: Any = None, *, lo: int, hi: int, **kw) -> Any:
         return self._items(key, default, lambda x: isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi,

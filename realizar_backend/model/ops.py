@@ -68,7 +68,24 @@ class Ops(Protocol):
         """h = RMSNorm(x) * norm; each row's router probabilities softmax(h @ router.T + router_bias),
         its top_k experts e (their probabilities p_e renormalised to sum to one where
         experts.renormalize); x + sum_e p_e * down_e(act(h @ gate_e.T, h @ up_e.T)), each projection
-        with its expert's bias where it has one (model/transformer.py Experts)."""
+        with its expert's bias where it has one; plus sigmoid(h @ shared_router.T) times the shared
+        expert's SwiGLU MLP of h where the model has one (model/transformer.py Experts)."""
+
+    def split_heads(self, y: Any, parts: int) -> tuple:
+        """Rows of heads whose each head is `parts` equal pieces [p0 | p1 | ...] -> the rows of the
+        heads' p0s, of their p1s, ... (a gated attention's [query | gate])."""
+
+    def sigmoid_gate(self, y: Any, gate: Any) -> Any:
+        """y * sigmoid(gate), elementwise."""
+
+    def delta_rule(self, mixed: Any, z: Any, beta: Any, alpha: Any, net: Any) -> Any:
+        """A Gated DeltaNet's core over each sequence's rows (model/transformer.py DeltaNet):
+        c = silu(causal depthwise conv of the mixed rows, the sequence's last conv_kernel - 1 rows
+        before them from its state); q, k, v = c's parts, q and k l2-normalised per head, q / sqrt(k_dim);
+        per value head h, with g = a_coef_h * softplus(alpha_h + dt_bias_h) and b = sigmoid(beta_h):
+        S <- exp(g) S;  S <- S + k (b (v - S^T k))^T;  o = S^T q  (S the sequence's state, carried on);
+        returns RMSNorm(o per head) * out_norm * silu(z). A sequence's first step (position 0)
+        starts from zero state."""
 
     def logits(self, x: Any, norm: Any, w: Any) -> Any:
         """RMSNorm(x) * norm @ w.T at the last row of each sequence of the step (a decode step's

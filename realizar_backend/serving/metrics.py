@@ -7,16 +7,19 @@ BentoML's /metrics next to its `bentoml_*` ones without a second endpoint. That 
 nothing here imports prometheus_client at module level: the import must happen after BentoML
 has set the directory, i.e. when the service instance is created (`get_metrics()`).
 
-`Metrics` is the engine's observer (see engine.EngineObserver): the engine calls it when a
+`Metrics.engine(i)` is engine i's observer (see engine.EngineObserver): the engine calls it when a
 sequence finishes, per output token and after every step.
 
-A server may run several workers (one per GPU, serving/service.py). Every series carries a
-`worker` label (BentoML's worker index, from 1), so /metrics shows each worker and a sum over the
-label gives the server's total; `realizar_worker_status` also names each worker's device.
+A server runs one BentoML worker (the front end) and one engine process per GPU behind it
+(engine/group.py); each engine's events and reports reach this worker, which writes them as that
+engine's series (label `engine`, from 1): a sum over the label gives the server's total, and
+`realizar_engine_status` names each engine's device and state. Every series also carries a
+`worker` label (BentoML's worker index, 1), so that a worker BentoML starts again replaces the old
+one's series.
 
 Beside ours, the vLLM names of the same quantities (`vllm:num_requests_running`, ... VLLM), so
 that dashboards and autoscalers made for vLLM work unchanged: each is fed by the same call as its
-realizar_ twin, with vLLM's `model_name` label (and `worker`).
+realizar_ twin, with vLLM's `model_name` label (and `engine`, `worker`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ STEP_KINDS = ("decode", "prefill", "mixed")
 # decode_steps_total's `start` label (engine/pipeline.py's PIPELINE_REASONS after "ahead")
 DECODE_STARTS = ("ahead", "prefill", "finishing", "no_block", "off", "changed", "kind", "start")
 WORKER_STATUSES = ("loading", "ready", "failed")
+# an engine's state (EngineGroup.engine_statuses): failed at load, dead since, stuck for now
+ENGINE_STATUSES = ("ready", "stuck", "dead", "failed")
 WORKER_LABEL = "worker"
 
 # (name, documentation): the public list, also used by the docs and the tests
@@ -94,6 +99,8 @@ VLLM = {
     "vllm:prefix_cache_hits": ("counter", "prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache"),
 }
 VLLM_MODEL_LABEL = "model_name"
+_VLLM_BUCKETS = {"time_to_first_token_seconds": TTFT_BUCKETS, "time_per_output_token_seconds": TPOT_BUCKETS,
+                 "e2e_request_latency_seconds": E2E_BUCKETS}
 GAUGES = {
     "requests_running": "Sequences in the running batch",
     "requests_waiting": "Sequences queued for KV-cache blocks",
@@ -104,62 +111,64 @@ GAUGES = {
     "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
     "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
     "gpu_memory_used_bytes": "Device memory in use by this process",
-    "worker_status": "The worker's state (1 for the current one: loading, ready, failed) and its device",
+    "worker_status": "The server's state (1 for the current one: loading, ready, failed)",
+    "engine_status": "Each engine's state (1 for the current one: ready, stuck, dead, failed) and its device",
 }
 
 
+ENGINE_LABEL = "engine"
+
+
 class Metrics:
-    """One worker's metrics; implements the engine's observer protocol."""
+    """The server's metrics: the front end's own (HTTP errors, its state, each engine's state)
+    and, through engine(i), each engine's series."""
 
     def __init__(self, registry=None, worker: str = "1", device: str = "cpu"):
         import prometheus_client as pc
 
         kw: dict[str, Any] = {} if registry is None else {"registry": registry}
-        p, w = PREFIX, WORKER_LABEL
+        p, w, e = PREFIX, WORKER_LABEL, ENGINE_LABEL
         self.worker, self.device = worker, device
+        self._engines: dict[str, EngineMetrics] = {}
 
-        def mine(metric):            # the worker's own child of a metric with no other label
-            return metric.labels(**{w: worker})
-
-        # Counters and histograms sum naturally over worker processes (a worker that starts again
-        # adds to the counts of the one before it).
-        self.requests = pc.Counter(p + "requests", COUNTERS["requests_total"], ["finish_reason", w], **kw)
+        # Counters and histograms sum naturally over processes (a worker that starts again adds
+        # to the counts of the one before it).
+        self.requests = pc.Counter(p + "requests", COUNTERS["requests_total"], ["finish_reason", e, w], **kw)
         self.request_errors = pc.Counter(p + "request_errors", COUNTERS["request_errors_total"],
                                          ["status_code", w], **kw)
-        self.prompt_tokens = mine(pc.Counter(p + "prompt_tokens", COUNTERS["prompt_tokens_total"], [w], **kw))
-        self.generation_tokens = mine(pc.Counter(p + "generation_tokens", COUNTERS["generation_tokens_total"],
-                                                 [w], **kw))
-        self.graph_replays = mine(pc.Counter(p + "graph_replays", COUNTERS["graph_replays_total"], [w], **kw))
-        self.graph_captures = mine(pc.Counter(p + "graph_captures", COUNTERS["graph_captures_total"], [w], **kw))
-        self.preemptions = mine(pc.Counter(p + "preemptions", COUNTERS["preemptions_total"], [w], **kw))
-        self.prefix_queried = mine(pc.Counter(p + "prefix_cache_queried_tokens",
-                                              COUNTERS["prefix_cache_queried_tokens_total"], [w], **kw))
-        self.prefix_hits = mine(pc.Counter(p + "prefix_cache_hit_tokens",
-                                           COUNTERS["prefix_cache_hit_tokens_total"], [w], **kw))
-        self.decode_steps = pc.Counter(p + "decode_steps", COUNTERS["decode_steps_total"], ["start", w], **kw)
-        self.engine_steps = pc.Counter(p + "engine_steps", COUNTERS["engine_steps_total"], ["kind", w], **kw)
-        self.engine_step_seconds = pc.Counter(p + "engine_step_seconds", COUNTERS["engine_step_seconds_total"],
-                                              ["kind", w], **kw)
-        self.engine_prompt_tokens = mine(pc.Counter(p + "engine_step_prompt_tokens",
-                                                    COUNTERS["engine_step_prompt_tokens_total"], [w], **kw))
-        self.engine_idle = mine(pc.Counter(p + "engine_idle_seconds", COUNTERS["engine_idle_seconds_total"],
-                                           [w], **kw))
-        self.ttft = mine(pc.Histogram(p + "time_to_first_token_seconds", HISTOGRAMS["time_to_first_token_seconds"],
-                                      [w], buckets=TTFT_BUCKETS, **kw))
-        self.tpot = mine(pc.Histogram(p + "time_per_output_token_seconds",
-                                      HISTOGRAMS["time_per_output_token_seconds"], [w], buckets=TPOT_BUCKETS, **kw))
-        self.e2e = mine(pc.Histogram(p + "e2e_request_latency_seconds", HISTOGRAMS["e2e_request_latency_seconds"],
-                                     [w], buckets=E2E_BUCKETS, **kw))
-        self.prompt_length = mine(pc.Histogram(p + "prompt_length_tokens", HISTOGRAMS["prompt_length_tokens"],
-                                               [w], buckets=PROMPT_BUCKETS, **kw))
+
+        def counter(name: str, labels=()):
+            return pc.Counter(p + name.removesuffix("_total"), COUNTERS[name], [*labels, e, w], **kw)
+
+        self.prompt_tokens = counter("prompt_tokens_total")
+        self.generation_tokens = counter("generation_tokens_total")
+        self.graph_replays = counter("graph_replays_total")
+        self.graph_captures = counter("graph_captures_total")
+        self.preemptions = counter("preemptions_total")
+        self.prefix_queried = counter("prefix_cache_queried_tokens_total")
+        self.prefix_hits = counter("prefix_cache_hit_tokens_total")
+        self.decode_steps = counter("decode_steps_total", ["start"])
+        self.engine_steps = counter("engine_steps_total", ["kind"])
+        self.engine_step_seconds = counter("engine_step_seconds_total", ["kind"])
+        self.engine_prompt_tokens = counter("engine_step_prompt_tokens_total")
+        self.engine_idle = counter("engine_idle_seconds_total")
+
+        def histogram(name: str, buckets):
+            return pc.Histogram(p + name, HISTOGRAMS[name], [e, w], buckets=buckets, **kw)
+
+        self.ttft = histogram("time_to_first_token_seconds", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", E2E_BUCKETS)
+        self.prompt_length = histogram("prompt_length_tokens", PROMPT_BUCKETS)
+
         # Gauges: in multiprocess mode each needs an aggregation over processes. With the worker
         # label each series has one live process (a worker started again replaces the old one,
         # whose files forget_dead_processes() removes), so "live" modes give that worker's value
         # and drop the series of a worker that is gone; sum for counts and bytes, max for a ratio
         # or a status flag.
-        def gauge(name: str, mode: str, labels=()):
-            g = pc.Gauge(p + name, GAUGES[name], [*labels, w], multiprocess_mode=mode, **kw)
-            return g if labels else mine(g)
+        def gauge(name: str, mode: str, labels=(), engine: bool = True):
+            return pc.Gauge(p + name, GAUGES[name], [*labels, *([e] if engine else []), w],
+                            multiprocess_mode=mode, **kw)
 
         self.running = gauge("requests_running", "livesum")
         self.waiting = gauge("requests_waiting", "livesum")
@@ -170,52 +179,91 @@ class Metrics:
         self.graph_status = gauge("graph_status", "livemax", ["bucket", "status"])
         self.pool_bytes = gauge("buffer_pool_bytes", "livesum")
         self.gpu_memory = gauge("gpu_memory_used_bytes", "livesum")
-        self.worker_status = gauge("worker_status", "livemax", ["status", "device"])
-        for reason in ("stop", "length", "abort", "error", "shutdown"):
-            self.requests.labels(reason, worker)          # present at 0 before the first request
+        self.worker_status = gauge("worker_status", "livemax", ["status", "device"], engine=False)
+        self.engine_status = gauge("engine_status", "livemax", ["engine", "device", "status"], engine=False)
         for status in ("400", "401", "404", "503"):
-            self.request_errors.labels(status, worker)
-        for start in DECODE_STARTS:
-            self.decode_steps.labels(start, worker)
+            self.request_errors.labels(status, worker)       # present at 0 before the first request
+        # vLLM's names: twin -> metric; each engine makes its children once it has said its model
+        self.vllm = {}
+        for name, (kind, twin, doc) in VLLM.items():
+            labels = [VLLM_MODEL_LABEL, e, w]
+            if kind == "counter":
+                self.vllm[twin] = pc.Counter(name.removesuffix("_total"), doc, labels, **kw)
+            elif kind == "histogram":
+                self.vllm[twin] = pc.Histogram(name, doc, labels, buckets=_VLLM_BUCKETS[twin], **kw)
+            else:
+                self.vllm[twin] = pc.Gauge(name, doc, labels, multiprocess_mode="livemax" if "usage" in twin
+                                           else "livesum", **kw)
+
+    def engine(self, index: int) -> "EngineMetrics":
+        """Engine `index`'s series (from 1): its observer."""
+        key = str(index)
+        if key not in self._engines:
+            self._engines[key] = EngineMetrics(self, key)
+        return self._engines[key]
+
+    def on_http_error(self, status: int) -> None:
+        self.request_errors.labels(str(status), self.worker).inc()
+
+    def set_worker_status(self, status: str) -> None:
+        for known in WORKER_STATUSES:
+            self.worker_status.labels(known, self.device, self.worker).set(1.0 if known == status else 0.0)
+
+    def set_engine_statuses(self, statuses: list[tuple[str, str]]) -> None:
+        """statuses: (device, status) of engine 1, 2, ..."""
+        for i, (device, status) in enumerate(statuses, 1):
+            for known in ENGINE_STATUSES:
+                self.engine_status.labels(str(i), device, known, self.worker).set(1.0 if known == status else 0.0)
+
+
+class EngineMetrics:
+    """One engine's series; implements the engine's observer protocol (engine.EngineObserver):
+    the engine calls it when a sequence finishes, per output token and after every step."""
+
+    def __init__(self, m: Metrics, engine: str):
+        w = m.worker
+        self.m, self.engine, self.worker = m, engine, w
+
+        def mine(metric, *labels):           # this engine's child of a metric
+            return metric.labels(*labels, engine, w)
+
+        self.prompt_tokens = mine(m.prompt_tokens)
+        self.generation_tokens = mine(m.generation_tokens)
+        self.graph_replays = mine(m.graph_replays)
+        self.graph_captures = mine(m.graph_captures)
+        self.ttft, self.tpot, self.e2e, self.prompt_length = (mine(h) for h in (m.ttft, m.tpot, m.e2e, m.prompt_length))
+        self.running, self.waiting, self.kv_usage, self.kv_used_blocks, self.kv_used_tokens = (
+            mine(g) for g in (m.running, m.waiting, m.kv_usage, m.kv_used_blocks, m.kv_used_tokens))
+        self.decode_rate, self.pool_bytes, self.gpu_memory = (mine(g) for g in (m.decode_rate, m.pool_bytes,
+                                                                                m.gpu_memory))
+        self.requests = {reason: mine(m.requests, reason)     # present at 0 before the first request
+                         for reason in ("stop", "length", "abort", "error", "shutdown")}
+        self.decode_steps = {start: mine(m.decode_steps, start) for start in DECODE_STARTS}
         self._last_steps: dict[str, int] = {}
         # the engine's cumulative step totals: (stats key, label) -> (counter child, last total seen);
         # the children made here are on /metrics at 0 before the first step
         self._step_totals: dict[tuple[str, str], tuple[Any, float]] = {}
         for kind in STEP_KINDS:
-            self._step_totals["engine_steps", kind] = (self.engine_steps.labels(kind, worker), 0)
-            self._step_totals["engine_step_seconds", kind] = (self.engine_step_seconds.labels(kind, worker), 0.0)
-        self._step_totals["engine_step_prompt_tokens", ""] = (self.engine_prompt_tokens, 0)
-        self._step_totals["engine_idle_seconds", ""] = (self.engine_idle, 0.0)
+            self._step_totals["engine_steps", kind] = (mine(m.engine_steps, kind), 0)
+            self._step_totals["engine_step_seconds", kind] = (mine(m.engine_step_seconds, kind), 0.0)
+        self._step_totals["engine_step_prompt_tokens", ""] = (mine(m.engine_prompt_tokens), 0)
+        self._step_totals["engine_idle_seconds", ""] = (mine(m.engine_idle), 0.0)
         self._intervals: list[float] = []        # token intervals not yet in the histogram
-        self._lock = threading.Lock()             # on_step runs on the engine thread, refresh() elsewhere
+        self._lock = threading.Lock()             # on_step runs on the engine's pipe thread, refreshes elsewhere
         self._last_replays = 0
         self._last_captures = 0
         # the engine's cumulative KV totals: stats key -> (counter, last total seen)
-        self._kv_totals = {"preemptions": (self.preemptions, 0),
-                           "prefix_cache_queried_tokens": (self.prefix_queried, 0),
-                           "prefix_cache_hit_tokens": (self.prefix_hits, 0)}
-        # vLLM's names: the metrics now, their children once the model's name is known (the first
-        # step report carries it); twin -> child, read by the event methods
-        self._vllm_metrics = {}
-        for name, (kind, twin, doc) in VLLM.items():
-            labels = [VLLM_MODEL_LABEL, w]
-            if kind == "counter":
-                m = pc.Counter(name.removesuffix("_total"), doc, labels, **kw)
-            elif kind == "histogram":
-                buckets = {"time_to_first_token_seconds": TTFT_BUCKETS, "time_per_output_token_seconds": TPOT_BUCKETS,
-                           "e2e_request_latency_seconds": E2E_BUCKETS}[twin]
-                m = pc.Histogram(name, doc, labels, buckets=buckets, **kw)
-            else:
-                m = pc.Gauge(name, doc, labels, multiprocess_mode="livemax" if "usage" in twin else "livesum", **kw)
-            self._vllm_metrics[twin] = m
-        self.vllm: dict[str, Any] = {}
+        self._kv_totals = {"preemptions": (mine(m.preemptions), 0),
+                           "prefix_cache_queried_tokens": (mine(m.prefix_queried), 0),
+                           "prefix_cache_hit_tokens": (mine(m.prefix_hits), 0)}
+        self.vllm: dict[str, Any] = {}            # vLLM's children (twin -> child), for model_name
         self.model_name: str | None = None
 
     def _vllm(self) -> dict[str, Any]:
-        """vLLM's children for this worker and model ("" until the engine has said its name)."""
+        """vLLM's children for this engine and model ("" until the engine has said its name)."""
         if not self.vllm:
             model = self.model_name or ""
-            self.vllm = {twin: m.labels(model, self.worker) for twin, m in self._vllm_metrics.items()}
+            self.vllm = {twin: metric.labels(model, self.engine, self.worker) for twin, metric in self.m.vllm.items()}
         return self.vllm
 
     def set_model_name(self, name: str) -> None:
@@ -232,7 +280,7 @@ class Metrics:
         with self._lock:
             self._observe_intervals()
         v = self._vllm()
-        self.requests.labels(finish_reason, self.worker).inc()
+        self.m.requests.labels(finish_reason, self.engine, self.worker).inc()
         for c in (self.prompt_tokens, v["prompt_tokens_total"]):
             c.inc(prompt_tokens)
         for c in (self.generation_tokens, v["generation_tokens_total"]):
@@ -274,7 +322,8 @@ class Metrics:
             graphs = stats.get("graph_status") or {}
             for bucket, status in graphs.items():
                 for known in {*GRAPH_STATUSES, status}:
-                    self.graph_status.labels(str(bucket), known, self.worker).set(1.0 if known == status else 0.0)
+                    self.m.graph_status.labels(str(bucket), known, self.engine, self.worker).set(
+                        1.0 if known == status else 0.0)
             # the backend reports cumulative totals; counters only move forward by the delta
             replays, captures = int(stats.get("graph_replays", 0)), int(stats.get("graph_captures", 0))
             if replays > self._last_replays:
@@ -286,7 +335,8 @@ class Metrics:
             for start, total in (stats.get("decode_steps") or {}).items():
                 last = self._last_steps.get(start, 0)
                 if total > last:
-                    self.decode_steps.labels(start, self.worker).inc(total - last)
+                    child = self.decode_steps.get(start) or self.m.decode_steps.labels(start, self.engine, self.worker)
+                    child.inc(total - last)
                     self._last_steps[start] = total
             for (key, label), (counter, last) in self._step_totals.items():
                 value = stats.get(key)
@@ -302,15 +352,6 @@ class Metrics:
                     if twin is not None:
                         twin.inc(total - last)
                     self._kv_totals[key] = (counter, total)
-
-    # ---------------------------------------------------------------- serving side
-
-    def on_http_error(self, status: int) -> None:
-        self.request_errors.labels(str(status), self.worker).inc()
-
-    def set_worker_status(self, status: str) -> None:
-        for known in WORKER_STATUSES:
-            self.worker_status.labels(known, self.device, self.worker).set(1.0 if known == status else 0.0)
 
 
 _metrics: Metrics | None = None
@@ -372,26 +413,6 @@ def forget_dead_processes() -> None:
                 mp.mark_process_dead(pid, path)
             except FileNotFoundError:        # another worker removed them first
                 pass
-
-
-def worker_statuses() -> dict[str, str]:
-    """{worker: loading | ready | failed} of every live worker of this server, read from the
-    metric files all of them share (the same values /metrics aggregates)."""
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    if not _multiproc_dir():
-        return {}
-    forget_dead_processes()
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry)
-    out: dict[str, str] = {}
-    for family in registry.collect():
-        if family.name == PREFIX + "worker_status":
-            for s in family.samples:
-                if s.value == 1.0:
-                    out[s.labels[WORKER_LABEL]] = s.labels["status"]
-    return out
 
 
 def metric_names() -> list[str]:

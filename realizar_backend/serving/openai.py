@@ -155,8 +155,11 @@ def create_app(state: ServerState) -> Starlette:
         return Response(await dumps(state, out, len(out["prompt"])), media_type="application/json")
 
     async def health(request: Request) -> Response:
-        # vLLM's: 200 (empty) while this worker can serve, 503 while it loads, failed or drains
-        ok = state.engine is not None and getattr(state.engine, "alive", True) and not state.draining
+        # vLLM's: 200 (empty) while the server can serve (as /readyz), 503 while it loads, when no
+        # engine can serve (failed, gone or stuck) and while it drains
+        engine = state.engine
+        ok = (engine is not None and not state.draining and getattr(engine, "alive", True)
+              and (getattr(engine, "stall", None) is None or engine.stall() is None))
         return Response(status_code=200 if ok else 503)
 
     async def version(request: Request) -> Response:
@@ -249,7 +252,7 @@ class _InFlight:
         if self.state.metrics is not None:
             self.state.metrics.on_http_error(504)
         response = JSONResponse(error_body(f"the request did not complete within {limit:g} s (this server's "
-                                           f"REALIZAR_REQUEST_TIMEOUT_S)", "server_error", None, "request_timeout"),
+                                           f"REALIZAR_REQUEST_TIMEOUT_S)", "server_error", None, "response_timeout"),
                                 status_code=504)
         await response(scope, receive, send)
 

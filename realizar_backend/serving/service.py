@@ -1,4 +1,4 @@
-"""The BentoML service: one Engine per worker process, behind OpenAI-compatible routes.
+"""The BentoML service: OpenAI-compatible routes in front of one engine core per GPU.
 
     bentoml serve                      # from the repo root: the default SmolLM2-135M, best backend here
     REALIZAR_MODEL=/models/x.gguf REALIZAR_BACKEND=cuda bentoml serve --port 3000
@@ -8,8 +8,9 @@ The class lives in the package (not in the repo's service.py, which re-exports i
 installed package can serve without a checkout.
 
 Configuration is Settings.from_env() (REALIZAR_* variables; see realizar_backend/settings.py).
-Settings.workers worker processes each load the model, one per GPU (see "workers" below); they
-share the port, so requests spread over them. The OpenAI routes are a Starlette app mounted with
+BentoML runs one worker process, the front end: it tokenizes, renders templates, checks grammars
+and streams, and sends each request to one of Settings.workers engine processes, one per GPU,
+each with its own copy of the model (see "engines" below; the router is engine/group.py). The OpenAI routes are a Starlette app mounted with
 `bentoml.asgi_app`, so their paths, status codes and SSE framing are exactly OpenAI's; BentoML
 itself serves /livez, /readyz and /metrics (ours included: see realizar_backend/serving/metrics.py).
 """
@@ -20,20 +21,24 @@ import asyncio
 import atexit
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 
 import bentoml
 
 from realizar_backend import timeline
-from realizar_backend.errors import SettingsError
+from realizar_backend.errors import RealizarError
+from realizar_backend.serving import lifecycle
 from realizar_backend.serving.state import ServerState
-from realizar_backend.settings import Settings, bind_worker_gpu, serve_workers, visible_gpus
+from realizar_backend.settings import Settings, serve_engines, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
+
+if bentoml.server_context.worker_index is not None:
+    lifecycle.end_with_the_server()
+else:
+    lifecycle.one_line_errors()
 
 SETTINGS = Settings.from_env()       # a bad REALIZAR_* value stops `bentoml serve` here, naming it
 logging.getLogger("realizar_backend").setLevel(SETTINGS.log_level.upper())
@@ -47,9 +52,9 @@ def _own_metrics_dir() -> None:
     the path set here is the one its workers get; a worker's own value is never used."""
     from bentoml._internal.configuration.containers import BentoMLContainer
 
-    path = os.path.join(tempfile.gettempdir(), f"realizar-metrics-{os.getpid()}")
+    path = lifecycle.server_dir(os.getpid())
     BentoMLContainer.prometheus_multiproc_dir.set(path)
-    atexit.register(shutil.rmtree, path, True)
+    atexit.register(lifecycle.at_exit, path)
 
 
 _own_metrics_dir()
@@ -58,7 +63,7 @@ _own_metrics_dir()
 def _tracing_config() -> dict:
     """BentoML's tracing settings for this service: without a tracing exporter, the OpenAI routes
     are left out of its OpenTelemetry middleware. The middleware opens a span for every `send`, so
-    a stream pays one per token (about a third of the event loop's time at 64 streams on the H100),
+    a stream pays one per token (a large share of the event loop's time with many streams),
     and without an exporter those spans go nowhere. With `tracing.exporter_type` or
     `tracing.excluded_urls` in BentoML's configuration, nothing is added. (A service's config is
     the default under the user's configuration, merged in when BentoML builds the app.)"""
@@ -72,8 +77,8 @@ def _tracing_config() -> dict:
 
 def _driver_gpus() -> int:
     """How many NVIDIA GPUs the driver reports, asked through NVML (a BentoML dependency) so that
-    no process here starts CUDA before its worker has picked its GPU. Through BentoML's own count
-    where it has one: `bentoml serve` asks it anyway (to hand the GPUs to the workers) and keeps
+    no process here starts CUDA (only the engine processes do, each on its own GPU). Through BentoML's own count
+    where it has one: `bentoml serve` asks it anyway (to hand the GPUs to its worker) and keeps
     the answer, so its process starts NVML once, not twice."""
     try:
         from bentoml._internal.resource import NvidiaGpuResource
@@ -91,34 +96,22 @@ def _driver_gpus() -> int:
         return 0
 
 
-# ------------------------------------------------------------------------------ workers
-# One worker per GPU. This module is read by `bentoml serve`'s own process (which starts WORKERS
-# workers and gives them the GPUs RESOURCES asks for, all of them in one CUDA_VISIBLE_DEVICES),
-# by `bentoml build` (the Bento records the same resources), and by every worker, which BentoML
-# numbers from 1 (server_context.worker_index) before it imports the service: worker i narrows
-# CUDA_VISIBLE_DEVICES to the i-th GPU here, before anything in it starts CUDA.
-# NVML only where CUDA_VISIBLE_DEVICES does not already say (a worker's BentoML sets it)
-# (the CPU backend asks for none: no NVML start)
+# ------------------------------------------------------------------------------ engines
+# One front end (this module's one BentoML worker) and an engine core per GPU behind it
+# (engine/group.py). This module is read by `bentoml serve`'s own process (which gives the worker
+# the GPUs RESOURCES asks for, all of them in one CUDA_VISIBLE_DEVICES), by `bentoml build` (the
+# Bento records the same resources), and by the worker, which starts one engine process per GPU,
+# each seeing only its own. NVML only where CUDA_VISIBLE_DEVICES does not already say (the CPU
+# backend asks for none: no NVML start).
 GPUS = visible_gpus(_driver_gpus) if SETTINGS.backend != "cpu" else []
 timeline.mark("GPUs visible: %d", len(GPUS))
 USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPUS))
-WORKERS = serve_workers(SETTINGS, GPUS, USE_GPU)      # too many for the GPUs stops the start here
-RESOURCES = {"gpu": WORKERS} if USE_GPU else {}
-WORKER = bentoml.server_context.worker_index or 1
-DEVICE = "cuda" if USE_GPU else "cpu"                  # then cuda:<its CUDA_VISIBLE_DEVICES entry>
-_bind_error: SettingsError | None = None               # reported as this worker's load failure
-if USE_GPU and bentoml.server_context.worker_index is not None:
-    try:
-        SETTINGS, _gpu = bind_worker_gpu(SETTINGS, WORKER, GPUS)
-        DEVICE = f"cuda:{_gpu}"
-    except SettingsError as e:
-        _bind_error = e
-    else:
-        from realizar_backend.backends import start_device
-
-        # CUDA's start (importing CuPy, the device's context: ~1 s) overlaps the rest of the
-        # worker's start-up; Engine.from_settings finds it done
-        start_device(SETTINGS)
+ENGINES = serve_engines(SETTINGS, GPUS, USE_GPU)       # too many for the GPUs stops the start here
+RESOURCES = {"gpu": ENGINES} if USE_GPU else {}
+WORKER = 1                                             # BentoML's worker: the front end
+DEVICE = "cuda" if USE_GPU else "cpu"
+# each engine's GPU (a CUDA_VISIBLE_DEVICES entry), or None for the CPU
+ENGINE_DEVICES: list[str | None] = GPUS[:ENGINES] if USE_GPU and GPUS else [None] * ENGINES
 
 # The container image (`bentoml build` + `bentoml containerize`): a CUDA runtime base (the kernels
 # come prebuilt for common GPUs, and CuPy's NVRTC compiles any other at start-up: no toolkit, no C
@@ -142,40 +135,18 @@ IMAGE = (
     .run("realizar pull")
 )
 
+LOCAL_HOST = "127.0.0.1"
 REFRESH_S = 2.0
 BENTOML_TIMEOUT_MARGIN_S = 60.0
 GUIDANCE_PREWARM_DELAY_S = 1.0
 STATE = ServerState(settings=SETTINGS)
 
 
-class _ConnectionPerRequest:
-    """With several workers: every /v1 response asks the client to close its connection, so that
-    each request is accepted afresh by whichever worker takes it first. The workers accept on one
-    shared socket, and a kept-alive connection stays with the worker that accepted it: a client
-    pool that connects in a burst (a load test, a proxy) would otherwise stay split unevenly for
-    as long as it lives. A new local connection costs well under a millisecond."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
-            return await self.app(scope, receive, send)
-
-        async def send_closing(message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
-                message = {**message, "headers": [*headers, (b"connection", b"close")]}
-            await send(message)
-
-        await self.app(scope, receive, send_closing)
-
-
 class _Routes:
-    """The OpenAI routes as an ASGI app, made on first use. A worker makes them at import (below);
+    """The OpenAI routes as an ASGI app, made on first use. The worker makes them at import (below);
     `bentoml serve`'s own process and `bentoml build` read this module only to find the service
     and never serve, so they skip importing the routes and the engine, NumPy and llguidance
-    behind them (the serving process starts the workers sooner)."""
+    behind them (the serving process starts the worker sooner)."""
 
     def __init__(self) -> None:
         self.app = None
@@ -183,7 +154,7 @@ class _Routes:
     def build(self):
         if self.app is None:
             from realizar_backend.serving.openai import create_app
-            self.app = create_app(STATE) if WORKERS == 1 else _ConnectionPerRequest(create_app(STATE))
+            self.app = create_app(STATE)
         return self.app
 
     async def __call__(self, scope, receive, send) -> None:
@@ -193,7 +164,7 @@ class _Routes:
 app = _Routes()
 if bentoml.server_context.worker_index is not None:
     app.build()
-timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.server_context.worker_index else
+timeline.mark("service module imported (%s)", "the worker" if bentoml.server_context.worker_index else
               "the serving process")
 
 
@@ -201,11 +172,15 @@ timeline.mark("service module imported (%s)", f"worker {WORKER}" if bentoml.serv
     name="realizar",
     image=IMAGE,
     resources=RESOURCES,
-    workers=WORKERS,
+    workers=1,
     # BentoML's own limit runs until a response starts; the routes end a request at
     # request_timeout_s with an OpenAI-shaped 504 (serving/openai.py), so this one is a backstop
     traffic={"timeout": SETTINGS.request_timeout_s + BENTOML_TIMEOUT_MARGIN_S},
     tracing=_tracing_config(),
+    # this machine only, unless `--host` (or BENTOML_HOST) says otherwise: there is no API key
+    # unless REALIZAR_API_KEY sets one. The container image sets BENTOML_HOST=0.0.0.0
+    # (bentofile.yaml): inside a container, the published port is the boundary
+    http={"host": LOCAL_HOST},
 )
 @bentoml.asgi_app(app, path="/")
 class Realizar:
@@ -216,62 +191,81 @@ class Realizar:
         STATE.metrics = get_metrics(worker=str(WORKER), device=DEVICE)
         STATE.metrics.set_worker_status("loading")
         STATE.started = time.time()
-        timeline.mark("worker %d: service created, loading the model", WORKER)
+        timeline.mark("service created, loading the model")
         _drain_on_sigterm()
+        _guard_connections()
         # load in the background so /livez answers at once and /readyz turns ready when done
         self._loader = threading.Thread(target=self._load, name="realizar-load", daemon=True)
         self._loader.start()
 
     def _load(self) -> None:
-        from realizar_backend.engine.engine import Engine
-        from realizar_backend.engine.process import EngineClient
+        from realizar_backend.engine.group import EngineGroup
 
         t0 = time.perf_counter()
-        log.info("worker %d of %d (%s): loading %s (backend=%s, context=%d, max_num_seqs=%d)",
-                 WORKER, WORKERS, DEVICE, SETTINGS.model or "the default model", SETTINGS.backend,
+        log.info("loading %s on %d engine(s) (%s; backend=%s, context=%d, max_num_seqs=%d each)",
+                 SETTINGS.model or "the default model", ENGINES, _devices(), SETTINGS.backend,
                  SETTINGS.context_length, SETTINGS.max_num_seqs)
         try:
-            if _bind_error is not None:
-                raise _bind_error
-            # llguidance's vocabulary is built once the worker is ready (below), not before
-            if SETTINGS.engine_process:
-                engine = EngineClient.start(SETTINGS, observer=STATE.metrics, on_exit=self._engine_died)
-            else:
-                engine = Engine.from_settings(SETTINGS, observer=STATE.metrics, prewarm_guidance=False)
+            # llguidance's vocabulary is built once the server is ready (below), not before
+            engine = EngineGroup.start(SETTINGS, ENGINE_DEVICES, observer_of=STATE.metrics.engine,
+                                       on_exit=self._engine_died)
         except Exception as e:
-            _stand_aside(e)
+            _stop_the_server(e)
             return
-        STATE.metrics.on_step(engine.stats())       # gauges exist before the first step
+        STATE.metrics.set_engine_statuses(engine.engine_statuses())
         STATE.engine = engine
         STATE.metrics.set_worker_status("ready")
-        log.info("worker %d of %d (%s) ready: serving %s on %s in %.1f s", WORKER, WORKERS, DEVICE,
-                 engine.model_name, engine.stats().get("backend"), time.perf_counter() - t0)
-        timeline.mark("worker %d ready", WORKER)
+        serving = sum(1 for _, status in engine.engine_statuses() if status == "ready")
+        log.info("ready: serving %s on %d of %d engine(s) (%s) in %.1f s", engine.model_name, serving, ENGINES,
+                 engine.stats().get("backend"), time.perf_counter() - t0)
+        timeline.mark("server ready")
+        _say_where()
         # llguidance holds the GIL for 0.2-3 s while it builds its vocabulary: done after ready (and
         # after the readiness probes have had a moment to see it), a constrained request before then
         # builds it itself
         engine.prewarm_guidance(delay_s=GUIDANCE_PREWARM_DELAY_S)
-        # the engine updates the gauges after each step; an idle engine takes no steps, so refresh
-        # them now and then (decode tokens/s must fall to 0 when traffic stops)
+        # the engines update their gauges after each step; an idle engine takes no steps, so ask
+        # for their reports now and then (decode tokens/s must fall to 0 when traffic stops)
+        said_stuck, said = None, engine.engine_statuses()
         while STATE.engine is engine:
             time.sleep(REFRESH_S)
             if STATE.engine is engine:
-                STATE.metrics.on_step(engine.stats())
+                engine.stats()                       # each engine's report reaches its observer
+                statuses = engine.engine_statuses()
+                STATE.metrics.set_engine_statuses(statuses)
+                for i, ((device, status), (_, before)) in enumerate(zip(statuses, said), 1):
+                    if status != before and ENGINES > 1:
+                        log.warning("engine %d of %d (%s): %s, was %s", i, ENGINES, device, status, before)
+                said = statuses
+                stuck = engine.stall()
+                if stuck and not said_stuck:
+                    log.error("every engine is stuck (%s): /livez and /readyz answer 503 until one moves", stuck)
+                elif said_stuck and not stuck:
+                    log.warning("an engine moves again")
+                said_stuck = stuck
 
     def _engine_died(self, error: Exception) -> None:
-        """The engine process died (a crash, the OOM killer): its requests have failed with a
-        retryable 503. The worker then stands aside as one that failed to load does."""
+        """The last engine process died (a crash, the OOM killer): its requests have failed with a
+        retryable 503. The server then stands aside (_stand_aside)."""
         engine, STATE.engine = STATE.engine, None
         if engine is not None:
-            threading.Thread(target=_stand_aside, args=(error,), name="realizar-stand-aside", daemon=True).start()
+            STATE.metrics.set_engine_statuses(engine.engine_statuses())
+            _stand_aside(error)
 
-    # async, so that the probes never wait for a worker thread
+    # async, so that the probes never wait for a worker thread (nor for an engine: stall() reads
+    # the time of each engine's last heartbeat, engine/process.py)
     async def __is_ready__(self) -> bool:
-        return STATE.engine is not None and not STATE.draining
+        engine = STATE.engine
+        return engine is not None and not STATE.draining and engine.stall() is None
 
     async def __is_alive__(self) -> bool:
-        # a worker that failed to load is dead only when no worker of the server can serve
-        return STATE.load_error is None or not _NO_WORKER_CAN_SERVE.is_set()
+        # with every engine stuck (no heartbeat, or a step that never ends, for
+        # engine_stall_timeout_s) the server is dead until one moves again; so it is once no
+        # engine is left
+        engine = STATE.engine
+        if engine is not None and engine.stall() is not None:
+            return False
+        return STATE.load_error is None or not _NO_ENGINE_CAN_SERVE.is_set()
 
     @bentoml.on_shutdown
     def shutdown(self) -> None:
@@ -280,65 +274,44 @@ class Realizar:
             engine.shutdown()
 
 
-# ------------------------------------------------------------------------------ a worker that failed
-_NO_WORKER_CAN_SERVE = threading.Event()
+# ------------------------------------------------------------------------------ a server without engines
+_NO_ENGINE_CAN_SERVE = threading.Event()
 _uvicorn = None               # this worker's uvicorn.Server and event loop (set by _drain_on_sigterm)
 _loop: asyncio.AbstractEventLoop | None = None
 
 
+def _devices() -> str:
+    return ", ".join(f"GPU {d}" for d in ENGINE_DEVICES if d is not None) or "cpu"
+
+
 def _stand_aside(error: Exception) -> None:
-    """This worker could not load the model (a bad file, a GPU that is missing or fails the
-    self-check), or its engine process died later. It does not exit: BentoML would start it again, outside a container without
-    end, each time loading and failing anew. It stays up without an engine: requests that reach
-    it get 503 with the error (and Connection: close, so a retry may reach another worker),
-    /readyz says not ready, and /livez says dead only once every worker has failed (then the
-    whole server is of no use, and an orchestrator should restart it). As soon as another worker
-    is ready this one stops accepting connections, so that every request reaches one that serves.
-    Runs on the loader thread; the other workers never notice."""
-    from realizar_backend.serving.metrics import worker_statuses
-
-    log.error("worker %d of %d (%s) cannot serve the model: %s: %s", WORKER, WORKERS, DEVICE,
-              type(error).__name__, error, exc_info=error)
+    """Every engine process died after the server was ready. The server does not exit (BentoML
+    would start it again, outside a container without end, each time loading and failing anew):
+    it stays up without an engine, answers requests 503 with the error, /readyz says not ready
+    and /livez dead, so that an orchestrator restarts it."""
+    log.error("no engine can serve the model: %s: %s", type(error).__name__, error)
     STATE.metrics.set_worker_status("failed")
-    others = [str(w) for w in range(1, WORKERS + 1) if w != WORKER]
-    if not others:
-        _NO_WORKER_CAN_SERVE.set()
-    STATE.load_error = f"worker {WORKER} ({DEVICE}): {type(error).__name__}: {error}"
-    while others and not STATE.draining:
-        try:
-            statuses = worker_statuses()
-        except Exception as e:       # e.g. a metric file that went away while it was read: again later
-            log.debug("worker statuses not read: %s", e)
-            statuses = None
-        if statuses is not None:
-            # a worker not started yet (or started again) counts as loading
-            states = [statuses.get(w, "loading") for w in others]
-            if all(s == "failed" for s in states):
-                _NO_WORKER_CAN_SERVE.set()
-            else:
-                _NO_WORKER_CAN_SERVE.clear()
-            if "ready" in states and _stop_accepting():
-                log.warning("worker %d of %d (%s) stopped accepting connections; worker(s) %s serve",
-                            WORKER, WORKERS, DEVICE, ", ".join(w for w in others if statuses.get(w) == "ready"))
-                return
-        time.sleep(REFRESH_S)
+    STATE.load_error = f"{type(error).__name__}: {error}"
+    _NO_ENGINE_CAN_SERVE.set()
 
 
-def _stop_accepting() -> bool:
-    """Close this worker's copy of the listening socket the workers share (the others keep
-    accepting on theirs). False when uvicorn has not opened it yet."""
-    async def close() -> bool:
-        servers = getattr(_uvicorn, "servers", None) or []
-        for server in servers:
-            server.close()
-        return bool(servers)
+# errors whose message says it all: no traceback for them when the server stops
+_PLAIN_ERRORS = (RealizarError, OSError, MemoryError)
 
-    if _loop is None or _loop.is_closed():
-        return False
+
+def _stop_the_server(error: Exception) -> None:
+    """A server none of whose engines could load the model has nothing to serve: say why in one
+    line and stop it with a non-zero status (the serving process's _at_exit). (Engines that fail
+    while another loads stand aside: engine/group.py.)"""
+    log.error("cannot serve the model: %s: %s", type(error).__name__, error,
+              exc_info=None if isinstance(error, _PLAIN_ERRORS) else error)
+    STATE.metrics.set_worker_status("failed")
+    STATE.load_error = f"{type(error).__name__}: {error}"
+    _NO_ENGINE_CAN_SERVE.set()
     try:
-        return asyncio.run_coroutine_threadsafe(close(), _loop).result(timeout=10)
-    except (RuntimeError, TimeoutError):      # the loop stopped or is stuck: try again later
-        return False
+        lifecycle.fail_the_server(STATE.load_error)
+    except OSError as e:           # not under `bentoml serve`'s arbiter: stay up, unready, as before
+        log.error("could not stop the server (%s); it stays up without a model", e)
 
 
 # ------------------------------------------------------------------------------ graceful shutdown
@@ -365,6 +338,35 @@ def _drain_on_sigterm() -> None:
             loop.call_soon_threadsafe(lambda: loop.create_task(_drain(uvicorn_handler)))
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _say_where() -> None:
+    """Say where the server listens, as it is (BentoML's own line calls every interface
+    "localhost"), and warn when every interface can reach a server with no API key."""
+    try:
+        host, port = next(sock.getsockname()[:2] for server in (getattr(_uvicorn, "servers", None) or [])
+                          for sock in server.sockets)
+    except (StopIteration, OSError, AttributeError):
+        return
+    if host in ("0.0.0.0", "::"):
+        log.log(logging.INFO if SETTINGS.api_key else logging.WARNING,
+                "listening on every interface (%s port %d)%s", host, port,
+                "" if SETTINGS.api_key else " with no API key: anyone who reaches this machine can use it "
+                                            "(REALIZAR_API_KEY sets one)")
+    else:
+        log.info("listening on %s port %d", host, port)
+
+
+def _guard_connections() -> None:
+    """This worker's uvicorn makes its connections with serving/connections.py's limits (header
+    and body timeouts, header size, a connection limit). Its server object is found through the
+    SIGTERM handler it installed (_drain_on_sigterm), before it listens."""
+    from realizar_backend.serving import connections
+
+    if _uvicorn is None or not hasattr(_uvicorn, "config"):
+        log.warning("not under uvicorn: HTTP connections have no read timeouts or limits here")
+        return
+    connections.install(_uvicorn, SETTINGS, on_refused=STATE.metrics.on_http_error)
 
 
 async def _drain(uvicorn_handler) -> None:

@@ -25,6 +25,7 @@ from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .sampling import GpuSampler
+from .support import refusal
 from .token_ring import TokenRing
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 PREFILL_TOKENS = 512   # initial prefill capacity per step; the workspace grows past it on demand
 # decode steps take the long-row attention (flash-decoding, split over the sequence) from this many
 # rows, or when a row is this deep in its context; below both, attention.cu's one block per row and
-# head is faster (H100, qwen15 shapes: 5.7 us a layer at depth 128, batch 1, against 8.6)
+# head is faster (its one pass over a short row needs no combine)
 LONG_ATTENTION_ROWS = 16
 LONG_ATTENTION_POS = 384
 
@@ -66,9 +67,9 @@ class CUDABackend:
         the reference the tests compare them with."""
         self.settings = settings or Settings()
         c = self.config = model.config
-        if c.n_experts:
-            raise UnsupportedModelError(model.path, f"{c.arch}: the GPU backend does not run mixture-of-experts "
-                                                    "models yet (REALIZAR_BACKEND=cpu runs it)")
+        why = refusal(model)
+        if why is not None:
+            raise UnsupportedModelError(model.path, f"{why} (REALIZAR_BACKEND=cpu runs this model)")
         self.max_slots = max_slots or self.settings.max_num_seqs
         want = max_context or self.settings.context_length or c.context_length
         self.max_context = min(want, c.context_length) if c.context_length else want

@@ -1,8 +1,8 @@
 """cuBLAS GEMMs that CUDA graphs can capture.
 
 CuPy's cuBLAS binding sets the handle's stream before every call and refuses to do so while the
-stream is capturing, so a step with a cuBLAS call could not be graphed (the split16 decode buckets
-fell back to eager launches, host-bound at ~9 ms a step). cuBLAS itself supports stream capture
+stream is capturing, so a step with a cuBLAS call could not be graphed (it would run eagerly,
+bound by the host's launches). cuBLAS itself supports stream capture
 when it allocates nothing meanwhile: this module calls the library CuPy already loaded through
 ctypes, on a handle of its own whose workspace is a buffer of ours (cublasSetWorkspace), set again
 whenever the stream changes (cublasSetStream resets it)."""

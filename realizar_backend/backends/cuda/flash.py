@@ -143,10 +143,8 @@ def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool 
 def decode_cluster(splits: int, clusters: bool) -> tuple[int, int]:
     """(splits, splits per cluster) of a decode plan that may take `splits` (decode_splits), where
     the device and driver launch thread-block clusters (clusters: pdl.clusters_ok): from 4 splits,
-    clusters of up to 8 (the splits rounded down to whole clusters); fewer keep the global combine
-    (2 splits: not measured). H100, qwen15: tools/attn_bench.py, us a layer, 1 row at depth 4,096
-    17.8 -> 12.3 in clusters of 8 (13.4 in 4, 15.9 in 2), 8 rows 24.0 -> 22.6; `realizar bench`,
-    16 rows at depth 4,096 (4 splits): 4,558 / 4,571 -> 4,703 / 4,709 tok/s in clusters of 4."""
+    clusters of up to 8 (the splits rounded down to whole clusters): the larger the cluster, the
+    fewer partials go through global memory; fewer than 4 splits keep the global combine."""
     if not clusters or splits < 4:
         return splits, 1
     c = max(x for x in DECODE_CLUSTERS if x <= splits)
@@ -169,13 +167,10 @@ def decode_splits(n: int, KVH: int, sm_count: int, target_blocks: int | None = N
                   clusters: bool = False) -> int:
     """The most splits a decode row may take, for a batch bucket of n rows: enough that the blocks
     of all (row, KV head) pairs about fill one wave of one block per SM, rounded down. More splits
-    cost more than they spread: on the H100 (tools/attn_bench.py, qwen15, depth 4,096) 16 rows take
-    38 us a layer at 4 splits against 54 at 9 (two blocks per SM) and 18; 64 rows at depth 128
-    10.5 us at 1 split against 11.8 at 3; one row 17.9 us at 64 splits against 20.8 at 32.
+    cost more than they spread (a second wave, and more partials to combine).
     clusters (the splits combine in thread-block clusters): where even MAX_DECODE_SPLITS splits leave
     SMs idle (one or two rows), up to two blocks per SM and MAX_CLUSTER_SPLITS. A row just past 4,096
-    keys then takes 65 splits of 64 keys, not 33 of 128 (chunks are whole 64-key block passes): qwen15,
-    one row, `realizar bench --depth`: 708.5 -> 722.4 tok/s at 4,096, 592 -> 613 at 16,384."""
+    keys then takes 65 splits of 64 keys, not 33 of 128 (chunks are whole 64-key block passes)."""
     if clusters and target_blocks is None and n * KVH * MAX_DECODE_SPLITS <= sm_count:
         return max(1, min(MAX_CLUSTER_SPLITS, 2 * sm_count // (n * KVH)))
     target = target_blocks or sm_count
@@ -189,8 +184,7 @@ def decode_spins(plan: Plan, sm_count: int, per_sm: int) -> bool:
     where the blocks that write them can always be placed: the waiting blocks (cluster 0 of each row
     and KV head) take at most a quarter of the GPU's slots, which leaves some GPC with three quarters
     of its slots free, room for a cluster of 8 even at one block an SM (256-dim heads: shared memory).
-    H100, qwen15, one row (16 waiting blocks of 264 slots; report 2 of 2026-11-27 s15): 774.5 against
-    769.7 tok/s at depth 4,096 with the counter."""
+    Waiting saves the counter's atomics and the fence before them."""
     return plan.cluster > 1 and 4 * plan.grid[1] * plan.grid[2] * plan.cluster <= per_sm * sm_count
 
 

@@ -225,11 +225,15 @@ class StepOps:
         ops.rms_norm(self.fwd.k, y.data.ptr, D, w, y.data.ptr, D, self.T * (y.shape[1] // D), D, c.rms_eps)
         return y
 
-    def attention(self, q, k, v, spec: AttentionSpec):
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("attention sinks on the GPU")      # support.py refuses such models
         self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode)
         return self.fwd.ws.attn
 
-    def linear_residual(self, a, w, x, post_norm):
+    def linear_residual(self, a, w, x, post_norm, bias=None):
+        if bias is not None:
+            raise NotImplementedError("an output projection bias on the GPU")   # support.py refuses them
         kern = self.fwd.dispatcher.linear(self.step, (w,)).kernels[0]
         self.fwd.family(kern).linear_residual(a, w, post_norm or 0, kern, self.T)
         return self.fwd.ws.x

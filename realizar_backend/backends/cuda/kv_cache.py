@@ -81,7 +81,7 @@ class KVCache:
         """slot -> blocks for several slots, in one host-to-device copy: the rectangle of table rows
         and entries that changed (rows in between that did not change are copied with the values
         the device already has). One copy, because a step where 64 sequences cross a block boundary
-        together, or 16 prompts are admitted, would otherwise pay 64 or 16 copies of ~60 us."""
+        together, or 16 prompts are admitted, would otherwise pay 64 or 16 copies."""
         checked = checked_tables(tables, self.max_slots, self.max_blocks, self.num_blocks)
         rows: list[tuple[int, int, int]] = []          # (slot, first changed entry, end)
         for slot, b in checked:

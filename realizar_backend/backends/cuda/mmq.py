@@ -12,12 +12,12 @@ sized once for the largest batch, so the sequence can be captured in a CUDA grap
 The dispatcher (dispatch.py) sends launches to kernels/mmqs.cu instead (`small`: same prep, same
 numerics): one block per 16 weight rows and token group of up to 16 rows, its warps splitting K,
 weights straight from memory into the mma fragments (`small_warps`: warps per block).
-Where those blocks would leave SMs empty (qwen15's 1536-row projections at up to 16 rows), a
+Where those blocks would leave SMs empty (1536-row projections at up to 16 rows), a
 thread-block cluster of blocks shares each tile's K (`small_cluster`, sm_90).
 
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
 of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
-(FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (qwen15's 1536-row
+(FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (1536-row
 projections), K is split over CTAs; the last CTA of a tile adds the partial sums in a fixed order
 (deterministic), bounded so that it reads at most MAX_PARTIAL_READ bytes."""
 
@@ -31,7 +31,6 @@ import numpy as np
 
 from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes
 from .modules import MMQ_BN, mmq_smem_bytes
-from . import pdl as _pdl
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
 
@@ -55,9 +54,10 @@ MAX_PARTIAL_READ = 384 * 1024                    # bytes of partial sums the las
 
 def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
     """Warps per block of an mmqs launch of `tiles` 16-row tiles (blocks: tiles x cluster): enough
-    for SMALL_WARPS_PER_SM warps on every SM, at least SMALL_MIN_WARPS (the LM head at 16 rows:
-    164 us with 4, 346 with 1), at most one per 64-column item of K among the cluster's warps; then
-    fewer, where that takes a last wave of blocks off (`small_cost`)."""
+    for SMALL_WARPS_PER_SM warps on every SM, at least SMALL_MIN_WARPS (a launch of many tiles, as
+    an LM head's, still needs warps to keep its loads in flight), at most one per 64-column item of
+    K among the cluster's warps; then fewer, where that takes a last wave of blocks off
+    (`small_cost`)."""
     items = K // 64 // cluster
     want = max(SMALL_MIN_WARPS, -(-SMALL_WARPS_PER_SM * sm_count // (tiles * cluster)))
     w0 = max(1, min(SMALL_MAX_WARPS, items, want))
@@ -66,9 +66,9 @@ def small_warps(tiles: int, K: int, sm_count: int, cluster: int = 1) -> int:
 
 def small_cost(blocks: int, items: int, warps: int, sm_count: int) -> int:
     """A launch's time in units of one warp's 64-column item: waves of blocks (as many a block as
-    the SM's registers hold at SMALL_REGS a thread) x the items each warp takes. qwen15's gate/up at
-    4-16 rows is 560 blocks: at 4 warps (4 blocks an SM) two waves, the second of 32 blocks; at 3 (5
-    an SM) one. tools/mmq_bench.py --warps, H100, 4 rows: 26.1 us at 4 warps, 21.4 at 3, 24.5 at 2."""
+    the SM's registers hold at SMALL_REGS a thread) x the items each warp takes. A gate/up launch of
+    560 blocks at 4 warps (4 blocks an SM, 132 SMs) is two waves, the second of 32 blocks; at 3 (5
+    an SM) one."""
     per_sm = max(1, SM_REGS // (SMALL_REGS * 32 * warps))
     return -(-blocks // (per_sm * sm_count)) * -(-items // warps)
 
@@ -77,9 +77,8 @@ def small_cluster(tiles: int, K: int, sm_count: int, limit: int | None = None) -
     """Blocks per cluster of an mmqs launch of `tiles` blocks (16-row tiles x token groups): doubled
     while the launch leaves SMs without a block and K is long enough that every warp of the larger
     cluster, at SMALL_MAX_WARPS a block, keeps SMALL_CLUSTER_MIN_ITEMS 64-column items; at most
-    limit (None: SMALL_MAX_CLUSTER). qwen15 at 4 rows (tools/mmq_bench.py --clusters, H100): the
-    down projection (K 8,960, 96 tiles) 23.4 -> 19.6 us in clusters of 2, 23.6 in 4; q/k/v and o
-    (K 1,536) 9.0-9.5 -> 10.0, where the cluster's barriers cost more than the SMs gain."""
+    limit (None: SMALL_MAX_CLUSTER). Short K (a few items a warp) stays unclustered: there the
+    cluster's barriers cost more than the idle SMs gain."""
     limit = SMALL_MAX_CLUSTER if limit is None else limit
     c = 1
     while (2 * c <= limit and tiles * c < sm_count

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import cupy
-from gguf import GGMLQuantizationType as Q
 
 from ...formats.gpu_layout import REGROUPED
 from .matrices import QTYPES
@@ -223,7 +222,7 @@ class Kernels:
                                                 "decode_io_merge"]),
                        build("norm.cu", ["rms_norm"]),
                        build("rope.cu", ["rope_kv"])]
-        _module_future(device_id, "prefill.cu", self.qtypes, prebuilt)   # loaded by its user (prefill.py)
+        _module_future(device_id, "prefill.cu", self.qtypes, prebuilt)   # loaded by its user (split16.py)
         # the GEMVs of float matrices (F32, F16, BF16): compiled on first use
         floats = [q for q in types if not QTYPES[q].blocks]
         gemv = build("gemv.cu", [f"{p}_{sfx[q]}" for q in floats for p in ("gemv", "ffn_gate_up")], typed, lazy=True)

@@ -13,7 +13,7 @@ import numpy as np
 from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
-from .matrices import QTYPES, WeightRef  # noqa: F401  (WeightRef: the launchers' matrices)
+from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
@@ -76,8 +76,7 @@ def mmvf_wpr(K: int, rows: int, sm_count: int, staged: bool = True, warps: int =
     """Warps sharing one row group: as warps_per_row, then doubled while the launch has fewer
     than two blocks per SM and the added warps still get units to read. Staged launches take at
     most 2 warps a group: each block stages the whole input, so fewer, longer-lived blocks win
-    (tools/mmvf_sweep.py, qwen15 down projection, one call: Q4_K 8.9 us at 2 warps against 10.0 at
-    4 in one resident wave, Q6_K 10.0 against 10.5)."""
+    (benchmarks/mmvf_sweep.py --policy times the choice)."""
     wpr = min(warps_per_row(K), 2) if staged else warps_per_row(K)
     most = 2 if staged else warps
     groups = -(-rows // MMVF_R)
@@ -170,8 +169,7 @@ def ffnf_lanes(K: int, wpr: int, nb: int = 1) -> int:
     """Lanes that share one row group of an ffnf launch of nb rows: 16 (two groups a warp) where
     that leaves fewer lanes idle in a row's last pass than 32 do (K = 1536: 48 units, 3 full passes
     of 16 lanes against a full and a half-empty one of 32), for rows of up to 64 units in groups of
-    one warp (wpr 1) and launches of up to 4 rows (the 8-row kernel keeps 32: registers); else 32.
-    H100, qwen15 twin, decode step graph replay: -25 us at one row, -162 at two (perf-notes v29)."""
+    one warp (wpr 1) and launches of up to 4 rows (the 8-row kernel keeps 32: registers); else 32."""
     nu = K // 32
     return 16 if wpr == 1 and nu <= 64 and _nb_variant(nb) <= 4 and (-nu) % 16 < (-nu) % 32 else 32
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import cupy
 import numpy as np
 
 from .blas import blas

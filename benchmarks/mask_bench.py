@@ -1,8 +1,8 @@
 """Host time of a constrained sequence's token masks (llguidance), step by step, with llguidance's
-own slices ("before"), ours (engine/guidance.py SLICES) and ours with the vocabulary split in
+own slices, ours (engine/guidance.py SLICES) and ours with the vocabulary split in
 --parts parts (engine/mask_split.py, what the engine does at small batches), on one model's vocabulary.
 
-    python tools/mask_bench.py MODEL.gguf [--schema S.json] [--steps 1000] [--repeats 3] [--parts 4]
+    python benchmarks/mask_bench.py MODEL.gguf [--schema S.json] [--steps 1000] [--repeats 3] [--parts 4]
                                [--json out.json]
 
 A token stream is drawn once: at each step a uniformly random token among those the grammar allows
@@ -26,19 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import llguidance
 import numpy as np
 
-from realizar_backend.backends.sampling import allowed_tokens
-from realizar_backend.bench import BENCH_SCHEMA
-from realizar_backend.engine.guidance import SLICES, Constraint, Guidance
-from realizar_backend.engine.mask_split import VocabSplit
-from realizar_backend.formats import open_model
-from realizar_backend.model.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CONFIGS = {"llguidance slices (before)": llguidance.LLTokenizer.general_slices(), "ladder (after)": SLICES}
+from realizar_backend.backends.sampling import allowed_tokens  # noqa: E402
+from realizar_backend.bench import BENCH_SCHEMA  # noqa: E402
+from realizar_backend.engine.guidance import MASK_PARTS, SLICES, Constraint, Guidance  # noqa: E402
+from realizar_backend.engine.mask_split import VocabSplit  # noqa: E402
+from realizar_backend.formats import open_model  # noqa: E402
+from realizar_backend.model.tokenizer import Tokenizer  # noqa: E402
+
+CONFIGS = {"llguidance's slices": llguidance.LLTokenizer.general_slices(), "ladder (SLICES)": SLICES}
 
 
 def draw_stream(g: Guidance, c: Constraint, steps: int, seed: int) -> list[list[int]]:
@@ -170,7 +174,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parts", type=int, default=4, help="the split's parts (REALIZAR_GUIDANCE_MASK_PARTS)")
+    ap.add_argument("--parts", type=int, default=MASK_PARTS, help="the split's parts (default: the engine's, "
+                                                                   "guidance.MASK_PARTS)")
     ap.add_argument("--json")
     args = ap.parse_args()
     mf = open_model(args.model)

@@ -1,7 +1,7 @@
-"""One BentoML worker per GPU, on this machine's GPUs: `bentoml serve` with REALIZAR_WORKERS=n
-starts n workers, each binds its own GPU and no other (NVML: its process holds memory on that
-GPU alone), all of them serve, and /metrics names each worker's device. n = 1 runs on any GPU
-machine (the same code path); n = 2 needs two GPUs and is skipped with fewer."""
+"""One engine per GPU, on this machine's GPUs: `bentoml serve` with REALIZAR_WORKERS=n starts n
+engine processes behind its one front end, each holds memory on its own GPU and no other (NVML),
+all of them serve, and /metrics names each engine's GPU. n = 1 runs on any GPU machine (the same
+code path); n = 2 needs two GPUs and is skipped with fewer."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _gpu_pids() -> dict[int, set[int]]:
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_one_worker_per_gpu(n):
+def test_one_engine_per_gpu(n):
     from realizar_backend.settings import visible_gpus
     gpus = visible_gpus(len(_gpu_pids()))        # BentoML's own choice, or CUDA_VISIBLE_DEVICES as set
     if len(gpus) < n:
@@ -46,11 +46,8 @@ def test_one_worker_per_gpu(n):
     server = start_server({"REALIZAR_BACKEND": "cuda", "REALIZAR_MODEL": str(model), "REALIZAR_WORKERS": str(n),
                            "REALIZAR_MODEL_NAME": "smol135", "REALIZAR_KV_CACHE_TOKENS": "16384"}, timeout=400)
     try:
-        want = {str(w): "ready" for w in range(1, n + 1)}
-        assert wait_for(lambda: server.worker_statuses() == want, 300), server.log_tail()
-        devices = {dict(k)["worker"]: dict(k)["device"] for (name, k), v in server.metrics().items()
-                   if name == "realizar_worker_status" and v == 1.0}
-        assert devices == {str(w): f"cuda:{gpus[w - 1]}" for w in range(1, n + 1)}, devices
+        want = {str(e): (gpus[e - 1], "ready") for e in range(1, n + 1)}
+        assert wait_for(lambda: server.engine_statuses() == want, 300), server.log_tail()
 
         def complete(i: int) -> int:
             r = httpx.post(server.url + "/v1/completions", headers={**server.auth},
@@ -60,23 +57,19 @@ def test_one_worker_per_gpu(n):
 
         with cf.ThreadPoolExecutor(8) as pool:
             assert set(pool.map(complete, range(8 * n))) == {200}
-        by_worker: dict[str, float] = {}
-        for (name, k), v in server.metrics().items():
-            if name == "realizar_requests_total":
-                by_worker[dict(k)["worker"]] = by_worker.get(dict(k)["worker"], 0.0) + v
-        assert sum(by_worker.values()) == 8 * n
-        if n > 1:
-            assert min(by_worker.values()) > 0, by_worker
+        finished = sum(v for (name, k), v in server.metrics().items() if name == "realizar_requests_total")
+        assert finished == 8 * n
 
-        # worker i's process holds memory on its GPU and on no other (NVML numbers GPUs as
-        # CUDA_VISIBLE_DEVICES does when that names them by index)
-        pids, workers = _gpu_pids(), server.workers()
-        if not any(p.pid in ps for ps in pids.values() for p in workers.values()) or not all(
-                g.isdigit() for g in gpus):
+        # engine i's process holds memory on its GPU and on no other (NVML numbers GPUs as
+        # CUDA_VISIBLE_DEVICES does when that names them by index), and the front end on none
+        pids, engines = _gpu_pids(), server.engines()
+        assert len(engines) == n
+        if not any(p.pid in ps for ps in pids.values() for p in engines) or not all(g.isdigit() for g in gpus):
             print(f"NVML process ids {pids}, GPUs {gpus}: GPU placement not checked")
             return
-        for w, proc in workers.items():
+        for e, proc in enumerate(engines, 1):
             on = {gpu for gpu, ps in pids.items() if proc.pid in ps}
-            assert on == {int(gpus[w - 1])}, f"worker {w} (pid {proc.pid}) holds memory on GPUs {sorted(on)}"
+            assert on == {int(gpus[e - 1])}, f"engine {e} (pid {proc.pid}) holds memory on GPUs {sorted(on)}"
+        assert not any(server.worker().pid in ps for ps in pids.values()), "the front end holds GPU memory"
     finally:
         server.stop()

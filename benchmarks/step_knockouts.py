@@ -1,12 +1,13 @@
 """Where a decode step's time goes, by knockouts: the step of B rows is captured as a CUDA graph
-with one class of launches left out (a projection of every layer, attention, the LM head, the
-batched prep), replayed, and timed against the whole step. The difference is that class's cost on
-the step's critical path, launch gaps and programmatic-launch overlap included, which a per-kernel
-profile (serialized launches) does not show. The numbers a knocked-out step computes are garbage;
-only its time counts.
+with one operation of the model left out of every layer (forward.StepOps: q/k/v, attention, the
+output projection, gate/up, down; or the LM head, the tensor-core steps' prep launches, or every
+layer), replayed, and timed against the whole step. The difference is that operation's cost on the
+step's critical path, launch gaps and programmatic-launch overlap included, which a per-kernel
+profile (benchmarks/decode_profile.py: serialized launches) does not show. The numbers a
+knocked-out step computes are garbage; only its time counts.
 
-    python tools/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1,4 --json ko.json
-    python tools/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1 --position 4096   (at depth)
+    python benchmarks/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1,4 --json ko.json
+    python benchmarks/step_knockouts.py --model /tmp/twins/qwen15.gguf --batches 1 --position 4096   (at depth)
 
 Prints one line per (batch, knockout): us per step (median of --reps timings of --replays
 replays each) and the difference from the whole step; --json writes the rows.
@@ -29,18 +30,35 @@ def _noop(*_a, **_k) -> None:
     return None
 
 
-def knockouts(proj_cls) -> dict[str, list[tuple[object, str]]]:
-    """(object, attribute) pairs to replace by a no-op, per knockout name."""
-    from realizar_backend.backends.cuda import forward, mmq, projections
-    out: dict[str, list[tuple[object, str]]] = {"whole step": []}
-    for m in ("qkv", "out", "ffn", "down"):
-        out[f"no {m}"] = [(proj_cls, m)]
-    out["no attention"] = [(forward.Forward, "attention")]
-    out["no head"] = [(forward.Forward, "head")]
-    if proj_cls is projections.MmqProjections:
+def knockouts(fwd, family: str) -> dict[str, list[tuple[object, str, object]]]:
+    """(object, attribute, stand-in) triples per knockout name: an operation of the model
+    (forward.StepOps) that returns its usual workspace buffer without launching anything."""
+    from realizar_backend.backends.cuda import forward, linear, mmq
+    S, ws = forward.StepOps, fwd.ws
+    residual = S.linear_residual
+
+    def skip(role: str):
+        def linear_residual(self, a, w, *rest, **kw):
+            return self.fwd.ws.x if role in w.name else residual(self, a, w, *rest, **kw)
+        return linear_residual
+
+    def gated(self, *_a, **_k):
+        # a split16 step's down projection reads the gated MLP's output as split rows
+        return linear.SplitRows(ws.split_inv[1].data.ptr) if self.step.family == "split16" else ws.a
+
+    out: dict[str, list[tuple[object, str, object]]] = {
+        "whole step": [],
+        "no q/k/v": [(S, "norm_linear", lambda self, x, norm, mats, *_a, **_k: (ws.q, ws.k, ws.v)[:len(mats)])],
+        "no attention": [(S, "attention", lambda self, *_a, **_k: ws.attn)],
+        "no o": [(S, "linear_residual", skip("attn_output"))],
+        "no gate/up": [(S, "norm_gated_mlp", gated)],
+        "no down": [(S, "linear_residual", skip("ffn_down"))],
+        "no head": [(S, "logits", lambda self, *_a, **_k: ws.logits)],
+    }
+    if family == "mmq":
         # the launches then read stale records: the prep buffer's check is knocked out with them
-        out["no prep"] = [(proj_cls, "_prep"), (mmq, "_check")]
-    out["no layers"] = [(forward.Forward, "block")]
+        out["no prep"] = [(linear.MmqLinear, "_prep", _noop), (mmq, "_check", _noop)]
+    out["no layers"] = [(fwd.model, "layers", [])]
     return out
 
 
@@ -96,23 +114,24 @@ def main() -> int:
                                             settings=Settings(self_check=False)))
         try:
             gpu.prefill([PrefillItem(s, rng.integers(0, V, args.position).astype(np.int32)) for s in range(B)])
-            proj = type(gpu.fwd.decode_projections(B))
+            family = gpu.fwd.dispatcher.decode_step(B).family
             whole = None
-            for name, patches in knockouts(proj).items():
-                saved = [(o, a, getattr(o, a)) for o, a in patches]
+            for name, patches in knockouts(gpu.fwd, family).items():
+                saved = [(o, a, a in vars(o), getattr(o, a)) for o, a, _ in patches]
                 try:
-                    for o, a in patches:
-                        setattr(o, a, _noop)
+                    for o, a, stand_in in patches:
+                        setattr(o, a, stand_in)
                     us = time_step(gpu, B, args.reps, args.replays, args.position)
                 finally:
-                    for o, a, f in saved:
-                        setattr(o, a, f)
+                    for o, a, own, f in reversed(saved):
+                        if own:
+                            setattr(o, a, f)
+                        else:
+                            delattr(o, a)        # an instance's stand-in: its class's method again
                 whole = us if whole is None else whole
-                row = dict(batch=B, position=args.position, projections=proj.__name__, knockout=name, us=us,
-                           cost_us=whole - us)
+                row = dict(batch=B, position=args.position, family=family, knockout=name, us=us, cost_us=whole - us)
                 rows.append(row)
-                print(f"B={B:<4} {proj.__name__:<16} {name:<14} {us:9.1f} us/step  cost {whole - us:8.1f} us",
-                      flush=True)
+                print(f"B={B:<4} {family:<8} {name:<14} {us:9.1f} us/step  cost {whole - us:8.1f} us", flush=True)
         finally:
             gpu.close()
     if args.json:

@@ -1,11 +1,14 @@
-"""Attention kernels on qwen15's shapes (12 q heads, 2 KV heads, head_dim 128): the flash kernels
-(kernels/flash_prefill.cu, flash_decode.cu via backends/cuda/flash.py) against today's
-(ops.attention: attn_tile for prompt rows, attn_decode with RoPE and the KV write for decode rows),
-where today's can run (its contiguous per-slot cache is the paged pool under an identity block table).
-Prints a table and writes JSON: time per launch, K/V GB/s, TFLOP/s, speedup over today's.
+"""Attention kernels on a 1.5B model's shapes (12 q heads, 2 KV heads, head_dim 128): the flash
+kernels (kernels/flash_prefill.cu, flash_decode.cu via backends/cuda/flash.py) against attention.cu's
+(ops.attention: attn_tile for prompt rows, attn_decode with RoPE and the KV write for decode rows;
+the backend's kernels where flash does not take the head size, and for short decode rows), over the
+same paged pool. Prints a table and writes JSON: time per launch, K/V GB/s, TFLOP/s, speedup over
+attention.cu's.
 
-    python tools/attn_bench.py --json attn.json
-    python tools/attn_bench.py --only decode --sweep           (every decode knob combination)
+    python benchmarks/attn_bench.py --json attn.json
+    python benchmarks/attn_bench.py --only decode --sweep           (every decode knob combination)
+    python benchmarks/attn_bench.py --only decode --defines 'A:-DX=0;B:-DX=1'   (kernel variants side by side)
+    python benchmarks/attn_bench.py --only decode --clusters 1,8    (the combine in thread-block clusters)
 
 prefill: one sequence of T tokens at once (T = 512, 4096, 16384), the same 16384 tokens as 32 chunks
   of 512 (each attending to the cached prefix plus itself, as chunked prefill runs them), and the last
@@ -37,11 +40,6 @@ from realizar_backend.backends.cuda.modules import get_kernels  # noqa: E402
 
 H, KVH, D, BS, LAYERS = 12, 2, 128, 16, 28
 SCALE, THETA = D ** -0.5, 1e6
-
-
-def _today_ok() -> bool:
-    """The pre-flash kernels (ops.attention over the paged pool) are there to compare with."""
-    return hasattr(ops, "PagedKV")
 
 
 def _pool(nblocks: int):
@@ -92,7 +90,6 @@ def bench_prefill(fk, k, sm: int, reps: int, variants) -> list[dict]:
     bt = cupy.arange(nb, dtype=cupy.int32).reshape(1, nb)
     q = cupy.random.standard_normal((T_MAX, H, D), dtype=cupy.float32)
     out = cupy.empty((T_MAX, H, D), cupy.float32)
-    o16 = cupy.empty((T_MAX, H, D), cupy.float16)
     pos_all = cupy.arange(T_MAX, dtype=cupy.int32)
     slots = cupy.zeros(T_MAX, cupy.int32)
     scratch = flash.FlashScratch()
@@ -103,15 +100,13 @@ def bench_prefill(fk, k, sm: int, reps: int, variants) -> list[dict]:
     for name, chunks in cases:
         flops = sum(4 * D * H * (r * p + r * (r + 1) / 2) for p, r in chunks)
         kv_bytes = sum((p + r) * KVH * D * 4 for p, r in chunks)
-        today = None
-        if _today_ok():
-            def run_today():
-                for p, r in chunks:
-                    ops.attention(k, q.data.ptr + p * H * D * 4, out.data.ptr,
-                                  ops.PagedKV(kp.data.ptr, vp.data.ptr, bt.data.ptr, nb, BS.bit_length() - 1),
-                                  slots.data.ptr, pos_all.data.ptr + p * 4, H, KVH, D, SCALE, 0, r,
-                                  o16=o16.data.ptr)
-            today = _time_graph(run_today, max(1, reps // 4))
+
+        def run_classic():
+            for p, r in chunks:
+                ops.attention(k, q.data.ptr + p * H * D * 4, out.data.ptr,
+                              ops.PagedKV(kp.data.ptr, vp.data.ptr, bt.data.ptr, nb, BS.bit_length() - 1),
+                              slots.data.ptr, pos_all.data.ptr + p * 4, H, KVH, D, SCALE, 0, r)
+        classic = _time_graph(run_classic, max(1, reps // 4))
         for vname, kw in variants.items():
             plans = []
             for p, r in chunks:
@@ -123,13 +118,13 @@ def bench_prefill(fk, k, sm: int, reps: int, variants) -> list[dict]:
                 for p, r, pl in plans:
                     flash.prefill(fk, pl, q.data.ptr + p * H * D * 4, out.data.ptr, kp.data.ptr, vp.data.ptr,
                                   bt.data.ptr, nb, BS.bit_length() - 1, slots.data.ptr, pos_all.data.ptr + p * 4, r,
-                                  H, KVH, D, SCALE, 0, scratch, o16=o16.data.ptr)
+                                  H, KVH, D, SCALE, 0, scratch)
             t = _time_graph(run, reps)
             fn = fk.get(plans[0][2])
             rows.append(dict(kind="prefill", case=name, config=vname, splits=[pl.splits for _, _, pl in plans][-1],
                              us=t * 1e6, gbs=kv_bytes / t / 1e9, tflops=flops / t / 1e12,
-                             tok_s=sum(r for _, r in chunks) / t, today_us=today and today * 1e6,
-                             speedup=today and today / t, regs=_regs(fn)))
+                             tok_s=sum(r for _, r in chunks) / t, classic_us=classic * 1e6,
+                             speedup=classic / t, regs=_regs(fn)))
             _print(rows[-1])
     return rows
 
@@ -166,7 +161,7 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), de
         pool_bytes = 2 * (B * nb + 1) * BS * KVH * D * 2
         copies = max(1, min(LAYERS, (8 << 30) // pool_bytes))
         pools = [_pool(B * nb) for _ in range(copies)]
-        bt = cupy.arange(B * nb, dtype=cupy.int32).reshape(B, nb)      # identity: today's slot layout
+        bt = cupy.arange(B * nb, dtype=cupy.int32).reshape(B, nb)      # each row its own blocks
         q = cupy.random.standard_normal((B, H, D), dtype=cupy.float32)
         kin = cupy.random.standard_normal((B, KVH, D), dtype=cupy.float32)
         vin = cupy.random.standard_normal((B, KVH, D), dtype=cupy.float32)
@@ -177,16 +172,15 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), de
         kv_bytes = LAYERS * B * (depth + 1) * KVH * D * 4
         flops = LAYERS * B * H * (depth + 1) * 4 * D
         name = f"batch {B} depth {depth}"
-        today = None
-        if _today_ok():
-            def run_today():
-                for i in range(LAYERS):
-                    kp, vp = pools[i % copies]
-                    ops.attention(k, q.data.ptr, out.data.ptr,
-                                  ops.PagedKV(kp.data.ptr, vp.data.ptr, bt.data.ptr, nb, BS.bit_length() - 1),
-                                  slots.data.ptr, pos.data.ptr, H, KVH, D, SCALE, 0, B,
-                                  rope=(kin.data.ptr, vin.data.ptr, D, True, table.data.ptr))
-            today = _time_graph(run_today, reps) / LAYERS
+
+        def run_classic():
+            for i in range(LAYERS):
+                kp, vp = pools[i % copies]
+                ops.attention(k, q.data.ptr, out.data.ptr,
+                              ops.PagedKV(kp.data.ptr, vp.data.ptr, bt.data.ptr, nb, BS.bit_length() - 1),
+                              slots.data.ptr, pos.data.ptr, H, KVH, D, SCALE, 0, B,
+                              rope=(kin.data.ptr, vin.data.ptr, D, True, table.data.ptr))
+        classic = _time_graph(run_classic, reps) / LAYERS
         scratch = flash.FlashScratch()
         for (dname, extra), cfg, cl in itertools.product((defines or {"": ()}).items(),
                                                          decode_configs(B, sm, sweep, splits), clusters or [1]):
@@ -209,8 +203,8 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), de
             config = (f"{dname} " if dname else "") + " ".join(f"{a}={b}" for a, b in cfg.items())
             rows.append(dict(kind="decode", case=name, config=config,
                              **cfg, copies=copies, us=t * 1e6, gbs=kv_bytes / LAYERS / t / 1e9,
-                             tflops=flops / LAYERS / t / 1e12, today_us=today and today * 1e6,
-                             speedup=today and today / t, regs=_regs(fk.get(plan))))
+                             tflops=flops / LAYERS / t / 1e12, classic_us=classic * 1e6,
+                             speedup=classic / t, regs=_regs(fk.get(plan))))
             _print(rows[-1])
         pools = None          # noqa: F841 (frees the copies before the next case allocates)
         cupy.get_default_memory_pool().free_all_blocks()
@@ -218,9 +212,9 @@ def bench_decode(fk, k, sm: int, reps: int, sweep: bool, batches=(1, 16, 64), de
 
 
 def _print(r: dict) -> None:
-    today = f"{r['today_us']:10.1f} {r['speedup']:6.2f}x" if r.get("today_us") else f"{'-':>10} {'-':>7}"
+    classic = f"{r['classic_us']:10.1f} {r['speedup']:6.2f}x"
     extra = f" {r['tok_s']:10,.0f} tok/s" if "tok_s" in r else ""
-    print(f"{r['case']:<28} {r['config']:<52} {r['us']:10.1f} {r['gbs']:8.0f} {r['tflops']:7.1f} {today}{extra}",
+    print(f"{r['case']:<28} {r['config']:<52} {r['us']:10.1f} {r['gbs']:8.0f} {r['tflops']:7.1f} {classic}{extra}",
           flush=True)
 
 
@@ -243,10 +237,10 @@ def main() -> int:
     defines = {n: tuple(o.split()) for n, _, o in (d.partition(":") for d in args.defines.split(";") if d)} or None
     fk = flash.get_flash_kernels(0)
     sm = fk.sm_count
-    k = get_kernels(0, head_dim=D) if _today_ok() else None
+    k = get_kernels(0, head_dim=D)
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"{gpu}, {sm} SMs; qwen15 attention: {H} q heads, {KVH} KV heads, head_dim {D}, blocks of {BS}")
-    print(f"{'case':<28} {'config':<52} {'us':>10} {'KV GB/s':>8} {'TFLOP/s':>7} {'today us':>10} {'speedup':>7}")
+    print(f"{gpu}, {sm} SMs; attention of {H} q heads, {KVH} KV heads, head_dim {D}, blocks of {BS}")
+    print(f"{'case':<28} {'config':<52} {'us':>10} {'KV GB/s':>8} {'TFLOP/s':>7} {'attn.cu us':>10} {'speedup':>7}")
     rows = []
     if args.only in (None, "prefill"):
         rows += bench_prefill(fk, k, sm, args.reps, {v: PREFILL_VARIANTS[v] for v in args.variants.split(",")})

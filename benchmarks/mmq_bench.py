@@ -1,7 +1,8 @@
-"""Times the batched-decode tensor-core kernels (kernels/mmq.cu, and mmqs.cu for M <= 16: prep + mmq /
-mmq_ffn; at M <= 16 also mmq.cu's tiles, as "tiles") against the
-fp32 GEMVs the decode step uses today (mmvf.cu: ops.mmvf / ops.ffn_f at the batch's NB variant) on
-qwen15's decode shapes (random blocks of the twin's types and shapes), for M = 1 .. 256 tokens.
+"""Times the batched-decode tensor-core kernels (kernels/mmq.cu, and mmqs.cu where the dispatcher
+sends a launch there: prep + mmq / mmq_ffn; at M <= 16 also mmq.cu's tiles, as "tiles") against the
+fp32 GEMVs (mmvf.cu: ops.mmvf / ops.ffn_f at the batch's NB variant) on a 1.5B model's decode
+shapes (the qwen15 twin's types and shapes, random blocks), for M = 1 .. 256 tokens: the figures
+behind the dispatcher's MMQS_MIN_ROWS / MMQ_MIN_ROWS / MMQS_MAX_ROWS (backends/cuda/dispatch.py).
 
 Each figure is one call's time as a CUDA-graph replay: a graph of R calls, each on its own copy of
 the weights (copies enough to pass 2x the L2 cache, so the weights come from DRAM as in a real
@@ -11,7 +12,7 @@ listed too. GB/s counts weight bytes; TFLOP/s counts 2 N K M (the useful product
 estimates a qwen15 decode step's projections (28 layers: 14 with Q6_K attn_v/ffn_down, 14 Q4_K)
 for both kernels, and the tokens/s those projections alone would allow.
 
-    python tools/mmq_bench.py [--json out.json] [--ms 1,2,4,8,16,32,64,128,256] [--shapes qkv,o]
+    python benchmarks/mmq_bench.py [--json out.json] [--ms 1,2,4,8,16,32,64,128,256] [--shapes qkv,o]
                               [--splits 1,2,4,8]    (also time mmq at forced K splits, for tuning)
 """
 
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from realizar_backend.backends.cuda import mmq, ops  # noqa: E402
+from realizar_backend.backends.cuda import dispatch, mmq, ops  # noqa: E402
 from realizar_backend.backends.cuda.modules import get_kernels  # noqa: E402
 from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight  # noqa: E402
 
@@ -155,8 +156,8 @@ def main() -> int:
             pl = mmq.plan(M, K, tuple(rows), ffn, k.sm_count)
             row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid}
             row["mmq_us"] = median_call_us(run_mmq, copies, args.reps)
-            small = M <= mmq.SMALL_MAX_M and all(mmq.small_ok(w) for w in copy_sets[0])
-            if M > mmq.SMALL_MAX_M and all(mmq.small_ok(w) for w in copy_sets[0]):   # both kernels
+            small = M <= dispatch.MMQS_MAX_ROWS and all(dispatch.mmqs_ok(w) for w in copy_sets[0])
+            if M > dispatch.MMQS_MAX_ROWS and all(dispatch.mmqs_ok(w) for w in copy_sets[0]):   # both kernels
                 row["groups_us"] = median_call_us(lambda i: run_mmq(i, small=True), copies, args.reps)
                 row["tile_us"] = median_call_us(lambda i: run_mmq(i, small=False), copies, args.reps)
             if small:         # mmq_us is mmqs.cu's: the tile kernel beside it, and warps per block forced

@@ -1,17 +1,19 @@
-"""Launch-shape sweep of the fp32-activation GEMVs (kernels/mmvf.cu) on the qwen15 twin's decode
-shapes at one batch width (--nb activation rows per launch, default 1): compile-time variants
-(rows per warp, warps per block, loop unroll) x warps per row,
-timed as CUDA-graph replays over 28 weight copies (so the weights come from DRAM, as in a real
-step, not from L2). Prints a table and writes JSON; a tool for choosing the kernel's defaults.
+"""Launch-shape sweep of the fp32-activation GEMVs (kernels/mmvf.cu) on the decode shapes of the
+qwen15, qwen05, smol135 and gemma270 twins at one batch width (--nb activation rows per launch,
+default 1): compile-time variants (rows per warp group, warps per block, loop unroll) x warps per
+row, timed as CUDA-graph replays over 28 weight copies (so the weights come from DRAM, as in a real
+step, not from L2). Prints a table and writes JSON; a tool for choosing the kernel's defaults
+(mmvf.cu's defines, kernels/catalog.py's MMVF_WARPS / MMVF_HEAD_R / FFNF_R, ops.mmvf_wpr).
 
-    python tools/mmvf_sweep.py --json out.json
-    python tools/mmvf_sweep.py --policy --variant base: --variant const:FUNIT_BASE_CONST=1
-    python tools/mmvf_sweep.py --policy --variant base: --shapes down_q4k,down_q6k --reps 1   (under ncu)
-    python tools/mmvf_sweep.py --nb 4 --policy --variant base: --variant U1:MMVF_UNROLL=1
+    python benchmarks/mmvf_sweep.py --json out.json
+    python benchmarks/mmvf_sweep.py --policy --variant base: --variant const:FUNIT_BASE_CONST=1
+    python benchmarks/mmvf_sweep.py --policy --variant base: --shapes down_q4k,down_q6k --reps 1   (under ncu)
+    python benchmarks/mmvf_sweep.py --nb 4 --policy --variant base: --variant U1:MMVF_UNROLL=1
 
---variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines); --policy times only
-the launch shape ops.py picks (its warps per row, one resident wave). Every variant is compiled as
-the loader compiles (NVRTC through CuPy, the shapes' quant types only).
+--variant NAME:DEF=V,DEF=V replaces the built-in variants (compile-time defines over the loader's);
+--policy times only the launch shape ops.py picks (its warps per row, one resident wave). Every
+variant is compiled as the loader compiles (NVRTC through CuPy, the shapes' quant types only, each
+kind of launch with the loader's options: the GEMVs, the fused gate/up, the LM head at one row).
 """
 
 from __future__ import annotations
@@ -31,18 +33,22 @@ sys.path.insert(0, str(ROOT))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from realizar_backend.backends.cuda.modules import _source, resident_blocks  # noqa: E402
-from realizar_backend.backends.cuda.ops import (MMVF_R, MMVF_WARPS, ffnf_lanes, mmvf_stride, mmvf_wpr,  # noqa: E402
-                                                row_bytes)
+from realizar_backend.backends.cuda.modules import resident_blocks  # noqa: E402
+from realizar_backend.backends.cuda.ops import MMVF_R, ffnf_lanes, mmvf_stride, mmvf_wpr, row_bytes  # noqa: E402
+from realizar_backend.kernels import catalog  # noqa: E402
 
 LAYERS = 28
+# defines over the loader's options (catalog.mmvf_options); "-global": activations read from global
+# memory instead of staged in shared memory
 VARIANTS = {
-    "R2-W8-global": {"MMVF_WARPS": 8},   # 8 warps (the one-row default), unroll 2, activations from global memory
-    "R2-W8": {"MMVF_WARPS": 8},          # the same, staged
-    "R2-W8-U1": {"MMVF_WARPS": 8, "MMVF_UNROLL": 1},
-    "R1-W8": {"MMVF_WARPS": 8, "MMVF_R": 1},
-    "R4-W8": {"MMVF_WARPS": 8, "MMVF_R": 4},
-    "R2-W4": {"MMVF_WARPS": 4},
+    "base-global": {},
+    "base": {},
+    "U1": {"MMVF_UNROLL": 1},
+    "R1": {"MMVF_R": 1},
+    "R2": {"MMVF_R": 2},
+    "R4": {"MMVF_R": 4},
+    "W4": {"MMVF_WARPS": 4},
+    "W8": {"MMVF_WARPS": 8},
 }
 # (name, segments [(qtype, rows)], K, kind); kind "mmvf" or "ffnf"
 SHAPES = [
@@ -69,17 +75,26 @@ def qmask(shapes) -> int:
     return sum(1 << int(q) for q in {q for _, segs, _, _ in shapes for q, _ in segs})
 
 
-def compile_variant(defines: dict, cc: str, mask: int, nb: int = 1) -> cupy.RawModule:
-    """The batch-1 kernels with extra defines, compiled as the loader compiles them (NVRTC through
-    CuPy, same options): nvcc gave the same source 222 registers where NVRTC gives 128, so an
-    nvcc-built sweep measured kernels that never run."""
-    defines = {"MMVF_WARPS": MMVF_WARPS[nb], **defines}          # the loader's warps for this width
-    opts = ("-std=c++17", f"-DREALIZAR_CC={cc}", f"-DREALIZAR_QMASK={mask:#x}ull", f"-DMMVF_NB={nb}",
-            *(f"-D{k}={v}" for k, v in defines.items()))
-    mod = cupy.RawModule(code=_source("mmvf.cu"), options=opts)
-    for name in (f"mmvf_nb{nb}", f"ffnf_nb{nb}"):
-        _ = mod.get_function(name).attributes       # compile and load now, on this thread
-    return mod
+def kind_of(shape_name: str, kind: str, nb: int) -> str:
+    """The loader's module a shape's launch takes: "ffnf", "head" (the LM head at one row) or "mmvf"."""
+    return "head" if kind == "mmvf" and shape_name.endswith("head") and nb == 1 else kind
+
+
+def loader_defines(kind: str, nb: int) -> dict[str, int]:
+    """The -D options the loader gives mmvf.cu for this kind of launch and batch width."""
+    opts = catalog.mmvf_options(nb, 2 if kind == "ffnf" else 1, head=kind == "head")
+    return {k[2:]: int(v) for k, v in (o.split("=") for o in opts)}
+
+
+def compile_variant(defines: dict, cc: str, mask: int, kind: str, nb: int = 1) -> tuple[cupy.RawModule, dict]:
+    """One kind's kernel with the variant's defines over the loader's, compiled as the loader
+    compiles it (NVRTC through CuPy, same options: nvcc gave the same source 222 registers where
+    NVRTC gives 128, so an nvcc-built sweep measured kernels that never run); and the defines."""
+    defines = {**loader_defines(kind, nb), **defines}
+    opts = (*catalog.base_options(cc), f"-DREALIZAR_QMASK={mask:#x}ull", *(f"-D{k}={v}" for k, v in defines.items()))
+    mod = cupy.RawModule(code=catalog.source("mmvf.cu"), options=opts)
+    _ = mod.get_function(f"{'ffnf' if kind == 'ffnf' else 'mmvf'}_nb{nb}").attributes   # compile and load now
+    return mod, defines
 
 
 def main() -> int:
@@ -101,12 +116,14 @@ def main() -> int:
     dev = cupy.cuda.Device(0)
     cc = dev.compute_capability
     sms = dev.attributes["MultiProcessorCount"]
-    def build(d):
+    kinds = {kind_of(name, kind, args.nb) for name, _, _, kind in shapes_run}
+
+    def build(d, kind):
         with dev:
-            return compile_variant(d, cc, qmask(shapes_run), args.nb)
-    with ThreadPoolExecutor(len(variants)) as ex:
-        futs = {n: ex.submit(build, d) for n, d in variants.items()}
-        modules = {n: f.result() for n, f in futs.items()}
+            return compile_variant(d, cc, qmask(shapes_run), kind, args.nb)
+    with ThreadPoolExecutor(len(variants) * len(kinds)) as ex:
+        futs = {(n, kind): ex.submit(build, d, kind) for n, d in variants.items() for kind in kinds}
+        modules = {key: f.result() for key, f in futs.items()}
     rng = cupy.random.default_rng(0)
     nb = args.nb
     x = cupy.asarray(np.random.default_rng(1).standard_normal(8960 * nb).astype(np.float32))
@@ -121,10 +138,10 @@ def main() -> int:
                 for _ in range(layers)]
         nbytes = sum(m.nbytes for m in mats[0])
         rows_total = sum(r for _, r in segs)
-        for vname, defines in variants.items():
-            mod = modules[vname]
+        for vname in variants:
+            mod, defines = modules[(vname, kind_of(shape_name, kind, nb))]
             R = defines.get("MMVF_R", MMVF_R)
-            W = defines.get("MMVF_WARPS", MMVF_WARPS[nb])
+            W = defines["MMVF_WARPS"]
             fn = mod.get_function(f"ffnf_nb{nb}" if kind == "ffnf" else f"mmvf_nb{nb}")
             stage = 0 if vname.endswith("-global") or nb * mmvf_stride(K) * 4 > 100 * 1024 else 1
             smem = stage * nb * mmvf_stride(K) * 4

@@ -1,7 +1,7 @@
 """What a model's header and tokenizer cost a start, and how much of it holds the GIL (the tokenizer
 builds on a thread while the device starts; what it holds, the device's start waits for).
 
-    python tools/tokenizer_bench.py MODEL.gguf [MODEL.gguf ...] [--repeats 5] [--json out.json]
+    python benchmarks/tokenizer_bench.py MODEL.gguf [MODEL.gguf ...] [--repeats 5] [--json out.json]
 
 Per model, in this process: open_model (the header), Tokenizer.from_model_file (its chat template
 check included; the render workers already started after the first), wall and the building
@@ -15,13 +15,16 @@ import argparse
 import json
 import statistics
 import threading
+import sys
 import time
 from pathlib import Path
 
-from realizar_backend.formats import open_model
-from realizar_backend.model.chat_template import TemplateLimits
-from realizar_backend.model.tokenizer import Tokenizer
-from realizar_backend.settings import Settings
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from realizar_backend.formats import open_model  # noqa: E402
+from realizar_backend.model.chat_template import TemplateLimits  # noqa: E402
+from realizar_backend.model.tokenizer import Tokenizer  # noqa: E402
+from realizar_backend.settings import Settings  # noqa: E402
 
 _SPIN = 25_000_000        # ~1 s of pure Python here: longer than any build, so it covers it
 

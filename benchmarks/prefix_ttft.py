@@ -5,8 +5,7 @@ prefix's blocks. A second engine with `enable_prefix_caching` off answers the se
 greedy-output comparison. Prints a table and writes JSON, with where the second request's time to
 its first token goes (the engine's steps between its arrival and the caller holding the token).
 
-    python tools/prefix_ttft.py --model /tmp/twins/qwen15.gguf --backend cuda --prefix 4000 [--json out.json]
-        [--prompt-mmq-tokens 0]
+    python benchmarks/prefix_ttft.py --model /tmp/twins/qwen15.gguf --backend cuda --prefix 4000 [--json out.json]
 """
 
 from __future__ import annotations
@@ -102,11 +101,8 @@ def main() -> int:
     ap.add_argument("--tail", type=int, default=16, help="tokens after the prefix, different per prompt")
     ap.add_argument("--new", type=int, default=16, help="greedy tokens generated per request")
     ap.add_argument("--repeat", type=int, default=3, help="pairs of requests, each on a new prefix (medians)")
-    ap.add_argument("--prompt-mmq-tokens", type=int, default=None,
-                    help="Settings.prompt_mmq_tokens (0: short prompt steps on the GEMVs / eager GEMMs, for A/B)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    extra = {} if args.prompt_mmq_tokens is None else dict(prompt_mmq_tokens=args.prompt_mmq_tokens)
     ctx = args.prefix + args.tail + args.new + 64
     rng = np.random.default_rng(0)
     # ids every twin's vocabulary has
@@ -115,7 +111,7 @@ def main() -> int:
     rows = {}
     for cache in (True, False):
         eng = Engine.from_settings(Settings(model=args.model, backend=args.backend, context_length=ctx,
-                                            max_num_seqs=4, enable_prefix_caching=cache, **extra))
+                                            max_num_seqs=4, enable_prefix_caching=cache))
         # warm-up on another prefix of the same length: graphs, the deep-chunk attention variants
         # and the allocator, so that both timed requests run on a warm engine
         warm = [int(t) for t in rng.integers(100, 30000, args.prefix)]

@@ -1,0 +1,273 @@
+"""Engine cores behind one front end: one engine process per GPU (or several on the CPU), and the
+router that sends each request to one of them. The routes see one engine (this class has
+EngineClient's API); the front end tokenizes, renders templates and checks grammars once, and an
+engine core takes token ids.
+
+NOTE on routing, the invariants:
+- a request runs start to end on the engine it was sent to (its KV cache lives there); every choice
+  of an n > 1 request is a request of its own, and goes where its prompt's prefix is (below);
+- the router counts what is in flight on each engine itself (a request counts from its submit to
+  the end of its stream): it needs no report from the engines, so a burst of requests spreads at
+  once, and a slow stats report cannot skew it;
+- among the engines that can take work (alive, not stuck), a request goes to the one with the
+  fewest requests in flight, ties broken by the fewest prompt tokens in flight, then by index;
+- a request whose first PREFIX_TOKENS prompt tokens an engine served recently goes back to that
+  engine (its prefix cache holds their KV blocks) while it has at most PREFIX_SLACK more requests
+  in flight than the least busy one;
+- an engine that dies or is stuck stands aside: nothing new goes to it; its requests in flight end
+  with a retryable error (EngineClient). The group serves while one engine can.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
+
+from ..errors import CapacityError
+from ..settings import Settings
+from .prep import RequestPrep
+
+log = logging.getLogger(__name__)
+
+PREFIX_TOKENS = 64            # the prompt head whose KV blocks an engine's prefix cache may hold
+PREFIX_SLACK = 4              # requests in flight an engine may be ahead of the least busy and keep its prefixes
+PREFIX_MEMORY = 4096          # prompt heads remembered (least recently used forgotten)
+
+# the engine reports whose numbers add up over the engines (the rest: the first engine's)
+_KV_KEYS = ("kv_used_blocks", "kv_total_blocks")
+
+
+def merge_stats(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report for the group: numbers and dicts of numbers summed over the engines, the KV
+    usage over their pools together, a graph bucket's status the worst of the engines'."""
+    reports = [r for r in reports if r]
+    if not reports:
+        return {}
+    out: dict[str, Any] = dict(reports[0])
+    for key, value in reports[0].items():
+        if isinstance(value, bool) or key == "graph_status":
+            continue
+        if isinstance(value, (int, float)):
+            out[key] = sum(r.get(key, 0) for r in reports)
+        elif isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
+            keys = {k for r in reports for k in (r.get(key) or {})}
+            out[key] = {k: sum((r.get(key) or {}).get(k, 0) for r in reports) for k in keys}
+    used, total = (sum(r.get(k, 0) for r in reports) for k in _KV_KEYS)
+    out["kv_usage"] = used / total if total else 0.0
+    rank = {"captured": 0, "disabled": 1, "eager-fallback": 2}
+    graphs: dict[str, str] = {}
+    for r in reports:
+        for bucket, status in (r.get("graph_status") or {}).items():
+            if rank.get(status, 3) >= rank.get(graphs.get(bucket, "captured"), 3):
+                graphs[bucket] = status
+    out["graph_status"] = graphs
+    out["engines"] = len(reports)
+    return out
+
+
+class EngineGroup(RequestPrep):
+    def __init__(self, settings: Settings, devices: list[str], on_exit: Callable | None = None):
+        """devices: one label per engine (its GPU, or "cpu"); start() fills the members."""
+        self.settings = settings
+        self.devices = devices
+        self.members: list[Any] = [None] * len(devices)      # EngineClient, or None where it failed
+        self.failures: dict[int, BaseException] = {}
+        self._on_exit = on_exit
+        self._reports: list[dict[str, Any]] = [{} for _ in devices]
+        self._lock = threading.Lock()
+        self._inflight = [0] * len(devices)
+        self._tokens = [0] * len(devices)
+        self._owner: dict[str, int] = {}                      # request id -> engine
+        self._prefixes: OrderedDict[tuple, int] = OrderedDict()
+
+    # ---------------------------------------------------------------- start
+    @classmethod
+    def start(cls, settings: Settings, devices: list[str | None], observer_of: Callable[[int], Any] | None = None,
+              on_exit: Callable | None = None) -> "EngineGroup":
+        """Start one engine process per entry of devices (a GPU's CUDA_VISIBLE_DEVICES entry, or
+        None: the CPU) side by side; returns once every one is ready or has failed. An engine that
+        fails stands aside; when every one fails, the first one's error is raised. observer_of(i):
+        engine i's observer (from 1; engine.EngineObserver), which gets its first report at once.
+        on_exit(error): called once the last engine has died."""
+        from ..formats import open_model
+        from ..model.chat_template import TemplateLimits
+        from ..model.default import default_model_path
+        from ..model.tokenizer import Tokenizer
+        from .process import EngineClient
+
+        group = cls(settings, [d if d is not None else "cpu" for d in devices], on_exit)
+        observers = [observer_of(i + 1) if observer_of else None for i in range(len(devices))]
+        # the front end's tokenizer, built once while the engines load
+        with ThreadPoolExecutor(len(devices) + 1, thread_name_prefix="engine-start") as pool:
+            def tokenizer():
+                from pathlib import Path
+                path = Path(settings.model) if settings.model else default_model_path(settings)
+                return Tokenizer.from_model_file(open_model(path), TemplateLimits.from_settings(settings))
+            tok = pool.submit(tokenizer)
+            futures = [pool.submit(EngineClient.start, settings, observers[i],
+                                   (lambda err, i=i: group._member_died(i, err)), gpu=d, index=i + 1,
+                                   tokenizer=tok)
+                       for i, d in enumerate(devices)]
+            for i, f in enumerate(futures):
+                try:
+                    group.members[i] = f.result()
+                except Exception as e:           # this engine stands aside
+                    group.failures[i] = e
+        for i, e in group.failures.items():
+            if any(group.members) or (i > 0 and str(e) != str(group.failures[0])):
+                log.error("engine %d of %d (%s) failed to load the model: %s: %s", i + 1, len(devices),
+                          group.devices[i], type(e).__name__, e)
+        if not any(group.members):
+            raise group.failures[0]          # the server says it, once
+        for m, obs in zip(group.members, observers):
+            if m is not None and obs is not None:
+                obs.on_step(m.stats())       # the gauges exist before the first step
+        return group
+
+    def _live(self) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m is not None and m.alive and m.stall() is None]
+
+    @property
+    def _first(self):
+        return next(m for m in self.members if m is not None)
+
+    # what RequestPrep and the routes read: the first engine's (the engines run one model)
+    @property
+    def tokenizer(self):
+        return self._first.tokenizer
+
+    @property
+    def guidance(self):
+        return self._first.guidance
+
+    @property
+    def config(self):
+        return self._first.config
+
+    @property
+    def model_name(self) -> str:
+        return self._first.model_name
+
+    @property
+    def max_context(self) -> int:
+        return min(m.max_context for m in self.members if m is not None)
+
+    @property
+    def kv_capacity(self) -> int:
+        return min(m.kv_capacity for m in self.members if m is not None)
+
+    # ---------------------------------------------------------------- routing
+    def route(self, prompt_ids: list[int]) -> int:
+        """The engine a request of this prompt goes to (the NOTE above)."""
+        with self._lock:
+            live = self._live()
+            if not live:
+                raise CapacityError("no engine can take work (every one is stuck or gone); retry later",
+                                    retry_after_s=5)
+            best = min(live, key=lambda i: (self._inflight[i], self._tokens[i], i))
+            head = tuple(prompt_ids[:PREFIX_TOKENS]) if len(prompt_ids) >= PREFIX_TOKENS else None
+            if head is not None:
+                owner = self._prefixes.get(head)
+                if owner in live and self._inflight[owner] <= self._inflight[best] + PREFIX_SLACK:
+                    best = owner
+                self._prefixes[head] = best
+                self._prefixes.move_to_end(head)
+                while len(self._prefixes) > PREFIX_MEMORY:
+                    self._prefixes.popitem(last=False)
+            self._inflight[best] += 1
+            self._tokens[best] += len(prompt_ids)
+            return best
+
+    def release(self, index: int, prompt_tokens: int) -> None:
+        """A request routed to engine `index` has ended (or was never sent)."""
+        with self._lock:
+            self._inflight[index] -= 1
+            self._tokens[index] -= prompt_tokens
+
+    def inflight(self) -> list[int]:
+        """Requests in flight on each engine (as routed)."""
+        with self._lock:
+            return list(self._inflight)
+
+    def generate(self, prompt_ids: list[int], params, request_id: str | None = None) -> AsyncIterator:
+        import uuid
+        rid = request_id or uuid.uuid4().hex
+        group = self
+
+        async def run():
+            i = group.route(prompt_ids)
+            with group._lock:
+                group._owner[rid] = i
+            inner = group.members[i].generate(prompt_ids, params, rid)
+            try:
+                async for out in inner:
+                    yield out
+            finally:
+                await inner.aclose()
+                with group._lock:
+                    group._owner.pop(rid, None)
+                group.release(i, len(prompt_ids))
+
+        return run()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            i = self._owner.get(request_id)
+        if i is not None and self.members[i] is not None:
+            self.members[i].abort(request_id)
+
+    # ---------------------------------------------------------------- state
+    def stats(self) -> dict[str, Any]:
+        """The engines' reports added up (merge_stats); asks each engine for a fresh one, which
+        reaches its observer when it comes."""
+        reports = [m.stats() if m is not None else {} for m in self.members]
+        with self._lock:
+            self._reports = [r or old for r, old in zip(reports, self._reports)]
+            return merge_stats(self._reports)
+
+    def engine_statuses(self) -> list[tuple[str, str]]:
+        """(device, status) of each engine: ready, stuck, dead or failed (at load)."""
+        out = []
+        for i, m in enumerate(self.members):
+            if m is None:
+                out.append((self.devices[i], "failed"))
+            elif not m.alive:
+                out.append((self.devices[i], "dead"))
+            else:
+                out.append((self.devices[i], "stuck" if m.stall() else "ready"))
+        return out
+
+    def stall(self) -> str | None:
+        """Why no engine can take work, or None while one can."""
+        if self._live():
+            return None
+        reasons = [m.stall() for m in self.members if m is not None and m.alive]
+        return next((r for r in reasons if r), None)
+
+    @property
+    def alive(self) -> bool:
+        return any(m is not None and m.alive for m in self.members)
+
+    def _member_died(self, index: int, error: BaseException) -> None:
+        log.error("engine %d of %d (%s) is gone: %s; %d engine(s) still serve", index + 1, len(self.members),
+                  self.devices[index], error, sum(1 for m in self.members if m is not None and m.alive))
+        if not self.alive and self._on_exit is not None:
+            self._on_exit(error)
+
+    def finish_all(self, reason: str = "shutdown") -> None:
+        for m in self.members:
+            if m is not None and m.alive:
+                m.finish_all(reason)
+
+    def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+        for m in self.members:
+            if m is not None:
+                m.prewarm_guidance(delay_s)
+
+    def shutdown(self) -> None:
+        for m in self.members:
+            if m is not None:
+                m.shutdown()
