@@ -81,6 +81,10 @@ class Settings:
     # string is at most max_stop_chars characters (the engine searches every one per token)
     max_request_bytes: int = 4 << 20
     max_stop_chars: int = 256
+    # the Responses API's previous_response_id: the last this many stored responses (with their
+    # conversations) are kept in memory by the front end, least recently used out first; 0: none
+    # are kept, every request stands alone
+    responses_store_size: int = 256
     # a /v1 request whose response has not started this many seconds after it arrived (the whole
     # of a non-streamed generation) is ended: its sequences are cancelled and it gets a 504
     request_timeout_s: float = 900.0
@@ -214,6 +218,7 @@ class Settings:
         at_least("max_waiting", 1)
         at_least("max_request_bytes", 1024, 1 << 30)
         at_least("max_stop_chars", 1, 1 << 16)
+        at_least("responses_store_size", 0, 1 << 20)
         if not 0 < self.request_timeout_s <= 86400:
             raise self._bad("request_timeout_s", "must be greater than 0 and at most 86400 (a day)")
         if self.chat_template_timeout_s <= 0:

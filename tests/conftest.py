@@ -45,3 +45,11 @@ def smol_path():
 def smol_model(smol_path):
     from realizar_backend.formats import open_model
     return open_model(smol_path)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The test process's `bentoml serve` of SmolLM2 on the CPU (server_util.shared_server); a
+    module that needs a server of its own settings defines its own `server`."""
+    from server_util import shared_server
+    return shared_server()

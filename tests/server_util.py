@@ -203,7 +203,9 @@ def shared_qwen_server() -> Server:
     def env() -> dict[str, str]:
         from real_models import real_model
         return {"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": QWEN_MODEL,
-                "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20", "REALIZAR_MAX_WAITING": "32"}
+                "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20", "REALIZAR_MAX_WAITING": "32",
+                # few, so that tests/test_agent_apis.py sees the Responses store drop its oldest
+                "REALIZAR_RESPONSES_STORE_SIZE": "4"}
     return _shared_server("qwen", env)
 
 

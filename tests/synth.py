@@ -10,7 +10,8 @@ packed here (plain min/max scales in ggml's exact block layout; decoded by `gguf
 K-quants need rows (in_features) that are multiples of 256, the legacy quants multiples of 32.
 
 `corrupt(src, dst, kind)` writes a copy of a valid file with one deliberate defect, for the
-bad-file tests; `write_hf_dir` writes the same weights as a Hugging Face checkpoint directory.
+bad-file tests; `write_hf_dir` writes the same weights as a Hugging Face checkpoint directory;
+`requantize(src, dst, qtypes)` a copy of any GGUF with its tensors stored in other types.
 """
 
 from __future__ import annotations
@@ -324,6 +325,34 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
             f.seek(4)
             f.write(struct.pack("<I", version))
     return SynthModel(path, arch, dims, weights, chosen, kv)
+
+
+def requantize(src: str | Path, dst: str | Path, qtypes: Callable[[str, tuple[int, ...]], Q | None]) -> Path:
+    """Copy the GGUF `src` (every metadata key as it is) to `dst` with each tensor stored as the type
+    qtypes(name, shape) gives (shape in NumPy order; None: as it is): the float weights of a model
+    written elsewhere (tests/hf_oracle.py), quantized as `quantize` does."""
+    from realizar_backend.formats.quants import dequantize
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(name, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        want = qtypes(t.name, shape)
+        if want is None or want == t.tensor_type:
+            w.add_tensor(t.name, np.asarray(t.data), raw_shape=shape if t.tensor_type not in (Q.F32, Q.F16) else None,
+                         raw_dtype=None if t.tensor_type in (Q.F32, Q.F16) else t.tensor_type)
+            continue
+        x = dequantize(np.asarray(t.data), t.tensor_type, shape).astype(np.float32)
+        w.add_tensor(t.name, quantize(x, want), raw_dtype=None if want in (Q.F32, Q.F16) else want)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)
 
 
 def _infer_type(val) -> GGUFValueType:

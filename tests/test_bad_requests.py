@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from server_util import CONTEXT, MAX_NUM_SEQS, MAX_WAITING, sample, shared_server, wait_for
+from server_util import CONTEXT, MAX_NUM_SEQS, MAX_WAITING, sample, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -123,11 +123,6 @@ CASES = [
     ("wrong-method", "GET", C, None, AUTH, 405, "method_not_allowed"),
     ("unknown-model-retrieve", "GET", "/v1/models/gpt-17", None, AUTH, 404, "model_not_found"),
 ]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 def _send(server, method, path, body, headers):

@@ -113,3 +113,20 @@ def test_inspect_says_which_backend_runs_each_type_and_what_the_gpu_refuses(tmp_
     info = json.loads(capsys.readouterr().out)
     assert info["backends_by_type"]["IQ4_XS"] == ["cpu"] and info["backends_by_type"]["Q4_K"] == ["cpu", "cuda"]
     assert info["gpu"] == "tensor blk.0.ffn_up.weight: type IQ4_XS has no GPU kernel yet"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,gpu", [
+    ("qwen3_moe", "runs"),
+    ("gpt_oss", "gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped SwiGLU "
+                "experts or MXFP4 weights yet"),
+    ("qwen3_5_moe", "qwen35moe: the GPU backend does not run linear-attention hybrids yet")])
+def test_inspect_says_the_gpu_runs_qwen3moe_and_why_it_refuses_other_mixtures_of_experts(capsys, arch, gpu):
+    """The tiny random models of tests/hf_oracle.py (transformers' own, converted by llama.cpp)."""
+    pytest.importorskip("transformers")
+    from hf_oracle import available, tiny_gguf
+    if not available(arch):
+        pytest.skip(f"this transformers has no {arch}")
+    assert main(["inspect", str(tiny_gguf(arch)), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["gpu"] == gpu and info["experts"].startswith("2 of ")

@@ -161,3 +161,47 @@ def test_without_tensor_core_prompt_steps_gemvs_then_gemms_on_recurring_row_coun
 def test_split16_pairs_rows_only_while_gemms_are_bound_by_reading_weights():
     assert Dispatcher.split16_paired(128, 1024) and not Dispatcher.split16_paired(129, 1024)
     assert not Dispatcher.split16_paired(64, 100)         # 2 x rows must fit the workspace
+
+
+def moe(layers: int = 2, hidden: int = 2048, q_dim: int = 4096, kv_dim: int = 512, experts: int = 128,
+        ffn: int = 768, gate: Q = Q.Q4_K, up: Q = Q.Q4_K, down: Q = Q.Q6_K, vocab: int = 151936):
+    """Qwen3-30B-A3B's projection groups (Q4_K_M): attention, the F32 router, stacks of experts."""
+    def stack(qt, rows, cols, name):
+        return WeightRef(name, qt, 0, rows, cols, device_row_bytes(qt, cols), experts)
+    groups = []
+    for _ in range(layers):
+        groups += [("linear", (mat(Q.Q4_K, q_dim, hidden, "q"), mat(Q.Q4_K, kv_dim, hidden, "k"),
+                               mat(Q.Q6_K, kv_dim, hidden, "v"))),
+                   ("linear", (mat(Q.Q4_K, hidden, q_dim, "o"),)),
+                   ("router", (mat(Q.F32, experts, hidden, "router"),)),
+                   ("experts", (stack(gate, ffn, hidden, "gate"), stack(up, ffn, hidden, "up"),
+                                stack(down, hidden, ffn, "down")))]
+    return groups, mat(Q.Q6_K, vocab, hidden, "head")
+
+
+def test_a_mixture_of_experts_runs_its_experts_per_pair_at_every_row_count_and_keeps_the_tensor_cores():
+    """The router (F32) and the stacks of experts do not take the dense families' kernels, so they
+    do not decide the step's family: the attention keeps the tensor-core buckets. The experts run
+    on the per-pair GEMVs in every step (no grouped path yet), the router on gemv.cu's GEMV, gate
+    and up in one launch where they share type and shape."""
+    groups, head = moe()
+    disp = Dispatcher(groups, head, split16_kept=True)
+    assert disp.mmq_all and disp.mmqs_all and disp.buckets
+    router, (gate, up, _) = groups[2][1][0], groups[3][1]
+    assert d.MOE_GROUPED_MIN_ROWS is None
+    for step in [disp.decode_step(b) for b in (1, 4, 16, 64, 256)] + [disp.prompt_step(T) for T in (3, 40, 2048)]:
+        c = disp.experts(step, router, gate, up)
+        assert c == d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS, True), step
+    groups, head = moe(up=Q.Q6_K)
+    gate, up = groups[3][1][:2]
+    assert not Dispatcher(groups, head, split16_kept=False).experts(Step("gemv", 1), router, gate, up).fused
+    # a quantized router takes the quantized GEMV
+    assert disp.experts(Step("gemv", 1), mat(Q.Q8_0, 128, 2048), gate, gate).router is Kernel.MMVF
+
+
+def test_stacks_of_experts_fuse_only_with_the_same_count():
+    a = WeightRef("gate", Q.Q4_K, 0, 768, 2048, device_row_bytes(Q.Q4_K, 2048), 128)
+    assert d.same_shape(a, WeightRef("up", Q.Q4_K, 0, 768, 2048, a.row_bytes, 128))
+    assert not d.same_shape(a, WeightRef("up", Q.Q4_K, 0, 768, 2048, a.row_bytes, 64))
+    assert not d.same_shape(a, mat(Q.Q4_K, 768, 2048))
+    assert a.expert_bytes == 768 * a.row_bytes

@@ -9,16 +9,11 @@ import os
 
 import pytest
 
-from server_util import API_KEY, free_port, sample, shared_server, wait_for
+from server_util import API_KEY, free_port, sample, wait_for
 
 from realizar_backend.cli import main
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 def loadtest(url: str, tmp_path, *args: str) -> tuple[int, dict]:
@@ -185,10 +180,10 @@ def test_wrong_model_and_key_are_reported_by_status(server, tmp_path, capsys):
     rc, rep = loadtest(server.url, tmp_path, "--api-key", API_KEY, "--model", "no-such-model",
                        "--requests", "3", "--clients", "2")
     assert rc == 1
-    assert rep["requests"]["errors"] == 3 and list(rep["errors"]) == ["HTTP 400"]
-    assert rep["errors"]["HTTP 400"]["count"] == 3 and "no-such-model" in rep["errors"]["HTTP 400"]["message"]
-    assert rep["server"]["counters_delta"]['realizar_request_errors_total{status_code="400"}'] == 3
-    assert "| HTTP 400 | 3 |" in capsys.readouterr().out
+    assert rep["requests"]["errors"] == 3 and list(rep["errors"]) == ["HTTP 404"]
+    assert rep["errors"]["HTTP 404"]["count"] == 3 and "no-such-model" in rep["errors"]["HTTP 404"]["message"]
+    assert rep["server"]["counters_delta"]['realizar_request_errors_total{status_code="404"}'] == 3
+    assert "| HTTP 404 | 3 |" in capsys.readouterr().out
 
     rc, rep = loadtest(server.url, tmp_path, "--api-key", "wrong", "--model", "SmolLM2-135M-Instruct",
                        "--requests", "2", "--clients", "2")

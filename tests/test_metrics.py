@@ -8,18 +8,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_util import sample, shared_server, wait_for
+from server_util import sample, wait_for
 
 from realizar_backend.serving.metrics import COUNTERS, DECODE_STARTS, GAUGES, HISTOGRAMS, VLLM, metric_names
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 def delta(after, before, name, **labels) -> float:
@@ -46,11 +41,12 @@ def test_every_metric_is_exposed_with_prometheus_names(server):
     assert all(s.labels.get("engine") == "1" for s in ours if s.name not in front)
     assert server.worker_statuses() == {"1": "ready"}
     assert server.engine_statuses() == {"1": ("cpu", "ready")}
-    # vLLM's names, with its model_name label (and the engine's)
+    # vLLM's names, with its model_name and engine labels
     for name, (kind, _, _) in VLLM.items():
         assert families[name].type == kind
-        assert families[name].samples and all(s.labels.get("model_name") == MODEL and s.labels.get("worker") == "1"
-                                               and s.labels.get("engine") == "1" for s in families[name].samples), name
+        assert families[name].samples and all(
+            s.labels.get("model_name") == MODEL and s.labels.get("engine") == "1" and s.labels.get("worker") == "1"
+            for s in families[name].samples), name
 
 
 def test_metrics_move_with_traffic(server):

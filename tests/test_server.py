@@ -12,18 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server_util import CONTEXT, REPO, sample, shared_server, wait_for
+from server_util import CONTEXT, REPO, sample, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return shared_server()
 
 
 @pytest.fixture(scope="module")

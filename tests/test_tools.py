@@ -458,7 +458,7 @@ def test_a_thinking_model_may_think_before_its_calls(guidance, xml_req, hermes):
     from thinking_model import THINKING_TEMPLATE
     n_ids = lambda s: len(guidance.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     thought = "<think>\nThe user wants Paris.\n</think>\n\n"
-    for template, call in ((THINKING_TEMPLATE, XML_W), (hermes_template := None, CALL_W)):
+    for template, call in ((THINKING_TEMPLATE, XML_W), (None, CALL_W)):
         t = template or guidance.tokenizer.chat_template
         for choice in ("required", "auto"):
             c = parse_tool_request(TOOLS + [TIMER] if template else TOOLS, choice, None, t).constraint(guidance, THINK)

@@ -17,7 +17,7 @@ from ..formats import ModelFile
 from ..formats.quants import dequantize
 from ..model.config import ModelConfig
 from ..model.families import build_model
-from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu, swiglu_oai
+from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu, swiglu_oai
 from ..model.ops import AttentionSpec
 from ..progress import progress
 from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
@@ -108,14 +108,8 @@ class CpuOps:
 
     def norm_moe_residual(self, x, norm, e) -> np.ndarray:
         h = rms_norm(x, norm, self.c.rms_eps)
-        z = (h @ e.router.T if e.router_bias is None else h @ e.router.T + e.router_bias).astype(np.float64)
-        p = np.exp(z - z.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        top = np.argsort(-p, axis=1, kind="stable")[:, :e.top_k]          # ties: the lower index
-        w = np.take_along_axis(p, top, axis=1)
-        if e.renormalize:
-            w /= w.sum(axis=1, keepdims=True)
-        w = w.astype(np.float32)
+        top, w = route(h @ e.router.T if e.router_bias is None else h @ e.router.T + e.router_bias, e.top_k,
+                       e.renormalize)
         out = np.zeros_like(x)
         gated = _GATED[e.act]
 

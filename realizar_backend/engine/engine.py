@@ -540,7 +540,8 @@ class Engine(RequestPrep):
         text, reason = text_and_stop(seq, token, self.tokenizer.stop_ids)
         seq.emitted_text += text
         self._emit(seq, RequestOutput(seq.request_id, text, [token], reason, len(seq.prompt_ids),
-                                      len(seq.output_ids), lp, seq.cached_tokens or 0))
+                                      len(seq.output_ids), lp, seq.cached_tokens or 0,
+                                      seq.stop_string if reason is not None else None))
         if reason is not None:
             self._finish(seq, reason, notify=False)
 

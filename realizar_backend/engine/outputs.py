@@ -21,6 +21,7 @@ class RequestOutput:
     completion_tokens: int        # cumulative
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
     cached_tokens: int = 0        # prompt tokens found in the prefix cache (none were prefilled again)
+    stop_string: str | None = None    # the request's stop string that ended the sequence, if one did
 
     def merged(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by a later one of the same sequence, as one output: a consumer
@@ -29,7 +30,7 @@ class RequestOutput:
             (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finish_reason, later.prompt_tokens, later.completion_tokens, lp,
-                             max(self.cached_tokens, later.cached_tokens))
+                             max(self.cached_tokens, later.cached_tokens), later.stop_string)
 
 
 def drain_merged(q: asyncio.Queue, item):
@@ -84,9 +85,10 @@ def add_text(seq: Sequence, delta: str) -> tuple[str, bool]:
     longest = max(map(len, stops))
     tail = seq.emitted_text[-(longest - 1):] if longest > 1 else ""
     window = tail + pending
-    hits = [i for i in (window.find(s, max(0, len(tail) - len(s) + 1)) for s in stops) if i >= 0]
+    hits = [(i, s) for s in stops for i in [window.find(s, max(0, len(tail) - len(s) + 1))] if i >= 0]
     if hits:
-        cut = min(hits) - len(tail)
+        at, seq.stop_string = min(hits, key=lambda h: h[0])
+        cut = at - len(tail)
         seq.pending_text = ""
         return pending[:max(cut, 0)], True
     hold = 0

@@ -53,6 +53,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
+    stop_string: str | None = None       # the stop string that ended it (outputs.add_text)
     preemptions: int = 0
     synced_blocks: int = 0               # entries of its block table the backend has been given
     # constrained decoding (engine/guidance.py): the grammar's state after the tokens generated

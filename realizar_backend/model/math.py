@@ -1,5 +1,5 @@
 """The math the model's operations mean, in NumPy: RMSNorm, RoPE (with every scaling a supported
-model uses), the activations and reference attention. The NumPy backend computes with these; the
+model uses), the activations, a mixture of experts' routing and reference attention. The NumPy backend computes with these; the
 GPU's self-check and tests use them as the reference its kernels are checked against."""
 
 from __future__ import annotations
@@ -95,6 +95,21 @@ def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A mixture of experts' router on rows of logits [T, E]: each row's softmax (float64), its
+    top_k experts (the most probable first, ties to the lower index) and their probabilities,
+    rescaled to sum to one over the top_k where renormalize: (ids int64 [T, top_k], weights
+    float32 [T, top_k])."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(p, ids, axis=1)
+    if renormalize:
+        w /= w.sum(axis=1, keepdims=True)
+    return ids, w.astype(np.float32)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float,

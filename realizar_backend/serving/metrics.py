@@ -19,7 +19,7 @@ one's series.
 
 Beside ours, the vLLM names of the same quantities (`vllm:num_requests_running`, ... VLLM), so
 that dashboards and autoscalers made for vLLM work unchanged: each is fed by the same call as its
-realizar_ twin, with vLLM's `model_name` label (and `engine`, `worker`).
+realizar_ twin, with vLLM's `model_name` and `engine` labels (and `worker`).
 """
 
 from __future__ import annotations
@@ -82,6 +82,21 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": "Time from arrival to the end of a sequence",
     "prompt_length_tokens": "Prompt length of finished sequences",
 }
+GAUGES = {
+    "requests_running": "Sequences in the running batch",
+    "requests_waiting": "Sequences queued for KV-cache blocks",
+    "kv_cache_usage_ratio": "KV-cache blocks in use over the blocks of the pool (0..1)",
+    "kv_cache_used_blocks": "KV-cache blocks held by sequences",
+    "kv_cache_used_tokens": "KV-cache positions held by sequences (a shared block counted once)",
+    "decode_tokens_per_second": "Recent decode throughput over all running sequences",
+    "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
+    "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
+    "gpu_memory_used_bytes": "Device memory in use by this process",
+    "worker_status": "The server's state (1 for the current one: loading, ready, failed)",
+    "engine_status": "Each engine's state (1 for the current one: ready, stuck, dead, failed) and its device",
+}
+
+
 # vLLM's names (its v1 engine's), each fed with its realizar_ twin: name -> (type, twin, documentation)
 VLLM = {
     "vllm:num_requests_running": ("gauge", "requests_running", "Requests in the running batch"),
@@ -99,23 +114,6 @@ VLLM = {
     "vllm:prefix_cache_hits": ("counter", "prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache"),
 }
 VLLM_MODEL_LABEL = "model_name"
-_VLLM_BUCKETS = {"time_to_first_token_seconds": TTFT_BUCKETS, "time_per_output_token_seconds": TPOT_BUCKETS,
-                 "e2e_request_latency_seconds": E2E_BUCKETS}
-GAUGES = {
-    "requests_running": "Sequences in the running batch",
-    "requests_waiting": "Sequences queued for KV-cache blocks",
-    "kv_cache_usage_ratio": "KV-cache blocks in use over the blocks of the pool (0..1)",
-    "kv_cache_used_blocks": "KV-cache blocks held by sequences",
-    "kv_cache_used_tokens": "KV-cache positions held by sequences (a shared block counted once)",
-    "decode_tokens_per_second": "Recent decode throughput over all running sequences",
-    "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
-    "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
-    "gpu_memory_used_bytes": "Device memory in use by this process",
-    "worker_status": "The server's state (1 for the current one: loading, ready, failed)",
-    "engine_status": "Each engine's state (1 for the current one: ready, stuck, dead, failed) and its device",
-}
-
-
 ENGINE_LABEL = "engine"
 
 
@@ -183,17 +181,20 @@ class Metrics:
         self.engine_status = gauge("engine_status", "livemax", ["engine", "device", "status"], engine=False)
         for status in ("400", "401", "404", "503"):
             self.request_errors.labels(status, worker)       # present at 0 before the first request
-        # vLLM's names: twin -> metric; each engine makes its children once it has said its model
-        self.vllm = {}
+        # vLLM's names: twin -> metric; each engine makes its children once it has said the model's name
+        self.vllm: dict[str, Any] = {}
         for name, (kind, twin, doc) in VLLM.items():
             labels = [VLLM_MODEL_LABEL, e, w]
             if kind == "counter":
-                self.vllm[twin] = pc.Counter(name.removesuffix("_total"), doc, labels, **kw)
+                metric = pc.Counter(name.removesuffix("_total"), doc, labels, **kw)
             elif kind == "histogram":
-                self.vllm[twin] = pc.Histogram(name, doc, labels, buckets=_VLLM_BUCKETS[twin], **kw)
+                buckets = {"time_to_first_token_seconds": TTFT_BUCKETS, "time_per_output_token_seconds": TPOT_BUCKETS,
+                           "e2e_request_latency_seconds": E2E_BUCKETS}[twin]
+                metric = pc.Histogram(name, doc, labels, buckets=buckets, **kw)
             else:
-                self.vllm[twin] = pc.Gauge(name, doc, labels, multiprocess_mode="livemax" if "usage" in twin
-                                           else "livesum", **kw)
+                metric = pc.Gauge(name, doc, labels, multiprocess_mode="livemax" if "usage" in twin else "livesum",
+                                  **kw)
+            self.vllm[twin] = metric
 
     def engine(self, index: int) -> "EngineMetrics":
         """Engine `index`'s series (from 1): its observer."""
@@ -256,7 +257,7 @@ class EngineMetrics:
         self._kv_totals = {"preemptions": (mine(m.preemptions), 0),
                            "prefix_cache_queried_tokens": (mine(m.prefix_queried), 0),
                            "prefix_cache_hit_tokens": (mine(m.prefix_hits), 0)}
-        self.vllm: dict[str, Any] = {}            # vLLM's children (twin -> child), for model_name
+        self.vllm: dict[str, Any] = {}           # twin -> this engine's child of vLLM's name
         self.model_name: str | None = None
 
     def _vllm(self) -> dict[str, Any]:

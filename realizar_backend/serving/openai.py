@@ -1,11 +1,11 @@
 """OpenAI-compatible HTTP API: the route handlers and completions' answers (request bodies are
 read and checked in requests.py and turned into engine jobs in plans.py; structured output in
 structured.py, tool calls in tools.py, reasoning in reasoning.py, chat's answers in chat.py, the
-token routes in tokens.py; streaming.py has what every route answers with).
+token routes in tokens.py; streaming.py has what every route answers with, handlers.py the API
+key, readiness and requests in flight; app.py puts every API's routes together).
 
-A plain Starlette app (BentoML mounts it with `bentoml.asgi_app`), so paths, status codes and
-server-sent events are exactly OpenAI's: /v1/models, /v1/completions, /v1/chat/completions; and
-vLLM's /tokenize, /detokenize, /health and /version.
+Paths, status codes and server-sent events are exactly OpenAI's: /v1/models, /v1/completions,
+/v1/chat/completions; and vLLM's /tokenize, /detokenize, /health and /version.
 Nothing heavy runs on the event loop: tokenizing, chat template renders (themselves in worker
 processes) and large JSON go to `ServerState.work`, so /livez and every stream keep flowing
 while one request carries megabytes.
@@ -14,20 +14,16 @@ Each choice is one engine sequence; the engine batches all of them, across clien
 does not start until the first token exists, so every error that can happen before that
 (validation, context overflow, a full queue) is a proper HTTP status. A client that goes away
 cancels its sequences at once (see `streaming.Guarded`). A request whose response has not started
-within Settings.request_timeout_s is ended with a 504 (see `_InFlight`).
+within Settings.request_timeout_s is ended with a 504 (see `handlers.InFlight`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
 import time
 import uuid
 from typing import AsyncIterator
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -38,16 +34,10 @@ from . import plans
 from . import requests as rq
 from .chat import full_chat, stream_chat
 from .plans import Plan
-from .requests import error_body
 from .state import ServerState
-from .streaming import (SSE_HEADERS, ChunkTemplate, Guarded, Last, client_closed_response, collect, dumps,
-                        error_response, finish, stream, usage)
+from .streaming import SSE_HEADERS, ChunkTemplate, Guarded, Last, collect, dumps, finish, stream, usage
 
 log = logging.getLogger(__name__)
-
-
-class _NotReady(Exception):
-    pass
 
 
 class _CompletionLogprobs:
@@ -74,44 +64,8 @@ class _CompletionLogprobs:
 
 # ------------------------------------------------------------------------------ routes
 
-def create_app(state: ServerState) -> Starlette:
-    """The OpenAI routes over `state`; the service mounts this at /."""
-
-    def authorize(request: Request) -> None:
-        key = state.settings.api_key
-        if not key:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not given or not hmac.compare_digest(given.encode(), key.encode()):
-            raise RequestError("missing or incorrect API key; send `Authorization: Bearer <key>`",
-                               status=401, code="invalid_api_key")
-
-    def ready_engine():
-        if state.engine is None:
-            msg = "the model is still loading" if state.load_error is None else \
-                f"this worker cannot serve the model: {state.load_error}"
-            raise _NotReady(msg)
-        return state.engine
-
-    def endpoint(fn):
-        async def handler(request: Request):
-            try:
-                authorize(request)
-                return await fn(request, ready_engine())
-            except _NotReady as e:
-                if state.metrics is not None:
-                    state.metrics.on_http_error(503)
-                # a new connection may reach another worker that is ready (serving/service.py)
-                return JSONResponse(error_body(str(e), "server_error", None, "model_not_ready"),
-                                    status_code=503, headers={"Retry-After": "5", "Connection": "close"})
-            except rq.ClientGone:
-                log.info("%s %s: the client left while sending its request body", request.method,
-                         request.url.path)
-                return client_closed_response()
-            except Exception as e:       # typed errors keep their status; anything else is a logged 500
-                return error_response(state, e)
-        return handler
+def routes(state: ServerState, endpoint) -> list[Route]:
+    """The OpenAI routes over `state` (endpoint: handlers.make_endpoint's wrapper)."""
 
     def model_card(engine) -> dict:
         return {"id": engine.model_name, "object": "model", "created": int(state.started),
@@ -165,7 +119,7 @@ def create_app(state: ServerState) -> Starlette:
     async def version(request: Request) -> Response:
         return JSONResponse({"version": __version__})
 
-    routes = [
+    return [
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
@@ -175,86 +129,6 @@ def create_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
-    known = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
-
-    async def fallback(request: Request) -> Response:
-        # BentoML answers unmatched paths itself (plain text); catching /v1/* here keeps
-        # OpenAI's error shape for unknown routes and wrong methods
-        path = request.url.path.rstrip("/")
-        if path in known or path.startswith("/v1/models/"):
-            raise HTTPException(405, f"method not allowed (use {known.get(path, 'GET')})")
-        raise HTTPException(404, "no such route")
-
-    routes.append(Route("/v1/{rest:path}", fallback,
-                        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]))
-
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        # unknown paths and wrong methods keep OpenAI's error shape too
-        if state.metrics is not None:
-            state.metrics.on_http_error(exc.status_code)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", param=None,
-                                       code=code), status_code=exc.status_code, headers=exc.headers)
-
-    return _InFlight(Starlette(routes=routes, exception_handlers={HTTPException: http_error}), state)
-
-
-class _InFlight:
-    """Counts the /v1 requests in flight (a graceful shutdown waits for them); once the server
-    drains, answers new ones 503 with Retry-After at once; and ends a request whose response has
-    not started within Settings.request_timeout_s (its sequences cancelled) with a 504."""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
-            return await self.app(scope, receive, send)
-        if self.state.draining:
-            if self.state.metrics is not None:
-                self.state.metrics.on_http_error(503)
-            response = JSONResponse(error_body("the server is shutting down; retry on another replica",
-                                               "server_error", None, "server_shutting_down"),
-                                    status_code=503, headers={"Retry-After": "5", "Connection": "close"})
-            return await response(scope, receive, send)
-        self.state.active += 1
-        try:
-            await self._within_limit(scope, receive, send)
-        finally:
-            self.state.active -= 1
-
-    async def _within_limit(self, scope, receive, send) -> None:
-        started = asyncio.Event()
-
-        async def send_started(message) -> None:
-            if message["type"] == "http.response.start":
-                started.set()
-            await send(message)
-
-        task = asyncio.ensure_future(self.app(scope, receive, send_started))
-        waiter = asyncio.ensure_future(started.wait())
-        limit = self.state.settings.request_timeout_s
-        try:
-            await asyncio.wait((task, waiter), timeout=limit, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:    # the server stops this request: the route's task with it
-            task.cancel()
-            raise
-        finally:
-            waiter.cancel()
-        if task.done() or started.is_set():
-            return await task
-        task.cancel()                     # the route's generator closes: its sequences are aborted
-        await asyncio.gather(task, return_exceptions=True)
-        if started.is_set():              # it began to answer while it was being stopped
-            return
-        log.warning("%s %s: no response within %g s (REALIZAR_REQUEST_TIMEOUT_S); ended with 504",
-                    scope.get("method"), scope.get("path"), limit)
-        if self.state.metrics is not None:
-            self.state.metrics.on_http_error(504)
-        response = JSONResponse(error_body(f"the request did not complete within {limit:g} s (this server's "
-                                           f"REALIZAR_REQUEST_TIMEOUT_S)", "server_error", None, "response_timeout"),
-                                status_code=504)
-        await response(scope, receive, send)
 
 
 async def _full_completion(state, engine, plan: Plan, head) -> AsyncIterator[bytes]:

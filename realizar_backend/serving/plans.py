@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..engine.guidance import Constraint
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from . import requests as rq
 from . import tokens
@@ -95,17 +96,39 @@ def chat_plan(raw: bytes, engine, settings) -> Plan:
         max_tokens = body.get("max_tokens", "int")
     params = rq.sampling(body, max_tokens, (top or 0) if want_lp else None, settings.max_stop_chars)
     constraint = request_constraint(body.data, chat=True)
-    tool_constraint = tool_req.constraint(engine.guidance, options.reasoning) if tool_req is not None else None
+    jobs, prompt_tokens = chat_jobs(engine, params, messages, tool_req, constraint, n, options=options)
+    thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
+    return Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req, n=n, continuous_usage=continuous,
+                reasoning=options.reasoning, thinking_inside=thinking is not None and thinking.inside)
+
+
+def chat_jobs(engine, params: SamplingParams, messages: list[dict], tool_req: ToolRequest | None,
+              constraint: Constraint | None, n: int = 1, cap_to_context: bool = False,
+              options: ChatOptions | None = None):
+    """The jobs of a chat (every API's: chat completions, Responses, Anthropic's messages):
+    messages as the chat template takes them, the tools it renders and whose calls the reply is
+    held to, or a structured-output constraint (not both: the tools' grammar is the reply's),
+    tokenized and validated by jobs_for. cap_to_context: params.max_tokens is an upper bound
+    (Anthropic's and the Responses API's), cut to the room the context leaves after the prompt
+    rather than refused. options: the template's kwargs and flags and the model's thought
+    (chat_request.chat_options). Blocking: call it on a worker thread."""
+    reasoning = options.reasoning if options is not None else None
+    tool_constraint = tool_req.constraint(engine.guidance, reasoning) if tool_req is not None else None
     if tool_constraint is not None and constraint is not None:
         raise bad(constraint.param, f"{constraint.param}: cannot be combined with tools unless tool_choice is "
                                     f"\"none\"")
     params.constraint = tool_constraint or constraint
-    params.thinking = options.thinking
+    if options is not None:
+        params.thinking = options.thinking
+    cap = params.max_tokens if cap_to_context else None
+    if cap is not None:
+        params.max_tokens = None          # prepare() fills in the room left
     jobs, prompt_tokens = jobs_for(engine, params, [None], n, messages,
                                    tool_req.template_tools if tool_req is not None else None, options)
-    thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
-    return Plan(jobs, prompt_tokens, stream, include_usage, want_lp, tools=tool_req, n=n, continuous_usage=continuous,
-                reasoning=options.reasoning, thinking_inside=thinking is not None and thinking.inside)
+    if cap is not None:
+        for _, p in jobs:
+            p.max_tokens = min(p.max_tokens, cap)
+    return jobs, prompt_tokens
 
 
 def jobs_for(engine, base: SamplingParams, prompts, n: int, messages, tools=None, options: ChatOptions | None = None):

@@ -153,7 +153,7 @@ class _Routes:
 
     def build(self):
         if self.app is None:
-            from realizar_backend.serving.openai import create_app
+            from realizar_backend.serving.app import create_app
             self.app = create_app(STATE)
         return self.app
 
@@ -174,7 +174,7 @@ timeline.mark("service module imported (%s)", "the worker" if bentoml.server_con
     resources=RESOURCES,
     workers=1,
     # BentoML's own limit runs until a response starts; the routes end a request at
-    # request_timeout_s with an OpenAI-shaped 504 (serving/openai.py), so this one is a backstop
+    # request_timeout_s with a 504 in the API's shape (serving/handlers.py), so this one is a backstop
     traffic={"timeout": SETTINGS.request_timeout_s + BENTOML_TIMEOUT_MARGIN_S},
     tracing=_tracing_config(),
     # this machine only, unless `--host` (or BENTOML_HOST) says otherwise: there is no API key
@@ -360,9 +360,14 @@ def _say_where() -> None:
 def _guard_connections() -> None:
     """This worker's uvicorn makes its connections with serving/connections.py's limits (header
     and body timeouts, header size, a connection limit). Its server object is found through the
-    SIGTERM handler it installed (_drain_on_sigterm), before it listens."""
-    from realizar_backend.serving import connections
-
+    SIGTERM handler it installed (_drain_on_sigterm), before it listens. Without httptools (a
+    dependency; an install that lost it) the server serves on uvicorn's own parser, and says so:
+    a worker that failed here would be started again by BentoML without end."""
+    try:
+        from realizar_backend.serving import connections
+    except ImportError as e:
+        log.error("HTTP connections have no read timeouts or limits: %s (pip install httptools)", e)
+        return
     if _uvicorn is None or not hasattr(_uvicorn, "config"):
         log.warning("not under uvicorn: HTTP connections have no read timeouts or limits here")
         return

@@ -31,22 +31,46 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # ------------------------------------------------------------------------------ errors
 
-def error_response(state: ServerState, exc: BaseException) -> JSONResponse:
-    """An exception as OpenAI's error body and status (typed errors keep theirs; anything else is a
-    logged 500), counted in the error metric."""
+ANTHROPIC_PATHS = "/v1/messages"   # the routes that speak Anthropic's API (and its error shape)
+# Anthropic's error type for each status it uses (anything else: api_error)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+                    503: "overloaded_error", 504: "api_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_json(path: str, status: int, message: str, type: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error response in the shape of the API that `path` belongs to: OpenAI's
+    `{"error": {"message", "type", "param", "code"}}`, or under /v1/messages Anthropic's
+    `{"type": "error", "error": {"type", "message"}}` with the type Anthropic gives the status."""
+    if path.startswith(ANTHROPIC_PATHS):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(message, type, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response(state: ServerState, exc: BaseException, path: str = "") -> JSONResponse:
+    """An exception as the error body and status of the API `path` belongs to (typed errors keep
+    theirs; anything else is a logged 500), counted in the error metric."""
     headers = {}
     if isinstance(exc, RequestError):
-        status, body = exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+        status, args = exc.status, (exc.message, exc.type, exc.param, exc.code)
     elif isinstance(exc, CapacityError):
-        status = 503
-        body = error_body(str(exc), "server_error", None, "server_overloaded")
+        status, args = 503, (str(exc), "server_error", None, "server_overloaded")
         headers["Retry-After"] = str(max(1, int(exc.retry_after_s)))
     else:
         log.error("request failed", exc_info=exc)
-        status, body = 500, error_body("internal error while generating", "server_error")
+        status, args = 500, ("internal error while generating", "server_error", None, None)
     if state.metrics is not None:
         state.metrics.on_http_error(status)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return error_json(path, status, *args, headers=headers)
 
 
 def client_closed_response() -> Response:
@@ -171,7 +195,7 @@ class Guarded:
             first = Last()
         except Exception as e:
             self.started = True
-            await error_response(self.state, e)(scope, receive, send)
+            await error_response(self.state, e, scope.get("path", ""))(scope, receive, send)
             return
         headers = [(b"content-type", self.media_type.encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]

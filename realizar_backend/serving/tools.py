@@ -127,8 +127,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         raise _bad("tools", "expected an array of tools", "invalid_type")
     if len(tools) > MAX_TOOLS:
         raise _bad("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
-    functions: dict[str, Function] = {}
-    rendered = []
+    defined: list[tuple[str, str | None, dict]] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -141,7 +140,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, underscores or dashes")
-        if name in functions:
+        if any(name == d[0] for d in defined):
             raise _bad(f"{where}.function.name", f"two tools are named {name!r}")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
@@ -154,10 +153,8 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise _bad(f"{where}.function.strict", "expected a boolean", "invalid_type")
-        functions[name] = Function(name, params)
-        rendered.append({"type": "function", "function": {k: v for k, v in
-                                                          (("name", name), ("description", desc),
-                                                           ("parameters", params)) if v is not None}})
+        defined.append((name, desc, params))
+    names = [d[0] for d in defined]
     choice, named = "auto", None
     if tool_choice is None or tool_choice in ("none", "auto", "required"):
         choice = tool_choice or "auto"
@@ -166,17 +163,28 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls:
         if tool_choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise _bad("tool_choice", 'expected "none", "auto", "required" or '
                                       '{"type": "function", "function": {"name": ...}}')
-        if fn["name"] not in functions:
-            raise _bad("tool_choice", f"no tool is named {fn['name']!r} (tools: {', '.join(functions)})")
+        if fn["name"] not in names:
+            raise _bad("tool_choice", f"no tool is named {fn['name']!r} (tools: {', '.join(names)})")
         choice, named = "function", fn["name"]
     else:
         raise _bad("tool_choice", 'expected "none", "auto", "required" or a function', "invalid_type")
+    return tool_request(defined, choice, named, parallel_tool_calls is not False, chat_template)
+
+
+def tool_request(defined: list[tuple[str, str | None, dict]], choice: str, named: str | None, parallel: bool,
+                 chat_template: str | None) -> ToolRequest:
+    """The ToolRequest of checked, distinct function definitions ((name, description, parameters
+    schema), in request order) whatever API they came in: choice is none | auto | required |
+    function (then `named` is one of them). A 400 for tools on a model whose template has none."""
     fmt = detect_format(chat_template)
     if fmt is None and choice != "none":
         raise _bad("tools", "this model's chat template has no tool support; tool calls need a model whose "
                             "template renders tools (e.g. Qwen2.5's)", "tools_not_supported")
-    return ToolRequest(fmt, functions, choice, named, parallel_tool_calls is not False,
-                       rendered if choice != "none" else None)
+    functions = {name: Function(name, params) for name, _, params in defined}
+    rendered = [{"type": "function", "function": {k: v for k, v in (("name", name), ("description", desc),
+                                                                   ("parameters", params)) if v is not None}}
+                for name, desc, params in defined]
+    return ToolRequest(fmt, functions, choice, named, parallel, rendered if choice != "none" else None)
 
 
 def check_tool_messages(messages: Any) -> list[dict]:

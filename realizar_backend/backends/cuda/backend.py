@@ -163,7 +163,8 @@ class CUDABackend:
 
     @staticmethod
     def _matrix_types(model: ModelFile):
-        return [t for n, t in model.tensors.items() if len(t.shape) == 2]
+        """The matrices and stacks of experts' matrices, whose types the kernels are built for."""
+        return [t for n, t in model.tensors.items() if len(t.shape) in (2, 3)]
 
     # ------------------------------------------------------------ graphs
     def _long(self, b: int, positions: Sequence[int]) -> bool:

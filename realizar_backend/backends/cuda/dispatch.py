@@ -14,7 +14,8 @@ A step runs its projections in one of three families, chosen from its rows (`dec
   accuracy (split16.py): a cost that hardly grows with the rows.
 Within a family a group of matrices that share an input (Q, K and V; gate and up) takes one
 launch when every matrix of it has the family's kernel, and otherwise the GEMVs (`linear`,
-`gated`). The LM head has its own rule (`head`).
+`gated`). The LM head has its own rule (`head`), and so do a mixture of experts' router and routed
+experts, in every family of step (`experts`).
 
 Every threshold is an entry of the table below, with the rule that sets it.
 """
@@ -64,6 +65,21 @@ GEMM_ROW_STEP = 64
 # instead of 1.5 times; past it the GEMMs turn compute-bound and the pairs' extra products cost more.
 SPLIT16_PAIRED_MAX_ROWS = 128
 
+# The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
+# (MOE_PAIRS): each (row, expert) pair reads its expert's rows through the id the router wrote on the
+# device, so a step's launches do not depend on the routing (a decode bucket stays one graph). A
+# step of n rows reads its experts' weights once per pair that chose them, up to n * top_k times;
+# a grouped path (pairs sorted by expert, each expert's rows read once per tile of its pairs, on the
+# tensor cores) wins once pairs share experts, and takes the steps from MOE_GROUPED_MIN_ROWS rows
+# once it exists. None: no grouped path yet, the per-pair GEMVs at every row count.
+MOE_GROUPED_MIN_ROWS: int | None = None
+# The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
+# are too few for a tensor-core tile to pay its prep.
+
+# the kinds of projection groups the dense families multiply (model/transformer.py projections);
+# "router" and "experts" have their own rule (Dispatcher.experts)
+DENSE_KINDS = ("linear", "gated")
+
 # the quant types of each kernel (the rest of QTYPES: float matrices)
 MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})     # mmq.cu
 MMQS_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})                    # mmqs.cu
@@ -75,6 +91,7 @@ class Kernel(enum.Enum):
     MMQS = "mmqs"
     MMQ = "mmq"
     SPLIT16 = "split16"
+    MOE_PAIRS = "moe_pairs"
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,15 @@ class Choice:
         return self.kernels[0] if len(set(self.kernels)) == 1 else None
 
 
+@dataclass(frozen=True)
+class ExpertsChoice:
+    """The kernels of a routed-experts block: the router's GEMV, the experts' family, and whether
+    gate and up take one launch (same type and shape) that applies the activation on the way out."""
+    router: Kernel
+    experts: Kernel
+    fused: bool
+
+
 # ---------------------------------------------------------------- what each kernel takes
 def mmvf_ok(w: WeightRef) -> bool:
     """mmvf.cu: quantized types, whole 32-weight units per row (every quantized type has them)."""
@@ -113,7 +139,8 @@ def mmqs_ok(w: WeightRef) -> bool:
 
 
 def same_shape(a: WeightRef, b: WeightRef) -> bool:
-    return a.qtype == b.qtype and a.rows == b.rows and a.cols == b.cols and a.row_bytes == b.row_bytes
+    """One launch takes both (gate and up): type, shape and (stacks of experts) expert count alike."""
+    return (a.qtype, a.rows, a.cols, a.row_bytes, a.experts) == (b.qtype, b.rows, b.cols, b.row_bytes, b.experts)
 
 
 def mmqs_takes(mats: Sequence[WeightRef], rows: int) -> bool:
@@ -133,11 +160,13 @@ def prompt_buckets(max_tokens: int = PROMPT_MMQ_TOKENS) -> tuple[int, ...]:
 
 class Dispatcher:
     def __init__(self, groups: Sequence[tuple[str, tuple[WeightRef, ...]]], head: WeightRef, split16_kept: bool):
-        """groups: every group of matrices the model's steps multiply, ("linear" | "gated", mats)
-        (the model's `projections()`); head: the LM head; split16_kept: the split16 weights are
-        kept on the device."""
+        """groups: every group of matrices the model's steps multiply (the model's `projections()`:
+        ("linear" | "gated" | "router" | "experts", mats)); head: the LM head; split16_kept: the
+        split16 weights are kept on the device. The families of steps are chosen from the dense
+        groups (DENSE_KINDS): the router and experts run on their own kernels in every family."""
         self.head_matrix = head
         self.split16_kept = split16_kept
+        groups = [(kind, g) for kind, g in groups if kind in DENSE_KINDS]
         mats = [w for _, g in groups for w in g]
         # every group on the tensor cores: prompt steps may take them (else the GEMVs would take
         # the rest of such a step, whose time grows with every row)
@@ -198,6 +227,11 @@ class Dispatcher:
         if mmq_ok(w) and rows >= (MMQS_HEAD_MIN_ROWS if self.mmqs_all else self.mmq_min_rows):
             return Kernel.MMQS if mmqs_takes((w,), rows) else Kernel.MMQ
         return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
+
+    def experts(self, step: Step, router: WeightRef, gate: WeightRef, up: WeightRef) -> ExpertsChoice:
+        """The kernels of a routed-experts block in a step (the rules of MOE_GROUPED_MIN_ROWS and the
+        router's above)."""
+        return ExpertsChoice(self._gemv((router,))[0], Kernel.MOE_PAIRS, same_shape(gate, up))
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

@@ -5,7 +5,7 @@ Everything a step reads that changes per step (token ids, positions, slots) is a
 buffers, so a decode step is a fixed launch sequence per batch bucket that a CUDA graph can
 capture and replay. Which kernel multiplies each matrix of a step is the dispatcher's
 (dispatch.py); the families of kernels it picks from implement the multiplying operations
-(linear.py).
+(linear.py; a mixture of experts' routed experts: experts.py).
 
 Decode rows (one new token per sequence) fold RoPE and the KV write into attention; prompt rows
 read each other's cache rows, so RoPE and the KV write run first (rope_kv). Attention runs on the
@@ -27,6 +27,7 @@ from ...model.ops import AttentionSpec
 from ...settings import Settings
 from . import dispatch, flash, ops
 from .dispatch import Dispatcher, Kernel, Step
+from .experts import PairExperts
 from .kv_cache import KVCache
 from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear
 from .modules import Kernels
@@ -60,17 +61,20 @@ class Forward:
         c = self.c = w.config
         self.kv: KVCache | None = None
         groups = self.model.projections()
+        # the groups the dense families multiply (a mixture of experts' router and experts: experts.py)
+        dense = [(kind, g) for kind, g in groups if kind in dispatch.DENSE_KINDS]
         head = self.model.output
         self.ctx = Context(k, ws, c)
         self.gemv = GemvLinear(self.ctx)
-        self.split16 = Split16Linear(self.ctx, [g for _, g in groups], settings.prefill_weight_cache)
+        self.split16 = Split16Linear(self.ctx, [g for _, g in dense], settings.prefill_weight_cache)
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
         self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept))
-        shapes = {(g[0].cols, tuple(m.rows for m in g), kind == "gated") for kind, g in groups}
+        shapes = {(g[0].cols, tuple(m.rows for m in g), kind == "gated") for kind, g in dense}
         shapes.add((head.cols, (head.rows,), False))
         self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
         self._family = {Kernel.MMVF: self.gemv, Kernel.GEMV: self.gemv, Kernel.MMQS: self.mmq,
-                        Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16}
+                        Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16,
+                        Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv)}
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct (theta, scaling) of
@@ -199,7 +203,7 @@ class StepOps:
     """The model's operations (model/ops.py) for one GPU step of step.rows rows at positions pos[t]
     of the sequences in slots[t] (device pointers; tok: the token ids). Values are workspace
     buffers: the residual stream is ws.x, q/k/v ws.q/k/v, attention's output ws.attn, the gated
-    MLP's ws.a (or its split16 rows). decode: one new token per sequence, the head over every row
+    MLP's ws.a (or its split16 rows); the routed experts add into ws.x (experts.py). decode: one new token per sequence, the head over every row
     and its tokens fed to the next step's inputs (ws.dec_io); else a prompt step, the head over
     each sequence's last row (ws.last_idx[:head_rows])."""
 
@@ -241,6 +245,11 @@ class StepOps:
     def norm_gated_mlp(self, x, norm: int, gate, up, act: str):
         choice = self.fwd.dispatcher.gated(self.step, gate, up)
         return self.fwd.family(choice.kernels[0]).gated(x, norm, gate, up, choice, ACT[act], self.T)
+
+    def norm_moe_residual(self, x, norm: int, experts):
+        e = experts
+        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up)
+        return self.fwd.family(choice.experts).moe(x, norm, e, choice, self.T)
 
     def logits(self, x, norm: int, w):
         fwd, ws, c = self.fwd, self.fwd.ws, self.fwd.c

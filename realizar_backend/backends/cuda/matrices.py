@@ -34,10 +34,19 @@ QTYPES: dict[Q, QInfo] = {
 
 @dataclass
 class WeightRef:
-    """A matrix on the GPU in its device layout (formats/gpu_layout.py): rows x cols, `row_bytes` per row."""
+    """A matrix on the GPU in its device layout (formats/gpu_layout.py): rows x cols, `row_bytes` per row.
+    A stack of experts' matrices (a 3-D GGUF tensor [experts, rows, cols]) is one WeightRef with
+    `experts` > 0: its experts * rows rows lie back to back, expert e's matrix from
+    ptr + e * expert_bytes."""
     name: str
     qtype: object
     ptr: int
     rows: int
     cols: int
     row_bytes: int
+    experts: int = 0
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes from one expert's matrix to the next (a stack of experts)."""
+        return self.rows * self.row_bytes

@@ -168,7 +168,8 @@ class Kernels:
     (qtypes; None = all, for tests), every module loads on its own thread, the fast GEMVs build once
     per batch width, and the families a batch-1 start does not need (wider batches, the GEMVs of
     float matrices) load in the background or on first use; so does the batched-decode matrix
-    multiply (mmq, one module per token-tile width). prebuilt=False: NVRTC for all."""
+    multiply (mmq, one module per token-tile width) and the routed experts (moe, for mixture-of-experts
+    models only). prebuilt=False: NVRTC for all."""
 
     def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None, prebuilt: bool = True):
         dev = self.device = cupy.cuda.Device(device_id)
@@ -231,6 +232,9 @@ class Kernels:
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
+        # the routed experts of mixture-of-experts models (moe.cu): loaded on first use, by such models only
+        moe = build("moe.cu", ["moe_topk", "moe_combine"] + [f"{p}_{sfx[q]}" for q in types
+                                                            for p in ("moe_gate_up", "moe_gemv")], typed, lazy=True)
         self._gemvs, self._sfx = gemvs, sfx
         self._ready_lock = threading.Lock()
         self._ready = False
@@ -242,6 +246,9 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
+        # keys: "topk", "combine", ("gate_up", type), ("gemv", type)
+        self.moe = _Family({"topk": (moe, "moe_topk"), "combine": (moe, "moe_combine"),
+                            **{(p, q): (moe, f"moe_{p}_{sfx[q]}") for q in types for p in ("gate_up", "gemv")}})
 
     def ready(self, max_batch: int | None = None) -> "Kernels":
         """Wait for the modules a batch-1 start needs, then start the GEMVs for batches of up to

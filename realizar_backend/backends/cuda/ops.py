@@ -13,6 +13,8 @@ import numpy as np
 from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
+from .dispatch import same_shape
+from .support import MOE_MAX_K
 from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
@@ -200,6 +202,46 @@ def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: in
     k.ffn_gate_up[wg.qtype](grid, (GEMV_WARPS * 32,),
                             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(wg.cols),
                              _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(nb), _I32(act)))
+
+
+MOE_WARPS, MOE_TOPK_ROWS, MOE_COMBINE_THREADS = 4, 4, 256      # must match moe.cu (and MOE_MAX_K)
+
+
+def moe_topk(k: Kernels, logits: int, ls: int, T: int, E: int, top_k: int, renorm: bool, ids: int,
+             w: int) -> None:
+    """Each of T rows of router logits [T, E] (row stride ls): its top_k experts (the largest logits,
+    ties to the lower index) into ids int32 [T, top_k] and their softmax probabilities into w float
+    [T, top_k], renormalised to sum to one over the top_k where renorm."""
+    if not 1 <= top_k <= min(E, MOE_MAX_K):
+        raise ValueError(f"moe_topk: {top_k} experts of {E} per token (the kernel takes 1..{MOE_MAX_K})")
+    k.moe["topk"](((T + MOE_TOPK_ROWS - 1) // MOE_TOPK_ROWS,), (MOE_TOPK_ROWS * 32,),
+                  (_U64(logits), _I32(ls), _I32(T), _I32(E), _I32(top_k), _I32(int(renorm)), _U64(ids), _U64(w)))
+
+
+def moe_gate_up(k: Kernels, gate: WeightRef, up: WeightRef, ids: int, top_k: int, pairs: int, x: int, xs: int,
+                a: int, as_: int, act: int) -> None:
+    """a[p] = act(gate_e @ x[p // top_k]) * (up_e @ x[p // top_k]) for each of `pairs` (row, expert)
+    pairs p, e = ids[p] (gate and up: stacks of experts of one type and shape)."""
+    if not same_shape(gate, up):
+        raise ValueError(f"moe_gate_up: {gate.name} and {up.name} differ in type or shape")
+    k.moe[("gate_up", gate.qtype)]((pairs, (gate.rows + MOE_WARPS - 1) // MOE_WARPS), (MOE_WARPS * 32,),
+                                   (_U64(gate.ptr), _U64(up.ptr), _I64(gate.row_bytes), _I64(gate.expert_bytes),
+                                    _I32(gate.experts), _I32(gate.rows), _I32(gate.cols), _U64(ids), _I32(top_k),
+                                    _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(act)))
+
+
+def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xdiv: int, y: int, ys: int) -> None:
+    """y[p] = w_e @ x[p // xdiv] for each of `pairs` (row, expert) pairs p, e = ids[p] (w: a stack
+    of experts; xdiv 1: each pair its own input row, top_k: its token's)."""
+    k.moe[("gemv", w.qtype)]((pairs, (w.rows + MOE_WARPS - 1) // MOE_WARPS), (MOE_WARPS * 32,),
+                             (_U64(w.ptr), _I64(w.row_bytes), _I64(w.expert_bytes), _I32(w.experts), _I32(w.rows),
+                              _I32(w.cols), _U64(ids), _U64(x), _I32(xs), _I32(xdiv), _U64(y), _I32(ys)))
+
+
+def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int, T: int, H: int) -> None:
+    """x[t] += sum_j w[t, j] * y[t * top_k + j] over the first H columns, j in order."""
+    k.moe["combine"]((T, (H + MOE_COMBINE_THREADS - 1) // MOE_COMBINE_THREADS), (MOE_COMBINE_THREADS,),
+                     (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(w), _I32(top_k), _I32(H)))
 
 
 def dequant(k: Kernels, w: WeightRef, out: int, os: int) -> None:

@@ -7,6 +7,7 @@ disagreement), the GPU tests (many shapes, odd ones included), and by hand on th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import cupy
@@ -17,8 +18,9 @@ from ...errors import BackendError
 from ...formats.gpu_layout import to_device
 from ...formats.quants import dequantize, row_bytes
 from ...model.config import ModelConfig
-from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
+from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu
 from . import ops
+from .dispatch import same_shape
 from .modules import QTYPES, Kernels
 from .ops import WeightRef
 
@@ -400,6 +402,59 @@ def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
     return max(errs)
 
 
+# ------------------------------------------------------------------ routed experts (moe.cu)
+def check_moe_topk(k: Kernels, T: int, E: int, top: int, renorm: bool, rng) -> float:
+    """moe_topk against model/math.py route: logits with a tie in every row (the lower index first;
+    in row 1 at the top), read through a row stride past E whose padding (+inf) would win if read.
+    inf where any expert id differs, else the weights' relative error."""
+    z = (3.0 * rng.standard_normal((T, E))).astype(np.float32)
+    z[:, E - 1] = z[:, 0]
+    if T > 1:
+        z[1, [0, E - 1]] = z[1].max() + 1.0
+    ls = E + 3
+    padded = np.full((T, ls), np.inf, np.float32)
+    padded[:, :E] = z
+    logits, ids, w = _dev(padded), _poison((T, top), cupy.int32), _nan((T, top))
+    ops.moe_topk(k, logits.data.ptr, ls, T, E, top, renorm, ids.data.ptr, w.data.ptr)
+    ref_ids, ref_w = route(z, top, renorm)
+    if not np.array_equal(ids.get(), ref_ids):
+        return float("inf")
+    return rel_err(w.get(), ref_w)
+
+
+def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng) -> float:
+    """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
+    where gate and up differ) and moe_combine into residual rows, against float64: each of T rows
+    takes top distinct experts of E (some shared between rows) at random weights. types: (gate, up,
+    down) storage types of stacks [E, F, H], [E, F, H], [E, H, F]. Relative error of the rows after."""
+    from .experts import expert_pairs
+    shapes = ((F, H), (F, H), (H, F))
+    hosts = [random_weight(qt, E * r, c, rng) for qt, (r, c) in zip(types, shapes)]
+    mats, keep = [], []
+    for qt, host, (r, c) in zip(types, hosts, shapes):
+        w, dev = upload_weight(qt, host)
+        mats.append(dataclasses.replace(w, rows=r, experts=E))
+        keep.append(dev)
+    wg, wu, wd = (dequantize(host, qt, (E, r, c)).astype(np.float64) for qt, host, (r, c) in zip(types, hosts, shapes))
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32)
+    wts = rng.random((T, top)).astype(np.float32)
+    x0 = rng.standard_normal((T, H)).astype(np.float32)
+    pairs = T * top
+    hd, idd, wtd, xd = _dev(h), _dev(ids), _dev(wts), _dev(x0)
+    a, y = _nan((pairs, F)), _nan((pairs, max(H, 2 * F)))
+    expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
+                 same_shape(mats[0], mats[1]))
+    ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
+    ref = x0.astype(np.float64)
+    for t in range(T):
+        h64 = h[t].astype(np.float64)
+        for j, e in enumerate(ids[t]):
+            g = wg[e] @ h64
+            ref[t] += float(wts[t, j]) * (wd[e] @ ((gelu_tanh(g) if act else silu(g)) * (wu[e] @ h64)))
+    return rel_err(xd.get(), ref)
+
+
 # ------------------------------------------------------------------ start-up self-check
 def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None, rows: int = 1) -> dict[str, float]:
     """Every kernel the model uses once on small random data; BackendError on any disagreement.
@@ -430,6 +485,12 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
     errs["attention"] = check_attention(k, 3, cfg.n_heads, cfg.n_kv_heads, D, 40, 0, rng)
     errs["attention_prompt"] = check_attention_prompt(k, [(0, 0, 21), (1, 4, 13)], cfg.n_heads, cfg.n_kv_heads,
                                                       D, 40, 0, rng)
+    if cfg.n_experts:                      # the routed experts' kernels, each stored type through them
+        E, top = cfg.n_experts, min(cfg.n_experts_used, cfg.n_experts)
+        errs["moe_topk"] = check_moe_topk(k, 5, E, top, cfg.expert_renormalize, rng)
+        for qt in sorted((q for q in qtypes if q in QTYPES), key=int):
+            K = 2 * max(QTYPES[qt].block, 32) + (3 if QTYPES[qt].block == 1 else 0)
+            errs[f"moe_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 2, 2, act, rng)
     errs["argmax"] = check_argmax(k, 3, 1000, rng)
     errs["glue"] = check_glue(k, 4, 70, rng)
     cupy.cuda.Device().synchronize()

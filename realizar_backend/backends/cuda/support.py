@@ -7,8 +7,15 @@ from __future__ import annotations
 from ...formats import ModelFile
 from .matrices import QTYPES
 
-# tensors the GPU's kernels have no operation for yet (the NumPy backend runs them)
-UNSUPPORTED_TENSORS = ("attn_sinks.weight", "attn_output.bias")
+# tensors the GPU's kernels have no operation for yet (the NumPy backend runs them): attention sinks,
+# output-projection biases, a router's or experts' biases, a shared expert
+UNSUPPORTED_TENSORS = ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
+                       "ffn_up_exps.bias", "ffn_down_exps.bias", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                       "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+# the routed experts' activations the GPU kernels apply (kernels/common.cuh act_f)
+MOE_ACTIVATIONS = ("silu", "gelu_tanh")
+# experts a token takes that the GPU's routing holds (kernels/moe.cu MOE_MAX_K: one per lane)
+MOE_MAX_K = 32
 
 
 def gpu_types(mf: ModelFile) -> dict[str, bool]:
@@ -19,10 +26,15 @@ def gpu_types(mf: ModelFile) -> dict[str, bool]:
 def refusal(mf: ModelFile) -> str | None:
     """Why the GPU backend cannot run this model (None: it can)."""
     c = mf.config
-    if c.n_experts:
-        return f"{c.arch}: the GPU backend does not run mixture-of-experts models yet"
     if c.has_recurrent_state:
         return f"{c.arch}: the GPU backend does not run linear-attention hybrids yet"
+    if c.arch == "gpt-oss":
+        return ("gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped "
+                "SwiGLU experts or MXFP4 weights yet")
+    if c.n_experts and c.activation not in MOE_ACTIVATIONS:
+        return f"{c.arch}: the GPU backend has no {c.activation} experts yet"
+    if c.n_experts_used > MOE_MAX_K:
+        return f"{c.arch}: {c.n_experts_used} experts a token; the GPU backend routes at most {MOE_MAX_K}"
     for name, t in mf.tensors.items():
         if name.startswith("blk.") and name.split(".", 2)[2] in UNSUPPORTED_TENSORS:
             return f"tensor {name}: the GPU backend has no kernel for it yet"

@@ -1,8 +1,9 @@
 """GPU-resident weights: the model definition (model/families.py) built with device weights. Every
 matrix it asks for is uploaded once into one arena in its device layout (GGUF's blocks; Q5_0, Q8_0
 and Q6_K regrouped on the GPU, formats/gpu_layout.py) and stands in the model as a WeightRef
-(device pointer, type, shape), so a step never formats a name or looks a tensor up in a dict.
-Norm weights and biases (tiny) are float32 vectors, in the model as device pointers."""
+(device pointer, type, shape), so a step never formats a name or looks a tensor up in a dict. A
+stack of experts' matrices (ffn_*_exps) goes up as one matrix of all their rows, with its expert
+count in the WeightRef. Norm weights and biases (tiny) are float32 vectors, in the model as device pointers."""
 
 from __future__ import annotations
 
@@ -51,21 +52,24 @@ class DeviceWeights:
 
     # ------------------------------------------------------------ the model's loader
     def matrix(self, name: str) -> WeightRef:
+        """A matrix, or a stack of experts' matrices [experts, rows, cols] (its experts * rows rows
+        placed and regrouped as one matrix's, so expert e's rows start e * rows rows in)."""
         t = self.file.tensor(name)
         info = QTYPES.get(t.qtype)
         if info is None:
             raise UnsupportedModelError(self.file.path, f"tensor {name}: type {t.type_name} has no GPU kernel")
-        if len(t.shape) != 2 or t.shape[1] % info.block:
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: shape {t.shape} is not a matrix of "
-                                                        f"whole {t.type_name} blocks")
-        if t.nbytes != t.shape[0] * row_bytes(t.qtype, t.shape[1]):
+        if len(t.shape) not in (2, 3) or t.shape[-1] % info.block:
+            raise UnsupportedModelError(self.file.path, f"tensor {name}: shape {t.shape} is not a matrix (or a "
+                                                        f"stack of experts' matrices) of whole {t.type_name} blocks")
+        experts, rows, cols = (0, *t.shape) if len(t.shape) == 2 else t.shape
+        if t.nbytes != max(experts, 1) * rows * row_bytes(t.qtype, cols):
             raise UnsupportedModelError(self.file.path, f"tensor {name}: {t.nbytes} bytes for shape {t.shape}")
-        rows, cols = t.shape
         rb = device_row_bytes(t.qtype, cols)
-        ref = WeightRef(name, t.qtype, 0, rows, cols, rb)     # the pointer: once uploaded
+        ref = WeightRef(name, t.qtype, 0, rows, cols, rb, experts)     # the pointer: once uploaded
         self._plan.append((t, self.total_bytes, ref))
-        self.total_bytes += (rows * rb + _ALIGN - 1) // _ALIGN * _ALIGN
-        if name.startswith("blk."):
+        self.total_bytes += (max(experts, 1) * rows * rb + _ALIGN - 1) // _ALIGN * _ALIGN
+        if name.startswith("blk.") and not experts:
+            # the split16 prompt steps' dequantize buffer holds one layer matrix; experts never go there
             self.max_matrix_elems = max(self.max_matrix_elems, rows * cols)
         return ref
 
@@ -109,7 +113,7 @@ class DeviceWeights:
                 staging.data.copy_from_host(ctypes.c_void_p(start), end - start)
                 for t, off, host, ref in members:
                     at = host.ctypes.data - start
-                    rows, cols = t.shape
+                    rows, cols = max(ref.experts, 1) * ref.rows, ref.cols     # a stack of experts: all their rows
                     if t.qtype in REGROUPED:
                         # Q5_0 / Q8_0 / Q6_K arrive in GGUF bytes and are regrouped here (repack.cu)
                         total = rows * (cols // 32)

@@ -82,8 +82,23 @@ class Workspace:
         F = c.ffn_dim
         n_y = max(2 * F, c.q_dim + 2 * c.kv_dim)
         k_max = max(c.hidden, c.q_dim, F)
-        self.ffn_pool, ((self.g, self.u, self.a), (self.y32, self.x16)) = _carve(
-            cap, [(f32, F), (f32, F), (f32, F)], [(f32, n_y), (cupy.float16, 3 * k_max)])
+        # A mixture of experts' routed experts (experts.py) take a third layout of ffn_pool: per (row,
+        # expert) pair, top_k a row, the gated activations (moe_a) and the down projection's output
+        # (moe_y, wide enough to hold the unfused gate and up rows before it: 2 F a pair). Nothing in
+        # ffn_pool outlives the operation that writes it, so the three layouts never meet.
+        E, top, Fe = c.n_experts, c.n_experts_used, c.expert_ffn_dim
+        y_w = max(c.hidden, 2 * Fe)
+        moe = [(f32, top * Fe), (f32, top * y_w)] if E else []
+        self.ffn_pool, ((self.g, self.u, self.a), (self.y32, self.x16), moe_rows) = _carve(
+            cap, [(f32, F), (f32, F), (f32, F)], [(f32, n_y), (cupy.float16, 3 * k_max)], moe)
+        self.moe: list[cupy.ndarray] = []
+        if E:
+            self.moe_a = moe_rows[0].reshape(cap * top, Fe)
+            self.moe_y = moe_rows[1].reshape(cap * top, y_w)
+            self.moe_logits = cupy.empty((cap, E), f32)        # the router's output
+            self.moe_ids = cupy.empty((cap, top), cupy.int32)  # each row's experts, best first
+            self.moe_w = cupy.empty((cap, top), f32)           # and their weights
+            self.moe = [self.moe_logits, self.moe_ids, self.moe_w]
         self.split_inv = cupy.empty((2, cap), f32)       # 1/s of the split rows (input, FFN down input)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
@@ -114,5 +129,5 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.ffn_pool,
-                self.split_inv, self.tokens, self.positions, self.slots)
+                self.split_inv, self.tokens, self.positions, self.slots, *self.moe)
         return sum(a.nbytes for a in grow) + sum(a.nbytes for a in self._fixed)

@@ -1,0 +1,61 @@
+"""A mixture of experts' routed experts on the GPU (model/ops.py norm_moe_residual), one class per
+kernel family of the dispatcher's `experts` rule (dispatch.py).
+
+Each step: h = RMSNorm(x) into ws.h; the router's logits (its GEMV, the dispatcher's choice) into
+ws.moe_logits; moe_topk writes each row's experts and weights (ws.moe_ids, ws.moe_w); the experts'
+gated MLPs over the (row, expert) pairs into ws.moe_a, their down projections into ws.moe_y; and
+moe_combine adds each row's weighted sum into x (kernels/moe.cu). The expert ids never leave the
+device and every buffer is the workspace's (sized at the high-water mark), so the launches of a step
+are fixed by its row count and a CUDA graph captures them like a dense layer's."""
+
+from __future__ import annotations
+
+import cupy
+
+from . import ops
+from .dispatch import ExpertsChoice
+from .linear import ACT, Context, Family, GemvLinear
+from .ops import WeightRef
+
+
+def expert_pairs(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
+                 a: int, y: int, ys: int, act: int, fused: bool) -> None:
+    """The experts of T rows' (row, expert) pairs, p = t * top + j with expert ids[p] (int32 [T, top]):
+    a[p] = act(gate_e @ h[t]) * (up_e @ h[t]) (a: [T * top, gate.rows] floats, rows back to back),
+    then y[p] = down_e @ a[p] (row stride ys >= 2 * gate.rows). fused (gate and up of one type and
+    shape): gate and up in one launch; otherwise each its own, into the rows of y (free until the
+    down projection writes it), and act_mul joins them."""
+    pairs, F = T * top, gate.rows
+    if fused:
+        ops.moe_gate_up(k, gate, up, ids, top, pairs, h, hs, a, F, act)
+    else:
+        g, u = y, y + 4 * pairs * F          # [pairs, F] each, back to back in y's pairs * ys floats
+        ops.moe_gemv(k, gate, ids, pairs, h, hs, top, g, F)
+        ops.moe_gemv(k, up, ids, pairs, h, hs, top, u, F)
+        ops.act_mul(k, g, u, a, pairs * F, act)
+    ops.moe_gemv(k, down, ids, pairs, a, F, 1, y, ys)
+
+
+class PairExperts(Family):
+    """moe.cu's per-pair GEMVs (dispatch.py MOE_PAIRS): every pair reads its expert's rows through
+    its id (expert_pairs)."""
+
+    def __init__(self, ctx: Context, gemv: GemvLinear):
+        super().__init__(ctx)
+        self.gemv = gemv
+
+    def moe(self, x: cupy.ndarray, norm: int, e, choice: ExpertsChoice, T: int) -> cupy.ndarray:
+        """x[:T] += the routed experts of RMSNorm(x[:T]) * norm (e: model/transformer.py Experts)."""
+        if any(b is not None for b in (e.router_bias, e.gate_bias, e.up_bias, e.down_bias)) or e.shared_gate is not None:
+            # support.py refuses such models (gpt-oss, qwen35moe) before they get here
+            raise NotImplementedError("expert or router biases, or a shared expert, on the GPU")
+        k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
+        h, logits, a, y = ws.h, ws.moe_logits, ws.moe_a, ws.moe_y
+        self.norm(x, norm, h, T)
+        self.gemv._one(choice.router, e.router, h, T, logits.data.ptr, logits.shape[1])
+        ids, w = ws.moe_ids.data.ptr, ws.moe_w.data.ptr
+        ops.moe_topk(k, logits.data.ptr, logits.shape[1], T, e.router.rows, e.top_k, e.renormalize, ids, w)
+        expert_pairs(k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr, y.data.ptr,
+                     y.shape[1], ACT[e.act], choice.fused)
+        ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)
+        return x

@@ -1,0 +1,234 @@
+// Routed experts of a mixture-of-experts layer (model/ops.py norm_moe_residual), as launches over a
+// step's rows that keep every expert id on the device, so that a decode step stays one fixed launch
+// sequence that a CUDA graph captures:
+//   moe_topk         per row t: the softmax of its E router logits, its top k experts (ties: the
+//                    lower index) and their probabilities, renormalised over the k where asked:
+//                    ids [T, k] (int32), weights [T, k]
+//   moe_gate_up_<t>  per (row, expert) pair p = t * k + j, e = ids[p]:
+//                    a[p] = act(gate_e . x[t]) * (up_e . x[t])  (gate and up of type t)
+//   moe_gemv_<t>     per pair: y[p] = W_e . x[p / xdiv]  (the down projection: xdiv 1; gate or up
+//                    on its own where their types differ: xdiv k)
+//   moe_combine      x[t] += sum_j w[t, j] * y[t * k + j], j in order (deterministic, no atomics)
+// The per-pair GEMVs follow gemv.cu: one warp per output row, lanes over the row's 32-weight units
+// (common.cuh load_unit<QT>), here with the row's matrix found through the pair's expert id. Each
+// pair reads its expert's rows on its own (pairs that share an expert share them only through L2):
+// the path for every row count until a grouped one (rows sorted by expert, tensor-core tiles per
+// group) takes the wide steps; backends/cuda/dispatch.py says which runs.
+#include "common.cuh"
+
+#define MOE_WARPS 4             // output rows per block of the per-pair GEMVs, a warp each
+#define MOE_TOPK_ROWS 4         // router rows per block of moe_topk, a warp each
+#define MOE_MAX_K 32            // experts per token: moe_topk keeps the j-th on lane j
+#define MOE_COMBINE_THREADS 256 // residual columns per block of moe_combine
+
+// an output of a pair whose expert id is out of range: visible, never a read out of the weights
+#define MOE_NAN __int_as_float(0x7fc00000)
+
+// dot of a decoded unit with xb[0..nv-1] (nv < 32 only in a float row's last unit); vector loads
+// where the activation rows are 16-byte aligned
+__device__ __forceinline__ float moe_unit_dot(const float (&w)[32], const float* __restrict__ xb, int nv, bool vec) {
+    float s = 0.0f;
+    if (nv >= 32 && vec) {
+        const float4* x4 = (const float4*)xb;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float4 v = x4[i];
+            s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            if (i < nv) s += w[i] * xb[i];
+    }
+    return s;
+}
+
+// a router logit as moe_topk ranks it: NaN ranks as -inf (last, by index)
+__device__ __forceinline__ float moe_logit(float v) { return v != v ? -INFINITY : v; }
+
+// ------------------------------------------------------------------ routing
+// One warp per row. Round j takes the best expert ranked below the one round j - 1 took (rank:
+// larger logit first, then lower index), so no expert is taken twice and no flags are kept; lane j
+// keeps round j's expert. The softmax's maximum is round 0's logit, so the weights are
+// exp(l - max) over the sum of the k taken (renormalised) or of all E.
+extern "C" __global__ void __launch_bounds__(MOE_TOPK_ROWS * 32)
+    moe_topk(const float* __restrict__ logits, int ls, int T, int E, int k, int renorm, int* __restrict__ ids,
+             float* __restrict__ w) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * MOE_TOPK_ROWS + (threadIdx.x >> 5);
+    if (t >= T) return;
+    const float* l = logits + (long long)t * ls;
+    float pv = INFINITY, top = -INFINITY, mine_v = -INFINITY;
+    int pi = -1, mine_i = -1;
+    for (int j = 0; j < k; ++j) {
+        float bv = -INFINITY;
+        int bi = -1;
+        for (int i = lane; i < E; i += 32) {             // ascending i: a tie keeps the lower index
+            float v = moe_logit(l[i]);
+            if ((v < pv || (v == pv && i > pi)) && (bi < 0 || v > bv)) {
+                bv = v;
+                bi = i;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {               // every lane ends with the warp's best
+            float ov = __shfl_sync(0xffffffffu, bv, lane ^ o);
+            int oi = __shfl_sync(0xffffffffu, bi, lane ^ o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (j == 0) top = bv;
+        if (lane == j) {
+            mine_v = bv;
+            mine_i = bi;
+        }
+        pv = bv;
+        pi = bi;
+    }
+    const float ev = lane < k ? expf(mine_v - top) : 0.0f;
+    float denom;
+    if (renorm) {
+        denom = warp_sum(ev);
+    } else {
+        float s = 0.0f;
+        for (int i = lane; i < E; i += 32) s += expf(moe_logit(l[i]) - top);
+        denom = warp_sum(s);
+    }
+    if (lane < k) {
+        ids[(long long)t * k + lane] = mine_i;
+        w[(long long)t * k + lane] = ev / denom;
+    }
+}
+
+// ------------------------------------------------------------------ the experts' projections
+// Grid: (pairs, ceil(N / MOE_WARPS)); warp w of block (p, b) computes output row b * MOE_WARPS + w
+// of pair p. W: expert 0's matrix, expert e's at W + e * expert_bytes; row r at + r * row_bytes.
+
+template <int QT>
+__device__ __forceinline__ void moe_gate_up_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu,
+                                                 long long row_bytes, long long expert_bytes, int E, int N, int K,
+                                                 const int* __restrict__ ids, int k, const float* __restrict__ x,
+                                                 int xs, float* __restrict__ a, int as, int act) {
+    const int lane = threadIdx.x & 31;
+    const int p = blockIdx.x;
+    const int r = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
+    if (r >= N) return;
+    const int e = ids[p];
+    float* out = a + (long long)p * as + r;
+    if (e < 0 || e >= E) {
+        if (lane == 0) *out = MOE_NAN;
+        return;
+    }
+    const long long off = (long long)e * expert_bytes + (long long)r * row_bytes;
+    const u8* rg = Wg + off;
+    const u8* ru = Wu + off;
+    const float* xr = x + (long long)(p / k) * xs;
+    const bool vec = ((xs & 3) == 0) && ((((u64)x) & 15) == 0);
+    float sg = 0.0f, su = 0.0f;
+    const int nu = (K + 31) >> 5;
+    for (int u = lane; u < nu; u += 32) {
+        float w[32];
+        const int nv = K - 32 * u;
+        load_unit<QT>(rg, u, K, w);
+        sg += moe_unit_dot(w, xr + 32 * u, nv, vec);
+        load_unit<QT>(ru, u, K, w);
+        su += moe_unit_dot(w, xr + 32 * u, nv, vec);
+    }
+    sg = warp_sum(sg);
+    su = warp_sum(su);
+    if (lane == 0) *out = act_f(sg, act) * su;
+}
+
+template <int QT>
+__device__ __forceinline__ void moe_gemv_body(const u8* __restrict__ W, long long row_bytes, long long expert_bytes,
+                                              int E, int N, int K, const int* __restrict__ ids,
+                                              const float* __restrict__ x, int xs, int xdiv, float* __restrict__ y,
+                                              int ys) {
+    const int lane = threadIdx.x & 31;
+    const int p = blockIdx.x;
+    const int r = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
+    if (r >= N) return;
+    const int e = ids[p];
+    float* out = y + (long long)p * ys + r;
+    if (e < 0 || e >= E) {
+        if (lane == 0) *out = MOE_NAN;
+        return;
+    }
+    const u8* row = W + (long long)e * expert_bytes + (long long)r * row_bytes;
+    const float* xr = x + (long long)(p / xdiv) * xs;
+    const bool vec = ((xs & 3) == 0) && ((((u64)x) & 15) == 0);
+    float s = 0.0f;
+    const int nu = (K + 31) >> 5;
+    for (int u = lane; u < nu; u += 32) {
+        float w[32];
+        load_unit<QT>(row, u, K, w);
+        s += moe_unit_dot(w, xr + 32 * u, K - 32 * u, vec);
+    }
+    s = warp_sum(s);
+    if (lane == 0) *out = s;
+}
+
+// One pair of entry points per weight type: moe_gate_up_<type>, moe_gemv_<type>.
+#define DEFINE_MOE(name, QT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                             \
+        moe_gate_up_##name(const u8* Wg, const u8* Wu, long long row_bytes, long long expert_bytes, int E,   \
+                           int N, int K, const int* ids, int k, const float* x, int xs, float* a, int as,    \
+                           int act) {                                                                        \
+        moe_gate_up_body<QT>(Wg, Wu, row_bytes, expert_bytes, E, N, K, ids, k, x, xs, a, as, act);          \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                             \
+        moe_gemv_##name(const u8* W, long long row_bytes, long long expert_bytes, int E, int N, int K,       \
+                        const int* ids, const float* x, int xs, int xdiv, float* y, int ys) {                \
+        moe_gemv_body<QT>(W, row_bytes, expert_bytes, E, N, K, ids, x, xs, xdiv, y, ys);                   \
+    }
+
+#if QT_ON(QT_F32)
+DEFINE_MOE(f32, QT_F32)
+#endif
+#if QT_ON(QT_F16)
+DEFINE_MOE(f16, QT_F16)
+#endif
+#if QT_ON(QT_BF16)
+DEFINE_MOE(bf16, QT_BF16)
+#endif
+#if QT_ON(QT_Q4_0)
+DEFINE_MOE(q4_0, QT_Q4_0)
+#endif
+#if QT_ON(QT_Q4_1)
+DEFINE_MOE(q4_1, QT_Q4_1)
+#endif
+#if QT_ON(QT_Q5_0)
+DEFINE_MOE(q5_0, QT_Q5_0)
+#endif
+#if QT_ON(QT_Q5_1)
+DEFINE_MOE(q5_1, QT_Q5_1)
+#endif
+#if QT_ON(QT_Q8_0)
+DEFINE_MOE(q8_0, QT_Q8_0)
+#endif
+#if QT_ON(QT_Q4_K)
+DEFINE_MOE(q4_k, QT_Q4_K)
+#endif
+#if QT_ON(QT_Q5_K)
+DEFINE_MOE(q5_k, QT_Q5_K)
+#endif
+#if QT_ON(QT_Q6_K)
+DEFINE_MOE(q6_k, QT_Q6_K)
+#endif
+
+// ------------------------------------------------------------------ into the residual
+// Grid: (T, ceil(H / MOE_COMBINE_THREADS)). y's rows of row t are t * k .. t * k + k - 1.
+extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS)
+    moe_combine(float* __restrict__ x, int xs, const float* __restrict__ y, int ys, const float* __restrict__ w, int k,
+                int H) {
+    const int t = blockIdx.x;
+    const int c = blockIdx.y * MOE_COMBINE_THREADS + threadIdx.x;
+    if (c >= H) return;
+    const float* wt = w + (long long)t * k;
+    const float* yt = y + (long long)t * k * ys + c;
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) s += wt[j] * yt[(long long)j * ys];
+    x[(long long)t * xs + c] += s;
+}

@@ -1,0 +1,107 @@
+"""Mixture of experts on the GPU: moe.cu's kernels against their NumPy twins (backends/cuda/selfcheck.py:
+the routing against model/math.py route, the experts through experts.py's launches against float64)
+at several shapes with outputs poisoned, and whole qwen3moe models, CUDABackend against the NumPy
+oracle (CPUBackend), in prompt steps of every family and decode steps of 1 and 8 rows.
+
+The models are tests/moe_models.py's tiny qwen3moe (transformers' own, converted by llama.cpp's
+converter): F32, and a wider one requantized to Q4_K/Q6_K with one layer's gate and up of two types.
+This machine cannot make them without transformers and the network: make them where it can
+(`python tests/moe_models.py .device/moe`) and point $REALIZAR_MOE_MODELS at that directory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from moe_models import model_path
+from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-3                  # selfcheck's bound (relative error; measured errors are ~1e-6)
+
+
+@pytest.mark.parametrize("T,E,k,renorm", [(1, 128, 8, True), (8, 128, 8, True), (37, 8, 2, True), (5, 64, 6, False),
+                                          (3, 512, 10, True), (16, 300, 32, True), (4, 4, 4, True)],
+                         ids=["30b-a3b-1row", "30b-a3b-8rows", "tiny-37rows", "no-renorm", "512-experts",
+                              "k32", "all-experts"])
+def test_topk(kernels, rng, T, E, k, renorm):
+    from realizar_backend.backends.cuda.selfcheck import check_moe_topk
+    err = check_moe_topk(kernels, T, E, k, renorm, rng)
+    print(f"moe_topk T={T} E={E} k={k} renorm={renorm}: weights rel.err {err:.2e} (inf: an expert id differs)")
+    assert err <= TOL
+
+
+# (gate, up, down) storage types: one type throughout (one fused gate/up launch), and mixes that
+# take gate and up apart
+TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32, Q.Q5_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q5_K, Q.F16, Q.BF16)]
+TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q8_0, Q.F32, Q.Q5_0)]
+
+
+@pytest.mark.parametrize("types", TYPES, ids=lambda t: "-".join(q.name for q in t))
+@pytest.mark.parametrize("T", [1, 8, 37])
+def test_experts(kernels, rng, types, T):
+    from realizar_backend.backends.cuda.selfcheck import check_moe_experts
+    kq = any(q in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for q in types)
+    floats = all(q in (Q.F32, Q.F16, Q.BF16) for q in types)
+    # odd shapes: expert FFN and hidden widths in whole blocks of every type involved (floats: any)
+    F, H = (256, 512) if kq else ((45, 37) if floats else (96, 160))
+    for act in (0, 1):
+        err = check_moe_experts(kernels, types, 7, F, H, T, 3, act, rng)
+        print(f"moe experts {[q.name for q in types]} T={T} act={act}: rel.err {err:.2e}")
+        assert err <= TOL
+
+
+@pytest.fixture(scope="module", params=["f32", "q4k"])
+def moe_model(request):
+    path = model_path(request.param)
+    if path is None:
+        pytest.skip(f"tiny qwen3moe {request.param} not made: python tests/moe_models.py DIR, then "
+                    f"REALIZAR_MOE_MODELS=DIR")
+    from realizar_backend.formats import open_model
+    return request.param, open_model(path)
+
+
+def test_model_parity(moe_model, rng):
+    """Prompt steps on the GEMVs (a few tokens), the tensor-core buckets or GEMVs (eight short prompts
+    at once) and the split16 GEMMs (100 tokens), then decode steps of one row and of eight rows
+    (captured graphs, replayed): every row's logits at cosine >= COS_MIN to the NumPy backend's."""
+    from realizar_backend.backends.base import PrefillItem
+    name, model = moe_model
+    cpu, gpu = _backends(model, slots=8, ctx=256)
+    assert gpu.fwd.model.layers[0].ffn.gate.experts == model.config.n_experts
+    V = model.config.vocab_size
+    lens = [100, 5] + [int(n) for n in rng.integers(3, 12, 6)]
+    cos, pos = [], [0] * 8
+    steps = [[PrefillItem(1, rng.integers(0, V, lens[1]).astype(np.int32))],
+             [PrefillItem(s, rng.integers(0, V, lens[s]).astype(np.int32)) for s in range(2, 8)],
+             [PrefillItem(0, rng.integers(0, V, lens[0]).astype(np.int32))]]
+    families = []
+    for items in steps:
+        families.append(gpu.fwd.prompt_step(sum(len(it.tokens) for it in items)).family)
+        cos.append(_cos(cpu.prefill(items), gpu.prefill(items)))
+        for it in items:
+            pos[it.slot] = len(it.tokens)
+    for rows, n_steps in ((1, 4), (8, 6)):
+        slots = list(range(rows))
+        for _ in range(n_steps):
+            tok = [int(t) for t in rng.integers(0, V, rows)]
+            lc = cpu.decode(slots, tok, [pos[s] for s in slots])
+            lg = gpu.decode(slots, tok, [pos[s] for s in slots])
+            cos.append(_cos(lc, lg))
+            for s in slots:
+                pos[s] += 1
+    greedy = gpu.decode_argmax(list(range(8)), [1] * 8, pos[:8])
+    ref = cpu.decode(list(range(8)), [1] * 8, pos[:8])
+    st = gpu.stats()
+    gpu.close()
+    cos = np.concatenate([np.ravel(c) for c in cos])
+    print(f"qwen3moe {name}: prompt families {families}, {cos.size} rows, cos min {cos.min():.7f}; "
+          f"graphs {st['graph_status']}")
+    _assert_parity(f"qwen3moe-{name}", cos, COS_MIN)
+    assert st["graph_status"], "no decode step was captured"
+    # the greedy step's tokens (argmax on the device) are the oracle's, save at its near-ties
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    same = greedy == np.argmax(ref, axis=1)
+    assert np.all(same | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))

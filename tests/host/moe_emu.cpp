@@ -1,0 +1,108 @@
+// Runs one launch of a kernels/moe.cu kernel on the CPU through cuda_emu.h, for tests/test_moe_host.py:
+// argv[1] is a directory holding params.txt (one "name value" per line: `kernel` is topk, combine,
+// gate_up_<type> or gemv_<type>, the rest its scalar arguments) and the input arrays as raw .bin
+// files. The output arrays are read from their .bin files as the test poisoned them and written
+// back as <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py moe_*).
+#include "cuda_emu.h"
+
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "moe.cu"
+
+typedef void (*GateUpFn)(const u8*, const u8*, long long, long long, int, int, int, const int*, int, const float*,
+                         int, float*, int, int);
+typedef void (*GemvFn)(const u8*, long long, long long, int, int, int, const int*, const float*, int, int, float*,
+                       int);
+
+static std::map<std::string, std::string> params;
+static std::string dir;
+
+static long long num(const char* k) {
+    auto it = params.find(k);
+    if (it == params.end()) {
+        std::fprintf(stderr, "moe_emu: missing parameter %s\n", k);
+        std::exit(2);
+    }
+    return std::stoll(it->second);
+}
+
+template <class T> static std::vector<T> load(const char* name) {
+    std::ifstream f(dir + "/" + name + ".bin", std::ios::binary);
+    if (!f) {
+        std::fprintf(stderr, "moe_emu: no %s.bin\n", name);
+        std::exit(2);
+    }
+    f.seekg(0, std::ios::end);
+    size_t bytes = f.tellg();
+    f.seekg(0);
+    std::vector<T> v(bytes / sizeof(T));
+    f.read((char*)v.data(), bytes);
+    return v;
+}
+
+template <class T> static void save(const char* name, const std::vector<T>& v) {
+    std::ofstream f(dir + "/" + name + "_after.bin", std::ios::binary);
+    f.write((const char*)v.data(), v.size() * sizeof(T));
+}
+
+#define TYPES(X) X(f32) X(f16) X(bf16) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q8_0) X(q4_k) X(q5_k) X(q6_k)
+
+int main(int argc, char** argv) {
+    if (argc != 2) return 2;
+    dir = argv[1];
+    std::ifstream pf(dir + "/params.txt");
+    std::string k, v;
+    while (pf >> k >> v) params[k] = v;
+    const std::string kernel = params["kernel"];
+#define GATE_UP(t) {"gate_up_" #t, moe_gate_up_##t},
+#define GEMV(t) {"gemv_" #t, moe_gemv_##t},
+    std::map<std::string, GateUpFn> gate_up = {TYPES(GATE_UP)};
+    std::map<std::string, GemvFn> gemv = {TYPES(GEMV)};
+    if (kernel == "topk") {
+        auto logits = load<float>("logits");
+        auto ids = load<int>("ids");
+        auto w = load<float>("w");
+        const int T = num("T"), E = num("E"), top = num("k"), ls = num("ls"), renorm = num("renorm");
+        dim3 grid{(unsigned)((T + MOE_TOPK_ROWS - 1) / MOE_TOPK_ROWS), 1, 1}, block{MOE_TOPK_ROWS * 32, 1, 1};
+        emu::launch(grid, block, 0, [&] { moe_topk(logits.data(), ls, T, E, top, renorm, ids.data(), w.data()); });
+        save("ids", ids);
+        save("w", w);
+    } else if (kernel == "combine") {
+        auto x = load<float>("x");
+        auto y = load<float>("y");
+        auto w = load<float>("w");
+        const int T = num("T"), top = num("k"), H = num("H"), xs = num("xs"), ys = num("ys");
+        dim3 grid{(unsigned)T, (unsigned)((H + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS), 1};
+        dim3 block{MOE_COMBINE_THREADS, 1, 1};
+        emu::launch(grid, block, 0, [&] { moe_combine(x.data(), xs, y.data(), ys, w.data(), top, H); });
+        save("x", x);
+    } else if (gate_up.count(kernel) || gemv.count(kernel)) {
+        auto ids = load<int>("ids");
+        auto x = load<float>("x");
+        auto out = load<float>("out");
+        const long long rb = num("row_bytes"), eb = num("expert_bytes");
+        const int E = num("E"), N = num("N"), K = num("K"), pairs = num("pairs"), xs = num("xs"), os = num("os");
+        dim3 grid{(unsigned)pairs, (unsigned)((N + MOE_WARPS - 1) / MOE_WARPS), 1}, block{MOE_WARPS * 32, 1, 1};
+        if (gate_up.count(kernel)) {
+            auto wg = load<u8>("wg");
+            auto wu = load<u8>("wu");
+            const int top = num("k"), act = num("act");
+            GateUpFn fn = gate_up[kernel];
+            emu::launch(grid, block, 0, [&] {
+                fn(wg.data(), wu.data(), rb, eb, E, N, K, ids.data(), top, x.data(), xs, out.data(), os, act);
+            });
+        } else {
+            auto w = load<u8>("w");
+            const int xdiv = num("xdiv");
+            GemvFn fn = gemv[kernel];
+            emu::launch(grid, block, 0, [&] { fn(w.data(), rb, eb, E, N, K, ids.data(), x.data(), xs, xdiv, out.data(), os); });
+        }
+        save("out", out);
+    } else {
+        std::fprintf(stderr, "moe_emu: unknown kernel %s\n", kernel.c_str());
+        return 2;
+    }
+    return 0;
+}
