@@ -132,5 +132,5 @@ class InFlight:
             self.state.metrics.on_http_error(504)
         response = error_json(scope["path"], 504, f"the request did not complete within {limit:g} s (this "
                                                   f"server's REALIZAR_REQUEST_TIMEOUT_S)", "server_error", None,
-                              "request_timeout")
+                              "response_timeout")        # (408's request_timeout: the client was slow)
         await response(scope, receive, send)
