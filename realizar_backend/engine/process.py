@@ -126,7 +126,9 @@ def child_main(fd: int) -> None:
     from .engine import Engine
 
     try:
-        engine = Engine.from_settings(settings, observer=_RemoteObserver(channel), prewarm_guidance=False)
+        # grammars reach it checked: the server's side tried them (EngineClient.prepare)
+        engine = Engine.from_settings(settings, observer=_RemoteObserver(channel), prewarm_guidance=False,
+                                      check_grammars=False)
     except BaseException as e:      # the server names it and stands aside
         channel.send(("failed", e))
         return
@@ -252,7 +254,8 @@ class EngineClient(RequestPrep):
             if msg[0] == "failed":
                 raise msg[1]
             info = msg[1]
-            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"])
+            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"],
+                                check_timeout_s=settings.grammar_timeout_s, check_workers=settings.grammar_workers)
         except BaseException:
             conn.close()
             proc.kill()

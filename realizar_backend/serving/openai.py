@@ -82,7 +82,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def completions(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(plans.completion_plan, raw, engine, state.settings)
+        plan = await plans.planned(state, request.receive, plans.completion_plan, raw, engine, state.settings)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if plan.stream:
@@ -91,7 +91,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def chat(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(plans.chat_plan, raw, engine, state.settings)
+        plan = await plans.planned(state, request.receive, plans.chat_plan, raw, engine, state.settings)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "created": created, "model": engine.model_name}
         if plan.stream:
