@@ -375,9 +375,13 @@ class EngineClient(RequestPrep):
     def finish_all(self, reason: str = "shutdown") -> None:
         self._send(("finish_all", reason))
 
-    def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+    def prewarm_guidance(self, delay_s: float = 0.0, here: bool = True) -> None:
+        """The engine's grammar vocabulary, and (here) this side's: prepare's check compiles
+        grammars too, from the same vocabulary."""
         self._send(("prewarm", delay_s))
-        # this side compiles grammars too (prepare's check), from the same vocabulary
+        if not here:
+            return
+
         def run() -> None:
             time.sleep(delay_s)
             try:
