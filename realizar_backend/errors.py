@@ -76,6 +76,14 @@ class GrammarError(RealizarError):
     sampling step did not apply the sequence's mask. The sequence fails; the others go on."""
 
 
+class GrammarLimitError(RequestError):
+    """A request's grammar reached a limit of the grammar engine mid-generation (the parser's
+    items, the lexer's states): the grammar's fault, a 400, in-band when the stream has begun."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, status=400, param=param, code="grammar_too_complex")
+
+
 class BackendError(RealizarError):
     """A backend could not be created or failed its self-check."""
 

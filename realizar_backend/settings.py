@@ -40,7 +40,7 @@ def _parse(kind: Any, raw: str):
 # tools/device_check.sh). Any other unknown REALIZAR_* name stops the start, so that a misspelt
 # setting is never ignored silently
 NOT_SETTINGS_PREFIXES = ("REALIZAR_TEST_",)
-NOT_SETTINGS = frozenset({"REALIZAR_TWINS", "REALIZAR_REAL_SMOL"})
+NOT_SETTINGS = frozenset({"REALIZAR_TWINS", "REALIZAR_REAL_SMOL", "REALIZAR_MOE_MODELS"})
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str, type(None))}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -88,6 +88,15 @@ class Settings:
     # a /v1 request whose response has not started this many seconds after it arrived (the whole
     # of a non-streamed generation) is ended: its sequences are cancelled and it gets a 504
     request_timeout_s: float = 900.0
+    # the most tokens one request may ask of the engine: its prompt tokens times its choices, and
+    # its max_tokens (when given) times its choices, each at most this (0: the KV cache's size,
+    # what the engine holds at once): a request past it would hold the engine from everyone else
+    max_request_tokens: int = 0
+    # a request's grammar (structured output, tools) is tried first in a worker process
+    # (grammar_workers of them, each with llguidance's view of the vocabulary: ~100-250 MB) and
+    # given up after this many seconds of compiling: a 400, and the worker is replaced
+    grammar_timeout_s: float = 10.0
+    grammar_workers: int = 1
     # chat templates come with the model file and may do anything Jinja can: each render runs in
     # a separate process (chat_template_workers of them) and is stopped after this many seconds,
     # this many characters of output or this much address space
@@ -221,6 +230,10 @@ class Settings:
         at_least("responses_store_size", 0, 1 << 20)
         if not 0 < self.request_timeout_s <= 86400:
             raise self._bad("request_timeout_s", "must be greater than 0 and at most 86400 (a day)")
+        at_least("max_request_tokens", 0)
+        if self.grammar_timeout_s <= 0:
+            raise self._bad("grammar_timeout_s", "must be greater than 0")
+        at_least("grammar_workers", 1, 64)
         if self.chat_template_timeout_s <= 0:
             raise self._bad("chat_template_timeout_s", "must be greater than 0")
         at_least("chat_template_max_chars", 1024)

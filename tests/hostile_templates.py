@@ -13,7 +13,7 @@ TRAPS = {   # message content -> what the render then does
 }
 # the error code each trap gets: limits (time, output, memory) or a failing render
 TRAP_CODES = {"loop": "chat_template_limit", "big": "chat_template_limit", "memory": "chat_template_limit",
-              "double": "chat_template_limit", "recurse": "chat_template_error", "range": "chat_template_error",
+              "double": "chat_template_limit", "recurse": "chat_template_limit", "range": "chat_template_error",
               "divide": "chat_template_error"}
 
 

@@ -79,15 +79,17 @@ def test_raise_exception_is_a_request_error():
 
 
 def test_sandbox_blocks_python_internals():
-    tok = _with_template("smol135", "{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(RequestError):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
-    tok = _with_template("smol135", "{% set ns = namespace() %}{% set ns._x = 1 %}")
-    with pytest.raises(RequestError):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
-    tok = _with_template("smol135", "{{ messages.append(1) }}")   # immutable sandbox
-    with pytest.raises(RequestError):
-        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    # each escape tried when the message asks for it (the load's trial conversation does not)
+    for escape in ("{{ messages.__class__.__mro__[1].__subclasses__() }}",
+                   "{% set ns = namespace() %}{% set ns._x = 1 %}",
+                   "{{ messages.append(1) }}"):                        # immutable sandbox
+        tok = _with_template("smol135", "{% if messages[0].content == 'x' %}" + escape + "{% endif %}ok")
+        assert tok.apply_chat_template([{"role": "user", "content": "y"}]) == "ok"
+        with pytest.raises(RequestError):
+            tok.apply_chat_template([{"role": "user", "content": "x"}])
+        # and one that tries on every conversation never loads
+        with pytest.raises(ModelFormatError, match="fails on every conversation"):
+            _with_template("smol135", escape)
 
 
 def test_bad_messages_are_request_errors(smol_model):
@@ -249,3 +251,14 @@ def test_gemma_has_no_template():
     assert not tok.has_chat_template and reference("gemma270").chat_template is None
     with pytest.raises(UnsupportedModelError):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_template_that_recurses_on_every_conversation_fails_the_load():
+    # a macro that calls itself for ever is a runaway, as a loop past the time limit is
+    with pytest.raises(ModelFormatError, match="'tokenizer.chat_template': the chat template recursed too deeply"):
+        _with_template("smol135", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", LIMITS)
+
+
+def test_a_template_that_fails_on_every_trial_conversation_fails_the_load():
+    with pytest.raises(ModelFormatError, match="fails on every conversation tried at load"):
+        _with_template("smol135", "{{ raise_exception('no chat today') }}", LIMITS)

@@ -173,3 +173,19 @@ def test_a_token_the_grammar_refuses_fails_only_its_sequence(smol_model):
         eng.shutdown()
     assert isinstance(res[0], GrammarError) and "guided_regex" in str(res[0])
     assert res[1][1] == "length" and len(res[1][2]) == 12
+
+
+def test_a_grammar_that_reaches_a_limit_mid_generation_is_a_400_for_its_sequence_only(ref):
+    """The check at the request walks a grammar's forced start; one whose endless branch is only
+    taken later (here a logit bias picks it) reaches llguidance's item limit mid-generation: a
+    400 grammar_too_complex for that sequence (the grammar's fault, not a server error), while a
+    plain sequence in the same batches finishes."""
+    from realizar_backend.errors import GrammarLimitError
+    c = Constraint("lark", 'start: "a" | "b" x\nx: "(" x ")"', param="guided_grammar")
+    b = ref.tokenizer.encode("b", add_special_tokens=False)[0]
+    res = _together(ref, [("Pick one:", dict(max_tokens=12, temperature=0, constraint=c, logit_bias={str(b): 100})),
+                          ("The capital of France is", dict(max_tokens=12, temperature=0, ignore_eos=True))])
+    err = res[0]
+    assert isinstance(err, GrammarLimitError), err
+    assert (err.status, err.code, err.param) == (400, "grammar_too_complex", "guided_grammar"), err.message
+    assert res[1][1] == "length" and len(res[1][2]) == 12

@@ -108,6 +108,9 @@ def test_a_group_serves_the_text_one_engine_serves(group):
         one.shutdown()
     got = asyncio.run(_text(group, "The capital of France is", "b", max_tokens=12, temperature=0))
     assert got == want and got
+    # one tokenizer and one grammar compiler on this side, whichever engine serves
+    assert group.members[0].tokenizer is group.members[1].tokenizer
+    assert group.members[0].guidance is group.members[1].guidance
 
 
 def test_requests_in_flight_spread_evenly_and_the_count_returns_to_zero(group):

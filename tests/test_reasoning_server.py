@@ -239,7 +239,7 @@ def test_a_request_past_the_time_limit_gets_a_504(model_path):
     try:
         body = {"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "n": 4}
         r = httpx.post(s.url + "/v1/completions", json=body, headers=s.auth, timeout=60)
-        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+        assert r.status_code == 504 and r.json()["error"]["code"] == "response_timeout", r.text
         assert "REALIZAR_REQUEST_TIMEOUT_S" in r.json()["error"]["message"]
         m = s.metrics()
         assert sample(m, "realizar_request_errors_total", status_code="504") == 1

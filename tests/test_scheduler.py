@@ -212,3 +212,28 @@ def test_a_request_larger_than_the_whole_pool_is_refused(tiny):
     params = SamplingParams(max_tokens=None)
     ids = tiny.prepare("Hello there", params)
     assert len(ids) + params.max_tokens == 96
+
+
+def test_a_short_request_is_not_queued_behind_a_long_ones_prefill(nocache):
+    """A request of three ~200-token prompts (its choices: one request id `big-<i>`) is prefilled
+    16 tokens a step; a short request that arrives just after it gets the next step's budget (its
+    request has been served nothing), so its first token comes before any of the long one's,
+    which all wait for about 40 steps of prefill."""
+    long_prompt = " ".join(f"item{i}" for i in range(70))
+
+    async def go():
+        order = []
+
+        async def run(rid, prompt, max_tokens):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            async for o in nocache.generate(nocache.prepare(prompt, params), params, request_id=rid):
+                if o.token_ids and rid not in order:
+                    order.append(rid)
+
+        big = [asyncio.ensure_future(run(f"big-{i}", f"{i} {long_prompt}", 2)) for i in range(3)]
+        await asyncio.sleep(0)                 # the long request's choices are queued first
+        await asyncio.gather(run("small-0", "Hi there", 1), *big)
+        return order
+
+    order = asyncio.run(go())
+    assert order[0] == "small-0", order

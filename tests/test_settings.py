@@ -27,6 +27,7 @@ BAD = {
     "gpu_memory_utilization": ["0", "1.5", "nan"], "prefill_chunk_tokens": ["0"],
     "enable_prefix_caching": ["maybe"], "max_waiting": ["0", "-5"], "api_key": [" secret "],
     "max_request_bytes": ["10", "big"], "max_stop_chars": ["0"], "responses_store_size": ["-1", "lots"], "request_timeout_s": ["0", "-1", "nan", "100000"], "chat_template_timeout_s": ["0", "-1", "inf"],
+    "max_request_tokens": ["-1", "lots"], "grammar_timeout_s": ["0", "-2", "nan"], "grammar_workers": ["0", "65"],
     "chat_template_max_chars": ["5"], "chat_template_memory_mb": ["16"], "chat_template_workers": ["0", "1000"],
     "shutdown_grace_s": ["-1", "nan"], "cuda_graphs": ["perhaps"], "step_trace": [" x", "/no/such/dir/steps.jsonl"],
     "prefill_weight_cache": ["always"], "self_check": ["si"], "log_level": ["LOUD"], "model_cache": ["", " ~/models"],

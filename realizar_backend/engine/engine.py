@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import timeline
 from ..backends import Backend, PrefillItem, create_backend, start_device
-from ..errors import CapacityError, ContextOverflowError, GrammarError
+from ..errors import CapacityError, ContextOverflowError, GrammarError, GrammarLimitError
 from ..formats import open_model
 from ..model.default import default_model_path
 from ..settings import Settings
@@ -94,11 +94,13 @@ class NullObserver:
 class Engine(RequestPrep):
     def __init__(self, backend: Backend, tokenizer, settings: Settings | None = None,
                  model_name: str = "model", observer: EngineObserver | None = None,
-                 prewarm_guidance: bool = True, pipelined: bool = True):
+                 prewarm_guidance: bool = True, pipelined: bool = True, check_grammars: bool = True):
         """prewarm_guidance: build llguidance's vocabulary now, on a thread (False: on the first
         constrained request, or when the caller calls prewarm_guidance(), e.g. once it serves).
         pipelined: start decode step n+1 on the device's own tokens before the host reads step n's
-        (False: every step waits for the host; the reference the tests compare it with)."""
+        (False: every step waits for the host; the reference the tests compare it with).
+        check_grammars: `prepare` tries each new grammar in a worker process first (guidance.py);
+        False for an engine whose requests another process prepares (engine/process.py)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.settings = settings or Settings()
@@ -137,28 +139,32 @@ class Engine(RequestPrep):
         self._trace = open(self.settings.step_trace, "a", buffering=1) if self.settings.step_trace else None
         self._t_start = time.perf_counter()
         self._epoch = time.time() - self._t_start          # perf_counter -> Unix time, for the trace
-        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots)
+        self.guidance = Guidance(tokenizer, self.config.vocab_size, pool_size=backend.max_slots,
+                                 check_timeout_s=self.settings.grammar_timeout_s if check_grammars else None,
+                                 check_workers=self.settings.grammar_workers)
         if prewarm_guidance:
-            self.prewarm_guidance()
+            self.prewarm_guidance(checks=False)
         self._thread = threading.Thread(target=self._loop, name="realizar-engine", daemon=True)
         self._thread.start()
 
-    def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+    def prewarm_guidance(self, delay_s: float = 0.0, checks: bool = True) -> None:
         """Build llguidance's view of the vocabulary on a thread, after delay_s: it takes 0.2-3 s,
         not to be paid by the first constrained request. It holds the GIL while it builds, so
-        every other thread of the process waits meanwhile."""
+        every other thread of the process waits meanwhile. checks: start the grammar check
+        workers too (a server's engine; a CLI's starts them on its first constrained request)."""
         def run() -> None:
             if delay_s > 0:
                 time.sleep(delay_s)
             try:
-                self.guidance.prewarm()
+                self.guidance.prewarm(checks)
             except Exception:       # said now; a constrained request meets the same error
                 log.warning("constrained decoding (llguidance) could not read this tokenizer", exc_info=True)
         threading.Thread(target=run, name="realizar-guidance", daemon=True).start()
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, observer: EngineObserver | None = None,
-                      prewarm_guidance: bool = True, pipelined: bool = True) -> "Engine":
+                      prewarm_guidance: bool = True, pipelined: bool = True,
+                      check_grammars: bool = True) -> "Engine":
         from ..model.chat_template import TemplateLimits
         from ..model.tokenizer import Tokenizer
         settings = settings or Settings.from_env()
@@ -189,7 +195,7 @@ class Engine(RequestPrep):
         log.info("loaded %s (%s, %s backend) in %.1f s", name, model.config.arch, backend.name,
                  time.perf_counter() - t0)
         engine = cls(backend, tokenizer, settings, model_name=name, observer=observer,
-                     prewarm_guidance=prewarm_guidance, pipelined=pipelined)
+                     prewarm_guidance=prewarm_guidance, pipelined=pipelined, check_grammars=check_grammars)
         timeline.mark("engine ready")
         return engine
 
@@ -513,9 +519,15 @@ class Engine(RequestPrep):
         if consumed is None and guide is not None:
             consumed = guide.consume(token)
         if guide is not None and not consumed:
-            self._fail(seq, GrammarError(f"constrained decoding: token {token} ({self.tokenizer.token_text(token)!r}) "
-                                         f"was sampled where the grammar ({p.constraint.param}) does not "
-                                         f"allow it: {guide.error}"))
+            if guide.hit_limit:
+                first = " ".join(guide.error.split("\n<state>")[0].split())[:400]
+                self._fail(seq, GrammarLimitError(f"{p.constraint.param}: the output reached a limit of the grammar "
+                                                  f"engine after {len(seq.output_ids)} tokens ({first})",
+                                                  param=p.constraint.param))
+            else:
+                self._fail(seq, GrammarError(f"constrained decoding: token {token} "
+                                             f"({self.tokenizer.token_text(token)!r}) was sampled where the "
+                                             f"grammar ({p.constraint.param}) does not allow it: {guide.error}"))
             return
         seq.sampler.observe(token)
         seq.output_ids.append(token)

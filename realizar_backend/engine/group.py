@@ -125,6 +125,10 @@ class EngineGroup(RequestPrep):
         for m, obs in zip(group.members, observers):
             if m is not None and obs is not None:
                 obs.on_step(m.stats())       # the gauges exist before the first step
+        # one grammar compiler (and checker) on this side, whichever engine a request goes to
+        for m in group.members:
+            if m is not None:
+                m.guidance = group._first.guidance
         return group
 
     def _live(self) -> list[int]:
@@ -263,9 +267,10 @@ class EngineGroup(RequestPrep):
                 m.finish_all(reason)
 
     def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+        """Every engine's vocabulary, and this side's shared one once."""
         for m in self.members:
             if m is not None:
-                m.prewarm_guidance(delay_s)
+                m.prewarm_guidance(delay_s, here=m is self._first)
 
     def shutdown(self) -> None:
         for m in self.members:

@@ -7,6 +7,11 @@ per model from ours (`prewarm`, on a thread at start-up), a request's grammar is
 checked once (cached by its text), and each constrained sequence gets a `Guide` (a matcher of its
 own) that gives the mask for its next token and consumes the token drawn.
 
+A request's grammar is measured first (grammar_limits.py: sizes, counts, chains of references)
+and, where this object checks requests (`check_timeout_s`), compiled and tried in a worker process
+(grammar_check.py) within a time limit, cancellable, before it is compiled here: a grammar that
+would crash, stall or fail at its first token, or that allows no text, is a 400 at the request.
+
 A guide's matcher is never a `deep_copy` of another: llguidance's copies share one lexer behind a
 mutex that every mask computation holds, so the masks of a batch's rows would be computed one
 after the other whatever the threads. Each guide has an independent matcher instead, taken from
@@ -47,7 +52,9 @@ import llguidance
 import numpy as np
 
 from ..backends.sampling import mask_words
-from ..errors import RequestError
+from ..errors import CapacityError, RequestError
+from . import grammar_limits
+from .grammar_check import Cancelled, CheckFailed, GrammarChecker, Vocabulary, checker
 from .mask_split import VocabSplit
 
 log = logging.getLogger(__name__)
@@ -56,8 +63,6 @@ log = logging.getLogger(__name__)
 # spend its tokens on newlines and indentation (or never stop).
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_object", "json_schema", "lark", "regex", "choice")
-_WHAT = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar", "regex": "regex",
-         "choice": "choice list"}
 CACHE_SIZE = 256          # compiled grammars kept (by their text)
 # llguidance's "slices": token classes whose bits are set wholesale when the lexer state accepts
 # every string of the class (an exact subsumption check, so masks are the same with any slices),
@@ -170,18 +175,33 @@ class Guide:
     def error(self) -> str:
         return self._m.get_error()
 
+    @property
+    def hit_limit(self) -> bool:
+        """The matcher stopped on a limit of the grammar engine (the parser's items, the lexer's
+        states), not on a token the grammar forbids: the grammar's fault, not the sampler's."""
+        err = self._m.get_error()
+        return bool(err) and "doesn't satisfy the grammar" not in err
+
 
 class Guidance:
     """A model's constrained decoding: llguidance's tokenizer for its vocabulary (built on first
     use, or ahead with `prewarm`) and a cache of checked grammars. Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, pool_size: int = POOL_SIZE,
-                 slices: Sequence[str] | None = None, split_parts: int | None = None, threads: int | None = None):
+                 slices: Sequence[str] | None = None, split_parts: int | None = None, threads: int | None = None,
+                 check_timeout_s: float | None = None, check_workers: int = 1):
         """split_parts: cut the vocabulary in that many parts (mask_split) so that a batch's masks
         run on split_parts threads a row while rows * split_parts <= threads (None: MASK_PARTS; 0, 1
         or more than threads: never).
-        threads: llguidance's executor (default: every core this process may use)."""
+        threads: llguidance's executor (default: every core this process may use).
+        check_timeout_s: `compile` tries each new grammar in a worker process first
+        (grammar_check.py; check_workers of them) with this time limit; None: compiled here only
+        (an engine whose requests were checked by the process that sent them)."""
         self.tokenizer = tokenizer
+        self.check_timeout_s = check_timeout_s
+        self.check_workers = check_workers
+        self._checker: GrammarChecker | None = None
+        self._json: str | None = None
         # None: our ladder (SLICES); benchmarks/mask_bench.py passes llguidance's own to compare
         self.slices = list(SLICES if slices is None else slices)
         self.vocab_size = int(vocab_size)       # the width of the logits (may exceed the tokenizer's)
@@ -190,6 +210,9 @@ class Guidance:
         self._lock = threading.Lock()
         # constraint key -> the checked grammar and its pool of matchers
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
+        # constraint key -> the lock its first compile holds: a burst of requests with one new
+        # schema compiles (and checks) it once, the others wait for the cache
+        self._compiling: dict[str, threading.Lock] = {}
         self._cache_size = cache_size
         self._pool_size = pool_size
         self._executor: llguidance.LLExecutor | None = None
@@ -211,7 +234,7 @@ class Guidance:
                 if self._ll is None:
                     # llguidance reads the same HF tokenizer definition we tokenize with, so its
                     # idea of every token's bytes is ours; the stop tokens act as its EOS
-                    self._ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                    self._ll = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                                       eos_token=sorted(self.tokenizer.stop_ids),
                                                       slices=self.slices)
                     log.info("guidance: tokenizer of %d tokens ready", self.vocab_size)
@@ -242,10 +265,28 @@ class Guidance:
                     log.info("guidance: vocabulary in %d parts for split masks", self.split_parts)
         return self._split
 
-    def prewarm(self) -> None:
+    def _tokenizer_json(self) -> str:
+        if self._json is None:
+            self._json = self.tokenizer.to_json()
+        return self._json
+
+    @property
+    def checker(self) -> GrammarChecker:
+        """The worker processes that try grammars first (shared by the process's Guidance objects
+        of this vocabulary); they start on first use, or in prewarm."""
+        if self._checker is None:
+            vocab = Vocabulary(self._tokenizer_json(), self.vocab_size, tuple(sorted(self.tokenizer.stop_ids)),
+                               tuple(self.slices))
+            self._checker = checker(vocab, self.check_timeout_s, self.check_workers)
+        return self._checker
+
+    def prewarm(self, checks: bool = True) -> None:
         """Build llguidance's tokenizer now (0.2-3 s for 50k-260k tokens), e.g. on a thread at
-        start-up. The split's parts are left to the first batch that can use them."""
+        start-up, and (checks) start the check workers, which build their own. The split's parts
+        are left to the first batch that can use them."""
         _ = self.ll_tokenizer
+        if checks and self.check_timeout_s is not None:
+            self.checker.prestart()
 
     def is_special(self, text: str) -> bool:
         """Whether `text` is one token that grammars must name as a special token (<text>)
@@ -253,32 +294,66 @@ class Guidance:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0])
 
-    def compile(self, c: Constraint) -> str:
+    def compile(self, c: Constraint, cancel: threading.Event | None = None) -> str:
         """The checked grammar of a constraint; RequestError (400, naming c.param and the
-        problem) for a malformed or unsupported one. Cached by the constraint's text."""
-        return self._entry(c).grammar
+        problem) for a malformed, unsupported, oversized or unsatisfiable one, or one that passes
+        the check's time limit. Cached by the constraint's text. cancel: set when the caller no
+        longer wants the answer (its client left): the check stops, and a 499 RequestError
+        follows. Blocking: call it off the event loop."""
+        return self._entry(c, cancel, check=True).grammar
 
-    def _entry(self, c: Constraint) -> _Entry:
+    def _entry(self, c: Constraint, cancel: threading.Event | None = None, check: bool = False) -> _Entry:
         with self._lock:
             hit = self._cache.get(c.key)
             if hit is not None:
                 self._cache.move_to_end(c.key)
                 return hit
-        what = _WHAT[c.kind]
+            first = self._compiling.setdefault(c.key, threading.Lock())
+        while not first.acquire(timeout=0.05):        # another request compiles this one now
+            if cancel is not None and cancel.is_set():
+                raise RequestError("the client closed the request", status=499, code="client_closed_request")
+        try:
+            with self._lock:
+                hit = self._cache.get(c.key)
+            return hit if hit is not None else self._compile(c, cancel, check)
+        finally:
+            first.release()
+            with self._lock:     # done (cached, or refused: a waiter then tries it itself)
+                if self._compiling.get(c.key) is first:
+                    del self._compiling[c.key]
+
+    def _compile(self, c: Constraint, cancel: threading.Event | None, check: bool) -> _Entry:
+        what = grammar_limits.WHAT[c.kind]
+        grammar_limits.check(c.kind, c.spec, c.param, len(c.key))
         try:
             g = grammar_source(c)
         except ValueError as e:
             raise RequestError(f"{c.param}: invalid {what}: {e}", param=c.param, code="invalid_grammar") from None
-        failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g, self.ll_tokenizer)
-        if failed:
-            raise RequestError(f"{c.param}: this {what} cannot be used: {_first_line(msgs)}",
-                               param=c.param, code="invalid_grammar")
-        for m in msgs:
-            log.debug("guidance: %s warning: %s", what, m)
+        if check and self.check_timeout_s is not None:
+            try:
+                self.checker.check(g, cancel)
+            except CheckFailed as e:
+                if e.kind == "unavailable":
+                    raise CapacityError(f"grammars cannot be checked now: {e.message}", retry_after_s=5) from None
+                if e.kind == "empty":
+                    raise RequestError(f"{c.param}: this {what} {e.message}", param=c.param,
+                                       code="grammar_unsatisfiable") from None
+                raise RequestError(f"{c.param}: this {what} cannot be used: {e.message}", param=c.param,
+                                   code="invalid_grammar" if e.kind == "invalid" else "grammar_too_complex") from None
+            except Cancelled:
+                raise RequestError("the client closed the request", status=499,
+                                   code="client_closed_request") from None
+        else:
+            failed, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g, self.ll_tokenizer)
+            if failed:
+                raise RequestError(f"{c.param}: this {what} cannot be used: {_first_line(msgs)}",
+                                   param=c.param, code="invalid_grammar")
+            for w in msgs:
+                log.debug("guidance: %s warning: %s", what, w)
         m = llguidance.LLMatcher(self.ll_tokenizer, g, log_level=0)
         if m.is_error():   # validated above: only a resource limit gets here
-            raise RequestError(f"{c.param}: this {what} cannot be used: {m.get_error()}",
-                               param=c.param, code="invalid_grammar")
+            raise RequestError(f"{c.param}: this {what} cannot be used: {_first_line([m.get_error()])}",
+                               param=c.param, code="grammar_too_complex")
         with self._lock:
             entry = self._cache.setdefault(c.key, _Entry(g, m))
             self._cache.move_to_end(c.key)

@@ -5,6 +5,8 @@ compilation. Shared by the engine and by the server side of an engine in another
 
 from __future__ import annotations
 
+import threading
+
 from ..errors import ContextOverflowError, RequestError
 from .sampling import SamplingParams
 
@@ -16,13 +18,14 @@ class RequestPrep:
     def prepare(self, prompt: str | list[int] | None, params: SamplingParams,
                 messages: list[dict] | None = None, tools: list[dict] | None = None, *,
                 template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> list[int]:
+                continue_final_message: bool = False, cancel: threading.Event | None = None) -> list[int]:
         """Tokenize and validate a request; fills params.max_tokens when it is None, compiles
         params.constraint (cached), and sets params.thinking's `inside` from the rendered prompt.
         Blocking work: call it off the event loop. Raises RequestError / ContextOverflowError
         before anything is queued. tools: the chat template's `tools` (OpenAI's function
         definitions), rendered with the messages; template_kwargs: more template variables (checked
-        by the caller); add_generation_prompt / continue_final_message: as transformers takes them."""
+        by the caller); add_generation_prompt / continue_final_message: as transformers takes them;
+        cancel: set when the request's client has left (the grammar's check stops then)."""
         if messages is not None:
             kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -60,5 +63,5 @@ class RequestPrep:
             raise ContextOverflowError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                                        f"exceeds this server's KV cache of {self.kv_capacity} tokens")
         if params.constraint is not None:
-            self.guidance.compile(params.constraint)     # a 400 naming the field, or cached for the guide
+            self.guidance.compile(params.constraint, cancel)     # a 400 naming the field, or cached for the guide
         return ids

@@ -126,7 +126,9 @@ def child_main(fd: int) -> None:
     from .engine import Engine
 
     try:
-        engine = Engine.from_settings(settings, observer=_RemoteObserver(channel), prewarm_guidance=False)
+        # grammars reach it checked: the server's side tried them (EngineClient.prepare)
+        engine = Engine.from_settings(settings, observer=_RemoteObserver(channel), prewarm_guidance=False,
+                                      check_grammars=False)
     except BaseException as e:      # the server names it and stands aside
         channel.send(("failed", e))
         return
@@ -252,7 +254,8 @@ class EngineClient(RequestPrep):
             if msg[0] == "failed":
                 raise msg[1]
             info = msg[1]
-            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"])
+            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"],
+                                check_timeout_s=settings.grammar_timeout_s, check_workers=settings.grammar_workers)
         except BaseException:
             conn.close()
             proc.kill()
@@ -372,9 +375,13 @@ class EngineClient(RequestPrep):
     def finish_all(self, reason: str = "shutdown") -> None:
         self._send(("finish_all", reason))
 
-    def prewarm_guidance(self, delay_s: float = 0.0) -> None:
+    def prewarm_guidance(self, delay_s: float = 0.0, here: bool = True) -> None:
+        """The engine's grammar vocabulary, and (here) this side's: prepare's check compiles
+        grammars too, from the same vocabulary."""
         self._send(("prewarm", delay_s))
-        # this side compiles grammars too (prepare's check), from the same vocabulary
+        if not here:
+            return
+
         def run() -> None:
             time.sleep(delay_s)
             try:

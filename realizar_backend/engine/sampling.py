@@ -6,6 +6,7 @@ backends' contract: backends/sampling.py says it in full."""
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from ..errors import RequestError
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
 @dataclass
@@ -95,11 +97,10 @@ class SamplingParams:
         table: dict[int, float] = {}
         for k, v in lb.items():
             tid = k
-            if isinstance(k, str):
-                try:
-                    tid = int(k)
-                except ValueError:
-                    pass
+            # JSON keys are strings: a token id is written in ASCII digits (int() would also take
+            # other scripts' digits, spaces and underscores)
+            if isinstance(k, str) and _TOKEN_ID.fullmatch(k):
+                tid = int(k)
             if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0 or (vocab_size and tid >= vocab_size):
                 raise RequestError(f"logit_bias: {k!r} is not a token id of this model", param="logit_bias")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:

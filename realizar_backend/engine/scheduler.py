@@ -6,13 +6,18 @@ Every step (`schedule`) plans, in this order:
    free, the running sequence that arrived last is preempted (vLLM's recompute policy: its blocks
    are freed and it waits again at the front of the queue; readmitted, it prefills its prompt and
    all its generated tokens but the last, then decodes on, and its client sees only a delay).
-2. prefill: sequences whose prompt is not yet (all) in the cache get its next chunk, within a
-   budget of `prefill_chunk_tokens` tokens per step shared in arrival order; so a long prompt
-   runs over several steps and every step still decodes the others.
-3. admission, strictly first come first served (no request starves): while a slot is free, the
-   budget is not spent, and the pool has blocks for the whole prompt (after the prefix cache's
-   hits, keeping a small reserve for the running sequences' growth), the first waiting sequence
-   is admitted and gets its first chunk. Nothing is admitted in a step that preempted.
+2. prefill and admission: within a budget of `prefill_chunk_tokens` prompt tokens per step, the
+   sequences whose prompt is not yet (all) in the cache get its next chunk, and waiting sequences
+   are admitted (while a slot is free and the pool has blocks for the whole prompt, after the
+   prefix cache's hits, keeping a small reserve for the running sequences' growth) and get their
+   first chunk. So a long prompt runs over several steps and every step still decodes the others.
+   Nothing is admitted in a step that preempted.
+   Both go to the least served request first: its sequences' tokens in the cache so far, summed
+   (a request's choices are one request: see `Sequence.group`), ties in arrival order. A request
+   that has had nothing yet goes before one whose many long prompts have been prefilling for a
+   while, so a short request is not queued behind another's minutes of prefill; within a request,
+   and among requests not served yet, first come first served (no request starves). A sequence
+   that cannot be admitted (no slot or blocks) stops admission for the step: nothing overtakes it.
 
 A slot is a row of the backend's block tables (0 .. max_slots-1). Everything here runs on the
 engine's step thread; `submit` and `abort` are the only entry points from other threads.
@@ -94,6 +99,13 @@ class Sequence:
     def order(self) -> tuple[float, int]:
         return (self.arrival, self.seq_id)
 
+    @property
+    def group(self) -> str:
+        """The request this sequence is a choice of: its request id up to a final `-<choice>`
+        (the server names a request's n choices `<request>-0` ... `<request>-<n-1>`)."""
+        head, sep, tail = self.request_id.rpartition("-")
+        return head if sep and tail.isdigit() else self.request_id
+
 
 @dataclass
 class StepPlan:
@@ -162,39 +174,59 @@ class Scheduler:
                     break
             else:
                 plan.decode.append(seq)
-        # 2. prefill: the next chunks of the sequences being prefilled, in arrival order
-        budget = self.prefill_chunk_tokens
+        # 2. prefill and admission, least served request first
+        served: dict[str, int] = collections.Counter()
         for seq in self.running:
-            if budget == 0:
-                break
-            if seq.prefilling:
-                n = min(seq.kv_target - seq.num_computed, budget)
-                plan.prefill.append((seq, seq.num_computed, n))
-                budget -= n
-        # 3. admission, first come first served
+            served[seq.group] += seq.num_computed
+
+        def rank(seq: Sequence) -> tuple:
+            return (served.get(seq.group, 0), seq.arrival, seq.seq_id)
+
+        budget = self.prefill_chunk_tokens
+        prefilling = sorted((s for s in self.running if s.prefilling), key=rank)
+        admitting = not plan.preempted
+        i = 0
         with self._lock:
-            while self.waiting and budget > 0 and self.free_slots and not plan.preempted:
-                seq = self.waiting[0]
-                target = seq.kv_target
-                if self.kv.blocks_for(target) > self.kv.num_blocks:
-                    self.waiting.popleft()
-                    plan.failed.append((seq, self._too_big(seq)))
-                    continue
-                hit = self.kv.try_allocate(seq.seq_id, seq.tokens, target, self.reserve_blocks if self.running else 0)
-                if hit is None:
+            while budget > 0:
+                nxt = prefilling[i] if i < len(prefilling) else None
+                new = min(self.waiting, key=rank) if admitting and self.waiting and self.free_slots else None
+                if new is not None and (nxt is None or rank(new) < rank(nxt)):
+                    admitted = self._admit(new, plan)
+                    if admitted is None:          # no room: nothing overtakes it this step
+                        admitting = False
+                    if not admitted:
+                        continue
+                    seq = new
+                elif nxt is not None:
+                    seq, i = nxt, i + 1
+                else:
                     break
-                self.waiting.popleft()
-                seq.num_computed = hit
-                if seq.cached_tokens is None:       # a readmission after a preemption is not the request's
-                    seq.cached_tokens = min(hit, len(seq.prompt_ids))
-                seq.slot = self.free_slots.pop()
-                seq.synced_blocks = 0
-                self.running.insert(bisect.bisect([s.order for s in self.running], seq.order), seq)
-                n = min(target - seq.num_computed, budget)
+                n = min(seq.kv_target - seq.num_computed, budget)
                 plan.prefill.append((seq, seq.num_computed, n))
                 budget -= n
         plan.tables = self.unsynced_tables(self.running)
         return plan
+
+    def _admit(self, seq: Sequence, plan: StepPlan) -> bool | None:
+        """Move a waiting sequence to the running ones, with a slot and the blocks of its whole
+        prompt (True); None when the pool has not the blocks now (it waits on); False when it
+        could never fit (it fails). The caller holds the lock."""
+        target = seq.kv_target
+        if self.kv.blocks_for(target) > self.kv.num_blocks:
+            self.waiting.remove(seq)
+            plan.failed.append((seq, self._too_big(seq)))
+            return False
+        hit = self.kv.try_allocate(seq.seq_id, seq.tokens, target, self.reserve_blocks if self.running else 0)
+        if hit is None:
+            return None
+        self.waiting.remove(seq)
+        seq.num_computed = hit
+        if seq.cached_tokens is None:       # a readmission after a preemption is not the request's
+            seq.cached_tokens = min(hit, len(seq.prompt_ids))
+        seq.slot = self.free_slots.pop()
+        seq.synced_blocks = 0
+        self.running.insert(bisect.bisect([s.order for s in self.running], seq.order), seq)
+        return True
 
     def unsynced_tables(self, seqs: list[Sequence]) -> dict[int, list[int]]:
         """slot -> block table of each sequence whose table grew (or that is new in its slot) since

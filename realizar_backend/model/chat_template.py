@@ -12,7 +12,8 @@ The environment inside is set up as transformers sets it up (same globals, filte
 so the prompt string is the one transformers would build.
 
 `TemplateRenderer.check` compiles and trial-renders a template at load, so a template that does
-not parse or that runs away on a plain conversation is refused with the model, not per request.
+not parse, that runs away (a loop, a recursion, a huge string) on a plain conversation, or that
+fails on every small conversation tried is refused with the model, not per request.
 """
 
 from __future__ import annotations
@@ -215,10 +216,18 @@ class TemplateRenderer:
             self._release(worker)
 
     def check(self, source: str, special_tokens: Mapping[str, str]) -> None:
-        """Compile and render the template on a plain conversation, within the limits."""
-        context = {"messages": TRIAL_MESSAGES, "tools": None, "documents": None,
-                   "add_generation_prompt": True, **special_tokens}
-        self.render(source, context)
+        """Compile and render the template on a plain conversation, within the limits; a template
+        that refuses it (raise_exception: no system message, say) gets one user message instead,
+        and raises only when it fails on that too."""
+        for messages in (TRIAL_MESSAGES, TRIAL_MESSAGES[1:2]):
+            context = {"messages": messages, "tools": None, "documents": None,
+                       "add_generation_prompt": True, **special_tokens}
+            try:
+                self.render(source, context)
+                break
+            except ChatTemplateError as e:
+                if e.kind != "render" or messages is not TRIAL_MESSAGES:
+                    raise
         # the other workers start beside the rest of the load, not before the check returns
         threading.Thread(target=self._start_idle, name="template-workers", daemon=True).start()
 
@@ -358,8 +367,8 @@ def worker_main(argv: list[str]) -> None:
                    "message": f"the chat template needed more than {memory_mb} MB of memory"})
         except ChatTemplateError as e:
             reply({"error": e.kind, "message": e.message})
-        except RecursionError:
-            reply({"error": "render", "message": "the chat template recursed too deeply"})
+        except RecursionError:      # a runaway (a macro calling itself), as a loop past the time limit is
+            reply({"error": "limit", "message": "the chat template recursed too deeply"})
         except Exception as e:  # anything a template can raise on some input is that render's failure
             reply({"error": "render", "message": f"{type(e).__name__}: {e}"})
         del body

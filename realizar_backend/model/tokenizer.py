@@ -173,12 +173,12 @@ class Tokenizer:
             try:
                 tok._renderer.check(tok.chat_template, tok.special_tokens)
             except ChatTemplateError as e:
-                if e.kind in ("syntax", "limit"):
-                    raise ModelFormatError(mf.path, f"metadata key 'tokenizer.chat_template': {e.message}") from None
                 if e.kind == "unavailable":
                     raise
-                # a template may refuse a conversation (raise_exception); requests will say so
-                log.warning("%s: the chat template fails on a plain conversation: %s", mf.path, e.message)
+                # it does not parse, runs away, or fails on every trial conversation: no chat could work
+                why = e.message if e.kind != "render" else \
+                    f"the chat template fails on every conversation tried at load ({e.message})"
+                raise ModelFormatError(mf.path, f"metadata key 'tokenizer.chat_template': {why}") from None
         log.debug("%s: tokenizer with %d tokens, bos=%s eos=%s add_bos=%s stop=%s, chat template: %s", mf.path,
                   tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, sorted(tok.stop_ids), tok.has_chat_template)
         return tok

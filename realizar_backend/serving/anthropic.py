@@ -30,6 +30,7 @@ from starlette.routing import Route
 from ..errors import CapacityError, RequestError
 from . import anthropic_input as ai
 from . import requests as rq
+from .plans import planned
 from .streaming import SSE_HEADERS, Guarded, Last, anthropic_error_body, dumps, merged
 from .replies import ReplyReader, read_whole
 from .state import ServerState
@@ -42,7 +43,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def messages(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(ai.messages_plan, raw, engine, state.settings)
+        plan = await planned(state, request.receive, ai.messages_plan, raw, engine, state.settings)
         head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.model_name}
         if plan.stream:
             return Guarded(state, _stream(plan, engine, head), "text/event-stream", SSE_HEADERS)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from ..engine.sampling import SamplingParams
 from ..errors import RequestError
 from . import requests as rq
 from .chat_request import ChatOptions, chat_options
-from .plans import chat_jobs
+from .plans import chat_jobs, request_tokens
 from .reasoning import ReasoningFormat, detect_reasoning
 from .tools import MAX_TOOLS, ToolRequest, ToolStreamParser, tool_request
 
@@ -86,7 +87,7 @@ class MessagesPlan:
         return self.tools is not None and ToolStreamParser(self.tools).active
 
 
-def messages_plan(raw: bytes, engine, settings) -> MessagesPlan:
+def messages_plan(raw: bytes, engine, settings, cancel: threading.Event | None = None) -> MessagesPlan:
     """POST /v1/messages: the checked request as one engine job. Blocking (tokenizing, the
     template, the grammar): call it on a worker thread."""
     body = rq.parse_json(raw)
@@ -105,7 +106,7 @@ def messages_plan(raw: bytes, engine, settings) -> MessagesPlan:
     params = SamplingParams(max_tokens=max_tokens, temperature=body.get("temperature", "number", 1.0),
                             top_p=body.get("top_p", "number", 1.0), top_k=body.get("top_k", "int", 0), stop=stop)
     jobs, prompt_tokens = chat_jobs(engine, params, conv.messages, conv.tools, conv.constraint, cap_to_context=True,
-                                    options=conv.options)
+                                    options=conv.options, limit=request_tokens(engine, settings), cancel=cancel)
     thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
     return MessagesPlan(jobs, prompt_tokens, body.get("stream", "bool", False), conv.tools, conv.options.reasoning,
                         thinking is not None and thinking.inside)

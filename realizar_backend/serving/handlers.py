@@ -68,8 +68,8 @@ def make_endpoint(state: ServerState):
                 # a new connection may reach another worker that is ready (serving/service.py)
                 return error_json(path, 503, str(e), "server_error", None, "model_not_ready",
                                   headers={"Retry-After": "5", "Connection": "close"})
-            except rq.ClientGone:
-                log.info("%s %s: the client left while sending its request body", request.method, path)
+            except rq.ClientGone as e:
+                log.info("%s %s: %s", request.method, path, e)
                 return client_closed_response()
             except Exception as e:       # typed errors keep their status; anything else is a logged 500
                 return error_response(state, e, path)
@@ -132,5 +132,5 @@ class InFlight:
             self.state.metrics.on_http_error(504)
         response = error_json(scope["path"], 504, f"the request did not complete within {limit:g} s (this "
                                                   f"server's REALIZAR_REQUEST_TIMEOUT_S)", "server_error", None,
-                              "request_timeout")
+                              "response_timeout")        # (408's request_timeout: the client was slow)
         await response(scope, receive, send)

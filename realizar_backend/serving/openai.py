@@ -82,7 +82,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def completions(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(plans.completion_plan, raw, engine, state.settings)
+        plan = await plans.planned(state, request.receive, plans.completion_plan, raw, engine, state.settings)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if plan.stream:
@@ -91,7 +91,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def chat(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(plans.chat_plan, raw, engine, state.settings)
+        plan = await plans.planned(state, request.receive, plans.chat_plan, raw, engine, state.settings)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "created": created, "model": engine.model_name}
         if plan.stream:
@@ -109,8 +109,11 @@ def routes(state: ServerState, endpoint) -> list[Route]:
         return Response(await dumps(state, out, len(out["prompt"])), media_type="application/json")
 
     async def health(request: Request) -> Response:
-        # vLLM's: 200 (empty) while this worker can serve, 503 while it loads, failed or drains
-        ok = state.engine is not None and getattr(state.engine, "alive", True) and not state.draining
+        # vLLM's: 200 (empty) while the server can serve (as /readyz), 503 while it loads, when no
+        # engine can serve (failed, gone or stuck) and while it drains
+        engine = state.engine
+        ok = (engine is not None and not state.draining and getattr(engine, "alive", True)
+              and (getattr(engine, "stall", None) is None or engine.stall() is None))
         return Response(status_code=200 if ok else 503)
 
     async def version(request: Request) -> Response:

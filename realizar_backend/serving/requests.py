@@ -9,7 +9,8 @@ Policies (docs/serving.md says the same to users):
   OpenAI fields that do not change the output here (`user`, `metadata`, `store`, ...) are
   accepted and ignored; fields for features this server lacks are 400 `unsupported_parameter`
   unless they hold their neutral value;
-- strings must be valid Unicode: a lone UTF-16 surrogate ("\\ud800") is 400 naming the field.
+- strings must be valid Unicode: a lone UTF-16 surrogate ("\\ud800") is 400 naming the field;
+- arrays and objects nest at most MAX_JSON_DEPTH deep (400 invalid_json).
 
 Bodies are parsed and checked off the event loop (openai.py), and a body with very many JSON
 values is parsed by the pure-Python scanner, which lets the event loop run between values (the
@@ -38,6 +39,9 @@ MAX_SEQUENCES = 64           # choices x prompts per request
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _C_PARSE_VALUES = 50_000           # up to this many `[`, `{` and `,` the C parser takes < ~25 ms
 MAX_JSON_CONTAINERS = 20_000       # arrays and objects in one body (a chat of thousands of messages fits)
+# arrays and objects inside one another: everything after the parse (the chat template's inputs,
+# a schema's compile: llguidance reads 128 levels) walks them recursively
+MAX_JSON_DEPTH = 128
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 # Fields by endpoint. "used": implemented; "ignored": OpenAI fields that cannot change the output
@@ -73,7 +77,11 @@ def bad(param: str | None, message: str, code: str | None = None) -> RequestErro
 
 
 class ClientGone(Exception):
-    """The client closed the connection before its request body arrived."""
+    """The client closed the connection before its request was queued (while sending its body,
+    or while the request was checked)."""
+
+    def __init__(self, message: str = "the client left while sending its request body"):
+        super().__init__(message)
 
 
 # ------------------------------------------------------------------------------ the body
@@ -176,6 +184,9 @@ def parse_json(raw: bytes) -> Body:
         raise bad(None, "the request body is not valid JSON", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad(None, "the request body must be a JSON object", "invalid_json")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nests_deeper(data, MAX_JSON_DEPTH):
+        raise bad(None, f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep",
+                  "invalid_json")
     if _SURROGATE_ESCAPE.search(raw):
         _check_unicode(data)
     return Body(data)
@@ -183,6 +194,19 @@ def parse_json(raw: bytes) -> Body:
 
 class _TooManyContainers(Exception):
     pass
+
+
+def _nests_deeper(data: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` deep (iterative: the point is depth)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in (v.values() if isinstance(v, dict) else v):
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def _slow_decoder() -> json.JSONDecoder:

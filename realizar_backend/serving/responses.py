@@ -38,6 +38,7 @@ from starlette.routing import Route
 from ..errors import CapacityError, RequestError
 from . import requests as rq
 from . import responses_input as ri
+from .plans import planned
 from .streaming import SSE_HEADERS, Guarded, Last, dumps, merged
 from .replies import ReplyReader, read_whole
 from .state import ServerState
@@ -89,7 +90,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def create(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await state.offload(ri.responses_plan, raw, engine, state.settings, previous)
+        plan = await planned(state, request.receive, ri.responses_plan, raw, engine, state.settings, previous)
         run = _Run(plan, engine.model_name, store)
         if plan.stream:
             return Guarded(state, run.stream(engine), "text/event-stream", SSE_HEADERS)

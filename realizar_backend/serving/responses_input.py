@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,7 +41,7 @@ from ..engine.sampling import SamplingParams
 from ..errors import RequestError
 from . import requests as rq
 from .chat_request import REASONING_EFFORTS, chat_options
-from .plans import chat_jobs
+from .plans import chat_jobs, request_tokens
 from .reasoning import ReasoningFormat
 from .requests import bad
 from .tools import MAX_TOOLS, ToolRequest, ToolStreamParser, tool_request
@@ -77,7 +78,8 @@ class ResponsesPlan:
         return self.tools is not None and ToolStreamParser(self.tools).active
 
 
-def responses_plan(raw: bytes, engine, settings, previous: Callable[[str], list[dict] | None]) -> ResponsesPlan:
+def responses_plan(raw: bytes, engine, settings, previous: Callable[[str], list[dict] | None],
+                   cancel: threading.Event | None = None) -> ResponsesPlan:
     """POST /v1/responses as one engine job. previous(id): a stored response's conversation
     items, or None. Blocking (tokenizing, the template, the grammar): call it on a worker thread."""
     body = rq.parse_json(raw)
@@ -113,7 +115,7 @@ def responses_plan(raw: bytes, engine, settings, previous: Callable[[str], list[
     effort = (body.data.get("reasoning") or {}).get("effort")
     options = chat_options({"reasoning_effort": effort} if effort in REASONING_EFFORTS else {}, engine.tokenizer)
     jobs, prompt_tokens = chat_jobs(engine, params, messages, tools, constraint, cap_to_context=True,
-                                    options=options)
+                                    options=options, limit=request_tokens(engine, settings), cancel=cancel)
     thinking = jobs[0][1].thinking          # prepare saw the prompt: is the model inside a thought?
     store = body.get("store", "bool", True)
     choice = body.data.get("tool_choice") or "auto"

@@ -1,0 +1,381 @@
+"""A request's grammar is compiled and tried first in a worker process that may be abandoned.
+
+llguidance compiles in native code: a compile cannot be interrupted, one that recurses too deep
+ends the process with a signal, and some grammars fail only when their first tokens are computed
+(a limit of the lexer or the parser), which used to surface as a server error at the first token.
+So before the server compiles a grammar for its own use (engine/guidance.py), a worker process
+with llguidance's view of the same vocabulary:
+- validates and compiles it, computes the first token mask, and walks the bytes the grammar forces
+  from its start (where those limits are met): a grammar that allows no text at all
+  (`[^\\s\\S]`, a `$ref` cycle) or that fails there is answered at the request;
+- within a time limit (Settings.grammar_timeout_s), and while the caller still wants the answer
+  (a client that leaves cancels it): past either, the worker is killed and a fresh one starts;
+- on a thread whose stack (WORKER_STACK_BYTES) is smaller than any thread of the server has, so
+  that a grammar which passes here compiles there with room to spare; a worker that dies on a
+  grammar costs only that request;
+- with its address space capped (WORKER_MEMORY_BYTES).
+The structural limits (engine/grammar_limits.py) come before: most bad grammars never get here.
+
+Workers start on first use (or `prestart`, after the server is ready) and are shared by the
+Guidance objects of one vocabulary in the process (`checker`). Messages are length-prefixed JSON
+over the worker's stdin and stdout; the worker imports llguidance and nothing of the server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<Q")
+_START_TIMEOUT_S = 120.0           # a fresh worker imports llguidance and builds the vocabulary's trie
+_POLL_S = 0.05                     # how often a wait looks at its cancel event
+WORKER_STACK_BYTES = 4 << 20       # server threads have 8 MiB (Linux's default)
+WORKER_MEMORY_BYTES = 4 << 30
+# the forced bytes walked from the grammar's start, in rounds of llguidance's fast-forward tokens
+_PROBE_ROUNDS = 4
+
+
+class CheckFailed(Exception):
+    """A grammar the worker refused. kind: "invalid" (it does not compile: a syntax error, an
+    unsupported feature), "empty" (it allows no text at all), "complex" (a limit of the compiler,
+    the lexer or the parser, the time limit, or the worker died on it), "unavailable" (no worker
+    could be started: the server's trouble, not the grammar's)."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        self.message = message
+        super().__init__(message)
+
+
+class Cancelled(Exception):
+    """The caller's cancel event was set while the check waited (its client left)."""
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a worker builds llguidance's tokenizer from (the arguments of llguidance.LLTokenizer)."""
+    tokenizer_json: str
+    n_vocab: int
+    eos: tuple[int, ...]
+    slices: tuple[str, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(self.tokenizer_json.encode())
+        h.update(json.dumps([self.n_vocab, self.eos, self.slices]).encode())
+        return h.hexdigest()
+
+
+def package_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from realizar_backend.engine.grammar_check import worker_main; worker_main()")
+
+
+# ------------------------------------------------------------------------------ the server's side
+class _Worker:
+    """One worker process and its pipes. Not thread-safe: the pool lends it to one caller."""
+
+    def __init__(self, vocab: Vocabulary, cancel: threading.Event | None):
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root()], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, close_fds=True)
+        self._buf = b""
+        try:
+            self._send({"tokenizer": vocab.tokenizer_json, "n_vocab": vocab.n_vocab, "eos": list(vocab.eos),
+                        "slices": list(vocab.slices), "memory": WORKER_MEMORY_BYTES})
+            hello = self._read(time.monotonic() + _START_TIMEOUT_S, cancel)
+        except (TimeoutError, _Died) as e:
+            self.kill()
+            raise CheckFailed("unavailable", f"the grammar checker process did not start ({e or 'timeout'})") from None
+        except BaseException:
+            self.kill()
+            raise
+        if hello != {"ready": True}:
+            self.kill()
+            raise CheckFailed("unavailable", f"the grammar checker process did not start: {hello!r}")
+
+    def check(self, grammar: str, timeout_s: float, cancel: threading.Event | None) -> dict:
+        self._send({"grammar": grammar})
+        return self._read(time.monotonic() + timeout_s, cancel)
+
+    def _send(self, obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        try:
+            self.proc.stdin.write(_LEN.pack(len(data)) + data)
+            self.proc.stdin.flush()
+        except OSError:
+            raise _Died(self.proc) from None
+
+    def _read(self, deadline: float, cancel: threading.Event | None) -> dict:
+        n = None
+        fd = self.proc.stdout.fileno()
+        while True:
+            if n is None and len(self._buf) >= _LEN.size:
+                (n,) = _LEN.unpack_from(self._buf)
+                self._buf = self._buf[_LEN.size:]
+            if n is not None and len(self._buf) >= n:
+                msg, self._buf = self._buf[:n], self._buf[n:]
+                return json.loads(msg.decode("utf-8", "surrogatepass"))
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError()
+            if select.select([fd], [], [], min(left, _POLL_S))[0]:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    raise _Died(self.proc)
+                self._buf += chunk
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()          # the worker ends at the end of its input
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class _Died(Exception):
+    def __init__(self, proc: subprocess.Popen):
+        try:
+            self.status = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.status = None
+        super().__init__(f"status {self.status}")
+
+
+class GrammarChecker:
+    """A pool of check workers for one vocabulary. `check` blocks (call it off the event loop);
+    up to `workers` checks run at once, the others wait for a free worker."""
+
+    def __init__(self, vocab: Vocabulary, timeout_s: float, workers: int):
+        self.vocab = vocab
+        self.timeout_s = timeout_s
+        self._idle: list[_Worker | None] = [None] * workers      # None: a slot with no process yet
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def check(self, grammar: str, cancel: threading.Event | None = None) -> None:
+        """Return if the grammar compiles, allows some text and gets past its forced start within
+        the time limit; else CheckFailed. Cancelled when `cancel` is set meanwhile."""
+        worker = self._acquire(cancel)
+        try:
+            if worker is None:
+                worker = _Worker(self.vocab, cancel)
+            reply = worker.check(grammar, self.timeout_s, cancel)
+        except BaseException as e:
+            if worker is not None:
+                worker.kill()       # cut off mid-answer: nothing it says later is trusted
+            worker = None
+            if isinstance(e, TimeoutError):
+                raise CheckFailed("complex", f"compiling it took longer than {self.timeout_s:g} s "
+                                             f"(REALIZAR_GRAMMAR_TIMEOUT_S)") from None
+            if isinstance(e, _Died):
+                log.warning("a grammar check worker exited with status %s on a request's grammar", e.status)
+                raise CheckFailed("complex", f"the grammar compiler failed on it (its process exited with "
+                                             f"status {e.status})") from None
+            raise
+        finally:
+            self._release(worker)
+        if "error" in reply:
+            raise CheckFailed(reply["error"], reply["message"])
+
+    def prestart(self) -> None:
+        """Start the workers now, on a thread (a request that comes first waits for one)."""
+        threading.Thread(target=self._start_idle, name="grammar-check-start", daemon=True).start()
+
+    def _start_idle(self) -> None:
+        with self._cond:
+            missing = [i for i, w in enumerate(self._idle) if w is None]
+            for i in reversed(missing):
+                del self._idle[i]
+        for _ in missing:
+            try:
+                w = _Worker(self.vocab, None)
+            except Exception as e:        # the request that takes the slot tries again and says why
+                log.warning("a grammar check worker did not start: %s", e)
+                w = None
+            self._release(w)
+
+    def _acquire(self, cancel: threading.Event | None) -> _Worker | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise CheckFailed("unavailable", "the grammar checker is closed")
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                started = [i for i, w in enumerate(self._idle) if w is not None]
+                if started:
+                    return self._idle.pop(started[-1])
+                if self._idle:
+                    return self._idle.pop()
+                self._cond.wait(_POLL_S)
+
+    def _release(self, worker: _Worker | None) -> None:
+        with self._cond:
+            if self._closed:
+                if worker is not None:
+                    worker.close()
+                return
+            self._idle.append(worker)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for w in idle:
+            if w is not None:
+                w.close()
+
+
+_checkers: dict[tuple, GrammarChecker] = {}
+_checkers_lock = threading.Lock()
+
+
+def checker(vocab: Vocabulary, timeout_s: float, workers: int) -> GrammarChecker:
+    """The process's checker for this vocabulary and these limits (engines of one model share it)."""
+    key = (vocab.fingerprint, timeout_s, workers)
+    with _checkers_lock:
+        c = _checkers.get(key)
+        if c is None:
+            c = _checkers[key] = GrammarChecker(vocab, timeout_s, workers)
+        return c
+
+
+@atexit.register
+def _close_checkers() -> None:
+    with _checkers_lock:
+        cs = list(_checkers.values())
+        _checkers.clear()
+    for c in cs:
+        c.close()
+
+
+# ------------------------------------------------------------------------------ the worker's side
+def probe(matcher_cls, tokenizer, grammar: str) -> dict[str, Any]:
+    """Compile `grammar`, compute its first mask and walk its forced start. {"ok": True} or
+    {"error": kind, "message": ...} (CheckFailed's kinds)."""
+    failed, msgs = matcher_cls.validate_grammar_with_warnings(grammar, tokenizer)
+    if failed:
+        return {"error": "invalid", "message": _first_line(msgs)}
+    m = matcher_cls(tokenizer, grammar, log_level=0)
+    stops = set(tokenizer.eos_tokens)
+    for _ in range(_PROBE_ROUNDS):
+        if m.is_error():
+            return _failure(m)
+        mask = int.from_bytes(m.compute_bitmask(), "little")
+        if m.is_error():
+            return _failure(m)
+        for t in stops:
+            mask &= ~(1 << t)
+        if not mask:
+            if m.is_accepting():
+                return {"ok": True}       # complete here: nothing but a stop token may follow
+            return {"error": "empty", "message": "allows no text at all, so no output could follow it"}
+        forced = m.compute_ff_tokens()
+        if not forced:
+            return {"ok": True}
+        if not m.consume_tokens(forced):
+            return _failure(m)
+    return {"ok": True} if not m.is_error() else _failure(m)
+
+
+def _failure(m) -> dict[str, Any]:
+    err = _first_line([m.get_error()])
+    if "NoExtension" in err:         # the parser cannot go on from the start: nothing matches
+        return {"error": "empty", "message": "allows no text at all, so no output could follow it"}
+    return {"error": "complex", "message": f"it reaches a limit of the grammar engine where generation "
+                                           f"would start ({err})"}
+
+
+def _first_line(msgs: list[str]) -> str:
+    msg = (msgs[0] if msgs else "unknown error").strip().split("\n<state>")[0]
+    return " ".join(msg[:400].split()) + (" ..." if len(msg) > 400 else "")
+
+
+def worker_main() -> None:
+    """A check worker: the vocabulary first, then grammars until the end of input."""
+    import resource
+    import signal
+
+    # the server's process group may be signalled as a whole; the server decides when this ends
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+
+    def read() -> dict | None:
+        head = inp.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return None
+        (n,) = _LEN.unpack(head)
+        body = inp.read(n)
+        return json.loads(body.decode("utf-8", "surrogatepass")) if len(body) == n else None
+
+    def reply(obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        out.write(_LEN.pack(len(data)) + data)
+        out.flush()
+
+    init = read()
+    if init is None:
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (init["memory"], init["memory"]))
+    import llguidance
+
+    tokenizer = llguidance.LLTokenizer(init.pop("tokenizer"), n_vocab=init["n_vocab"], eos_token=init["eos"],
+                                       slices=init["slices"])
+    threading.stack_size(WORKER_STACK_BYTES)
+    reply({"ready": True})
+    while True:
+        req = read()
+        if req is None:
+            return
+        result: list[dict] = []
+
+        def run() -> None:
+            try:
+                result.append(probe(llguidance.LLMatcher, tokenizer, req["grammar"]))
+            except MemoryError:
+                result.append({"error": "complex", "message": "it needs more memory than a grammar may take"})
+            except Exception as e:   # a refusal of llguidance's API on this grammar is this grammar's failure
+                result.append({"error": "invalid", "message": f"{type(e).__name__}: {e}"})
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        reply(result[0])
+        if result[0].get("error") == "complex" and "memory" in result[0]["message"]:
+            return                       # after a MemoryError nothing here is trusted: a fresh worker
