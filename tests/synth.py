@@ -8,6 +8,9 @@ Quantization goes through `gguf.quants.quantize` where the package implements it
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); the package has no K-quant quantizer, so Q4_K / Q5_K / Q6_K are
 packed here (plain min/max scales in ggml's exact block layout; decoded by `gguf.quants`).
 K-quants need rows (in_features) that are multiples of 256, the legacy quants multiples of 32.
+A type neither can write (Q2_K, Q3_K, the I-quants, MXFP4) gets valid random blocks scaled to the
+source's spread (`random_quant`), and `source` then holds their decoded values: a model file of
+those types for backend-against-backend tests, not a codec test.
 
 `corrupt(src, dst, kind)` writes a copy of a valid file with one deliberate defect, for the
 bad-file tests; `write_hf_dir` writes the same weights as a Hugging Face checkpoint directory;
@@ -19,12 +22,13 @@ from __future__ import annotations
 import json
 import re
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
 from realizar_backend.model.tokenizer import bytes_to_unicode
 
@@ -128,6 +132,22 @@ def quantize(x: np.ndarray, qtype: Q) -> np.ndarray:
         blocks = _K_PACKERS[qtype](x.reshape(-1, QK_K))
         return blocks.reshape(*x.shape[:-1], x.shape[-1] // QK_K * blocks.shape[-1])
     return gq.quantize(x, qtype)
+
+
+def random_quant(qtype: Q, rows: int, cols: int, std: float, rng) -> np.ndarray:
+    """rows x cols of valid random blocks of `qtype` as a file stores them, their scales set so that
+    the decoded weights' standard deviation is about `std` (formats.quants.random_matrix's blocks,
+    every fp16 scale field times one factor; MXFP4's exponents shifted by its log2)."""
+    from realizar_backend.formats.quants import SCALE_FIELDS, dequantize, random_matrix
+    raw = random_matrix(qtype, rows, cols, rng)
+    f = std / float(dequantize(raw, qtype, (rows, cols)).std())
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == Q.MXFP4:
+        blocks[:, 0] = np.clip(blocks[:, 0].astype(np.int64) + int(np.round(np.log2(f))), 2, 254).astype(np.uint8)
+    for o in SCALE_FIELDS.get(qtype, ()):
+        d = blocks[:, o:o + 2].copy().view(np.float16).astype(np.float32) * f
+        blocks[:, o:o + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
 
 
 # Expected worst-case |dequantized - source| per unit of the source's max |value|, per type
@@ -255,7 +275,7 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
             dims["vocab"] = len(tiny_tokenizer(added=added_tokens)[0])
         weights, dims = make_weights(arch, **dims)
     else:
-        dims = dict(dims)
+        weights, dims = dict(weights), dict(dims)
     d = dims
     # GGUFWriter writes general.architecture itself; a test may ask for another value
     w = GGUFWriter(str(path), (extra_metadata or {}).get("general.architecture", arch))
@@ -314,7 +334,11 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
         if t is None:
             t = qtype if arr.ndim == 2 else Q.F32
         chosen[tname] = t
-        stored = quantize(arr, t)
+        if t in TOLERANCE:
+            stored = quantize(arr, t)
+        else:                             # no quantizer: random blocks, and the source they decode to
+            stored = random_quant(t, *arr.shape, float(arr.std()), np.random.default_rng(zlib.crc32(tname.encode())))
+            weights[tname] = gq.dequantize(stored, t).reshape(arr.shape).astype(np.float32)
         w.add_tensor(tname, stored, raw_dtype=None if t in (Q.F32, Q.F16) else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -9,7 +9,9 @@ from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.backends.cuda import dispatch as d
 from realizar_backend.backends.cuda.dispatch import Dispatcher, Kernel, Step
-from realizar_backend.backends.cuda.matrices import QTYPES, WeightRef
+from realizar_backend.backends.cuda.matrices import QTYPES, WeightRef, check_matrix
+from realizar_backend.errors import UnsupportedModelError
+from realizar_backend.formats.quants import row_bytes
 from realizar_backend.formats.gpu_layout import device_row_bytes
 
 
@@ -33,6 +35,7 @@ def dense(types: dict[str, Q], layers: int = 2, hidden: int = 1536, q_dim: int =
 
 
 Q4_K_M = {"v": Q.Q6_K, "down": Q.Q6_K}                    # Qwen2.5 Q4_K_M: Q4_K + Q6_K
+Q5_K_M = {**dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), Q.Q5_K), **Q4_K_M}   # Q5_K + Q6_K
 SMOL = dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), Q.Q4_1)   # SmolLM2 Q4_1 (+ Q8_0 head)
 
 
@@ -205,3 +208,92 @@ def test_stacks_of_experts_fuse_only_with_the_same_count():
     assert not d.same_shape(a, WeightRef("up", Q.Q4_K, 0, 768, 2048, a.row_bytes, 64))
     assert not d.same_shape(a, mat(Q.Q4_K, 768, 2048))
     assert a.expert_bytes == 768 * a.row_bytes
+
+
+# the quantized types of the GPU's table that the tensor-core kernels take (mmq.cu; mmqs.cu)
+LOWBIT = [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]
+TENSOR_CORE_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, *LOWBIT]
+SMALL_TYPES = [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, *LOWBIT]
+
+
+@pytest.mark.parametrize("qt", TENSOR_CORE_TYPES, ids=lambda q: q.name)
+def test_each_type_has_its_tensor_core_rows(qt):
+    """A model of one type decodes its batches on the tensor cores: mmq.cu for rows of whole blocks,
+    mmqs.cu (from 4 rows) where it has the type; a row of a partial block stays on the GEMVs."""
+    block = QTYPES[qt].block
+    w = mat(qt, 96, 2 * max(block, 64))
+    assert d.mmvf_ok(w) and d.mmq_ok(w)
+    assert d.mmqs_ok(w) == (qt in SMALL_TYPES)
+    groups, head = dense(dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), qt), hidden=1024, q_dim=1024,
+                         ffn=2048, vocab=1000, head=qt)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    assert disp.mmq_all and disp.mmqs_all == (qt in SMALL_TYPES)
+    step = disp.decode_step(16)
+    assert step.family == "mmq"
+    want = Kernel.MMQS if qt in SMALL_TYPES else Kernel.MMQ
+    assert disp.linear(step, groups[0][1]).kernel is want
+    assert disp.gated(step, *groups[2][1]) == d.Choice((want, want), True)
+    if block > 32:
+        assert not d.mmq_ok(mat(qt, 96, block + 32)) and d.mmvf_ok(mat(qt, 96, block + 32))
+
+
+def test_a_q5_k_m_file_decodes_its_batches_on_the_tensor_cores():
+    """Q5_K_M (Q5_K with Q6_K attn_v, ffn_down and head): every group on mmqs.cu up to 16 rows,
+    the head on mmq.cu's tiles beyond, and short prompts on the tensor cores."""
+    groups, head = dense(Q5_K_M)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    assert disp.mmq_all and disp.mmqs_all and disp.mmq_min_rows == d.MMQS_MIN_ROWS
+    for rows in (4, 16, 64):
+        step = disp.decode_step(rows)
+        assert step.family == "mmq"
+        assert all(disp.linear(step, g).kernel in (Kernel.MMQS, Kernel.MMQ) for kind, g in groups if kind == "linear")
+    assert disp.head(16) is Kernel.MMQS and disp.head(64) is Kernel.MMQ
+    assert disp.prompt_step(40) == Step("mmq", 48)
+
+
+def test_the_quant_table_covers_the_types_of_published_files_and_their_tensor_core_rows():
+    """Every type of the K-quant, I-quant and MXFP4 files people download has a GPU decoder (GEMV,
+    dequantize, embed, split16) and every one but Q2_K a tensor-core row."""
+    published = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL,
+                 Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.MXFP4}
+    assert published <= {q for q, info in QTYPES.items() if info.blocks}
+    assert published - d.MMQ_TYPES == {Q.Q2_K} and published - d.MMQS_TYPES == {Q.Q2_K, Q.Q4_0, Q.Q4_1}
+    assert set(TENSOR_CORE_TYPES) == set(d.MMQ_TYPES) and set(SMALL_TYPES) == set(d.MMQS_TYPES)
+
+
+def test_a_q2_k_group_runs_on_the_gemvs_and_its_prompts_on_split16():
+    """Q2_K (UD-Q2_K_XL's FFN matrices, say) has no tensor-core kernel: a group with a Q2_K matrix
+    stays on the GEMVs in a batched step (nothing silently drops a row at a time: the rest keeps the
+    tensor cores), and prompts go from the GEMVs to the split16 GEMMs."""
+    groups, head = dense({**Q4_K_M, "gate": Q.Q2_K, "up": Q.Q2_K})
+    disp = Dispatcher(groups, head, split16_kept=True)
+    step = disp.decode_step(16)
+    assert step.family == "mmq" and not disp.mmq_all
+    assert disp.gated(step, *groups[2][1]) == d.Choice((Kernel.MMVF, Kernel.MMVF), True)
+    assert disp.linear(step, groups[0][1]).kernel is Kernel.MMQS
+    assert disp.prompt_step(12).family == "split16" and disp.prompt_step(11).family == "gemv"
+
+
+@pytest.mark.parametrize("qt", list(QTYPES), ids=lambda q: q.name)
+def test_the_gpu_loader_takes_every_type_of_its_table(qt):
+    info = QTYPES[qt]
+    cols = 2 * max(info.block, 32)
+    assert check_matrix("m.gguf", "blk.0.ffn_up.weight", qt, (5, cols), 5 * row_bytes(qt, cols)) is info
+
+
+@pytest.mark.parametrize("qt", [Q.IQ1_S, Q.IQ1_M, Q.TQ1_0, Q.TQ2_0], ids=lambda q: q.name)
+def test_the_gpu_loader_refuses_a_type_it_cannot_run_naming_tensor_and_type(qt):
+    """A file the NumPy backend opens but with a tensor of a type the GPU has no kernel for is
+    refused at load, before anything is uploaded, with the tensor and its type in the message."""
+    with pytest.raises(UnsupportedModelError, match=f"tensor blk.3.attn_q.weight: type {qt.name} has no GPU kernel"):
+        check_matrix("m.gguf", "blk.3.attn_q.weight", qt, (4, 512), 4 * row_bytes(qt, 512))
+
+
+def test_the_gpu_loader_refuses_partial_blocks_and_wrong_sizes():
+    with pytest.raises(UnsupportedModelError, match=r"not a matrix \(or a stack of experts' matrices\) of whole IQ4_XS"):
+        check_matrix("m.gguf", "w", Q.IQ4_XS, (4, 288), 4 * 288)
+    with pytest.raises(UnsupportedModelError, match="of whole MXFP4 blocks"):
+        check_matrix("m.gguf", "w", Q.MXFP4, (2, 4, 4, 64), 0)
+    assert check_matrix("m.gguf", "blk.0.ffn_up_exps.weight", Q.MXFP4, (32, 2880, 2880), 32 * 2880 * 90 * 17)
+    with pytest.raises(UnsupportedModelError, match="tensor w: 100 bytes for shape"):
+        check_matrix("m.gguf", "w", Q.Q3_K, (4, 256), 100)

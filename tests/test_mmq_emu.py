@@ -16,19 +16,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
-from realizar_backend.formats.quants import dequantize
+from realizar_backend.formats.quants import dequantize, random_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 F64 = np.float64
-# byte offsets of the fp16 scale fields of each block (kept finite and small, as in real files)
-SCALES = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
-KQUANT = (Q.Q4_K, Q.Q6_K)
+# the types of 256-weight blocks (rows of whole blocks)
+KQUANT = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)
+# lowbit.cuh's types on the tensor cores (the rest of the dispatcher's rows)
+LOWBIT = [Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]
 FP32_TOL = 2e-5          # the fp32 GEMV's bound (tests/gpu/test_kernels_f32.py)
 EXACT_TOL = 2e-6         # with exact tensor-core sums only fp32 roundings are left
 
@@ -42,16 +43,6 @@ def emu(tmp_path_factory):
         pytest.skip("this g++ has no _Float16")
     assert r.returncode == 0, r.stderr
     return exe
-
-
-def random_gguf(qtype, rows: int, cols: int, rng) -> np.ndarray:
-    """A random matrix as a GGUF file stores it: random bits, small positive fp16 scales."""
-    blk, nbytes = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // blk
-    b = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
-    for o in SCALES[qtype]:
-        b[:, o:o + 2] = (rng.random(n) * 0.02 + 0.005).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return b.reshape(rows, -1)
 
 
 def activations(rng, M: int, K: int, stress: bool) -> np.ndarray:
@@ -81,7 +72,7 @@ def run_case(emu, tmp_path, rng, segs, K, M, bn, splits, *, mode=0, act=0, bias=
                       tc_model, int(twice and not accumulate), prep_splits) + struct.pack("f", 1e-6)
     body, ref_parts = [hdr], []
     for qt, n in segs:
-        raw = random_gguf(qt, n, K, rng)
+        raw = random_matrix(qt, n, K, rng)
         dev = to_device(qt, raw, K)
         rb = device_row_bytes(qt, K)
         b = rng.standard_normal(n).astype(np.float32) if bias and not mode else None
@@ -151,7 +142,7 @@ def check(name, res, tol):
     assert err <= tol, f"{name}: error {err:.2e} > {tol:.0e}"
 
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
@@ -176,8 +167,9 @@ def test_qkv_segments_mixed_types_accumulate(emu, tmp_path):
 
 
 @pytest.mark.parametrize("qt,F,K,M,bn,splits,act", [(Q.Q4_K, 70, 512, 20, 32, 2, 0), (Q.Q8_0, 64, 288, 3, 8, 1, 1),
-                                                    (Q.Q6_K, 129, 256, 66, 64, 2, 0), (Q.Q4_1, 33, 160, 16, 16, 2, 1)],
-                         ids=["q4k-silu", "q8_0-gelu", "q6k-2tokentiles", "q4_1-gelu"])
+                                                    (Q.Q6_K, 129, 256, 66, 64, 2, 0), (Q.Q4_1, 33, 160, 16, 16, 2, 1),
+                                                    (Q.Q5_K, 65, 512, 9, 16, 2, 0), (Q.Q5_1, 40, 224, 5, 8, 1, 1)],
+                         ids=["q4k-silu", "q8_0-gelu", "q6k-2tokentiles", "q4_1-gelu", "q5k-silu", "q5_1-gelu"])
 def test_fused_ffn(emu, tmp_path, qt, F, K, M, bn, splits, act):
     rng = np.random.default_rng(F * K + M)
     check(f"ffn {qt.name}", run_case(emu, tmp_path, rng, [(qt, F)], K, M, bn, splits, mode=1, act=act, norm=True),
@@ -197,7 +189,7 @@ def test_head_argmax(emu, tmp_path, qt, N, splits, bn, M):
 
 
 @pytest.mark.parametrize("tc_model", [0, 1], ids=["exact-sums", "truncating-sums"])
-@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_1, Q.Q5_K], ids=lambda q: q.name)
 def test_activation_range_stress(emu, tmp_path, qt, tc_model):
     """Rows from 1e-6 to 1e4 with outlier channels (the FFN down projection's input has no bound):
     the row scaling keeps fp16 from overflowing and the hi/lo split keeps fp32-class accuracy, also
@@ -211,7 +203,7 @@ def test_activation_range_stress(emu, tmp_path, qt, tc_model):
 
 
 # ------------------------------------------------------------------ mmqs.cu (batches of 2 to 16 rows)
-SMALL_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0]
+SMALL_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1]
 
 
 @pytest.mark.parametrize("qt", SMALL_TYPES, ids=lambda q: q.name)
@@ -245,7 +237,7 @@ def test_small_qkv_ffn_head(emu, tmp_path):
     check("mmqs qkv bias", run_case(emu, tmp_path, rng, segs, 512, 4, -8, 4, bias=True, norm=True), EXACT_TOL)
     check("mmqs residual", run_case(emu, tmp_path, rng, [(Q.Q6_K, 40)], 512, 11, -16, 3, accumulate=True),
           EXACT_TOL)
-    for qt, act in ((Q.Q4_K, 0), (Q.Q6_K, 1), (Q.Q8_0, 0)):
+    for qt, act in ((Q.Q4_K, 0), (Q.Q6_K, 1), (Q.Q8_0, 0), (Q.Q5_K, 1), (Q.Q5_1, 0)):
         check(f"mmqs ffn {qt.name}", run_case(emu, tmp_path, rng, [(qt, 33)], 512, 6, -8, 2, mode=1, act=act,
                                                norm=True), EXACT_TOL)
     check("mmqs ffn t16", run_case(emu, tmp_path, rng, [(Q.Q4_K, 20)], 256, 13, -16, 4, mode=1, norm=True), EXACT_TOL)
@@ -262,3 +254,20 @@ def test_small_qkv_ffn_head(emu, tmp_path):
     for tc_model in (0, 1):
         res = run_case(emu, tmp_path, rng, [(Q.Q4_K, 21)], 1024, 7, -8, 4, stress=True, tc_model=tc_model, twice=False)
         check(f"mmqs stress model={tc_model}", res, FP32_TOL if tc_model else EXACT_TOL)
+
+
+@pytest.mark.parametrize("qt", LOWBIT, ids=lambda q: q.name)
+def test_lowbit_types_both_kernels(emu, tmp_path, qt):
+    """lowbit.cuh's types (Q3_K, the I-quants, MXFP4) through mmq.cu (a token-tile width, K split
+    over CTAs, rows no tile divides, a partial last chunk where the type allows it) and mmqs.cu (one
+    and two token tiles, K over 1 to 8 warps, a batch in two token groups), and the fused FFN on each:
+    exact against gguf's dequantize of the same blocks."""
+    rng = np.random.default_rng(int(qt) * 31337)
+    i = LOWBIT.index(qt)
+    for bn, M, splits in (((8, 16, 32, 64)[i % 4], (5, 13, 29, 37)[i % 4], 2), (-8, 7, 3), (-16, 16, 8), (-16, 19, 2)):
+        K = 768 if qt in KQUANT else (544 if bn > 0 else 576)       # mmqs.cu: whole 64-column items
+        res = run_case(emu, tmp_path, rng, [(qt, 37)], K, M, bn, splits, bias=True)
+        check(f"{qt.name} bn{bn} M{M} splits/warps {splits}", res, EXACT_TOL)
+    for bn, M, splits in ((16, 9, 1), (-8, 6, 2)):
+        res = run_case(emu, tmp_path, rng, [(qt, 33)], 512, M, bn, splits, mode=1, act=i % 2, norm=True)
+        check(f"{qt.name} ffn bn{bn}", res, EXACT_TOL)

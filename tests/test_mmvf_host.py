@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GXX = shutil.which("g++")
+# the types the self-check compares on C++ random blocks (the others: test_decoders_give_gguf_values)
 TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -29,9 +30,13 @@ def _build(tmp_path) -> Path:
     return exe
 
 
+@pytest.fixture(scope="module")
+def exe(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("mmvf"))
+
+
 @pytest.mark.skipif(GXX is None, reason="g++ not installed")
-def test_funit_decoders_match_load_unit(tmp_path):
-    exe = _build(tmp_path)
+def test_funit_decoders_match_load_unit(exe):
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     seen = set()
     for line in out.splitlines():
@@ -42,32 +47,46 @@ def test_funit_decoders_match_load_unit(tmp_path):
     assert seen == TYPES
 
 
+# every quantized type of the GPU's table, at row lengths of one block, of several, and of an odd
+# number of blocks (rows then start at every alignment the device's arena gives them)
+SHAPES = {32: [(3, 32), (3, 896), (2, 4864), (5, 160)], 256: [(3, 256), (2, 1536), (2, 4864), (3, 768)]}
+
+
+def _cases():
+    from realizar_backend.backends.cuda.matrices import QTYPES
+    return [(q.name, rows, cols) for q, info in QTYPES.items() if info.blocks for rows, cols in SHAPES[info.block]]
+
+
 @pytest.mark.skipif(GXX is None, reason="g++ not installed")
-@pytest.mark.parametrize("qname,rows,cols", [("Q5_0", 3, 896), ("Q5_0", 2, 4864), ("Q8_0", 3, 896), ("Q8_0", 2, 1536),
-                                             ("Q6_K", 3, 256), ("Q6_K", 2, 1536), ("Q6_K", 2, 4864)])
-def test_device_layout_decodes_to_gguf_values(tmp_path, qname, rows, cols):
-    """GGUF bytes -> the type's device layout (NumPy twin of repack.cu) -> common.cuh's decoders:
-    every weight equals gguf's own dequantize, through load_unit, load_qunit and load_funit."""
+@pytest.mark.parametrize("qname,rows,cols", _cases())
+def test_decoders_give_gguf_values(exe, tmp_path, qname, rows, cols):
+    """GGUF bytes of fresh random blocks -> the type's device layout (formats/gpu_layout.py, the
+    NumPy twin of repack.cu) -> common.cuh's decoders: every weight equals gguf's own dequantize
+    through load_unit (dequantize, embed, split16) and load_funit (mmvf.cu; load_qunit too where
+    the type has one), and funit_dot holds fp32 accuracy against float64."""
     import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-    from realizar_backend.formats.gpu_layout import dequantize_device, to_device
-    from realizar_backend.formats.quants import dequantize
+    from gguf import GGMLQuantizationType as Q
+    from realizar_backend.formats.gpu_layout import dequantize_device, device_row_bytes, to_device
+    from realizar_backend.formats.quants import dequantize, random_matrix
 
     qt = Q[qname]
-    block, nbytes = GGML_QUANT_SIZES[qt]
-    rng = np.random.default_rng(rows * cols)
-    n = rows * cols // block
-    blocks = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
-    d_at = nbytes - 2 if qt == Q.Q6_K else 0
-    blocks[:, d_at:d_at + 2] = (rng.random(n) * 0.02 + 0.005).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    raw = blocks.reshape(rows, -1)
+    rng = np.random.default_rng(rows * cols + int(qt))
+    raw = random_matrix(qt, rows, cols, rng)
     ref = dequantize(raw, qt, (rows, cols)).astype(np.float64)
+    assert np.all(np.isfinite(ref)) and np.abs(ref).max() > 0
     dev = to_device(qt, raw, cols)
+    rb = device_row_bytes(qt, cols)
+    assert dev.shape == (rows, rb)
     assert np.array_equal(dequantize_device(qt, dev, rows, cols), ref)
     path = tmp_path / "w.bin"
     path.write_bytes(dev.tobytes())
-    exe = _build(tmp_path)
-    out = subprocess.run([str(exe), str(path), str(cols), qname], capture_output=True, text=True, check=True).stdout
-    got = np.array(out.split(), np.float64).reshape(rows, cols, 3)
-    for i, name in enumerate(("load_unit", "load_qunit", "load_funit")):
+    out = subprocess.run([str(exe), str(path), str(cols), qname, str(rb)], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    dot = out[-2].split()
+    assert dot[0] == "DOT" and float(dot[1]) <= 5e-6, out[-2]
+    cells = [line.split() for line in out[:-2]]
+    got = np.array([[float(c[0]), float(c[1])] for c in cells]).reshape(rows, cols, 2)
+    for i, name in enumerate(("load_unit", "load_funit")):
         assert np.array_equal(got[..., i], ref), name
+    if cells[0][2] != "-":
+        assert np.array_equal(np.array([float(c[2]) for c in cells]).reshape(rows, cols), ref), "load_qunit"

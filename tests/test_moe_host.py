@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
 from realizar_backend.formats.quants import dequantize
 from realizar_backend.model.math import gelu_tanh, route, silu
-from synth import quantize
+from synth import TOLERANCE, quantize, random_quant
 
 ROOT = Path(__file__).resolve().parents[1]
 GXX = shutil.which("g++")
@@ -30,13 +30,16 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 F64 = np.float64
 TOL = 2e-5                # error over sum |w x|: fp32 dot products (the GEMVs' bound)
-TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32]
-SFX = {Q.Q4_K: "q4_k", Q.Q6_K: "q6_k", Q.Q8_0: "q8_0", Q.F32: "f32"}
+# and of lowbit.cuh's decoders: a stack of MXFP4 experts in its device layout (gpt-oss), of IQ4_XS and
+# of Q3_K (dynamic mixes' experts), of IQ2_XXS (a codebook type)
+TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32, Q.MXFP4, Q.IQ4_XS, Q.Q3_K, Q.IQ2_XXS]
+SFX = {q: q.name.lower() for q in TYPES}
 # (E experts, F expert FFN rows, H hidden) per type: rows no 4-row block divides; K-quants take
 # whole 256-weight blocks, Q8_0 32-weight units, F32 any width (a row ending inside a unit)
-SHAPES = {Q.Q4_K: (5, 37, 256), Q.Q6_K: (4, 19, 512), Q.Q8_0: (6, 45, 96), Q.F32: (5, 29, 45)}
+SHAPES = {Q.Q4_K: (5, 37, 256), Q.Q6_K: (4, 19, 512), Q.Q8_0: (6, 45, 96), Q.F32: (5, 29, 45),
+          Q.MXFP4: (4, 21, 160), Q.IQ4_XS: (3, 23, 256), Q.Q3_K: (4, 17, 512), Q.IQ2_XXS: (3, 19, 256)}
 # the expert FFN widths of the down projections (its columns): whole blocks of each type
-DOWN_F = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 64, Q.F32: 37}
+DOWN_F = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 64, Q.F32: 37, Q.MXFP4: 96, Q.IQ4_XS: 256, Q.Q3_K: 256, Q.IQ2_XXS: 256}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,8 @@ def stack(qtype, E: int, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndar
     """E experts' random [rows, cols] matrices, quantized as a converter would: (device bytes of the
     stack, its float64 weights [E, rows, cols], bytes a row on the device)."""
     w = (rng.standard_normal((E * rows, cols)) * rng.uniform(0.05, 0.3, (E * rows, 1))).astype(np.float32)
-    raw = quantize(w, qtype)
+    # types gguf-py cannot quantize: valid random blocks of the same spread (synth.random_quant)
+    raw = quantize(w, qtype) if qtype in TOLERANCE else random_quant(qtype, E * rows, cols, float(w.std()), rng)
     dev = to_device(qtype, np.ascontiguousarray(raw).view(np.uint8).reshape(E * rows, -1), cols)
     return dev, dequantize(raw, qtype, (E, rows, cols)).astype(F64), device_row_bytes(qtype, cols)
 

@@ -1,12 +1,13 @@
 """How the CUDA backend stores a GGML matrix on the device, in NumPy (no GPU needed).
 
-Blocks whose size is not a multiple of 4 bytes (Q5_0: 22, Q8_0: 34, Q6_K: 210) leave most blocks
-2 bytes off a word boundary, so a decoder reads them 4 bytes at a time and funnel-shifts misaligned
-words. On the device those types are regrouped so that every 32-weight unit's quants are 16-byte
-aligned, with the same bytes per weight; the other types keep their GGUF bytes. Rows are padded to
-a multiple of 16 bytes.
+Blocks whose size is not a multiple of 4 bytes (Q5_0: 22, Q8_0: 34, Q6_K: 210; MXFP4: 17) leave most
+blocks 2 (MXFP4: 1) bytes off a word boundary, so a decoder reads them 4 bytes at a time and
+funnel-shifts misaligned words. On the device those types are regrouped so that every 32-weight
+unit's quants are 16-byte aligned, with the same bytes per weight; the other types keep their GGUF
+bytes. Rows are padded to a multiple of 16 bytes.
 
     Q8_0: qs[nu][32], then d[nu] (fp16)
+    MXFP4: qs[nu][16] (as GGUF), then e[nu] (the E8M0 exponent bytes)
     Q5_0: qs[nu][16] (as GGUF), then qh[nu] (u32: bit i of byte k = fifth bit of column 4i + k,
           bit 4 + i = of column 16 + 4i + k; GGUF's bit j is column j), then d[nu]
     Q6_K: per 256-weight block, 208 bytes:
@@ -31,7 +32,7 @@ _Q6K_BLOCK = 210
 _Q6K_BODY = 208          # lo + hi + sc per block
 
 
-REGROUPED = (Q.Q5_0, Q.Q8_0, Q.Q6_K)
+REGROUPED = (Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.MXFP4)
 
 
 def device_row_bytes(qtype, cols: int) -> int:
@@ -75,6 +76,11 @@ def to_device(qtype, raw: np.ndarray, cols: int) -> np.ndarray:
         out[:, :32 * nu] = blocks[..., 2:].reshape(rows, -1)
         out[:, 32 * nu:34 * nu] = blocks[..., :2].reshape(rows, -1)
         return out
+    if qtype == Q.MXFP4:
+        blocks = raw.reshape(rows, nu, 17)
+        out[:, :16 * nu] = blocks[..., 1:].reshape(rows, -1)
+        out[:, 16 * nu:17 * nu] = blocks[..., 0]
+        return out
     if qtype == Q.Q5_0:
         blocks = raw.reshape(rows, nu, 22)
         out[:, :16 * nu] = blocks[..., 6:].reshape(rows, -1)
@@ -100,6 +106,9 @@ def dequantize_device(qtype, dev: np.ndarray, rows: int, cols: int) -> np.ndarra
         return dequantize(dev.reshape(rows, -1), qtype, (rows, cols))
     dev = np.ascontiguousarray(dev).view(np.uint8).reshape(rows, -1)
     nu = cols // 32
+    if qtype == Q.MXFP4:      # back to GGUF's blocks: the format's own decoder is the twin
+        blocks = np.concatenate([dev[:, 16 * nu:17 * nu, None], dev[:, :16 * nu].reshape(rows, nu, 16)], axis=-1)
+        return dequantize(blocks.reshape(rows, -1), qtype, (rows, cols))
     if qtype in (Q.Q8_0, Q.Q5_0):
         qb = 32 if qtype == Q.Q8_0 else 20
         d = dev[:, qb * nu:(qb + 2) * nu].copy().view(np.float16).astype(np.float32)[..., None]

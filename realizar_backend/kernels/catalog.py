@@ -61,15 +61,15 @@ NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
 # Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu) and of a
-# few (mmqs.cu). Compiled for every type, their kernels switch over eight decoders, and a decode
+# few (mmqs.cu). Compiled for every type, their kernels switch over every decoder, and a decode
 # step of one row runs markedly slower than on a module built for the model's own types. A model
 # whose mask ships no module of these compiles it with NVRTC (once: CuPy caches it on disk) rather
 # than take the general one.
 QMASK_EXACT = frozenset({"mmvf.cu", "mmqs.cu"})
 # quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
 # (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +
-# Q8_0, as SmolLM2-135M), as GGML type numbers
-PREBUILT_QMASKS = ((12, 14), (6, 8, 12, 14), (3, 8))
+# Q8_0, as SmolLM2-135M; Q5_K_M: Q5_K + Q6_K), as GGML type numbers
+PREBUILT_QMASKS = ((12, 14), (6, 8, 12, 14), (3, 8), (13, 14))
 
 
 def source(name: str) -> str:

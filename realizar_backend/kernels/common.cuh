@@ -26,10 +26,20 @@ typedef unsigned long long u64;
 #define QT_Q5_0 6
 #define QT_Q5_1 7
 #define QT_Q8_0 8
+#define QT_Q2_K 10
+#define QT_Q3_K 11
 #define QT_Q4_K 12
 #define QT_Q5_K 13
 #define QT_Q6_K 14
+#define QT_IQ2_XXS 16
+#define QT_IQ2_XS 17
+#define QT_IQ3_XXS 18
+#define QT_IQ4_NL 20
+#define QT_IQ3_S 21
+#define QT_IQ2_S 22
+#define QT_IQ4_XS 23
 #define QT_BF16 30
+#define QT_MXFP4 39
 
 // Quant types compiled in (bit = ggml type number): a model's loader compiles only the types it
 // holds, which cuts the first-start NVRTC time of the type-templated families several times.
@@ -590,7 +600,8 @@ __device__ __forceinline__ float2 rope_rot(float a, float b, float c, float s) {
 // A q + C is then a f + c with a = 2^(bits+1) A and c = C - 2^bits A, so the unit's dot with x is
 //   a0 * sum_{k<16} f_k x_k + a1 * sum_{k>=16} f_k x_k + c0 * sum_{k<16} x_k + c1 * sum_{k>=16} x_k,
 // where the two sums of x are computed once per unit and shared by every row. Q8_0 (8-bit signed)
-// has no spare bit: its bytes (sign flipped) become 2^23 + q + 128, and one subtraction gives q.
+// has no spare bit: its bytes (sign flipped) become 2^23 + q + 128, and one subtraction gives q; the
+// I-quants and MXFP4 (lowbit.cuh) decode to such bytes too (funit_s8), with a scale per half unit.
 struct FUnit {
     u32 v[8];
     float a0, a1, c0, c1;
@@ -733,10 +744,17 @@ __device__ __forceinline__ u32 prmt_imm(u32 a, u32 b) {
 #endif
 }
 
-// value of byte K of v as a float: 0.5 + q / 2^(bits+1) (Q8_0: q itself)
+// The types whose FUnit bytes hold a signed q + 128 (Q8_0's form): Q8_0, and the I-quants and MXFP4
+// (lowbit.cuh), which have a scale per half unit (a0, a1) and no offset (c0 = c1 = 0)
+__host__ __device__ constexpr bool funit_s8(int qt) {
+    return qt == QT_Q8_0 || qt == QT_IQ4_NL || qt == QT_IQ4_XS || qt == QT_MXFP4 || qt == QT_IQ2_XXS ||
+           qt == QT_IQ2_XS || qt == QT_IQ2_S || qt == QT_IQ3_XXS || qt == QT_IQ3_S;
+}
+
+// value of byte K of v as a float: 0.5 + q / 2^(bits+1) (funit_s8 types: q itself)
 template <int QT, int K>
 __device__ __forceinline__ float funit_f(u32 v) {
-    if (QT == QT_Q8_0) return __int_as_float((int)prmt_imm<0x7440u | K>(v, 0x4B000000u)) - 8388736.0f;
+    if (funit_s8(QT)) return __int_as_float((int)prmt_imm<0x7440u | K>(v, 0x4B000000u)) - 8388736.0f;
     return __int_as_float((int)prmt_imm<0x7044u | (K << 8)>(v, 0x3F000000u));
 }
 
@@ -761,5 +779,9 @@ __device__ __forceinline__ float funit_dot(const FUnit& w, const float (&xv)[32]
         hi1 = funit_dot4<QT>(w.v[i + 5], xv + 20 + 4 * i, hi1);
     }
     if (QT == QT_Q8_0) return w.a0 * ((lo0 + lo1) + (hi0 + hi1));
+    if (funit_s8(QT)) return fmaf(w.a0, lo0 + lo1, w.a1 * (hi0 + hi1));
     return fmaf(w.a0, lo0 + lo1, fmaf(w.a1, hi0 + hi1, fmaf(w.c0, sl, w.c1 * sh)));
 }
+
+// the decoders of the low-bit and codebook types (Q2_K, Q3_K, the I-quants, MXFP4)
+#include "lowbit.cuh"

@@ -158,3 +158,33 @@ DEFINE_DEQUANT(q5_k, QT_Q5_K)
 #if QT_ON(QT_Q6_K)
 DEFINE_DEQUANT(q6_k, QT_Q6_K)
 #endif
+#if QT_ON(QT_Q2_K)
+DEFINE_DEQUANT(q2_k, QT_Q2_K)
+#endif
+#if QT_ON(QT_Q3_K)
+DEFINE_DEQUANT(q3_k, QT_Q3_K)
+#endif
+#if QT_ON(QT_IQ4_NL)
+DEFINE_DEQUANT(iq4_nl, QT_IQ4_NL)
+#endif
+#if QT_ON(QT_IQ4_XS)
+DEFINE_DEQUANT(iq4_xs, QT_IQ4_XS)
+#endif
+#if QT_ON(QT_MXFP4)
+DEFINE_DEQUANT(mxfp4, QT_MXFP4)
+#endif
+#if QT_ON(QT_IQ2_XXS)
+DEFINE_DEQUANT(iq2_xxs, QT_IQ2_XXS)
+#endif
+#if QT_ON(QT_IQ2_XS)
+DEFINE_DEQUANT(iq2_xs, QT_IQ2_XS)
+#endif
+#if QT_ON(QT_IQ2_S)
+DEFINE_DEQUANT(iq2_s, QT_IQ2_S)
+#endif
+#if QT_ON(QT_IQ3_XXS)
+DEFINE_DEQUANT(iq3_xxs, QT_IQ3_XXS)
+#endif
+#if QT_ON(QT_IQ3_S)
+DEFINE_DEQUANT(iq3_s, QT_IQ3_S)
+#endif

@@ -226,10 +226,12 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
 // ------------------------------------------------------------------ weights -> A tile
 // One piece of a weight row per work item: 32 weights of one chunk as loaded from global memory
 // (what each type keeps differs), then decoded into the A tile and its unit's scale, half-unit
-// scale and min (meta[u] = {d0, d1, m, 0}; d0 for columns 0..15, d1 for 16..31).
+// scale and min (meta[u] = {d0, d1, m, 0}; d0 for columns 0..15, d1 for 16..31). A field a type
+// never sets holds no register in that type's instantiation (e: Q5_K's fifth bits only).
 struct MmqRaw {
     uint4 a, b;
     u32 c, d;
+    uint4 e;
 };
 
 // 16 columns 16s + 4t + k (byte k of w[t]) into the A-tile unit at ua: positions 16s + 2t + k
@@ -267,6 +269,35 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q4_K>(const MmqRaw& r, 
     u8* ulo = ar + 64 * (2 * (p >> 1));
     mmq_put16(ulo, p & 1, r.a.x & M4, r.a.y & M4, r.a.z & M4, r.a.w & M4, off);
     mmq_put16(ulo + 64, p & 1, (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4, off);
+    int sc, m;
+    scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
+    const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
+    mr[p] = make_float4(d, d, -h2f((u16)(r.b.x >> 16)) * m, 0.0f);
+}
+
+// Q5_K: {d, dmin, scales[12], qh[32], qs[128]} (176 bytes); pieces as Q4_K's (qs bytes 64h + 16p..
+// +15 of the chunk's half h), plus qh bytes 16(p & 1)..+15, whose bit j is the fifth bit of that
+// column of block unit j.
+template <> __device__ __forceinline__ void mmq_load<QT_Q5_K>(const u8* __restrict__ row, int, int c, int p, MmqRaw& r) {
+    const u8* b = row + (c >> 1) * 176;
+    r.a = __ldg((const uint4*)(b + 48 + 64 * (c & 1) + 16 * p));
+    r.b = __ldg((const uint4*)b);
+    r.e = __ldg((const uint4*)(b + 16 + 16 * (p & 1)));
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q5_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    const u32 M4 = 0x0F0F0F0Fu, B1 = 0x01010101u, off = mmq_off2(0);
+    const int j = 4 * (c & 1) + 2 * (p >> 1);            // block unit of the low nibbles; j + 1: high
+    const u32 q[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, h[4] = {r.e.x, r.e.y, r.e.z, r.e.w};
+    u32 lo[4], hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo[i] = (q[i] & M4) | (((h[i] >> j) & B1) << 4);
+        hi[i] = ((q[i] >> 4) & M4) | (((h[i] >> (j + 1)) & B1) << 4);
+    }
+    u8* ulo = ar + 64 * (2 * (p >> 1));
+    mmq_put16(ulo, p & 1, lo[0], lo[1], lo[2], lo[3], off);
+    mmq_put16(ulo + 64, p & 1, hi[0], hi[1], hi[2], hi[3], off);
     int sc, m;
     scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
     const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
@@ -367,6 +398,112 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q4_1>(const MmqRaw& r, 
     mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
 }
 
+// Q5_1: GGUF's {d, m, qh, qs[16]} (24 bytes, 8-byte aligned): w = d q + m, q = nibble | fifth bit
+// (qh bit j: column j)
+template <> __device__ __forceinline__ void mmq_load<QT_Q5_1>(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    const uint2* b = (const uint2*)(row + 24 * u);
+    const uint2 dmh = __ldg(b), q0 = __ldg(b + 1), q1 = __ldg(b + 2);
+    r.c = dmh.x;
+    r.d = dmh.y;
+    r.a = make_uint4(q0.x, q0.y, q1.x, q1.y);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q5_1>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
+    const u32 M4 = 0x0F0F0F0Fu;
+    const u32 q[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+    u32 v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[i] = (q[i] & M4) | (u32)bits_to_b4(r.d >> (4 * i));
+        v[i + 4] = ((q[i] >> 4) & M4) | (u32)bits_to_b4(r.d >> (16 + 4 * i));
+    }
+    mmq_put32(ar + 64 * p, v, mmq_off2(0));
+    const float d = h2f((u16)(r.c & 0xFFFF));
+    mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
+}
+
+// The whole-unit types of lowbit.cuh (the I-quants, MXFP4): piece p = unit 4c + p, loaded as an LRaw
+// (a, b, c, d -> MmqRaw a, c, d, b.x) and decoded to its bytes b = q + 128 and scales
+template <int QT>
+__device__ __forceinline__ void mmq_load_lb(const u8* __restrict__ row, int nu, int c, int p, MmqRaw& r) {
+    const int u = 4 * c + p;
+    if (u >= nu) return;
+    LRaw l;
+    lb_load<QT>(row, u, nu, l);
+    r.a = l.a;
+    r.c = l.b;
+    r.d = l.c;
+    r.b.x = l.d;
+}
+
+template <int QT>
+__device__ __forceinline__ void mmq_store_lb(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    LRaw l;
+    l.a = r.a;
+    l.b = r.c;
+    l.c = r.d;
+    l.d = r.b.x;
+    LUnit w;
+    lb_decode<QT>(l, 4 * c + p, w);
+    mmq_put32(ar + 64 * p, w.v, mmq_off2(lowbit_off(QT)));
+    mr[p] = make_float4(w.a0, w.a1, 0.0f, 0.0f);
+}
+
+#define MMQ_LOWBIT(Q)                                                                                         \
+    template <> __device__ __forceinline__ void mmq_load<Q>(const u8* __restrict__ row, int nu, int c, int p,  \
+                                                            MmqRaw& r) {                                      \
+        mmq_load_lb<Q>(row, nu, c, p, r);                                                                     \
+    }                                                                                                         \
+    template <> __device__ __forceinline__ void mmq_store<Q>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) { \
+        mmq_store_lb<Q>(r, c, p, ar, mr);                                                                     \
+    }
+MMQ_LOWBIT(QT_IQ4_NL)
+MMQ_LOWBIT(QT_IQ4_XS)
+MMQ_LOWBIT(QT_MXFP4)
+MMQ_LOWBIT(QT_IQ2_XXS)
+MMQ_LOWBIT(QT_IQ2_XS)
+MMQ_LOWBIT(QT_IQ2_S)
+MMQ_LOWBIT(QT_IQ3_XXS)
+MMQ_LOWBIT(QT_IQ3_S)
+#undef MMQ_LOWBIT
+
+// 8 columns 8p..8p+7 (bytes of w0: 8p..8p+3, of w1: 8p+4..) into the A-tile unit at ua: step p >> 1,
+// t = 2(p & 1) and t + 1 of mmq_put16's positions
+__device__ __forceinline__ void mmq_put8(u8* ua, int p, u32 w0, u32 w1, u32 off2) {
+    u8* q = ua + 32 * (p >> 1) + 8 * (p & 1);
+    *(uint2*)q = make_uint2(mmq_pair<0>(w0, off2), mmq_pair<0>(w1, off2));
+    *(uint2*)(q + 16) = make_uint2(mmq_pair<1>(w0, off2), mmq_pair<1>(w1, off2));
+}
+
+// Q3_K (lowbit.cuh q3k_unit): chunk c is half h = c & 1 of block c >> 1, whose 4 units j = 4h + s share
+// qs bytes 32h..32h+31 (bits 2s) and the 32 hmask bytes (bit j). Piece p: columns 8p..8p+7 of all 4
+// units (qs bytes 32h + 8p.., hmask bytes 8p..), and the scales of unit p; values q + 4 in 0..7.
+template <> __device__ __forceinline__ void mmq_load<QT_Q3_K>(const u8* __restrict__ row, int, int c, int p, MmqRaw& r) {
+    const u8* b = row + (c >> 1) * 110;
+    const u8* q = b + 32 + 32 * (c & 1) + 8 * p;
+    r.a = make_uint4((u32)ld32_a2(q), (u32)ld32_a2(q + 4), (u32)ld32_a2(b + 8 * p), (u32)ld32_a2(b + 8 * p + 4));
+    r.c = ld16(b + 96 + 2 * p);
+    r.d = ld16(b + 104 + 2 * (p & 1));
+    r.b.x = ld16(b + 108);
+}
+
+template <> __device__ __forceinline__ void mmq_store<QT_Q3_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
+    const int h = c & 1;
+    const u32 off = mmq_off2(4);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const int j = 4 * h + s;
+        const u32 w0 = ((r.a.x >> (2 * s)) & 0x03030303u) | (((r.a.z >> j) & 0x01010101u) << 2);
+        const u32 w1 = ((r.a.y >> (2 * s)) & 0x03030303u) | (((r.a.w >> j) & 0x01010101u) << 2);
+        mmq_put8(ar + 64 * s, p, w0, w1, off);
+    }
+    float a0, a1;
+    q3k_scale_pair(r.c, r.d, r.b.x, 4 * h + p, a0, a1);
+    mr[p] = make_float4(a0, a1, 0.0f, 0.0f);
+}
+
 // ------------------------------------------------------------------ the tile product
 // acc += the chunk's nuc units: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
 // X (BN activation rows of 32 16-byte pieces, piece q of row t at q ^ 4(t & 1): the two rows a
@@ -376,8 +513,10 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
                                           int wm, int wn, int lane,
                                           float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
     constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT;
-    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1;   // w = d q + m: the min needs the unit sums
-    constexpr bool HALF = QT == QT_Q6_K;                   // a scale per 16 columns
+    // w = d q + m: the min needs the unit sums
+    constexpr bool MIN = QT == QT_Q4_K || QT == QT_Q4_1 || QT == QT_Q5_K || QT == QT_Q5_1;
+    // a scale per 16 columns
+    constexpr bool HALF = QT == QT_Q6_K || QT == QT_Q3_K || QT == QT_IQ2_XS || QT == QT_IQ2_S;
     const int gid = lane >> 2, tig = lane & 3;
     const u8* arow = As + (wm * 16 * MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
 #pragma unroll 1
@@ -589,6 +728,17 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         MMQ_CASE(QT_Q8_0)
         MMQ_CASE(QT_Q4_K)
         MMQ_CASE(QT_Q6_K)
+        MMQ_CASE(QT_Q5_K)
+        MMQ_CASE(QT_Q5_1)
+        MMQ_CASE(QT_Q3_K)
+        MMQ_CASE(QT_IQ4_NL)
+        MMQ_CASE(QT_IQ4_XS)
+        MMQ_CASE(QT_MXFP4)
+        MMQ_CASE(QT_IQ2_XXS)
+        MMQ_CASE(QT_IQ2_XS)
+        MMQ_CASE(QT_IQ2_S)
+        MMQ_CASE(QT_IQ3_XXS)
+        MMQ_CASE(QT_IQ3_S)
         default: break;
     }
 #undef MMQ_CASE

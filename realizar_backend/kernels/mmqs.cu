@@ -31,6 +31,14 @@
 #define MMQS_ITEMS 4         // 64-column items of one 16-row tile a warp loads before using them
 #define MMQS_REC 528         // mmq.cu MMQ_REC: bytes per (token, 128-column chunk) prep record
 
+// items a warp keeps in flight per type: fewer where one item's registers are many (Q5_K: its fifth
+// bits; Q3_K: four words and its scale bytes; the I-quants with a second index or sign word), so
+// that the loop does not spill
+__host__ __device__ constexpr int mmqs_items(int qt) {
+    return qt == QT_Q5_K || qt == QT_Q3_K || qt == QT_IQ2_XXS || qt == QT_IQ2_XS || qt == QT_IQ2_S || qt == QT_IQ3_S
+               ? 2 : MMQS_ITEMS;
+}
+
 // ------------------------------------------------------------------ weights -> A fragments
 // Per type: Raw holds the registers of one item for rows gid (r = 0) and gid + 8 (r = 1); load()
 // fills it; unit() decodes unit e (0, 1) of the item: the A fragments of its two k16 steps, the
@@ -191,6 +199,118 @@ template <> struct Mqs<QT_Q5_0> {
     }
 };
 
+// Q5_K: {d, dmin, scales[12], qh[32], qs[128]}; items as Q4_K's (qs at byte 48), plus the qh words
+// at 4 tig and 16 + 4 tig, whose bit j is the fifth bit of those columns of block unit j
+template <> struct Mqs<QT_Q5_K> {
+    static constexpr bool MIN = true, HALF = false;
+    struct Raw {
+        u32 q[2][2];     // [row][step]: qs words at 4 tig and 16 + 4 tig
+        u32 qh[2][2];    // [row][step]: qh words at the same columns
+        uint4 h[2];      // the block headers
+    };
+    static __device__ __forceinline__ void load(const u8* r0, const u8* r1, int i, int, int tig, Raw& w) {
+        const u8* rows[2] = {r0, r1};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const u8* b = rows[r] + (i >> 2) * 176;
+            w.h[r] = __ldg((const uint4*)b);
+            w.qh[r][0] = __ldg((const u32*)(b + 16 + 4 * tig));
+            w.qh[r][1] = __ldg((const u32*)(b + 32 + 4 * tig));
+            w.q[r][0] = __ldg((const u32*)(b + 48 + 32 * (i & 3) + 4 * tig));
+            w.q[r][1] = __ldg((const u32*)(b + 64 + 32 * (i & 3) + 4 * tig));
+        }
+    }
+    static __device__ __forceinline__ void unit(const Raw& w, int i, int e, int, u32 (&a)[2][4], float (&d)[2][2],
+                                                float (&mn)[2]) {
+        const u32 M4 = 0x0F0F0F0Fu, B1 = 0x01010101u, off = mmq_off2(0);
+        const int j = 2 * (i & 3) + e;                    // the unit within its block
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+            mmqs_frag(a[s], ((w.q[0][s] >> (4 * e)) & M4) | (((w.qh[0][s] >> j) & B1) << 4),
+                      ((w.q[1][s] >> (4 * e)) & M4) | (((w.qh[1][s] >> j) & B1) << 4), off);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int sc, m;
+            scale_min_k4w(j, w.h[r].y, w.h[r].z, w.h[r].w, sc, m);
+            d[r][0] = d[r][1] = h2f((u16)(w.h[r].x & 0xFFFF)) * sc;
+            mn[r] = -h2f((u16)(w.h[r].x >> 16)) * m;
+        }
+    }
+};
+
+// Q5_1: GGUF's {d, m, qh, qs[16]} (24 bytes): the quant word at 4 tig holds columns 4 tig + k (low
+// nibbles) and 16 + 4 tig + k (high); qh bit j is the fifth bit of column j; w = d q + m
+template <> struct Mqs<QT_Q5_1> {
+    static constexpr bool MIN = true, HALF = false;
+    struct Raw {
+        u32 x[2][2];     // [row][unit]: quant word at 4 tig
+        u32 qh[2][2];
+        u32 dm[2][2];    // d | m << 16
+    };
+    static __device__ __forceinline__ void load(const u8* r0, const u8* r1, int i, int, int tig, Raw& w) {
+        const u8* rows[2] = {r0, r1};
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u8* b = rows[r] + 24 * (2 * i + e);
+                w.dm[r][e] = __ldg((const u32*)b);
+                w.qh[r][e] = __ldg((const u32*)(b + 4));
+                w.x[r][e] = __ldg((const u32*)(b + 8 + 4 * tig));
+            }
+    }
+    static __device__ __forceinline__ void unit(const Raw& w, int, int e, int tig, u32 (&a)[2][4], float (&d)[2][2],
+                                                float (&mn)[2]) {
+        const u32 M4 = 0x0F0F0F0Fu, off = mmq_off2(0);
+        u32 v[2][2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            v[r][0] = (w.x[r][e] & M4) | (u32)bits_to_b4(w.qh[r][e] >> (4 * tig));
+            v[r][1] = ((w.x[r][e] >> 4) & M4) | (u32)bits_to_b4(w.qh[r][e] >> (16 + 4 * tig));
+            d[r][0] = d[r][1] = h2f((u16)(w.dm[r][e] & 0xFFFF));
+            mn[r] = h2f((u16)(w.dm[r][e] >> 16));
+        }
+#pragma unroll
+        for (int s = 0; s < 2; ++s) mmqs_frag(a[s], v[0][s], v[1][s], off);
+    }
+};
+
+// The types of lowbit.cuh (Q3_K, the I-quants, MXFP4): each thread's two words of a unit from
+// lt_load / lt_decode (values b = q + OFF, a scale per half unit, no min)
+template <int QT> struct MqsLow {
+    static constexpr bool MIN = false, HALF = QT == QT_Q3_K || QT == QT_IQ2_XS || QT == QT_IQ2_S;
+    struct Raw {
+        LRaw l[2][2];    // [row][unit]
+    };
+    static __device__ __forceinline__ void load(const u8* r0, const u8* r1, int i, int nu, int tig, Raw& w) {
+        const u8* rows[2] = {r0, r1};
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) lt_load<QT>(rows[r], 2 * i + e, nu, tig, w.l[r][e]);
+    }
+    static __device__ __forceinline__ void unit(const Raw& w, int i, int e, int tig, u32 (&a)[2][4], float (&d)[2][2],
+                                                float (&mn)[2]) {
+        u32 v[2][2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            lt_decode<QT>(w.l[r][e], 2 * i + e, tig, v[r][0], v[r][1], d[r][0], d[r][1]);
+            mn[r] = 0.0f;
+        }
+#pragma unroll
+        for (int s = 0; s < 2; ++s) mmqs_frag(a[s], v[0][s], v[1][s], mmq_off2(lowbit_off(QT)));
+    }
+};
+template <> struct Mqs<QT_Q3_K> : MqsLow<QT_Q3_K> {};
+template <> struct Mqs<QT_IQ4_NL> : MqsLow<QT_IQ4_NL> {};
+template <> struct Mqs<QT_IQ4_XS> : MqsLow<QT_IQ4_XS> {};
+template <> struct Mqs<QT_MXFP4> : MqsLow<QT_MXFP4> {};
+template <> struct Mqs<QT_IQ2_XXS> : MqsLow<QT_IQ2_XXS> {};
+template <> struct Mqs<QT_IQ2_XS> : MqsLow<QT_IQ2_XS> {};
+template <> struct Mqs<QT_IQ2_S> : MqsLow<QT_IQ2_S> {};
+template <> struct Mqs<QT_IQ3_XXS> : MqsLow<QT_IQ3_XXS> {};
+template <> struct Mqs<QT_IQ3_S> : MqsLow<QT_IQ3_S> {};
+
 // ------------------------------------------------------------------ the K loop
 // acc[m][n] += the items w, w + W, ... of the MT 16-row tiles (rows[m]: the rows gid and gid + 8
 // of tile m) for the token tiles n (xr[n]: this thread's B-fragment token's prep records; sr[n][j]:
@@ -200,7 +320,7 @@ __device__ __forceinline__ void mmqs_k(const u8* const (&rows)[MT][2], int nu, i
                                        const u8* const (&xr)[NT], const u8* const (&sr)[NT][2],
                                        float (&acc)[MT][NT][4]) {
     using T = Mqs<QT>;
-    constexpr int P = MMQS_ITEMS / (MT * NT) > 0 ? MMQS_ITEMS / (MT * NT) : 1;
+    constexpr int IT = mmqs_items(QT), P = IT / (MT * NT) > 0 ? IT / (MT * NT) : 1;
     const int nit = nu >> 1;
 #pragma unroll 1
     for (int i0 = w; i0 < nit; i0 += P * W) {
@@ -284,6 +404,17 @@ __device__ __forceinline__ void mmqs_run(int qt, const u8* const (&rows)[MT][2],
         MMQS_CASE(QT_Q6_K)
         MMQS_CASE(QT_Q8_0)
         MMQS_CASE(QT_Q5_0)
+        MMQS_CASE(QT_Q5_K)
+        MMQS_CASE(QT_Q5_1)
+        MMQS_CASE(QT_Q3_K)
+        MMQS_CASE(QT_IQ4_NL)
+        MMQS_CASE(QT_IQ4_XS)
+        MMQS_CASE(QT_MXFP4)
+        MMQS_CASE(QT_IQ2_XXS)
+        MMQS_CASE(QT_IQ2_XS)
+        MMQS_CASE(QT_IQ2_S)
+        MMQS_CASE(QT_IQ3_XXS)
+        MMQS_CASE(QT_IQ3_S)
         default: break;
     }
 #undef MMQS_CASE

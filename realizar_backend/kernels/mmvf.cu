@@ -122,6 +122,16 @@ __device__ __forceinline__ void mmvf_dispatch(int qt, const u8* const (&W)[M], l
         MMVF_CASE(QT_Q4_K)
         MMVF_CASE(QT_Q5_K)
         MMVF_CASE(QT_Q6_K)
+        MMVF_CASE(QT_Q2_K)
+        MMVF_CASE(QT_Q3_K)
+        MMVF_CASE(QT_IQ4_NL)
+        MMVF_CASE(QT_IQ4_XS)
+        MMVF_CASE(QT_MXFP4)
+        MMVF_CASE(QT_IQ2_XXS)
+        MMVF_CASE(QT_IQ2_XS)
+        MMVF_CASE(QT_IQ2_S)
+        MMVF_CASE(QT_IQ3_XXS)
+        MMVF_CASE(QT_IQ3_S)
         default: break;
     }
 #undef MMVF_CASE

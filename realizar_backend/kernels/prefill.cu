@@ -38,6 +38,16 @@ __device__ __forceinline__ void load_unit_rt(int qt, const u8* __restrict__ row,
         case QT_Q4_K: if constexpr (QT_ON(QT_Q4_K)) load_unit<QT_Q4_K>(row, u, K, w); break;
         case QT_Q5_K: if constexpr (QT_ON(QT_Q5_K)) load_unit<QT_Q5_K>(row, u, K, w); break;
         case QT_Q6_K: if constexpr (QT_ON(QT_Q6_K)) load_unit<QT_Q6_K>(row, u, K, w); break;
+        case QT_Q2_K: if constexpr (QT_ON(QT_Q2_K)) load_unit<QT_Q2_K>(row, u, K, w); break;
+        case QT_Q3_K: if constexpr (QT_ON(QT_Q3_K)) load_unit<QT_Q3_K>(row, u, K, w); break;
+        case QT_IQ4_NL: if constexpr (QT_ON(QT_IQ4_NL)) load_unit<QT_IQ4_NL>(row, u, K, w); break;
+        case QT_IQ4_XS: if constexpr (QT_ON(QT_IQ4_XS)) load_unit<QT_IQ4_XS>(row, u, K, w); break;
+        case QT_MXFP4: if constexpr (QT_ON(QT_MXFP4)) load_unit<QT_MXFP4>(row, u, K, w); break;
+        case QT_IQ2_XXS: if constexpr (QT_ON(QT_IQ2_XXS)) load_unit<QT_IQ2_XXS>(row, u, K, w); break;
+        case QT_IQ2_XS: if constexpr (QT_ON(QT_IQ2_XS)) load_unit<QT_IQ2_XS>(row, u, K, w); break;
+        case QT_IQ2_S: if constexpr (QT_ON(QT_IQ2_S)) load_unit<QT_IQ2_S>(row, u, K, w); break;
+        case QT_IQ3_XXS: if constexpr (QT_ON(QT_IQ3_XXS)) load_unit<QT_IQ3_XXS>(row, u, K, w); break;
+        case QT_IQ3_S: if constexpr (QT_ON(QT_IQ3_S)) load_unit<QT_IQ3_S>(row, u, K, w); break;
         default:
 #pragma unroll
             for (int i = 0; i < 32; ++i) w[i] = __int_as_float(0x7fffffff);  // an unknown type reads as NaN, never as numbers

@@ -1,6 +1,7 @@
 // Weights into their device layout at upload (formats/gpu_layout.py describes it; its to_device is
-// this file's NumPy twin). GGUF's Q5_0, Q8_0 and Q6_K blocks are 2-byte aligned; the device layouts
-// give every 32-weight unit 16-byte aligned quants (common.cuh q5_0_unit, q8_0_unit, q6k_unit).
+// this file's NumPy twin). GGUF's Q5_0, Q8_0 and Q6_K blocks are 2-byte aligned, MXFP4's 1-byte; the
+// device layouts give every 32-weight unit 16-byte aligned quants (common.cuh q5_0_unit, q8_0_unit,
+// q6k_unit; lowbit.cuh's MXFP4 decoders).
 //
 // repack_<type>(src, rows, cols, dst, rb): src holds rows x cols weights in GGUF bytes, contiguous;
 // dst rows of rb bytes (the GGUF row size rounded up to 16). One thread per 32-weight unit; a row's
@@ -33,6 +34,20 @@ extern "C" __global__ void repack_q8_0(const u8* __restrict__ src, int rows, int
     row[32 * nu + 2 * u] = b[0];
     row[32 * nu + 2 * u + 1] = b[1];
     if (u == 0) repack_pad(row, 34LL * nu, rb);
+}
+
+extern "C" __global__ void repack_mxfp4(const u8* __restrict__ src, int rows, int cols, u8* __restrict__ dst,
+                                        long long rb) {
+    long long r;
+    int u;
+    if (!repack_unit(rows, cols, r, u)) return;
+    int nu = cols >> 5;
+    const u8* b = src + (r * nu + u) * 17;            // {u8 e (E8M0); u8 qs[16]}
+    u8* row = dst + r * rb;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) row[16 * u + i] = b[1 + i];
+    row[16 * nu + u] = b[0];
+    if (u == 0) repack_pad(row, 17LL * nu, rb);
 }
 
 extern "C" __global__ void repack_q5_0(const u8* __restrict__ src, int rows, int cols, u8* __restrict__ dst,

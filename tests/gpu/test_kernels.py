@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from realizar_backend.backends.cuda.matrices import QTYPES
+
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-3
-BLOCK32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
-KQUANT = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# every quantized type of the GPU's table: 32-weight blocks, and 256-weight blocks (K-quants, I-quants)
+BLOCK32 = [q for q, i in QTYPES.items() if i.blocks and i.block == 32]
+KQUANT = [q for q, i in QTYPES.items() if i.block == 256]
 FLOATS = [Q.F32, Q.F16, Q.BF16]
 # (N rows, K cols): hidden 896 (28 units), 576, 1536, and a 7-unit row; K-quants at 1, 6, 9, 35
 # super-blocks; float types at row lengths no block size divides
@@ -151,7 +154,8 @@ def test_self_check_runs_for_every_model_type(kernels):
 
 @pytest.mark.parametrize("q,n,k", [(Q.Q6_K, 1, 256), (Q.Q6_K, 33, 1536), (Q.Q6_K, 7, 4864), (Q.Q6_K, 5, 8960),
                                    (Q.Q5_0, 1, 32), (Q.Q5_0, 33, 896), (Q.Q5_0, 7, 4864),
-                                   (Q.Q8_0, 1, 32), (Q.Q8_0, 33, 896), (Q.Q8_0, 7, 1536)],
+                                   (Q.Q8_0, 1, 32), (Q.Q8_0, 33, 896), (Q.Q8_0, 7, 1536),
+                                   (Q.MXFP4, 1, 32), (Q.MXFP4, 33, 2880), (Q.MXFP4, 7, 4864)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_repack_equals_numpy_twin(kernels, rng, q, n, k):
     """repack.cu writes a regrouped type's device layout byte for byte as formats/gpu_layout.to_device

@@ -9,12 +9,15 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from realizar_backend.backends.cuda.matrices import QTYPES
+
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-3
 FP32_TOL = 2e-5      # fp32 accumulation: what "accurate" means for these kernels
-BLOCK32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
-KQUANT = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# every quantized type of the GPU's table: 32-weight blocks, and 256-weight blocks (K-quants, I-quants)
+BLOCK32 = [q for q, i in QTYPES.items() if i.blocks and i.block == 32]
+KQUANT = [q for q, i in QTYPES.items() if i.block == 256]
 SHAPES = {**{q: [(1, 896), (33, 576), (151, 1536), (7, 8960), (5, 4864)] for q in BLOCK32},
           **{q: [(1, 256), (37, 1536), (151, 2304), (9, 8960), (3, 512)] for q in KQUANT}}
 CASES = [(q, n, k) for q, shapes in SHAPES.items() for n, k in shapes]
@@ -38,8 +41,13 @@ def test_mmvf(kernels, rng, case, nb):
                                     ([(Q.Q5_0, 896), (Q.Q5_0, 129), (Q.Q8_0, 127)], 896),
                                     ([(Q.Q8_0, 576), (Q.Q8_0, 193), (Q.Q8_0, 191)], 576),
                                     ([(Q.Q4_1, 33), (Q.Q4_1, 7), (Q.Q4_1, 5)], 576),
-                                    ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q5_K, 2)], 8960)],
-                         ids=["qwen15-qkv", "qwen05-qkv-odd", "smol-qkv", "tiny", "long-mixed"])
+                                    ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q5_K, 2)], 8960),
+                                    ([(Q.IQ4_XS, 512), (Q.IQ3_S, 129), (Q.Q3_K, 127)], 1536),
+                                    ([(Q.IQ2_XXS, 64), (Q.IQ2_XS, 33), (Q.IQ2_S, 7)], 2304),
+                                    ([(Q.MXFP4, 65), (Q.IQ4_NL, 9), (Q.Q8_0, 3)], 2880),
+                                    ([(Q.Q2_K, 31), (Q.IQ3_XXS, 8), (Q.Q6_K, 5)], 4864)],
+                         ids=["qwen15-qkv", "qwen05-qkv-odd", "smol-qkv", "tiny", "long-mixed", "iq4xs-iq3s-q3k",
+                              "iq2", "mxfp4-iq4nl", "q2k-iq3xxs"])
 @pytest.mark.parametrize("nb", [1, 2, 5, 9])
 def test_mmvf_segments_bias_residual(kernels, rng, segs, K, nb):
     from realizar_backend.backends.cuda.selfcheck import check_mmvf
@@ -76,7 +84,8 @@ def test_mmvf_folded_norm(kernels, rng, segs, K, nb):
     assert max(e1, e2) <= FP32_TOL
 
 
-@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("q", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.IQ4_XS, Q.MXFP4, Q.Q3_K, Q.IQ2_XXS],
+                         ids=lambda q: q.name)
 @pytest.mark.parametrize("nb", [1, 4, 9])
 def test_ffn_f_folded_norm(kernels, rng, q, nb):
     from realizar_backend.backends.cuda.selfcheck import check_ffn_f

@@ -21,11 +21,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from realizar_backend.backends.cuda.dispatch import MMQ_TYPES, MMQS_TYPES
+from realizar_backend.backends.cuda.matrices import QTYPES
+
 pytestmark = pytest.mark.gpu
 
 FP32_TOL = 2e-5
-KQUANT = (Q.Q4_K, Q.Q6_K)
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+# every type of the dispatcher's tensor-core rows (mmq.cu; mmqs.cu), and those of 256-weight blocks
+TYPES = sorted(MMQ_TYPES)
+SMALL = sorted(MMQS_TYPES)
+KQUANT = tuple(q for q in TYPES if QTYPES[q].block == 256)
 MS = [1, 2, 3, 8, 13, 16, 17, 64, 100, 256]
 KERNEL = Path(__file__).resolve().parents[2] / "realizar_backend" / "kernels" / "mmq.cu"
 
@@ -192,7 +197,6 @@ def test_bad_launches_raise(k, bufs, rng):
 
 
 # ------------------------------------------------------------------ small batches (mmqs.cu)
-SMALL = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0]
 
 
 @pytest.mark.parametrize("qt", SMALL, ids=lambda q: q.name)
@@ -326,8 +330,14 @@ def test_mmq_every_type_m_and_k(k, bufs, rng, qt):
                                     ([(Q.Q5_0, 896), (Q.Q5_0, 128), (Q.Q8_0, 128)], 896),
                                     ([(Q.Q8_0, 577), (Q.Q4_1, 33), (Q.Q4_0, 5)], 576),
                                     ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q6_K, 130)], 8960),
-                                    ([(Q.Q4_K, 40), (Q.Q8_0, 7)], 14336)],
-                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny", "past-prep-registers"])
+                                    ([(Q.Q4_K, 40), (Q.Q8_0, 7)], 14336),
+                                    ([(Q.Q5_K, 3584), (Q.Q5_K, 512), (Q.Q6_K, 512)], 3584),
+                                    ([(Q.Q5_1, 896), (Q.Q5_0, 128), (Q.Q5_1, 129)], 896),
+                                    ([(Q.IQ4_XS, 3584), (Q.IQ4_XS, 512), (Q.Q6_K, 512)], 3584),
+                                    ([(Q.MXFP4, 2880), (Q.IQ4_NL, 64), (Q.Q8_0, 65)], 2880),
+                                    ([(Q.IQ3_S, 1000), (Q.Q3_K, 33), (Q.IQ2_S, 17)], 2048)],
+                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny", "past-prep-registers",
+                              "q5km-qkv", "q5_1-qkv", "iq4xs-qkv", "mxfp4-mixed", "lowbit-mixed"])
 @pytest.mark.parametrize("M", [1, 13, 64, 100, 256])
 def test_mmq_segments_bias_residual_norm(k, bufs, rng, segs, K, M):
     mats = [_weight(qt, n, K, rng) for qt, n in segs]
@@ -353,8 +363,11 @@ def _ffn_ref(h64, G, U, act):
 
 
 @pytest.mark.parametrize("qt,F,K,act", [(Q.Q4_K, 8960, 1536, 0), (Q.Q5_0, 4864, 896, 0), (Q.Q4_1, 1536, 576, 0),
-                                        (Q.Q8_0, 1000, 640, 1), (Q.Q6_K, 2048, 512, 1), (Q.Q4_0, 97, 896, 0)],
-                         ids=["qwen15", "qwen05", "smol", "gelu-odd", "q6k-gelu", "q4_0-tiny"])
+                                        (Q.Q8_0, 1000, 640, 1), (Q.Q6_K, 2048, 512, 1), (Q.Q4_0, 97, 896, 0),
+                                        (Q.Q5_K, 2048, 1536, 0), (Q.Q5_1, 640, 896, 1), (Q.IQ4_XS, 2048, 1536, 0),
+                                        (Q.Q3_K, 1024, 2304, 1), (Q.MXFP4, 2880, 2880, 0), (Q.IQ2_XS, 768, 1024, 0)],
+                         ids=["qwen15", "qwen05", "smol", "gelu-odd", "q6k-gelu", "q4_0-tiny", "q5k", "q5_1-gelu",
+                              "iq4xs", "q3k-gelu", "mxfp4", "iq2xs"])
 @pytest.mark.parametrize("M", [3, 17, 64, 256])
 def test_mmq_ffn(k, bufs, rng, qt, F, K, act, M):
     from realizar_backend.backends.cuda import mmq
@@ -401,7 +414,9 @@ def test_mmq_lm_head_argmax(k, bufs, rng):
 
 
 @pytest.mark.parametrize("qt,N,K", [(Q.Q6_K, 1536, 8960), (Q.Q4_K, 896, 4864), (Q.Q8_0, 640, 2048),
-                                    (Q.Q5_0, 288, 4864)], ids=["qwen15-down", "q4k", "q8_0", "q5_0"])
+                                    (Q.Q5_0, 288, 4864), (Q.Q5_K, 1536, 8960), (Q.IQ4_XS, 1536, 8960),
+                                    (Q.MXFP4, 640, 2880)],
+                         ids=["qwen15-down", "q4k", "q8_0", "q5_0", "q5k", "iq4xs", "mxfp4"])
 @pytest.mark.parametrize("M", [8, 64, 100])
 def test_mmq_activation_range_stress(k, bufs, rng, qt, N, K, M):
     """Down-projection-like inputs: outlier channels, rows from 1e-6 to 1e4 (the row scaling keeps

@@ -146,6 +146,51 @@ def test_mixed_type_groups_parity(tmp_path, rng):
     _assert_parity("mixed", cos, COS_MIN)
 
 
+# every low-bit type of the GPU's table in one tiny model, by role: each group's matrices share a
+# tensor-core kernel but not a type (Q2_K's gate/up group runs on the GEMVs in batched steps)
+LOW_BIT = {"attn_q": "IQ4_XS", "attn_k": "Q3_K", "attn_v": "IQ3_S", "attn_output": "MXFP4", "ffn_gate": "IQ2_XXS",
+           "ffn_up": "IQ2_XXS", "ffn_down": "IQ2_S", "token_embd": "IQ4_NL", "output": "IQ3_XXS"}
+
+
+@pytest.mark.parametrize("second", ["IQ2_XS", "Q2_K"], ids=["iq2xs-layer", "q2k-layer"])
+def test_low_bit_types_parity(tmp_path, rng, second):
+    """A model of the K-quants below 4 bits, the I-quants and MXFP4 (its second layer's FFN in IQ2_XS or
+    Q2_K) against the oracle on the same blocks: prompts on the tensor cores and on split16, decode at
+    1 row (GEMVs) and 12 (tensor cores; Q2_K on the GEMVs), at the parity bar."""
+    from gguf import GGMLQuantizationType as Q
+    from synth import write_gguf
+    from realizar_backend.backends.base import PrefillItem
+
+    def qtype(name: str):                   # matrices by role; norms and biases stay F32
+        role = name.split(".")[-2]
+        if not name.endswith(".weight") or role not in LOW_BIT:
+            return None
+        return Q[second] if name.startswith("blk.1.ffn_") else Q[LOW_BIT[role]]
+    m = write_gguf(tmp_path / "lowbit.gguf", arch="qwen2", qtypes=qtype, seed=int(rng.integers(1 << 30)), tied=False,
+                   hidden=256, n_heads=4, n_kv_heads=2, ffn=512, context_length=512)
+    model = _open(m.path)
+    assert {model.tensor(n).qtype.name for n in m.source if model.tensor(n).data.ndim == 2} >= {*LOW_BIT.values(), second}
+    n = 12
+    cpu, gpu = _backends(model, slots=n, ctx=256)
+    assert gpu.fwd.dispatcher.mmq_all == (second != "Q2_K")
+    V = model.config.vocab_size
+    lens = [100] + [int(k) for k in rng.integers(3, 20, n - 1)]
+    items = [PrefillItem(s, rng.integers(0, V, k).astype(np.int32)) for s, k in enumerate(lens)]
+    cos = [_cos(cpu.prefill(items[:1]), gpu.prefill(items[:1])), _cos(cpu.prefill(items[1:]), gpu.prefill(items[1:]))]
+    tail = [PrefillItem(0, rng.integers(0, V, 9).astype(np.int32), lens[0])]      # a 9-token step
+    cos.append(_cos(cpu.prefill(tail), gpu.prefill(tail)))
+    pos = [lens[0] + 9] + lens[1:]
+    for rows in (1, n, n, 4):
+        slots = list(range(rows))
+        tok = [int(t) for t in rng.integers(0, V, rows)]
+        cos.append(_cos(cpu.decode(slots, tok, pos[:rows]), gpu.decode(slots, tok, pos[:rows])))
+        pos[:rows] = [p + 1 for p in pos[:rows]]
+    gpu.close()
+    cos = np.concatenate(cos)
+    print(f"low-bit types ({second}): {cos.size} rows, cos min {cos.min():.7f}")
+    _assert_parity("lowbit", cos, COS_MIN)
+
+
 def test_real_smollm2_parity_and_greedy(rng):
     path = _real_smol()
     if path is None:

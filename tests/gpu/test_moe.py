@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from realizar_backend.backends.cuda.matrices import QTYPES
+
 from moe_models import model_path
 from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
 
@@ -37,13 +39,17 @@ def test_topk(kernels, rng, T, E, k, renorm):
 # take gate and up apart
 TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.F32, Q.Q5_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q5_K, Q.F16, Q.BF16)]
 TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q8_0, Q.F32, Q.Q5_0)]
+# lowbit.cuh's types: every one throughout, and a dynamic mix's experts
+TYPES += [(q, q, q) for q in (Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS, Q.Q3_K, Q.Q2_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS,
+                              Q.IQ3_S)]
+TYPES += [(Q.IQ4_XS, Q.IQ4_XS, Q.Q5_K), (Q.IQ3_S, Q.IQ3_XXS, Q.Q4_K)]
 
 
 @pytest.mark.parametrize("types", TYPES, ids=lambda t: "-".join(q.name for q in t))
 @pytest.mark.parametrize("T", [1, 8, 37])
 def test_experts(kernels, rng, types, T):
     from realizar_backend.backends.cuda.selfcheck import check_moe_experts
-    kq = any(q in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for q in types)
+    kq = any(QTYPES[q].block == 256 for q in types)
     floats = all(q in (Q.F32, Q.F16, Q.BF16) for q in types)
     # odd shapes: expert FFN and hidden widths in whole blocks of every type involved (floats: any)
     F, H = (256, 512) if kq else ((45, 37) if floats else (96, 160))

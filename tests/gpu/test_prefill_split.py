@@ -8,14 +8,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+
+from realizar_backend.backends.cuda.matrices import QTYPES
 from paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
 F16, F32, F64 = np.float16, np.float32, np.float64
 POISON16 = 0xFFFF       # a NaN in fp16 and in bf16
-BLOCK32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
-KQUANT = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# every quantized type of the GPU's table: 32-weight blocks, and 256-weight blocks (K-quants, I-quants)
+BLOCK32 = [q for q, i in QTYPES.items() if i.blocks and i.block == 32]
+KQUANT = [q for q, i in QTYPES.items() if i.block == 256]
 FLOATS = [Q.F32, Q.F16, Q.BF16]
 # N odd and K = 896 (28 units: no warp of 32 units lines up with a row), 8960 (280 units), rows
 # of one unit, float rows no unit size divides
@@ -75,7 +78,11 @@ SPLIT_SEGS = [(2304, [(Q.Q4_K, 33), (Q.Q4_K, 7), (Q.Q6_K, 7)]),      # q, k, v o
               (640, [(Q.Q5_0, 9), (Q.Q4_1, 3)]),
               (8960, [(Q.Q6_K, 5)]),
               (1000, [(Q.F16, 9)]),
-              (37, [(Q.F32, 3), (Q.BF16, 2), (Q.F16, 1)])]
+              (37, [(Q.F32, 3), (Q.BF16, 2), (Q.F16, 1)]),
+              (1536, [(Q.IQ4_XS, 17), (Q.Q3_K, 3), (Q.IQ3_S, 5)]),        # the low-bit types of dynamic mixes
+              (2304, [(Q.IQ2_XXS, 9), (Q.IQ2_XS, 4), (Q.IQ2_S, 4)]),
+              (2880, [(Q.MXFP4, 11), (Q.IQ4_NL, 3)]),
+              (4864, [(Q.Q2_K, 7), (Q.IQ3_XXS, 6), (Q.Q5_K, 2)])]
 
 
 @pytest.mark.parametrize("K,segs", SPLIT_SEGS, ids=[f"K{k}-" + "+".join(q.name for q, _ in s) for k, s in SPLIT_SEGS])
@@ -262,7 +269,9 @@ def test_split_calls_match_the_twin():
 
 # ------------------------------------------------------------------ the split GEMM (cuBLAS)
 GEMMS = [(Q.Q4_K, 2048, 1536, 64), (Q.Q6_K, 1536, 8960, 128), (Q.Q5_0, 2048, 640, 33),
-         (Q.Q4_0, 1001, 896, 17), (Q.Q8_0, 640, 2048, 300), (Q.Q4_K, 17920, 1536, 512)]
+         (Q.Q4_0, 1001, 896, 17), (Q.Q8_0, 640, 2048, 300), (Q.Q4_K, 17920, 1536, 512),
+         (Q.IQ4_XS, 3584, 4096, 100), (Q.Q3_K, 1024, 2304, 64), (Q.Q2_K, 777, 1536, 20), (Q.MXFP4, 2880, 2880, 64),
+         (Q.IQ2_XXS, 512, 2048, 33), (Q.IQ3_S, 4096, 1536, 128)]
 
 
 @pytest.mark.parametrize("qtype,N,K,T", GEMMS, ids=lambda v: str(getattr(v, "name", v)))

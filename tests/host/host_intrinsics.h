@@ -43,6 +43,7 @@ static inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
 static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
     return (unsigned)((((unsigned long long)hi << 32) | lo) >> (sh & 31));
 }
+static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
     return c;

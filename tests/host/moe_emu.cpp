@@ -47,7 +47,8 @@ template <class T> static void save(const char* name, const std::vector<T>& v) {
     f.write((const char*)v.data(), v.size() * sizeof(T));
 }
 
-#define TYPES(X) X(f32) X(f16) X(bf16) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q8_0) X(q4_k) X(q5_k) X(q6_k)
+#define TYPES(X) X(f32) X(f16) X(bf16) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q8_0) X(q4_k) X(q5_k) X(q6_k) \
+    X(q2_k) X(q3_k) X(iq4_nl) X(iq4_xs) X(mxfp4) X(iq2_xxs) X(iq2_xs) X(iq2_s) X(iq3_xxs) X(iq3_s)
 
 int main(int argc, char** argv) {
     if (argc != 2) return 2;

@@ -80,9 +80,12 @@ MOE_GROUPED_MIN_ROWS: int | None = None
 # "router" and "experts" have their own rule (Dispatcher.experts)
 DENSE_KINDS = ("linear", "gated")
 
-# the quant types of each kernel (the rest of QTYPES: float matrices)
-MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K})     # mmq.cu
-MMQS_TYPES = frozenset({Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0})                    # mmqs.cu
+# the quant types of each kernel (the rest of QTYPES: float matrices). Q2_K has no tensor-core
+# kernel: its mins per 16 columns would need activation sums per 16 columns, and the prep's records
+# hold them per 32 (a Q2_K matrix runs on the GEMVs, and prompts on split16).
+_LOWBIT = {Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
+MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, *_LOWBIT})     # mmq.cu
+MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, *_LOWBIT})                    # mmqs.cu
 
 
 class Kernel(enum.Enum):
@@ -130,7 +133,7 @@ def mmvf_ok(w: WeightRef) -> bool:
 
 def mmq_ok(w: WeightRef) -> bool:
     """mmq.cu: its types, whole blocks per row."""
-    return w.qtype in MMQ_TYPES and w.cols % (256 if w.qtype in (Q.Q4_K, Q.Q6_K) else 32) == 0
+    return w.qtype in MMQ_TYPES and w.cols % QTYPES[w.qtype].block == 0
 
 
 def mmqs_ok(w: WeightRef) -> bool:

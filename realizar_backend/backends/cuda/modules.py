@@ -215,7 +215,7 @@ class Kernels:
         hd = (f"-DATT_HEAD_DIM={head_dim}",) if head_dim else ()
         self._core = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
                       for i, name in enumerate(catalog.ATT_KINDS, 1)]
-        # Q5_0 / Q8_0 / Q6_K matrices are regrouped on the GPU at upload (repack.cu, formats/gpu_layout.py)
+        # Q5_0 / Q8_0 / Q6_K / MXFP4 matrices are regrouped on the GPU at upload (repack.cu, formats/gpu_layout.py)
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
         self._core += [build("elementwise.cu", ["spin_ns",

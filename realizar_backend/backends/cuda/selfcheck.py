@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import BackendError
 from ...formats.gpu_layout import to_device
-from ...formats.quants import dequantize, row_bytes
+from ...formats.quants import dequantize, random_matrix
 from ...model.config import ModelConfig
 from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu
 from . import ops
@@ -27,9 +27,6 @@ from .ops import WeightRef
 log = logging.getLogger(__name__)
 
 TOL = 1e-3
-# byte offsets of the f16 scale fields inside each block (kept finite and small, as in real files)
-_SCALE_OFFSETS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-                  Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 
 
 def dot_err(got: np.ndarray, ref: np.ndarray, scale: np.ndarray) -> float:
@@ -49,22 +46,8 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------ random inputs
-def random_weight(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """A random matrix as a GGUF file stores it (what Tensor.data holds)."""
-    if qtype == Q.F32:
-        return rng.standard_normal((rows, cols)).astype(np.float32)
-    if qtype == Q.F16:
-        return rng.standard_normal((rows, cols)).astype(np.float16)
-    if qtype == Q.BF16:
-        f = rng.standard_normal((rows, cols)).astype(np.float32)
-        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, cols * 2)
-    info = QTYPES[qtype]
-    nblk = rows * cols // info.block
-    blocks = rng.integers(0, 256, size=(nblk, info.block_bytes), dtype=np.uint8)
-    for o in _SCALE_OFFSETS[qtype]:
-        sc = (rng.random(nblk) * 0.02 + 0.005).astype(np.float16)
-        blocks[:, o:o + 2] = sc.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, row_bytes(qtype, cols))
+# A random matrix as a GGUF file stores it (what Tensor.data holds): valid blocks, small scales.
+random_weight = random_matrix
 
 
 def upload_weight(qtype, host: np.ndarray, name: str = "w") -> tuple[WeightRef, cupy.ndarray]:

@@ -1,6 +1,6 @@
 """GPU-resident weights: the model definition (model/families.py) built with device weights. Every
-matrix it asks for is uploaded once into one arena in its device layout (GGUF's blocks; Q5_0, Q8_0
-and Q6_K regrouped on the GPU, formats/gpu_layout.py) and stands in the model as a WeightRef
+matrix it asks for is uploaded once into one arena in its device layout (GGUF's blocks; Q5_0, Q8_0,
+Q6_K and MXFP4 regrouped on the GPU, formats/gpu_layout.py) and stands in the model as a WeightRef
 (device pointer, type, shape), so a step never formats a name or looks a tensor up in a dict. A
 stack of experts' matrices (ffn_*_exps) goes up as one matrix of all their rows, with its expert
 count in the WeightRef. Norm weights and biases (tiny) are float32 vectors, in the model as device pointers."""
@@ -17,10 +17,11 @@ import numpy as np
 from ...errors import UnsupportedModelError
 from ...formats import ModelFile, Tensor
 from ...formats.gpu_layout import REGROUPED
-from ...formats.quants import dequantize, row_bytes
+from ...formats.quants import dequantize
 from ...model.families import build_model
 from ...progress import progress
-from .modules import QTYPES, Kernels
+from .matrices import check_matrix
+from .modules import Kernels
 from .ops import ATT_MAXD, WeightRef
 from .ops import row_bytes as device_row_bytes
 
@@ -55,15 +56,8 @@ class DeviceWeights:
         """A matrix, or a stack of experts' matrices [experts, rows, cols] (its experts * rows rows
         placed and regrouped as one matrix's, so expert e's rows start e * rows rows in)."""
         t = self.file.tensor(name)
-        info = QTYPES.get(t.qtype)
-        if info is None:
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: type {t.type_name} has no GPU kernel")
-        if len(t.shape) not in (2, 3) or t.shape[-1] % info.block:
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: shape {t.shape} is not a matrix (or a "
-                                                        f"stack of experts' matrices) of whole {t.type_name} blocks")
+        check_matrix(self.file.path, name, t.qtype, t.shape, t.nbytes)
         experts, rows, cols = (0, *t.shape) if len(t.shape) == 2 else t.shape
-        if t.nbytes != max(experts, 1) * rows * row_bytes(t.qtype, cols):
-            raise UnsupportedModelError(self.file.path, f"tensor {name}: {t.nbytes} bytes for shape {t.shape}")
         rb = device_row_bytes(t.qtype, cols)
         ref = WeightRef(name, t.qtype, 0, rows, cols, rb, experts)     # the pointer: once uploaded
         self._plan.append((t, self.total_bytes, ref))
@@ -115,7 +109,7 @@ class DeviceWeights:
                     at = host.ctypes.data - start
                     rows, cols = max(ref.experts, 1) * ref.rows, ref.cols     # a stack of experts: all their rows
                     if t.qtype in REGROUPED:
-                        # Q5_0 / Q8_0 / Q6_K arrive in GGUF bytes and are regrouped here (repack.cu)
+                        # the REGROUPED types arrive in GGUF bytes and are regrouped here (repack.cu)
                         total = rows * (cols // 32)
                         self.kernels.repack[t.qtype](((total + 255) // 256,), (256,),
                                                      (staging[at:], np.int32(rows), np.int32(cols),
