@@ -2,13 +2,16 @@
 transformers and converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (tests/hf_oracle.py):
 greedy tokens equal (a divergence acceptable only at the reference's own near-tie) and logits to
 cosine >= 0.999 at every step. The same checkpoints, read as safetensors directories, check that
-loader too."""
+loader too. A prompt cut into prefill chunks gives the logits of one prefill (the hybrids' state
+carried across chunks)."""
 
+import numpy as np
 import pytest
 
 from hf_oracle import ARCHS, STEPS, assert_greedy_parity, available, reference_greedy, reference_model, \
     tiny_gguf, tokenizer_dir
 from paging import contiguous_tables
+from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.formats import open_model
 
@@ -86,3 +89,17 @@ def test_greedy_tokens_and_logits_match_transformers(models, tokenizer, run):
         memo[i] = reference_greedy(ref, ids, steps)
     assert_greedy_parity(ref, ours, ids, steps, label=f"{name} ({source})", tokenizer=tokenizer,
                          reference=memo[i])
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe", "qwen3"])
+def test_a_prompt_split_into_prefill_chunks_equals_one_prefill(models, tokenizer, name):
+    """A chunked prefill carries the recurrent state (and the KV) from chunk to chunk: the last
+    position's logits equal one prefill of the whole prompt, wherever the prompt is cut."""
+    _, ours = models.get(name, "gguf")
+    ids = np.asarray(tokenizer(PROMPTS[1])["input_ids"], dtype=np.int32)
+    whole = ours.prefill([PrefillItem(0, ids, 0)])[0]
+    for cut in (1, 7, len(ids) - 1):
+        ours.prefill([PrefillItem(0, ids[:cut], 0)])           # a sequence's first chunk starts from zero state
+        split = ours.prefill([PrefillItem(0, ids[cut:], cut)])[0]
+        np.testing.assert_allclose(split, whole, rtol=1e-4, atol=1e-4 * float(np.abs(whole).max()),
+                                   err_msg=f"{name}: prompt cut at {cut}")
