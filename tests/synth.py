@@ -463,7 +463,7 @@ def corrupt(src: str | Path, dst: str | Path, kind: str) -> Path:
         put("<I", t["type"], int(Q.TQ2_0))
     elif kind == "tensor_type_cpu_only":             # a type the NumPy backend decodes and the GPU does not
         t = lay["tensors"]["blk.0.ffn_up.weight"]
-        put("<I", t["type"], int(Q.IQ4_XS))
+        put("<I", t["type"], int(Q.IQ1_S))
     elif kind == "kv_count_huge":
         put("<Q", 16, 2 ** 60)
     elif kind == "tensor_count_huge":

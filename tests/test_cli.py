@@ -101,18 +101,18 @@ def test_the_engine_reports_the_file_name_and_the_setting_overrides_it(smol_path
 
 
 def test_inspect_says_which_backend_runs_each_type_and_what_the_gpu_refuses(tmp_path, capsys):
-    """A file with a tensor of a type the GPU has no kernel for (IQ4_XS, which the NumPy backend
+    """A file with a tensor of a type the GPU has no kernel for (IQ1_S, which the NumPy backend
     decodes): inspect says which backend runs each type, and why the GPU refuses the model."""
     import synth
     from gguf import GGMLQuantizationType as Q
     m = synth.write_gguf(tmp_path / "m.gguf", arch="llama", qtype=Q.Q4_K)
     assert main(["inspect", str(m.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["gpu"] == "runs"
-    bad = synth.corrupt(m.path, tmp_path / "iq4.gguf", "tensor_type_cpu_only")
+    bad = synth.corrupt(m.path, tmp_path / "iq1.gguf", "tensor_type_cpu_only")
     assert main(["inspect", str(bad), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["backends_by_type"]["IQ4_XS"] == ["cpu"] and info["backends_by_type"]["Q4_K"] == ["cpu", "cuda"]
-    assert info["gpu"] == "tensor blk.0.ffn_up.weight: type IQ4_XS has no GPU kernel yet"
+    assert info["backends_by_type"]["IQ1_S"] == ["cpu"] and info["backends_by_type"]["Q4_K"] == ["cpu", "cuda"]
+    assert info["gpu"] == "tensor blk.0.ffn_up.weight: type IQ1_S has no GPU kernel yet"
 
 
 @pytest.mark.slow

@@ -18,12 +18,23 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import cupy
 import numpy as np
 
 from ...kernels import catalog
 from . import pdl as _pdl
-from .modules import _module, _pool, resident_blocks
+
+
+class _CupyOnUse:
+    """CuPy, imported at the first launcher's use: the plans are arithmetic, importable (and
+    tested against the CPU emulation) where CuPy is not installed."""
+
+    def __getattr__(self, name: str):
+        import cupy as cp
+        globals()["cupy"] = cp          # later uses go straight to CuPy
+        return getattr(cp, name)
+
+
+cupy = _CupyOnUse()
 
 _U64, _I32, _F32 = np.uint64, np.int32, np.float32
 
@@ -249,6 +260,7 @@ class FlashKernels:
             self._future(p)
 
     def _future(self, plan: Plan) -> Future:
+        from .modules import _module, _pool
         fname = "flash_prefill.cu" if plan.kernel.startswith("flash_prefill") else "flash_decode.cu"
         key = (fname, plan.options, plan.kernel)
         with self._lock:
@@ -271,6 +283,7 @@ class FlashKernels:
 
     def spins(self, plan: Plan) -> bool:
         """decode_spins on this device (one block an SM where the driver cannot say)."""
+        from .modules import resident_blocks
         per_sm = self._per_sm.get(plan)
         if per_sm is None:           # a driver call: once per plan, not on every eager launch
             per_sm = self._per_sm[plan] = resident_blocks(self.get(plan), plan.threads, plan.smem) or 1
