@@ -99,7 +99,8 @@ def check_gemv(k: Kernels, qtype, N: int, K: int, nb: int, rng, bias: bool = Fal
 
 def check_ffn(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng) -> float:
     hg, hu = random_weight(qtype, N, K, rng), random_weight(qtype, N, K, rng)
-    (wg, _), (wu, _) = upload_weight(qtype, hg), upload_weight(qtype, hu)
+    ups = [upload_weight(qtype, h) for h in (hg, hu)]   # holds both device buffers until the check returns
+    (wg, _), (wu, _) = ups
     x = rng.standard_normal((nb, K)).astype(np.float32)
     xd, a = _dev(x), _nan((nb, N))
     ops.ffn_gate_up(k, wg, wu, xd.data.ptr, K, a.data.ptr, N, nb, act)
@@ -168,7 +169,8 @@ def check_ffn_f(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng, norm:
     """mmvf.cu's fused gate/up/activation on fp32 activations, into an output of row stride N + 5
     (norm: with RMSNorm of the input folded in)."""
     hg, hu = random_weight(qtype, N, K, rng), random_weight(qtype, N, K, rng)
-    (wg, _), (wu, _) = upload_weight(qtype, hg), upload_weight(qtype, hu)
+    ups = [upload_weight(qtype, h) for h in (hg, hu)]   # holds both device buffers until the check returns
+    (wg, _), (wu, _) = ups
     x = rng.standard_normal((nb, K)).astype(np.float32)
     xd, a = _dev(x), _nan((nb, N + 5))
     nw, nwd, nrm = _norm_input(rng, K, norm)
