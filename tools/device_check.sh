@@ -28,10 +28,11 @@
 #            it; a build cut off by the call's limit resumes on the next call; ~270 s), then llama-bench (pp512, tg128,
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
-#   workers  one engine per GPU (2 GPUs): `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each,
-#            seed 3, after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with REALIZAR_WORKERS=1 (GPU 0),
-#            then =2 (GPUs 0 and 1); /metrics and nvidia-smi's processes of each; the speed-up of generation
-#            tok/s (2 vs 1), the errors and each engine's status in serve.json ("workers") and the log
+#   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,
+#            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with
+#            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); /metrics
+#            and nvidia-smi's processes of each; the speed-up of generation tok/s (N vs 1), the front end's
+#            CPU, the errors and each engine's requests in serve.json ("workers") and the log
 # `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
 # Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
 #         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json
@@ -241,7 +242,7 @@ fi
 # ---------------------------------------------------------------- one engine per GPU
 if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2>/dev/null; then
   echo "GPUs: $(nvidia-smi -L | wc -l)"
-  for n in 1 2; do
+  for n in ${WORKER_COUNTS:-1 2}; do
     serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n || continue
     for i in $(seq 1 240); do   # /readyz says one engine is ready: wait for all of them
       [ "$(curl -s 127.0.0.1:3903/metrics | grep -c '^realizar_engine_status{.*status="ready".*} 1.0')" = "$n" ] && break
@@ -269,10 +270,11 @@ if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2
     nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader
     serve_down 3903
   done
-  python3 - <<'PY'
-import json
+  WORKER_COUNTS="${WORKER_COUNTS:-1 2}" python3 - <<'PY'
+import json, os
 r = {}
-for n in (1, 2):
+counts = [int(n) for n in os.environ["WORKER_COUNTS"].split()]
+for n in counts:
     try:
         rep = json.load(open(f"/tmp/bench/workers{n}.json"))
     except Exception as e:
@@ -285,10 +287,11 @@ for n in (1, 2):
                         "completed": rep["requests"]["completed"], "tpot_p50_s": (rep["tpot_s"] or {}).get("p50"),
                         "front_end": open(f"/tmp/bench/workers{n}_fe.txt").read().strip(),
                         "metrics": open(f"/tmp/bench/workers{n}_metrics.txt").read().splitlines()}
-if all("tok_s" in r.get(f"workers{n}", {}) for n in (1, 2)):
-    r["speedup"] = r["workers2"]["tok_s"] / r["workers1"]["tok_s"]
-    print(f"WORKERS_SPEEDUP {r['speedup']:.2f}x (2 GPUs {r['workers2']['tok_s']:.0f} vs 1 GPU "
-          f"{r['workers1']['tok_s']:.0f} tok/s; errors {r['workers1']['errors']} / {r['workers2']['errors']})")
+for n in counts:
+    if n > 1 and "tok_s" in r.get("workers1", {}) and "tok_s" in r.get(f"workers{n}", {}):
+        r[f"speedup{n}"] = r[f"workers{n}"]["tok_s"] / r["workers1"]["tok_s"]
+        print(f"WORKERS_SPEEDUP {r[f'speedup{n}']:.2f}x ({n} GPUs {r[f'workers{n}']['tok_s']:.0f} vs 1 GPU "
+              f"{r['workers1']['tok_s']:.0f} tok/s; errors {r['workers1']['errors']} / {r[f'workers{n}']['errors']})")
 json.dump(r, open("/tmp/bench/workers.json", "w"), indent=1)
 PY
 fi

@@ -23,11 +23,14 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-# The gemma270 twin is chaotic: its random weights make attention nearly one-hot, so for some
-# prompts a difference at float32 rounding level flips which key a head attends to (1e-7 relative
-# noise on the oracle's own norm outputs moves a prompt's logits to cosine 0.9995). A worst-row
-# floor there measures the prompt, not the kernels; the median row does not move.
-CHAOTIC = {"gemma270"}
+# The gemma270 and qwen05 twins are chaotic: their random weights make attention nearly one-hot,
+# so for some prompts a difference at float32 rounding level flips which key a head attends to
+# (gemma270: 1e-7 relative noise on the oracle's own norm outputs moves a prompt's logits to cosine
+# 0.9995; qwen05: the oracle's K/V kept in fp32 instead of fp16 moves a prompt row to 0.99997, and a
+# batch of 130 decoding rows has a row below 0.999 for most prompt draws, identically before and
+# after every kernel change). A worst-row floor there measures the prompt, not the kernels; the
+# median row does not move.
+CHAOTIC = {"gemma270", "qwen05"}
 CHAOTIC_MEDIAN = 2e-5          # bound on the median row's 1 - cos
 # any row: still far above a broken kernel's (which lands near 0): the random twin amplifies
 # rounding-level differences in a few rows of a batch
