@@ -1,7 +1,7 @@
 """The APIs coding agents speak, end to end: Anthropic's Messages API through the official
 `anthropic` client and OpenAI's Responses API through the official `openai` client, against the
 real `bentoml serve` of Qwen2.5-Coder-0.5B on the CPU that the test process shares
-(server_util.shared_qwen_server).
+(support.server.shared_qwen_server).
 
 The model is small, so replies are held where the assertions need them: tool calls are forced
 (tool_choice) and structured output has a schema; what is checked is what a client sees (shapes,
@@ -17,8 +17,8 @@ import httpx
 import jsonschema
 import pytest
 
-from server_util import QWEN_MODEL, shared_qwen_server
-from tool_defs import CALC, WEATHER
+from support.server import QWEN_MODEL, shared_qwen_server
+from support.tool_defs import CALC, WEATHER
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -265,9 +265,9 @@ def test_responses_store_and_errors(oai):
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    """A tiny random qwen3 whose template thinks (tests/thinking_model.py), served for this module."""
-    from server_util import start_server
-    from thinking_model import write_thinking_model
+    """A tiny random qwen3 whose template thinks (tests/support/thinking_model.py), served for this module."""
+    from support.server import start_server
+    from support.thinking_model import write_thinking_model
     path = write_thinking_model(tmp_path_factory.mktemp("thinker") / "thinker.gguf", context_length=1024)
     s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": "thinker",
                       "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "2"})

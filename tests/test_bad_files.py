@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q, GGUFValueType as V
 
-import synth
+from support import synth
 from realizar_backend.errors import ModelFormatError, RealizarError, UnsupportedModelError
 from realizar_backend.formats import open_model
 from realizar_backend.model.arch import supported_list
@@ -63,7 +63,7 @@ def dims_patch(tensor, value):
 
 def real_header_only(tmp, base):
     # the first 3 MB of the real SmolLM2: its whole header, then the tensor data stops
-    from real_models import smollm2_path
+    from support.real_models import smollm2_path
     with open(smollm2_path(), "rb") as f:
         (tmp / "smol_cut.gguf").write_bytes(f.read(3 << 20))
     return tmp / "smol_cut.gguf"

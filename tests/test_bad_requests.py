@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from server_util import CONTEXT, MAX_NUM_SEQS, MAX_WAITING, sample, wait_for
+from support.server import CONTEXT, MAX_NUM_SEQS, MAX_WAITING, sample, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -14,8 +14,8 @@ import pytest
 from realizar_backend.errors import ModelFormatError, RequestError, UnsupportedModelError
 from realizar_backend.model.chat_template import MAX_TEMPLATE_CHARS, TemplateLimits, TemplateRenderer
 from realizar_backend.model.tokenizer import Tokenizer
-from hostile_templates import TRAP_CODES, trapped
-from tokenizer_corpus import CONVERSATIONS, model_file, ours, reference
+from support.hostile_templates import TRAP_CODES, trapped
+from support.tokenizer_corpus import CONVERSATIONS, model_file, ours, reference
 
 TEMPLATED = ["smol135", "qwen05", "qwen15"]   # gemma270's GGUF carries no chat template
 

@@ -103,7 +103,7 @@ def test_the_engine_reports_the_file_name_and_the_setting_overrides_it(smol_path
 def test_inspect_says_which_backend_runs_each_type_and_what_the_gpu_refuses(tmp_path, capsys):
     """A file with a tensor of a type the GPU has no kernel for (IQ1_S, which the NumPy backend
     decodes): inspect says which backend runs each type, and why the GPU refuses the model."""
-    import synth
+    from support import synth
     from gguf import GGMLQuantizationType as Q
     m = synth.write_gguf(tmp_path / "m.gguf", arch="llama", qtype=Q.Q4_K)
     assert main(["inspect", str(m.path), "--json"]) == 0
@@ -122,9 +122,9 @@ def test_inspect_says_which_backend_runs_each_type_and_what_the_gpu_refuses(tmp_
                 "experts or MXFP4 weights yet"),
     ("qwen3_5_moe", "qwen35moe: the GPU backend does not run linear-attention hybrids yet")])
 def test_inspect_says_the_gpu_runs_qwen3moe_and_why_it_refuses_other_mixtures_of_experts(capsys, arch, gpu):
-    """The tiny random models of tests/hf_oracle.py (transformers' own, converted by llama.cpp)."""
+    """The tiny random models of tests/support/hf_oracle.py (transformers' own, converted by llama.cpp)."""
     pytest.importorskip("transformers")
-    from hf_oracle import available, tiny_gguf
+    from support.hf_oracle import available, tiny_gguf
     if not available(arch):
         pytest.skip(f"this transformers has no {arch}")
     assert main(["inspect", str(tiny_gguf(arch)), "--json"]) == 0

@@ -1,5 +1,5 @@
 """The client libraries agents and apps are built with, unchanged, against a real `bentoml serve`
-of Qwen2.5-Coder-0.5B on the CPU (server_util's shared one): instructor (TOOLS and JSON_SCHEMA
+of Qwen2.5-Coder-0.5B on the CPU (support.server's shared one): instructor (TOOLS and JSON_SCHEMA
 modes), pydantic-ai (an agent with a tool and a nested output type), langchain-openai (bind_tools,
 with_structured_output) and litellm (tools, response_format).
 
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pydantic import BaseModel, Field
 
-from server_util import QWEN_MODEL, shared_qwen_server
+from support.server import QWEN_MODEL, shared_qwen_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -4,7 +4,7 @@ alone; K/V read and written through block tables (scattered blocks, chunks, shar
 import numpy as np
 import pytest
 
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend, apply_rope, attention, rope_angles
 

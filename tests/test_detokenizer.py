@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tokenizer_corpus import CORPUS, MODELS, ours
+from support.tokenizer_corpus import CORPUS, MODELS, ours
 
 # Characters that byte-level vocabularies (and Gemma's byte fallback) spell with several tokens
 RARE = ["𓀀", "𓀁", "🫠", "𝔘", "𠀋", "🧑🏿‍🚀", "ꙮ", "𒀀", "🀄", "ᚠ"]

@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
-from server_util import sample, start_server, wait_for
+from support.server import sample, start_server, wait_for
 
 from realizar_backend.engine.group import PREFIX_SLACK, PREFIX_TOKENS, EngineGroup
 from realizar_backend.engine.process import EngineClient

@@ -18,7 +18,7 @@ from realizar_backend.engine.process import EngineClient
 from realizar_backend.engine.sampling import SamplingParams
 from realizar_backend.errors import CapacityError, ContextOverflowError, RequestError
 from realizar_backend.settings import Settings
-from tests.server_util import start_server, wait_for
+from support.server import start_server, wait_for
 
 SETTINGS = Settings(backend="cpu", max_num_seqs=4, context_length=256)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
@@ -122,7 +122,7 @@ def _engine_process(server):
 
 @pytest.mark.server
 def test_a_server_whose_engine_process_dies_ends_its_streams_and_stands_aside():
-    from server_util import sample
+    from support.server import sample
 
     server = start_server()
     try:
@@ -283,7 +283,7 @@ def test_a_stopped_engine_process_stalls_no_probe_and_livez_says_it_is_stuck():
     import os
     import signal
 
-    from server_util import LivezProbe, sample, warm
+    from support.server import LivezProbe, sample, warm
 
     stall_s, stop_s = 3, 20
     server = start_server({"REALIZAR_CONTEXT_LENGTH": "8192", "REALIZAR_ENGINE_STALL_TIMEOUT_S": str(stall_s),

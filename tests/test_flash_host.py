@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flash_cases import (decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host,
+from support.flash_cases import (decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host,
                          row_cosine_min, same_bits)
 
 ROOT = Path(__file__).resolve().parents[1]

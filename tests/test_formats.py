@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q, GGUFReader
 from gguf import quants as gq
 
-import synth
+from support import synth
 from realizar_backend.formats import open_model
 from realizar_backend.formats.quants import SUPPORTED, dequantize, row_bytes
 
@@ -20,7 +20,7 @@ def _ref_dequant(t) -> np.ndarray:
     return gq.dequantize(np.asarray(t.data), t.qtype).reshape(t.shape)
 
 
-# the types tests/synth.py can write (gguf-py decodes every SUPPORTED type but quantizes fewer)
+# the types tests/support/synth.py can write (gguf-py decodes every SUPPORTED type but quantizes fewer)
 WRITABLE = [q for q in SUPPORTED if q in synth.TOLERANCE]
 
 
@@ -141,7 +141,7 @@ def test_string_arrays_with_a_nul_or_bytes_that_are_not_utf8_read_item_by_item(t
     # read alone would, the bad bytes as U+FFFD, and its neighbours stay whole
     from gguf import GGUFValueType as V
 
-    import gguf_kv
+    from support import gguf_kv
     src = synth.write_gguf(tmp_path / "src.gguf", "llama", qtype=Q.F32)
     parts = gguf_kv.read(src.path)
     cases = {"test.nul": ["a", "b\x00c", "", "\x00"],

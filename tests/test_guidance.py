@@ -18,7 +18,7 @@ from realizar_backend.backends.sampling import allowed_tokens
 from realizar_backend.engine.guidance import Constraint, Guidance
 from realizar_backend.errors import RequestError
 from realizar_backend.model.tokenizer import bytes_to_unicode
-from tokenizer_corpus import HAND, model_file, ours
+from support.tokenizer_corpus import HAND, model_file, ours
 
 PET = {
     "type": "object",
@@ -244,7 +244,7 @@ PROMPTS = ["Invent a pet and describe it as JSON.",
 
 @pytest.fixture(scope="module")
 def qwen_engine():
-    from real_models import real_model
+    from support.real_models import real_model
 
     from realizar_backend.engine.engine import Engine
     from realizar_backend.settings import Settings

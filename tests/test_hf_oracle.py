@@ -1,5 +1,5 @@
 """The NumPy backend against transformers on tiny random models of each architecture, written by
-transformers and converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (tests/hf_oracle.py):
+transformers and converted to GGUF by llama.cpp's own convert_hf_to_gguf.py (tests/support/hf_oracle.py):
 greedy tokens equal (a divergence acceptable only at the reference's own near-tie) and logits to
 cosine >= 0.999 at every step. The same checkpoints, read as safetensors directories, check that
 loader too. A prompt cut into prefill chunks gives the logits of one prefill (the hybrids' state
@@ -8,9 +8,9 @@ carried across chunks)."""
 import numpy as np
 import pytest
 
-from hf_oracle import ARCHS, STEPS, assert_greedy_parity, available, reference_greedy, reference_model, \
+from support.hf_oracle import ARCHS, STEPS, assert_greedy_parity, available, reference_greedy, reference_model, \
     tiny_gguf, tokenizer_dir
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.formats import open_model

@@ -21,10 +21,10 @@ import psutil
 import pytest
 from gguf import GGUFValueType as V
 
-import gguf_kv
-from hostile_templates import TRAP_CODES, trapped
-from real_models import smollm2_path
-from server_util import LivezProbe, sample, start_server, wait_for
+from support import gguf_kv
+from support.hostile_templates import TRAP_CODES, trapped
+from support.real_models import smollm2_path
+from support.server import LivezProbe, sample, start_server, wait_for
 from test_grammar_limits import SLOW, defs_chain, lark_chain, object_of
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

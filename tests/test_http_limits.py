@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from server_util import LivezProbe, start_server
+from support.server import LivezProbe, start_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

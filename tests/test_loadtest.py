@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from server_util import API_KEY, free_port, sample, wait_for
+from support.server import API_KEY, free_port, sample, wait_for
 
 from realizar_backend.cli import main
 

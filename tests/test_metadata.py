@@ -9,12 +9,12 @@ import math
 import pytest
 from gguf import GGUFValueType as V
 
-import gguf_kv
-from gguf_kv import replaced
+from support import gguf_kv
+from support.gguf_kv import replaced
 from realizar_backend.errors import ModelFormatError, UnsupportedModelError
 from realizar_backend.formats import open_model
 from realizar_backend.model.tokenizer import Tokenizer
-from real_models import smollm2_path
+from support.real_models import smollm2_path
 
 T = "tokenizer.ggml."
 VOCAB = 49152

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from metadata_fuzz import ACCEPTABLE, fuzz, summary
-from real_models import smollm2_path
+from support.metadata_fuzz import ACCEPTABLE, fuzz, summary
+from support.real_models import smollm2_path
 
 pytestmark = pytest.mark.slow
 

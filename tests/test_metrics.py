@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_util import sample, wait_for
+from support.server import sample, wait_for
 
 from realizar_backend.serving.metrics import COUNTERS, DECODE_STARTS, GAUGES, HISTOGRAMS, VLLM, metric_names
 
@@ -208,7 +208,7 @@ def dashboard_metrics(path) -> set[str]:
 
 
 def test_the_grafana_dashboard_reads_only_metrics_the_server_exports(server):
-    from server_util import REPO
+    from support.server import REPO
 
     families = server.families()
     exported = {f.name + suffix for f in families.values() for suffix in

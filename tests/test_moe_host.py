@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
 from realizar_backend.formats.quants import dequantize
 from realizar_backend.model.math import gelu_tanh, route, silu
-from synth import TOLERANCE, quantize, random_quant
+from support.synth import TOLERANCE, quantize, random_quant
 
 ROOT = Path(__file__).resolve().parents[1]
 GXX = shutil.which("g++")

@@ -4,8 +4,8 @@ reference's top two logits are within 0.01) and last-position logits to cosine >
 
 import pytest
 
-from hf_oracle import assert_greedy_parity
-from paging import contiguous_tables
+from support.hf_oracle import assert_greedy_parity
+from support.paging import contiguous_tables
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.formats import open_model
 
@@ -24,7 +24,7 @@ STEPS = 24
 def pair(request):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from real_models import real_model
+    from support.real_models import real_model
     path = real_model(request.param)
     kw = dict(gguf_file=path.name)
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)

@@ -110,7 +110,7 @@ def test_tool_calls_inside_or_after_a_thought_parse():
     from realizar_backend.serving.chat import ChatReply, message
     from realizar_backend.serving.plans import Plan
     from realizar_backend.serving.tools import parse_tool_request
-    from thinking_model import THINKING_TEMPLATE
+    from support.thinking_model import THINKING_TEMPLATE
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

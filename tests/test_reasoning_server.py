@@ -1,5 +1,5 @@
 """Reasoning, the chat template's fields and the newer request fields, end to end: a real
-`bentoml serve` of a tiny random qwen3 model whose template thinks (tests/thinking_model.py, CPU,
+`bentoml serve` of a tiny random qwen3 model whose template thinks (tests/support/thinking_model.py, CPU,
 one server for the module) and the official `openai` client. The random model's output is held by
 a grammar to a thought and then an answer, so the shapes are certain:
 
@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 
-from server_util import sample, start_server, wait_for
-from thinking_model import write_thinking_model
+from support.server import sample, start_server, wait_for
+from support.thinking_model import write_thinking_model
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import synth
+from support import synth
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.model.math import rope_angles, rope_frequencies
 from realizar_backend.errors import UnsupportedModelError
 from realizar_backend.formats import open_model
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 
 torch = pytest.importorskip("torch")
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-import synth
-from paging import contiguous_tables
+from support import synth
+from support.paging import contiguous_tables
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.formats import open_model

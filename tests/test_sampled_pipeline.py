@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline_rows import STEPS, fill_masks as _fill, rows as _rows
+from support.pipeline_rows import STEPS, fill_masks as _fill, rows as _rows
 
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend

@@ -236,7 +236,7 @@ def test_kernel_params_layout():
 def test_cpu_backend_counts_the_fed_token(smol_model):
     from realizar_backend.backends.base import PrefillItem
     from realizar_backend.backends.cpu import CPUBackend
-    from paging import contiguous_tables
+    from support.paging import contiguous_tables
     be = contiguous_tables(CPUBackend(smol_model, max_slots=2, max_context=32))
     prompt = np.array([1, 9690, 314, 253], np.int32)
     logits = be.prefill([PrefillItem(1, prompt)])[0]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server_util import CONTEXT, REPO, sample, wait_for
+from support.server import CONTEXT, REPO, sample, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_util import CONTEXT, start_server, wait_for
+from support.server import CONTEXT, start_server, wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def test_a_bad_setting_stops_the_start_with_one_line_naming_it(env, line):
 
 def _serve_once(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     import sys
-    from server_util import REPO
+    from support.server import REPO
     base = [sys.executable, "-m", "bentoml", "serve", "service:Realizar"] if cmd[0] == "bentoml" else \
         [sys.executable, "-m", "realizar_backend.cli", "serve"]
     return subprocess.run(base + cmd[1:], cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -256,7 +256,7 @@ def test_split16_error_synthetic(qtype, K):
 def _projection_inputs(name: str, layer: int, T: int = 16, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Run layers 0..layer of a real model with the oracle's math on T random tokens and return
     (input rows, weight) of every projection of `layer` (q|k|v and gate|up stacked)."""
-    from real_models import real_model
+    from support.real_models import real_model
 
     from realizar_backend.model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, silu
     from realizar_backend.formats import open_model

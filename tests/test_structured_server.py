@@ -1,5 +1,5 @@
 """Structured output and tool calling end to end: the official `openai` client against a real
-`bentoml serve` of Qwen2.5-Coder-0.5B on the CPU (the shared one of server_util; short outputs).
+`bentoml serve` of Qwen2.5-Coder-0.5B on the CPU (the shared one of support.server; short outputs).
 
 - `client.beta.chat.completions.parse(..., response_format=<pydantic model>)` with nested objects,
   enums and arrays returns a valid instance for 20 different prompts;
@@ -20,8 +20,8 @@ from enum import Enum
 import httpx
 import pytest
 
-from server_util import QWEN_MODEL, shared_qwen_server
-from tool_defs import TOOLS
+from support.server import QWEN_MODEL, shared_qwen_server
+from support.tool_defs import TOOLS
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

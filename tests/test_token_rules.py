@@ -1,5 +1,5 @@
 """The host's rules on the next token (engine/token_rules.py), in the engine on the CPU with a tiny
-random qwen3 model whose template thinks (tests/thinking_model.py): min_tokens keeps the stop
+random qwen3 model whose template thinks (tests/support/thinking_model.py): min_tokens keeps the stop
 tokens and stop strings from ending the output early, and a thinking budget forces the thought's
 close tag once spent, with and without a grammar, on the greedy and the sampled path."""
 
@@ -15,7 +15,7 @@ from realizar_backend.engine.sampling import SamplingParams
 from realizar_backend.engine.token_rules import Thinking
 from realizar_backend.errors import RequestError
 from realizar_backend.settings import Settings
-from thinking_model import write_thinking_model
+from support.thinking_model import write_thinking_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from realizar_backend.errors import ContextOverflowError, RequestError, UnsupportedModelError
 from realizar_backend.model.tokenizer import Tokenizer
-from tokenizer_corpus import CORPUS, MODELS, ours, reference, reference_smollm_fixed
+from support.tokenizer_corpus import CORPUS, MODELS, ours, reference, reference_smollm_fixed
 
 
 def test_corpus_is_large_and_varied():

@@ -15,7 +15,7 @@ from realizar_backend.serving.tools import (HERMES, LLAMA3_JSON, QWEN_XML, ToolS
                                             delta_chunks, detect_format, finish_reason, parse_reply,
                                             parse_tool_request)
 
-from tool_defs import TOOLS, WEATHER
+from support.tool_defs import TOOLS, WEATHER
 
 # the shape of Llama 3.1's template around tools (written for this test, not Meta's text)
 LLAMA3_TEMPLATE = ("{% if tools is not none %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
@@ -28,7 +28,7 @@ PLAIN_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfo
 
 @pytest.fixture(scope="module")
 def qwen_tok():
-    from real_models import real_model
+    from support.real_models import real_model
 
     from realizar_backend.formats import open_model
     from realizar_backend.model.tokenizer import Tokenizer
@@ -364,7 +364,7 @@ XML_CASES = [
 
 @pytest.fixture(scope="module")
 def xml_req():
-    from thinking_model import THINKING_TEMPLATE
+    from support.thinking_model import THINKING_TEMPLATE
     assert detect_format(THINKING_TEMPLATE) is QWEN_XML
     return parse_tool_request(TOOLS + [TIMER], "auto", None, THINKING_TEMPLATE)
 
@@ -390,7 +390,7 @@ def test_qwen_xml_arguments_stream_a_parameter_at_a_time(xml_req):
 
 
 def test_qwen_xml_grammar(guidance, xml_req):
-    from thinking_model import THINKING_TEMPLATE
+    from support.thinking_model import THINKING_TEMPLATE
     n_ids = lambda s: len(guidance.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     forced = parse_tool_request(TOOLS + [TIMER], "required", None, THINKING_TEMPLATE).constraint(guidance)
     for reply in (XML_W, XML_W + "\n" + XML_T.replace("True", "true")):
@@ -455,7 +455,7 @@ def test_a_thinking_model_may_think_before_its_calls(guidance, xml_req, hermes):
     """With the model's reasoning format, every tool grammar lets a thought come first (here the
     tags are spelled out: Qwen2.5's vocabulary has no <think> token), then holds the calls as before."""
     from realizar_backend.serving.reasoning import THINK
-    from thinking_model import THINKING_TEMPLATE
+    from support.thinking_model import THINKING_TEMPLATE
     n_ids = lambda s: len(guidance.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     thought = "<think>\nThe user wants Paris.\n</think>\n\n"
     for template, call in ((THINKING_TEMPLATE, XML_W), (None, CALL_W)):

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.formats import open_model
-from synth import write_gguf
+from support.synth import write_gguf
 
 weights = pytest.importorskip("realizar_backend.backends.cuda.weights")
 

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.backends.cuda.matrices import QTYPES
-from paging import contiguous_table, contiguous_tables
+from support.paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import synth
+from support import synth
 
 ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 

@@ -1,4 +1,4 @@
-"""The tiny mixture-of-experts models of the GPU tests (tests/gpu/test_moe.py): tests/hf_oracle.py's
+"""The tiny mixture-of-experts models of the GPU tests (tests/gpu/test_moe.py): tests/support/hf_oracle.py's
 tiny qwen3moe (transformers' Qwen3MoeForCausalLM with random weights, converted by llama.cpp's
 convert_hf_to_gguf.py; the NumPy backend matches transformers on it), at head sizes the GPU's
 attention takes:
@@ -10,7 +10,7 @@ attention takes:
 
 The GPU machine has no transformers and no network, so the files are made here and carried:
 
-    python tests/moe_models.py DIR      # writes DIR/qwen3moe-f32.gguf and DIR/qwen3moe-q4k.gguf
+    python tests/support/moe_models.py DIR      # writes DIR/qwen3moe-f32.gguf and DIR/qwen3moe-q4k.gguf
 
 and the GPU tests read them from $REALIZAR_MOE_MODELS (or make them where they can).
 """
@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 
 ARCH = "qwen3_moe"
 NAMES = ("f32", "q4k")
-# config.json overrides of each model (tests/hf_oracle.py ARCHS has the rest: 8 experts, 2 a token,
+# config.json overrides of each model (tests/support/hf_oracle.py ARCHS has the rest: 8 experts, 2 a token,
 # renormalised, q/k norms, 2 layers)
 OVERRIDES = {
     "f32": dict(head_dim=32),
@@ -53,8 +53,8 @@ def file_name(name: str) -> str:
 def make(name: str, out: Path) -> Path:
     """Build the model `name` (NAMES) with transformers and the converter (cached by hf_oracle.py),
     quantized as above for q4k, into out."""
-    from hf_oracle import tiny_gguf
-    from synth import requantize
+    from support.hf_oracle import tiny_gguf
+    from support.synth import requantize
     src = tiny_gguf(ARCH, **OVERRIDES[name])
     out.parent.mkdir(parents=True, exist_ok=True)
     if name == "f32":
@@ -71,7 +71,7 @@ def model_path(name: str) -> Path | None:
     if d and (Path(d) / file_name(name)).exists():
         return Path(d) / file_name(name)
     try:
-        from hf_oracle import available, tiny_gguf
+        from support.hf_oracle import available, tiny_gguf
         if not available(ARCH):
             return None
         # beside the converted model, in hf_oracle's cache (keyed by its config, seed and versions)
@@ -82,6 +82,7 @@ def model_path(name: str) -> Path | None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: the support package
     dest = Path(sys.argv[1] if len(sys.argv) > 1 else ".device/moe")
     for n in NAMES:
         print(make(n, dest / file_name(n)))

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 MAX_NUM_SEQS = 16
 MAX_WAITING = 16        # a burst of 16 clients all wait before the engine's next step admits them
@@ -201,7 +201,7 @@ def shared_qwen_server() -> Server:
     """The one Qwen2.5-Coder-0.5B server of this test process (tools, structured output, client
     libraries; served as QWEN_MODEL), started on first use and stopped at exit."""
     def env() -> dict[str, str]:
-        from real_models import real_model
+        from support.real_models import real_model
         return {"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": QWEN_MODEL,
                 "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20", "REALIZAR_MAX_WAITING": "32",
                 # few, so that tests/test_agent_apis.py sees the Responses store drop its oldest

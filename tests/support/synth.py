@@ -354,7 +354,7 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
 def requantize(src: str | Path, dst: str | Path, qtypes: Callable[[str, tuple[int, ...]], Q | None]) -> Path:
     """Copy the GGUF `src` (every metadata key as it is) to `dst` with each tensor stored as the type
     qtypes(name, shape) gives (shape in NumPy order; None: as it is): the float weights of a model
-    written elsewhere (tests/hf_oracle.py), quantized as `quantize` does."""
+    written elsewhere (tests/support/hf_oracle.py), quantized as `quantize` does."""
     from realizar_backend.formats.quants import dequantize
     r = GGUFReader(str(src))
     w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from real_models import CACHE as MODEL_CACHE
+from support.real_models import CACHE as MODEL_CACHE
 from realizar_backend.backends.base import PrefillItem
 
 LLAMA_CPP_PYTHON = "0.3.36"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import random
 
-from real_models import real_model
+from support.real_models import real_model
 
 HAND = [
     "", " ", "  ", "   ", "\t", "\n", "\n\n", "\n\n\n\n\n", "\r\n", " \n \n ", "\t\t\t", " \t \t", "\u00a0", "\u3000",

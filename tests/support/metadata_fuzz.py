@@ -23,8 +23,8 @@ from typing import Any, Iterator
 
 from gguf import GGUFValueType as V
 
-import gguf_kv
-from gguf_kv import KV
+from support import gguf_kv
+from support.gguf_kv import KV
 
 ACCEPTABLE = ("ok", "typed")
 _INT_TYPES = {V.UINT8: (0, 2 ** 8 - 1), V.INT8: (-2 ** 7, 2 ** 7 - 1), V.UINT16: (0, 2 ** 16 - 1),
