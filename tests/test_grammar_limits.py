@@ -2,7 +2,7 @@
 process that can be abandoned: a grammar that would crash the process (a deep chain of references),
 stall it (a compile of minutes) or fail at the first token, or that allows no text at all, is a
 400 at the request. Real llguidance over SmolLM2's vocabulary; the worker processes are real too.
-The huge inputs are built here, never stored."""
+The huge inputs are built here (and in support/grammars.py), never stored."""
 
 from __future__ import annotations
 
@@ -17,24 +17,8 @@ from realizar_backend.engine.grammar_check import Cancelled, CheckFailed, Gramma
 from realizar_backend.engine.guidance import Constraint, Guidance, grammar_source
 from realizar_backend.errors import RequestError
 from realizar_backend.model.tokenizer import Tokenizer
+from support.grammars import SLOW, defs_chain, lark_chain, object_of
 
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "a"'
-
-
-def defs_chain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    return {"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}
-
-
-def object_of(n: int, required: bool = False) -> dict:
-    s = {"type": "object", "properties": {f"p{i}": {} for i in range(n)}}
-    return {**s, "required": list(s["properties"])} if required else s
-
-
-# A compile that takes long within every limit (38 s on a 2-core host): keys matched by patterns
-SLOW = {"type": "object", "patternProperties": {f"^x{i}[a-z]*$": {"type": "string"} for i in range(500)}}
 
 # the attacks of each class: (kind, spec) -> the code of their 400
 TOO_LARGE = {

@@ -22,10 +22,10 @@ import pytest
 from gguf import GGUFValueType as V
 
 from support import gguf_kv
+from support.grammars import SLOW, defs_chain, lark_chain, object_of
 from support.hostile_templates import TRAP_CODES, trapped
 from support.real_models import smollm2_path
 from support.server import LivezProbe, sample, start_server, wait_for
-from test_grammar_limits import SLOW, defs_chain, lark_chain, object_of
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

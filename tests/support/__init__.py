@@ -14,5 +14,7 @@
     paging             block tables for tests that drive a backend directly
     pipeline_rows      sample rows for the pipelined-sampling tests
     flash_cases        paged-attention cases and their float64 oracle
+    split16_twin       the NumPy twin of the split16 prefill GEMM
+    grammars           grammars too large or too slow for a request
     server             a real `bentoml serve` process (the `server` fixture's)
 """
