@@ -5,7 +5,7 @@ file, build the tokenizer with its chat template, encode and decode a little tex
 process under a time limit. The only acceptable outcomes are success and a typed error
 (RealizarError); anything else, a hang or a crash, is a finding.
 
-Used by tests/test_metadata_fuzz.py (fixed seed, a few hundred mutants) and by
+Used by tests/formats/test_metadata_fuzz.py (fixed seed, a few hundred mutants) and by
 tools/fuzz_metadata.py (as many as you like, with counts of outcomes).
 """
 
