@@ -17,7 +17,7 @@ from realizar_backend.backends.sampling import (EXP_POLY, LN2_HI, LN2_LO, LOG2E,
                                                 sample_logits, sample_rows)
 from realizar_backend.engine.sampling import Sampler, SamplingParams
 
-KERNEL = Path(__file__).resolve().parents[1] / "realizar_backend" / "kernels" / "sampling.cu"
+KERNEL = Path(__file__).resolve().parents[2] / "realizar_backend" / "kernels" / "sampling.cu"
 
 
 def chi2_sf(x: float, dof: int) -> float:

@@ -68,7 +68,7 @@ def test_cpu_threads_set_the_blas_pool(smol_model):
 def test_the_cupy_install_hint_matches_the_package_extras():
     import tomllib
     from pathlib import Path
-    extras = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
         "project"]["optional-dependencies"]
     for extra, wheel in host.CUPY_EXTRAS.values():
         assert extras[extra] == [wheel]
