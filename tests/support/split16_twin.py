@@ -6,7 +6,7 @@ halves, and the fp32 accumulation under two models: IEEE fp32 (one rounding per 
 SGEMM does) and the tensor cores (blocks of 16 products added to the accumulator with the terms
 aligned to the largest and cut to 24 + `extra` bits, and the result truncated toward zero: what
 V100/A100/H100 tensor cores are reported to do; a pessimistic stand-in for the H100's exact rules).
-The proof of its error bound against float64 is tests/test_split16_twin.py; the GPU tests
+The proof of its error bound against float64 is tests/kernels/test_split16_twin.py; the GPU tests
 (tests/gpu/test_prefill_split.py) check the device against it."""
 
 from __future__ import annotations

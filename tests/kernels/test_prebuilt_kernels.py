@@ -14,7 +14,7 @@ import pytest
 
 from realizar_backend.kernels import catalog
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REBUILD = "the prebuilt kernels are stale: run `python tools/build_kernels.py` and commit kernels/cubin"
 
 

@@ -24,7 +24,7 @@ from realizar_backend.formats.quants import dequantize
 from realizar_backend.model.math import gelu_tanh, route, silu
 from support.synth import TOLERANCE, quantize, random_quant
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = Path(__file__).resolve().parents[1] / "realizar_backend" / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "realizar_backend" / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 

@@ -18,7 +18,7 @@ from realizar_backend.backends.base import SampleRow
 from realizar_backend.backends.sampling import (BIAS_ROW_WORDS, kernel_params, mask_words, pack_bias, pack_masks,
                                                 raw_logprobs, sample_logits)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
 from realizar_backend.formats.quants import dequantize, random_matrix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 

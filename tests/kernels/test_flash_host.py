@@ -19,7 +19,7 @@ import pytest
 from support.flash_cases import (decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host,
                          row_cosine_min, same_bits)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
