@@ -267,7 +267,7 @@ def generate(engine, prompt, constraint, **sampling):
 def test_greedy_and_sampled_constrained_generation_validates_and_free_text_would_not(qwen_engine):
     from concurrent.futures import ThreadPoolExecutor
     c = Constraint("json_schema", PET)
-    # (greedy output on 20 prompts: tests/test_structured_server.py)
+    # (greedy output on 20 prompts: tests/serving/test_structured_server.py)
     jobs = [(PROMPTS[2], dict(temperature=0))] + \
            [(PROMPTS[0], dict(temperature=0.9, top_p=0.95, seed=seed)) for seed in (1, 2)]
     with ThreadPoolExecutor(len(jobs)) as pool:      # one batch: constrained rows decode together

@@ -1,6 +1,6 @@
 """Grammars too large or too slow for a request, built on demand (never stored): the engine's
 grammar limits (tests/engine/test_grammar_limits.py) and the hostile requests of a real server
-(tests/test_hostile.py) both send them."""
+(tests/serving/test_hostile.py) both send them."""
 
 from __future__ import annotations
 

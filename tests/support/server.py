@@ -204,7 +204,7 @@ def shared_qwen_server() -> Server:
         from support.real_models import real_model
         return {"REALIZAR_MODEL": str(real_model("qwen05")), "REALIZAR_MODEL_NAME": QWEN_MODEL,
                 "REALIZAR_CONTEXT_LENGTH": "1024", "REALIZAR_MAX_NUM_SEQS": "20", "REALIZAR_MAX_WAITING": "32",
-                # few, so that tests/test_agent_apis.py sees the Responses store drop its oldest
+                # few, so that tests/serving/test_agent_apis.py sees the Responses store drop its oldest
                 "REALIZAR_RESPONSES_STORE_SIZE": "4"}
     return _shared_server("qwen", env)
 

@@ -1,7 +1,8 @@
 """/metrics of a real server, read with prometheus_client's parser: every realizar_ metric is
 there next to BentoML's own, labelled with its worker (and the engine's series with their engine),
 and after traffic each moved the right way
-(the token counters by exactly the usage the clients were told). Several engines: test_engine_group.py."""
+(the token counters by exactly the usage the clients were told).
+Several engines: tests/engine/test_engine_group.py."""
 
 from __future__ import annotations
 
