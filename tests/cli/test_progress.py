@@ -11,7 +11,7 @@ from pathlib import Path
 
 from realizar_backend.progress import progress
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_not_a_terminal_gives_a_start_and_an_end_log_line(caplog):
