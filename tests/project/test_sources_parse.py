@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FILES = sorted(p for d in ("realizar_backend", "tools", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py"))
 
 

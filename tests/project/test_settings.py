@@ -108,7 +108,7 @@ def test_every_realizar_variable_the_repository_uses_is_known():
     import re
     from pathlib import Path
     from realizar_backend.settings import NOT_SETTINGS, NOT_SETTINGS_PREFIXES
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     known = {Settings.env_name(f.name) for f in fields(Settings)} | NOT_SETTINGS
     used = set()
     for path in [*root.glob("realizar_backend/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("tools/**/*.sh"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
 
