@@ -96,7 +96,7 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from paging import contiguous_tables
+    from support.paging import contiguous_tables
 
     from realizar_backend.backends.base import PrefillItem
     from realizar_backend.backends.cuda import CUDABackend

@@ -37,7 +37,7 @@ def rng(request):
 
 @pytest.fixture(scope="session")
 def smol_path():
-    from real_models import real_model
+    from support.real_models import real_model
     return real_model("smol135")
 
 
@@ -49,7 +49,7 @@ def smol_model(smol_path):
 
 @pytest.fixture(scope="module")
 def server():
-    """The test process's `bentoml serve` of SmolLM2 on the CPU (server_util.shared_server); a
+    """The test process's `bentoml serve` of SmolLM2 on the CPU (support.server.shared_server); a
     module that needs a server of its own settings defines its own `server`."""
-    from server_util import shared_server
+    from support.server import shared_server
     return shared_server()

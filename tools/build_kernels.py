@@ -1,6 +1,6 @@
 """Prebuild every kernel module the CUDA loader builds, for the GPUs in catalog.ARCHS, with the local
 nvcc: realizar_backend/kernels/cubin/<arch>/*.cubin.xz and cubin/manifest.json. Run it after any change
-to realizar_backend/kernels/ (tests/test_prebuilt_kernels.py says when):
+to realizar_backend/kernels/ (tests/kernels/test_prebuilt_kernels.py says when):
 
     python tools/build_kernels.py              # incremental: only modules whose source changed
     python tools/build_kernels.py --force      # everything again

@@ -79,7 +79,7 @@ done
 [ "${1:-}" = stage ] && { ls -la /tmp/stage /tmp/twins; exit 0; }
 python3 -c "import cupy, gguf, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" || exit 1
 export REALIZAR_TWINS=/tmp/twins
-# the tiny qwen3moe models of tests/gpu/test_moe.py, made where transformers is (tests/moe_models.py) and carried
+# the tiny qwen3moe models of tests/gpu/test_moe.py, made where transformers is (tests/support/moe_models.py) and carried
 [ -d .device/moe ] && export REALIZAR_MOE_MODELS=$REPO/.device/moe
 [ -f "$SMOL" ] && export REALIZAR_REAL_SMOL=$SMOL
 # the prebuilt kernels, current for this tree (this machine's nvcc: 16 cores make it quick)

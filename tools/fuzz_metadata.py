@@ -1,4 +1,4 @@
-"""Fuzz the loader's metadata checks with mutants of a real GGUF header (see tests/metadata_fuzz.py).
+"""Fuzz the loader's metadata checks with mutants of a real GGUF header (see tests/support/metadata_fuzz.py).
 
     python tools/fuzz_metadata.py --count 5000 --seed 1        # the default SmolLM2
     python tools/fuzz_metadata.py --model x.gguf --count 200 --json out.json
@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]      # this checkout's package, and the fuzzer
 
-from metadata_fuzz import ACCEPTABLE, fuzz, summary  # noqa: E402
+from support.metadata_fuzz import ACCEPTABLE, fuzz, summary  # noqa: E402
 
 
 def main() -> int:

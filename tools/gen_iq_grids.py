@@ -5,7 +5,7 @@ llama.cpp team's reference), so the kernels and the NumPy reference share one so
     python tools/gen_iq_grids.py            # rewrite the header
     python tools/gen_iq_grids.py --check    # exit 1 if the header differs from what gguf-py gives
 
-tests/test_iq_grids.py runs the check in CI. Each table lives in an accessor function as a static
+tests/kernels/test_iq_grids.py runs the check in CI. Each table lives in an accessor function as a static
 array: it goes to global memory (read through the read-only cache, ld.global.nc) in a module that
 decodes its type, and into no module that does not (a file-scope array unused by a module draws a
 compiler warning and still takes room in its cubin)."""

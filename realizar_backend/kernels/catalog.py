@@ -12,7 +12,7 @@ time instead of at run time from the head size). The prebuilt set is `variants()
 ARCHS: every module the loader builds for any model (no quant mask), plus the decode attention for
 the head sizes of common models and the decode GEMVs for common quant masks (QMASK_EXACT files
 are never served by their general module). When the loader gains a module or a variant, add it to
-`variants()` and run the tool (tests/test_prebuilt_kernels.py fails until then).
+`variants()` and run the tool (tests/kernels/test_prebuilt_kernels.py fails until then).
 
 A GPU of compute capability X.Y with no modules of its own takes those of the highest shipped X.Z
 with Z < Y, as CUDA's binary compatibility allows (sm_80 code runs on 8.6 and 8.9): built with

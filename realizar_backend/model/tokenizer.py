@@ -7,7 +7,7 @@ The tokenizer is built with Hugging Face `tokenizers` (Rust) from what the model
   no merges, so they are derived from the vocabulary, ranked by score (Gemma: by file order);
 - a safetensors directory: its own tokenizer.json.
 Control (type 3) and user-defined (type 4) tokens are matched whole in text, as llama.cpp does.
-The token ids equal transformers' tokenizer for the same file (checked in tests/test_tokenizer.py).
+The token ids equal transformers' tokenizer for the same file (checked in tests/model/test_tokenizer.py).
 
 Chat templates render as transformers renders them, in worker processes with time, output and
 memory limits (chat_template.py); every metadata value is read through model/metadata.py, so a

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 from test_model_parity import COS_MIN, TWINS, _assert_parity, _cos, _open, _real_smol
 
 pytestmark = pytest.mark.gpu

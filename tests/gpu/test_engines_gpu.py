@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_util import start_server, wait_for
+from support.server import start_server, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.slow]
 

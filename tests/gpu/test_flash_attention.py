@@ -1,5 +1,5 @@
 """The flash attention kernels (kernels/flash_prefill.cu, flash_decode.cu through
-backends/cuda/flash.py) against the float64 oracle on fresh random paged pools (tests/flash_cases.py:
+backends/cuda/flash.py) against the float64 oracle on fresh random paged pools (tests/support/flash_cases.py:
 permuted block tables, every row a correct kernel must not read set to NaN), outputs poisoned with
 NaN before each launch, the split counters checked back at zero and the pool checked bit for bit
 (prefill writes nothing; decode writes exactly the new k and v). Tolerances: max |error| over
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flash_cases import (DecodeCase, PrefillCase, decode_case, decode_expected, oracle, prefill_case, rel_err,
+from support.flash_cases import (DecodeCase, PrefillCase, decode_case, decode_expected, oracle, prefill_case, rel_err,
                          row_cosine_min, same_bits)
 
 pytestmark = pytest.mark.gpu

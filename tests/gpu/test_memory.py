@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from paging import contiguous_table, contiguous_tables
+from support.paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
 

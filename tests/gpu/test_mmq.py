@@ -8,7 +8,7 @@ output poisoned (NaN) before the launch and the row tails checked untouched, for
 determinism, CUDA-graph capture and programmatic dependent launch.
 
 Errors are in units of sum |w x| (selfcheck.dot_err, the fp32 GEMV's measure), taken per token row
-(the worst row counts); the bound is the fp32 GEMV tests' own (test_kernels_f32.py FP32_TOL). tests/test_mmq_emu.py runs the same
+(the worst row counts); the bound is the fp32 GEMV tests' own (test_kernels_f32.py FP32_TOL). tests/kernels/test_mmq_emu.py runs the same
 kernel code on the CPU."""
 
 from __future__ import annotations

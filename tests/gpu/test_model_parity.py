@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -121,7 +121,7 @@ def test_mixed_type_groups_parity(tmp_path, rng):
     the GEMVs matrix by matrix (dispatch.py) in every family of step (1 and 12 rows, a short and a
     long prompt), at the parity bar against the oracle."""
     from gguf import GGMLQuantizationType as Q
-    from synth import write_gguf
+    from support.synth import write_gguf
     from realizar_backend.backends.base import PrefillItem
     mixed = {"blk.0.attn_k.weight": Q.F16, "blk.0.ffn_up.weight": Q.Q6_K, "blk.1.attn_output.weight": Q.F32,
              "blk.1.ffn_down.weight": Q.Q8_0, "blk.1.attn_q.weight": Q.Q4_1}
@@ -161,7 +161,7 @@ def test_low_bit_types_parity(tmp_path, rng, second):
     Q2_K) against the oracle on the same blocks: prompts on the tensor cores and on split16, decode at
     1 row (GEMVs) and 12 (tensor cores; Q2_K on the GEMVs), at the parity bar."""
     from gguf import GGMLQuantizationType as Q
-    from synth import write_gguf
+    from support.synth import write_gguf
     from realizar_backend.backends.base import PrefillItem
 
     def qtype(name: str):                   # matrices by role; norms and biases stay F32

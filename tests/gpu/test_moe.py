@@ -3,10 +3,10 @@ the routing against model/math.py route, the experts through experts.py's launch
 at several shapes with outputs poisoned, and whole qwen3moe models, CUDABackend against the NumPy
 oracle (CPUBackend), in prompt steps of every family and decode steps of 1 and 8 rows.
 
-The models are tests/moe_models.py's tiny qwen3moe (transformers' own, converted by llama.cpp's
+The models are tests/support/moe_models.py's tiny qwen3moe (transformers' own, converted by llama.cpp's
 converter): F32, and a wider one requantized to Q4_K/Q6_K with one layer's gate and up of two types.
 This machine cannot make them without transformers and the network: make them where it can
-(`python tests/moe_models.py .device/moe`) and point $REALIZAR_MOE_MODELS at that directory."""
+(`python tests/support/moe_models.py .device/moe`) and point $REALIZAR_MOE_MODELS at that directory."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.backends.cuda.matrices import QTYPES
 
-from moe_models import model_path
+from support.moe_models import model_path
 from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ def test_experts(kernels, rng, types, T):
 def moe_model(request):
     path = model_path(request.param)
     if path is None:
-        pytest.skip(f"tiny qwen3moe {request.param} not made: python tests/moe_models.py DIR, then "
+        pytest.skip(f"tiny qwen3moe {request.param} not made: python tests/support/moe_models.py DIR, then "
                     f"REALIZAR_MOE_MODELS=DIR")
     from realizar_backend.formats import open_model
     return request.param, open_model(path)

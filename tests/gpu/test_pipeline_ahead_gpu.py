@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 
 pytestmark = pytest.mark.gpu
 

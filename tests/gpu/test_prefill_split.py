@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.backends.cuda.matrices import QTYPES
-from paging import contiguous_table, contiguous_tables
+from support.paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -91,7 +91,7 @@ def test_split_weights(kernels, kx, rng, K, segs):
     the NumPy twin of the split applied to the device's own decode (dequant.cu: within one ulp of gguf's,
     test_dequant_kernels), so that the twin's emulation of the split itself is exact."""
     import cupy
-    from test_split16_twin import LO_SHIFT, weight_rows
+    from support.split16_twin import LO_SHIFT, weight_rows
 
     from realizar_backend.backends.cuda import ops
     from realizar_backend.backends.cuda.split16 import split_weights
@@ -124,7 +124,7 @@ def test_split_weights(kernels, kx, rng, K, segs):
                                       (4, 1000, True), (2, 37, False)])
 def test_norm_split(kx, rng, T, K, norm):
     import cupy
-    from test_split16_twin import LO_SHIFT, outlier_rows, split_rows as twin_split
+    from support.split16_twin import LO_SHIFT, outlier_rows, split_rows as twin_split
 
     from realizar_backend.model.math import rms_norm
     from realizar_backend.backends.cuda.split16 import split_rows
@@ -268,7 +268,7 @@ def test_paired_rows(kx, rng):
 
 
 def test_split_calls_match_the_twin():
-    import test_split16_twin as twin
+    from support import split16_twin as twin
 
     from realizar_backend.backends.cuda import split16 as prefill
     assert prefill.MAIN_K_PER_CALL == twin.MAIN_K_PER_CALL
@@ -290,7 +290,7 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     rows 1e4 and 1e-6 times the others): within 4 sqrt(K) 2^-24 (split16_error_bound; the H100
     measured 0.23-0.92 sqrt(K) 2^-24, cuBLAS SGEMM 0.07-0.27), far below fp16's."""
     import cupy
-    from test_split16_twin import fma_gemm, outlier_rows, rel, split16_error_bound, split16_matmul
+    from support.split16_twin import fma_gemm, outlier_rows, rel, split16_error_bound, split16_matmul
 
     from realizar_backend.backends.cuda import ops
     from realizar_backend.backends.cuda.split16 import split_gemm, split_rows, split_weights
@@ -326,7 +326,7 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
           f"  (twin, fp32 accumulation, 4 rows: split16 {e_twin:.2e} sgemm {sgemm_twin:.2e})"
           f"  bound {split16_error_bound(K):.2e}")
     # fp32-class: the tensor cores' truncating accumulation grows like sqrt(K); the bound is
-    # 4 sqrt(K) 2^-24 (test_split16_twin.split16_error_bound: 4x the worst constant measured on the
+    # 4 sqrt(K) 2^-24 (support/split16_twin.py split16_error_bound: 4x the worst constant measured on the
     # H100), which single fp16 fails by 10x or more, and split16 stays far below single fp16
     bound = split16_error_bound(K)
     assert e_split <= bound and e_paired <= bound

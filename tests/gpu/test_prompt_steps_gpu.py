@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from paging import contiguous_tables
+from support.paging import contiguous_tables
 
 pytestmark = pytest.mark.gpu
 

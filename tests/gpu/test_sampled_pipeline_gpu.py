@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from paging import contiguous_tables
-from pipeline_rows import STEPS, fill_masks, rows
+from support.paging import contiguous_tables
+from support.pipeline_rows import STEPS, fill_masks, rows
 
 pytestmark = pytest.mark.gpu
 

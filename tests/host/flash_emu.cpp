@@ -1,5 +1,5 @@
 // Runs the flash attention kernels (kernels/flash_prefill.cu, flash_decode.cu) on the CPU through
-// cuda_emu.h, for tests/test_flash_host.py: argv[1] is a directory holding params.txt (one
+// cuda_emu.h, for tests/kernels/test_flash_host.py: argv[1] is a directory holding params.txt (one
 // "name value" per line: the kernel's name, launch shape and scalar arguments, as
 // backends/cuda/flash.py plans them) and the input arrays as raw .bin files; the outputs are
 // written back there (out, o16, oq, od, kpool, vpool after the launch, counters).

@@ -5,11 +5,11 @@
 // buffer. ldmatrix.x4 and mma.m16n8k16 are emulated from their fragment layouts in the PTX ISA, so
 // this checks the kernels' own indexing (the k permutation shared by the A tile and the prep
 // records, the swizzles, the split-K reduction and its counters, the FFN and argmax epilogues)
-// against float64 in tests/test_mmq_emu.py. Blocks run one after another.
+// against float64 in tests/kernels/test_mmq_emu.py. Blocks run one after another.
 //
-// usage: mmq_emu IN OUT  (formats: tests/test_mmq_emu.py)
+// usage: mmq_emu IN OUT  (formats: tests/kernels/test_mmq_emu.py)
 // Tensor-core accumulation model (header field): 0 = the exact sum rounded once to fp32, 1 = the
-// truncating model of tests/test_split16_twin.py (terms cut to 24 bits of the largest, result
+// truncating model of tests/support/split16_twin.py (terms cut to 24 bits of the largest, result
 // truncated toward zero).
 #include "host_intrinsics.h"
 #include <ucontext.h>

@@ -1,11 +1,11 @@
 // CPU check of common.cuh's fp32-activation decoders (load_funit / funit_dot, used by mmvf.cu)
 // against the plain decoders (load_unit, the ones the dequantize kernels use and the GPU tests
-// check against gguf's dequantize). Built with g++ by tests/test_mmvf_host.py through shims of
+// check against gguf's dequantize). Built with g++ by tests/kernels/test_mmvf_host.py through shims of
 // the few CUDA intrinsics involved; prints one line per type: max relative error of the decoded
 // weights and of the unit dot products.
 // With arguments FILE K TYPE RB (any type of the GPU's table): FILE holds rows of K weights in the
 // type's device layout (formats/gpu_layout.py), RB bytes a row; prints every weight as each decoder
-// gives it (see dump), for tests/test_mmvf_host.py to hold against gguf's dequantize.
+// gives it (see dump), for tests/kernels/test_mmvf_host.py to hold against gguf's dequantize.
 #include "host_intrinsics.h"
 #include <cmath>
 #include <cstdio>

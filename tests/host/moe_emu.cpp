@@ -1,4 +1,4 @@
-// Runs one launch of a kernels/moe.cu kernel on the CPU through cuda_emu.h, for tests/test_moe_host.py:
+// Runs one launch of a kernels/moe.cu kernel on the CPU through cuda_emu.h, for tests/kernels/test_moe_host.py:
 // argv[1] is a directory holding params.txt (one "name value" per line: `kernel` is topk, combine,
 // gate_up_<type> or gemv_<type>, the rest its scalar arguments) and the input arrays as raw .bin
 // files. The output arrays are read from their .bin files as the test poisoned them and written

@@ -1,7 +1,7 @@
 // Runs kernels/sampling.cu on the CPU: every CUDA thread of a block is a std::thread,
 // __syncthreads and the warp exchanges (shuffles, ballots) are barriers, blocks run one after
 // another (the kernels never wait on another block), atomics are the compiler's. Built with g++
-// by tests/test_sampling_emu.py, which compares the result with the NumPy twin.
+// by tests/kernels/test_sampling_emu.py, which compares the result with the NumPy twin.
 //
 // usage: sampling_emu IN OUT
 //   IN:  int32 header {V, n, slots, G, slice, cap, block_hist, block_final, mask_rows, bias_words},

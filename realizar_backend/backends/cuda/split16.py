@@ -29,7 +29,7 @@ OP_N, OP_T = 0, 1
 # The tensor cores truncate when they add into the fp32 accumulator, an error that grows with the
 # number of k-steps one accumulator sees. The main (hi x hi) term of a long row is therefore split
 # over several cuBLAS calls of at most this many k, added with cuBLAS's rounding beta = 1 epilogue
-# (tests/test_split16_twin.py, tensor-core models: the down projection of Qwen2.5-1.5B, K = 8960,
+# (tests/kernels/test_split16_twin.py, tensor-core models: the down projection of Qwen2.5-1.5B, K = 8960,
 # goes from 2-7x to 1.3-3x the error of fp32 SGEMM). Each call costs a launch and a pass over
 # the output, small beside the GEMM at K this long.
 MAIN_K_PER_CALL = 4096

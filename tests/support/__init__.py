@@ -1,0 +1,20 @@
+"""Helpers the tests share (tests/conftest.py puts tests/ on sys.path, so a test imports
+`from support.synth import write_gguf` or `from support import synth`):
+
+    synth              synthetic GGUF files and Hugging Face directories
+    real_models        the real models of the slow tests, fetched once into a cache
+    hf_oracle          tiny random models made by transformers and converted by llama.cpp
+    moe_models         the GPU tests' tiny qwen3moe models (also a script: python tests/support/moe_models.py DIR)
+    thinking_model     a tiny random qwen3 whose chat template thinks
+    gguf_kv            a GGUF file's key/value section as an editable list
+    metadata_fuzz      mutants of a real GGUF header (also run by tools/fuzz_metadata.py)
+    tokenizer_corpus   hard text and the tokenizers under test
+    hostile_templates  chat templates that run away on demand
+    tool_defs          the tools the tool-calling tests offer
+    paging             block tables for tests that drive a backend directly
+    pipeline_rows      sample rows for the pipelined-sampling tests
+    flash_cases        paged-attention cases and their float64 oracle
+    split16_twin       the NumPy twin of the split16 prefill GEMM
+    grammars           grammars too large or too slow for a request
+    server             a real `bentoml serve` process (the `server` fixture's)
+"""
