@@ -1,0 +1,215 @@
+"""Several front ends (BentoML workers on one port) in front of the same engine processes
+(engine/shared.py; Settings.front_ends).
+
+The rule for how many, and the load board the engines keep for the router, are plain logic. Then
+a real `bentoml serve` with two CPU engines and two front ends: requests through the one port are
+served by both front ends and both engines, and /metrics counts each engine's work once (it adds
+up to what was sent); streamed greedy text equals a one-engine server's; a front end killed is
+started again by BentoML while the other serves, and connects again to the same engines; an engine
+killed leaves the other serving in every front end; a server none of whose engines can load the
+model says so in one line and exits 1; a SIGKILLed server takes its engines with it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_util import sample, start_server, wait_for
+
+from realizar_backend.engine.shared import SLOTS, LoadBoard
+from realizar_backend.errors import SettingsError
+from realizar_backend.settings import Settings, serve_front_ends
+
+MODEL = "SmolLM2-135M-Instruct"
+ENV = {"REALIZAR_WORKERS": "2", "REALIZAR_FRONT_ENDS": "2"}
+
+
+# ------------------------------------------------------------------------------ the rule, the board
+
+def test_one_front_end_per_two_engines_unless_set():
+    assert [serve_front_ends(Settings(), n) for n in (1, 2, 3, 4, 8)] == [1, 1, 1, 2, 4]
+    assert serve_front_ends(Settings(front_ends=3), 1) == 3
+    assert Settings.from_env({"REALIZAR_FRONT_ENDS": "2"}).front_ends == 2
+    with pytest.raises(SettingsError, match="REALIZAR_FRONT_ENDS"):
+        Settings.from_env({"REALIZAR_FRONT_ENDS": "-1"})
+
+
+def test_the_load_board_gives_each_front_end_the_others_load(tmp_path):
+    path = str(tmp_path / "engine-1.load")
+    LoadBoard.create(path)
+    engine, reader = LoadBoard(path, writable=True), LoadBoard(path)
+    try:
+        engine.add(0, 1, 100)
+        engine.add(1, 2, 30)
+        engine.add(SLOTS - 1, 1, 5)
+        assert reader.others(0) == (3, 35) and reader.others(1) == (2, 105) and reader.others(None) == (4, 135)
+        engine.add(1, -1, -10)
+        engine.clear(0)
+        assert reader.others(SLOTS - 1) == (1, 20)
+    finally:
+        engine.close()
+        reader.close()
+
+
+# ------------------------------------------------------------------------------ a real server
+
+def _children(server, marker: str) -> list:
+    import psutil
+    return [p for p in psutil.Process(server.proc.pid).children()
+            if any(marker in part for part in p.cmdline())]
+
+
+def _workers(server) -> list:
+    return _children(server, "_bentoml_impl.worker")
+
+
+def _engines(server) -> list:
+    return sorted(_children(server, "realizar_backend.engine.shared"), key=lambda p: int(p.cmdline()[-1]))
+
+
+def _complete(server, i: int) -> dict:
+    r = httpx.post(server.url + "/v1/completions", headers=server.auth,
+                   json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 8, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def _streamed(server, prompt: str) -> str:
+    text = []
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.auth, timeout=120,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    return "".join(text)
+
+
+@pytest.fixture(scope="module")
+def fronts():
+    s = start_server(ENV)
+    yield s
+    s.stop()
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_both_front_ends_and_both_engines_serve_and_metrics_count_once(fronts):
+    server = fronts
+    assert len(_workers(server)) == 2 and len(_engines(server)) == 2
+    assert wait_for(lambda: server.worker_statuses() == {"1": "ready", "2": "ready"}, 30), server.log_tail()
+    assert wait_for(lambda: server.engine_statuses() == {"1": ("cpu", "ready"), "2": ("cpu", "ready")}, 30)
+    before = server.metrics()
+    with cf.ThreadPoolExecutor(6) as pool:
+        usages = list(pool.map(lambda i: _complete(server, i), range(24)))
+    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 10)
+    time.sleep(0.5)
+    after = server.metrics()
+
+    def delta(name, **labels):
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    # each sequence's end is written once (by the front end its engine reports to)
+    assert delta("realizar_requests_total", finish_reason="length") + delta(
+        "realizar_requests_total", finish_reason="stop") == len(usages)
+    assert delta("realizar_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("realizar_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    per = [sum(delta("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
+           for e in ("1", "2")]
+    assert min(per) >= len(usages) // 4, per
+    # each engine's series are written by one front end (the other's stay at 0: sums over
+    # `worker` are right)
+    for e in ("1", "2"):
+        writers = {dict(k[1])["worker"] for k, v in after.items()
+                   if k[0] == "realizar_engine_steps_total" and dict(k[1])["engine"] == e and v > 0}
+        assert len(writers) == 1, (e, writers)
+        statuses = [k for k, v in after.items() if k[0] == "realizar_engine_status" and v == 1.0
+                    and dict(k[1])["engine"] == e]
+        assert len(statuses) == 1, statuses
+    # both front ends took requests from the one port (BentoML's access log names the worker)
+    log = server.log_tail(2000)
+    for w in ("1", "2"):
+        assert any(f"[:{w}]" in line and "path=/v1/completions" in line for line in log.splitlines()), w
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_streamed_greedy_text_equals_one_engine_servers(fronts, server):
+    prompts = [f"Write a word about {t}:" for t in ("rain", "bread", "the sea", "winter")]
+    with cf.ThreadPoolExecutor(4) as pool:
+        mine = list(pool.map(lambda p: _streamed(fronts, p), prompts))
+    assert mine == [_streamed(server, p) for p in prompts]
+    assert all(mine)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_killed_front_end_comes_back_and_the_other_serves_meanwhile(fronts):
+    server = fronts
+    engines = [p.pid for p in _engines(server)]
+    victim = max(_workers(server), key=lambda p: p.pid)
+    victim.kill()
+    victim.wait(10)
+    with cf.ThreadPoolExecutor(4) as pool:             # the other front end takes every new connection
+        assert len(list(pool.map(lambda i: _complete(server, i), range(8)))) == 8
+    assert wait_for(lambda: len(_workers(server)) == 2, 30)
+    assert wait_for(lambda: server.worker_statuses() == {"1": "ready", "2": "ready"}, 60), server.log_tail()
+    assert [p.pid for p in _engines(server)] == engines          # the engines were not started again
+    with cf.ThreadPoolExecutor(6) as pool:
+        assert len(list(pool.map(lambda i: _complete(server, i), range(12)))) == 12
+    assert wait_for(lambda: server.engine_statuses() == {"1": ("cpu", "ready"), "2": ("cpu", "ready")}, 30)
+    assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_killed_engine_stands_aside_in_every_front_end(fronts):
+    server = fronts
+    _engines(server)[1].kill()                          # the OOM killer takes engine 2
+    assert wait_for(lambda: server.engine_statuses().get("2") == ("cpu", "dead"), 30), server.log_tail()
+    with cf.ThreadPoolExecutor(4) as pool:
+        assert len(list(pool.map(lambda i: _complete(server, i), range(12)))) == 12     # all 200
+    assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
+    assert server.engine_statuses()["1"] == ("cpu", "ready")
+    assert server.worker_statuses() == {"1": "ready", "2": "ready"}
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_server_whose_engines_cannot_load_exits_with_one_line(tmp_path):
+    missing = tmp_path / "nowhere.gguf"
+    with pytest.raises(RuntimeError, match="exited with 1") as e:
+        start_server({**ENV, "REALIZAR_MODEL": str(missing)}, timeout=120)
+    log = str(e.value)
+    errors = [line for line in log.splitlines() if "cannot serve the model" in line]
+    assert len(errors) == 1 and f"ModelFormatError: {missing}: no such file" in errors[0], log[-2000:]
+    assert "Traceback" not in log
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_the_engines_end_with_a_killed_server():
+    import psutil
+
+    server = start_server(ENV)
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    try:
+        assert len(_engines(server)) == 2
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        for p in children:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        server.stop()
