@@ -213,3 +213,19 @@ def test_the_engines_end_with_a_killed_server():
             except psutil.NoSuchProcess:
                 pass
         server.stop()
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_stopped_server_stops_its_engines_and_exits_0():
+    import psutil
+
+    server = start_server(ENV)
+    engines = _engines(server)
+    assert len(engines) == 2
+    t0 = time.monotonic()
+    server.stop()                                      # SIGTERM to the server's process group
+    assert server.proc.returncode == 0, server.log_tail()
+    gone, alive = psutil.wait_procs(engines, timeout=20)
+    assert not alive and time.monotonic() - t0 < 40, [p.cmdline() for p in alive]
+    assert "Traceback" not in server.log_tail(400)
