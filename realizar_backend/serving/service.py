@@ -335,13 +335,15 @@ def _stop_the_server(error: Exception) -> None:
     """A server none of whose engines could load the model has nothing to serve: say why in one
     line and stop it with a non-zero status (the serving process's _at_exit). (Engines that fail
     while another loads stand aside: engine/group.py.) With several front ends each sees it, and
-    worker 1 says it."""
+    worker 1 says it and stops the server (the others wait, unready, for the server's end)."""
     if WORKER == 1:
         log.error("cannot serve the model: %s: %s", type(error).__name__, error,
                   exc_info=None if isinstance(error, _PLAIN_ERRORS) else error)
     STATE.metrics.set_worker_status("failed")
     STATE.load_error = f"{type(error).__name__}: {error}"
     _NO_ENGINE_CAN_SERVE.set()
+    if WORKER != 1:
+        return
     try:
         lifecycle.fail_the_server(STATE.load_error)
     except OSError as e:           # not under `bentoml serve`'s arbiter: stay up, unready, as before
