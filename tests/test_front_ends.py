@@ -1,8 +1,11 @@
 """Several front ends (BentoML workers on one port) in front of the same engine processes
 (engine/shared.py; Settings.front_ends).
 
-The rule for how many, and the load board the engines keep for the router, are plain logic. Then
-a real `bentoml serve` with two CPU engines and two front ends: requests through the one port are
+The rule for how many, and the load board the engines keep for the router, are plain logic. Two
+front ends in this process on two shared engines: each routes by the engines' whole load (its own
+requests and the other's), a request id used by both stays two requests, each sequence's end is
+counted once (by the front end the engine reports to), and when that one leaves the other takes
+over from the last report. Then a real `bentoml serve` with two CPU engines and two front ends: requests through the one port are
 served by both front ends and both engines, and /metrics counts each engine's work once (it adds
 up to what was sent); streamed greedy text equals a one-engine server's; a front end killed is
 started again by BentoML while the other serves, and connects again to the same engines; an engine
@@ -11,6 +14,7 @@ model says so in one line and exits 1; a SIGKILLed server takes its engines with
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -22,11 +26,14 @@ import pytest
 
 from server_util import sample, start_server, wait_for
 
-from realizar_backend.engine.shared import SLOTS, LoadBoard
+from realizar_backend.engine.group import EngineGroup
+from realizar_backend.engine.sampling import SamplingParams
+from realizar_backend.engine.shared import SLOTS, EngineHost, LoadBoard
 from realizar_backend.errors import SettingsError
 from realizar_backend.settings import Settings, serve_front_ends
 
 MODEL = "SmolLM2-135M-Instruct"
+SETTINGS = Settings(backend="cpu", max_num_seqs=4, context_length=512)
 ENV = {"REALIZAR_WORKERS": "2", "REALIZAR_FRONT_ENDS": "2"}
 
 
@@ -55,6 +62,96 @@ def test_the_load_board_gives_each_front_end_the_others_load(tmp_path):
     finally:
         engine.close()
         reader.close()
+
+
+# ------------------------------------------------------------------------------ two front ends in this process
+
+class _Recorder:
+    """An engine observer that keeps what it is told (metrics.EngineMetrics' protocol)."""
+
+    def __init__(self):
+        self.steps, self.finished, self.primed = [], [], []
+
+    def on_step(self, stats):
+        self.steps.append(stats)
+
+    def on_request_finished(self, *args):
+        self.finished.append(args)
+
+    def on_token_interval(self, seconds):
+        pass
+
+    def prime(self, stats):
+        self.primed.append(stats)
+
+
+async def _hold(eng, prompt, rid: str, release: asyncio.Event, started: asyncio.Event) -> str:
+    """A long greedy stream that stops once `release` is set; returns its text."""
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    text = []
+    async for out in eng.generate(eng.prepare(prompt, params), params, request_id=rid):
+        text.append(out.text)
+        started.set()
+        if release.is_set():
+            break
+    return "".join(text)
+
+
+@pytest.mark.slow
+def test_two_front_ends_share_two_engines_route_by_their_whole_load_and_hand_over_the_metrics():
+    host = EngineHost.start(SETTINGS, [None, None])
+    obs1 = [_Recorder(), _Recorder()]
+    obs2 = [_Recorder(), _Recorder()]
+    g1 = EngineGroup.start(SETTINGS, [None, None], observer_of=lambda i: obs1[i - 1], shared=host.directory)
+    g2 = EngineGroup.start(SETTINGS, [None, None], observer_of=lambda i: obs2[i - 1], shared=host.directory)
+    try:
+        # the first to connect writes each engine's series; the other does not
+        assert g1.reports() == [True, True] and g2.reports() == [False, False]
+        assert {m.slot for m in g1.members} == {0} and {m.slot for m in g2.members} == {1}
+
+        async def run():
+            release = asyncio.Event()
+            # front end 1 puts two streams on the engines; front end 2 then sees them
+            s1 = [asyncio.Event() for _ in range(2)]
+            t1 = [asyncio.create_task(_hold(g1, f"Count to {i}:", "same-id" if i == 0 else "x", release, s1[i]))
+                  for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in s1)), 120)
+            assert g1.inflight() == [1, 1]
+            assert wait_for(lambda: [g2._load(i)[0] for i in range(2)] == [1, 1], 10)
+            # front end 2 uses the same request id: its own stream, routed by the whole load
+            s2 = [asyncio.Event() for _ in range(2)]
+            t2 = [asyncio.create_task(_hold(g2, f"Count to {i}:", "same-id" if i == 0 else "y", release, s2[i]))
+                  for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in s2)), 120)
+            assert g2.inflight() == [1, 1], g2.inflight()     # not both on one engine: each has front end 1's
+            release.set()
+            return await asyncio.gather(*t1), await asyncio.gather(*t2)
+
+        texts1, texts2 = asyncio.run(run())
+        # greedy text per prompt, whichever front end and engine ran it (cut where each stopped)
+        for a, b in zip(texts1, texts2):
+            n = min(len(a), len(b))
+            assert n > 0 and a[:n] == b[:n]
+        assert wait_for(lambda: [g2._load(i) for i in range(2)] == [(0, 0), (0, 0)], 10)
+        # each sequence's end reached the reporting front end only
+        assert wait_for(lambda: sum(len(o.finished) for o in obs1) == 4, 10)
+        assert sum(len(o.finished) for o in obs2) == 0 and not any(o.steps for o in obs2)
+
+        # front end 1 leaves: front end 2 takes over the series, from the last report front end 1 got
+        g1.shutdown()
+        g2.stats()                               # asks each engine for a report
+        assert wait_for(lambda: g2.reports() == [True, True], 10)
+        assert all(o.primed for o in obs2) and all(o.steps for o in obs2)
+        assert asyncio.run(_text(g2, "Hi", "after", max_tokens=3, temperature=0))
+    finally:
+        g2.shutdown()
+        host.stop()
+
+
+async def _text(eng, prompt, rid: str, **kw) -> str:
+    params = SamplingParams(**kw)
+    ids = eng.prepare(prompt, params)
+    return "".join([o.text async for o in eng.generate(ids, params, request_id=rid)])
 
 
 # ------------------------------------------------------------------------------ a real server
