@@ -234,12 +234,11 @@ def test_both_front_ends_and_both_engines_serve_and_metrics_count_once(fronts):
     per = [sum(delta("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
            for e in ("1", "2")]
     assert min(per) >= len(usages) // 4, per
-    # each engine's series are written by one front end (the other's stay at 0: sums over
-    # `worker` are right)
+    # each engine's series are written by one front end: one series each, not one per front end
     for e in ("1", "2"):
-        writers = {dict(k[1])["worker"] for k, v in after.items()
-                   if k[0] == "realizar_engine_steps_total" and dict(k[1])["engine"] == e and v > 0}
-        assert len(writers) == 1, (e, writers)
+        for name in ("realizar_engine_steps_total", "realizar_requests_running", "realizar_requests_total"):
+            writers = {dict(k[1])["worker"] for k in after if k[0] == name and dict(k[1])["engine"] == e}
+            assert len(writers) == 1, (name, e, writers)
         statuses = [k for k, v in after.items() if k[0] == "realizar_engine_status" and v == 1.0
                     and dict(k[1])["engine"] == e]
         assert len(statuses) == 1, statuses

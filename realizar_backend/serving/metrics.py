@@ -129,7 +129,7 @@ class Metrics:
         kw: dict[str, Any] = {} if registry is None else {"registry": registry}
         p, w, e = PREFIX, WORKER_LABEL, ENGINE_LABEL
         self.worker, self.device = worker, device
-        self._engines: dict[str, EngineMetrics] = {}
+        self._engines: dict[str, EngineObserverOf] = {}
 
         # Counters and histograms sum naturally over processes (a worker that starts again adds
         # to the counts of the one before it).
@@ -198,11 +198,13 @@ class Metrics:
                                   **kw)
             self.vllm[twin] = metric
 
-    def engine(self, index: int) -> "EngineMetrics":
-        """Engine `index`'s series (from 1): its observer."""
+    def engine(self, index: int) -> "EngineObserverOf":
+        """Engine `index`'s observer (from 1): its series, made when the engine first reports
+        to this worker (with several front ends, an engine reports to one of them, and the
+        others make none of its series: engine/shared.py)."""
         key = str(index)
         if key not in self._engines:
-            self._engines[key] = EngineMetrics(self, key)
+            self._engines[key] = EngineObserverOf(self, key)
         return self._engines[key]
 
     def on_http_error(self, status: int) -> None:
@@ -220,6 +222,45 @@ class Metrics:
                 continue
             for known in ENGINE_STATUSES:
                 self.engine_status.labels(str(i), device, known, self.worker).set(1.0 if known == status else 0.0)
+
+
+class EngineObserverOf:
+    """An engine's observer for this worker: its EngineMetrics (the series), made at the first
+    report or event; a baseline that comes before (prime) waits for them."""
+
+    def __init__(self, m: "Metrics", engine: str):
+        self.m, self.engine = m, engine
+        self.series: EngineMetrics | None = None
+        self._baseline: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _made(self) -> "EngineMetrics":
+        series = self.series
+        if series is None:
+            with self._lock:
+                if self.series is None:
+                    series = EngineMetrics(self.m, self.engine)
+                    if self._baseline is not None:
+                        series.prime(self._baseline)
+                    self.series = series
+                series = self.series
+        return series
+
+    def prime(self, stats: dict[str, Any]) -> None:
+        with self._lock:
+            if self.series is None:
+                self._baseline = stats
+                return
+        self.series.prime(stats)
+
+    def on_step(self, stats: dict[str, Any]) -> None:
+        self._made().on_step(stats)
+
+    def on_request_finished(self, *args) -> None:
+        self._made().on_request_finished(*args)
+
+    def on_token_interval(self, seconds: float) -> None:
+        self._made().on_token_interval(seconds)
 
 
 class EngineMetrics:
