@@ -5,7 +5,7 @@ The rule for how many, and the load board the engines keep for the router, are p
 front ends in this process on two shared engines: each routes by the engines' whole load (its own
 requests and the other's), a request id used by both stays two requests, each sequence's end is
 counted once (by the front end the engine reports to), and when that one leaves the other takes
-over from the last report. Then a real `bentoml serve` with two CPU engines and two front ends: requests through the one port are
+over from the last report; an engine that stops answering stands aside in both. Then a real `bentoml serve` with two CPU engines and two front ends: requests through the one port are
 served by both front ends and both engines, and /metrics counts each engine's work once (it adds
 up to what was sent); streamed greedy text equals a one-engine server's; a front end killed is
 started again by BentoML while the other serves, and connects again to the same engines; an engine
@@ -145,6 +145,29 @@ def test_two_front_ends_share_two_engines_route_by_their_whole_load_and_hand_ove
         assert asyncio.run(_text(g2, "Hi", "after", max_tokens=3, temperature=0))
     finally:
         g2.shutdown()
+        host.stop()
+
+
+@pytest.mark.slow
+def test_a_stuck_shared_engine_stands_aside_in_every_front_end():
+    settings = SETTINGS.replace(engine_stall_timeout_s=2.0)
+    host = EngineHost.start(settings, [None, None])
+    groups = []
+    try:
+        groups = [EngineGroup.start(settings, [None, None], shared=host.directory) for _ in range(2)]
+        host.procs[1].send_signal(signal.SIGSTOP)          # engine 2 stops answering
+        assert wait_for(lambda: all([s for _, s in g.engine_statuses()] == ["ready", "stuck"] for g in groups), 20)
+        for g in groups:                                   # every request goes to engine 1 meanwhile
+            assert [g.route(list(range(10))) for _ in range(3)] == [0, 0, 0]
+            for _ in range(3):
+                g.release(0, 10)
+            assert asyncio.run(_text(g, "Hi", "while-stuck", max_tokens=2, temperature=0))
+        host.procs[1].send_signal(signal.SIGCONT)
+        assert wait_for(lambda: all([s for _, s in g.engine_statuses()] == ["ready", "ready"] for g in groups), 20)
+    finally:
+        host.procs[1].send_signal(signal.SIGCONT)
+        for g in groups:
+            g.shutdown()
         host.stop()
 
 
