@@ -18,7 +18,8 @@ The structural limits (engine/grammar_limits.py) come before: most bad grammars 
 
 Workers start on first use (or `prestart`, after the server is ready) and are shared by the
 Guidance objects of one vocabulary in the process (`checker`). Messages are length-prefixed JSON
-over the worker's stdin and stdout; the worker imports llguidance and nothing of the server.
+over the worker's stdin and stdout (realizar_backend/childproc.py); the worker imports llguidance and
+nothing of the server.
 """
 
 from __future__ import annotations
@@ -27,22 +28,15 @@ import atexit
 import hashlib
 import json
 import logging
-import os
-import select
-import struct
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from ..childproc import POLL_S, Child, ChildCancelled, ChildGone, ParentChannel
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<Q")
 _START_TIMEOUT_S = 120.0           # a fresh worker imports llguidance and builds the vocabulary's trie
-_POLL_S = 0.05                     # how often a wait looks at its cancel event
 WORKER_STACK_BYTES = 4 << 20       # server threads have 8 MiB (Linux's default)
 WORKER_MEMORY_BYTES = 4 << 30
 # the forced bytes walked from the grammar's start, in rounds of llguidance's fast-forward tokens
@@ -61,8 +55,8 @@ class CheckFailed(Exception):
         super().__init__(message)
 
 
-class Cancelled(Exception):
-    """The caller's cancel event was set while the check waited (its client left)."""
+# the caller's cancel event was set while the check waited (its client left)
+Cancelled = ChildCancelled
 
 
 @dataclass(frozen=True)
@@ -80,27 +74,16 @@ class Vocabulary:
         return h.hexdigest()
 
 
-def package_root() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from realizar_backend.engine.grammar_check import worker_main; worker_main()")
-
-
-# ------------------------------------------------------------------------------ the server's side
-class _Worker:
-    """One worker process and its pipes. Not thread-safe: the pool lends it to one caller."""
+class _Worker(Child):
+    """One check process with its vocabulary sent and its start handshake."""
 
     def __init__(self, vocab: Vocabulary, cancel: threading.Event | None):
-        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, package_root()], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, close_fds=True)
-        self._buf = b""
+        super().__init__(__name__)
         try:
-            self._send({"tokenizer": vocab.tokenizer_json, "n_vocab": vocab.n_vocab, "eos": list(vocab.eos),
-                        "slices": list(vocab.slices), "memory": WORKER_MEMORY_BYTES})
-            hello = self._read(time.monotonic() + _START_TIMEOUT_S, cancel)
-        except (TimeoutError, _Died) as e:
+            self.send({"tokenizer": vocab.tokenizer_json, "n_vocab": vocab.n_vocab, "eos": list(vocab.eos),
+                       "slices": list(vocab.slices), "memory": WORKER_MEMORY_BYTES})
+            hello = self.read(_START_TIMEOUT_S, cancel)
+        except (TimeoutError, ChildGone) as e:
             self.kill()
             raise CheckFailed("unavailable", f"the grammar checker process did not start ({e or 'timeout'})") from None
         except BaseException:
@@ -111,68 +94,8 @@ class _Worker:
             raise CheckFailed("unavailable", f"the grammar checker process did not start: {hello!r}")
 
     def check(self, grammar: str, timeout_s: float, cancel: threading.Event | None) -> dict:
-        self._send({"grammar": grammar})
-        return self._read(time.monotonic() + timeout_s, cancel)
-
-    def _send(self, obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        try:
-            self.proc.stdin.write(_LEN.pack(len(data)) + data)
-            self.proc.stdin.flush()
-        except OSError:
-            raise _Died(self.proc) from None
-
-    def _read(self, deadline: float, cancel: threading.Event | None) -> dict:
-        n = None
-        fd = self.proc.stdout.fileno()
-        while True:
-            if n is None and len(self._buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(self._buf)
-                self._buf = self._buf[_LEN.size:]
-            if n is not None and len(self._buf) >= n:
-                msg, self._buf = self._buf[:n], self._buf[n:]
-                return json.loads(msg.decode("utf-8", "surrogatepass"))
-            if cancel is not None and cancel.is_set():
-                raise Cancelled()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError()
-            if select.select([fd], [], [], min(left, _POLL_S))[0]:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    raise _Died(self.proc)
-                self._buf += chunk
-
-    def kill(self) -> None:
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()          # the worker ends at the end of its input
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-
-class _Died(Exception):
-    def __init__(self, proc: subprocess.Popen):
-        try:
-            self.status = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.status = None
-        super().__init__(f"status {self.status}")
+        self.send({"grammar": grammar})
+        return self.read(timeout_s, cancel)
 
 
 class GrammarChecker:
@@ -201,7 +124,7 @@ class GrammarChecker:
             if isinstance(e, TimeoutError):
                 raise CheckFailed("complex", f"compiling it took longer than {self.timeout_s:g} s "
                                              f"(REALIZAR_GRAMMAR_TIMEOUT_S)") from None
-            if isinstance(e, _Died):
+            if isinstance(e, ChildGone):
                 log.warning("a grammar check worker exited with status %s on a request's grammar", e.status)
                 raise CheckFailed("complex", f"the grammar compiler failed on it (its process exited with "
                                              f"status {e.status})") from None
@@ -240,7 +163,7 @@ class GrammarChecker:
                     return self._idle.pop(started[-1])
                 if self._idle:
                     return self._idle.pop()
-                self._cond.wait(_POLL_S)
+                self._cond.wait(POLL_S)
 
     def _release(self, worker: _Worker | None) -> None:
         with self._cond:
@@ -326,30 +249,12 @@ def _first_line(msgs: list[str]) -> str:
     return " ".join(msg[:400].split()) + (" ..." if len(msg) > 400 else "")
 
 
-def worker_main() -> None:
+def worker_main(argv: list[str]) -> None:
     """A check worker: the vocabulary first, then grammars until the end of input."""
     import resource
-    import signal
 
-    # the server's process group may be signalled as a whole; the server decides when this ends
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-
-    def read() -> dict | None:
-        head = inp.read(_LEN.size)
-        if len(head) < _LEN.size:
-            return None
-        (n,) = _LEN.unpack(head)
-        body = inp.read(n)
-        return json.loads(body.decode("utf-8", "surrogatepass")) if len(body) == n else None
-
-    def reply(obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        out.write(_LEN.pack(len(data)) + data)
-        out.flush()
-
-    init = read()
+    parent = ParentChannel()
+    init = parent.read()
     if init is None:
         return
     resource.setrlimit(resource.RLIMIT_AS, (init["memory"], init["memory"]))
@@ -358,11 +263,8 @@ def worker_main() -> None:
     tokenizer = llguidance.LLTokenizer(init.pop("tokenizer"), n_vocab=init["n_vocab"], eos_token=init["eos"],
                                        slices=init["slices"])
     threading.stack_size(WORKER_STACK_BYTES)
-    reply({"ready": True})
-    while True:
-        req = read()
-        if req is None:
-            return
+    parent.reply({"ready": True})
+    for req in parent.requests():
         result: list[dict] = []
 
         def run() -> None:
@@ -376,6 +278,6 @@ def worker_main() -> None:
         t = threading.Thread(target=run)
         t.start()
         t.join()
-        reply(result[0])
+        parent.reply(result[0])
         if result[0].get("error") == "complex" and "memory" in result[0]["message"]:
             return                       # after a MemoryError nothing here is trusted: a fresh worker

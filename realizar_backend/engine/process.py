@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from ..errors import BackendError, CapacityError
-from ..model.chat_template import package_root
+from ..childproc import package_root
 from ..settings import Settings, gpu_environ
 from .outputs import RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep

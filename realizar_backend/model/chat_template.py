@@ -19,24 +19,16 @@ fails on every small conversation tried is refused with the model, not per reque
 from __future__ import annotations
 
 import atexit
-import json
 import logging
-import os
-import select
-import struct
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
+from ..childproc import Child, ChildGone, ParentChannel
 from ..errors import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<Q")
 MAX_TEMPLATE_CHARS = 1 << 20   # the template's own source; real ones are a few kB
 _START_TIMEOUT_S = 60.0        # a fresh worker imports jinja2; slow only on a starved machine
 TRIAL_MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
@@ -93,89 +85,28 @@ def plain(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the parent side
-def package_root() -> str:
-    """The directory holding the realizar_backend package, for a child `python -c` to import it from."""
-    return str(Path(__file__).resolve().parents[2])
-
-
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from realizar_backend.model.chat_template import worker_main; worker_main(sys.argv[2:])")
-
-
-class _Worker:
-    """One render process and the pipe to it. Not thread-safe: the pool lends it to one caller."""
+class _Worker(Child):
+    """One render process with its start handshake; errors as ChatTemplateError."""
 
     def __init__(self, limits: TemplateLimits):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, package_root(), str(limits.max_chars), str(limits.memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-        self._buf = b""
+        super().__init__(__name__, (str(limits.max_chars), str(limits.memory_mb)))
         try:
-            hello = self._read(time.monotonic() + _START_TIMEOUT_S)
-        except ChatTemplateError:
+            hello = self.read(_START_TIMEOUT_S)
+        except (TimeoutError, ChildGone):
             self.kill()
             raise ChatTemplateError("unavailable", "the chat template worker process did not start") from None
         if hello != {"ready": True}:
             self.kill()
             raise ChatTemplateError("unavailable", f"the chat template worker said {hello!r} at start")
 
-    def call(self, request: bytes, timeout_s: float) -> dict:
+    def call(self, request: dict, timeout_s: float) -> dict:
         try:
-            self.proc.stdin.write(_LEN.pack(len(request)) + request)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+            self.send(request)
+            return self.read(timeout_s)
+        except TimeoutError:
+            raise ChatTemplateError("limit", "timeout") from None
+        except ChildGone:
             raise ChatTemplateError("unavailable", "the chat template worker process exited") from None
-        return self._read(time.monotonic() + timeout_s)
-
-    def _read(self, deadline: float) -> dict:
-        n = None
-        while True:
-            if n is None and len(self._buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(self._buf)
-                self._buf = self._buf[_LEN.size:]
-            if n is not None and len(self._buf) >= n:
-                msg, self._buf = self._buf[:n], self._buf[n:]
-                return json.loads(msg.decode("utf-8", "surrogatepass"))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ChatTemplateError("limit", "timeout")
-            fd = self.proc.stdout.fileno()
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    raise ChatTemplateError("unavailable", "the chat template worker process exited")
-                self._buf += chunk
-
-    def kill(self) -> None:
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        """Let the worker end on its own (end of input), or stop it."""
-        self.end_input()
-        self.wait_end()
-
-    def end_input(self) -> None:
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-
-    def wait_end(self) -> None:
-        """After end_input: wait for the worker to exit (2 s at most, then stop it)."""
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 class TemplateRenderer:
@@ -191,8 +122,7 @@ class TemplateRenderer:
 
     def render(self, source: str, context: dict[str, Any]) -> str:
         """The template rendered with `context` (plain JSON values); raises ChatTemplateError."""
-        request = json.dumps({"template": source, "context": context},
-                             ensure_ascii=False).encode("utf-8", "surrogatepass")
+        request = {"template": source, "context": context}
         worker = self._acquire()
         try:
             if worker is None:
@@ -327,48 +257,28 @@ def _close_renderers() -> None:
 
 # ---------------------------------------------------------------------- the worker side
 def worker_main(argv: list[str]) -> None:
-    """The render loop of a worker process: length-prefixed JSON requests on stdin, replies on
-    stdout, until stdin ends."""
+    """The render loop of a worker process: requests from the server until the end of its input."""
     import resource
-    import signal
 
     max_chars, memory_mb = int(argv[0]), int(argv[1])
-    # the server's process group may be signalled as a whole; the server decides when we end
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    parent = ParentChannel()
     limit = memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from . import jinja_env   # imported after the limit: its cost counts against it too
 
     env = jinja_env.make_environment()
     compiled: dict[str, Any] = {}
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-
-    def reply(obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        out.write(_LEN.pack(len(data)) + data)
-        out.flush()
-
-    reply({"ready": True})
-    while True:
-        head = inp.read(_LEN.size)
-        if len(head) < _LEN.size:
-            return
-        (n,) = _LEN.unpack(head)
-        body = inp.read(n)
-        if len(body) < n:
-            return
+    parent.reply({"ready": True})
+    for req in parent.requests():
         try:
-            req = json.loads(body.decode("utf-8", "surrogatepass"))
-            reply({"ok": jinja_env.render(env, compiled, req["template"], req["context"], max_chars)})
+            parent.reply({"ok": jinja_env.render(env, compiled, req["template"], req["context"], max_chars)})
         except MemoryError:
             compiled.clear()
-            reply({"error": "limit", "restart": True,
-                   "message": f"the chat template needed more than {memory_mb} MB of memory"})
+            parent.reply({"error": "limit", "restart": True,
+                          "message": f"the chat template needed more than {memory_mb} MB of memory"})
         except ChatTemplateError as e:
-            reply({"error": e.kind, "message": e.message})
+            parent.reply({"error": e.kind, "message": e.message})
         except RecursionError:      # a runaway (a macro calling itself), as a loop past the time limit is
-            reply({"error": "limit", "message": "the chat template recursed too deeply"})
+            parent.reply({"error": "limit", "message": "the chat template recursed too deeply"})
         except Exception as e:  # anything a template can raise on some input is that render's failure
-            reply({"error": "render", "message": f"{type(e).__name__}: {e}"})
-        del body
+            parent.reply({"error": "render", "message": f"{type(e).__name__}: {e}"})
