@@ -54,7 +54,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..model.chat_template import package_root
+from ..childproc import package_root
 from ..settings import Settings, gpu_environ
 
 log = logging.getLogger(__name__)
