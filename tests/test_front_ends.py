@@ -364,3 +364,28 @@ def test_a_stopped_server_stops_its_engines_and_exits_0():
     gone, alive = psutil.wait_procs(engines, timeout=20)
     assert not alive and time.monotonic() - t0 < 40, [p.cmdline() for p in alive]
     assert "Traceback" not in server.log_tail(400)
+
+
+def test_a_front_end_that_reads_nothing_is_hung_up_on_and_never_holds_up_the_engine(monkeypatch):
+    import socket as socketlib
+    from multiprocessing.connection import Connection
+
+    from realizar_backend.engine import shared
+
+    monkeypatch.setattr(shared, "BACKLOG", 64)
+    mine, theirs = socketlib.socketpair()
+    hub = shared._Hub.__new__(shared._Hub)
+    peer = shared._Peer(hub, Connection(mine.detach()), 0, 1)
+    big = ("out", [("r", "x" * 65536)], [])
+    t0 = time.monotonic()
+    for _ in range(200):                 # the other end reads nothing: its socket buffer fills
+        peer.channel.send(big)
+    assert time.monotonic() - t0 < 5     # queued, never waited for
+    # past BACKLOG unread messages the engine hangs up: the front end reads what was written, then the end
+    theirs.settimeout(10)
+    got = 0
+    while chunk := theirs.recv(1 << 20):
+        got += len(chunk)
+    assert got < 200 * 65536
+    peer.channel.close()
+    theirs.close()

@@ -18,7 +18,9 @@ NOTE on the design, the invariants:
   the new worker connects again;
 - messages are engine/process.py's, per connection. The engine keys a sequence by its
   connection and request id (two front ends may use the same id), and sends a connection the
-  outputs of its own sequences only;
+  outputs of its own sequences only. Its sends to a connection are written by a thread of their
+  own, so a front end that reads slowly (or is stopped) never holds up the step loop for the
+  others; one that leaves BACKLOG messages unread is hung up on, as if it had died;
 - the load board: each engine writes, per connection (a slot, told in its "ready" info), the
   requests and prompt tokens in flight that came from it (counted from the submit's arrival to
   the stream's end, abort or the connection's end), in a small shared file beside its socket
@@ -41,6 +43,7 @@ NOTE on the design, the invariants:
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -52,6 +55,7 @@ import sys
 import tempfile
 import threading
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ..childproc import package_root
@@ -60,6 +64,7 @@ from ..settings import Settings, gpu_environ
 log = logging.getLogger(__name__)
 
 SLOTS = 64                     # connections an engine counts load for (front ends and their restarts)
+BACKLOG = 8192                 # messages a front end may leave unread before the engine hangs up on it
 _SLOT = struct.Struct("<qq")   # requests, prompt tokens in flight
 _BOARD_BYTES = SLOTS * _SLOT.size
 _STOP_TIMEOUT_S = 15.0
@@ -200,21 +205,72 @@ def _key(peer: _Peer, rid: str) -> str:
 
 
 class _PeerChannel:
-    """A connection's sends (one lock around each), counting its sequences' ends on the board."""
+    """A connection's sends, counting its sequences' ends on the board. Written by a thread of
+    its own: the step thread only queues (a front end that reads slowly never holds up the
+    engine for the others); one that leaves BACKLOG messages unread is hung up on (its
+    sequences are aborted, as if it had died)."""
 
     def __init__(self, conn: Connection, peer: _Peer):
         self.conn, self.peer = conn, peer
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write, name="realizar-front-end-send", daemon=True)
+        self._writer.start()
 
     def send(self, msg: tuple) -> None:
-        with self._lock:
+        data = bytes(ForkingPickler.dumps(msg))
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._queue) < BACKLOG:
+                self._queue.append(data)
+                self._cond.notify()
+                return
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify()
+        log.error("a front end has left %d messages unread: hanging up on it (its requests end)", BACKLOG)
+        self.hang_up()
+
+    def hang_up(self) -> None:
+        """End the connection both ways: its reader (serve) sees the end and the front end leaves."""
+        try:
+            dup = socket.socket(fileno=os.dup(self.conn.fileno()))
+        except (OSError, ValueError):
+            return
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            dup.close()
+
+    def _write(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                data = self._queue.popleft()
             try:
-                self.conn.send(msg)
+                self.conn.send_bytes(data)
             except (OSError, ValueError):      # the front end is gone: its reader thread ends it
-                pass
+                with self._cond:
+                    self._closed = True
+                    self._queue.clear()
+                return
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Write what is queued (for up to `timeout`), then stop the writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._writer.join(timeout)
 
     def put(self, records: list[tuple[str, Any]]) -> None:
-        from .outputs import RequestOutput
+        from .outputs import RequestOutput     # the engine's side only (the serving process never puts)
         peer, ended = self.peer, []
         for rid, item in records:
             if type(item) is not RequestOutput or item.finish_reason is not None:
@@ -420,6 +476,7 @@ def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> 
                     break
         finally:
             hub.leave(peer, engine)
+            peer.channel.close()
             try:
                 conn.close()
             except OSError:
