@@ -501,3 +501,14 @@ def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> 
         listener.close()
         if engine is not None:
             engine.shutdown()
+        # the server's run directory, gone with its last engine (even when the server was killed)
+        directory = os.path.dirname(board)
+        for path in (board, socket_path(directory, index)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(directory)
+        except OSError:          # another engine's files are still there
+            pass
