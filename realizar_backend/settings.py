@@ -127,6 +127,12 @@ class Settings:
     # (engine/group.py). With a GPU, one per GPU (engine i on the i-th visible one) and 0 = every
     # visible GPU; on the CPU 0 = 1
     workers: int = 0
+    # `bentoml serve`'s front ends: BentoML workers sharing the port, each tokenizing, checking
+    # grammars and streaming its own requests, each able to send them to every engine core
+    # (engine/shared.py). 0 = one per two engines, at least one: one front end's event loop carries
+    # the streams of about two GPUs of a small model. One front end keeps the engines its own
+    # children (engine/group.py); more than one share engines that `bentoml serve`'s own process starts
+    front_ends: int = 0
     # a worker whose engine process answers no heartbeat, or has requests and completes no step,
     # for this long is stuck: /livez and /readyz turn 503 until it moves again. Above the longest
     # step the engine may take (a prefill chunk of a large model on the CPU)
@@ -242,6 +248,7 @@ class Settings:
         at_least("shutdown_grace_s", 0)
         one_of("prefill_weight_cache", "auto", "on", "off")
         at_least("workers", 0, 256)
+        at_least("front_ends", 0, 64)
         for name in ("engine_stall_timeout_s", "read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise self._bad(name, "must be greater than 0")
@@ -295,3 +302,9 @@ def serve_engines(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
         raise settings._bad("workers", f"one GPU per engine, and {len(gpus)} are visible "
                                        f"(CUDA_VISIBLE_DEVICES entries {','.join(gpus)})")
     return n
+
+
+def serve_front_ends(settings: Settings, engines: int) -> int:
+    """How many front ends (BentoML workers) `bentoml serve` runs in front of `engines` engine
+    cores: settings.front_ends, or one per two engines (at least one)."""
+    return settings.front_ends or max(1, engines // 2)

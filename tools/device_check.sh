@@ -30,9 +30,11 @@
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
 #   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,
 #            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with
-#            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); /metrics
-#            and nvidia-smi's processes of each; the speed-up of generation tok/s (N vs 1), the front end's
-#            CPU, the errors and each engine's requests in serve.json ("workers") and the log
+#            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); an entry
+#            N:F also sets REALIZAR_FRONT_ENDS=F (else the rule: one front end per two engines), e.g.
+#            WORKER_COUNTS="1 4:1 4:2"; /metrics and nvidia-smi's processes of each; the speed-up of generation
+#            tok/s (N vs 1), the front ends' count and CPU (all of them, in cores), the errors and each
+#            engine's requests in serve.json ("workers", keys workersN or workersN_feF) and the log
 # `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
 # Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
 #         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json
@@ -242,13 +244,19 @@ fi
 # ---------------------------------------------------------------- one engine per GPU
 if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2>/dev/null; then
   echo "GPUs: $(nvidia-smi -L | wc -l)"
-  for n in ${WORKER_COUNTS:-1 2}; do
-    serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n || continue
-    for i in $(seq 1 240); do   # /readyz says one engine is ready: wait for all of them
-      [ "$(curl -s 127.0.0.1:3903/metrics | grep -c '^realizar_engine_status{.*status="ready".*} 1.0')" = "$n" ] && break
+  for entry in ${WORKER_COUNTS:-1 2}; do
+    n=${entry%%:*}; f=0; key=workers$n
+    if [ "$entry" != "$n" ]; then f=${entry#*:}; key=workers${n}_fe$f; fi
+    fes=$f; [ "$fes" = 0 ] && fes=$(( n / 2 > 1 ? n / 2 : 1 ))
+    echo "== $n engine(s), $fes front end(s)"
+    serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n REALIZAR_FRONT_ENDS=$f || continue
+    for i in $(seq 1 240); do   # /readyz says one front end and one engine are ready: wait for all of them
+      m=$(curl -s 127.0.0.1:3903/metrics)
+      [ "$(echo "$m" | grep -c '^realizar_engine_status{.*status="ready".*} 1.0')" = "$n" ] \
+        && [ "$(echo "$m" | grep -c '^realizar_worker_status{.*status="ready".*} 1.0')" = "$fes" ] && break
       sleep 0.5
     done
-    curl -s 127.0.0.1:3903/metrics | grep '^realizar_engine_status' | grep ' 1.0$'
+    curl -s 127.0.0.1:3903/metrics | grep -E '^realizar_(engine|worker)_status' | grep ' 1.0$'
     # warm-up as lt_warm's: two full runs of other seeds, so that each engine has captured the prompt steps'
     # shapes (the second time a shape comes) and the measured run's prompts are not in any prefix cache;
     # LT_CLIENTS clients per GPU
@@ -257,41 +265,47 @@ if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2
       python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $c --requests $((4 * c)) \
         --seed $s --prompt-tokens 128 --max-tokens 128 >/dev/null 2>&1
     done
-    # the front end's CPU time over the measured run (one core = 1.0): where HTTP handling would be the limit
-    fe=$(pgrep -f "_bentoml_impl.worker" | head -1)
-    cpu0=$(awk '{print $14 + $15}' /proc/$fe/stat 2>/dev/null); t0=$(date +%s.%N)
+    # the front ends' CPU time over the measured run (one core = 1.0): where HTTP handling would be the limit
+    fe=$(pgrep -f "_bentoml_impl.worker" | tr '\n' ' ')
+    cpu_of() { local p t=0; for p in $fe; do t=$(awk -v t=$t '{print t + $14 + $15}' /proc/$p/stat 2>/dev/null || echo $t); done; echo $t; }
+    cpu0=$(cpu_of); t0=$(date +%s.%N)
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3903 --clients $c --requests $((8 * c)) \
-      --seed 3 --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/workers$n.json 2>/dev/null | tail -40
-    cpu1=$(awk '{print $14 + $15}' /proc/$fe/stat 2>/dev/null); t1=$(date +%s.%N)
-    python3 -c "import sys; c0, c1, t0, t1 = map(float, sys.argv[1:]); print(f'FRONT_END_CPU {(c1 - c0) / 100 / (t1 - t0):.2f} cores')" \
-      "$cpu0" "$cpu1" "$t0" "$t1" | tee /tmp/bench/workers${n}_fe.txt
+      --seed 3 --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/$key.json 2>/dev/null | tail -40
+    cpu1=$(cpu_of); t1=$(date +%s.%N)
+    python3 -c "import sys; c0, c1, t0, t1 = map(float, sys.argv[1:5]); print(f'FRONT_END_CPU {(c1 - c0) / 100 / (t1 - t0):.2f} cores over {sys.argv[5]} front end(s)')" \
+      "$cpu0" "$cpu1" "$t0" "$t1" "$(echo $fe | wc -w)" | tee /tmp/bench/${key}_fe.txt
     curl -s 127.0.0.1:3903/metrics | grep -E '^realizar_(engine_status|requests_total|generation_tokens_total|gpu_memory_used_bytes|requests_running)' \
-      | grep -v ' 0.0$' | tee /tmp/bench/workers${n}_metrics.txt
+      | grep -v ' 0.0$' | tee /tmp/bench/${key}_metrics.txt
     nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader
     serve_down 3903
+    # shared engines (several front ends) end after the serving process: wait for their GPU memory
+    for i in $(seq 1 60); do pgrep -f "realizar_backend.engine.(shared|process)" >/dev/null || break; sleep 0.5; done
   done
   WORKER_COUNTS="${WORKER_COUNTS:-1 2}" python3 - <<'PY'
 import json, os
 r = {}
-counts = [int(n) for n in os.environ["WORKER_COUNTS"].split()]
-for n in counts:
+entries = os.environ["WORKER_COUNTS"].split()
+keys = {e: f"workers{e.split(':')[0]}" + (f"_fe{e.split(':')[1]}" if ":" in e else "") for e in entries}
+for e, key in keys.items():
     try:
-        rep = json.load(open(f"/tmp/bench/workers{n}.json"))
-    except Exception as e:
-        r[f"workers{n}"] = {"error": str(e)}
+        rep = json.load(open(f"/tmp/bench/{key}.json"))
+    except Exception as err:
+        r[key] = {"error": str(err)}
         continue
     delta = (rep.get("server") or {}).get("counters_delta", {})
-    r[f"workers{n}"] = {"tok_s": rep["output_tokens_per_s"], "errors": rep["requests"]["errors"],
-                        "requests_by_engine": {k: v for k, v in delta.items() if k.startswith("realizar_requests_total")
-                                               and 'engine="' in k and v},
-                        "completed": rep["requests"]["completed"], "tpot_p50_s": (rep["tpot_s"] or {}).get("p50"),
-                        "front_end": open(f"/tmp/bench/workers{n}_fe.txt").read().strip(),
-                        "metrics": open(f"/tmp/bench/workers{n}_metrics.txt").read().splitlines()}
-for n in counts:
-    if n > 1 and "tok_s" in r.get("workers1", {}) and "tok_s" in r.get(f"workers{n}", {}):
-        r[f"speedup{n}"] = r[f"workers{n}"]["tok_s"] / r["workers1"]["tok_s"]
-        print(f"WORKERS_SPEEDUP {r[f'speedup{n}']:.2f}x ({n} GPUs {r[f'workers{n}']['tok_s']:.0f} vs 1 GPU "
-              f"{r['workers1']['tok_s']:.0f} tok/s; errors {r['workers1']['errors']} / {r[f'workers{n}']['errors']})")
+    r[key] = {"tok_s": rep["output_tokens_per_s"], "errors": rep["requests"]["errors"],
+              "requests_by_engine": {k: v for k, v in delta.items() if k.startswith("realizar_requests_total")
+                                     and 'engine="' in k and v},
+              "completed": rep["requests"]["completed"], "tpot_p50_s": (rep["tpot_s"] or {}).get("p50"),
+              "ttft_p50_s": (rep.get("ttft_s") or {}).get("p50"),
+              "front_end": open(f"/tmp/bench/{key}_fe.txt").read().strip(),
+              "metrics": open(f"/tmp/bench/{key}_metrics.txt").read().splitlines()}
+for e, key in keys.items():
+    if key != "workers1" and "tok_s" in r.get("workers1", {}) and "tok_s" in r.get(key, {}):
+        r["speedup" + key.removeprefix("workers")] = r[key]["tok_s"] / r["workers1"]["tok_s"]
+        print(f"WORKERS_SPEEDUP {r[key]['tok_s'] / r['workers1']['tok_s']:.2f}x ({key}: {r[key]['tok_s']:.0f} vs 1 GPU "
+              f"{r['workers1']['tok_s']:.0f} tok/s; TTFT p50 {r[key]['ttft_p50_s']} s; errors "
+              f"{r['workers1']['errors']} / {r[key]['errors']}; {r[key]['front_end']})")
 json.dump(r, open("/tmp/bench/workers.json", "w"), indent=1)
 PY
 fi

@@ -8,7 +8,8 @@ NOTE on routing, the invariants:
   of an n > 1 request is a request of its own, and goes where its prompt's prefix is (below);
 - the router counts what is in flight on each engine itself (a request counts from its submit to
   the end of its stream): it needs no report from the engines, so a burst of requests spreads at
-  once, and a slow stats report cannot skew it;
+  once, and a slow stats report cannot skew it. With several front ends (engine/shared.py) it adds
+  what the other front ends have in flight there, as the engine's load board says;
 - among the engines that can take work (alive, not stuck), a request goes to the one with the
   fewest requests in flight, ties broken by the fewest prompt tokens in flight, then by index;
 - a request whose first PREFIX_TOKENS prompt tokens an engine served recently goes back to that
@@ -86,12 +87,14 @@ class EngineGroup(RequestPrep):
     # ---------------------------------------------------------------- start
     @classmethod
     def start(cls, settings: Settings, devices: list[str | None], observer_of: Callable[[int], Any] | None = None,
-              on_exit: Callable | None = None) -> "EngineGroup":
+              on_exit: Callable | None = None, shared: str | None = None, quiet: bool = False) -> "EngineGroup":
         """Start one engine process per entry of devices (a GPU's CUDA_VISIBLE_DEVICES entry, or
         None: the CPU) side by side; returns once every one is ready or has failed. An engine that
         fails stands aside; when every one fails, the first one's error is raised. observer_of(i):
         engine i's observer (from 1; engine.EngineObserver), which gets its first report at once.
-        on_exit(error): called once the last engine has died."""
+        on_exit(error): called once the last engine has died. shared: the directory where engines
+        that another process started listen (engine/shared.py): connect to them instead. quiet:
+        leave the engines' load failures unsaid (another front end says them)."""
         from ..formats import open_model
         from ..model.chat_template import TemplateLimits
         from ..model.default import default_model_path
@@ -107,23 +110,30 @@ class EngineGroup(RequestPrep):
                 path = Path(settings.model) if settings.model else default_model_path(settings)
                 return Tokenizer.from_model_file(open_model(path), TemplateLimits.from_settings(settings))
             tok = pool.submit(tokenizer)
-            futures = [pool.submit(EngineClient.start, settings, observers[i],
-                                   (lambda err, i=i: group._member_died(i, err)), gpu=d, index=i + 1,
-                                   tokenizer=tok)
-                       for i, d in enumerate(devices)]
+            if shared is None:
+                futures = [pool.submit(EngineClient.start, settings, observers[i],
+                                       (lambda err, i=i: group._member_died(i, err)), gpu=d, index=i + 1,
+                                       tokenizer=tok)
+                           for i, d in enumerate(devices)]
+            else:
+                futures = [pool.submit(EngineClient.connect, settings, shared, i + 1, observers[i],
+                                       (lambda err, i=i: group._member_died(i, err)), tokenizer=tok)
+                           for i in range(len(devices))]
             for i, f in enumerate(futures):
                 try:
                     group.members[i] = f.result()
                 except Exception as e:           # this engine stands aside
                     group.failures[i] = e
         for i, e in group.failures.items():
+            if quiet:
+                break
             if any(group.members) or (i > 0 and str(e) != str(group.failures[0])):
                 log.error("engine %d of %d (%s) failed to load the model: %s: %s", i + 1, len(devices),
                           group.devices[i], type(e).__name__, e)
         if not any(group.members):
             raise group.failures[0]          # the server says it, once
         for m, obs in zip(group.members, observers):
-            if m is not None and obs is not None:
+            if m is not None and obs is not None and m.reports:
                 obs.on_step(m.stats())       # the gauges exist before the first step
         # one grammar compiler (and checker) on this side, whichever engine a request goes to
         for m in group.members:
@@ -171,11 +181,12 @@ class EngineGroup(RequestPrep):
             if not live:
                 raise CapacityError("no engine can take work (every one is stuck or gone); retry later",
                                     retry_after_s=5)
-            best = min(live, key=lambda i: (self._inflight[i], self._tokens[i], i))
+            load = {i: self._load(i) for i in live}
+            best = min(live, key=lambda i: (*load[i], i))
             head = tuple(prompt_ids[:PREFIX_TOKENS]) if len(prompt_ids) >= PREFIX_TOKENS else None
             if head is not None:
                 owner = self._prefixes.get(head)
-                if owner in live and self._inflight[owner] <= self._inflight[best] + PREFIX_SLACK:
+                if owner in live and load[owner][0] <= load[best][0] + PREFIX_SLACK:
                     best = owner
                 self._prefixes[head] = best
                 self._prefixes.move_to_end(head)
@@ -184,6 +195,16 @@ class EngineGroup(RequestPrep):
             self._inflight[best] += 1
             self._tokens[best] += len(prompt_ids)
             return best
+
+    def _load(self, i: int) -> tuple[int, int]:
+        """Requests and prompt tokens in flight on engine i: this side's, and (a shared engine)
+        the other front ends' as its load board says."""
+        m = self.members[i]
+        board = getattr(m, "board", None)
+        if board is None:
+            return self._inflight[i], self._tokens[i]
+        requests, tokens = board.others(m.slot)
+        return self._inflight[i] + requests, self._tokens[i] + tokens
 
     def release(self, index: int, prompt_tokens: int) -> None:
         """A request routed to engine `index` has ended (or was never sent)."""
@@ -231,6 +252,11 @@ class EngineGroup(RequestPrep):
         with self._lock:
             self._reports = [r or old for r, old in zip(reports, self._reports)]
             return merge_stats(self._reports)
+
+    def reports(self) -> list[bool]:
+        """Whether this side writes each engine's series (always, unless another front end shares
+        it and writes them: engine/shared.py; one that failed at load: False)."""
+        return [m is not None and m.reports for m in self.members]
 
     def engine_statuses(self) -> list[tuple[str, str]]:
         """(device, status) of each engine: ready, stuck, dead or failed (at load)."""

@@ -184,8 +184,11 @@ class EngineClient(RequestPrep):
         self.max_context = info["max_context"]
         self.kv_capacity = info["kv_capacity"]
         self.observer = observer or NullObserver()
-        self._proc = proc
+        self._proc = proc                   # None: a shared engine (engine/shared.py), not this side's child
         self._conn = conn
+        self.slot: int | None = None        # a shared engine's: this side's slot on its load board
+        self.board = None
+        self.reports = True                 # this side writes the engine's series (a shared engine's reporter)
         self._stats = info["stats"]
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -216,12 +219,6 @@ class EngineClient(RequestPrep):
         reader thread) if the process later dies without being asked to stop. gpu: the one GPU the
         process sees (a CUDA_VISIBLE_DEVICES entry; None: as this process); index: its number in
         the log; tokenizer: this side's, made elsewhere (a Tokenizer or a future of one)."""
-        from ..formats import open_model
-        from ..model.chat_template import TemplateLimits
-        from ..model.default import default_model_path
-        from ..model.tokenizer import Tokenizer
-        from .guidance import Guidance
-
         mine, theirs = socket.socketpair()
         env = None
         if gpu is not None:
@@ -235,27 +232,7 @@ class EngineClient(RequestPrep):
         conn = Connection(mine.detach())
         try:
             conn.send(settings)
-            path = Path(settings.model) if settings.model else default_model_path(settings)
-            model = open_model(path)
-            if tokenizer is None:
-                tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
-            elif hasattr(tokenizer, "result"):
-                tokenizer = tokenizer.result()
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            while not conn.poll(1.0):
-                if proc.poll() is not None:
-                    raise BackendError(f"the engine process exited with status {proc.returncode} while loading")
-                if time.monotonic() > deadline:
-                    raise BackendError(f"the engine process was not ready after {_START_TIMEOUT_S:.0f} s")
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                raise BackendError(f"the engine process exited with status {proc.wait()} while loading") from None
-            if msg[0] == "failed":
-                raise msg[1]
-            info = msg[1]
-            guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"],
-                                check_timeout_s=settings.grammar_timeout_s, check_workers=settings.grammar_workers)
+            info, tokenizer, guidance, config = cls._handshake(conn, settings, tokenizer, proc.poll)
         except BaseException:
             conn.close()
             proc.kill()
@@ -263,7 +240,71 @@ class EngineClient(RequestPrep):
             raise
         log.info("engine process %d (engine %d%s) ready (%s)", proc.pid, index, f", GPU {gpu}" if gpu else "",
                  info["stats"].get("backend"))
-        return cls(proc, conn, info, tokenizer, guidance, model.config, settings, observer, on_exit)
+        return cls(proc, conn, info, tokenizer, guidance, config, settings, observer, on_exit)
+
+    @classmethod
+    def connect(cls, settings: Settings, directory: str, index: int, observer=None, on_exit=None,
+                tokenizer=None) -> "EngineClient":
+        """Connect to engine `index` of a server with several front ends (engine/shared.py: the
+        serving process started it, and it listens in `directory`); returns once it is ready.
+        Raises what the engine's start raised, or BackendError when it is gone."""
+        from .shared import LoadBoard, board_path, socket_path
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(socket_path(directory, index))
+        except OSError as e:
+            sock.close()
+            raise BackendError(f"engine {index} is gone (its socket: {e.strerror or e})") from None
+        conn = Connection(sock.detach())
+        try:
+            info, tokenizer, guidance, config = cls._handshake(conn, settings, tokenizer, lambda: None)
+            board = LoadBoard(board_path(directory, index))
+        except BaseException:
+            conn.close()
+            raise
+        log.info("connected to engine %d (%s; %s)", index, info["stats"].get("backend"),
+                 "this front end writes its series" if info.get("reports") else "another front end writes its series")
+        client = cls(None, conn, info, tokenizer, guidance, config, settings, observer, on_exit)
+        client.slot, client.reports, client.board = info["slot"], bool(info.get("reports")), board
+        return client
+
+    @staticmethod
+    def _handshake(conn: Connection, settings: Settings, tokenizer, exited):
+        """Meanwhile this side's tokenizer and grammar compiler; then the engine's ("ready", info)
+        or its error. exited(): the engine process's status once it is gone (None: running, or
+        not ours to ask)."""
+        from ..formats import open_model
+        from ..model.chat_template import TemplateLimits
+        from ..model.default import default_model_path
+        from ..model.tokenizer import Tokenizer
+        from .guidance import Guidance
+
+        path = Path(settings.model) if settings.model else default_model_path(settings)
+        model = open_model(path)
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_model_file(model, TemplateLimits.from_settings(settings))
+        elif hasattr(tokenizer, "result"):
+            tokenizer = tokenizer.result()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not conn.poll(1.0):
+            code = exited()
+            if code is not None:
+                raise BackendError(f"the engine process exited with status {code} while loading")
+            if time.monotonic() > deadline:
+                raise BackendError(f"the engine process was not ready after {_START_TIMEOUT_S:.0f} s")
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            code = exited()
+            raise BackendError("the engine process exited" + (f" with status {code}" if code is not None else "")
+                               + " while loading") from None
+        if msg[0] == "failed":
+            raise msg[1]
+        info = msg[1]
+        guidance = Guidance(tokenizer, model.config.vocab_size, pool_size=info["max_slots"],
+                            check_timeout_s=settings.grammar_timeout_s, check_workers=settings.grammar_workers)
+        return info, tokenizer, guidance, model.config
 
     # ---------------------------------------------------------------- request side (prepare: RequestPrep)
     def _send(self, msg: tuple) -> None:
@@ -396,18 +437,22 @@ class EngineClient(RequestPrep):
             self._send(("stop",))
         except OSError:
             pass
-        try:
-            self._proc.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("engine process %d did not stop in %g s; killing it", self._proc.pid, _STOP_TIMEOUT_S)
-            self._proc.kill()
-            self._proc.wait()
+        # a shared engine serves on: this side only leaves (the engine ends the connection)
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("engine process %d did not stop in %g s; killing it", self._proc.pid, _STOP_TIMEOUT_S)
+                self._proc.kill()
+                self._proc.wait()
         self._reader.join(timeout=5)
         with self._out_cond:
             self._dead = self._dead or BackendError("the engine process was stopped")
             self._out_cond.notify()
         self._writer.join(timeout=5)
         self._conn.close()
+        if self.board is not None:
+            self.board.close()
 
     # ---------------------------------------------------------------- the pipe's reader thread
     def _read(self) -> None:
@@ -429,7 +474,14 @@ class EngineClient(RequestPrep):
             elif op == "stats":
                 self._stats_asked = False
                 self._stats = msg[1]
-                obs.on_step(msg[1])
+                if len(msg) > 2:        # a shared engine's: whether this side writes its series
+                    self.reports = msg[2]
+                if self.reports:
+                    obs.on_step(msg[1])
+            elif op == "baseline":      # a shared engine's last report to the writer before this side
+                prime = getattr(obs, "prime", None)
+                if prime is not None:
+                    prime(msg[1])
             elif op == "pong":
                 self._pong, self._busy_s, self._pong_at = msg[1], msg[2], time.monotonic()
 
@@ -454,11 +506,14 @@ class EngineClient(RequestPrep):
         return self._dead is None
 
     def _gone(self, why: BaseException) -> None:
-        try:
-            code = self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:      # the pipe broke, the process lingers: end it
-            self._proc.kill()
-            code = self._proc.wait()
+        if self._proc is None:                 # a shared engine: its connection ended
+            code = "unknown: another process's child"
+        else:
+            try:
+                code = self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:      # the pipe broke, the process lingers: end it
+                self._proc.kill()
+                code = self._proc.wait()
         with self._out_cond:
             self._dead = BackendError(f"the engine process exited (status {code})")
             self._out.clear()
@@ -475,7 +530,8 @@ class EngineClient(RequestPrep):
         for s in lost:
             self.observer.on_request_finished("error", s.prompt_tokens, s.completion_tokens, now - s.arrival, None)
         self._stats = {**self._stats, **_GONE_GAUGES}
-        self.observer.on_step(dict(self._stats))
+        if self.reports:
+            self.observer.on_step(dict(self._stats))
         _wake([(s.where, err) for s in lost])
         if not self._closing and self._on_exit is not None:
             self._on_exit(self._dead)

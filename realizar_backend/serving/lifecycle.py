@@ -3,8 +3,8 @@ arbiter, "the serving process") and its workers.
 
 - A worker ends when the serving process ends, even by SIGKILL (`end_with_the_server`).
 - The serving process says a bad setting or a port in use in one line, not a traceback
-  (`one_line_errors`), and exits with status 1 when its single worker could not load the model
-  (`fail_the_server` in the worker, `at_exit` in the serving process).
+  (`one_line_errors`), and exits with status 1 when its workers could not load the model
+  (`fail_the_server` in a worker, `at_exit` in the serving process).
 Nothing here imports BentoML or the engine: service.py calls these at its import.
 """
 
@@ -83,7 +83,7 @@ def server_dir(pid: int) -> str:
 
 
 def fail_the_server(why: str) -> None:
-    """In the single worker: mark its server as failed and ask it to stop (SIGTERM to the
+    """In a worker: mark its server as failed and ask it to stop (SIGTERM to the
     arbiter, its parent); the serving process then exits with status 1 (at_exit). OSError when
     there is no such server to stop."""
     with open(os.path.join(server_dir(os.getppid()), _FAILED), "w") as f:
@@ -93,7 +93,7 @@ def fail_the_server(why: str) -> None:
 
 def at_exit(path: str) -> None:
     """The serving process's last act: remove its directory, and exit with status 1 where its
-    single worker could not load the model (the worker said why, in one line, and stopped it)."""
+    workers could not load the model (worker 1 said why, in one line, and stopped it)."""
     failed = os.path.exists(os.path.join(path, _FAILED))
     shutil.rmtree(path, True)
     if failed:

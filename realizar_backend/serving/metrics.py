@@ -10,12 +10,14 @@ has set the directory, i.e. when the service instance is created (`get_metrics()
 `Metrics.engine(i)` is engine i's observer (see engine.EngineObserver): the engine calls it when a
 sequence finishes, per output token and after every step.
 
-A server runs one BentoML worker (the front end) and one engine process per GPU behind it
-(engine/group.py); each engine's events and reports reach this worker, which writes them as that
-engine's series (label `engine`, from 1): a sum over the label gives the server's total, and
+A server runs one or more BentoML workers (the front ends: Settings.front_ends) and one engine
+process per GPU behind them (engine/group.py, engine/shared.py); each engine's events and reports
+reach one worker (with several front ends, the one the engine reports to), which writes them as
+that engine's series (label `engine`, from 1): a sum over the label gives the server's total, and
 `realizar_engine_status` names each engine's device and state. Every series also carries a
-`worker` label (BentoML's worker index, 1), so that a worker BentoML starts again replaces the old
-one's series.
+`worker` label (BentoML's worker index, from 1), so that a worker BentoML starts again replaces
+the old one's series; an engine's series may move from one worker to another when the one that
+wrote them is gone (a sum over `worker` stays right: the next one counts on from the last report).
 
 Beside ours, the vLLM names of the same quantities (`vllm:num_requests_running`, ... VLLM), so
 that dashboards and autoscalers made for vLLM work unchanged: each is fed by the same call as its
@@ -127,7 +129,7 @@ class Metrics:
         kw: dict[str, Any] = {} if registry is None else {"registry": registry}
         p, w, e = PREFIX, WORKER_LABEL, ENGINE_LABEL
         self.worker, self.device = worker, device
-        self._engines: dict[str, EngineMetrics] = {}
+        self._engines: dict[str, EngineObserverOf] = {}
 
         # Counters and histograms sum naturally over processes (a worker that starts again adds
         # to the counts of the one before it).
@@ -196,11 +198,13 @@ class Metrics:
                                   **kw)
             self.vllm[twin] = metric
 
-    def engine(self, index: int) -> "EngineMetrics":
-        """Engine `index`'s series (from 1): its observer."""
+    def engine(self, index: int) -> "EngineObserverOf":
+        """Engine `index`'s observer (from 1): its series, made when the engine first reports
+        to this worker (with several front ends, an engine reports to one of them, and the
+        others make none of its series: engine/shared.py)."""
         key = str(index)
         if key not in self._engines:
-            self._engines[key] = EngineMetrics(self, key)
+            self._engines[key] = EngineObserverOf(self, key)
         return self._engines[key]
 
     def on_http_error(self, status: int) -> None:
@@ -210,11 +214,53 @@ class Metrics:
         for known in WORKER_STATUSES:
             self.worker_status.labels(known, self.device, self.worker).set(1.0 if known == status else 0.0)
 
-    def set_engine_statuses(self, statuses: list[tuple[str, str]]) -> None:
-        """statuses: (device, status) of engine 1, 2, ..."""
+    def set_engine_statuses(self, statuses: list[tuple[str, str]], mine: list[bool] | None = None) -> None:
+        """statuses: (device, status) of engine 1, 2, ...; mine: which of them this worker writes
+        (with several front ends, each engine's status is written by one: engine/shared.py)."""
         for i, (device, status) in enumerate(statuses, 1):
+            if mine is not None and not mine[i - 1]:
+                continue
             for known in ENGINE_STATUSES:
                 self.engine_status.labels(str(i), device, known, self.worker).set(1.0 if known == status else 0.0)
+
+
+class EngineObserverOf:
+    """An engine's observer for this worker: its EngineMetrics (the series), made at the first
+    report or event; a baseline that comes before (prime) waits for them."""
+
+    def __init__(self, m: "Metrics", engine: str):
+        self.m, self.engine = m, engine
+        self.series: EngineMetrics | None = None
+        self._baseline: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _made(self) -> "EngineMetrics":
+        series = self.series
+        if series is None:
+            with self._lock:
+                if self.series is None:
+                    series = EngineMetrics(self.m, self.engine)
+                    if self._baseline is not None:
+                        series.prime(self._baseline)
+                    self.series = series
+                series = self.series
+        return series
+
+    def prime(self, stats: dict[str, Any]) -> None:
+        with self._lock:
+            if self.series is None:
+                self._baseline = stats
+                return
+        self.series.prime(stats)
+
+    def on_step(self, stats: dict[str, Any]) -> None:
+        self._made().on_step(stats)
+
+    def on_request_finished(self, *args) -> None:
+        self._made().on_request_finished(*args)
+
+    def on_token_interval(self, seconds: float) -> None:
+        self._made().on_token_interval(seconds)
 
 
 class EngineMetrics:
@@ -273,6 +319,20 @@ class EngineMetrics:
                 if twin in ("requests_running", "requests_waiting", "kv_cache_usage_ratio"):
                     child.set(0)
             self.model_name, self.vllm = name, {}
+
+    def prime(self, stats: dict[str, Any]) -> None:
+        """Take an engine's cumulative totals as already counted (another front end wrote them
+        before this one took over the engine's series: engine/shared.py); the gauges follow at
+        the next report."""
+        with self._lock:
+            self._last_replays = int(stats.get("graph_replays", 0))
+            self._last_captures = int(stats.get("graph_captures", 0))
+            self._last_steps = dict(stats.get("decode_steps") or {})
+            for (key, label), (counter, _) in self._step_totals.items():
+                value = stats.get(key)
+                self._step_totals[key, label] = (counter, (value or {}).get(label, 0) if label else (value or 0))
+            for key, (counter, _) in self._kv_totals.items():
+                self._kv_totals[key] = (counter, int(stats.get(key, 0)))
 
     # ---------------------------------------------------------------- EngineObserver
 

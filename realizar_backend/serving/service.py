@@ -8,9 +8,11 @@ The class lives in the package (not in the repo's service.py, which re-exports i
 installed package can serve without a checkout.
 
 Configuration is Settings.from_env() (REALIZAR_* variables; see realizar_backend/settings.py).
-BentoML runs one worker process, the front end: it tokenizes, renders templates, checks grammars
-and streams, and sends each request to one of Settings.workers engine processes, one per GPU,
-each with its own copy of the model (see "engines" below; the router is engine/group.py). The OpenAI routes are a Starlette app mounted with
+BentoML runs Settings.front_ends worker processes (one per two engines by default), the front
+ends, on one port: each tokenizes, renders templates, checks grammars and streams its own
+requests, and sends each to one of Settings.workers engine processes, one per GPU, each with its
+own copy of the model (see "engines" below; the router is engine/group.py, engines shared by
+several front ends engine/shared.py). The OpenAI routes are a Starlette app mounted with
 `bentoml.asgi_app`, so their paths, status codes and SSE framing are exactly OpenAI's; BentoML
 itself serves /livez, /readyz and /metrics (ours included: see realizar_backend/serving/metrics.py).
 """
@@ -31,7 +33,7 @@ from realizar_backend import timeline
 from realizar_backend.errors import RealizarError
 from realizar_backend.serving import lifecycle
 from realizar_backend.serving.state import ServerState
-from realizar_backend.settings import Settings, serve_engines, visible_gpus
+from realizar_backend.settings import Settings, serve_engines, serve_front_ends, visible_gpus
 
 log = logging.getLogger("realizar_backend.service")
 
@@ -97,18 +99,22 @@ def _driver_gpus() -> int:
 
 
 # ------------------------------------------------------------------------------ engines
-# One front end (this module's one BentoML worker) and an engine core per GPU behind it
-# (engine/group.py). This module is read by `bentoml serve`'s own process (which gives the worker
-# the GPUs RESOURCES asks for, all of them in one CUDA_VISIBLE_DEVICES), by `bentoml build` (the
-# Bento records the same resources), and by the worker, which starts one engine process per GPU,
-# each seeing only its own. NVML only where CUDA_VISIBLE_DEVICES does not already say (the CPU
-# backend asks for none: no NVML start).
+# FRONT_ENDS front ends (this module's BentoML workers) and an engine core per GPU behind them.
+# This module is read by `bentoml serve`'s own process (which gives the workers the GPUs
+# RESOURCES asks for, all of them in one CUDA_VISIBLE_DEVICES), by `bentoml build` (the Bento
+# records the same resources and workers), and by the workers. One front end starts one engine
+# process per GPU, each seeing only its own (engine/group.py); with several, the serving process
+# starts them before its workers (Realizar.start_engines) and every front end connects to each
+# (engine/shared.py). NVML only where CUDA_VISIBLE_DEVICES does not already say (the CPU backend
+# asks for none: no NVML start).
 GPUS = visible_gpus(_driver_gpus) if SETTINGS.backend != "cpu" else []
 timeline.mark("GPUs visible: %d", len(GPUS))
 USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPUS))
 ENGINES = serve_engines(SETTINGS, GPUS, USE_GPU)       # too many for the GPUs stops the start here
 RESOURCES = {"gpu": ENGINES} if USE_GPU else {}
-WORKER = 1                                             # BentoML's worker: the front end
+FRONT_ENDS = serve_front_ends(SETTINGS, ENGINES)       # BentoML's workers
+SHARED = FRONT_ENDS > 1                                # engines the serving process starts (engine/shared.py)
+WORKER = bentoml.server_context.worker_index or 1      # this front end's index, from 1
 DEVICE = "cuda" if USE_GPU else "cpu"
 # each engine's GPU (a CUDA_VISIBLE_DEVICES entry), or None for the CPU
 ENGINE_DEVICES: list[str | None] = GPUS[:ENGINES] if USE_GPU and GPUS else [None] * ENGINES
@@ -172,7 +178,7 @@ timeline.mark("service module imported (%s)", "the worker" if bentoml.server_con
     name="realizar",
     image=IMAGE,
     resources=RESOURCES,
-    workers=1,
+    workers=FRONT_ENDS,
     # BentoML's own limit runs until a response starts; the routes end a request at
     # request_timeout_s with a 504 in the API's shape (serving/handlers.py), so this one is a backstop
     traffic={"timeout": SETTINGS.request_timeout_s + BENTOML_TIMEOUT_MARGIN_S},
@@ -198,25 +204,41 @@ class Realizar:
         self._loader = threading.Thread(target=self._load, name="realizar-load", daemon=True)
         self._loader.start()
 
+    @bentoml.on_deployment
+    def start_engines() -> None:
+        """In `bentoml serve`'s own process, before it starts the workers: with several front
+        ends, the engine processes they share (engine/shared.py); they load while the workers
+        start, and end with this process."""
+        if SHARED:
+            from realizar_backend.engine.shared import EngineHost
+
+            host = EngineHost.start(SETTINGS, ENGINE_DEVICES)
+            atexit.register(host.stop)
+
     def _load(self) -> None:
         from realizar_backend.engine.group import EngineGroup
 
         t0 = time.perf_counter()
-        log.info("loading %s on %d engine(s) (%s; backend=%s, context=%d, max_num_seqs=%d each)",
-                 SETTINGS.model or "the default model", ENGINES, _devices(), SETTINGS.backend,
-                 SETTINGS.context_length, SETTINGS.max_num_seqs)
+        if WORKER == 1:
+            log.info("loading %s on %d engine(s) (%s; backend=%s, context=%d, max_num_seqs=%d each) "
+                     "behind %d front end(s)", SETTINGS.model or "the default model", ENGINES, _devices(),
+                     SETTINGS.backend, SETTINGS.context_length, SETTINGS.max_num_seqs, FRONT_ENDS)
+        shared = None
+        if SHARED:
+            from realizar_backend.engine.shared import run_dir
+            shared = run_dir(os.getppid())
         try:
             # llguidance's vocabulary is built once the server is ready (below), not before
             engine = EngineGroup.start(SETTINGS, ENGINE_DEVICES, observer_of=STATE.metrics.engine,
-                                       on_exit=self._engine_died)
+                                       on_exit=self._engine_died, shared=shared, quiet=WORKER != 1)
         except Exception as e:
             _stop_the_server(e)
             return
-        STATE.metrics.set_engine_statuses(engine.engine_statuses())
+        _set_engine_statuses(engine)
         STATE.engine = engine
         STATE.metrics.set_worker_status("ready")
         serving = sum(1 for _, status in engine.engine_statuses() if status == "ready")
-        log.info("ready: serving %s on %d of %d engine(s) (%s) in %.1f s", engine.model_name, serving, ENGINES,
+        log.log(logging.INFO if WORKER == 1 else logging.DEBUG, "ready: serving %s on %d of %d engine(s) (%s) in %.1f s", engine.model_name, serving, ENGINES,
                  engine.stats().get("backend"), time.perf_counter() - t0)
         timeline.mark("server ready")
         _say_where()
@@ -231,10 +253,9 @@ class Realizar:
             time.sleep(REFRESH_S)
             if STATE.engine is engine:
                 engine.stats()                       # each engine's report reaches its observer
-                statuses = engine.engine_statuses()
-                STATE.metrics.set_engine_statuses(statuses)
+                statuses = _set_engine_statuses(engine)
                 for i, ((device, status), (_, before)) in enumerate(zip(statuses, said), 1):
-                    if status != before and ENGINES > 1:
+                    if status != before and ENGINES > 1 and WORKER == 1:
                         log.warning("engine %d of %d (%s): %s, was %s", i, ENGINES, device, status, before)
                 said = statuses
                 stuck = engine.stall()
@@ -249,7 +270,7 @@ class Realizar:
         retryable 503. The server then stands aside (_stand_aside)."""
         engine, STATE.engine = STATE.engine, None
         if engine is not None:
-            STATE.metrics.set_engine_statuses(engine.engine_statuses())
+            _set_engine_statuses(engine)
             _stand_aside(error)
 
     # async, so that the probes never wait for a worker thread (nor for an engine: stall() reads
@@ -280,6 +301,17 @@ _uvicorn = None               # this worker's uvicorn.Server and event loop (set
 _loop: asyncio.AbstractEventLoop | None = None
 
 
+def _set_engine_statuses(engine) -> list[tuple[str, str]]:
+    """Each engine's status on /metrics, as this front end sees it; with several front ends, only
+    those of the engines that report to this one (one that failed at load: worker 1's)."""
+    statuses = engine.engine_statuses()
+    mine = None
+    if SHARED:
+        mine = [r or (WORKER == 1 and status == "failed") for r, (_, status) in zip(engine.reports(), statuses)]
+    STATE.metrics.set_engine_statuses(statuses, mine)
+    return statuses
+
+
 def _devices() -> str:
     return ", ".join(f"GPU {d}" for d in ENGINE_DEVICES if d is not None) or "cpu"
 
@@ -302,12 +334,16 @@ _PLAIN_ERRORS = (RealizarError, OSError, MemoryError)
 def _stop_the_server(error: Exception) -> None:
     """A server none of whose engines could load the model has nothing to serve: say why in one
     line and stop it with a non-zero status (the serving process's _at_exit). (Engines that fail
-    while another loads stand aside: engine/group.py.)"""
-    log.error("cannot serve the model: %s: %s", type(error).__name__, error,
-              exc_info=None if isinstance(error, _PLAIN_ERRORS) else error)
+    while another loads stand aside: engine/group.py.) With several front ends each sees it, and
+    worker 1 says it and stops the server (the others wait, unready, for the server's end)."""
+    if WORKER == 1:
+        log.error("cannot serve the model: %s: %s", type(error).__name__, error,
+                  exc_info=None if isinstance(error, _PLAIN_ERRORS) else error)
     STATE.metrics.set_worker_status("failed")
     STATE.load_error = f"{type(error).__name__}: {error}"
     _NO_ENGINE_CAN_SERVE.set()
+    if WORKER != 1:
+        return
     try:
         lifecycle.fail_the_server(STATE.load_error)
     except OSError as e:           # not under `bentoml serve`'s arbiter: stay up, unready, as before
