@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from server_util import sample, start_server, wait_for
+from support.server import sample, start_server, wait_for
 
 from realizar_backend.engine.group import EngineGroup
 from realizar_backend.engine.sampling import SamplingParams
