@@ -129,9 +129,11 @@ class Settings:
     workers: int = 0
     # `bentoml serve`'s front ends: BentoML workers sharing the port, each tokenizing, checking
     # grammars and streaming its own requests, each able to send them to every engine core
-    # (engine/shared.py). 0 = one per two engines, at least one: one front end's event loop carries
-    # the streams of about two GPUs of a small model. One front end keeps the engines its own
-    # children (engine/group.py); more than one share engines that `bentoml serve`'s own process starts
+    # (engine/shared.py). 0 = one per engine core with a GPU, one on the CPU: a front end's event loop
+    # streams every token of its requests, and two GPUs' streams of a small model behind one front
+    # end already wait for it (their time to first token grows); CPU engines are far slower. One
+    # front end keeps the engines its own children (engine/group.py); more than one share engines
+    # that `bentoml serve`'s own process starts
     front_ends: int = 0
     # a worker whose engine process answers no heartbeat, or has requests and completes no step,
     # for this long is stuck: /livez and /readyz turn 503 until it moves again. Above the longest
@@ -304,7 +306,7 @@ def serve_engines(settings: Settings, gpus: list[str], use_gpu: bool) -> int:
     return n
 
 
-def serve_front_ends(settings: Settings, engines: int) -> int:
+def serve_front_ends(settings: Settings, engines: int, gpu: bool) -> int:
     """How many front ends (BentoML workers) `bentoml serve` runs in front of `engines` engine
-    cores: settings.front_ends, or one per two engines (at least one)."""
-    return settings.front_ends or max(1, engines // 2)
+    cores: settings.front_ends, or one per engine on GPUs and one on the CPU."""
+    return settings.front_ends or (engines if gpu else 1)

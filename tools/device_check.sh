@@ -31,7 +31,7 @@
 #   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,
 #            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with
 #            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); an entry
-#            N:F also sets REALIZAR_FRONT_ENDS=F (else the rule: one front end per two engines), e.g.
+#            N:F also sets REALIZAR_FRONT_ENDS=F (else the rule: one front end per engine), e.g.
 #            WORKER_COUNTS="1 4:1 4:2"; /metrics and nvidia-smi's processes of each; the speed-up of generation
 #            tok/s (N vs 1), the front ends' count and CPU (all of them, in cores), the errors and each
 #            engine's requests in serve.json ("workers", keys workersN or workersN_feF) and the log
@@ -247,7 +247,7 @@ if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2
   for entry in ${WORKER_COUNTS:-1 2}; do
     n=${entry%%:*}; f=0; key=workers$n
     if [ "$entry" != "$n" ]; then f=${entry#*:}; key=workers${n}_fe$f; fi
-    fes=$f; [ "$fes" = 0 ] && fes=$(( n / 2 > 1 ? n / 2 : 1 ))
+    fes=$f; [ "$fes" = 0 ] && fes=$n
     echo "== $n engine(s), $fes front end(s)"
     serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n REALIZAR_FRONT_ENDS=$f || continue
     for i in $(seq 1 240); do   # /readyz says one front end and one engine are ready: wait for all of them

@@ -8,7 +8,7 @@ The class lives in the package (not in the repo's service.py, which re-exports i
 installed package can serve without a checkout.
 
 Configuration is Settings.from_env() (REALIZAR_* variables; see realizar_backend/settings.py).
-BentoML runs Settings.front_ends worker processes (one per two engines by default), the front
+BentoML runs Settings.front_ends worker processes (one per GPU by default), the front
 ends, on one port: each tokenizes, renders templates, checks grammars and streams its own
 requests, and sends each to one of Settings.workers engine processes, one per GPU, each with its
 own copy of the model (see "engines" below; the router is engine/group.py, engines shared by
@@ -112,7 +112,7 @@ timeline.mark("GPUs visible: %d", len(GPUS))
 USE_GPU = SETTINGS.backend == "cuda" or (SETTINGS.backend == "auto" and bool(GPUS))
 ENGINES = serve_engines(SETTINGS, GPUS, USE_GPU)       # too many for the GPUs stops the start here
 RESOURCES = {"gpu": ENGINES} if USE_GPU else {}
-FRONT_ENDS = serve_front_ends(SETTINGS, ENGINES)       # BentoML's workers
+FRONT_ENDS = serve_front_ends(SETTINGS, ENGINES, USE_GPU)   # BentoML's workers
 SHARED = FRONT_ENDS > 1                                # engines the serving process starts (engine/shared.py)
 WORKER = bentoml.server_context.worker_index or 1      # this front end's index, from 1
 DEVICE = "cuda" if USE_GPU else "cpu"

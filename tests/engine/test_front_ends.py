@@ -40,8 +40,9 @@ ENV = {"REALIZAR_WORKERS": "2", "REALIZAR_FRONT_ENDS": "2"}
 # ------------------------------------------------------------------------------ the rule, the board
 
 def test_one_front_end_per_two_engines_unless_set():
-    assert [serve_front_ends(Settings(), n) for n in (1, 2, 3, 4, 8)] == [1, 1, 1, 2, 4]
-    assert serve_front_ends(Settings(front_ends=3), 1) == 3
+    assert [serve_front_ends(Settings(), n, gpu=True) for n in (1, 2, 4, 8)] == [1, 2, 4, 8]
+    assert [serve_front_ends(Settings(), n, gpu=False) for n in (1, 2, 4)] == [1, 1, 1]
+    assert serve_front_ends(Settings(front_ends=3), 1, gpu=True) == 3
     assert Settings.from_env({"REALIZAR_FRONT_ENDS": "2"}).front_ends == 2
     with pytest.raises(SettingsError, match="REALIZAR_FRONT_ENDS"):
         Settings.from_env({"REALIZAR_FRONT_ENDS": "-1"})

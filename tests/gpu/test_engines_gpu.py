@@ -1,5 +1,5 @@
 """One engine per GPU, on this machine's GPUs: `bentoml serve` with REALIZAR_WORKERS=n starts n
-engine processes behind its one front end, each holds memory on its own GPU and no other (NVML),
+engine processes behind its front ends (one per GPU), each holds memory on its own GPU and no other (NVML),
 all of them serve, and /metrics names each engine's GPU. n = 1 runs on any GPU machine (the same
 code path); n = 2 needs two GPUs and is skipped with fewer."""
 
@@ -70,6 +70,8 @@ def test_one_engine_per_gpu(n):
         for e, proc in enumerate(engines, 1):
             on = {gpu for gpu, ps in pids.items() if proc.pid in ps}
             assert on == {int(gpus[e - 1])}, f"engine {e} (pid {proc.pid}) holds memory on GPUs {sorted(on)}"
-        assert not any(server.worker().pid in ps for ps in pids.values()), "the front end holds GPU memory"
+        fronts = server.workers()
+        assert len(fronts) == n
+        assert not any(w.pid in ps for w in fronts for ps in pids.values()), "a front end holds GPU memory"
     finally:
         server.stop()

@@ -5,7 +5,7 @@ an API key) on a free local port and waits for /readyz; every server test module
 the model loads once per pytest run. `shared_qwen_server()` is the same for Qwen2.5-Coder-0.5B
 (the tool-calling and structured-output tests). The processes are stopped at interpreter exit.
 
-`Server.engines()` finds the engine processes behind the server's one worker (one per GPU, or
+`Server.engines()` finds the engine processes behind the server's front ends (one per GPU, or
 REALIZAR_WORKERS on the CPU), and `engine_statuses()` what /metrics says of each.
 """
 
@@ -80,18 +80,26 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
-    def worker(self):
-        """The BentoML worker process, the front end (a psutil.Process)."""
+    def _processes(self, *markers: str) -> list:
         import psutil
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            if any("_bentoml_impl.worker" in part for part in p.cmdline()):
-                return p
-        raise RuntimeError("no worker process under the server")
+        return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if any(m in part for part in p.cmdline() for m in markers)]
+
+    def workers(self) -> list:
+        """The BentoML worker processes, the front ends (psutil.Process)."""
+        return self._processes("_bentoml_impl.worker")
+
+    def worker(self):
+        """The first front end (a psutil.Process)."""
+        found = self.workers()
+        if not found:
+            raise RuntimeError("no worker process under the server")
+        return found[0]
 
     def engines(self) -> list:
-        """The worker's engine processes (psutil.Process), in the order it started them."""
-        return sorted((p for p in self.worker().children()
-                       if any("realizar_backend.engine.process" in part for part in p.cmdline())),
+        """The engine processes (psutil.Process) in their order: the one front end's children, or,
+        with several front ends, the serving process's (engine/shared.py)."""
+        return sorted(self._processes("realizar_backend.engine.process", "realizar_backend.engine.shared"),
                       key=lambda p: int(p.cmdline()[-1]))
 
     def worker_statuses(self) -> dict[str, str]:
