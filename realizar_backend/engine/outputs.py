@@ -193,3 +193,15 @@ class Outbox:
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+class ChannelSink:
+    """A sequence's sink in an engine process: its outputs go to its front end through a channel (any
+    object with put(records): engine/process.py's, engine/shared.py's per connection)."""
+    __slots__ = ("channel", "request_id")
+
+    def __init__(self, channel, request_id: str):
+        self.channel, self.request_id = channel, request_id
+
+    def __call__(self, item) -> None:
+        self.channel.put([(self.request_id, item)])

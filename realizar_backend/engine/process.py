@@ -44,7 +44,7 @@ from typing import Any, AsyncIterator
 from ..errors import BackendError, CapacityError
 from ..childproc import package_root
 from ..settings import Settings, gpu_environ
-from .outputs import RequestOutput, _put_all, queue_outputs
+from .outputs import ChannelSink, RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep
 
 log = logging.getLogger(__name__)
@@ -85,17 +85,6 @@ class Channel:
         with self._lock:
             events, self._events = self._events, []
             self.conn.send(("out", records, events))
-
-
-class ChannelSink:
-    """A sequence's sink in the engine process: its outputs go to the server through the channel."""
-    __slots__ = ("channel", "request_id")
-
-    def __init__(self, channel: Channel, request_id: str):
-        self.channel, self.request_id = channel, request_id
-
-    def __call__(self, item) -> None:
-        self.channel.put([(self.request_id, item)])
 
 
 class _RemoteObserver:

@@ -60,6 +60,7 @@ from typing import Any
 
 from ..childproc import package_root
 from ..settings import Settings, gpu_environ
+from .outputs import ChannelSink
 
 log = logging.getLogger(__name__)
 
@@ -281,17 +282,6 @@ class _PeerChannel:
         self.send(("out", records, events))
 
 
-class _Sink:
-    """A sequence's sink in the engine: its outputs go to its own front end."""
-    __slots__ = ("channel", "request_id")
-
-    def __init__(self, channel: _PeerChannel, request_id: str):
-        self.channel, self.request_id = channel, request_id
-
-    def __call__(self, item) -> None:
-        self.channel.put([(self.request_id, item)])
-
-
 class _Hub:
     """The engine's connections: their slots, the load board, and which one reports."""
 
@@ -455,7 +445,7 @@ def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> 
                     key = _key(peer, rid)
                     hub.started(peer, key, rid, len(ids))
                     try:
-                        engine.submit(ids, params, key, _Sink(peer.channel, rid))
+                        engine.submit(ids, params, key, ChannelSink(peer.channel, rid))
                     except Exception as e:      # closing, or no longer fits: the request's own error
                         peer.channel.put([(rid, e)])
                 elif op == "abort":
