@@ -61,6 +61,9 @@ _PRE_SPLITS: dict[str, str | None] = {
 
 # Token texts that end a turn or the text (llama.cpp's end-of-generation list), matched when the
 # vocabulary marks them as control tokens.
+# harmony's (gpt-oss) message markers: special tokens kept in the decoded text of a harmony model
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>")
+
 _EOG_TEXTS = {
     "<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|EOT|>",
     "<|end_of_text|>", "<|return|>", "<|call|>", "<eos>", "</s>", "<|end▁of▁sentence|>",
@@ -142,6 +145,10 @@ class Tokenizer:
         self._max_piece_chars = max(1, max_piece_chars)   # no token covers more characters of text
         self._renderer: TemplateRenderer | None = None    # set by from_model_file once the template passed
         self._special_ids = {i for i, t in tk.get_added_tokens_decoder().items() if t.special}
+        # special ids that decoding with skip_special_tokens drops (all of them, but harmony's markers)
+        self._skipped_ids = self._special_ids
+        if chat_template and "<|channel|>" in chat_template and "<|message|>" in chat_template:
+            self._harmony_tokens()
         # decode([id]) by skip_special_tokens: the streaming detokenizer's window after each chunk
         # is usually one token, the same few thousand of them over and over
         self._one: dict[bool, dict[int, str]] = {False: {}, True: {}}
@@ -150,6 +157,20 @@ class Tokenizer:
         if getattr(tk.model, "byte_fallback", False):
             self._byte_ids = frozenset(i for p, i in tk.get_vocab(with_added_tokens=False).items()
                                        if len(p) == 6 and p.startswith("<0x") and p.endswith(">"))
+
+    def _harmony_tokens(self) -> None:
+        """A harmony (gpt-oss) model: its reply's structure is spelled in special tokens
+        (<|channel|>analysis<|message|>...<|end|>), which the serving layer's parser
+        (serving/harmony.py) must see, so decoding keeps them even with skip_special_tokens. Its
+        messages end with <|end|> before the next one starts: only <|return|> and <|call|> end a
+        reply (as llama.cpp does for gpt-oss)."""
+        decoder = self._tk.get_added_tokens_decoder()
+        by_text = {t.content: i for i, t in decoder.items() if t.special}
+        shown = {by_text[m] for m in _HARMONY_MARKERS if m in by_text}
+        self._skipped_ids = self._special_ids - shown
+        ends = {by_text[m] for m in ("<|return|>", "<|call|>") if m in by_text}
+        if ends and "<|end|>" in by_text:
+            self.stop_ids = (set(self.stop_ids) - {by_text["<|end|>"]}) | ends
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -421,6 +442,10 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._skipped_ids is not self._special_ids:
+            # some special tokens are shown (harmony's markers): drop the others here
+            return self._tk.decode([int(i) for i in ids if int(i) not in self._skipped_ids],
+                                   skip_special_tokens=False)
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def decode_one(self, id: int, skip_special_tokens: bool = True) -> str:
@@ -428,7 +453,7 @@ class Tokenizer:
         seen = self._one[bool(skip_special_tokens)]
         text = seen.get(id)
         if text is None:
-            text = seen[id] = self._tk.decode([int(id)], skip_special_tokens=skip_special_tokens)
+            text = seen[id] = self.decode([int(id)], skip_special_tokens=skip_special_tokens)
         return text
 
     def token_text(self, id: int) -> str:
@@ -584,7 +609,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         token_id = int(token_id)
         self._ids.append(token_id)
-        if not (self._skip and token_id in self._tok._special_ids):   # a skipped token does not end a run
+        if not (self._skip and token_id in self._tok._skipped_ids):   # a skipped token does not end a run
             self._in_byte_run = token_id in self._tok._byte_ids
         if self._in_byte_run:
             return ""

@@ -45,7 +45,7 @@ from ..errors import RequestError
 from . import requests as rq
 from .chat_request import ChatOptions, chat_options
 from .plans import chat_jobs, request_tokens
-from .reasoning import ReasoningFormat, detect_reasoning
+from .reasoning import HARMONY, ReasoningFormat, detect_reasoning
 from .tools import MAX_TOOLS, ToolRequest, ToolStreamParser, tool_request
 
 _COMMON = {"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management", "mcp_servers",
@@ -151,7 +151,7 @@ def _thinking(value: dict | None, tokenizer) -> ChatOptions:
     data: dict[str, Any] = {}
     if kind == "disabled":
         data["chat_template_kwargs"] = {"enable_thinking": False}
-    elif budget is not None and detect_reasoning(tokenizer.chat_template) is not None:
+    elif budget is not None and detect_reasoning(tokenizer.chat_template) not in (None, HARMONY):
         data["max_reasoning_tokens"] = budget
     return chat_options(data, tokenizer)
 

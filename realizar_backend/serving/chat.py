@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from .plans import Plan
-from .reasoning import ReasoningStreamParser
+from .harmony import HarmonyParser
+from .reasoning import HARMONY, ReasoningStreamParser
 from .streaming import ChunkTemplate, Last, collect, dumps, finish, stream, usage
 from .tools import ToolStreamParser, assemble, delta_chunks, finish_reason
 
@@ -29,21 +30,35 @@ class ChatReply:
     {"content": ...} and {"tool_calls": [...]} pieces, in order."""
 
     def __init__(self, plan: Plan):
-        self.tools = ToolStreamParser(plan.tools) if plan.calls_tools else None
+        self.tools = None
         self.reasoning = None
+        self.harmony = None
+        if plan.reasoning is HARMONY:      # gpt-oss: channels carry the thought, the answer and calls
+            self.harmony = HarmonyParser(plan.tools if plan.calls_tools else None)
+            return
+        self.tools = ToolStreamParser(plan.tools) if plan.calls_tools else None
         if plan.reasoning is not None:
             ends = (plan.tools.format.open,) if self.tools is not None and plan.tools.format.open else ()
             self.reasoning = ReasoningStreamParser(plan.reasoning, plan.thinking_inside, ends)
 
     @property
     def parses(self) -> bool:
-        return self.tools is not None or self.reasoning is not None
+        return self.tools is not None or self.reasoning is not None or self.harmony is not None
+
+    @property
+    def thinks(self) -> bool:
+        """The model's template thinks (the reply's thought is its reasoning)."""
+        return self.reasoning is not None or self.harmony is not None
 
     @property
     def n_calls(self) -> int:
+        if self.harmony is not None:
+            return self.harmony.n_calls
         return self.tools.n_calls if self.tools is not None else 0
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
+        if self.harmony is not None:
+            return self.harmony.feed(text) + (self.harmony.finish() if final else [])
         out: list[dict] = []
         if self.reasoning is not None:
             r, text = self.reasoning.feed(text)
@@ -87,7 +102,7 @@ def message(plan: Plan, text: str, reason: str | None) -> tuple[dict, str | None
     deltas = reply.feed(text, final=True)
     content, calls = assemble([d for d in deltas if "reasoning" not in d])
     msg: dict[str, Any] = {"role": "assistant", "content": content}
-    if reply.reasoning is not None:
+    if reply.thinks:
         thought = "".join(d["reasoning"] for d in deltas if "reasoning" in d)
         thought = thought or None          # no thought, or an empty one
         msg["reasoning_content"] = msg["reasoning"] = thought

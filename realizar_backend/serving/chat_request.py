@@ -24,7 +24,7 @@ from typing import Any
 
 from ..engine.token_rules import Thinking
 from ..errors import RequestError
-from .reasoning import ReasoningFormat, detect_reasoning, engine_thinking
+from .reasoning import HARMONY, ReasoningFormat, detect_reasoning, engine_thinking
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 MAX_TEMPLATE_KWARGS_BYTES = 64 << 10     # the kwargs' JSON text: plenty for flags and a few documents
@@ -103,5 +103,8 @@ def chat_options(data: dict, tokenizer) -> ChatOptions:
         if fmt is None:
             raise _bad("max_reasoning_tokens", "this model's chat template does not think (no <think> tags)",
                        "unsupported_parameter")
-    thinking = engine_thinking(fmt, tokenizer, budget) if fmt is not None else None
+        if fmt is HARMONY:
+            raise _bad("max_reasoning_tokens", "not supported for this model's harmony (gpt-oss) format; "
+                       "use reasoning_effort", "unsupported_parameter")
+    thinking = engine_thinking(fmt, tokenizer, budget) if fmt is not None and fmt is not HARMONY else None
     return ChatOptions(kwargs, gen, cont, fmt, thinking)

@@ -55,6 +55,10 @@ class ReasoningFormat:
 
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
+# gpt-oss's harmony format: the thought is the analysis channel's message. Its replies are parsed by
+# harmony.py (chat.ChatReply picks that parser), not by ReasoningStreamParser; the engine gets no
+# Thinking for it (no thought budget).
+HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>")
 _FORMATS = (THINK,)
 
 
@@ -63,6 +67,8 @@ def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
     or where it renders past assistant turns), or None when it has none."""
     if not chat_template:
         return None
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        return HARMONY
     for fmt in _FORMATS:
         if fmt.open in chat_template and fmt.close in chat_template:
             return fmt

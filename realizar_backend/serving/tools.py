@@ -55,6 +55,8 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments")
 QWEN_XML = ToolFormat("qwen_xml", "<tool_call>", "</tool_call>", "arguments")
 LLAMA3_JSON = ToolFormat("llama3_json", None, None, "parameters")
+# gpt-oss's harmony format: a call is a commentary message to functions.NAME; harmony.py parses it
+HARMONY = ToolFormat("harmony", None, None, "arguments")
 _FENCE_OPEN, _FENCE_CLOSE = "```json", "```"       # a hermes call in a fenced JSON block
 _PYTHON_TAG = "<|python_tag|>"     # Llama's marker before a JSON call (a special token: not in the text)
 
@@ -63,6 +65,8 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     """The tool-call syntax a chat template teaches, or None if it never renders tools."""
     if not chat_template or not re.search(r"\btools\b", chat_template):
         return None
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template and "functions." in chat_template:
+        return HARMONY
     if "<tool_call>" in chat_template:
         return QWEN_XML if "<function=" in chat_template else HERMES
     if '"parameters"' in chat_template:
@@ -96,6 +100,8 @@ class ToolRequest:
         reasoning: the model's ReasoningFormat when its template thinks (a thought may come first)."""
         if self.choice == "none" or self.format is None:
             return None
+        if self.format is HARMONY:
+            return None        # not held by a grammar yet: harmony.py parses the calls the model writes
         fns = [self.functions[self.named]] if self.choice == "function" else list(self.functions.values())
         one_call = self.choice == "function" or not self.parallel
         forced, f = self.choice != "auto", self.format
