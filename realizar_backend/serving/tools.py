@@ -65,7 +65,7 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     """The tool-call syntax a chat template teaches, or None if it never renders tools."""
     if not chat_template or not re.search(r"\btools\b", chat_template):
         return None
-    if "<|channel|>" in chat_template and "<|message|>" in chat_template and "functions." in chat_template:
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
         return HARMONY
     if "<tool_call>" in chat_template:
         return QWEN_XML if "<function=" in chat_template else HERMES
