@@ -1,0 +1,101 @@
+"""A tiny random gpt-oss model carrying the real gpt-oss-20b tokenizer and chat template, for the
+harmony tests (CPU): `write_gptoss_model(path)`.
+
+The tokenizer (201,088 tokens, its harmony markers special tokens) and the template come from the
+twin header shared/models/gptoss20.head.gz (a gzipped head of the real GGUF, found above the
+checkout: `gptoss_head()`, None when it is not there); the weights are random, in the layout
+llama.cpp's converter writes for gpt-oss (the same as tests/support/hf_oracle.py's gpt_oss): two
+layers (sliding then full attention, sinks, biases), four experts of which two are used, hidden
+size 32, so the embedding and output matrices (201,088 rows) stay ~26 MB each.
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType as V, GGUFWriter
+
+from support import gguf_kv
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, USED, FFN, LAYERS = 32, 2, 1, 16, 4, 2, 16, 2
+
+
+def gptoss_head() -> Path | None:
+    for parent in Path(__file__).resolve().parents:
+        p = parent / "shared" / "models" / "gptoss20.head.gz"
+        if p.is_file():
+            return p
+    return None
+
+
+def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[gguf_kv.KV]:
+    """The tokenizer.* keys (tokenizer and chat template) of the real file's head."""
+    head = scratch / "gptoss20.head"
+    if not head.is_file():
+        head.write_bytes(gzip.decompress(head_gz.read_bytes()))
+    return [kv for kv in gguf_kv.read(head).kvs if kv.key.startswith("tokenizer.")]
+
+
+def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int = 0) -> Path:
+    path = Path(path)
+    src = gptoss_head()
+    if src is None:
+        raise FileNotFoundError("shared/models/gptoss20.head.gz")
+    kvs = tokenizer_kvs(src, path.parent)
+    n_vocab = len(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
+    a = "gpt-oss"
+    w = GGUFWriter(str(path), a)
+    w.add_name("tiny-gpt-oss")
+    for key, val in [(f"{a}.block_count", LAYERS), (f"{a}.context_length", context_length),
+                     (f"{a}.embedding_length", HIDDEN), (f"{a}.feed_forward_length", FFN),
+                     (f"{a}.attention.head_count", HEADS), (f"{a}.attention.head_count_kv", KV_HEADS),
+                     (f"{a}.attention.key_length", HEAD_DIM), (f"{a}.attention.value_length", HEAD_DIM),
+                     (f"{a}.expert_count", EXPERTS), (f"{a}.expert_used_count", USED),
+                     (f"{a}.expert_feed_forward_length", FFN), (f"{a}.attention.sliding_window", 8),
+                     (f"{a}.rope.scaling.original_context_length", 4096)]:
+        w.add_uint32(key, val)
+    for key, val in [(f"{a}.rope.freq_base", 150000.0), (f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+                     (f"{a}.rope.scaling.factor", 32.0), (f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+                     (f"{a}.rope.scaling.yarn_beta_slow", 1.0)]:
+        w.add_float32(key, val)
+    w.add_string(f"{a}.rope.scaling.type", "yarn")
+    w.add_uint32("general.file_type", 0)
+    for kv in kvs:
+        if kv.vtype == V.ARRAY:
+            w.add_key_value(kv.key, kv.value, V.ARRAY, kv.itype)
+        else:
+            w.add_key_value(kv.key, kv.value, kv.vtype)
+
+    rng = np.random.default_rng(seed)
+
+    def t(name: str, *shape: int, scale: float = 0.2) -> None:
+        # numpy shapes are the GGUF shape reversed (rows last in GGUF)
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def ones(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, np.float32))
+
+    t("token_embd.weight", n_vocab, HIDDEN, scale=1.0)
+    t("output.weight", n_vocab, HIDDEN)
+    ones("output_norm.weight", HIDDEN)
+    q, kvd = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        ones(b + "attn_norm.weight", HIDDEN)
+        ones(b + "post_attention_norm.weight", HIDDEN)
+        t(b + "attn_q.weight", q, HIDDEN); t(b + "attn_q.bias", q)
+        t(b + "attn_k.weight", kvd, HIDDEN); t(b + "attn_k.bias", kvd)
+        t(b + "attn_v.weight", kvd, HIDDEN); t(b + "attn_v.bias", kvd)
+        t(b + "attn_output.weight", HIDDEN, q); t(b + "attn_output.bias", HIDDEN)
+        t(b + "attn_sinks.weight", HEADS)
+        t(b + "ffn_gate_inp.weight", EXPERTS, HIDDEN); t(b + "ffn_gate_inp.bias", EXPERTS)
+        t(b + "ffn_gate_exps.weight", EXPERTS, FFN, HIDDEN); t(b + "ffn_gate_exps.bias", EXPERTS, FFN)
+        t(b + "ffn_up_exps.weight", EXPERTS, FFN, HIDDEN); t(b + "ffn_up_exps.bias", EXPERTS, FFN)
+        t(b + "ffn_down_exps.weight", EXPERTS, HIDDEN, FFN); t(b + "ffn_down_exps.bias", EXPERTS, HIDDEN)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
