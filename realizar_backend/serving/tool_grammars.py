@@ -168,6 +168,25 @@ def xml_grammar(guidance, fns: list, forced: bool, one_call: bool, open_: str, c
     return "\n".join(lines)
 
 
+def harmony_grammar(guidance, fns: list) -> str:
+    """gpt-oss's harmony calls (serving/harmony.py) of fns (Function: name, parameters), for a
+    forced tool_choice: an optional thought (an analysis message), then one call, a commentary
+    message to functions.NAME whose body is JSON of the function's parameters (the model stops at
+    <|call|> after it, so a reply holds one call)."""
+    m = {t: marker(guidance, t) for t in ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>")}
+    lines = ["start: thought? call",
+             f'thought: {m["<|channel|>"]} "analysis" {m["<|message|>"]} THOUGHT? {m["<|end|>"]} '
+             f'{m["<|start|>"]} "assistant"',
+             "THOUGHT: /(.|\\n)+/",
+             f'call: {m["<|channel|>"]} "commentary to=functions." ({" | ".join(f"f{i}" for i in range(len(fns)))})']
+    for i, f in enumerate(fns):
+        args, defs = prepare_parameters(f.parameters if isinstance(f.parameters, dict) else {}, i)
+        schema = {**args, **({"$defs": defs} if defs else {}), "x-guidance": JSON_STYLE}
+        lines.append(f'f{i}: {json.dumps(f.name + " ")} {m["<|constrain|>"]} "json" {m["<|message|>"]} '
+                     f"%json {json.dumps(schema)}")
+    return "\n".join(lines)
+
+
 def with_thought(guidance, lark: str, fmt) -> str:
     """A tool grammar that lets a thinking model think first: an optional thought (its open tag
     optional too, for a prompt that opened it; then its text and close tag) before what the grammar

@@ -101,7 +101,10 @@ class ToolRequest:
         if self.choice == "none" or self.format is None:
             return None
         if self.format is HARMONY:
-            return None        # not held by a grammar yet: harmony.py parses the calls the model writes
+            if self.choice == "auto":
+                return None    # free: the model answers or calls in its own format (harmony.py parses it)
+            fns = [self.functions[self.named]] if self.choice == "function" else list(self.functions.values())
+            return Constraint("lark", tool_grammars.harmony_grammar(guidance, fns), param="tools")
         fns = [self.functions[self.named]] if self.choice == "function" else list(self.functions.values())
         one_call = self.choice == "function" or not self.parallel
         forced, f = self.choice != "auto", self.format

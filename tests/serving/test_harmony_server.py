@@ -7,6 +7,8 @@ module is skipped without it). The random model's output is held by a grammar to
 - chat completions: the analysis channel comes back as reasoning_content, the final channel as
   content (no marker in either), whole and streamed; a commentary message to functions.NAME is a
   tool call with finish_reason "tool_calls" (the engine stopped at <|call|>), whole and streamed;
+- /v1/responses and /v1/messages: with tool_choice required (the harmony tool grammar) the
+  thought comes back as a reasoning item / thinking block;
 - reasoning_effort reaches the template.
 """
 
@@ -83,6 +85,30 @@ def test_commentary_call_is_a_tool_call(client):
     # (the tiny random model's near-even logits may pick the other mode on another run)
     assert json.loads("".join(tc.function.arguments or "" for tc in calls))["mode"] in ("fast", "slow")
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_thought_in_responses_and_messages(server):
+    """tool_choice required holds the reply to the harmony grammar (tool_grammars.harmony_grammar:
+    a thought may come first, then one call). The random model never closes its thought (<|end|>
+    is one token of 201,088), so the reply is a thought cut at the token limit: a Responses reasoning
+    item and a Messages thinking block, incomplete, with no marker and no call. (The call path of
+    these APIs is chat's parser, covered above and in test_harmony.py.)"""
+    params = TOOLS[0]["function"]["parameters"]
+    rtools = [{"type": "function", "name": "set_mode", "description": "Sets the mode.", "parameters": params}]
+    resp = httpx.post(server.url + "/v1/responses", headers=server.auth, timeout=120, json={
+        "model": MODEL, "input": "What is two plus two?", "tools": rtools, "tool_choice": "required",
+        "max_output_tokens": 40, "temperature": 0, "reasoning": {"effort": "low"}}).json()
+    assert resp["status"] == "incomplete", resp
+    (item,) = resp["output"]
+    assert item["type"] == "reasoning" and item["content"][0]["text"] and "<|" not in item["content"][0]["text"]
+    atools = [{"name": "set_mode", "description": "Sets the mode.", "input_schema": params}]
+    am = httpx.post(server.url + "/v1/messages", headers={**server.auth, "anthropic-version": "2023-06-01"},
+                    timeout=120, json={"model": MODEL, "messages": USER, "tools": atools, "tool_choice": {"type": "any"},
+                                       "max_tokens": 40, "temperature": 0,
+                                       "thinking": {"type": "enabled", "budget_tokens": 1024}}).json()
+    assert am["stop_reason"] == "max_tokens", am
+    (block,) = am["content"]
+    assert block["type"] == "thinking" and block["thinking"] and "<|" not in block["thinking"]
 
 
 def test_reasoning_effort_reaches_the_template(server):
