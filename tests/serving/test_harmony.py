@@ -206,3 +206,35 @@ def test_real_template_takes_reasoning_effort_and_tools(gptoss_tokenizer):
         assert prompt.endswith("<|start|>assistant")
     finally:
         renderer.close()
+
+
+def test_forced_call_grammar(gptoss_tokenizer):
+    """tool_choice required / a named function: an optional thought, then one call of the tools'
+    schemas (tool_grammars.harmony_grammar), walked token by token with the real tokenizer."""
+    from realizar_backend.backends.sampling import allowed_tokens
+    from realizar_backend.engine.guidance import Guidance
+    tok = gptoss_tokenizer
+    guidance = Guidance(tok, tok.vocab_size)
+    tools = [WEATHER, ("set_mode", None, {"type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}},
+                                          "required": ["mode"]})]
+
+    def walk(constraint, text):
+        g = guidance.guide(constraint)
+        ids = tok.encode(text, add_special_tokens=False)
+        for k, t in enumerate(ids):
+            if not allowed_tokens(g.compute_mask(), guidance.vocab_size)[t]:
+                return k, len(ids), g
+            assert g.consume(t)
+        return len(ids), len(ids), g
+
+    required = tool_request(tools, "required", None, True, tok.chat_template).constraint(guidance)
+    call = '<|channel|>commentary to=functions.set_mode <|constrain|>json<|message|>{"mode": "fast"}'
+    for reply in (call, THOUGHT + "<|start|>assistant" + call):
+        done, n, g = walk(required, reply)
+        assert done == n and g.finished, reply
+    for wrong in (FINAL[len("<|start|>assistant"):], call.replace("fast", "medium"), call.replace("set_mode", "launch")):
+        done, n, _ = walk(required, wrong)
+        assert done < n, wrong
+    named = tool_request(tools, "function", "get_weather", True, tok.chat_template).constraint(guidance)
+    assert walk(named, call)[0] < walk(named, call)[1]
+    assert tool_request(tools, "auto", None, True, tok.chat_template).constraint(guidance) is None
