@@ -109,6 +109,16 @@ def test_thought_in_responses_and_messages(server):
     assert am["stop_reason"] == "max_tokens", am
     (block,) = am["content"]
     assert block["type"] == "thinking" and block["thinking"] and "<|" not in block["thinking"]
+    # streamed: the same thought as reasoning / thinking deltas, no marker anywhere
+    events = httpx.post(server.url + "/v1/responses", headers=server.auth, timeout=120, json={
+        "model": MODEL, "input": "What is two plus two?", "tools": rtools, "tool_choice": "required",
+        "max_output_tokens": 40, "temperature": 0, "stream": True}).text
+    assert "response.reasoning_text.delta" in events and "<|" not in events and "function_call" not in events
+    events = httpx.post(server.url + "/v1/messages", headers={**server.auth, "anthropic-version": "2023-06-01"},
+                        timeout=120, json={"model": MODEL, "messages": USER, "tools": atools, "stream": True,
+                                           "tool_choice": {"type": "any"}, "max_tokens": 40, "temperature": 0,
+                                           "thinking": {"type": "enabled", "budget_tokens": 1024}}).text
+    assert "thinking_delta" in events and "<|" not in events and "tool_use" not in events
 
 
 def test_reasoning_effort_reaches_the_template(server):
