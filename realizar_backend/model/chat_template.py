@@ -85,6 +85,13 @@ def plain(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- the parent side
+def is_harmony(chat_template: str | None) -> bool:
+    """The template speaks OpenAI's harmony format (gpt-oss): its messages are spelled in channel
+    markers, which the tokenizer keeps in decoded text and the serving layer parses
+    (serving/harmony.py)."""
+    return bool(chat_template) and "<|channel|>" in chat_template and "<|message|>" in chat_template
+
+
 class _Worker(Child):
     """One render process with its start handshake; errors as ChatTemplateError."""
 

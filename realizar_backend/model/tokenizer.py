@@ -30,7 +30,7 @@ from .. import timeline
 from ..errors import CapacityError, ContextOverflowError, ModelFormatError, RequestError, UnsupportedModelError
 from ..settings import Settings
 from .chat_template import (MAX_TEMPLATE_CHARS, ChatTemplateError, TemplateLimits, TemplateRenderer,
-                            alias_reasoning, plain, renderer)
+                            alias_reasoning, is_harmony, plain, renderer)
 from .metadata import Metadata
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,11 @@ _PRE_SPLITS: dict[str, str | None] = {
     "gpt-4o": _GPT4O, "llama4": _GPT4O,
 }
 
-# Token texts that end a turn or the text (llama.cpp's end-of-generation list), matched when the
-# vocabulary marks them as control tokens.
 # harmony's (gpt-oss) message markers: special tokens kept in the decoded text of a harmony model
 _HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+# Token texts that end a turn or the text (llama.cpp's end-of-generation list), matched when the
+# vocabulary marks them as control tokens.
 
 _EOG_TEXTS = {
     "<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|EOT|>",
@@ -147,7 +148,7 @@ class Tokenizer:
         self._special_ids = {i for i, t in tk.get_added_tokens_decoder().items() if t.special}
         # special ids that decoding with skip_special_tokens drops (all of them, but harmony's markers)
         self._skipped_ids = self._special_ids
-        if chat_template and "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        if is_harmony(chat_template):
             self._harmony_tokens()
         # decode([id]) by skip_special_tokens: the streaming detokenizer's window after each chunk
         # is usually one token, the same few thousand of them over and over

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 
+from .reasoning import partial_tail
 from .tools import ToolCall, ToolRequest
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
@@ -39,21 +40,6 @@ _BODY_ENDS = (END, RETURN, CALL, START, CHANNEL)
 _HEADER_OPENERS = (START, CHANNEL, "to=")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
-
-
-def is_harmony_template(chat_template: str | None) -> bool:
-    return bool(chat_template) and CHANNEL in chat_template and MESSAGE in chat_template
-
-
-def _partial_tail(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of text may be the start of one of the markers."""
-    hold = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), hold, -1):
-            if m.startswith(text[-k:]):
-                hold = k
-                break
-    return hold
 
 
 class HarmonyParser:
@@ -123,7 +109,7 @@ class HarmonyParser:
                 self._close(out)
                 self._mode = "between"
                 continue
-            keep = 0 if final else _partial_tail(self._buf, _BODY_ENDS)
+            keep = 0 if final else partial_tail(self._buf, _BODY_ENDS)
             self._text(self._buf[:len(self._buf) - keep], out, closing=final)
             self._buf = self._buf[len(self._buf) - keep:]
             if final:

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.token_rules import Thinking
+from ..model.chat_template import is_harmony
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
     or where it renders past assistant turns), or None when it has none."""
     if not chat_template:
         return None
-    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+    if is_harmony(chat_template):
         return HARMONY
     for fmt in _FORMATS:
         if fmt.open in chat_template and fmt.close in chat_template:
@@ -93,7 +94,7 @@ def split_reasoning(fmt: ReasoningFormat, text: str, inside: bool = False,
     return (r1 + r2 if p.saw_reasoning else None), c1 + c2
 
 
-def _partial_tail(text: str, markers: tuple[str, ...]) -> int:
+def partial_tail(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of text may be the start of one of the markers."""
     hold = 0
     for m in markers:
@@ -155,7 +156,7 @@ class ReasoningStreamParser:
                     self._buf = self._buf[at + len(close):] if marker == close else self._buf[at:]
                     self._mode = "after"
                     continue
-                keep = 0 if final else _partial_tail(self._buf, (close, *self.ends))
+                keep = 0 if final else partial_tail(self._buf, (close, *self.ends))
                 self._thought(self._buf[:len(self._buf) - keep], reasoning, closing=final)
                 self._buf = self._buf[len(self._buf) - keep:]
                 break

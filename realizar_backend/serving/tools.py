@@ -31,6 +31,7 @@ from typing import Any
 
 from ..engine.guidance import Constraint
 from ..errors import RequestError
+from ..model.chat_template import is_harmony
 from . import tool_grammars, tool_xml
 from .json_scan import ObjectScanner, member_spans
 
@@ -65,7 +66,7 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     """The tool-call syntax a chat template teaches, or None if it never renders tools."""
     if not chat_template or not re.search(r"\btools\b", chat_template):
         return None
-    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+    if is_harmony(chat_template):
         return HARMONY
     if "<tool_call>" in chat_template:
         return QWEN_XML if "<function=" in chat_template else HERMES

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from realizar_backend.serving.chat import ChatReply, message
-from realizar_backend.serving.harmony import HarmonyParser, is_harmony_template
+from realizar_backend.model.chat_template import is_harmony as is_harmony_template
+from realizar_backend.serving.harmony import HarmonyParser
 from realizar_backend.serving.plans import Plan
 from realizar_backend.serving.reasoning import HARMONY, THINK, detect_reasoning
 from realizar_backend.serving.replies import ReplyReader, Reply
