@@ -205,3 +205,22 @@ class ChannelSink:
 
     def __call__(self, item) -> None:
         self.channel.put([(self.request_id, item)])
+
+
+class RelayObserver:
+    """An engine process's observer: the metrics events (a finished request, a token interval)
+    and the step reports it makes go to its front end, whose Metrics get the same calls, later.
+    event(ev) queues an event to leave with the next outputs; report(stats) sends a report."""
+    __slots__ = ("event", "report")
+
+    def __init__(self, event, report):
+        self.event, self.report = event, report
+
+    def on_request_finished(self, *args) -> None:
+        self.event(("finished", args))
+
+    def on_token_interval(self, seconds: float) -> None:
+        self.event(("interval", seconds))
+
+    def on_step(self, stats) -> None:
+        self.report(stats)

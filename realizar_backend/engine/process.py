@@ -44,7 +44,7 @@ from typing import Any, AsyncIterator
 from ..errors import BackendError, CapacityError
 from ..childproc import package_root
 from ..settings import Settings, gpu_environ
-from .outputs import ChannelSink, RequestOutput, _put_all, queue_outputs
+from .outputs import ChannelSink, RelayObserver, RequestOutput, _put_all, queue_outputs
 from .prep import RequestPrep
 
 log = logging.getLogger(__name__)
@@ -87,22 +87,6 @@ class Channel:
             self.conn.send(("out", records, events))
 
 
-class _RemoteObserver:
-    """The engine's observer in the child: the server's Metrics get the same calls, later."""
-
-    def __init__(self, channel: Channel):
-        self.channel = channel
-
-    def on_request_finished(self, *args) -> None:
-        self.channel.event(("finished", args))
-
-    def on_token_interval(self, seconds: float) -> None:
-        self.channel.event(("interval", seconds))
-
-    def on_step(self, stats: dict[str, Any]) -> None:
-        self.channel.send(("stats", stats))
-
-
 def child_main(fd: int) -> None:
     """The engine process: settings arrive first, then commands until "stop" or end of input."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -116,7 +100,7 @@ def child_main(fd: int) -> None:
 
     try:
         # grammars reach it checked: the server's side tried them (EngineClient.prepare)
-        engine = Engine.from_settings(settings, observer=_RemoteObserver(channel), prewarm_guidance=False,
+        engine = Engine.from_settings(settings, observer=RelayObserver(channel.event, lambda stats: channel.send(("stats", stats))), prewarm_guidance=False,
                                       check_grammars=False)
     except BaseException as e:      # the server names it and stands aside
         channel.send(("failed", e))

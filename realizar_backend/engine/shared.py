@@ -60,7 +60,7 @@ from typing import Any
 
 from ..childproc import package_root
 from ..settings import Settings, gpu_environ
-from .outputs import ChannelSink
+from .outputs import ChannelSink, RelayObserver
 
 log = logging.getLogger(__name__)
 
@@ -369,22 +369,6 @@ class _Hub:
             to.channel.send(("out", [], events))
 
 
-class _SharedObserver:
-    """The engine's observer: its events and reports go to the reporting front end."""
-
-    def __init__(self, hub: _Hub):
-        self.hub = hub
-
-    def on_request_finished(self, *args) -> None:
-        self.hub.event(("finished", args))
-
-    def on_token_interval(self, seconds: float) -> None:
-        self.hub.event(("interval", seconds))
-
-    def on_step(self, stats: dict[str, Any]) -> None:
-        self.hub.report(stats)
-
-
 def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> None:
     """An engine process shared by the front ends: settings arrive on the control socket, front
     ends connect on the listening one; it ends when the control socket closes."""
@@ -400,7 +384,7 @@ def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> 
 
     engine, failed = None, None
     try:
-        engine = Engine.from_settings(settings, observer=_SharedObserver(hub), prewarm_guidance=False,
+        engine = Engine.from_settings(settings, observer=RelayObserver(hub.event, hub.report), prewarm_guidance=False,
                                       check_grammars=False)
     except BaseException as e:      # every front end is told, and stands aside
         failed = e
