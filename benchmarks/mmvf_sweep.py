@@ -66,6 +66,16 @@ SHAPES = [
     # the other twins' LM heads (tied Q8_0 embeddings)
     ("smol_head", [(Q.Q8_0, 49152)], 576, "mmvf"),
     ("g270_head", [(Q.Q8_0, 262144)], 640, "mmvf"),
+    # Qwen2.5-7B (hidden 3584, FFN 18944, 4 KV heads of 128) and -32B (hidden 5120, FFN 27648, 8 KV heads)
+    ("q7_qkv", [(Q.Q4_K, 3584), (Q.Q4_K, 512), (Q.Q6_K, 512)], 3584, "mmvf"),
+    ("q7_o", [(Q.Q4_K, 3584)], 3584, "mmvf"),
+    ("q7_gate_up", [(Q.Q4_K, 18944)], 3584, "ffnf"),
+    ("q7_down_q4k", [(Q.Q4_K, 3584)], 18944, "mmvf"),
+    ("q7_down_q6k", [(Q.Q6_K, 3584)], 18944, "mmvf"),
+    ("q32_qkv", [(Q.Q4_K, 5120), (Q.Q4_K, 1024), (Q.Q6_K, 1024)], 5120, "mmvf"),
+    ("q32_gate_up", [(Q.Q4_K, 27648)], 5120, "ffnf"),
+    ("q32_down_q4k", [(Q.Q4_K, 5120)], 27648, "mmvf"),
+    ("q32_down_q6k", [(Q.Q6_K, 5120)], 27648, "mmvf"),
 ]
 
 
@@ -126,7 +136,7 @@ def main() -> int:
         modules = {key: f.result() for key, f in futs.items()}
     rng = cupy.random.default_rng(0)
     nb = args.nb
-    x = cupy.asarray(np.random.default_rng(1).standard_normal(8960 * nb).astype(np.float32))
+    x = cupy.asarray(np.random.default_rng(1).standard_normal(max(K for _, _, K, _ in shapes_run) * nb).astype(np.float32))
     ybuf = cupy.zeros(151936 * 2 * nb, cupy.float32)
     results = []
     stream = cupy.cuda.Stream(non_blocking=True)

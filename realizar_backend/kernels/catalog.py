@@ -44,8 +44,9 @@ MMV_NB = (1, 2, 4, 8)                # activation rows per mmvf launch column (t
 # warps per block of mmvf.cu's kernels by batch width (-DMMVF_WARPS): 8 at one row (half the blocks
 # staging the input); 4 from two rows up, where every weight is applied to each row and blocks run long
 MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
-# rows a warp group owns in the LM head's launch at one row (-DMMVF_R; the other launches: 2): a
-# head's many rows keep more loads in flight with 4 a group; 8 runs out of registers
+# rows a warp group owns in the LM head's launch at one row, and in one-row launches whose input is
+# too long to stage (-DMMVF_R; the other launches: 2): a head's many rows keep more loads in flight
+# with 4 a group, unstaged rows read their activations half as often; 8 runs out of registers
 MMVF_HEAD_R = 4
 # rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
 FFNF_R = {1: 1}

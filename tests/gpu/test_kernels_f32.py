@@ -138,8 +138,9 @@ def test_mmvf_fused_argmax(kernels, rng, nb, head):
     assert out[:nb].get().tolist() == [0] * nb
 
 
-@pytest.mark.parametrize("q,n,k", [(Q.Q4_K, 20000, 1536), (Q.Q6_K, 3000, 8960), (Q.Q8_0, 9001, 896)],
-                         ids=["wide", "long-rows", "odd"])
+@pytest.mark.parametrize("q,n,k", [(Q.Q4_K, 20000, 1536), (Q.Q6_K, 3000, 8960), (Q.Q8_0, 9001, 896),
+                                   (Q.Q4_K, 1283, 27648), (Q.Q6_K, 37, 27648)],
+                         ids=["wide", "long-rows", "odd", "unstaged-32b-down", "unstaged-few-rows"])
 def test_mmvf_more_groups_than_resident_blocks(kernels, rng, q, n, k):
     """Launches with more row groups than one wave of blocks holds: blocks stride over the groups
     (with block barriers when warps share a row)."""

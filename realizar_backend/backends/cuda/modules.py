@@ -207,7 +207,8 @@ class Kernels:
             return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + catalog.mmvf_options(nb, i), 100 * 1024, lazy)
                          for i, kind in ((1, "mmvf"), (2, "ffnf")))
         self._mmvf = {1: gemvs(1)}
-        # the LM head at one row: the same kernel with more rows a warp group (catalog.MMVF_HEAD_R)
+        # the LM head, and rows too long to stage, at one row: the same kernel with more rows a warp
+        # group (catalog.MMVF_HEAD_R)
         self._mmvf_head = build("mmvf.cu", ["mmvf_nb1"], typed + catalog.mmvf_options(1, 1, head=True), 100 * 1024)
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant", "embed")],
                           typed)

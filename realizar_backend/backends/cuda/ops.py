@@ -147,7 +147,12 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
     LM head; at one row it takes the module of MMVF_HEAD_R rows a group."""
     _check_x(x, xs, K)
     v = _nb_variant(nb)
-    fn, R = (k.mmvf_head, MMVF_HEAD_R) if head and v == 1 else (k.mmvf[v], MMVF_R)
+    stage, nw, eps, smem = _stage_args(norm, K, nb)
+    # one-row launches whose input is too long to stage read each unit's 32 activations through L1
+    # once per row group: groups of MMVF_HEAD_R rows (the LM head's module) halve those reads, and
+    # all the block's warps share one group (its long rows in short per-warp chains)
+    wide = v == 1 and not stage
+    fn, R = (k.mmvf_head, MMVF_HEAD_R) if v == 1 and (head or wide) else (k.mmvf[v], MMVF_R)
     args = []
     groups = 0
     rows = 0
@@ -157,9 +162,8 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
         rows += w.rows
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    stage, nw, eps, smem = _stage_args(norm, K, nb)
     W = MMVF_WARPS[v]
-    wpr = mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage), W)
+    wpr = W if wide else mmvf_wpr(K, rows, getattr(k, "sm_count", 132), bool(stage), W)
     gpb = W // wpr
     grid = (min((groups + gpb - 1) // gpb, _max_grid(k, fn, smem, W)), (nb + v - 1) // v)
     _launch(fn, grid, (W * 32,),
