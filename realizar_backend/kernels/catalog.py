@@ -50,6 +50,11 @@ MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
 MMVF_HEAD_R = 4
 # rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
 FFNF_R = {1: 1}
+# blocks per SM the registers of mmvf.cu's one-row modules must allow (-DMMVF_MINB; absent: 1): a
+# one-row GEMV waits on its weight loads, and the uncapped allocation (120-160 registers a thread,
+# by compiler) leaves 1-2 blocks of 8 warps an SM; 3 hide more of that latency on the 7B-32B shapes
+# (4 spill). Not the 4-row module (the LM head, unstaged rows), whose extra rows need the registers.
+MMVF_MINB = {1: 3}
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -104,6 +109,7 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
     opts = (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}", f"-DMMVF_WARPS={MMVF_WARPS[nb]}")
     if head:
         return opts + (f"-DMMVF_R={MMVF_HEAD_R}",)
+    opts += (f"-DMMVF_MINB={MMVF_MINB[nb]}",) if nb in MMVF_MINB else ()
     return opts + (f"-DMMVF_R={FFNF_R[nb]}",) if kind == 2 and nb in FFNF_R else opts
 
 
