@@ -84,7 +84,7 @@ __device__ __forceinline__ float dn_softplus(float x) { return x > 20.0f ? x : l
 //   b = sigmoid(beta);  S <- exp(g) S;  S <- S + k (b (v - S^T k))^T;  o = S^T q;
 //   out[r][h] = o / rms(o) * out_norm * silu(z[r][h]).
 // Block: a multiple of 32 threads, at least v_dim (<= DN_MAX_V); k_dim <= DN_MAX_K.
-extern "C" __global__ void dn_delta(const float* __restrict__ cv, int cvs, const float* __restrict__ alpha,
+extern "C" __global__ void __launch_bounds__(DN_MAX_V) dn_delta(const float* __restrict__ cv, int cvs, const float* __restrict__ alpha,
                                     const float* __restrict__ beta, int abs_, const float* __restrict__ z, int zs,
                                     const float* __restrict__ a_coef, const float* __restrict__ dt_bias,
                                     const float* __restrict__ out_norm, float* __restrict__ state,

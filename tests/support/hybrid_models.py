@@ -4,9 +4,9 @@ convert_hf_to_gguf.py; the NumPy backend matches transformers on it): three Gate
 one gated full-attention layer (head_dim 256, RoPE over a quarter of it).
 
     f32   the layers as the converter writes them (F32; hidden 64, 2 key heads and 4 value heads of
-          32); the token embeddings and the LM head Q8_0, so that the file stays small
+          32); the token embeddings and the LM head Q4_0, so that the files stay small
     q4k   a wider one (hidden 256, FFN 256, value heads of 64) requantized to Q4_K_M's mix: Q4_K
-          matrices, Q6_K V and tied embeddings / LM head
+          matrices (the tied embeddings / LM head too), Q6_K V
 
 The GPU machine has no transformers and no network, so the files are made here and carried:
 
@@ -35,16 +35,14 @@ OVERRIDES = {
 
 def f32_types(name: str, shape: tuple[int, ...]) -> Q | None:
     """The f32 model's type of each tensor: as converted, but for the vocabulary-sized ones."""
-    return Q.Q8_0 if name in ("token_embd.weight", "output.weight") else None
+    return Q.Q4_0 if name in ("token_embd.weight", "output.weight") else None
 
 
 def q4k_types(name: str, shape: tuple[int, ...]) -> Q | None:
     """The q4k model's type of each tensor (None: as converted, F32: norms, conv taps, vectors)."""
     if len(shape) < 2 or name.endswith("ssm_conv1d.weight"):
         return None
-    if name == "token_embd.weight" or name.endswith("attn_v.weight"):
-        return Q.Q6_K
-    return Q.Q4_K
+    return Q.Q6_K if name.endswith("attn_v.weight") else Q.Q4_K
 
 
 def file_name(name: str) -> str:

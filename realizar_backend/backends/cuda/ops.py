@@ -319,6 +319,52 @@ def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
     k.act_mul(((n + 255) // 256,), (256,), (_U64(g), _U64(u), _U64(a), _I64(n), _I32(act)))
 
 
+def split_pair(k: Kernels, src: int, q: int, gate: int, rows: int, heads: int, D: int) -> None:
+    """src [rows][heads][2][D] ([query | gate] per head) -> q and gate [rows][heads][D]."""
+    k.split_pair(((heads * D + 255) // 256, rows), (256,), (_U64(src), _U64(q), _U64(gate), _I32(rows), _I32(heads),
+                                                             _I32(D)))
+
+
+def sigmoid_mul(k: Kernels, y: int, gate: int, n: int) -> None:
+    k.sigmoid_mul(((n + 255) // 256,), (256,), (_U64(y), _U64(gate), _I64(n)))
+
+
+DN_CONV_THREADS = 128          # kernels/deltanet.cu: threads of a conv block (its limits: support.py)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The rows of a step as deltanet.cu reads them: slots and positions (device int32 [n]), the
+    scratch slot (padding rows: zero state, none kept) and n."""
+    slots: int
+    positions: int
+    scratch: int
+    n: int
+
+    def args(self) -> tuple:
+        return _U64(self.slots), _U64(self.positions), _I32(self.scratch), _I32(self.n)
+
+
+def dn_conv(k: Kernels, x: int, xs: int, w: int, taps: int, conv_state: int, rows: StepRows, C: int, out: int,
+            os: int) -> None:
+    """out = silu(causal depthwise conv of the rows x, each segment continuing its slot's conv_state
+    [slots][taps][C], which it leaves holding its last `taps` inputs); w [C][taps + 1]."""
+    k.deltanet["conv"](((C + DN_CONV_THREADS - 1) // DN_CONV_THREADS, rows.n), (DN_CONV_THREADS,),
+              (_U64(x), _I32(xs), _U64(w), _I32(taps), _U64(conv_state), *rows.args(), _I32(C), _U64(out), _I32(os)))
+
+
+def dn_delta(k: Kernels, cv: int, cvs: int, alpha: int, beta: int, abs_: int, z: int, zs: int, a_coef: int,
+             dt_bias: int, out_norm: int, state: int, rows: StepRows, nk: int, dk: int, nv: int, dv: int,
+             eps: float, out: int, os: int) -> None:
+    """The gated delta rule of each value head over the segments of the step from the conv output
+    cv, each continuing its slot's state [slots][nv][dk][dv] (left holding the last row's), and the
+    gated RMSNorm of the heads' output into out (deltanet.cu dn_delta)."""
+    k.deltanet["delta"]((nv, rows.n), (-(-dv // 32) * 32,),
+               (_U64(cv), _I32(cvs), _U64(alpha), _U64(beta), _I32(abs_), _U64(z), _I32(zs), _U64(a_coef),
+                _U64(dt_bias), _U64(out_norm), _U64(state), *rows.args(), _I32(nk), _I32(dk), _I32(nv), _I32(dv),
+                _F32(eps), _U64(out), _I32(os)))
+
+
 def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) -> None:
     k.gather_rows(((width + 255) // 256, n), (256,), (_U64(src), _U64(idx), _U64(dst), _I32(n), _I32(width)))
 

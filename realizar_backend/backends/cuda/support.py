@@ -16,6 +16,10 @@ UNSUPPORTED_TENSORS = ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bi
 MOE_ACTIVATIONS = ("silu", "gelu_tanh")
 # experts a token takes that the GPU's routing holds (kernels/moe.cu MOE_MAX_K: one per lane)
 MOE_MAX_K = 32
+# a Gated DeltaNet's shapes the GPU's kernels hold (kernels/deltanet.cu, the same names): conv inputs
+# kept per channel, and the column of a head's state (k_dim floats) and the head's columns (v_dim
+# threads) of one block
+DN_MAX_TAPS, DN_MAX_K, DN_MAX_V = 8, 128, 256
 
 
 def gpu_types(mf: ModelFile) -> dict[str, bool]:
@@ -26,8 +30,13 @@ def gpu_types(mf: ModelFile) -> dict[str, bool]:
 def refusal(mf: ModelFile) -> str | None:
     """Why the GPU backend cannot run this model (None: it can)."""
     c = mf.config
-    if c.has_recurrent_state:
-        return f"{c.arch}: the GPU backend does not run linear-attention hybrids yet"
+    if c.has_recurrent_state and not (c.ssm_conv_kernel - 1 <= DN_MAX_TAPS and c.ssm_k_dim <= DN_MAX_K
+                                      and c.ssm_v_dim <= DN_MAX_V):
+        return (f"{c.arch}: the GPU's Gated DeltaNet kernels take conv kernels of up to {DN_MAX_TAPS + 1} and "
+                f"heads of up to {DN_MAX_K} key and {DN_MAX_V} value dims (this model: {c.ssm_conv_kernel}, "
+                f"{c.ssm_k_dim}, {c.ssm_v_dim})")
+    if c.shared_expert_ffn_dim:
+        return f"{c.arch}: the GPU backend has no shared expert yet"
     if c.arch == "gpt-oss":
         return ("gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped "
                 "SwiGLU experts or MXFP4 weights yet")
