@@ -29,7 +29,7 @@ from . import dispatch, flash, ops
 from .dispatch import Dispatcher, Kernel, Step
 from .experts import PairExperts
 from .kv_cache import KVCache
-from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear
+from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear, launches
 from .modules import Kernels
 from .pdl import clusters_ok
 from .recurrent import RecurrentState
@@ -73,7 +73,9 @@ class Forward:
         self.split16 = Split16Linear(self.ctx, [g for _, g in dense], settings.prefill_weight_cache)
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
         self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept))
-        shapes = {(g[0].cols, tuple(m.rows for m in g), kind == "gated") for kind, g in dense}
+        # (a group of more projections than one launch writes: each launch's, linear.launches)
+        shapes = {(g[0].cols, tuple(m.rows for m in part), kind == "gated")
+                  for kind, g in dense for part in launches(g)}
         shapes.add((head.cols, (head.rows,), False))
         self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
         self._family = {Kernel.MMVF: self.gemv, Kernel.GEMV: self.gemv, Kernel.MMQS: self.mmq,

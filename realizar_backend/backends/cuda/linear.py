@@ -52,7 +52,7 @@ Segment = tuple[WeightRef, int, int, int]     # (matrix, bias pointer or 0, outp
 MAX_SEGMENTS = 3
 
 
-def _launches(segs: Sequence) -> list:
+def launches(segs: Sequence) -> list:
     """segs in pieces of up to MAX_SEGMENTS, one a launch."""
     return [list(segs[i:i + MAX_SEGMENTS]) for i in range(0, len(segs), MAX_SEGMENTS)]
 
@@ -103,7 +103,7 @@ class GemvLinear(Family):
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
         if choice.kernel is Kernel.MMVF:
             xin, nrm = self.normed(x, norm, T)
-            for part in _launches(segs):
+            for part in launches(segs):
                 ops.mmvf(self.ctx.k, part, segs[0][0].cols, xin.data.ptr, xin.shape[1], T, norm=nrm, pdl=self.ctx.pdl)
             return
         h = self.ctx.ws.h
@@ -179,7 +179,7 @@ class MmqLinear(Family):
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
         K = segs[0][0].cols
         self._prep(x, K, T, norm)
-        for part in _launches(segs):
+        for part in launches(segs):
             self._mmq(part, K, T, choice.kernel is Kernel.MMQS)
 
     def linear_residual(self, a: cupy.ndarray, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
@@ -264,7 +264,7 @@ class Split16Linear(Family):
         n = sum(w.rows for w in mats)
         self._proj(mats, T, ws.y32.data.ptr, n)
         col = 0
-        for part in _launches(segs):     # each piece's columns of the GEMM's rows
+        for part in launches(segs):     # each piece's columns of the GEMM's rows
             split16.unscale_scatter(self.kx, ws.y32.data.ptr + 4 * col, n, inv, T,
                                     [(y, ys, w.rows, b) for w, b, y, ys in part], pr)
             col += sum(w.rows for w, _, _, _ in part)
