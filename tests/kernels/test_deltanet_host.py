@@ -148,3 +148,36 @@ def test_a_kernel_without_the_decay_in_the_delta_fails(tmp_path):
     runs.mkdir()
     got, ref, *_ , w = run_delta(emu, runs, "prompt", 2, 32, 4, 32)
     assert np.max(np.abs(got["out"][:, :w] - ref)) > 100 * TOL
+
+
+def test_the_twin_is_the_numpy_backends_delta_rule():
+    """The twin (conv, then delta) gives the NumPy backend's DeltaNet core (backends/cpu.py
+    CpuOps.delta_rule, the oracle transformers checks) on a continued segment and a first one."""
+    from types import SimpleNamespace
+    from realizar_backend.backends.cpu import CpuOps
+    rng = np.random.default_rng(7)
+    nk, dk, nv, dv, K = 2, 16, 4, 8, 4
+    C = 2 * nk * dk + nv * dv
+    conv_state = rng.standard_normal((3, K - 1, C)).astype(np.float32)
+    states = (rng.standard_normal((3, nv, dk, dv)) * 0.3).astype(np.float32)
+    conv0, states0 = conv_state.copy(), states.copy()
+    segs = [(0, 5, 3), (2, 0, 4)]                     # (slot, start, tokens)
+    backend = SimpleNamespace(config=SimpleNamespace(rms_eps=1e-6), recurrent_state=lambda *_: (conv_state, states))
+    bounds = np.cumsum([0] + [n for *_, n in segs])
+    ops = CpuOps(backend, None, None, bounds, None, None, None, [s for s, _, _ in segs], [p for _, p, _ in segs])
+    net = SimpleNamespace(k_heads=nk, k_dim=dk, v_heads=nv, v_dim=dv, layer=0,
+                          conv=(rng.standard_normal((C, K)) / 2).astype(np.float32),
+                          a_coef=(-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32),
+                          dt_bias=rng.uniform(-1, 1, nv).astype(np.float32),
+                          out_norm=rng.uniform(0.5, 1.5, dv).astype(np.float32))
+    T = int(bounds[-1])
+    mixed, z = rng.standard_normal((T, C)).astype(np.float32), rng.standard_normal((T, nv * dv)).astype(np.float32)
+    beta, alpha = rng.standard_normal((2, T, nv)).astype(np.float32)
+    out = ops.delta_rule(mixed, z, beta, alpha, net)
+    slots = np.concatenate([np.full(n, s) for s, _, n in segs])
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in segs])
+    cv, conv_ref = twin.conv(mixed, net.conv, conv0, slots, pos, SCRATCH)
+    ref, states_ref = twin.delta(cv, alpha, beta, z, net.a_coef, net.dt_bias, net.out_norm, states0, slots, pos,
+                                 SCRATCH, nk, dk, nv, dv, 1e-6)
+    assert np.max(np.abs(out - ref)) < 1e-5
+    assert np.max(np.abs(states - states_ref)) < 1e-5 and np.max(np.abs(conv_state - conv_ref)) < 1e-6
