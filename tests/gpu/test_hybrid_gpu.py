@@ -6,7 +6,8 @@ batches of short prompts, decode steps of 1 and 8 rows (captured graphs, replaye
 reused by a new sequence (its state starts over); greedy tokens equal.
 
 The models are tests/support/hybrid_models.py's (transformers' own, converted by llama.cpp's
-converter): F32 layers, and a wider one requantized to Q4_K/Q6_K. This machine cannot make them
+converter): F32 layers, a wider one requantized to Q4_K/Q6_K, and a qwen35moe (routed experts
+and a shared expert gated by sigmoid) in Q8_0. This machine cannot make them
 without transformers and the network: make them where it can (`python tests/support/hybrid_models.py
 .device/hybrid`) and point $REALIZAR_HYBRID_MODELS at that directory."""
 
@@ -110,7 +111,7 @@ def test_delta(kernels, step, nk, dk, nv, dv):
         assert np.array_equal(new_st[s], st[s])
 
 
-@pytest.fixture(scope="module", params=["f32", "q4k"])
+@pytest.fixture(scope="module", params=["f32", "q4k", "moe"])
 def hybrid_model(request):
     path = model_path(request.param)
     if path is None:

@@ -257,7 +257,8 @@ class StepOps:
 
     def norm_moe_residual(self, x, norm: int, experts):
         e = experts
-        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up)
+        shared = (e.shared_gate, e.shared_up, e.shared_down, e.shared_router) if e.shared_gate is not None else ()
+        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up, shared)
         return self.fwd.family(choice.experts).moe(x, norm, e, choice, self.T)
 
     def split_heads(self, y, parts: int) -> tuple:

@@ -234,7 +234,7 @@ class Kernels:
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
         # the routed experts of mixture-of-experts models (moe.cu): loaded on first use, by such models only
-        moe = build("moe.cu", ["moe_topk", "moe_combine"] + [f"{p}_{sfx[q]}" for q in types
+        moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add"] + [f"{p}_{sfx[q]}" for q in types
                                                             for p in ("moe_gate_up", "moe_gemv")], typed, lazy=True)
         # a linear-attention hybrid's Gated DeltaNet (deltanet.cu): loaded on first use, by such models only
         deltanet = build("deltanet.cu", ["dn_conv", "dn_delta"], lazy=True)
@@ -250,8 +250,9 @@ class Kernels:
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
         self.deltanet = _Family({"conv": (deltanet, "dn_conv"), "delta": (deltanet, "dn_delta")})
-        # keys: "topk", "combine", ("gate_up", type), ("gemv", type)
+        # keys: "topk", "combine", "shared_add", ("gate_up", type), ("gemv", type)
         self.moe = _Family({"topk": (moe, "moe_topk"), "combine": (moe, "moe_combine"),
+                            "shared_add": (moe, "moe_shared_add"),
                             **{(p, q): (moe, f"moe_{p}_{sfx[q]}") for q in types for p in ("gate_up", "gemv")}})
 
     def ready(self, max_batch: int | None = None) -> "Kernels":

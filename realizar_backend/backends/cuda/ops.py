@@ -244,6 +244,12 @@ def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int
                      (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(w), _I32(top_k), _I32(H)))
 
 
+def moe_shared_add(k: Kernels, x: int, xs: int, y: int, ys: int, s: int, T: int, H: int) -> None:
+    """x[t] += sigmoid(s[t]) * y[t] over the first H columns (a shared expert's output, its gate logit)."""
+    k.moe["shared_add"]((T, (H + MOE_COMBINE_THREADS - 1) // MOE_COMBINE_THREADS), (MOE_COMBINE_THREADS,),
+                        (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(s), _I32(H)))
+
+
 def dequant(k: Kernels, w: WeightRef, out: int, os: int) -> None:
     total = w.rows * ((w.cols + 31) // 32)
     k.dequant[w.qtype](((total + 255) // 256,), (256,),

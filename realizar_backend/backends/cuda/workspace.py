@@ -104,6 +104,11 @@ class Workspace:
             self.moe_ids = cupy.empty((cap, top), cupy.int32)  # each row's experts, best first
             self.moe_w = cupy.empty((cap, top), f32)           # and their weights
             self.moe = [self.moe_logits, self.moe_ids, self.moe_w]
+            if c.shared_expert_ffn_dim:                # a shared expert's gate, up, act(gate) * up, gate logit
+                Fs = c.shared_expert_ffn_dim
+                self.sh_g, self.sh_u, self.sh_a = (cupy.empty((cap, Fs), f32) for _ in range(3))
+                self.sh_s = cupy.empty((cap, 1), f32)
+                self.moe += [self.sh_g, self.sh_u, self.sh_a, self.sh_s]
         # the projections' outputs by the rows of their matrices (outputs())
         self._outputs = {(c.q_dim, c.kv_dim, c.kv_dim): (self.q, self.k, self.v)}
         self.hybrid: list[cupy.ndarray] = []
