@@ -132,6 +132,7 @@ def test_model_parity(hybrid_model, rng):
     cpu, gpu = _backends(model, slots=8, ctx=256)
     st = gpu.stats()
     assert st["recurrent_state_bytes"] == 8 * c.recurrent_state_bytes
+    assert gpu.kv.k.shape[0] == c.n_layers - sum(c.recurrent), "the recurrent layers keep no KV cache"
     V = c.vocab_size
     cos, pos, families = [], [0] * 8, []
 
