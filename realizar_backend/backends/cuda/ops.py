@@ -348,6 +348,8 @@ class StepRows:
     n: int
 
     def args(self) -> tuple:
+        if self.n > 65535:              # a grid's y dimension holds the rows
+            raise ValueError(f"deltanet kernels: {self.n} rows in one step, at most 65535")
         return _U64(self.slots), _U64(self.positions), _I32(self.scratch), _I32(self.n)
 
 
