@@ -1,5 +1,5 @@
 """Linear-attention hybrids (qwen35) on the GPU: kernels/deltanet.cu's conv and gated delta rule
-through ops.py's launchers against their NumPy twins (tests/support/deltanet_twin.py, float64) at
+through ops.py's launchers against their NumPy twins (backends/cuda/deltanet_twin.py, float64) at
 several shapes with outputs poisoned, and whole tiny qwen35 models, CUDABackend against the NumPy
 oracle (CPUBackend): prompts in one step and split across chunks (the state carried between them),
 batches of short prompts, decode steps of 1 and 8 rows (captured graphs, replayed), and a slot
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support import deltanet_twin as twin
+from realizar_backend.backends.cuda import deltanet_twin as twin
 from support.hybrid_models import model_path
 from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
 

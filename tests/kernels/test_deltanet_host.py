@@ -1,6 +1,6 @@
 """kernels/deltanet.cu run on the CPU (tests/host/deltanet_emu.cpp over cuda_emu.h: every thread a
 fiber, block barriers and warp shuffles real rendezvous) against its NumPy twin in float64
-(tests/support/deltanet_twin.py, the NumPy backend's delta rule split as the kernels split it): the
+(backends/cuda/deltanet_twin.py, the NumPy backend's delta rule split as the kernels split it): the
 causal conv and the gated delta rule over decode rows (one token of each of several slots), a prompt
 chunk continuing a slot's state, a sequence's first chunk (position 0: the state there is ignored),
 several segments in one step and padding rows on the scratch slot (which keep no state), at the
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import deltanet_twin as twin
+from realizar_backend.backends.cuda import deltanet_twin as twin
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "realizar_backend" / "kernels"

@@ -1,6 +1,6 @@
-"""NumPy twins (float64) of kernels/deltanet.cu for the host emulator and GPU tests: the causal conv
-with its per-slot state, and the gated delta rule with the gated RMSNorm of its output, over the rows
-of a step (row t: slot slots[t] at position pos[t]; consecutive rows of one slot at consecutive
+"""NumPy twins (float64) of kernels/deltanet.cu, for the self-check (selfcheck.py) and the host
+emulator and GPU tests; no CuPy. The causal conv with its per-slot state, and the gated delta rule
+with the gated RMSNorm of its output, over the rows of a step (row t: slot slots[t] at position pos[t]; consecutive rows of one slot at consecutive
 positions are one segment, carried through the slot's state in order). The math is the NumPy
 backend's (backends/cpu.py CpuOps.delta_rule), split where the kernels split it; a segment at
 position 0 starts from zero state, and the scratch slot's rows start from zero and keep no state."""
