@@ -404,7 +404,7 @@ def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
 
 
 def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
-    """act_mul (both activations) and gather_rows."""
+    """act_mul (both activations), gather_rows, split_pair and sigmoid_mul (a gated attention's)."""
     t = rng.standard_normal((rows, cols)).astype(np.float32)
     u = rng.standard_normal((rows, cols)).astype(np.float32)
     td, ud = _dev(t), _dev(u)
@@ -418,6 +418,16 @@ def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
     dst, idd = _nan((idx.size, cols)), _dev(idx)
     ops.gather_rows(k, td.data.ptr, idd.data.ptr, dst.data.ptr, idx.size, cols)
     errs.append(rel_err(dst.get(), t[idx]))
+    heads, D = 3, 32                           # [query | gate] per head -> queries, gates
+    qg = rng.standard_normal((rows, heads * 2 * D)).astype(np.float32)
+    qgd, q, gate = _dev(qg), _nan((rows, heads * D)), _nan((rows, heads * D))
+    ops.split_pair(k, qgd.data.ptr, q.data.ptr, gate.data.ptr, rows, heads, D)
+    parts = qg.reshape(rows, heads, 2, D)
+    errs.append(max(rel_err(q.get(), parts[:, :, 0].reshape(rows, -1)),
+                    rel_err(gate.get(), parts[:, :, 1].reshape(rows, -1))))
+    y = _dev(t)
+    ops.sigmoid_mul(k, y.data.ptr, ud.data.ptr, rows * cols)
+    errs.append(rel_err(y.get(), t / (1.0 + np.exp(-u.astype(np.float64)))))
     return max(errs)
 
 
