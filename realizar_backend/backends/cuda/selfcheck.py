@@ -451,6 +451,15 @@ def check_moe_topk(k: Kernels, T: int, E: int, top: int, renorm: bool, rng) -> f
     return rel_err(w.get(), ref_w)
 
 
+def check_moe_shared_add(k: Kernels, T: int, H: int, rng) -> float:
+    """x += sigmoid(s) * y per row (a shared expert's output into the residual)."""
+    x, y = rng.standard_normal((2, T, H)).astype(np.float32)
+    s = (3.0 * rng.standard_normal(T)).astype(np.float32)
+    xd, yd, sd = _dev(x), _dev(y), _dev(s)
+    ops.moe_shared_add(k, xd.data.ptr, H, yd.data.ptr, H, sd.data.ptr, T, H)
+    return rel_err(xd.get(), x + y / (1.0 + np.exp(-s.astype(np.float64)))[:, None])
+
+
 def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng) -> float:
     """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
     where gate and up differ) and moe_combine into residual rows, against float64: each of T rows
@@ -520,6 +529,8 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
         for qt in sorted((q for q in qtypes if q in QTYPES), key=int):
             K = 2 * max(QTYPES[qt].block, 32) + (3 if QTYPES[qt].block == 1 else 0)
             errs[f"moe_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 2, 2, act, rng)
+        if cfg.shared_expert_ffn_dim:
+            errs["moe_shared_add"] = check_moe_shared_add(k, 3, cfg.hidden, rng)
     if cfg.has_recurrent_state:            # a hybrid's Gated DeltaNet at the model's own head sizes
         errs["dn_conv"], errs["dn_delta"] = check_deltanet(k, cfg, rng)
     errs["argmax"] = check_argmax(k, 3, 1000, rng)
