@@ -9,7 +9,7 @@
 // touch a live sequence's state and never race with each other on one.
 //
 // States (float32, per recurrent layer, indexed by slot < scratch):
-//   conv_state [slots][DN conv taps - 1][channels]: the segment's last conv_kernel - 1 inputs
+//   conv_state [slots][conv_kernel - 1][channels]:  the last conv_kernel - 1 inputs of the slot
 //   state      [slots][v_heads][k_dim][v_dim]:      S of each value head
 #include "common.cuh"
 
