@@ -357,7 +357,8 @@ class CPUBackend:
         self.tables[slot] = np.zeros(0, np.int64)
 
     def stats(self) -> dict[str, Any]:
-        return {"graph_status": {"all": "disabled"}, "pool_bytes": 0, "device_memory_bytes": 0}
+        return {"graph_status": {"all": "disabled"}, "pool_bytes": 0, "device_memory_bytes": 0,
+                "recurrent_state_bytes": sum(a.nbytes + b.nbytes for a, b in self._recurrent.values())}
 
     def close(self) -> None:
         self.k_pool.clear()

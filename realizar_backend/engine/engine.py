@@ -275,6 +275,7 @@ class Engine(RequestPrep):
             "decode_tokens_per_s": self._decode_rate(),
             "graph_status": b.get("graph_status", {}),
             "pool_bytes": b.get("pool_bytes", 0),
+            "recurrent_state_bytes": b.get("recurrent_state_bytes", 0),   # a hybrid's, within pool_bytes
             "device_memory_bytes": b.get("device_memory_bytes", 0),
             "graph_replays": b.get("graph_replays", 0),
             "graph_captures": b.get("graph_captures", 0),

@@ -123,7 +123,8 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",
-                                    "prefill.cu", "gemv.cu", "sampling.cu", "moe.cu")]
+                                    "prefill.cu", "gemv.cu", "sampling.cu", "moe.cu",
+                                    "deltanet.cu")]
     out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
     out.append(("mmqs.cu", ()))
     out += [("mmqs.cu", (qmask_option(m),)) for m in PREBUILT_QMASKS]

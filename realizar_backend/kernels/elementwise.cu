@@ -1,5 +1,6 @@
-// Small glue kernels: activation * up for the GEMVs of float matrices, row gather (each prompt's
-// last hidden state), a continuation's decode inputs, and greedy argmax.
+// Small glue kernels: activation * up for the GEMVs of float matrices, a gated attention's query and
+// gate apart and its output gate, row gather (each prompt's last hidden state), a continuation's
+// decode inputs, and greedy argmax.
 #include "common.cuh"
 
 // a = act(g) * u, elementwise over n values (act 0 = SiLU, 1 = GELU-tanh)
@@ -7,6 +8,24 @@ extern "C" __global__ void act_mul(const float* __restrict__ g, const float* __r
                                    long long n, int act) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) a[i] = act_f(g[i], act) * u[i];
+}
+
+// A gated attention's q projection (qwen35) gives each head [query | gate]: src [rows][heads][2][D]
+// -> q [rows][heads][D] and gate [rows][heads][D]. Grid (ceil(heads * D / 256), rows).
+extern "C" __global__ void split_pair(const float* __restrict__ src, float* __restrict__ q, float* __restrict__ gate,
+                                     int rows, int heads, int D) {
+    int r = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows || i >= heads * D) return;
+    int h = i / D, d = i - h * D;
+    const float* s = src + ((long long)r * heads + h) * 2 * D + d;
+    q[(long long)r * heads * D + i] = s[0];
+    gate[(long long)r * heads * D + i] = s[D];
+}
+
+// y *= sigmoid(gate), elementwise over n values (a gated attention's heads)
+extern "C" __global__ void sigmoid_mul(float* __restrict__ y, const float* __restrict__ gate, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = y[i] / (1.0f + expf(-gate[i]));
 }
 
 // dst[b, :] = src[idx[b], :]

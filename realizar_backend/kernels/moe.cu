@@ -9,6 +9,8 @@
 //   moe_gemv_<t>     per pair: y[p] = W_e . x[p / xdiv]  (the down projection: xdiv 1; gate or up
 //                    on its own where their types differ: xdiv k)
 //   moe_combine      x[t] += sum_j w[t, j] * y[t * k + j], j in order (deterministic, no atomics)
+//   moe_shared_add   x[t] += sigmoid(s[t]) * y[t]: a shared expert's output y (qwen35moe; its MLP
+//                    and its gate logit s run on the GEMVs, backends/cuda/experts.py)
 // The per-pair GEMVs follow gemv.cu: one warp per output row, lanes over the row's 32-weight units
 // (common.cuh load_unit<QT>), here with the row's matrix found through the pair's expert id. Each
 // pair reads its expert's rows on its own (pairs that share an expert share them only through L2):
@@ -261,4 +263,14 @@ extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS)
     float s = 0.0f;
     for (int j = 0; j < k; ++j) s += wt[j] * yt[(long long)j * ys];
     x[(long long)t * xs + c] += s;
+}
+
+// Grid: (T, ceil(H / MOE_COMBINE_THREADS)).
+extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS)
+    moe_shared_add(float* __restrict__ x, int xs, const float* __restrict__ y, int ys, const float* __restrict__ s,
+                   int H) {
+    const int t = blockIdx.x;
+    const int c = blockIdx.y * MOE_COMBINE_THREADS + threadIdx.x;
+    if (c >= H) return;
+    x[(long long)t * xs + c] += y[(long long)t * ys + c] / (1.0f + expf(-s[t]));
 }

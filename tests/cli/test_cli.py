@@ -120,8 +120,8 @@ def test_inspect_says_which_backend_runs_each_type_and_what_the_gpu_refuses(tmp_
     ("qwen3_moe", "runs"),
     ("gpt_oss", "gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped SwiGLU "
                 "experts or MXFP4 weights yet"),
-    ("qwen3_5_moe", "qwen35moe: the GPU backend does not run linear-attention hybrids yet")])
-def test_inspect_says_the_gpu_runs_qwen3moe_and_why_it_refuses_other_mixtures_of_experts(capsys, arch, gpu):
+    ("qwen3_5_moe", "runs")])
+def test_inspect_says_which_mixtures_of_experts_the_gpu_runs_and_why_it_refuses_gpt_oss(capsys, arch, gpu):
     """The tiny random models of tests/support/hf_oracle.py (transformers' own, converted by llama.cpp)."""
     pytest.importorskip("transformers")
     from support.hf_oracle import available, tiny_gguf
@@ -130,3 +130,18 @@ def test_inspect_says_the_gpu_runs_qwen3moe_and_why_it_refuses_other_mixtures_of
     assert main(["inspect", str(tiny_gguf(arch)), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["gpu"] == gpu and info["experts"].startswith("2 of ")
+
+
+@pytest.mark.slow
+def test_inspect_says_the_gpu_runs_the_linear_attention_hybrid(capsys):
+    """The tiny qwen35 (tests/support/hf_oracle.py): three Gated DeltaNet layers, each with a state per
+    sequence the GPU keeps."""
+    pytest.importorskip("transformers")
+    from support.hf_oracle import available, tiny_gguf
+    if not available("qwen3_5"):
+        pytest.skip("this transformers has no qwen3_5")
+    assert main(["inspect", str(tiny_gguf("qwen3_5")), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["gpu"] == "runs" and info["recurrent_layers"] == 3
+    # per layer: the conv's last 3 inputs of 2 * 2 * 32 + 4 * 32 channels, 4 heads' 32 x 32 states
+    assert info["state_bytes_per_sequence"] == 3 * 4 * (3 * 256 + 4 * 32 * 32)

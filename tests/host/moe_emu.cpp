@@ -1,5 +1,5 @@
 // Runs one launch of a kernels/moe.cu kernel on the CPU through cuda_emu.h, for tests/kernels/test_moe_host.py:
-// argv[1] is a directory holding params.txt (one "name value" per line: `kernel` is topk, combine,
+// argv[1] is a directory holding params.txt (one "name value" per line: `kernel` is topk, combine, shared_add,
 // gate_up_<type> or gemv_<type>, the rest its scalar arguments) and the input arrays as raw .bin
 // files. The output arrays are read from their .bin files as the test poisoned them and written
 // back as <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py moe_*).
@@ -78,6 +78,15 @@ int main(int argc, char** argv) {
         dim3 grid{(unsigned)T, (unsigned)((H + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS), 1};
         dim3 block{MOE_COMBINE_THREADS, 1, 1};
         emu::launch(grid, block, 0, [&] { moe_combine(x.data(), xs, y.data(), ys, w.data(), top, H); });
+        save("x", x);
+    } else if (kernel == "shared_add") {
+        auto x = load<float>("x");
+        auto y = load<float>("y");
+        auto sg = load<float>("s");
+        const int T = num("T"), H = num("H"), xs = num("xs"), ys = num("ys");
+        dim3 grid{(unsigned)T, (unsigned)((H + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS), 1};
+        dim3 block{MOE_COMBINE_THREADS, 1, 1};
+        emu::launch(grid, block, 0, [&] { moe_shared_add(x.data(), xs, y.data(), ys, sg.data(), H); });
         save("x", x);
     } else if (gate_up.count(kernel) || gemv.count(kernel)) {
         auto ids = load<int>("ids");

@@ -4,7 +4,7 @@ route: top k of a softmax, ties to the lower index, renormalised or not) on logi
 row strides whose padding would win if read; the experts' gated MLP over (row, expert) pairs and
 the per-pair GEMV (the down projection, and gate or up alone) with each pair's expert read through
 its id, on stacks of Q4_K, Q6_K, Q8_0 (in their device layouts, formats/gpu_layout.py) and F32
-experts at odd shapes; the weighted sum into the residual; and the chain of the four as
+experts at odd shapes; the weighted sum into the residual and a shared expert's gated output; and the chain of the four as
 backends/cuda/experts.py launches them. Outputs are poisoned before each launch and every value
 past the rows must stay so. The GPU tests (tests/gpu/test_moe.py) check the same on the device.
 Skipped where g++ is absent."""
@@ -209,6 +209,24 @@ def test_combine(emu, tmp_path):
     ref = x[:, :H].astype(F64) + np.einsum("tj,tjh->th", w.astype(F64), y[:, :H].reshape(T, k, H).astype(F64))
     scale = np.abs(x[:, :H]) + np.einsum("tj,tjh->th", w, np.abs(y[:, :H]).reshape(T, k, H))
     assert err(got[:, :H], ref, scale) <= 1e-6
+    assert np.all(np.isnan(got[:, H:]))
+
+
+def test_shared_add(emu, tmp_path):
+    """A shared expert's output into the residual, weighted by the sigmoid of its gate logit."""
+    rng = np.random.default_rng(11)
+    T, H = 4, 300
+    xs, ys = H + 2, H + 5
+    x = rng.standard_normal((T, xs)).astype(np.float32)
+    x[:, H:] = np.nan                                 # never written
+    y = rng.standard_normal((T, ys)).astype(np.float32)
+    y[:, H:] = np.nan                                 # never read
+    s = (3.0 * rng.standard_normal(T)).astype(np.float32)
+    got = Launch(emu, tmp_path, "shared_add", T=T, H=H, xs=xs, ys=ys).run(
+        {"x": np.float32}, x=x, y=y, s=s)["x"].reshape(T, xs)
+    gate = 1.0 / (1.0 + np.exp(-s.astype(F64)))
+    ref = x[:, :H].astype(F64) + gate[:, None] * y[:, :H]
+    assert err(got[:, :H], ref, np.abs(x[:, :H]) + np.abs(y[:, :H])) <= 1e-6
     assert np.all(np.isnan(got[:, H:]))
 
 

@@ -1,8 +1,9 @@
 """CUDABackend: the Backend protocol on one NVIDIA GPU (CuPy RawKernels, CUDA graphs).
 
 Start-up order: kernels compile while the weights go up; the self-check; the workspace, the
-forward pass (with the split16 prefill's kept weights) and the sampler; then the paged KV pool
-takes what Settings.gpu_memory_utilization of the device leaves (capped by kv_cache_tokens)."""
+forward pass (with the split16 prefill's kept weights), the sampler and a hybrid's recurrent state
+(recurrent.py); then the paged KV pool takes what Settings.gpu_memory_utilization of the device
+leaves (capped by kv_cache_tokens)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs, PrefillGraphs
 from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
+from .recurrent import RecurrentState
 from .sampling import GpuSampler
 from .support import refusal
 from .token_ring import TokenRing
@@ -101,6 +103,8 @@ class CUDABackend:
         # sampling kernels run eagerly after the step's graph replay, on the same stream
         self.sampler = GpuSampler(self.settings.device, c.vocab_size, self.buckets[-1], self.max_slots)
         self.block_size = self.settings.block_size
+        # a hybrid's recurrent state (a fixed size per slot) before the KV pool takes what is left
+        self.recurrent = self.fwd.recurrent = RecurrentState(c, self.max_slots) if c.has_recurrent_state else None
         self.num_blocks = self._pool_blocks()
         timeline.mark("cuda: sampler built, device idle, KV pool sized")
         self.kv = self.fwd.kv = KVCache(c, self.num_blocks, self.block_size, self.max_slots, self.max_context)
@@ -137,9 +141,10 @@ class CUDABackend:
         self._sample_prev: _SampleStep | None = None   # the last sampled step started
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
-        log.info("cuda backend ready: %s on %s, %d sequences x %d context, KV pool %d tokens, buckets %s",
+        log.info("cuda backend ready: %s on %s, %d sequences x %d context, KV pool %d tokens, buckets %s%s",
                  c.arch, cupy.cuda.runtime.getDeviceProperties(self.settings.device)["name"].decode(),
-                 self.max_slots, self.max_context, self.num_blocks * self.block_size, self.buckets)
+                 self.max_slots, self.max_context, self.num_blocks * self.block_size, self.buckets,
+                 f", recurrent state {self.recurrent_state_bytes / 1e6:.1f} MB" if self.recurrent is not None else "")
 
     def _pool_blocks(self) -> int:
         """KV blocks: what gpu_memory_utilization of the device leaves after everything allocated so
@@ -429,10 +434,16 @@ class CUDABackend:
         return {"graph_status": self.graphs.report(),
                 "graph_replays": self.graphs.replays, "graph_captures": self.graphs.captures,
                 "programmatic_launch": self.graphs.pdl,
-                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes + self.fwd.nbytes
+                "pool_bytes": int(self.ws.nbytes + self.kv.nbytes + self.fwd.nbytes + self.recurrent_state_bytes
                                   + (self.sampler.nbytes if self.sampler else 0)),
                 "kv_pool_bytes": int(self.kv.nbytes),
+                "recurrent_state_bytes": self.recurrent_state_bytes,
                 "device_memory_bytes": int(total - free)}
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """Device bytes of a hybrid's recurrent state (every slot's), 0 for other models."""
+        return int(self.recurrent.nbytes) if self.recurrent is not None else 0
 
     def close(self) -> None:
         with self.device:
@@ -441,6 +452,8 @@ class CUDABackend:
             self.prefill_graphs.clear()
             self.weights.close()
             self.kv.close()
+            if self.recurrent is not None:
+                self.recurrent.close()
             self.sampler = None
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -74,7 +74,9 @@ SPLIT16_PAIRED_MAX_ROWS = 128
 # once it exists. None: no grouped path yet, the per-pair GEMVs at every row count.
 MOE_GROUPED_MIN_ROWS: int | None = None
 # The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
-# are too few for a tensor-core tile to pay its prep.
+# are too few for a tensor-core tile to pay its prep. So does a shared expert (qwen35moe: a small
+# MLP and its one-output gate beside the routed experts), for now: correct at every row count, its
+# tensor-core path (the dense MLP's kernels) not yet wired.
 
 # the kinds of projection groups the dense families multiply (model/transformer.py projections);
 # "router" and "experts" have their own rule (Dispatcher.experts)
@@ -123,6 +125,7 @@ class ExpertsChoice:
     router: Kernel
     experts: Kernel
     fused: bool
+    shared: tuple[Kernel, ...] = ()      # a shared expert's gate, up, down and gate logit
 
 
 # ---------------------------------------------------------------- what each kernel takes
@@ -231,10 +234,11 @@ class Dispatcher:
             return Kernel.MMQS if mmqs_takes((w,), rows) else Kernel.MMQ
         return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
 
-    def experts(self, step: Step, router: WeightRef, gate: WeightRef, up: WeightRef) -> ExpertsChoice:
+    def experts(self, step: Step, router: WeightRef, gate: WeightRef, up: WeightRef,
+                shared: Sequence[WeightRef] = ()) -> ExpertsChoice:
         """The kernels of a routed-experts block in a step (the rules of MOE_GROUPED_MIN_ROWS and the
-        router's above)."""
-        return ExpertsChoice(self._gemv((router,))[0], Kernel.MOE_PAIRS, same_shape(gate, up))
+        router's above), and of its shared expert's matrices where it has one."""
+        return ExpertsChoice(self._gemv((router,))[0], Kernel.MOE_PAIRS, same_shape(gate, up), self._gemv(shared))
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

@@ -4,7 +4,8 @@ kernel family of the dispatcher's `experts` rule (dispatch.py).
 Each step: h = RMSNorm(x) into ws.h; the router's logits (its GEMV, the dispatcher's choice) into
 ws.moe_logits; moe_topk writes each row's experts and weights (ws.moe_ids, ws.moe_w); the experts'
 gated MLPs over the (row, expert) pairs into ws.moe_a, their down projections into ws.moe_y; and
-moe_combine adds each row's weighted sum into x (kernels/moe.cu). The expert ids never leave the
+moe_combine adds each row's weighted sum into x (kernels/moe.cu); a shared expert (qwen35moe) adds
+its gated MLP of h on the GEMVs (moe_shared_add). The expert ids never leave the
 device and every buffer is the workspace's (sized at the high-water mark), so the launches of a step
 are fixed by its row count and a CUDA graph captures them like a dense layer's."""
 
@@ -46,9 +47,9 @@ class PairExperts(Family):
 
     def moe(self, x: cupy.ndarray, norm: int, e, choice: ExpertsChoice, T: int) -> cupy.ndarray:
         """x[:T] += the routed experts of RMSNorm(x[:T]) * norm (e: model/transformer.py Experts)."""
-        if any(b is not None for b in (e.router_bias, e.gate_bias, e.up_bias, e.down_bias)) or e.shared_gate is not None:
-            # support.py refuses such models (gpt-oss, qwen35moe) before they get here
-            raise NotImplementedError("expert or router biases, or a shared expert, on the GPU")
+        if any(b is not None for b in (e.router_bias, e.gate_bias, e.up_bias, e.down_bias)):
+            # support.py refuses such models (gpt-oss) before they get here
+            raise NotImplementedError("expert or router biases on the GPU")
         k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
         h, logits, a, y = ws.h, ws.moe_logits, ws.moe_a, ws.moe_y
         self.norm(x, norm, h, T)
@@ -58,4 +59,19 @@ class PairExperts(Family):
         expert_pairs(k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr, y.data.ptr,
                      y.shape[1], ACT[e.act], choice.fused)
         ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)
+        if e.shared_gate is not None:
+            self.shared(x, h, e, choice, T)
         return x
+
+    def shared(self, x: cupy.ndarray, h: cupy.ndarray, e, choice: ExpertsChoice, T: int) -> None:
+        """x[:T] += sigmoid(h @ shared_router.T) * down(act(h @ gate.T) * (h @ up.T)), the shared
+        expert of the normed rows h, on the GEMVs (dispatch.py); its output through ws.tmp."""
+        k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
+        kg, ku, kd, kr = choice.shared
+        Fs = e.shared_gate.rows
+        self.gemv._one(kg, e.shared_gate, h, T, ws.sh_g.data.ptr, Fs)
+        self.gemv._one(ku, e.shared_up, h, T, ws.sh_u.data.ptr, Fs)
+        ops.act_mul(k, ws.sh_g.data.ptr, ws.sh_u.data.ptr, ws.sh_a.data.ptr, T * Fs, ACT[e.act])
+        self.gemv._one(kd, e.shared_down, ws.sh_a, T, ws.tmp.data.ptr, ws.tmp.shape[1])
+        self.gemv._one(kr, e.shared_router, h, T, ws.sh_s.data.ptr, 1)
+        ops.moe_shared_add(k, x.data.ptr, x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], ws.sh_s.data.ptr, T, c.hidden)

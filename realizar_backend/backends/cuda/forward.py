@@ -29,9 +29,10 @@ from . import dispatch, flash, ops
 from .dispatch import Dispatcher, Kernel, Step
 from .experts import PairExperts
 from .kv_cache import KVCache
-from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear
+from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear, launches
 from .modules import Kernels
 from .pdl import clusters_ok
+from .recurrent import RecurrentState
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
 
@@ -60,6 +61,9 @@ class Forward:
         self.model = w.model
         c = self.c = w.config
         self.kv: KVCache | None = None
+        self.recurrent: RecurrentState | None = None   # a hybrid's DeltaNet states: set with the KV cache
+        if c.has_recurrent_state:
+            _ = k.deltanet["delta"]       # its module now, never inside a graph capture
         groups = self.model.projections()
         # the groups the dense families multiply (a mixture of experts' router and experts: experts.py)
         dense = [(kind, g) for kind, g in groups if kind in dispatch.DENSE_KINDS]
@@ -69,7 +73,9 @@ class Forward:
         self.split16 = Split16Linear(self.ctx, [g for _, g in dense], settings.prefill_weight_cache)
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
         self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept))
-        shapes = {(g[0].cols, tuple(m.rows for m in g), kind == "gated") for kind, g in dense}
+        # (a group of more projections than one launch writes: each launch's, linear.launches)
+        shapes = {(g[0].cols, tuple(m.rows for m in part), kind == "gated")
+                  for kind, g in dense for part in launches(g)}
         shapes.add((head.cols, (head.rows,), False))
         self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
         self._family = {Kernel.MMVF: self.gemv, Kernel.GEMV: self.gemv, Kernel.MMQS: self.mmq,
@@ -203,7 +209,10 @@ class StepOps:
     """The model's operations (model/ops.py) for one GPU step of step.rows rows at positions pos[t]
     of the sequences in slots[t] (device pointers; tok: the token ids). Values are workspace
     buffers: the residual stream is ws.x, q/k/v ws.q/k/v, attention's output ws.attn, the gated
-    MLP's ws.a (or its split16 rows); the routed experts add into ws.x (experts.py). decode: one new token per sequence, the head over every row
+    MLP's ws.a (or its split16 rows); the routed experts add into ws.x (experts.py); a hybrid's
+    gated attention projects into ws.qg (split into ws.q and ws.gate), its DeltaNet into ws.mixed,
+    z, beta and alpha, through ws.conv into ws.dn_out, each segment of rows through its slot's
+    state (fwd.recurrent). decode: one new token per sequence, the head over every row
     and its tokens fed to the next step's inputs (ws.dec_io); else a prompt step, the head over
     each sequence's last row (ws.last_idx[:head_rows])."""
 
@@ -219,7 +228,7 @@ class StepOps:
     def norm_linear(self, x, norm: int, mats, biases) -> tuple:
         ws = self.fwd.ws
         choice = self.fwd.dispatcher.linear(self.step, mats)
-        outs = (ws.q, ws.k, ws.v)[:len(mats)]
+        outs = ws.outputs(tuple(w.rows for w in mats))
         segs = [(w, b or 0, o.data.ptr, o.shape[1]) for w, b, o in zip(mats, biases, outs)]
         self.fwd.family(choice.kernels[0]).norm_linear(x, norm, segs, choice, self.T)
         return outs
@@ -248,8 +257,35 @@ class StepOps:
 
     def norm_moe_residual(self, x, norm: int, experts):
         e = experts
-        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up)
+        shared = (e.shared_gate, e.shared_up, e.shared_down, e.shared_router) if e.shared_gate is not None else ()
+        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up, shared)
         return self.fwd.family(choice.experts).moe(x, norm, e, choice, self.T)
+
+    def split_heads(self, y, parts: int) -> tuple:
+        fwd, ws, c = self.fwd, self.fwd.ws, self.fwd.c
+        if parts != 2 or y is not ws.qg:
+            raise NotImplementedError("split_heads on the GPU: a gated attention's [query | gate] heads only")
+        ops.split_pair(fwd.k, ws.qg.data.ptr, ws.q.data.ptr, ws.gate.data.ptr, self.T, c.n_heads, c.head_dim)
+        return ws.q, ws.gate
+
+    def sigmoid_gate(self, y, gate):
+        ops.sigmoid_mul(self.fwd.k, y.data.ptr, gate.data.ptr, self.T * y.shape[1])
+        return y
+
+    def delta_rule(self, mixed, z, beta, alpha, net):
+        """The conv then the delta rule with its gated RMSNorm (kernels/deltanet.cu), each segment of
+        the step's rows carried through its slot's state; into ws.dn_out."""
+        fwd, ws, c = self.fwd, self.fwd.ws, self.fwd.c
+        conv_state, state = fwd.recurrent.layer(net.layer)
+        rows = ops.StepRows(self.slots, self.pos, fwd.kv.scratch_slot, self.T)
+        C = mixed.shape[1]
+        ops.dn_conv(fwd.k, mixed.data.ptr, C, net.conv, c.ssm_conv_kernel - 1, conv_state.data.ptr, rows, C,
+                    ws.conv.data.ptr, ws.conv.shape[1])
+        ops.dn_delta(fwd.k, ws.conv.data.ptr, ws.conv.shape[1], alpha.data.ptr, beta.data.ptr, alpha.shape[1],
+                     z.data.ptr, z.shape[1], net.a_coef, net.dt_bias, net.out_norm, state.data.ptr, rows,
+                     net.k_heads, net.k_dim, net.v_heads, net.v_dim, c.rms_eps, ws.dn_out.data.ptr,
+                     ws.dn_out.shape[1])
+        return ws.dn_out
 
     def logits(self, x, norm: int, w):
         fwd, ws, c = self.fwd, self.fwd.ws, self.fwd.c

@@ -1,5 +1,6 @@
-"""The paged fp16 KV cache (kernels/paged_kv.cuh): per layer a K and a V pool of blocks of
-`block_size` positions, and the block tables that map each slot's positions to blocks.
+"""The paged fp16 KV cache (kernels/paged_kv.cuh): per attention layer (a hybrid's recurrent layers
+keep none) a K and a V pool of blocks of `block_size` positions, and the block tables that map each
+slot's positions to blocks.
 
 The pool has num_blocks + 1 blocks: the last is scratch, and so is the last table row (the scratch
 slot, whose every entry names the scratch block): padded rows of a bucketed decode batch run on
@@ -26,9 +27,15 @@ log = logging.getLogger(__name__)
 STAGING_MAX = 16       # pinned copies of the block tables for uploads still queued, at most
 
 
+def kv_layers(cfg: ModelConfig) -> list[int]:
+    """The layers that keep K and V: all of them but a hybrid's recurrent ones (their state is
+    recurrent.py's)."""
+    return [li for li in range(cfg.n_layers) if not (cfg.recurrent and cfg.recurrent[li])]
+
+
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Device bytes of one block: K and V of every layer, fp16."""
-    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * 2
+    """Device bytes of one block: K and V of every layer that keeps them, fp16."""
+    return 2 * len(kv_layers(cfg)) * block_size * cfg.n_kv_heads * cfg.head_dim * 2
 
 
 class KVCache:
@@ -42,7 +49,8 @@ class KVCache:
         self.max_blocks = -(-max_context // block_size)
         self.max_slots = max_slots
         self.scratch_slot = max_slots
-        shape = (cfg.n_layers, num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
+        layers = kv_layers(cfg)
+        shape = (len(layers), num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
         # Not zeroed (the server's pool is tens of GB): no kernel reads a row nobody wrote. A row
         # attends to positions [start, pos] of its own slot, each written before (its prompt by
         # rope_kv, each decoded token by the step's fused KV write; a shared prefix block by the
@@ -65,9 +73,9 @@ class KVCache:
         # run a prefill and a step ahead of the device, so there are as many copies as that takes
         self._staging: list[tuple[object, np.ndarray, cupy.cuda.Event]] = []
         self.covered[self.scratch_slot] = block_size
-        layer_bytes = self.k.nbytes // cfg.n_layers
-        self._layers = [PagedKV(self.k.data.ptr + i * layer_bytes, self.v.data.ptr + i * layer_bytes,
-                                self.tables.data.ptr, self.max_blocks, self.bs_log2) for i in range(cfg.n_layers)]
+        layer_bytes = self.k.nbytes // len(layers)
+        self._layers = {li: PagedKV(self.k.data.ptr + i * layer_bytes, self.v.data.ptr + i * layer_bytes,
+                                    self.tables.data.ptr, self.max_blocks, self.bs_log2) for i, li in enumerate(layers)}
         log.info("cuda kv cache: %d blocks of %d positions (%d tokens), %.1f MB fp16; up to %d blocks per sequence",
                  num_blocks, block_size, num_blocks * block_size, self.nbytes / 1e6, self.max_blocks)
 

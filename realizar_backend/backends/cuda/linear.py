@@ -47,6 +47,14 @@ class SplitRows:
 
 
 Segment = tuple[WeightRef, int, int, int]     # (matrix, bias pointer or 0, output pointer, output row stride)
+# outputs one launch writes (mmvf.cu, mmq.cu, mmqs.cu, prefill.cu's unscale_scatter): a group of more
+# projections of one input (a DeltaNet's four) takes several
+MAX_SEGMENTS = 3
+
+
+def launches(segs: Sequence) -> list:
+    """segs in pieces of up to MAX_SEGMENTS, one a launch."""
+    return [list(segs[i:i + MAX_SEGMENTS]) for i in range(0, len(segs), MAX_SEGMENTS)]
 
 
 class Family:
@@ -95,7 +103,8 @@ class GemvLinear(Family):
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
         if choice.kernel is Kernel.MMVF:
             xin, nrm = self.normed(x, norm, T)
-            ops.mmvf(self.ctx.k, list(segs), segs[0][0].cols, xin.data.ptr, xin.shape[1], T, norm=nrm, pdl=self.ctx.pdl)
+            for part in launches(segs):
+                ops.mmvf(self.ctx.k, part, segs[0][0].cols, xin.data.ptr, xin.shape[1], T, norm=nrm, pdl=self.ctx.pdl)
             return
         h = self.ctx.ws.h
         self.norm(x, norm, h, T)
@@ -170,7 +179,8 @@ class MmqLinear(Family):
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
         K = segs[0][0].cols
         self._prep(x, K, T, norm)
-        self._mmq(list(segs), K, T, choice.kernel is Kernel.MMQS)
+        for part in launches(segs):
+            self._mmq(part, K, T, choice.kernel is Kernel.MMQS)
 
     def linear_residual(self, a: cupy.ndarray, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
         self._prep(a, w.cols, T)
@@ -200,13 +210,15 @@ class Split16Linear(Family):
     def __init__(self, ctx: Context, groups: Sequence[tuple[WeightRef, ...]], weight_cache: str):
         super().__init__(ctx)
         c, ws = ctx.c, ctx.ws
-        # the workspace's split16 scratch (y32, x16) is sized from the config's widths
+        # the workspace's split16 scratch (y32, x16) is sized from the config's widths (a DeltaNet's
+        # output projection reads its value heads: v_heads * v_dim)
+        widths = {c.hidden, c.q_dim, c.ffn_dim} | ({c.ssm_v_heads * c.ssm_v_dim} if c.has_recurrent_state else set())
         for g in groups:
-            if g[0].cols not in (c.hidden, c.q_dim, c.ffn_dim) or sum(w.rows for w in g) > ws.y32.shape[1]:
+            if g[0].cols not in widths or sum(w.rows for w in g) > ws.y32.shape[1]:
                 raise BackendError(f"split16: matrices {', '.join(w.name for w in g)} do not have the shapes of "
                                    f"the model's configuration")
         self.kx = split16.load_kernels(cupy.cuda.Device().id, getattr(ctx.k, "qtypes", None))
-        self._calls = {K: split16.split_calls(K) for K in {c.hidden, c.q_dim, c.ffn_dim}}
+        self._calls = {K: split16.split_calls(K) for K in widths}
         # group (its first matrix's address) -> its split weight rows, kept from start-up
         self.kept: dict[int, cupy.ndarray] = {}
         sizes = [sum(w.rows for w in g) * g[0].cols for g in groups]
@@ -251,7 +263,11 @@ class Split16Linear(Family):
         split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, mats[0].cols, c.rms_eps, ws.x16.data.ptr, inv, pr)
         n = sum(w.rows for w in mats)
         self._proj(mats, T, ws.y32.data.ptr, n)
-        split16.unscale_scatter(self.kx, ws.y32.data.ptr, n, inv, T, [(y, ys, w.rows, b) for w, b, y, ys in segs], pr)
+        col = 0
+        for part in launches(segs):     # each piece's columns of the GEMM's rows
+            split16.unscale_scatter(self.kx, ws.y32.data.ptr + 4 * col, n, inv, T,
+                                    [(y, ys, w.rows, b) for w, b, y, ys in part], pr)
+            col += sum(w.rows for w, _, _, _ in part)
 
     def linear_residual(self, a, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
         ws, c = self.ctx.ws, self.ctx.c

@@ -168,8 +168,8 @@ class Kernels:
     (qtypes; None = all, for tests), every module loads on its own thread, the fast GEMVs build once
     per batch width, and the families a batch-1 start does not need (wider batches, the GEMVs of
     float matrices) load in the background or on first use; so does the batched-decode matrix
-    multiply (mmq, one module per token-tile width) and the routed experts (moe, for mixture-of-experts
-    models only). prebuilt=False: NVRTC for all."""
+    multiply (mmq, one module per token-tile width), the routed experts (moe, for mixture-of-experts
+    models only) and the Gated DeltaNet (deltanet, for linear-attention hybrids only). prebuilt=False: NVRTC for all."""
 
     def __init__(self, device_id: int, qtypes=None, head_dim: int | None = None, prebuilt: bool = True):
         dev = self.device = cupy.cuda.Device(device_id)
@@ -220,7 +220,8 @@ class Kernels:
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
         self._core += [build("elementwise.cu", ["spin_ns",
-                                                "act_mul", "gather_rows", "argmax_rows", "argmax_unpack",
+                                                "act_mul", "split_pair", "sigmoid_mul", "gather_rows", "argmax_rows",
+                                                "argmax_unpack",
                                                 "decode_io_merge"]),
                        build("norm.cu", ["rms_norm"]),
                        build("rope.cu", ["rope_kv"])]
@@ -234,8 +235,10 @@ class Kernels:
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
         # the routed experts of mixture-of-experts models (moe.cu): loaded on first use, by such models only
-        moe = build("moe.cu", ["moe_topk", "moe_combine"] + [f"{p}_{sfx[q]}" for q in types
+        moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add"] + [f"{p}_{sfx[q]}" for q in types
                                                             for p in ("moe_gate_up", "moe_gemv")], typed, lazy=True)
+        # a linear-attention hybrid's Gated DeltaNet (deltanet.cu): loaded on first use, by such models only
+        deltanet = build("deltanet.cu", ["dn_conv", "dn_delta"], lazy=True)
         self._gemvs, self._sfx = gemvs, sfx
         self._ready_lock = threading.Lock()
         self._ready = False
@@ -247,8 +250,10 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
-        # keys: "topk", "combine", ("gate_up", type), ("gemv", type)
+        self.deltanet = _Family({"conv": (deltanet, "dn_conv"), "delta": (deltanet, "dn_delta")})
+        # keys: "topk", "combine", "shared_add", ("gate_up", type), ("gemv", type)
         self.moe = _Family({"topk": (moe, "moe_topk"), "combine": (moe, "moe_combine"),
+                            "shared_add": (moe, "moe_shared_add"),
                             **{(p, q): (moe, f"moe_{p}_{sfx[q]}") for q in types for p in ("gate_up", "gemv")}})
 
     def ready(self, max_batch: int | None = None) -> "Kernels":

@@ -248,6 +248,12 @@ def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int
                      (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(w), _I32(top_k), _I32(H)))
 
 
+def moe_shared_add(k: Kernels, x: int, xs: int, y: int, ys: int, s: int, T: int, H: int) -> None:
+    """x[t] += sigmoid(s[t]) * y[t] over the first H columns (a shared expert's output, its gate logit)."""
+    k.moe["shared_add"]((T, (H + MOE_COMBINE_THREADS - 1) // MOE_COMBINE_THREADS), (MOE_COMBINE_THREADS,),
+                        (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(s), _I32(H)))
+
+
 def dequant(k: Kernels, w: WeightRef, out: int, os: int) -> None:
     total = w.rows * ((w.cols + 31) // 32)
     k.dequant[w.qtype](((total + 255) // 256,), (256,),
@@ -321,6 +327,54 @@ def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: 
 
 def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
     k.act_mul(((n + 255) // 256,), (256,), (_U64(g), _U64(u), _U64(a), _I64(n), _I32(act)))
+
+
+def split_pair(k: Kernels, src: int, q: int, gate: int, rows: int, heads: int, D: int) -> None:
+    """src [rows][heads][2][D] ([query | gate] per head) -> q and gate [rows][heads][D]."""
+    k.split_pair(((heads * D + 255) // 256, rows), (256,), (_U64(src), _U64(q), _U64(gate), _I32(rows), _I32(heads),
+                                                             _I32(D)))
+
+
+def sigmoid_mul(k: Kernels, y: int, gate: int, n: int) -> None:
+    k.sigmoid_mul(((n + 255) // 256,), (256,), (_U64(y), _U64(gate), _I64(n)))
+
+
+DN_CONV_THREADS = 128          # kernels/deltanet.cu: threads of a conv block (its limits: support.py)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The rows of a step as deltanet.cu reads them: slots and positions (device int32 [n]), the
+    scratch slot (padding rows: zero state, none kept) and n."""
+    slots: int
+    positions: int
+    scratch: int
+    n: int
+
+    def args(self) -> tuple:
+        if self.n > 65535:              # a grid's y dimension holds the rows
+            raise ValueError(f"deltanet kernels: {self.n} rows in one step, at most 65535")
+        return _U64(self.slots), _U64(self.positions), _I32(self.scratch), _I32(self.n)
+
+
+def dn_conv(k: Kernels, x: int, xs: int, w: int, taps: int, conv_state: int, rows: StepRows, C: int, out: int,
+            os: int) -> None:
+    """out = silu(causal depthwise conv of the rows x, each segment continuing its slot's conv_state
+    [slots][taps][C], which it leaves holding its last `taps` inputs); w [C][taps + 1]."""
+    k.deltanet["conv"](((C + DN_CONV_THREADS - 1) // DN_CONV_THREADS, rows.n), (DN_CONV_THREADS,),
+              (_U64(x), _I32(xs), _U64(w), _I32(taps), _U64(conv_state), *rows.args(), _I32(C), _U64(out), _I32(os)))
+
+
+def dn_delta(k: Kernels, cv: int, cvs: int, alpha: int, beta: int, abs_: int, z: int, zs: int, a_coef: int,
+             dt_bias: int, out_norm: int, state: int, rows: StepRows, nk: int, dk: int, nv: int, dv: int,
+             eps: float, out: int, os: int) -> None:
+    """The gated delta rule of each value head over the segments of the step from the conv output
+    cv, each continuing its slot's state [slots][nv][dk][dv] (left holding the last row's), and the
+    gated RMSNorm of the heads' output into out (deltanet.cu dn_delta)."""
+    k.deltanet["delta"]((nv, rows.n), (-(-dv // 32) * 32,),
+               (_U64(cv), _I32(cvs), _U64(alpha), _U64(beta), _I32(abs_), _U64(z), _I32(zs), _U64(a_coef),
+                _U64(dt_bias), _U64(out_norm), _U64(state), *rows.args(), _I32(nk), _I32(dk), _I32(nv), _I32(dv),
+                _F32(eps), _U64(out), _I32(os)))
 
 
 def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) -> None:

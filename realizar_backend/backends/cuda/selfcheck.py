@@ -19,7 +19,7 @@ from ...formats.gpu_layout import to_device
 from ...formats.quants import dequantize, random_matrix
 from ...model.config import ModelConfig
 from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu
-from . import ops
+from . import deltanet_twin, ops
 from .dispatch import same_shape
 from .modules import QTYPES, Kernels
 from .ops import WeightRef
@@ -217,6 +217,40 @@ def check_rms_norm(k: Kernels, rows: int, width: int, add: bool, rng, eps: float
     return rel_err(out.get(), ref)
 
 
+# ------------------------------------------------------------------ Gated DeltaNet (kernels/deltanet.cu)
+def check_deltanet(k: Kernels, cfg: ModelConfig, rng) -> tuple[float, float]:
+    """dn_conv, then dn_delta on its output, against deltanet_twin.py over one step of a continued
+    prompt chunk, a sequence's first rows, a decode row and a padding row on the scratch slot, each
+    from a random state; (conv rel.err, delta rel.err), the states' included."""
+    nk, dk, nv, dv, K = cfg.ssm_k_heads, cfg.ssm_k_dim, cfg.ssm_v_heads, cfg.ssm_v_dim, cfg.ssm_conv_kernel
+    C, slots_n = 2 * nk * dk + nv * dv, 3
+    slots = np.array([0] * 5 + [1] * 2 + [2, slots_n], np.int32)
+    pos = np.array([3, 4, 5, 6, 7, 0, 1, 7, 0], np.int32)
+    n = slots.size
+    slots_d, pos_d = _dev(slots), _dev(pos)
+    rows = ops.StepRows(slots_d.data.ptr, pos_d.data.ptr, slots_n, n)
+    x = rng.standard_normal((n, C)).astype(np.float32)
+    w = (rng.standard_normal((C, K)) / np.sqrt(K)).astype(np.float32)
+    cst = rng.standard_normal((slots_n, K - 1, C)).astype(np.float32)
+    xd, wd, cstd, cv = _dev(x), _dev(w), _dev(cst), _nan((n, C))
+    ops.dn_conv(k, xd.data.ptr, C, wd.data.ptr, K - 1, cstd.data.ptr, rows, C, cv.data.ptr, C)
+    ref_cv, ref_cst = deltanet_twin.conv(x, w, cst, slots, pos, slots_n)
+    e_conv = max(rel_err(cv.get(), ref_cv), rel_err(cstd.get(), ref_cst))
+    ab = rng.standard_normal((2, n, nv)).astype(np.float32)
+    z = rng.standard_normal((n, nv * dv)).astype(np.float32)
+    a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, nv).astype(np.float32)
+    out_norm = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+    st = (0.3 * rng.standard_normal((slots_n, nv, dk, dv))).astype(np.float32)
+    d = [_dev(a) for a in (ab[0], ab[1], z, a_coef, dt_bias, out_norm, st)]
+    out = _nan((n, nv * dv))
+    ops.dn_delta(k, cv.data.ptr, C, d[0].data.ptr, d[1].data.ptr, nv, d[2].data.ptr, nv * dv, d[3].data.ptr,
+                 d[4].data.ptr, d[5].data.ptr, d[6].data.ptr, rows, nk, dk, nv, dv, cfg.rms_eps, out.data.ptr, nv * dv)
+    ref, ref_st = deltanet_twin.delta(cv.get(), ab[0], ab[1], z, a_coef, dt_bias, out_norm, st, slots, pos, slots_n,
+                                      nk, dk, nv, dv, cfg.rms_eps)
+    return e_conv, max(rel_err(out.get(), ref), rel_err(d[6].get(), ref_st))
+
+
 # ------------------------------------------------------------------ paged KV (kernels/paged_kv.cuh)
 BLOCK = 16   # block size of the checks' paged caches
 
@@ -370,7 +404,7 @@ def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
 
 
 def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
-    """act_mul (both activations) and gather_rows."""
+    """act_mul (both activations), gather_rows, split_pair and sigmoid_mul (a gated attention's)."""
     t = rng.standard_normal((rows, cols)).astype(np.float32)
     u = rng.standard_normal((rows, cols)).astype(np.float32)
     td, ud = _dev(t), _dev(u)
@@ -384,6 +418,16 @@ def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
     dst, idd = _nan((idx.size, cols)), _dev(idx)
     ops.gather_rows(k, td.data.ptr, idd.data.ptr, dst.data.ptr, idx.size, cols)
     errs.append(rel_err(dst.get(), t[idx]))
+    heads, D = 3, 32                           # [query | gate] per head -> queries, gates
+    qg = rng.standard_normal((rows, heads * 2 * D)).astype(np.float32)
+    qgd, q, gate = _dev(qg), _nan((rows, heads * D)), _nan((rows, heads * D))
+    ops.split_pair(k, qgd.data.ptr, q.data.ptr, gate.data.ptr, rows, heads, D)
+    parts = qg.reshape(rows, heads, 2, D)
+    errs.append(max(rel_err(q.get(), parts[:, :, 0].reshape(rows, -1)),
+                    rel_err(gate.get(), parts[:, :, 1].reshape(rows, -1))))
+    y = _dev(t)
+    ops.sigmoid_mul(k, y.data.ptr, ud.data.ptr, rows * cols)
+    errs.append(rel_err(y.get(), t / (1.0 + np.exp(-u.astype(np.float64)))))
     return max(errs)
 
 
@@ -405,6 +449,15 @@ def check_moe_topk(k: Kernels, T: int, E: int, top: int, renorm: bool, rng) -> f
     if not np.array_equal(ids.get(), ref_ids):
         return float("inf")
     return rel_err(w.get(), ref_w)
+
+
+def check_moe_shared_add(k: Kernels, T: int, H: int, rng) -> float:
+    """x += sigmoid(s) * y per row (a shared expert's output into the residual)."""
+    x, y = rng.standard_normal((2, T, H)).astype(np.float32)
+    s = (3.0 * rng.standard_normal(T)).astype(np.float32)
+    xd, yd, sd = _dev(x), _dev(y), _dev(s)
+    ops.moe_shared_add(k, xd.data.ptr, H, yd.data.ptr, H, sd.data.ptr, T, H)
+    return rel_err(xd.get(), x + y / (1.0 + np.exp(-s.astype(np.float64)))[:, None])
 
 
 def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng) -> float:
@@ -476,6 +529,10 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
         for qt in sorted((q for q in qtypes if q in QTYPES), key=int):
             K = 2 * max(QTYPES[qt].block, 32) + (3 if QTYPES[qt].block == 1 else 0)
             errs[f"moe_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 2, 2, act, rng)
+        if cfg.shared_expert_ffn_dim:
+            errs["moe_shared_add"] = check_moe_shared_add(k, 3, cfg.hidden, rng)
+    if cfg.has_recurrent_state:            # a hybrid's Gated DeltaNet at the model's own head sizes
+        errs["dn_conv"], errs["dn_delta"] = check_deltanet(k, cfg, rng)
     errs["argmax"] = check_argmax(k, 3, 1000, rng)
     errs["glue"] = check_glue(k, 4, 70, rng)
     cupy.cuda.Device().synchronize()

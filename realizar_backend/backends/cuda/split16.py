@@ -67,15 +67,19 @@ def load_kernels(device_id: int, qtypes=None) -> dict:
 
 
 def split_weights(kx: dict, mats: tuple[WeightRef, ...], out: int) -> None:
-    """Up to three matrices sharing K, dequantized into consecutive split rows [Wl*2^12 | Wh] of out."""
+    """Matrices sharing K, dequantized into consecutive split rows [Wl*2^12 | Wh] of out (2K fp16 a
+    row), up to three a launch (a DeltaNet's four projections take two)."""
     K = mats[0].cols
-    args: list = []
-    for m in mats:
-        args += [_U64(m.ptr), _I64(m.row_bytes), _I32(m.rows), _I32(int(m.qtype))]
-    for _ in range(3 - len(mats)):
-        args += [_U64(0), _I64(0), _I32(0), _I32(0)]
-    units = sum(m.rows for m in mats) * ((K + 31) // 32)
-    kx["split_weights"](((units + 255) // 256,), (256,), (*args, _I32(K), _U64(out)))
+    for i in range(0, len(mats), 3):
+        part = mats[i:i + 3]
+        args: list = []
+        for m in part:
+            args += [_U64(m.ptr), _I64(m.row_bytes), _I32(m.rows), _I32(int(m.qtype))]
+        for _ in range(3 - len(part)):
+            args += [_U64(0), _I64(0), _I32(0), _I32(0)]
+        units = sum(m.rows for m in part) * ((K + 31) // 32)
+        kx["split_weights"](((units + 255) // 256,), (256,), (*args, _I32(K), _U64(out)))
+        out += sum(m.rows for m in part) * 4 * K
 
 
 def split_rows(kx: dict, x: int, xs: int, w: int, T: int, K: int, eps: float, out: int, inv: int,

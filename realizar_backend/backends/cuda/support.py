@@ -8,14 +8,17 @@ from ...formats import ModelFile
 from .matrices import QTYPES
 
 # tensors the GPU's kernels have no operation for yet (the NumPy backend runs them): attention sinks,
-# output-projection biases, a router's or experts' biases, a shared expert
+# output-projection biases, a router's or experts' biases
 UNSUPPORTED_TENSORS = ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
-                       "ffn_up_exps.bias", "ffn_down_exps.bias", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
-                       "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+                       "ffn_up_exps.bias", "ffn_down_exps.bias")
 # the routed experts' activations the GPU kernels apply (kernels/common.cuh act_f)
 MOE_ACTIVATIONS = ("silu", "gelu_tanh")
 # experts a token takes that the GPU's routing holds (kernels/moe.cu MOE_MAX_K: one per lane)
 MOE_MAX_K = 32
+# a Gated DeltaNet's shapes the GPU's kernels hold (kernels/deltanet.cu, the same names): conv inputs
+# kept per channel, and the column of a head's state (k_dim floats) and the head's columns (v_dim
+# threads) of one block
+DN_MAX_TAPS, DN_MAX_K, DN_MAX_V = 8, 128, 256
 
 
 def gpu_types(mf: ModelFile) -> dict[str, bool]:
@@ -26,8 +29,11 @@ def gpu_types(mf: ModelFile) -> dict[str, bool]:
 def refusal(mf: ModelFile) -> str | None:
     """Why the GPU backend cannot run this model (None: it can)."""
     c = mf.config
-    if c.has_recurrent_state:
-        return f"{c.arch}: the GPU backend does not run linear-attention hybrids yet"
+    if c.has_recurrent_state and not (c.ssm_conv_kernel - 1 <= DN_MAX_TAPS and c.ssm_k_dim <= DN_MAX_K
+                                      and c.ssm_v_dim <= DN_MAX_V):
+        return (f"{c.arch}: the GPU's Gated DeltaNet kernels take conv kernels of up to {DN_MAX_TAPS + 1} and "
+                f"heads of up to {DN_MAX_K} key and {DN_MAX_V} value dims (this model: {c.ssm_conv_kernel}, "
+                f"{c.ssm_k_dim}, {c.ssm_v_dim})")
     if c.arch == "gpt-oss":
         return ("gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped "
                 "SwiGLU experts or MXFP4 weights yet")
@@ -38,6 +44,10 @@ def refusal(mf: ModelFile) -> str | None:
     for name, t in mf.tensors.items():
         if name.startswith("blk.") and name.split(".", 2)[2] in UNSUPPORTED_TENSORS:
             return f"tensor {name}: the GPU backend has no kernel for it yet"
+        if name.endswith(".ffn_gate_shexp.weight") and t.shape[0] != c.shared_expert_ffn_dim:
+            # the workspace holds a shared expert of the width the metadata gives
+            return (f"tensor {name}: {t.shape[0]} rows, but the metadata gives a shared expert FFN of "
+                    f"{c.shared_expert_ffn_dim}")
         if len(t.shape) >= 2 and t.qtype not in QTYPES:
             return f"tensor {name}: type {t.type_name} has no GPU kernel yet"
     return None

@@ -80,8 +80,13 @@ class Workspace:
         # before 1/s (q|k|v or gate|up side by side), x16 the split activation rows
         # [xh*2^-12 | xh | xl] of the projection being computed (prefill.cu).
         F = c.ffn_dim
-        n_y = max(2 * F, c.q_dim + 2 * c.kv_dim)
-        k_max = max(c.hidden, c.q_dim, F)
+        # a linear-attention hybrid's projections (model/transformer.py): the gated attention's
+        # [query | gate] heads (2 q_dim), the DeltaNet's mixed q|k|v channels, z, beta and alpha
+        hy = c.has_recurrent_state
+        C, inner, nv = (2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim, c.ssm_v_heads * c.ssm_v_dim,
+                        c.ssm_v_heads) if hy else (0, 0, 0)
+        n_y = max(2 * F, c.q_dim + 2 * c.kv_dim, (2 * c.q_dim + 2 * c.kv_dim) if hy else 0, C + inner + 2 * nv)
+        k_max = max(c.hidden, c.q_dim, F, inner)
         # A mixture of experts' routed experts (experts.py) take a third layout of ffn_pool: per (row,
         # expert) pair, top_k a row, the gated activations (moe_a) and the down projection's output
         # (moe_y, wide enough to hold the unfused gate and up rows before it: 2 F a pair). Nothing in
@@ -99,6 +104,26 @@ class Workspace:
             self.moe_ids = cupy.empty((cap, top), cupy.int32)  # each row's experts, best first
             self.moe_w = cupy.empty((cap, top), f32)           # and their weights
             self.moe = [self.moe_logits, self.moe_ids, self.moe_w]
+            if c.shared_expert_ffn_dim:                # a shared expert's gate, up, act(gate) * up, gate logit
+                Fs = c.shared_expert_ffn_dim
+                self.sh_g, self.sh_u, self.sh_a = (cupy.empty((cap, Fs), f32) for _ in range(3))
+                self.sh_s = cupy.empty((cap, 1), f32)
+                self.moe += [self.sh_g, self.sh_u, self.sh_a, self.sh_s]
+        # the projections' outputs by the rows of their matrices (outputs())
+        self._outputs = {(c.q_dim, c.kv_dim, c.kv_dim): (self.q, self.k, self.v)}
+        self.hybrid: list[cupy.ndarray] = []
+        if hy:
+            self.qg = cupy.empty((cap, 2 * c.q_dim), f32)    # a gated attention's [query | gate] heads
+            self.gate = cupy.empty((cap, c.q_dim), f32)      # ... its gates, split off (split_pair)
+            self.mixed = cupy.empty((cap, C), f32)           # a DeltaNet's q|k|v channels, z, beta, alpha
+            self.z = cupy.empty((cap, inner), f32)
+            self.beta = cupy.empty((cap, nv), f32)
+            self.alpha = cupy.empty((cap, nv), f32)
+            self.conv = cupy.empty((cap, C), f32)            # silu(conv) of the mixed channels
+            self.dn_out = cupy.empty((cap, inner), f32)      # the gated RMSNorm of the heads' output
+            self.hybrid = [self.qg, self.gate, self.mixed, self.z, self.beta, self.alpha, self.conv, self.dn_out]
+            self._outputs[(2 * c.q_dim, c.kv_dim, c.kv_dim)] = (self.qg, self.k, self.v)
+            self._outputs[(C, inner, nv, nv)] = (self.mixed, self.z, self.beta, self.alpha)
         self.split_inv = cupy.empty((2, cap), f32)       # 1/s of the split rows (input, FFN down input)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
@@ -110,6 +135,11 @@ class Workspace:
                      cap, self.nbytes / 1e6)
             for cb in self.listeners:
                 cb()
+
+    def outputs(self, rows: tuple[int, ...]) -> tuple[cupy.ndarray, ...]:
+        """Where a group of projections of one input writes, by its matrices' rows: q, k, v (an
+        attention), qg, k, v (a gated attention), mixed, z, beta, alpha (a DeltaNet)."""
+        return self._outputs[rows]
 
     def ensure_dequant(self, elems: int) -> None:
         """Make the dequantize buffer hold `elems` float32 (split16 steps split a group of matrices
@@ -129,5 +159,5 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         grow = (self.x, self.h, self.tmp, self.q, self.k, self.v, self.attn, self.ffn_pool,
-                self.split_inv, self.tokens, self.positions, self.slots, *self.moe)
+                self.split_inv, self.tokens, self.positions, self.slots, *self.moe, *self.hybrid)
         return sum(a.nbytes for a in grow) + sum(a.nbytes for a in self._fixed)

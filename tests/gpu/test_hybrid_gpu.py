@@ -1,0 +1,239 @@
+"""Linear-attention hybrids (qwen35) on the GPU: kernels/deltanet.cu's conv and gated delta rule
+through ops.py's launchers against their NumPy twins (backends/cuda/deltanet_twin.py, float64) at
+several shapes with outputs poisoned, and whole tiny qwen35 models, CUDABackend against the NumPy
+oracle (CPUBackend): prompts in one step and split across chunks (the state carried between them),
+batches of short prompts, decode steps of 1 and 8 rows (captured graphs, replayed), and a slot
+reused by a new sequence (its state starts over); greedy tokens equal.
+
+The models are tests/support/hybrid_models.py's (transformers' own, converted by llama.cpp's
+converter): F32 layers, a wider one requantized to Q4_K/Q6_K, and a qwen35moe (routed experts
+and a shared expert gated by sigmoid) in Q8_0. This machine cannot make them
+without transformers and the network: make them where it can (`python tests/support/hybrid_models.py
+.device/hybrid`) and point $REALIZAR_HYBRID_MODELS at that directory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from realizar_backend.backends.cuda import deltanet_twin as twin
+from support.hybrid_models import model_path
+from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
+
+pytestmark = pytest.mark.gpu
+
+TOL = 2e-5                  # float32 kernels against float64 twins, relative to the values' scale
+SLOTS = 6
+SCRATCH = SLOTS
+
+# the rows of a step: (slot, first position, tokens) per segment
+STEPS = {
+    "decode-1": [(2, 9, 1)],
+    "decode-8": [(0, 7, 1), (3, 2, 1), (1, 30, 1), (4, 1, 1), (5, 3, 1), (2, 8, 1), (SCRATCH, 0, 1), (SCRATCH, 0, 1)],
+    "prompt": [(2, 5, 37)],
+    "first-chunk": [(1, 0, 70)],
+    "mixed": [(0, 0, 3), (2, 11, 40), (4, 3, 1), (SCRATCH, 0, 4)],
+}
+
+
+def _rows(step):
+    slots = np.concatenate([np.full(n, s) for s, _, n in step]).astype(np.int32)
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in step]).astype(np.int32)
+    return slots, pos
+
+
+def _untouched(step):
+    return [s for s in range(SLOTS) if s not in {seg[0] for seg in step}]
+
+
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("C,K", [(256, 4), (8192, 4), (200, 3)], ids=["qwen35-tiny", "qwen3-next", "odd"])
+def test_conv(kernels, step, C, K):
+    import cupy
+    from realizar_backend.backends.cuda import ops
+    rng = np.random.default_rng(C + K + len(step))
+    slots, pos = _rows(STEPS[step])
+    n = len(slots)
+    xs, os = C + 3, C + 5
+    x = rng.standard_normal((n, xs)).astype(np.float32)
+    w = (rng.standard_normal((C, K)) / np.sqrt(K)).astype(np.float32)
+    st = rng.standard_normal((SLOTS, K - 1, C)).astype(np.float32)
+    d_x, d_w, d_st = cupy.asarray(x), cupy.asarray(w), cupy.asarray(st)
+    d_slots, d_pos = cupy.asarray(slots), cupy.asarray(pos)
+    d_out = cupy.full((n, os), np.nan, cupy.float32)
+    ops.dn_conv(kernels, d_x.data.ptr, xs, d_w.data.ptr, K - 1, d_st.data.ptr,
+                ops.StepRows(d_slots.data.ptr, d_pos.data.ptr, SCRATCH, n), C, d_out.data.ptr, os)
+    out, new_st = d_out.get(), d_st.get()
+    ref, ref_st = twin.conv(x[:, :C], w, st, slots, pos, SCRATCH)
+    assert np.max(np.abs(out[:, :C] - ref)) < TOL * max(1.0, np.abs(ref).max())
+    assert np.all(np.isnan(out[:, C:])), "values past the rows were written"
+    assert np.max(np.abs(new_st - ref_st)) < TOL
+    for s in _untouched(STEPS[step]):
+        assert np.array_equal(new_st[s], st[s])
+
+
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (16, 128, 32, 128),
+                                         (2, 128, 6, 256)],
+                         ids=["qwen35-tiny", "wide-v", "odd", "qwen3-next", "widest"])
+def test_delta(kernels, step, nk, dk, nv, dv):
+    import cupy
+    from realizar_backend.backends.cuda import ops
+    rng = np.random.default_rng(nk * 7 + dk + dv + len(step))
+    slots, pos = _rows(STEPS[step])
+    n = len(slots)
+    C = 2 * nk * dk + nv * dv
+    cv = (rng.standard_normal((n, C + 2)) * 0.7).astype(np.float32)
+    ab = rng.standard_normal((2, n, nv)).astype(np.float32)
+    z = rng.standard_normal((n, nv * dv + 4)).astype(np.float32)
+    a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, nv).astype(np.float32)
+    out_norm = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+    st = (rng.standard_normal((SLOTS, nv, dk, dv)) * 0.3).astype(np.float32)
+    d = {k: cupy.asarray(v) for k, v in dict(cv=cv, alpha=ab[0], beta=ab[1], z=z, a_coef=a_coef, dt_bias=dt_bias,
+                                              out_norm=out_norm, st=st, slots=slots, pos=pos).items()}
+    os = nv * dv + 3
+    d_out = cupy.full((n, os), np.nan, cupy.float32)
+    ops.dn_delta(kernels, d["cv"].data.ptr, C + 2, d["alpha"].data.ptr, d["beta"].data.ptr, nv, d["z"].data.ptr,
+                 z.shape[1], d["a_coef"].data.ptr, d["dt_bias"].data.ptr, d["out_norm"].data.ptr, d["st"].data.ptr,
+                 ops.StepRows(d["slots"].data.ptr, d["pos"].data.ptr, SCRATCH, n), nk, dk, nv, dv, 1e-6,
+                 d_out.data.ptr, os)
+    out, new_st = d_out.get(), d["st"].get()
+    ref, ref_st = twin.delta(cv[:, :C], ab[0], ab[1], z[:, :nv * dv], a_coef, dt_bias, out_norm, st, slots, pos,
+                             SCRATCH, nk, dk, nv, dv, 1e-6)
+    w = nv * dv
+    err = np.max(np.abs(out[:, :w] - ref)) / max(1.0, np.abs(ref).max())
+    print(f"dn_delta {step} nk={nk} dk={dk} nv={nv} dv={dv}: rel.err {err:.2e}")
+    assert err < TOL
+    assert np.all(np.isnan(out[:, w:])), "values past the rows were written"
+    assert np.max(np.abs(new_st - ref_st)) < TOL * max(1.0, np.abs(ref_st).max())
+    for s in _untouched(STEPS[step]):
+        assert np.array_equal(new_st[s], st[s])
+
+
+@pytest.fixture(scope="module", params=["f32", "q4k", "moe"])
+def hybrid_model(request):
+    path = model_path(request.param)
+    if path is None:
+        pytest.skip(f"tiny qwen35 {request.param} not made: python tests/support/hybrid_models.py DIR, then "
+                    f"REALIZAR_HYBRID_MODELS=DIR")
+    from realizar_backend.formats import open_model
+    return request.param, open_model(path)
+
+
+def test_model_parity(hybrid_model, rng):
+    """Prompt steps on every family (a few tokens on the GEMVs, a batch of short prompts, 100 tokens on
+    the split16 GEMMs), a prompt split across three chunks, decode steps of one row and of eight rows
+    (captured graphs, replayed), then a slot taken by a new sequence: every row's logits at cosine >=
+    COS_MIN to the NumPy backend's, and the greedy step's tokens the oracle's."""
+    from realizar_backend.backends.base import PrefillItem
+    name, model = hybrid_model
+    c = model.config
+    cpu, gpu = _backends(model, slots=8, ctx=256)
+    st = gpu.stats()
+    assert st["recurrent_state_bytes"] == 8 * c.recurrent_state_bytes
+    assert gpu.kv.k.shape[0] == c.n_layers - sum(c.recurrent), "the recurrent layers keep no KV cache"
+    V = c.vocab_size
+    cos, pos, families = [], [0] * 8, []
+
+    def prefill(items):
+        families.append(gpu.fwd.prompt_step(sum(len(it.tokens) for it in items)).family)
+        cos.append(_cos(cpu.prefill(items), gpu.prefill(items)))
+        for it in items:
+            pos[it.slot] = it.start_pos + len(it.tokens)
+
+    def prompt(n):
+        return rng.integers(0, V, n).astype(np.int32)
+
+    prefill([PrefillItem(1, prompt(5))])
+    prefill([PrefillItem(s, prompt(int(rng.integers(3, 12)))) for s in range(2, 7)])
+    prefill([PrefillItem(0, prompt(100))])
+    chunked = prompt(61)                       # slot 7: three chunks, each continuing the state
+    for a, b in ((0, 7), (7, 40), (40, 61)):
+        prefill([PrefillItem(7, chunked[a:b], a)])
+
+    def decode(slots, n_steps):
+        for _ in range(n_steps):
+            tok = [int(t) for t in rng.integers(0, V, len(slots))]
+            cos.append(_cos(cpu.decode(slots, tok, [pos[s] for s in slots]),
+                            gpu.decode(slots, tok, [pos[s] for s in slots])))
+            for s in slots:
+                pos[s] += 1
+
+    decode([3], 4)
+    decode(list(range(8)), 6)
+    # slot 2 taken by a new sequence (position 0): its state starts over on both
+    prefill([PrefillItem(2, prompt(9))])
+    decode([2, 5], 3)
+    greedy = gpu.decode_argmax(list(range(8)), [1] * 8, pos[:8])
+    ref = cpu.decode(list(range(8)), [1] * 8, pos[:8])
+    st = gpu.stats()
+    gpu.close()
+    cos = np.concatenate([np.ravel(x) for x in cos])
+    print(f"qwen35 {name}: prompt families {families}, {cos.size} rows, cos min {cos.min():.7f}; "
+          f"graphs {st['graph_status']}")
+    _assert_parity(f"qwen35-{name}", cos, COS_MIN)
+    assert st["graph_status"], "no decode step was captured"
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    same = greedy == np.argmax(ref, axis=1)
+    assert np.all(same | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))
+
+
+def test_a_reused_slot_matches_a_fresh_one(hybrid_model, rng):
+    """A sequence in a slot that another sequence used (and left mid-way, as a cancelled or preempted
+    one does) gives the logits it gives in a slot never used, and the oracle's."""
+    from realizar_backend.backends.base import PrefillItem
+    _, model = hybrid_model
+    V = model.config.vocab_size
+    cpu, gpu = _backends(model, slots=2, ctx=128)
+    try:
+        prompt = rng.integers(0, V, 12).astype(np.int32)
+        fresh = gpu.prefill([PrefillItem(1, prompt)])
+        gpu.prefill([PrefillItem(0, rng.integers(0, V, 30).astype(np.int32))])
+        gpu.decode([0], [5], [30])
+        again = gpu.prefill([PrefillItem(0, prompt)])          # slot 0 taken by the first prompt
+        assert _cos(fresh, again).min() >= 0.99999
+        assert _cos(cpu.prefill([PrefillItem(0, prompt)]), again).min() >= COS_MIN
+    finally:
+        gpu.close()
+
+
+def _generate(model: str, backend: str, jobs, **kw) -> tuple[list[list[int]], dict]:
+    """Each job's greedy tokens from an engine over the model, the jobs together, and the engine's
+    stats after them."""
+    import asyncio
+    from realizar_backend.engine.engine import Engine
+    from realizar_backend.engine.sampling import SamplingParams
+    from realizar_backend.settings import Settings
+    engine = Engine.from_settings(Settings(model=model, backend=backend, max_num_seqs=4, context_length=256,
+                                           self_check=False, **kw))
+
+    async def one(prompt):
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        ids = engine.prepare(prompt, params)
+        return [t async for o in engine.generate(ids, params) for t in o.token_ids]
+
+    async def go():
+        return await asyncio.gather(*[one(p) for p in jobs])
+    try:
+        out = asyncio.run(go())
+        return out, engine.stats()
+    finally:
+        engine.shutdown()
+
+
+def test_engine_preempts_and_chunks_a_hybrid(hybrid_model):
+    """The engine on the GPU under a pool of four blocks (preemption: a sequence restarts from
+    position 0, its state with it) and prompts in chunks of 8 tokens (each continuing the state)
+    writes the tokens it writes with room to spare; they start as the NumPy backend's (further on,
+    a near-tie between the backends' rounding may fork a random model's greedy text: the logits
+    are compared in test_model_parity)."""
+    name, model = hybrid_model
+    jobs = [f"Story {i}: the {w} cat sat on the" for i, w in enumerate(["black", "small", "happy", "old"])]
+    roomy, _ = _generate(str(model.path), "cuda", jobs)
+    tiny, st = _generate(str(model.path), "cuda", jobs, kv_cache_tokens=64, prefill_chunk_tokens=8)
+    oracle, _ = _generate(str(model.path), "cpu", jobs)
+    print(f"qwen35 {name}: {st['preemptions']} preemptions under the tiny pool")
+    assert st["preemptions"] > 0
+    assert tiny == roomy
+    assert [t[:4] for t in roomy] == [t[:4] for t in oracle]

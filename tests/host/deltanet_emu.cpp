@@ -1,0 +1,94 @@
+// Runs one launch of a kernels/deltanet.cu kernel on the CPU through cuda_emu.h, for
+// tests/kernels/test_deltanet_host.py: argv[1] is a directory holding params.txt (one "name value" per
+// line: `kernel` is conv or delta, the rest its scalar arguments) and the input arrays as raw .bin
+// files. The arrays a launch writes are read as the test poisoned them and written back as
+// <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py dn_conv, dn_delta).
+#include "cuda_emu.h"
+
+#include <fstream>
+#include <map>
+#include <string>
+
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+#include "deltanet.cu"
+
+static std::map<std::string, std::string> params;
+static std::string dir;
+
+static double num(const char* k) {
+    auto it = params.find(k);
+    if (it == params.end()) {
+        std::fprintf(stderr, "deltanet_emu: missing parameter %s\n", k);
+        std::exit(2);
+    }
+    return std::stod(it->second);
+}
+
+template <class T> static std::vector<T> load(const char* name) {
+    std::ifstream f(dir + "/" + name + ".bin", std::ios::binary);
+    if (!f) {
+        std::fprintf(stderr, "deltanet_emu: no %s.bin\n", name);
+        std::exit(2);
+    }
+    f.seekg(0, std::ios::end);
+    size_t bytes = f.tellg();
+    f.seekg(0);
+    std::vector<T> v(bytes / sizeof(T));
+    f.read((char*)v.data(), bytes);
+    return v;
+}
+
+template <class T> static void save(const char* name, const std::vector<T>& v) {
+    std::ofstream f(dir + "/" + name + "_after.bin", std::ios::binary);
+    f.write((const char*)v.data(), v.size() * sizeof(T));
+}
+
+int main(int argc, char** argv) {
+    if (argc != 2) return 2;
+    dir = argv[1];
+    std::ifstream pf(dir + "/params.txt");
+    std::string k, v;
+    while (pf >> k >> v) params[k] = v;
+    const std::string kernel = params["kernel"];
+    auto slots = load<int>("slots");
+    auto pos = load<int>("pos");
+    const int n = num("n"), scratch = num("scratch");
+    if (kernel == "conv") {
+        auto x = load<float>("x");
+        auto w = load<float>("w");
+        auto st = load<float>("conv_state");
+        auto out = load<float>("out");
+        const int C = num("C"), taps = num("taps"), xs = num("xs"), os = num("os");
+        dim3 grid{(unsigned)((C + DN_CONV_THREADS - 1) / DN_CONV_THREADS), (unsigned)n, 1}, block{DN_CONV_THREADS, 1, 1};
+        emu::launch(grid, block, 0, [&] {
+            dn_conv(x.data(), xs, w.data(), taps, st.data(), slots.data(), pos.data(), scratch, n, C, out.data(), os);
+        });
+        save("conv_state", st);
+        save("out", out);
+    } else if (kernel == "delta") {
+        auto cv = load<float>("cv");
+        auto alpha = load<float>("alpha");
+        auto beta = load<float>("beta");
+        auto z = load<float>("z");
+        auto a_coef = load<float>("a_coef");
+        auto dt_bias = load<float>("dt_bias");
+        auto out_norm = load<float>("out_norm");
+        auto st = load<float>("state");
+        auto out = load<float>("out");
+        const int nk = num("nk"), dk = num("dk"), nv = num("nv"), dv = num("dv");
+        const int threads = num("threads");
+        dim3 grid{(unsigned)nv, (unsigned)n, 1}, block{(unsigned)threads, 1, 1};
+        emu::launch(grid, block, 0, [&] {
+            dn_delta(cv.data(), num("cvs"), alpha.data(), beta.data(), num("abs"), z.data(), num("zs"), a_coef.data(),
+                     dt_bias.data(), out_norm.data(), st.data(), slots.data(), pos.data(), scratch, n, nk, dk, nv, dv,
+                     (float)num("eps"), out.data(), num("os"));
+        });
+        save("state", st);
+        save("out", out);
+    } else {
+        std::fprintf(stderr, "deltanet_emu: unknown kernel %s\n", kernel.c_str());
+        return 2;
+    }
+    return 0;
+}

@@ -1,0 +1,183 @@
+"""kernels/deltanet.cu run on the CPU (tests/host/deltanet_emu.cpp over cuda_emu.h: every thread a
+fiber, block barriers and warp shuffles real rendezvous) against its NumPy twin in float64
+(backends/cuda/deltanet_twin.py, the NumPy backend's delta rule split as the kernels split it): the
+causal conv and the gated delta rule over decode rows (one token of each of several slots), a prompt
+chunk continuing a slot's state, a sequence's first chunk (position 0: the state there is ignored),
+several segments in one step and padding rows on the scratch slot (which keep no state), at the
+tiny and the real Qwen3.5 head sizes and odd ones. Outputs are poisoned before each launch: every
+value past a row's width must stay so, and so must the states of the slots the step does not run.
+A copy of the kernel with the decay left out of the delta term must fail. Skipped where g++ is absent."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from realizar_backend.backends.cuda import deltanet_twin as twin
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "realizar_backend" / "kernels"
+GXX = shutil.which("g++")
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
+
+TOL = 2e-5          # float32 against float64, relative to the values' scale
+SLOTS = 5
+SCRATCH = SLOTS     # the scratch slot: the state arrays hold the live slots only
+
+
+def build(out: Path, include_first: Path | None = None) -> Path:
+    inc = ([str(include_first)] if include_first else []) + [str(KERNELS)]
+    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", *[a for d in inc for a in ("-I", d)], "-o", str(out),
+                        str(ROOT / "tests" / "host" / "deltanet_emu.cpp")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("deltanet_emu") / "deltanet_emu")
+
+
+def launch(emu: Path, tmp_path: Path, kernel: str, outputs: dict, arrays: dict, **params) -> dict:
+    d = tmp_path / f"launch{len(list(tmp_path.iterdir()))}"
+    d.mkdir()
+    (d / "params.txt").write_text("".join(f"{k} {v}\n" for k, v in {"kernel": kernel, **params}.items()))
+    for name, a in arrays.items():
+        np.ascontiguousarray(a).tofile(d / f"{name}.bin")
+    r = subprocess.run([str(emu), str(d)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{kernel}: emulator failed ({r.returncode}): {r.stderr[-3000:]}"
+    return {n: np.fromfile(d / f"{n}_after.bin", np.float32).reshape(shape) for n, shape in outputs.items()}
+
+
+# the rows of a step: (slot, first position, tokens) per segment
+STEPS = {
+    "decode": [(0, 7, 1), (3, 2, 1), (1, 30, 1), (4, 1, 1)],
+    "prompt": [(2, 5, 9)],
+    "first-chunk": [(1, 0, 6)],
+    "mixed": [(0, 0, 3), (2, 11, 4), (4, 3, 1)],
+    "padded": [(3, 4, 2), (SCRATCH, 0, 1), (SCRATCH, 0, 1), (SCRATCH, 0, 2)],
+}
+
+
+def rows(step):
+    slots = np.concatenate([np.full(n, s) for s, _, n in step]).astype(np.int32)
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in step]).astype(np.int32)
+    return slots, pos
+
+
+def untouched(step) -> list[int]:
+    return [s for s in range(SLOTS) if s not in {seg[0] for seg in step}]
+
+
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("C,K", [(256, 4), (200, 3), (45, 2)], ids=["qwen35-tiny", "odd", "two-taps"])
+def test_conv(emu, tmp_path, step, C, K):
+    rng = np.random.default_rng(C + K + len(step))
+    slots, pos = rows(STEPS[step])
+    n = len(slots)
+    xs, os = C + 3, C + 5
+    x = rng.standard_normal((n, xs)).astype(np.float32)
+    w = (rng.standard_normal((C, K)) / np.sqrt(K)).astype(np.float32)
+    st = rng.standard_normal((SLOTS, K - 1, C)).astype(np.float32)
+    out = launch(emu, tmp_path, "conv", {"out": (n, os), "conv_state": st.shape},
+                 dict(x=x, w=w, conv_state=st, slots=slots, pos=pos, out=np.full((n, os), np.nan, np.float32)),
+                 n=n, C=C, taps=K - 1, xs=xs, os=os, scratch=SCRATCH)
+    ref, ref_st = twin.conv(x[:, :C], w, st, slots, pos, SCRATCH)
+    assert np.max(np.abs(out["out"][:, :C] - ref)) < TOL * max(1.0, np.abs(ref).max())
+    assert np.all(np.isnan(out["out"][:, C:])), "values past the rows were written"
+    assert np.max(np.abs(out["conv_state"] - ref_st)) < TOL
+    for s in untouched(STEPS[step]):
+        assert np.array_equal(out["conv_state"][s], st[s])
+
+
+def delta_inputs(rng, n, nk, dk, nv, dv):
+    C = 2 * nk * dk + nv * dv
+    return dict(cv=(rng.standard_normal((n, C + 2)) * 0.7).astype(np.float32),
+                alpha=rng.standard_normal((n, nv + 1)).astype(np.float32),
+                beta=rng.standard_normal((n, nv + 1)).astype(np.float32),
+                z=rng.standard_normal((n, nv * dv + 4)).astype(np.float32),
+                a_coef=(-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32),
+                dt_bias=rng.uniform(-1, 1, nv).astype(np.float32),
+                out_norm=rng.uniform(0.5, 1.5, dv).astype(np.float32),
+                state=(rng.standard_normal((SLOTS, nv, dk, dv)) * 0.3).astype(np.float32))
+
+
+def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0):
+    rng = np.random.default_rng(seed + nk * 7 + dk + dv)
+    slots, pos = rows(STEPS[step])
+    n = len(slots)
+    a = delta_inputs(rng, n, nk, dk, nv, dv)
+    os = nv * dv + 3
+    got = launch(emu, tmp_path, "delta", {"out": (n, os), "state": a["state"].shape},
+                 dict(a, slots=slots, pos=pos, out=np.full((n, os), np.nan, np.float32)),
+                 n=n, nk=nk, dk=dk, nv=nv, dv=dv, cvs=a["cv"].shape[1], abs=nv + 1, zs=a["z"].shape[1], os=os,
+                 eps=1e-6, scratch=SCRATCH, threads=-(-dv // 32) * 32)
+    ref, ref_st = twin.delta(a["cv"][:, :2 * nk * dk + nv * dv], a["alpha"][:, :nv], a["beta"][:, :nv],
+                             a["z"][:, :nv * dv], a["a_coef"], a["dt_bias"], a["out_norm"], a["state"], slots, pos,
+                             SCRATCH, nk, dk, nv, dv, 1e-6)
+    return got, ref, ref_st, a["state"], nv * dv
+
+
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (1, 128, 2, 128)],
+                         ids=["qwen35-tiny", "wide-v", "odd", "qwen35-heads"])
+def test_delta(emu, tmp_path, step, nk, dk, nv, dv):
+    got, ref, ref_st, st, w = run_delta(emu, tmp_path, step, nk, dk, nv, dv)
+    assert np.max(np.abs(got["out"][:, :w] - ref)) < TOL * max(1.0, np.abs(ref).max())
+    assert np.all(np.isnan(got["out"][:, w:])), "values past the rows were written"
+    assert np.max(np.abs(got["state"] - ref_st)) < TOL * max(1.0, np.abs(ref_st).max())
+    for s in untouched(STEPS[step]):
+        assert np.array_equal(got["state"][s], st[s])
+
+
+def test_a_kernel_without_the_decay_in_the_delta_fails(tmp_path):
+    """The delta term read against the undecayed state (S^T k instead of (g S)^T k): a plausible slip
+    this test must catch."""
+    src = (KERNELS / "deltanet.cu").read_text()
+    slip = src.replace("- g * kv * rk)", "- kv * rk)")
+    assert slip != src
+    broken_dir = tmp_path / "broken"
+    broken_dir.mkdir()
+    (broken_dir / "deltanet.cu").write_text(slip)
+    emu = build(tmp_path / "broken_emu", broken_dir)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    got, ref, *_ , w = run_delta(emu, runs, "prompt", 2, 32, 4, 32)
+    assert np.max(np.abs(got["out"][:, :w] - ref)) > 100 * TOL
+
+
+def test_the_twin_is_the_numpy_backends_delta_rule():
+    """The twin (conv, then delta) gives the NumPy backend's DeltaNet core (backends/cpu.py
+    CpuOps.delta_rule, the oracle transformers checks) on a continued segment and a first one."""
+    from types import SimpleNamespace
+    from realizar_backend.backends.cpu import CpuOps
+    rng = np.random.default_rng(7)
+    nk, dk, nv, dv, K = 2, 16, 4, 8, 4
+    C = 2 * nk * dk + nv * dv
+    conv_state = rng.standard_normal((3, K - 1, C)).astype(np.float32)
+    states = (rng.standard_normal((3, nv, dk, dv)) * 0.3).astype(np.float32)
+    conv0, states0 = conv_state.copy(), states.copy()
+    segs = [(0, 5, 3), (2, 0, 4)]                     # (slot, start, tokens)
+    backend = SimpleNamespace(config=SimpleNamespace(rms_eps=1e-6), recurrent_state=lambda *_: (conv_state, states))
+    bounds = np.cumsum([0] + [n for *_, n in segs])
+    ops = CpuOps(backend, None, None, bounds, None, None, None, [s for s, _, _ in segs], [p for _, p, _ in segs])
+    net = SimpleNamespace(k_heads=nk, k_dim=dk, v_heads=nv, v_dim=dv, layer=0,
+                          conv=(rng.standard_normal((C, K)) / 2).astype(np.float32),
+                          a_coef=(-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32),
+                          dt_bias=rng.uniform(-1, 1, nv).astype(np.float32),
+                          out_norm=rng.uniform(0.5, 1.5, dv).astype(np.float32))
+    T = int(bounds[-1])
+    mixed, z = rng.standard_normal((T, C)).astype(np.float32), rng.standard_normal((T, nv * dv)).astype(np.float32)
+    beta, alpha = rng.standard_normal((2, T, nv)).astype(np.float32)
+    out = ops.delta_rule(mixed, z, beta, alpha, net)
+    slots = np.concatenate([np.full(n, s) for s, _, n in segs])
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in segs])
+    cv, conv_ref = twin.conv(mixed, net.conv, conv0, slots, pos, SCRATCH)
+    ref, states_ref = twin.delta(cv, alpha, beta, z, net.a_coef, net.dt_bias, net.out_norm, states0, slots, pos,
+                                 SCRATCH, nk, dk, nv, dv, 1e-6)
+    assert np.max(np.abs(out - ref)) < 1e-5
+    assert np.max(np.abs(states - states_ref)) < 1e-5 and np.max(np.abs(conv_state - conv_ref)) < 1e-6
