@@ -5,9 +5,9 @@ each step over the paged KV cache (engine/kv_manager.py); the engine carries it 
 backend the block tables that changed, decodes every running sequence in one batched call that
 the backend also samples (backends/sampling.py defines how), then prefills the planned prompt
 chunks (the backend samples a sequence's first token at its last chunk, as it samples the rest:
-no logits come back), and hands each sequence's new text to its caller (engine/outputs.py). Callers iterate asynchronously
-(`generate`) or synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels
-the sequence and frees its KV blocks at once.
+no logits come back), and hands each sequence's new text to its caller (engine/outputs.py).
+Callers iterate asynchronously (`generate`) or synchronously (`generate_sync`, for the CLI);
+leaving the iteration early cancels the sequence and frees its KV blocks at once.
 
 Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
 its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from .. import timeline
-from ..backends import Backend, PrefillItem, SampleResult, create_backend, start_device
+from ..backends import Backend, PrefillItem, SampleResult, SampleRow, create_backend, start_device
 from ..errors import CapacityError, ContextOverflowError, GrammarError, GrammarLimitError
 from ..formats import open_model
 from ..model.default import default_model_path
@@ -437,7 +437,7 @@ class Engine(RequestPrep):
             firsts.append(complete and not seq.output_ids)
         drawn = [i for i, first in enumerate(firsts) if first]
         rows, prepare = self.pipeline.draw_rows([chunks[i][0] for i in drawn])
-        by_item: list = [None] * len(items)
+        by_item: list[SampleRow | None] = [None] * len(items)
         for i, row in zip(drawn, rows):
             by_item[i] = row
         res = self.backend.prefill_sample(items, by_item, prepare)

@@ -48,7 +48,7 @@ def _rows(logits, seed):
     from realizar_backend.backends.base import LogitBias, SampleRow
     V = logits.shape[1]
     order = np.argsort(-logits, axis=1, kind="stable")
-    bias = LogitBias(np.array([order[0, 3]], np.int32), np.array([30.0], np.float32))
+    bias = LogitBias(np.array([order[0, 3]], np.int32), np.array([100.0], np.float32))
     return [SampleRow(temperature=0.0, seed=seed, logit_bias=bias),
             SampleRow(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
                       frequency_penalty=0.5, seed=seed, logprobs=True),

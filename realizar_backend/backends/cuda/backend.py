@@ -229,6 +229,8 @@ class CUDABackend:
                 self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
                                     full, [it.slot for it in items], None, self.stream)
                 kept = {i: self.ws.logits[i].get() for i, r in enumerate(full) if r.want_logits}
+                # the sampler's other result buffer: a launched step's results (at most one is
+                # unfinished, the protocol's order) stay intact
                 toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
                 res = SampleResult(toks, lps, top_ids, top_lps, kept)
         return drop_unsampled(res, rows)
