@@ -1,8 +1,8 @@
 """A sequence's first token sampled on the GPU (CUDABackend.prefill_sample): the decode steps'
 sampler run on the prompt step's last-row logits gives the NumPy twin's token for those logits and
 seed (greedy under a logit bias, greedy and sampled with penalties on the prompt's counts, top-k/p,
-min-p, a mask, logprobs), and the NumPy backend's token wherever the two backends' logits cannot
-move the draw; a chunk in the middle of a prompt draws nothing. Only tokens come back to the host
+min-p, a mask, logprobs), and the NumPy backend's token wherever the twin draws the same token
+from both backends' logits; a chunk in the middle of a prompt draws nothing. Only tokens come back to the host
 (16 bytes a row, 4 when every row is a plain argmax), the logits only of a row that asks for them;
 and the engine serves first tokens (greedy, sampled, logprobs, a grammar) without ever asking the
 backend for a row of logits."""
@@ -135,33 +135,20 @@ def test_prefill_sample_gives_the_twins_token_and_only_tokens(name, rng, host_co
         assert res.tokens.tolist() == [-1 if r is None else int(np.argmax(x)) for r, x in zip(plain, logits)]
 
 
-def _stable(x, row, counts) -> bool:
-    """Whether a draw from logits x cannot move under the two backends' logits differences: a
-    greedy row's top two (after the bias, mask and penalties) apart by more than 0.1, a sampled
-    row's target more than 5% of the kept mass away from a CDF step."""
-    from realizar_backend.backends.sampling import constrain, draw_detail, penalize, row_constants
-    if not row.greedy:
-        dr = draw_detail(x, row, counts)
-        return dr is not None and dr.boundary_distance() > 0.05
-    y = constrain(x, row)
-    if row.penalties:
-        y = penalize(y, counts, row_constants(row, x.shape[-1]))
-    a, b = np.sort(y)[-2:]
-    return b - a > 0.1
-
-
 @pytest.mark.parametrize("name", ["smol135", "real"])
 def test_first_token_matches_the_numpy_backend(name, rng):
-    """The same prompts, rows and seeds on both backends: the same first tokens, wherever the
-    backends' logits (cosine >= 0.999 apart) cannot move the draw."""
+    """The same prompts, rows and seeds on both backends: the same first tokens, wherever the twin
+    draws the same token from the two backends' logits (parity-close, not bit-equal: a draw on a
+    CDF step may move); that is most draws."""
     from realizar_backend.backends.cpu import CPUBackend
+    from realizar_backend.backends.sampling import draw_detail, sample_logits
     model = _model(name)
     cpu = contiguous_tables(CPUBackend(model, max_slots=8, max_context=128, kv_dtype=np.float16))
     gpu = _gpu(model)
     V = model.config.vocab_size
     prompts, items = _items(rng, V)
-    lc = cpu.prefill(items)[:, :V]
-    compared = 0
+    lc, lg = cpu.prefill(items)[:, :V], gpu.prefill(items)[:, :V]
+    compared = moved = 0
     for seed in range(8):
         rows = _rows(lc, seed)
         for be in (cpu, gpu):
@@ -172,10 +159,17 @@ def test_first_token_matches_the_numpy_backend(name, rng):
         for i, row in enumerate(rows):
             if row is None:
                 assert tc[i] == tg[i] == -1
-            elif _stable(lc[i], row, _counts(prompts[i], V) if row.penalties else None):
-                assert int(tc[i]) == int(tg[i]), (name, seed, i)
-                compared += 1
-    assert compared >= 8            # the forced row at least, every seed
+                continue
+            counts = _counts(prompts[i], V) if row.penalties else None
+            if sample_logits(lc[i], row, counts) != sample_logits(lg[i], row, counts):
+                moved += 1              # the backends' logits differ enough to move this draw
+                continue
+            if int(tc[i]) != int(tg[i]):
+                dr = draw_detail(lg[i], row, counts)
+                assert dr is not None and dr.boundary_distance() < 1e-6, (name, seed, i, int(tc[i]), int(tg[i]))
+            compared += 1
+    print(f"{name}: {compared} first tokens compared, {moved} moved by the logits' differences")
+    assert compared >= 8 and compared >= 3 * moved
 
 
 def test_the_engine_reads_no_logits(host_copies):
