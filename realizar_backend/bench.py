@@ -58,6 +58,7 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 DECODE_PRIME = 8     # prompt tokens in a slot before its timed decode steps
+GREEDY = SampleRow(temperature=0.0)     # a finished prompt's first token, as a greedy request draws it
 # --constrained without --schema: an object with nested objects, enums, arrays and bounded strings
 BENCH_SCHEMA = {
     "type": "object",
@@ -145,7 +146,7 @@ def run_bench(args) -> int:
         ids = rng.integers(0, vocab, size=n, dtype=np.int32)
         take(slot, ids, n)
         t = time.perf_counter()
-        backend.prefill([PrefillItem(slot, ids, 0)])
+        backend.prefill_sample([PrefillItem(slot, ids, 0)], [GREEDY])     # the engine's prompt step: a token back
         dt = time.perf_counter() - t
         give_back(slot)
         return dt
@@ -168,7 +169,7 @@ def run_bench(args) -> int:
                 done[s] += m
                 left -= m
                 s += done[s] == n
-            backend.prefill(items)
+            backend.prefill_sample(items, [GREEDY if done[it.slot] == n else None for it in items])
         dt = time.perf_counter() - t
         for s in range(batch):
             give_back(s)
@@ -181,7 +182,7 @@ def run_bench(args) -> int:
             ids = rng.integers(0, vocab, size=depth, dtype=np.int32)
             take(s, ids, depth + steps + 1)            # +1: the step the last one starts ahead
             for a in range(0, depth, 4096):            # long contexts in chunks, as the engine runs them
-                backend.prefill([PrefillItem(s, ids[a:a + 4096], a)])
+                backend.prefill_sample([PrefillItem(s, ids[a:a + 4096], a)], [None])
         toks = rng.integers(0, vocab, size=batch).tolist()
         if guided is not None:
             run = _Constrained(guidance, constraint, slots, guided)

@@ -1,9 +1,11 @@
 """The Backend protocol: the seam between the engine and the hardware.
 
 The engine owns scheduling, KV-block allocation (engine/kv_manager.py) and the sampling
-parameters; a backend owns the weights, the KV pool, the forward pass and the sampling of decode
-steps (backends/sampling.py defines the algorithm, which both backends implement, so that the
-same logits and seed give the same token).
+parameters; a backend owns the weights, the KV pool, the forward pass and the sampling of every
+token, a sequence's first (prefill_sample) as the rest (decode_sample) (backends/sampling.py
+defines the algorithm, which both backends implement, so that the same logits and seed give the
+same token). Vocabulary-wide logits cross to the host only for the callers that read them
+(`prefill` and `decode`: parity tests, tools) and for rows that ask (SampleRow.want_logits).
 
 KV memory is one pool of `num_blocks` blocks of `block_size` positions each (K and V of every
 layer). A running sequence lives in a *slot* (0 .. max_slots-1: its row of the block tables and
@@ -20,8 +22,9 @@ runs them asynchronously knows what may happen while one is in flight:
   leave the step in flight as it was. Any other table change waits until the step is finished.
 - release may be called for a slot of the step in flight (its sequence just stopped); the step's
   writes into that slot's blocks are harmless (nothing reads them), but release must not disturb it.
-- decode_sample is never called while a started step is in flight; prefill may be, after the
-  step's start (for a sampled step, after its launch), and the prefill leaves the step as it was.
+- decode_sample is never called while a started step is in flight; prefill and prefill_sample
+  may be, after the step's start (for a sampled step, after its launch), and leave the step as it
+  was (its results, and the decode inputs a continuation reads).
 - a continuation (a step started without tokens, or with prev_rows) always directly follows the
   started step it continues, apart from prefills between them.
 The same holds for sampled steps (decode_sample_start / _launch / _finish), started, launched and
@@ -127,7 +130,19 @@ class Backend(Protocol):
 
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
         """Run prompts (or chunks of them: start_pos > 0 continues the slot's sequence) into their
-        slots' KV blocks; float32 logits [len(items), vocab] at each item's last token."""
+        slots' KV blocks; float32 logits [len(items), vocab] at each item's last token, for the
+        callers that read them (parity tests, `realizar check`, tools): the engine's prompts go
+        through prefill_sample."""
+
+    def prefill_sample(self, items: Sequence[PrefillItem], rows: Sequence[SampleRow | None],
+                       prepare: Callable[[], None] | None = None) -> SampleResult:
+        """prefill, then item i's last token sampled by rows[i] as decode_sample samples a row (a
+        sequence's first token: its prompt is complete with this chunk); rows[i] None: the item
+        samples nothing (a chunk in the middle of a prompt) and its token is -1. One result row
+        per item; only tokens (and logprobs where asked, logits for rows with want_logits) come
+        back. No token is fed to the penalties: the caller resets a penalised row's slot counts
+        (reset_counts) before the call. prepare: as in decode_sample (after the forward pass is
+        started, before the rows' masks are read). At most max_slots items."""
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One step for a batch: token i goes to slot i at position i. float32 logits [n, vocab]."""

@@ -21,6 +21,7 @@ from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles
 from ..model.ops import AttentionSpec
 from ..progress import progress
 from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
+from .sampling import drop_unsampled, fill_rows, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +271,19 @@ class CPUBackend:
         return self._forward([it.slot for it in items], [it.tokens for it in items],
                              [it.start_pos for it in items])
 
+    def prefill_sample(self, items: Sequence[PrefillItem], rows: Sequence[SampleRow | None],
+                       prepare: Callable[[], None] | None = None) -> SampleResult:
+        """The prompts' last rows sampled by the NumPy twin of the GPU's sampling kernels, as
+        decode_sample's rows are."""
+        if len(rows) != len(items):
+            raise ValueError("one SampleRow (or None) per prefill item")
+        logits = self.prefill(items)[:, :self.config.vocab_size]
+        if prepare is not None:
+            prepare()
+        counts = [self._counts()[it.slot] if r is not None and r.penalties else None
+                  for it, r in zip(items, rows)]
+        return drop_unsampled(sample_rows(logits, fill_rows(rows), counts), rows)
+
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         return self._forward(list(slots), [np.array([t]) for t in tokens], list(positions))
 
@@ -322,7 +336,6 @@ class CPUBackend:
 
     def decode_sample_launch(self, h: dict, rows: Sequence[SampleRow],
                              prepare: Callable[[], None] | None = None) -> None:
-        from .sampling import sample_rows
         if len(rows) != len(h["slots"]):
             raise ValueError("one SampleRow per sequence")
         if h["result"] is not None or h is not self._last_sampled:

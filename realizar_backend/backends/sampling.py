@@ -376,6 +376,22 @@ def sample_rows(logits: np.ndarray, rows, counts: list[np.ndarray | None] | None
     return SampleResult(toks, lps, top_ids, top_lps, kept)
 
 
+# the row of a prefill item that samples nothing: a plain argmax (no penalties, mask or logprobs),
+# which costs a backend next to nothing, its token then dropped (`drop_unsampled`)
+_UNSAMPLED = SampleRow(temperature=0.0)
+
+
+def fill_rows(rows) -> list[SampleRow]:
+    """prefill_sample's rows (None: the item samples nothing) as a step's rows, one per item."""
+    return [_UNSAMPLED if r is None else r for r in rows]
+
+
+def drop_unsampled(res: SampleResult, rows) -> SampleResult:
+    """The result of `fill_rows(rows)` with token -1 where rows[i] is None."""
+    res.tokens[[i for i, r in enumerate(rows) if r is None]] = -1
+    return res
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64) - np.max(logits)
     return z - np.log(np.sum(np.exp(z)))

@@ -4,10 +4,10 @@ One background thread owns the backend and runs steps. The scheduler (engine/sch
 each step over the paged KV cache (engine/kv_manager.py); the engine carries it out: it gives the
 backend the block tables that changed, decodes every running sequence in one batched call that
 the backend also samples (backends/sampling.py defines how), then prefills the planned prompt
-chunks (a sequence's first token is drawn here, from its last chunk's logits), and hands each
-sequence's new text to its caller (engine/outputs.py). Callers iterate asynchronously
-(`generate`) or synchronously (`generate_sync`, for the CLI); leaving the iteration early cancels
-the sequence and frees its KV blocks at once.
+chunks (the backend samples a sequence's first token at its last chunk, as it samples the rest:
+no logits come back), and hands each sequence's new text to its caller (engine/outputs.py).
+Callers iterate asynchronously (`generate`) or synchronously (`generate_sync`, for the CLI);
+leaving the iteration early cancels the sequence and frees its KV blocks at once.
 
 Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
 its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from .. import timeline
-from ..backends import Backend, PrefillItem, create_backend, start_device
+from ..backends import Backend, PrefillItem, SampleResult, SampleRow, create_backend, start_device
 from ..errors import CapacityError, ContextOverflowError, GrammarError, GrammarLimitError
 from ..formats import open_model
 from ..model.default import default_model_path
@@ -209,7 +209,7 @@ class Engine(RequestPrep):
                                        f"tokens or the KV cache of {self.kv_capacity}")
         guide = self.guidance.guide(params.constraint) if params.constraint is not None else None
         return Sequence(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(ids), params=params,
-                        sampler=Sampler(params, ids, self.config.vocab_size), sink=sink,
+                        sampler=Sampler(params, self.config.vocab_size), sink=sink,
                         detok=self.tokenizer.detokenizer(ids), guide=guide,
                         rules=TokenRules.for_params(params, self.tokenizer.stop_ids, self.guidance.words))
 
@@ -420,24 +420,32 @@ class Engine(RequestPrep):
             "waiting": len(sch.waiting), "running": len(sch.running)}) + "\n")
 
     def _prefill(self, chunks: list[tuple[Sequence, int, int]]) -> None:
-        """The step's prompt chunks in one call; a sequence whose prompt is then complete draws
-        its first token from its chunk's logits (or, recomputed after a preemption, decodes on)."""
-        items = [PrefillItem(seq.slot, np.asarray(seq.tokens(start, start + n), np.int32), start)
-                 for seq, start, n in chunks]
-        logits = self.backend.prefill(items)
-        timeline.once("first prefill step done")
-        for (seq, _, n), row in zip(chunks, logits):
-            self.scheduler.computed(seq, n)
-            if seq.prefilling:
-                continue
-            if seq.sampler.needs_counts:
+        """The step's prompt chunks in one call. A chunk that completes its sequence's prompt has
+        the backend sample the first token there, drawn as every later one (pipeline.draw_rows:
+        seed and step, penalties, grammar mask, logprobs); a sequence recomputed after a
+        preemption (it has tokens already) decodes on. A penalised sequence's token counts are
+        reset before the call: the first draw reads them."""
+        items, firsts = [], []
+        for seq, start, n in chunks:
+            items.append(PrefillItem(seq.slot, np.asarray(seq.tokens(start, start + n), np.int32), start))
+            complete = start + n >= seq.kv_target
+            if complete and seq.sampler.needs_counts:
                 prompt = np.asarray(seq.prompt_ids, np.int32)
                 if len(seq.output_ids) > 1:      # resumed: counts of what it had generated
                     self.backend.reset_counts(seq.slot, prompt, np.asarray(seq.output_ids[:-1], np.int32))
                 else:
                     self.backend.reset_counts(seq.slot, prompt)
-            if not seq.output_ids:
-                self._accept(seq, row, None)     # the first token: drawn here by the twin
+            firsts.append(complete and not seq.output_ids)
+        drawn = [i for i, first in enumerate(firsts) if first]
+        rows, prepare = self.pipeline.draw_rows([chunks[i][0] for i in drawn])
+        by_item: list[SampleRow | None] = [None] * len(items)
+        for i, row in zip(drawn, rows):
+            by_item[i] = row
+        res = self.backend.prefill_sample(items, by_item, prepare)
+        timeline.once("first prefill step done")
+        for seq, _, n in chunks:
+            self.scheduler.computed(seq, n)
+        self._accept_sampled([(i, chunks[i][0]) for i in drawn], res)
 
     def _decode(self, decode: list[Sequence], prefill: list[tuple[Sequence, int, int]]) -> None:
         """One decode step for `decode` (the plan's), on the pipeline (engine/pipeline.py: the step's
@@ -447,23 +455,12 @@ class Engine(RequestPrep):
             for seq, tok in zip(batch, out):
                 if id(seq) in live:
                     self.scheduler.computed(seq, 1)
-                    self._accept(seq, None, int(tok))
+                    self._accept(seq, int(tok))
         else:
-            res = out
-            rows = [i for i, s in enumerate(batch) if id(s) in live]
-            guides = [batch[i].guide for i in rows if batch[i].guide is not None]
-            # the constrained rows' tokens consumed at once, on llguidance's threads
-            ok = iter(self.guidance.consume_all(guides, [int(res.tokens[i]) for i in rows
-                                                          if batch[i].guide is not None]) if guides else ())
-            for i in rows:
-                seq = batch[i]
-                lp = None
-                if seq.params.logprobs in (0, 1):
-                    top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
-                    lp = (float(res.logprobs[i]), top)
+            rows = [(i, s) for i, s in enumerate(batch) if id(s) in live]
+            for _, seq in rows:
                 self.scheduler.computed(seq, 1)
-                self._accept(seq, res.logits.get(i), int(res.tokens[i]), lp,
-                             consumed=next(ok) if seq.guide is not None else None)
+            self._accept_sampled(rows, out)
         self._decode_window.append((time.perf_counter(), len(decode)))
         del self._decode_window[:-64]
 
@@ -503,20 +500,30 @@ class Engine(RequestPrep):
             guide, seq.guide = seq.guide, None
             self.guidance.release(guide)
 
-    def _accept(self, seq: Sequence, logits: np.ndarray | None, token: int | None,
+    def _accept_sampled(self, rows: list[tuple[int, Sequence]], res: SampleResult) -> None:
+        """Accept the tokens a backend sampled: row i of `res` for each (i, sequence). The
+        constrained rows' tokens are consumed by their grammars at once, on llguidance's threads;
+        logprobs are the backend's (the top one), or come from the row's logits (more)."""
+        guided = [(i, s) for i, s in rows if s.guide is not None]
+        ok = iter(self.guidance.consume_all([s.guide for _, s in guided], [int(res.tokens[i]) for i, _ in guided])
+                  if guided else ())
+        for i, seq in rows:
+            lp = None
+            if seq.params.logprobs in (0, 1):
+                top = [(int(res.top_ids[i]), float(res.top_logprobs[i]))] if seq.params.logprobs else []
+                lp = (float(res.logprobs[i]), top)
+            self._accept(seq, int(res.tokens[i]), lp, res.logits.get(i),
+                         consumed=next(ok) if seq.guide is not None else None)
+
+    def _accept(self, seq: Sequence, token: int,
                 logprobs: tuple[float, list[tuple[int, float]]] | None = None,
-                consumed: bool | None = None) -> None:
-        """Sample (unless the backend already did), then emit and check stop conditions
-        (outputs.text_and_stop).
+                logits: np.ndarray | None = None, consumed: bool | None = None) -> None:
+        """Take a token the backend drew: the grammar's check, then emit and check stop
+        conditions (outputs.text_and_stop).
         logprobs: (chosen, top) when the backend computed them; else they come from `logits`.
         consumed: whether the guide took the token, when the caller has already given it."""
         p = seq.params
         guide = seq.guide
-        if token is None:
-            mask = guide.compute_mask() if guide is not None else None
-            if seq.rules is not None:
-                mask = seq.rules.mask(seq.output_ids, mask)
-            token = seq.sampler.sample(logits, mask=mask)
         if consumed is None and guide is not None:
             consumed = guide.consume(token)
         if guide is not None and not consumed:
@@ -530,7 +537,6 @@ class Engine(RequestPrep):
                                              f"({self.tokenizer.token_text(token)!r}) was sampled where the "
                                              f"grammar ({p.constraint.param}) does not allow it: {guide.error}"))
             return
-        seq.sampler.observe(token)
         seq.output_ids.append(token)
         if seq.rules is not None:
             seq.rules.observe(seq.output_ids)

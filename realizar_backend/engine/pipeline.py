@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..backends import SampleResult
+from ..backends import SampleResult, SampleRow
 from .scheduler import Sequence, StepPlan
 
 
@@ -118,11 +118,26 @@ class DecodePipeline:
         if h is None:
             h = self.backend.decode_sample_start([s.slot for s in batch], [s.output_ids[-1] for s in batch],
                                                  [s.num_computed for s in batch])
-        guides = [s.guide for s in batch if s.guide is not None]
+        self.backend.decode_sample_launch(h, *self.draw_rows(batch))
+        if prefill:
+            self._prefill(prefill)
+        self._go_ahead(batch, live, prefill, "sample")
+        self._flush()
+        return self.backend.decode_sample_finish(h)
+
+    def draw_rows(self, seqs: list[Sequence]) -> tuple[list[SampleRow], Callable[[], None] | None]:
+        """Each sequence's next draw as the backend samples it (decode_sample_launch, or
+        prefill_sample for a first token): its seed and step (the tokens it has), logprobs as asked
+        (the top one from the backend; more from the row's logits), its mask; and the `prepare`
+        that fills the grammars' masks and applies the host's rules to them, which the backend
+        calls while the forward pass runs (None: no sequence has a grammar). The masks live in one
+        buffer of the pipeline's: a backend copies a step's masks when it takes its rows, so the
+        next call may reuse it."""
+        guides = [s.guide for s in seqs if s.guide is not None]
         masks = self._mask_rows(len(guides)) if guides else None
         rows, k = [], 0
         ruled = []          # (sequence, its grammar's mask): the host's rules apply once the mask is filled
-        for s in batch:
+        for s in seqs:
             mask = None
             if s.guide is not None:
                 mask, k = masks[k], k + 1
@@ -132,18 +147,14 @@ class DecodePipeline:
                 mask = s.rules.mask(s.output_ids, None)
             rows.append(s.sampler.row(step=len(s.output_ids), logprobs=s.params.logprobs in (0, 1),
                                       want_logits=(s.params.logprobs or 0) > 1, mask=mask))
+        if not guides:
+            return rows, None
 
         def prepare() -> None:
             self.engine.guidance.fill_masks(guides, masks)
             for s, mask in ruled:
                 s.rules.mask(s.output_ids, mask)
-        prepare = prepare if guides else None
-        self.backend.decode_sample_launch(h, rows, prepare)
-        if prefill:
-            self._prefill(prefill)
-        self._go_ahead(batch, live, prefill, "sample")
-        self._flush()
-        return self.backend.decode_sample_finish(h)
+        return rows, prepare
 
     def _go_ahead(self, batch: list[Sequence], live: set[int], prefill: list, kind: str) -> None:
         """Start the step after this one before this one's tokens are read: over this step's rows

@@ -1,7 +1,7 @@
-"""Sampling parameters (validated, OpenAI field names) and each sequence's Sampler: its seed, the
-index of its next draw and, with penalties, its host-side token counts. The algorithm itself (the
-order of penalties, temperature and filters, the seeded draw) and its NumPy twin are the
-backends' contract: backends/sampling.py says it in full."""
+"""Sampling parameters (validated, OpenAI field names) and each sequence's Sampler: its seed and
+the SampleRow of each of its draws, which the backend samples (every token, the first included).
+The algorithm itself (the order of penalties, temperature and filters, the seeded draw) and its
+NumPy twin are the backends' contract: backends/sampling.py says it in full."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import LogitBias, SampleRow
-from ..backends.sampling import MAX_LOGIT_BIAS, log_softmax, penalize, row_constants, sample_logits
+from ..backends.sampling import MAX_LOGIT_BIAS, log_softmax
 from ..errors import RequestError
 
 MAX_LOGPROBS = 20
@@ -116,51 +116,27 @@ class SamplingParams:
 
 
 class Sampler:
-    """One sequence's sampling: its seed (drawn when the request has none), the index of its next
-    draw, and, when it has penalties, host-side token counts (for the first token, which is drawn
-    here from the prefill's logits; the backend counts the rest)."""
+    """One sequence's sampling as the backend takes it: its seed (drawn when the request has none),
+    its logit bias, whether it has penalties (its token counts live on the backend:
+    Backend.reset_counts), and the SampleRow of each draw."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+    def __init__(self, params: SamplingParams, vocab_size: int):
         self.p = params
         self.seed = secrets.randbits(64) if params.seed is None else params.seed % (1 << 64)
-        self.step = 0
-        self.vocab = vocab_size
         self.needs_counts = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                              or params.frequency_penalty != 0.0)
-        self.counts = None
-        if self.needs_counts:
-            self.counts = np.zeros(vocab_size, np.int32)
-            self.counts[np.asarray(prompt_ids, dtype=np.int64)] = 1
         bias = params.logit_bias_table(vocab_size)
         self.logit_bias = bias if bias is not None and len(bias) else None
 
-    def row(self, step: int | None = None, logprobs: bool = False, want_logits: bool = False,
+    def row(self, step: int, logprobs: bool = False, want_logits: bool = False,
             mask: np.ndarray | None = None) -> SampleRow:
-        """mask: the sequence's allowed-token bitmask for this draw (engine/guidance.py), if any."""
+        """The draw of output token `step` (its index in the sequence: a draw is keyed by seed and
+        step). mask: the sequence's allowed-token bitmask for it (engine/guidance.py), if any."""
         p = self.p
         return SampleRow(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                          repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                         frequency_penalty=p.frequency_penalty, seed=self.seed,
-                         step=self.step if step is None else step, logprobs=logprobs, want_logits=want_logits,
-                         mask=mask, logit_bias=self.logit_bias)
-
-    def observe(self, token: int) -> None:
-        """`token` was generated: count it (presence / frequency / repetition penalties)."""
-        if self.counts is not None:
-            self.counts[token] += 2
-
-    def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
-        x = np.asarray(logits[: self.vocab], np.float32)
-        if self.counts is None:
-            return x
-        return penalize(x, self.counts, row_constants(self.row(), self.vocab))
-
-    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
-        """Draw this sequence's next token from raw logits on the host (the twin of the kernels);
-        each call uses the next draw of the sequence's random stream."""
-        tok = sample_logits(np.asarray(logits[: self.vocab], np.float32), self.row(mask=mask), self.counts)
-        self.step += 1
-        return tok
+                         frequency_penalty=p.frequency_penalty, seed=self.seed, step=step,
+                         logprobs=logprobs, want_logits=want_logits, mask=mask, logit_bias=self.logit_bias)
 
 
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -164,12 +164,12 @@ def test_kernel_params_name_the_packed_constraints():
 
 def test_sampling_params_logit_bias():
     p = SamplingParams(logit_bias={"7": 5, 3: -100.0, "11": 0.5}).validate(50)
-    s = Sampler(p, [1, 2], 50)
-    b = s.row().logit_bias
+    s = Sampler(p, 50)
+    b = s.row(0).logit_bias
     assert b.ids.tolist() == [3, 7, 11] and b.values.tolist() == [-100.0, 5.0, 0.5]
-    assert not Sampler(SamplingParams().validate(50), [], 50).row().constrained
+    assert not Sampler(SamplingParams().validate(50), 50).row(0).constrained
     x = np.zeros(50, np.float32)
-    drawn = np.bincount([s.sample(x) for _ in range(300)], minlength=50)
+    drawn = np.bincount([sample_logits(x, s.row(i)) for i in range(300)], minlength=50)
     assert drawn[3] == 0 and np.argmax(drawn) == 7      # e^5 against 49 others near e^0
     for bad in ({"x": 1}, {"50": 1}, {"-1": 1}, {"3": 101}, {"3": float("nan")}, {"3": "big"}, [1, 2],
                 {str(i): 1 for i in range(2000)}):
@@ -178,15 +178,15 @@ def test_sampling_params_logit_bias():
         assert e.value.param == "logit_bias"
 
 
-def test_host_sampler_takes_the_mask():
-    """The first token of a sequence is drawn on the host from the prefill's logits: the mask
-    applies there too, and a masked draw still uses one draw of the sequence's stream."""
+def test_a_sequences_rows_take_the_mask():
+    """A sequence's draws (the first, from its prompt's last row, as the rest) take its mask,
+    sampled and greedy."""
     rng = np.random.default_rng(10)
     x = llm_like(rng, 1000)
     allowed = np.zeros(1000, bool)
     allowed[[10, 20, 30]] = True
-    s = Sampler(SamplingParams(seed=4, temperature=0.9).validate(1000), [], 1000)
-    toks = [s.sample(x, mask=to_mask(allowed)) for _ in range(30)]
-    assert set(toks) <= {10, 20, 30} and s.step == 30
-    g = Sampler(SamplingParams(temperature=0.0).validate(1000), [], 1000)
-    assert g.sample(x, mask=to_mask(allowed)) == [10, 20, 30][int(np.argmax(x[[10, 20, 30]]))]
+    s = Sampler(SamplingParams(seed=4, temperature=0.9).validate(1000), 1000)
+    toks = [sample_logits(x, s.row(i, mask=to_mask(allowed))) for i in range(30)]
+    assert set(toks) <= {10, 20, 30} and len(set(toks)) > 1
+    g = Sampler(SamplingParams(temperature=0.0).validate(1000), 1000)
+    assert sample_logits(x, g.row(0, mask=to_mask(allowed))) == [10, 20, 30][int(np.argmax(x[[10, 20, 30]]))]

@@ -1,16 +1,17 @@
-"""The NumPy sampler on controlled logits."""
+"""The sampling algorithm's NumPy twin on controlled logits, through a request's parameters."""
 
 import numpy as np
 import pytest
 
-from realizar_backend.backends.sampling import log_softmax
+from realizar_backend.backends.sampling import log_softmax, penalize, row_constants, sample_logits
 from realizar_backend.engine.sampling import Sampler, SamplingParams, token_logprobs
 from realizar_backend.errors import RequestError
 
 
-def draws(params, logits, n=4000, prompt=()):
-    s = Sampler(params, list(prompt), len(logits))
-    return np.bincount([s.sample(logits) for _ in range(n)], minlength=len(logits))
+def draws(params, logits, n=4000):
+    """Token counts of a sequence's first n draws from the same logits."""
+    s = Sampler(params, len(logits))
+    return np.bincount([sample_logits(logits, s.row(step)) for step in range(n)], minlength=len(logits))
 
 
 def test_temperature_one_follows_the_softmax():
@@ -39,19 +40,19 @@ def test_top_k_and_top_p_keep_only_the_head():
 
 def test_penalties_push_seen_tokens_down():
     logits = np.array([2.0, 1.9, -1.0, -1.1], dtype=np.float32)
-    s = Sampler(SamplingParams(temperature=0, repetition_penalty=1.5), [0, 2], 4)
-    out = s.apply_penalties(logits)
+    row = Sampler(SamplingParams(temperature=0, repetition_penalty=1.5), 4).row(0)
+    prompt = np.array([1, 0, 1, 0], np.int32)            # tokens 0 and 2 in the prompt
+    out = penalize(logits, prompt, row_constants(row, 4))
     assert out[0] == pytest.approx(2.0 / 1.5) and out[2] == pytest.approx(-1.5)
-    assert s.sample(logits) == 1
-    s = Sampler(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.2), [], 4)
-    s.observe(0)
-    s.observe(0)
-    assert s.apply_penalties(logits)[0] == pytest.approx(2.0 - 1.0 - 0.2)
+    assert sample_logits(logits, row, prompt) == 1
+    row = Sampler(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.2), 4).row(2)
+    twice = np.array([4, 0, 0, 0], np.int32)             # token 0 generated twice
+    assert penalize(logits, twice, row_constants(row, 4))[0] == pytest.approx(2.0 - 1.0 - 0.2)
 
 
 def test_same_seed_same_draws():
     logits = np.random.default_rng().standard_normal(100).astype(np.float32)
-    a = [Sampler(SamplingParams(seed=99), [], 100).sample(logits) for _ in range(5)]
+    a = [sample_logits(logits, Sampler(SamplingParams(seed=99), 100).row(0)) for _ in range(5)]
     assert len(set(a)) == 1
 
 

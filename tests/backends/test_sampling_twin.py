@@ -163,28 +163,25 @@ def test_penalties_formula():
     want = [2.0 / 1.5, -1.5, 0.5 / 1.5 - (0.25 * 2 + 0.5), 3.0, -3.0 - (0.25 + 0.5)]
     assert y == pytest.approx(want, rel=1e-6)
     # a greedy row with penalties takes the argmax of the penalised logits
-    s = Sampler(SamplingParams(temperature=0, repetition_penalty=10.0), [3], 5)
-    assert s.sample(x) == 0
+    row = Sampler(SamplingParams(temperature=0, repetition_penalty=10.0), 5).row(0)
+    assert sample_logits(x, row, np.array([0, 0, 0, 1, 0], np.int32)) == 0
 
 
-def test_sampler_counts_prompt_and_output():
-    s = Sampler(SamplingParams(presence_penalty=1.0, repetition_penalty=1.2), [1, 1, 4], 6)
-    s.observe(2)
-    s.observe(2)
-    assert s.counts.tolist() == [0, 1, 4, 0, 1, 0]
-    assert not Sampler(SamplingParams(), [1], 6).needs_counts
+def test_sampler_says_which_requests_need_counts():
+    assert Sampler(SamplingParams(presence_penalty=1.0, repetition_penalty=1.2), 6).needs_counts
+    assert not Sampler(SamplingParams(), 6).needs_counts
 
 
 def test_seeds_reproduce_and_steps_vary():
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(1000) * 1.5).astype(np.float32)
-    a = [Sampler(SamplingParams(seed=77), [], 1000) for _ in range(2)]
-    seq_a = [a[0].sample(x) for _ in range(30)]
-    assert seq_a == [a[1].sample(x) for _ in range(30)]
+    a = [Sampler(SamplingParams(seed=77), 1000) for _ in range(2)]
+    seq_a = [sample_logits(x, a[0].row(i)) for i in range(30)]
+    assert seq_a == [sample_logits(x, a[1].row(i)) for i in range(30)]
     assert len(set(seq_a)) > 5
-    seq_b = [Sampler(SamplingParams(seed=78), [], 1000).sample(x) for _ in range(30)]
-    assert seq_a != seq_b
-    assert Sampler(SamplingParams(seed=-1), [], 10).seed == (1 << 64) - 1
+    b = Sampler(SamplingParams(seed=78), 1000)
+    assert seq_a != [sample_logits(x, b.row(i)) for i in range(30)]
+    assert Sampler(SamplingParams(seed=-1), 10).seed == (1 << 64) - 1
     # a draw depends on (seed, step) only, not on the rows beside it
     rows = [SampleRow(seed=9, step=3, top_p=0.9), SampleRow(seed=10, step=3)]
     both = sample_rows(np.stack([x, x[::-1]]), rows)
@@ -250,6 +247,55 @@ def test_cpu_backend_counts_the_fed_token(smol_model):
     assert np.array_equal(be.counts[1], want)
     ref = be.decode([1], [first], [4])[0]
     assert res.tokens[0] == sample_logits(ref, row, want)
+
+
+def test_cpu_prefill_samples_each_finished_prompt(smol_model):
+    """prefill_sample draws each finished prompt's first token from its last row as the twin draws
+    it from prefill's logits (greedy with a bias, sampled with penalties on the slot's prompt
+    counts and filters, masked): only tokens, logprobs and the asked-for logits come back; a
+    chunk in the middle of a prompt draws nothing, and its prompt's last chunk draws the token
+    the whole prompt gives."""
+    from realizar_backend.backends.base import LogitBias, PrefillItem
+    from realizar_backend.backends.cpu import CPUBackend
+    from realizar_backend.backends.sampling import mask_words, raw_logprobs
+    from support.paging import contiguous_tables
+    be = contiguous_tables(CPUBackend(smol_model, max_slots=4, max_context=32))
+    V = be.config.vocab_size
+    prompts = [np.array(p, np.int32) for p in ([1, 9690, 314, 253], [1, 504, 3458, 314, 1523, 30],
+                                               [1, 2, 3, 4, 5], [1, 9690, 314, 253, 4000, 17])]
+    items = [PrefillItem(s, p) for s, p in enumerate(prompts)]
+    logits = be.prefill(items)[:, :V]
+    allowed = np.argsort(-logits[3])[5:40]                    # the head of the row, its top five banned
+    mask = np.zeros(mask_words(V), np.int32)
+    np.bitwise_or.at(mask, allowed >> 5, (np.uint32(1) << (allowed & 31).astype(np.uint32)).view(np.int32))
+    bias = LogitBias(np.array([int(np.argsort(-logits[0])[3])], np.int32), np.array([30.0], np.float32))
+    rows = [SampleRow(temperature=0.0, logit_bias=bias),
+            SampleRow(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                      seed=5, logprobs=True),
+            None,
+            SampleRow(temperature=1.2, min_p=0.01, seed=7, mask=mask, want_logits=True)]
+    be.reset_counts(1, prompts[1])
+    res = be.prefill_sample(items, rows)
+    prompt_counts = np.zeros(V, np.int32)
+    prompt_counts[prompts[1]] = 1
+    assert int(res.tokens[0]) == bias.ids[0]
+    assert [int(t) for t in res.tokens] == [sample_logits(logits[0], rows[0]),
+                                            sample_logits(logits[1], rows[1], prompt_counts), -1,
+                                            sample_logits(logits[3], rows[3])]
+    assert int(res.tokens[3]) in allowed
+    lp, top, top_lp = raw_logprobs(logits[1], int(res.tokens[1]))
+    assert res.logprobs[1] == pytest.approx(lp) and res.top_ids[1] == top
+    assert res.top_logprobs[1] == pytest.approx(top_lp)
+    assert np.isnan(res.logprobs[[0, 2, 3]]).all()
+    assert set(res.logits) == {3} and np.array_equal(res.logits[3], logits[3])
+    # the same prompt in two chunks: the first draws nothing, the last draws from its last row
+    p = prompts[1]
+    assert be.prefill_sample([PrefillItem(2, p[:4])], [None]).tokens.tolist() == [-1]
+    be.reset_counts(2, p)
+    last = be.prefill_sample([PrefillItem(2, p[4:], 4)], [rows[1]])
+    tail = be.prefill([PrefillItem(2, p[4:], 4)])[0, :V]
+    assert np.allclose(tail, logits[1], atol=1e-3)
+    assert int(last.tokens[0]) == sample_logits(tail, rows[1], prompt_counts)
 
 
 def _params_from_row_constants(rows, vocab, slots, tokens_in):

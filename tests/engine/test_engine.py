@@ -48,6 +48,59 @@ def test_greedy_engine_equals_plain_backend_loop(engine):
     assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 10
 
 
+FIRST_TOKEN_CASES = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9),
+                     dict(temperature=1.3, min_p=0.02), dict(temperature=0, repetition_penalty=1.8),
+                     dict(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+                     dict(temperature=0, logit_bias={"504": 8.0}), dict(temperature=1.0, logit_bias={"30": -100}),
+                     dict(temperature=0.7, logprobs=1), dict(temperature=0.7, logprobs=4), "grammar"]
+
+
+@pytest.mark.parametrize("case", FIRST_TOKEN_CASES, ids=str)
+def test_first_token_is_the_twins_draw_from_the_prompts_logits(engine, case):
+    """The backend samples a sequence's first token (no logits come to the engine): with a fixed
+    seed it is the token the host drew before, the NumPy twin's draw from the prompt's last-row
+    logits, with the prompt's tokens counted for the penalties, the logit bias and a grammar's
+    mask applied, logprobs of the raw distribution."""
+    from dataclasses import replace
+
+    from realizar_backend.backends.sampling import sample_logits
+    from realizar_backend.engine.guidance import Constraint
+    from realizar_backend.engine.sampling import Sampler, token_logprobs
+    prompt = "Name a colour:"          # < one KV block: no prefix-cache hit, the whole prompt runs
+    kw = dict(constraint=Constraint("regex", "(red|green|blue|yellow) ?[a-z]*"), temperature=0.9) \
+        if case == "grammar" else dict(case)
+    ids = engine.tokenizer.encode(prompt)
+    be = engine.backend
+    slot = be.max_slots - 1   # the engine is idle: any slot and free block is ours for a moment
+    engine.kv.allocate("plain", lambda a, b: ids[a:b], len(ids))
+    be.set_block_table(slot, engine.kv.table("plain"))
+    logits = be.prefill([PrefillItem(slot, np.array(ids, dtype=np.int32), 0)])[0, :engine.config.vocab_size]
+    be.release(slot)
+    engine.kv.free("plain")
+    V = engine.config.vocab_size
+    for seed in range(5):
+        text, outs = run(engine, prompt, max_tokens=1, seed=seed, **kw)
+        params = SamplingParams(seed=seed, **kw).validate(V)
+        row = Sampler(params, V).row(0)
+        counts = np.zeros(V, np.int32)
+        counts[ids] = 1
+        mask = None
+        if case == "grammar":
+            guide = engine.guidance.guide(params.constraint)
+            mask = guide.compute_mask().copy()
+            engine.guidance.release(guide)
+        want = sample_logits(logits, replace(row, mask=mask), counts if row.penalties else None)
+        assert outs[0].token_ids == [want], (seed, text)
+        if params.logprobs is not None:
+            (_, lp, top), = outs[0].logprobs
+            chosen, top_want = token_logprobs(logits, want, params.logprobs)
+            assert lp == pytest.approx(chosen, abs=1e-4)
+            assert [engine.tokenizer.token_text(i) for i, _ in top_want] == [t for t, _ in top]
+            assert [v for _, v in top] == pytest.approx([v for _, v in top_want], abs=1e-4)
+    if case == "grammar":
+        assert engine.tokenizer.decode([want])[:1] in ("r", "g", "b", "y")
+
+
 def test_concurrent_requests_match_their_solo_runs(engine):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(6)]
     solo = [run(engine, p, max_tokens=8, temperature=0)[0] for p in prompts]

@@ -20,6 +20,7 @@ from ...errors import BackendError, UnsupportedModelError
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
+from ..sampling import drop_unsampled, fill_rows
 from . import ops, pdl
 from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs, PrefillGraphs
@@ -201,6 +202,47 @@ class CUDABackend:
         if len(items) > self.ws.max_rows:
             out = [self.prefill(items[i:i + self.ws.max_rows]) for i in range(0, len(items), self.ws.max_rows)]
             return np.concatenate(out)
+        with self.device, self.stream:
+            self._prefill_forward(items)
+            return self.ws.logits[:len(items)].get()
+
+    def prefill_sample(self, items: Sequence[PrefillItem], rows: Sequence[SampleRow | None],
+                       prepare: Callable[[], None] | None = None) -> SampleResult:
+        """A prompt step whose finished prompts' last rows are sampled on the device by the decode
+        steps' sampler (prepare runs on the host while the forward pass runs): 16 bytes a row come
+        back, 4 when every row is a plain argmax (the LM head's own), plus the logits of rows that
+        want them; never the other rows' logits. The sampling writes no decode input (a new
+        sequence joins a decode step with its token from the host)."""
+        n = len(items)
+        if len(rows) != n:
+            raise ValueError("one SampleRow (or None) per prefill item")
+        if n > self.sampler.max_rows:
+            raise ValueError(f"{n} prefill items; at most {self.sampler.max_rows} sample at once")
+        if n == 0:
+            nan = np.zeros(0, np.float32)
+            return SampleResult(np.zeros(0, np.int32), nan, np.zeros(0, np.int32), nan.copy(), {})
+        full = fill_rows(rows)
+        with self.device, self.stream:
+            self._prefill_forward(items)
+            if prepare is not None:
+                prepare()
+            if all(r.greedy and not (r.penalties or r.constrained or r.logprobs or r.want_logits) for r in full):
+                top = self.ws.argmax[:n].get()
+                nan = np.full(n, np.nan, np.float32)
+                res = SampleResult(top.copy(), nan, top, nan.copy(), {})
+            else:
+                self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
+                                    full, [it.slot for it in items], None, self.stream)
+                kept = {i: self.ws.logits[i].get() for i, r in enumerate(full) if r.want_logits}
+                # the sampler's other result buffer: a launched step's results (at most one is
+                # unfinished, the protocol's order) stay intact
+                toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
+                res = SampleResult(toks, lps, top_ids, top_lps, kept)
+        return drop_unsampled(res, rows)
+
+    def _prefill_forward(self, items: Sequence[PrefillItem]) -> None:
+        """Enqueue a prompt step of at most ws.max_rows items (device and stream current): item i's
+        logits in ws.logits[i], their argmax in ws.argmax[i]."""
         toks, pos, slots, last = [], [], [], []
         for it in items:
             t = np.asarray(it.tokens, dtype=np.int32).reshape(-1)
@@ -224,19 +266,16 @@ class CUDABackend:
         toks.append(np.zeros(pad, np.int32))
         pos.append(np.arange(pad, dtype=np.int32) % min(self.block_size, self.max_context))
         slots.append(np.full(pad, self.kv.scratch_slot, np.int32))
-        with self.device, self.stream:
-            self.ws.ensure(rows)
-            self.ws.tokens[:rows].set(np.concatenate(toks))
-            self.ws.positions[:rows].set(np.concatenate(pos))
-            self.ws.slots[:rows].set(np.concatenate(slots))
-            self.ws.last_idx[:n_head].set(np.asarray(last, np.int32))
-            self.fwd.max_pos = max_pos          # the attention plan's splits: the key's
-            self.prefill_graphs.run(*key)
-            logits = self.ws.logits[:len(items)].get()
+        self.ws.ensure(rows)
+        self.ws.tokens[:rows].set(np.concatenate(toks))
+        self.ws.positions[:rows].set(np.concatenate(pos))
+        self.ws.slots[:rows].set(np.concatenate(slots))
+        self.ws.last_idx[:n_head].set(np.asarray(last, np.int32))
+        self.fwd.max_pos = max_pos          # the attention plan's splits: the key's
+        self.prefill_graphs.run(*key)
         # a started sampled step's logits are gone (it can no longer be launched); one launched
         # already is intact, and so are the decode inputs a continuation reads
         self._prefill_at = self._step_id
-        return logits
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> int:
         n = len(slots)
