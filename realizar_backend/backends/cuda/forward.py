@@ -134,9 +134,10 @@ class Forward:
         return self._family[kernel]
 
     # ------------------------------------------------------------ attention
-    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool) -> None:
+    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool, sinks: int = 0) -> None:
         """ws.attn[:T] from ws.q, ws.k, ws.v: RoPE and the KV write (in the attention launch for
-        decode rows), then attention over the paged cache."""
+        decode rows), then attention over the paged cache (sinks: the layer's sink logits, fp32
+        [n_heads] on the device; 0: none)."""
         c, ws, kv, li = self.c, self.ws, self.kv.layer(spec.layer), spec.layer
         neox = spec.rope.style == "neox"
         fuse = decode and c.head_dim <= ops.ATT_MAXD
@@ -147,16 +148,16 @@ class Forward:
         args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
                 c.n_heads, c.n_kv_heads, c.head_dim, spec.scale, spec.window)
         if self.flash and fuse and self.long_decode:
-            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl)
+            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl, sinks=sinks)
         elif self.flash and not fuse:
             plan = self._prefill_plan(T, self.max_pos + 1)
             if self.pre_scratch.ensure(plan):
                 for cb in self.scratch_listeners:
                     cb()
-            flash.prefill(self.fk, plan, *args, self.pre_scratch, pdl=self.pdl)
+            flash.prefill(self.fk, plan, *args, self.pre_scratch, pdl=self.pdl, sinks=sinks)
         else:
             ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv, slots, pos, c.n_heads, c.n_kv_heads,
-                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl)
+                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl, sinks=sinks)
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int, long: bool = False) -> None:
@@ -230,9 +231,7 @@ class StepOps:
         return y
 
     def attention(self, q, k, v, spec: AttentionSpec, sinks=None):
-        if sinks is not None:
-            raise NotImplementedError("attention sinks on the GPU")      # support.py refuses such models
-        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode)
+        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode, sinks or 0)
         return self.fwd.ws.attn
 
     def linear_residual(self, a, w, x, post_norm, bias=None):

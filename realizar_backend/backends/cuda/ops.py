@@ -289,19 +289,21 @@ def rope_host_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.n
 
 
 def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: int,
-              H: int, KVH: int, D: int, scale: float, window: int, n: int, rope=None, pdl: bool = False) -> None:
+              H: int, KVH: int, D: int, scale: float, window: int, n: int, rope=None, pdl: bool = False,
+              sinks: int = 0) -> None:
     """out (fp32): row t attends to positions [0, positions[t]] of the sequence in slots[t] (paged:
     kv's tables). rope = (k, v, rope_dim, neox, table): decode rows (one per sequence, attn_decode),
     RoPE of q and of the new k and the KV-cache write done here, from the unrotated q, k, v rows (no
     rope_kv launch); table: a rope_table(...) pointer. Without rope: prompt rows already in the
-    cache (attn_tile). The kernels' 8-bit and fp16 outputs are not used (null)."""
+    cache (attn_tile). sinks: fp32 [H], each head's sink logit in its softmax (0: none). The kernels'
+    8-bit and fp16 outputs are not used (null)."""
     if rope is None:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
         smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
         fn = k.attn_tile if D % 128 == 0 else k.attn_tile_v2      # 4 or 2 dims per lane: no idle lanes
         _launch(fn, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
                 (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
-                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(0)), smem, pdl)
+                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(0), _U64(sinks)), smem, pdl)
         return
     kin, vin, rope_dim, neox, table = rope
     if not table:
@@ -312,7 +314,7 @@ def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: 
             (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
              _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
              _U64(0), _U64(0), _U64(0), _U64(kin), _U64(vin), _I32(rope_dim),
-             _I32(int(neox)), _I32(1), _U64(table)), 0, pdl)
+             _I32(int(neox)), _I32(1), _U64(table), _U64(sinks)), 0, pdl)
 
 
 def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
