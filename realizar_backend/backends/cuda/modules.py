@@ -219,7 +219,8 @@ class Kernels:
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
         self._core += [build("elementwise.cu", ["spin_ns",
-                                                "act_mul", "gather_rows", "argmax_rows", "argmax_unpack",
+                                                "act_mul", "add_rows", "gather_rows", "argmax_rows",
+                                                "argmax_unpack",
                                                 "decode_io_merge"]),
                        build("norm.cu", ["rms_norm"]),
                        build("rope.cu", ["rope_kv"])]

@@ -219,23 +219,26 @@ def moe_topk(k: Kernels, logits: int, ls: int, T: int, E: int, top_k: int, renor
 
 
 def moe_gate_up(k: Kernels, gate: WeightRef, up: WeightRef, ids: int, top_k: int, pairs: int, x: int, xs: int,
-                a: int, as_: int, act: int) -> None:
-    """a[p] = act(gate_e @ x[p // top_k]) * (up_e @ x[p // top_k]) for each of `pairs` (row, expert)
-    pairs p, e = ids[p] (gate and up: stacks of experts of one type and shape)."""
+                a: int, as_: int, act: int, bg: int = 0, bu: int = 0) -> None:
+    """a[p] = act(gate_e @ x[p // top_k] + bg_e) * (up_e @ x[p // top_k] + bu_e) for each of `pairs`
+    (row, expert) pairs p, e = ids[p] (gate and up: stacks of experts of one type and shape; act 2:
+    the clamped SwiGLU of the two; bg, bu: float [experts, rows] biases, 0: none)."""
     if not same_shape(gate, up):
         raise ValueError(f"moe_gate_up: {gate.name} and {up.name} differ in type or shape")
     k.moe[("gate_up", gate.qtype)]((pairs, (gate.rows + MOE_WARPS - 1) // MOE_WARPS), (MOE_WARPS * 32,),
                                    (_U64(gate.ptr), _U64(up.ptr), _I64(gate.row_bytes), _I64(gate.expert_bytes),
                                     _I32(gate.experts), _I32(gate.rows), _I32(gate.cols), _U64(ids), _I32(top_k),
-                                    _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(act)))
+                                    _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(act), _U64(bg), _U64(bu)))
 
 
-def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xdiv: int, y: int, ys: int) -> None:
-    """y[p] = w_e @ x[p // xdiv] for each of `pairs` (row, expert) pairs p, e = ids[p] (w: a stack
-    of experts; xdiv 1: each pair its own input row, top_k: its token's)."""
+def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xdiv: int, y: int, ys: int,
+             bias: int = 0) -> None:
+    """y[p] = w_e @ x[p // xdiv] (+ bias_e) for each of `pairs` (row, expert) pairs p, e = ids[p] (w: a
+    stack of experts; xdiv 1: each pair its own input row, top_k: its token's; bias: float
+    [experts, w.rows], 0: none)."""
     k.moe[("gemv", w.qtype)]((pairs, (w.rows + MOE_WARPS - 1) // MOE_WARPS), (MOE_WARPS * 32,),
                              (_U64(w.ptr), _I64(w.row_bytes), _I64(w.expert_bytes), _I32(w.experts), _I32(w.rows),
-                              _I32(w.cols), _U64(ids), _U64(x), _I32(xs), _I32(xdiv), _U64(y), _I32(ys)))
+                              _I32(w.cols), _U64(ids), _U64(x), _I32(xs), _I32(xdiv), _U64(y), _I32(ys), _U64(bias)))
 
 
 def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int, T: int, H: int) -> None:
@@ -318,7 +321,13 @@ def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: 
 
 
 def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
+    """a = act(g) * u over n floats (act 2: the clamped SwiGLU of g and u)."""
     k.act_mul(((n + 255) // 256,), (256,), (_U64(g), _U64(u), _U64(a), _I64(n), _I32(act)))
+
+
+def add_rows(k: Kernels, x: int, xs: int, bias: int, n: int, width: int) -> None:
+    """x[b, :width] += bias (fp32 [width]) for n rows of stride xs."""
+    k.add_rows(((width + 255) // 256, n), (256,), (_U64(x), _I32(xs), _U64(bias), _I32(n), _I32(width)))
 
 
 def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) -> None:

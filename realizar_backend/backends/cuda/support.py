@@ -7,13 +7,13 @@ from __future__ import annotations
 from ...formats import ModelFile
 from .matrices import QTYPES
 
-# tensors the GPU's kernels have no operation for yet (the NumPy backend runs them): attention sinks,
-# output-projection biases, a router's or experts' biases, a shared expert
-UNSUPPORTED_TENSORS = ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
-                       "ffn_up_exps.bias", "ffn_down_exps.bias", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
-                       "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
-# the routed experts' activations the GPU kernels apply (kernels/common.cuh act_f)
-MOE_ACTIVATIONS = ("silu", "gelu_tanh")
+# tensors the GPU's kernels have no operation for yet (the NumPy backend runs them): a shared expert
+UNSUPPORTED_TENSORS = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+                       "ffn_gate_inp_shexp.weight")
+# the dense MLPs' activations the GPU kernels apply (kernels/common.cuh act_f)
+DENSE_ACTIVATIONS = ("silu", "gelu_tanh")
+# the routed experts' activations (common.cuh gated_f: those, and gpt-oss's clamped SwiGLU)
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 # experts a token takes that the GPU's routing holds (kernels/moe.cu MOE_MAX_K: one per lane)
 MOE_MAX_K = 32
 
@@ -28,16 +28,17 @@ def refusal(mf: ModelFile) -> str | None:
     c = mf.config
     if c.has_recurrent_state:
         return f"{c.arch}: the GPU backend does not run linear-attention hybrids yet"
-    if c.arch == "gpt-oss":
-        return ("gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped "
-                "SwiGLU experts or MXFP4 weights yet")
     if c.n_experts and c.activation not in MOE_ACTIVATIONS:
         return f"{c.arch}: the GPU backend has no {c.activation} experts yet"
+    if not c.n_experts and c.activation not in DENSE_ACTIVATIONS:
+        return f"{c.arch}: the GPU backend has no {c.activation} MLPs yet"
     if c.n_experts_used > MOE_MAX_K:
         return f"{c.arch}: {c.n_experts_used} experts a token; the GPU backend routes at most {MOE_MAX_K}"
     for name, t in mf.tensors.items():
         if name.startswith("blk.") and name.split(".", 2)[2] in UNSUPPORTED_TENSORS:
             return f"tensor {name}: the GPU backend has no kernel for it yet"
+        if c.post_norms and name.endswith("attn_output.bias"):
+            return f"tensor {name}: the GPU backend adds no output-projection bias before a post-norm yet"
         if len(t.shape) >= 2 and t.qtype not in QTYPES:
             return f"tensor {name}: type {t.type_name} has no GPU kernel yet"
     return None
