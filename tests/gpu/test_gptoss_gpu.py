@@ -32,13 +32,25 @@ def gptoss_model(request):
     return request.param, open_model(path)
 
 
-def test_the_gpu_runs_gptoss(gptoss_model):
+def test_the_gpu_runs_gptoss_with_the_oracles_yarn(gptoss_model):
+    """The GPU takes the model, and every layer's RoPE table on the device holds the cos/sin the NumPy
+    backend rotates by (YaRN: the ramp unrounded, mscale on both)."""
     from realizar_backend.backends.cuda.support import refusal
+    from realizar_backend.model.math import rope_angles
     name, model = gptoss_model
     c = model.config
     assert refusal(model) is None
     assert c.arch == "gpt-oss" and c.head_dim == 64 and c.activation == "swiglu_oai"
     assert [c.is_sliding(i) for i in range(c.n_layers)] == [True, False] and c.rope_scaling.kind == "yarn"
+    ctx = 512
+    cpu, gpu = _backends(model, slots=1, ctx=ctx)
+    try:
+        for li in range(c.n_layers):
+            cos, sin = rope_angles(np.arange(ctx), c.rope_dim, c.layer_rope_theta(li), c.layer_rope_scaling(li))
+            table = gpu.fwd.rope_tables[li].get()[:ctx]
+            assert np.array_equal(table[..., 0], cos) and np.array_equal(table[..., 1], sin), f"layer {li}"
+    finally:
+        gpu.close()
 
 
 def test_model_parity(gptoss_model, rng):
