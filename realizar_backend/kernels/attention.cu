@@ -21,6 +21,13 @@
 #define ATT_MAXD 256
 #define ATT_DV (ATT_MAXD / 64)   // 2-dim slices per lane for the largest head
 
+// the prompt tiles' dynamic shared memory (tests/host/cuda_emu.h hands out its own on the CPU)
+#ifdef REALIZAR_HOST_TEST
+#define ATT_DYN_SMEM(name) float* name = (float*)emu::dyn_smem()
+#else
+#define ATT_DYN_SMEM(name) extern __shared__ float name[]
+#endif
+
 // the block's shared memory (declared once per entry point: each instance of attn_body would have its own)
 struct AttSmem {
     float m[ATT_WARPS], l[ATT_WARPS], acc[ATT_WARPS][ATT_MAXD];
@@ -319,7 +326,7 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
                                                int KVH, int D, float scale, int window, int n,
                                                u16* o16, const float* __restrict__ sinks) {
     constexpr int DW = ATT_MAXD / (32 * VEC);             // slices of VEC dims per lane
-    extern __shared__ float att_sm[];
+    ATT_DYN_SMEM(att_sm);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     // the last tiles of a prompt see the most keys: they start first, so the short ones fill the tail
     const int t0 = (gridDim.x - 1 - blockIdx.x) * ATT_TQ, h = blockIdx.y, kh = h / (H / KVH);
