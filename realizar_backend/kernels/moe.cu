@@ -9,8 +9,8 @@
 //                    act: common.cuh gated_f, act(g) * u or gpt-oss's clamped SwiGLU)
 //   moe_gemv_<t>     per pair: y[p] = W_e . x[p / xdiv] + b_e  (the down projection: xdiv 1; gate or
 //                    up on its own where their types differ: xdiv k)
-// The experts' biases (gpt-oss; null pointers: none) are float [E, N], expert e's row r at e * N + r.
 //   moe_combine      x[t] += sum_j w[t, j] * y[t * k + j], j in order (deterministic, no atomics)
+// The experts' biases (gpt-oss; null pointers: none) are float [E, N], expert e's row r at e * N + r.
 // The per-pair GEMVs follow gemv.cu: one warp per output row, lanes over the row's 32-weight units
 // (common.cuh load_unit<QT>), here with the row's matrix found through the pair's expert id. Each
 // pair reads its expert's rows on its own (pairs that share an expert share them only through L2):
