@@ -83,8 +83,10 @@ python3 -c "import cupy, gguf, numpy; print('cupy', cupy.__version__, 'numpy', n
 export REALIZAR_TWINS=/tmp/twins
 # the tiny qwen3moe models of tests/gpu/test_moe.py, made where transformers is (tests/support/moe_models.py) and carried
 [ -d .device/moe ] && export REALIZAR_MOE_MODELS=$REPO/.device/moe
-# the tiny qwen35 hybrids of tests/gpu/test_hybrid_gpu.py (tests/support/hybrid_models.py), likewise
+# the tiny qwen35 hybrids of tests/gpu/test_hybrid_gpu.py (tests/support/hybrid_models.py) and gpt-oss
+# models of tests/gpu/test_gptoss_gpu.py (tests/support/gptoss_models.py), likewise made here and carried
 [ -d .device/hybrid ] && export REALIZAR_HYBRID_MODELS=$REPO/.device/hybrid
+[ -d .device/gptoss ] && export REALIZAR_GPTOSS_MODELS=$REPO/.device/gptoss
 [ -f "$SMOL" ] && export REALIZAR_REAL_SMOL=$SMOL
 # the prebuilt kernels, current for this tree (this machine's nvcc: 16 cores make it quick)
 before=$(sha256sum realizar_backend/kernels/cubin/manifest.json 2>/dev/null)

@@ -12,12 +12,21 @@
 // rt: cos/sin of every (position, pair), float2 [positions][rope_dim / 2] (ops.rope_table, made on
 // the host in float64 as the CPU backend makes them, rope scaling included): read before pdl_wait,
 // so the rotation costs no transcendental math on the step's critical path.
+// sinks (null: none): head h's sink logit (gpt-oss) joins each of its rows' softmax denominators and
+// weighs no value: exp(sink - M) added to the sum where the row is normalised.
 #include "common.cuh"
 #include "paged_kv.cuh"
 
 #define ATT_WARPS 16
 #define ATT_MAXD 256
 #define ATT_DV (ATT_MAXD / 64)   // 2-dim slices per lane for the largest head
+
+// the prompt tiles' dynamic shared memory (tests/host/cuda_emu.h hands out its own on the CPU)
+#ifdef REALIZAR_HOST_TEST
+#define ATT_DYN_SMEM(name) float* name = (float*)emu::dyn_smem()
+#else
+#define ATT_DYN_SMEM(name) extern __shared__ float name[]
+#endif
 
 // the block's shared memory (declared once per entry point: each instance of attn_body would have its own)
 struct AttSmem {
@@ -33,7 +42,8 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
                                           const int* __restrict__ bt, int max_blocks, int bs_log2, int H, int KVH,
                                           int D, float scale, int window, int n, i8* oq, float2* od, u16* o16,
                                           const float* __restrict__ kin, const float* __restrict__ vin, int rope_dim,
-                                          int style, int fuse, const float2* __restrict__ rt, AttSmem& sm) {
+                                          int style, int fuse, const float2* __restrict__ rt,
+                                          const float* __restrict__ sinks, AttSmem& sm) {
     float *sm_m = sm.m, *sm_l = sm.l, *rq = sm.rq, *rk = sm.rk, *rv = sm.rv;
     float(&sm_acc)[ATT_WARPS][ATT_MAXD] = sm.acc;
     int t = blockIdx.x, h = blockIdx.y;
@@ -225,6 +235,7 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         f[w] = sm_l[w] > 0.0f ? expf(sm_m[w] - M) : 0.0f;  // a warp with no keys has m = -inf
         L += sm_l[w] * f[w];
     }
+    if (sinks) L += expf(sinks[h] - M);
     // D is a multiple of 32 and at most ATT_MAXD <= 32 * ATT_WARPS: warp w finishes dims 32w..32w+31 and,
     // if asked, writes them as one 8-bit block (the o-projection input) and/or fp16 (prefill GEMM)
     long long ob = ((long long)t * H + h) * D;
@@ -255,23 +266,23 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                 const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
                 int window, int n, i8* oq, float2* od, u16* o16, const float* kin, const float* vin, int rope_dim,
-                int style, int fuse, const float2* rt) {
+                int style, int fuse, const float2* rt, const float* sinks) {
     __shared__ AttSmem sm;
 #ifdef ATT_HEAD_DIM
     // the loader compiles the model's head size only (one body: a third of the compile time)
     constexpr int dv = ATT_HEAD_DIM <= 64 ? 1 : (ATT_HEAD_DIM <= 128 ? 2 : ATT_DV);
     attn_body<dv == ATT_DV ? 4 : 8, dv>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq,
-                                        od, o16, kin, vin, rope_dim, style, fuse, rt, sm);
+                                        od, o16, kin, vin, rope_dim, style, fuse, rt, sinks, sm);
 #else
     if (D <= 64)
         attn_body<8, 1>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                        vin, rope_dim, style, fuse, rt, sm);
+                        vin, rope_dim, style, fuse, rt, sinks, sm);
     else if (D <= 128)
         attn_body<8, 2>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                        vin, rope_dim, style, fuse, rt, sm);
+                        vin, rope_dim, style, fuse, rt, sinks, sm);
     else
         attn_body<4, ATT_DV>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16,
-                             kin, vin, rope_dim, style, fuse, rt, sm);
+                             kin, vin, rope_dim, style, fuse, rt, sinks, sm);
 #endif
 }
 #endif
@@ -313,9 +324,9 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
                                                const int* __restrict__ slots, const int* __restrict__ positions,
                                                const int* __restrict__ bt, int max_blocks, int bs_log2, int H,
                                                int KVH, int D, float scale, int window, int n,
-                                               u16* o16) {
+                                               u16* o16, const float* __restrict__ sinks) {
     constexpr int DW = ATT_MAXD / (32 * VEC);             // slices of VEC dims per lane
-    extern __shared__ float att_sm[];
+    ATT_DYN_SMEM(att_sm);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     // the last tiles of a prompt see the most keys: they start first, so the short ones fill the tail
     const int t0 = (gridDim.x - 1 - blockIdx.x) * ATT_TQ, h = blockIdx.y, kh = h / (H / KVH);
@@ -410,7 +421,7 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
             m = mn;
         }
         if (live) {
-            const float inv = 1.0f / l;
+            const float inv = 1.0f / (sinks ? l + expf(sinks[h] - m) : l);
             const long long ob = ((long long)r * H + h) * D;
 #pragma unroll
             for (int i = 0; i < DW; ++i) {
@@ -433,8 +444,9 @@ __device__ __forceinline__ void attn_tile_body(const float* __restrict__ q, floa
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
               const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
-              int window, int n, u16* o16) {
-    attn_tile_body<4>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, o16);
+              int window, int n, u16* o16, const float* sinks) {
+    attn_tile_body<4>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, o16,
+                      sinks);
 }
 #endif
 
@@ -442,7 +454,8 @@ extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
 extern "C" __global__ void __launch_bounds__(ATT_TQ * 32, 2)
     attn_tile_v2(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                  const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
-              int window, int n, u16* o16) {
-    attn_tile_body<2>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, o16);
+              int window, int n, u16* o16, const float* sinks) {
+    attn_tile_body<2>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, o16,
+                      sinks);
 }
 #endif

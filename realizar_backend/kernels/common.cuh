@@ -152,6 +152,21 @@ __device__ __forceinline__ float gelu_tanh_f(float g) {
 
 __device__ __forceinline__ float act_f(float g, int act) { return act ? gelu_tanh_f(g) : silu_f(g); }
 
+// gpt-oss's clamped SwiGLU (model/math.py swiglu_oai, the experts' activation code 2): the gate
+// clamped from above and up both ways at the limit, then g * sigmoid(alpha g) * (up + 1). The
+// comparisons keep a NaN a NaN, as NumPy's clip does.
+#define ACT_SWIGLU_OAI 2
+#define SWIGLU_OAI_ALPHA 1.702f
+#define SWIGLU_OAI_LIMIT 7.0f
+
+// act(g) * u for the activation codes 0 and 1 (act_f), the clamped SwiGLU of g and u for code 2
+__device__ __forceinline__ float gated_f(float g, float u, int act) {
+    if (act != ACT_SWIGLU_OAI) return act_f(g, act) * u;
+    g = g > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : g;
+    u = u > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : (u < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : u);
+    return g / (1.0f + expf(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0f);
+}
+
 // Sum (is_max = 0) or max of v over the block, returned to every thread; sm: 32 floats of shared
 // memory. Block-uniform barriers.
 __device__ __forceinline__ float block_reduce(float v, int is_max, float* sm) {

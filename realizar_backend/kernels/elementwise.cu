@@ -1,13 +1,22 @@
-// Small glue kernels: activation * up for the GEMVs of float matrices, a gated attention's query and
-// gate apart and its output gate, row gather (each prompt's last hidden state), a continuation's
-// decode inputs, and greedy argmax.
+// Small glue kernels: activation * up for the GEMVs of float matrices, a bias added to rows, a gated
+// attention's query and gate apart and its output gate, row gather (each prompt's last hidden state),
+// a continuation's decode inputs, and greedy argmax.
 #include "common.cuh"
 
-// a = act(g) * u, elementwise over n values (act 0 = SiLU, 1 = GELU-tanh)
+// a = act(g) * u, elementwise over n values (act 0 = SiLU, 1 = GELU-tanh; 2: the clamped SwiGLU of
+// g and u, common.cuh gated_f)
 extern "C" __global__ void act_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ a,
                                    long long n, int act) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) a[i] = act_f(g[i], act) * u[i];
+    if (i < n) a[i] = gated_f(g[i], u[i], act);
+}
+
+// x[b, :width] += bias, for n rows of stride xs (an output projection's bias, gpt-oss: added after its
+// projection into the residual, whichever kernel family ran it)
+extern "C" __global__ void add_rows(float* __restrict__ x, int xs, const float* __restrict__ bias, int n, int width) {
+    int b = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b < n && c < width) x[(long long)b * xs + c] += bias[c];
 }
 
 // A gated attention's q projection (qwen35) gives each head [query | gate]: src [rows][heads][2][D]

@@ -5,6 +5,8 @@
 // ldmatrix. Shared rows are padded by 16 bytes: the 8 rows of an ldmatrix matrix then start on 8
 // distinct bank groups. q is scaled by scale * log2(e) before it is rounded to fp16, so scores are
 // in the log2 domain and the online softmax (fp32) uses exp2.
+// Sinks (gpt-oss): one learned logit per q head joins each row's softmax denominator and weighs no
+// value; it is added where a row's output is normalised (fl_sink_sum), so partials stay sink-free.
 // Split-K: a row's keys may be split over several blocks; each writes a partial (its O, not yet
 // divided by l, and its running max m and sum l) and the last block of a group to finish (an atomic
 // counter, reset to 0 by that block, so a captured graph replays with zeroed counters) combines them.
@@ -165,6 +167,13 @@ __device__ __forceinline__ void fl_kfrag(u32 (&b)[4], const u16* ks, int lds, in
     fl_ldsm(b, ks + (n0 + (lane & 7) + (lane >> 4) * 8) * lds + kk * 16 + ((lane >> 3) & 1) * 8);
 }
 
+// A row's softmax denominator: the keys' sum L at running max M (log2 domain) plus its head's sink
+// logit (sink: natural units, as the model stores it; null: none). 2^(s - M) may overflow to inf
+// when the sink dwarfs every key: the output then goes to 0, its limit.
+__device__ __forceinline__ float fl_sink_sum(float L, float M, const float* sink) {
+    return sink ? L + exp2f(*sink * FL_LOG2E - M) : L;
+}
+
 // Lane `lane` of a warp holds dim 32 c + lane of one output row; out/o16/oq point at the row's
 // start, od at its first 8-bit block's (d, sum) pair. Any of them may be null (oq and od together).
 __device__ __forceinline__ void fl_store32(float v, int c, int lane, float* out, u16* o16, i8* oq, float2* od) {
@@ -178,12 +187,14 @@ __device__ __forceinline__ void fl_store32(float v, int c, int lane, float* out,
 // the D floats at po + i * po_split + r * po_item, its (m, l) at pml[i * ml_split + r * ml_item].
 // dst_o null: the result is normalised and stored as the final output (row r at out + r * out_item,
 // likewise o16 and oq, od + r * out_item / 32). Otherwise it stays unnormalised, a partial of the
-// next level: row r at dst_o + r * D, its (M, L) at dst_ml[r]. Every thread of the block calls it.
+// next level: row r at dst_o + r * D, its (M, L) at dst_ml[r]. sk (final output only; null: none):
+// row r's sink logit at sk[r * sk_step]. Every thread of the block calls it.
 // Partials come through L2 (__ldcg): other blocks wrote them. wsm: shared, (FL_MAXC + 1) * nitem.
 template <int D>
 __device__ void fl_combine(int nitem, int cnt, const float* po, long long po_split, long long po_item,
                            const float2* pml, long long ml_split, long long ml_item, float* out, u16* o16, i8* oq,
-                           float2* od, long long out_item, float* dst_o, float2* dst_ml, float* wsm) {
+                           float2* od, long long out_item, float* dst_o, float2* dst_ml, float* wsm,
+                           const float* sk = nullptr, int sk_step = 0) {
     const int tid = threadIdx.x, nth = blockDim.x;
     for (int r = tid; r < nitem; r += nth) {
         float m[FL_MAXC], l[FL_MAXC], M = -INFINITY;
@@ -201,7 +212,7 @@ __device__ void fl_combine(int nitem, int cnt, const float* po, long long po_spl
             if (i < cnt) wsm[i * nitem + r] = w;
             L += w * l[i];
         }
-        wsm[cnt * nitem + r] = L;
+        wsm[cnt * nitem + r] = dst_o ? L : fl_sink_sum(L, M, sk ? sk + r * sk_step : nullptr);
         if (dst_o) dst_ml[r] = make_float2(M, L);
     }
     __syncthreads();

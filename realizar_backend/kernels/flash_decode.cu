@@ -26,6 +26,8 @@
 // row another block writes. The K/V copies and the cos/sin reads start before pdl_wait (cached rows
 // and a constant table, which the kernel before does not write), then every q load at once; fuse ==
 // 0 (q roped and the cache written by rope_kv): the copies after it.
+// sinks (null: none): each q head's sink logit joins its row's softmax denominator wherever the row's
+// output is normalised: single pass, combine, or cluster combine (flash.cuh fl_sink_sum).
 //
 // Entry points flash_decode_d<D>_q<QS>; QS = 1 (the default) splits q into hi + lo fp16 parts: the
 // scores then carry fp32-like accuracy, at no cost in a kernel that waits on memory.
@@ -59,7 +61,7 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
                                                float* recv, unsigned long long* bar, int w, int lane, int C,
                                                int rank, int cl, int maxcl, int ncl, int G, long long rowp,
                                                float* out, u16* o16, i8* oq, float2* od, long long head0,
-                                               u64* ll, int* counters, int spin) {
+                                               u64* ll, int* counters, int spin, const float* sk) {
     constexpr int SL = D / 32, REC = 34;                          // slices per head; floats per slice copy
     const int nsl = G * SL, nmax = (nsl + C - 1) / C;
     const int nown = rank < nsl ? (nsl - rank + C - 1) / C : 0;   // slices this block owns
@@ -111,7 +113,7 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
         }
         if (ncl == 1) {
             const long long ob = (head0 + gg) * D;
-            fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr,
+            fl_store32(v / fl_sink_sum(L, M, sk ? sk + gg : nullptr), c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr,
                        od ? od + (ob >> 5) : nullptr);
         } else {
             u64* mine = ll + (rowp * maxcl + cl) * cs + (long long)x * REC;
@@ -193,8 +195,8 @@ __device__ __forceinline__ void fl_decode_cluster(const float* ow, const float (
                 }
             }
             const long long ob = (head0 + gg) * D;
-            fl_store32(v / L, c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
-                       oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
+            fl_store32(v / fl_sink_sum(L, M, sk ? sk + gg : nullptr), c, lane, out ? out + ob : nullptr,
+                       o16 ? o16 + ob : nullptr, oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
             for (int i = 0; i < ncl; ++i) {                       // consumed: the next launch finds zeros
                 src[i * cs + lane] = 0ull;
                 if (lane < 2) src[i * cs + 32 + lane] = 0ull;
@@ -211,7 +213,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                                           const int* __restrict__ positions, int n, int H, int KVH, float scale,
                                           int window, const float2* __restrict__ rt, int rope_dim, int style,
                                           int fuse, float* part_o, float2* part_ml, int* counters, int single_max,
-                                          int split_keys, int spin) {
+                                          int split_keys, int spin, const float* sinks) {
     // NST shared-memory stages per warp: 3 (a block has 192 keys in flight from its prologue on, so
     // a row of up to 192 keys costs one memory latency), 2 for 256-dim heads (shared memory)
     constexpr int LDS = D + 8, NT = 32 * FLD_NW, KD = D / 16, CPR = D / 8, NST = D <= 128 ? 3 : 2;
@@ -233,6 +235,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
     const int s = blockIdx.x, kh = blockIdx.y, t = blockIdx.z, G = H / KVH, S = gridDim.x;
     if (t >= n) return;
+    const float* sk = sinks ? sinks + kh * G : nullptr;           // the group's heads' sink logits
     const int pos = positions[t], slot = slots[t];
     const int start = window > 0 ? max(0, pos - window + 1) : 0, nk = pos - start + 1;
     int chunk = nk, nsplit = 1;
@@ -458,7 +461,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         // the flagged words after the counters (an even count: 8-byte aligned; flash.py plan_decode)
         u64* ll = (u64*)(counters + (long long)n * KVH * G * (D / 32));
         fl_decode_cluster<D>(ow, s_m, s_l, recv, &s_bar, w, lane, C, rank, s / C, S / C, ncl, G,
-                             (long long)t * KVH + kh, out, o16, oq, od, t * H + kh * G, ll, counters, spin);
+                             (long long)t * KVH + kh, out, o16, oq, od, t * H + kh * G, ll, counters, spin, sk);
         return;
     }
     if (tid < 16) {
@@ -484,7 +487,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         for (int ww = 0; ww < FLD_NW; ++ww) v += s_f[ww][gg] * ow[(ww * 16 + gg) * D + d];
         if (nsplit == 1) {
             const long long ob = ((long long)t * H + kh * G + gg) * D;
-            fl_store32(v / s_L[gg], c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
+            fl_store32(v / fl_sink_sum(s_L[gg], s_M[gg], sk ? sk + gg : nullptr), c, lane, out ? out + ob : nullptr, o16 ? o16 + ob : nullptr,
                        oq ? oq + ob : nullptr, od ? od + (ob >> 5) : nullptr);
         } else {
             part_o[(rowp * S + s) * pG + (long long)gg * D + d] = v;
@@ -506,7 +509,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     const long long src = rowp * S + (long long)grp * FL_MAXC;
     if (ng == 1) {
         fl_combine<D>(G, members, part_o + src * pG, pG, D, part_ml + src * G, G, 1, fo, f16, fq, fd, D, nullptr,
-                      nullptr, s_w);
+                      nullptr, s_w, sk, 1);
         return;
     }
     // level 2: group partials after the split partials: [n][KVH][maxg][G][D] and [n][KVH][maxg][G]
@@ -515,19 +518,20 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     fl_combine<D>(G, members, part_o + src * pG, pG, D, part_ml + src * G, G, 1, nullptr, nullptr, nullptr, nullptr,
                   0, g_o + grp * pG, g_ml + grp * G, s_w);
     if (!fl_arrive_last(cnt_row, ng, &s_flag)) return;
-    fl_combine<D>(G, ng, g_o, pG, D, g_ml, G, 1, fo, f16, fq, fd, D, nullptr, nullptr, s_w);
+    fl_combine<D>(G, ng, g_o, pG, D, g_ml, G, 1, fo, f16, fq, fd, D, nullptr, nullptr, s_w, sk, 1);
 }
 
 #define FL_DECODE_ARGS                                                                                            \
     const float *q, const float *kin, const float *vin, float *out, u16 *o16, i8 *oq, float2 *od, u16 *kpool,  \
         u16 *vpool, const int *bt, int max_blocks, int bs_log2, const int *slots, const int *positions, int n,  \
         int H, int KVH, float scale, int window, const float2 *rt, int rope_dim, int style, int fuse,          \
-        float *part_o, float2 *part_ml, int *counters, int single_max, int split_keys, int spin
+        float *part_o, float2 *part_ml, int *counters, int single_max, int split_keys, int spin,               \
+        const float *sinks
 #define FL_DECODE_(D, QS)                                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * FLD_NW) flash_decode_d##D##_q##QS(FL_DECODE_ARGS) {       \
         fl_decode<D, QS != 0>(q, kin, vin, out, o16, oq, od, kpool, vpool, bt, max_blocks, bs_log2, slots,       \
                               positions, n, H, KVH, scale, window, rt, rope_dim, style, fuse, part_o, part_ml,   \
-                              counters, single_max, split_keys, spin);                                   \
+                              counters, single_max, split_keys, spin, sinks);                            \
     }
 #define FL_DECODE(D, QS) FL_DECODE_(D, QS)
 

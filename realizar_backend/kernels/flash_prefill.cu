@@ -2,7 +2,8 @@
 // paged KV pool. Row t (a token of a prompt, q already roped, fp32 [n][H][D]) sits at positions[t] of
 // the sequence in slot slots[t] and sees that sequence's keys [start, positions[t]] (start = 0, or
 // positions[t] - window + 1 with a sliding window): exactly causal masking, over the cached prefix of
-// a chunk plus the chunk itself (rope_kv has written the chunk's K and V before this runs).
+// a chunk plus the chunk itself (rope_kv has written the chunk's K and V before this runs). sinks
+// (null: none): head h's sink logit joins its rows' softmax denominators (flash.cuh fl_sink_sum).
 //
 // Block (tile, head h, split s): NW warps, WM m-tiles of 16 rows each (BQ = 16 NW WM consecutive rows
 // of the launch), one q head; a warp's rows are the M dimension of its mma tiles, and with WM = 2
@@ -36,7 +37,7 @@ __device__ __forceinline__ void fl_prefill(const float* __restrict__ q, float* o
                                            const int* __restrict__ bt, int max_blocks, int bs_log2,
                                            const int* __restrict__ slots, const int* __restrict__ positions, int n,
                                            int H, int KVH, float scale, int window, float* part_o, float2* part_ml,
-                                           int* counters, int min_split_keys) {
+                                           int* counters, int min_split_keys, const float* sinks) {
     // BK keys per K/V tile: 64, or 32 where the accumulators of 256-dim heads or of two m-tiles of
     // 128 dims leave no registers for 64 (backends/cuda/flash.py prefill_bk says the same)
     constexpr int BQ = 16 * NW * WM, NT = 32 * NW, LDS = D + 8, BK = D > 128 || (WM == 2 && D > 64) ? 32 : 64;
@@ -249,7 +250,7 @@ __device__ __forceinline__ void fl_prefill(const float* __restrict__ q, float* o
                 if (!(e ? inc : ina)) continue;
                 const long long row = t0 + (e ? rc : ra);
                 if (nsplit == 1) {
-                    const float inv = 1.0f / l[i][e];
+                    const float inv = 1.0f / fl_sink_sum(l[i][e], m[i][e], sinks ? sinks + h : nullptr);
                     const long long ob = (row * H + h) * D;
 #pragma unroll
                     for (int dt = 0; dt < D / 8; ++dt) {
@@ -274,14 +275,14 @@ __device__ __forceinline__ void fl_prefill(const float* __restrict__ q, float* o
         const long long r0 = (long long)t0 * H + h;
         fl_combine<D>(nrow, nsplit, part_o + r0 * D, (long long)n * H * D, (long long)H * D, part_ml + r0,
                       (long long)n * H, H, out + r0 * D, o16 ? o16 + r0 * D : nullptr, nullptr, nullptr,
-                      (long long)H * D, nullptr, nullptr, s_w);
+                      (long long)H * D, nullptr, nullptr, s_w, sinks ? sinks + h : nullptr, 0);
     }
 }
 
 #define FL_PREFILL_ARGS                                                                                           \
     const float *q, float *out, u16 *o16, const u16 *kpool, const u16 *vpool, const int *bt, int max_blocks,   \
         int bs_log2, const int *slots, const int *positions, int n, int H, int KVH, float scale, int window,  \
-        float *part_o, float2 *part_ml, int *counters, int min_split_keys
+        float *part_o, float2 *part_ml, int *counters, int min_split_keys, const float *sinks
 // FL_MINB (optional): blocks per SM the registers must allow (the 128-dim kernel needs ~200 per
 // thread: 2 blocks of 4 warps; 3 cap it at 168, a few bytes spilled)
 #ifndef FL_MINB
@@ -291,7 +292,7 @@ __device__ __forceinline__ void fl_prefill(const float* __restrict__ q, float* o
     extern "C" __global__ void __launch_bounds__(32 * NW, FL_MINB)                                              \
         flash_prefill_d##D##_w##NW##_m##WM##_q##QS(FL_PREFILL_ARGS) {                                           \
         fl_prefill<D, NW, WM, QS != 0>(q, out, o16, kpool, vpool, bt, max_blocks, bs_log2, slots, positions, n,  \
-                                       H, KVH, scale, window, part_o, part_ml, counters, min_split_keys);         \
+                                       H, KVH, scale, window, part_o, part_ml, counters, min_split_keys, sinks);  \
     }
 #define FL_PREFILL(D, NW, WM, QS) FL_PREFILL_(D, NW, WM, QS)
 

@@ -5,12 +5,14 @@
 //                    lower index) and their probabilities, renormalised over the k where asked:
 //                    ids [T, k] (int32), weights [T, k]
 //   moe_gate_up_<t>  per (row, expert) pair p = t * k + j, e = ids[p]:
-//                    a[p] = act(gate_e . x[t]) * (up_e . x[t])  (gate and up of type t)
-//   moe_gemv_<t>     per pair: y[p] = W_e . x[p / xdiv]  (the down projection: xdiv 1; gate or up
-//                    on its own where their types differ: xdiv k)
+//                    a[p] = act(gate_e . x[t] + bg_e, up_e . x[t] + bu_e)  (gate and up of type t;
+//                    act: common.cuh gated_f, act(g) * u or gpt-oss's clamped SwiGLU)
+//   moe_gemv_<t>     per pair: y[p] = W_e . x[p / xdiv] + b_e  (the down projection: xdiv 1; gate or
+//                    up on its own where their types differ: xdiv k)
 //   moe_combine      x[t] += sum_j w[t, j] * y[t * k + j], j in order (deterministic, no atomics)
 //   moe_shared_add   x[t] += sigmoid(s[t]) * y[t]: a shared expert's output y (qwen35moe; its MLP
 //                    and its gate logit s run on the GEMVs, backends/cuda/experts.py)
+// The experts' biases (gpt-oss; null pointers: none) are float [E, N], expert e's row r at e * N + r.
 // The per-pair GEMVs follow gemv.cu: one warp per output row, lanes over the row's 32-weight units
 // (common.cuh load_unit<QT>), here with the row's matrix found through the pair's expert id. Each
 // pair reads its expert's rows on its own (pairs that share an expert share them only through L2):
@@ -112,7 +114,8 @@ template <int QT>
 __device__ __forceinline__ void moe_gate_up_body(const u8* __restrict__ Wg, const u8* __restrict__ Wu,
                                                  long long row_bytes, long long expert_bytes, int E, int N, int K,
                                                  const int* __restrict__ ids, int k, const float* __restrict__ x,
-                                                 int xs, float* __restrict__ a, int as, int act) {
+                                                 int xs, float* __restrict__ a, int as, int act,
+                                                 const float* __restrict__ bg, const float* __restrict__ bu) {
     const int lane = threadIdx.x & 31;
     const int p = blockIdx.x;
     const int r = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
@@ -140,14 +143,17 @@ __device__ __forceinline__ void moe_gate_up_body(const u8* __restrict__ Wg, cons
     }
     sg = warp_sum(sg);
     su = warp_sum(su);
-    if (lane == 0) *out = act_f(sg, act) * su;
+    if (lane == 0) {
+        const long long b = (long long)e * N + r;
+        *out = gated_f(bg ? sg + bg[b] : sg, bu ? su + bu[b] : su, act);
+    }
 }
 
 template <int QT>
 __device__ __forceinline__ void moe_gemv_body(const u8* __restrict__ W, long long row_bytes, long long expert_bytes,
                                               int E, int N, int K, const int* __restrict__ ids,
                                               const float* __restrict__ x, int xs, int xdiv, float* __restrict__ y,
-                                              int ys) {
+                                              int ys, const float* __restrict__ bias) {
     const int lane = threadIdx.x & 31;
     const int p = blockIdx.x;
     const int r = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
@@ -169,7 +175,7 @@ __device__ __forceinline__ void moe_gemv_body(const u8* __restrict__ W, long lon
         s += moe_unit_dot(w, xr + 32 * u, K - 32 * u, vec);
     }
     s = warp_sum(s);
-    if (lane == 0) *out = s;
+    if (lane == 0) *out = bias ? s + bias[(long long)e * N + r] : s;
 }
 
 // One pair of entry points per weight type: moe_gate_up_<type>, moe_gemv_<type>.
@@ -177,13 +183,13 @@ __device__ __forceinline__ void moe_gemv_body(const u8* __restrict__ W, long lon
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                             \
         moe_gate_up_##name(const u8* Wg, const u8* Wu, long long row_bytes, long long expert_bytes, int E,   \
                            int N, int K, const int* ids, int k, const float* x, int xs, float* a, int as,    \
-                           int act) {                                                                        \
-        moe_gate_up_body<QT>(Wg, Wu, row_bytes, expert_bytes, E, N, K, ids, k, x, xs, a, as, act);          \
+                           int act, const float* bg, const float* bu) {                                      \
+        moe_gate_up_body<QT>(Wg, Wu, row_bytes, expert_bytes, E, N, K, ids, k, x, xs, a, as, act, bg, bu);  \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)                                             \
         moe_gemv_##name(const u8* W, long long row_bytes, long long expert_bytes, int E, int N, int K,       \
-                        const int* ids, const float* x, int xs, int xdiv, float* y, int ys) {                \
-        moe_gemv_body<QT>(W, row_bytes, expert_bytes, E, N, K, ids, x, xs, xdiv, y, ys);                   \
+                        const int* ids, const float* x, int xs, int xdiv, float* y, int ys, const float* b) { \
+        moe_gemv_body<QT>(W, row_bytes, expert_bytes, E, N, K, ids, x, xs, xdiv, y, ys, b);                \
     }
 
 #if QT_ON(QT_F32)

@@ -46,18 +46,20 @@ def _poisoned(shape, dtype):
     return cupy.full(shape, np.nan, dtype)
 
 
-def run_prefill(fk, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=512):
+def run_prefill(fk, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=512, sinks=None):
     import cupy
 
     from realizar_backend.backends.cuda import flash
     dev = _Dev(c)
+    sk = cupy.asarray(sinks) if sinks is not None else None
     plan = flash.plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, wm=wm, qsplit=qsplit)
     scratch = flash.FlashScratch()
     scratch.ensure(plan)
     out, o16 = _poisoned((c.n, c.H, c.D), cupy.float32), _poisoned((c.n, c.H, c.D), cupy.float16)
     flash.prefill(fk, plan, dev.q.data.ptr, out.data.ptr, dev.k.data.ptr, dev.v.data.ptr, dev.bt.data.ptr,
                   c.pool.max_blocks, c.pool.bs_log2, dev.slots.data.ptr, dev.pos.data.ptr, c.n, c.H, c.KVH, c.D,
-                  c.scale, c.window, scratch, o16=o16.data.ptr, min_split_keys=min_split_keys)
+                  c.scale, c.window, scratch, o16=o16.data.ptr, min_split_keys=min_split_keys,
+                  sinks=sk.data.ptr if sk is not None else 0)
     cupy.cuda.Device().synchronize()
     assert not scratch.counters.any(), "split counters must be left at zero"
     assert same_bits(dev.k.get(), c.pool.k) and same_bits(dev.v.get(), c.pool.v), "prefill must not write the pool"
@@ -66,7 +68,7 @@ def run_prefill(fk, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=512
 
 def _check_prefill(fk, c, tol=TOL, **kw):
     out, o16 = run_prefill(fk, c, **kw)
-    ref = oracle(c.pool, c.q, c.slots, c.positions, c.scale, c.window)
+    ref = oracle(c.pool, c.q, c.slots, c.positions, c.scale, c.window, kw.get("sinks"))
     err, cos = rel_err(out, ref), row_cosine_min(out, ref)
     print(f"prefill H{c.H}/{c.KVH} D{c.D} items {c.items} window {c.window} {kw}: rel.err {err:.2e} cos {cos:.7f}")
     assert err <= tol and cos >= 0.99999
@@ -137,12 +139,13 @@ def test_chunked_prefill_equals_one_shot(fk, rng):
 
 
 def run_decode(fk, c, fuse, splits=None, single_max=256, split_keys=64, qsplit=True, o16=False, oq=False,
-               pdl=False, cluster=1):
+               pdl=False, cluster=1, sinks=None):
     import cupy
 
     from realizar_backend.backends.cuda import flash
     from realizar_backend.backends.cuda.ops import rope_table
     dev = _Dev(c)
+    sk = cupy.asarray(sinks) if sinks is not None else None
     splits = splits or flash.decode_splits(c.n, c.KVH, fk.sm_count, clusters=cluster > 1)
     if cluster > 1:
         splits = splits // cluster * cluster
@@ -162,9 +165,9 @@ def run_decode(fk, c, fuse, splits=None, single_max=256, split_keys=64, qsplit=T
                  c.pool.max_blocks, c.pool.bs_log2, dev.slots.data.ptr, dev.pos.data.ptr, c.n, c.H, c.KVH, c.D,
                  c.scale, c.window, scratch, rope=rope, o16=out16.data.ptr if o16 else 0,
                  oq=q8.data.ptr if oq else 0, od=d8.data.ptr if oq else 0, single_max=single_max,
-                 split_keys=split_keys, pdl=pdl)
+                 split_keys=split_keys, pdl=pdl, sinks=sk.data.ptr if sk is not None else 0)
     cupy.cuda.Device().synchronize()
-    ref, pool = decode_expected(c, fuse)
+    ref, pool = decode_expected(c, fuse, sinks)
     assert not scratch.counters.any(), "split counters must be left at zero"
     assert same_bits(dev.k.get(), pool.k), "K pool: the new k must be written at each row's position, nothing else"
     assert same_bits(dev.v.get(), pool.v), "V pool: the new v must be written at each row's position, nothing else"
@@ -373,3 +376,54 @@ def test_decode_graph_replays_at_every_length(fk, rng):
         assert err <= TOL_QS, f"step {step} (positions {p.tolist()}): rel.err {err:.2e}"
         assert same_bits(dev.k.get(), host.k) and same_bits(dev.v.get(), host.v), f"step {step}: pool"
         assert not scratch.counters.any()
+
+
+# ------------------------------------------------------------------ attention sinks (gpt-oss)
+# gpt-oss's attention: 64-dim heads, 64 q heads over 8 KV heads (the 20B/120B models), windows of 128
+GPTOSS = (64, 8, 64)
+
+
+def _sinks(rng, H: int) -> np.ndarray:
+    """Sink logits around the scores' range (a real share of each row's softmax), one far above
+    every score (its head's outputs near 0) and one far below (no effect)."""
+    s = rng.uniform(-1.0, 3.0, H).astype(np.float32)
+    s[0], s[-1] = 40.0, -40.0
+    return s
+
+
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-pass", "split"])
+def test_prefill_sinks(fk, rng, window, splits):
+    """Each head's sink logit in its rows' softmax denominators: in one pass, and where the split
+    partials combine (the partials themselves sink-free)."""
+    H, KVH, D = GPTOSS
+    c = prefill_case(rng, [(0, 300), (500, 70), (7, 1)], H, KVH, D, 16, window)
+    sinks = _sinks(rng, H)
+    out = _check_prefill(fk, c, splits=splits, min_split_keys=64, sinks=sinks)
+    assert np.abs(out[:, 0]).max() < 1e-6
+    plain = oracle(c.pool, c.q, c.slots, c.positions, c.scale, c.window)
+    assert rel_err(out, plain) > 50 * TOL              # without the sinks the rows are far off
+
+
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-rope", "roped"])
+def test_decode_sinks(fk, rng, window, fuse):
+    """Rows of one pass, of one combine level and of two, each head's sink in its row's softmax."""
+    H, KVH, D = GPTOSS
+    c = decode_case(rng, [1, 100, 700, 5000], H, KVH, D, 16, window, fuse=fuse, neox=True, theta=150000.0,
+                    pad_rows=1)
+    sinks = _sinks(rng, H)
+    res, ref = _check_decode(fk, c, fuse, sinks=sinks)
+    assert np.abs(res["out"][:, 0]).max() < 1e-6
+    assert rel_err(res["out"], decode_expected(c, fuse)[0]) > 50 * TOL_QS
+
+
+@pytest.mark.parametrize("cluster", [2, 8])
+def test_decode_sinks_in_clusters(fk, rng, cluster):
+    """The cluster combine (distributed shared memory, then across clusters) adds the sinks too."""
+    _need_clusters()
+    H, KVH, D = GPTOSS
+    c = decode_case(rng, [1, 300, 1000, 4096, 9000], H, KVH, D, 16, 0, fuse=True, theta=150000.0)
+    sinks = _sinks(rng, H)
+    res, _ = _check_decode(fk, c, True, splits=64, cluster=cluster, sinks=sinks)
+    assert np.abs(res["out"][:, 0]).max() < 1e-6

@@ -129,6 +129,20 @@ def test_attention_fused_partial_rope(kernels, rng, D, rope_dim, neox):
     assert err <= TOL
 
 
+@pytest.mark.parametrize("window", [0, 128])
+def test_attention_sinks(kernels, rng, window):
+    """gpt-oss's attention on attention.cu (short decode rows, and prompt tiles where flash does not
+    take the head size): each head's sink logit joins its rows' softmax, outputs poisoned."""
+    from realizar_backend.backends.cuda.selfcheck import (check_attention, check_attention_prompt,
+                                                          check_attention_rope)
+    H, KVH, D = 16, 2, 64
+    errs = [check_attention(kernels, 5, H, KVH, D, 300, window, rng, sinks=True),
+            check_attention_prompt(kernels, [(1, 0, 150), (2, 90, 33)], H, KVH, D, 300, window, rng, sinks=True),
+            check_attention_rope(kernels, 3, H, KVH, D, 300, window, True, 150000.0, rng, sinks=True)]
+    print(f"attention with sinks, window {window}: rel.err {errs}")
+    assert max(errs) <= TOL
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 49152), (3, 151936), (5, 1000), (2, 7)])
 def test_argmax(kernels, rng, rows, cols):
     from realizar_backend.backends.cuda.selfcheck import check_argmax

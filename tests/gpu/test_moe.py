@@ -59,6 +59,19 @@ def test_experts(kernels, rng, types, T):
         assert err <= TOL
 
 
+@pytest.mark.parametrize("types", [(Q.MXFP4,) * 3, (Q.F32,) * 3, (Q.F16, Q.F16, Q.MXFP4), (Q.MXFP4, Q.Q8_0, Q.MXFP4)],
+                         ids=["mxfp4", "f32", "f16-mxfp4-down", "mxfp4-q8_0-unfused"])
+@pytest.mark.parametrize("T", [1, 8, 37])
+def test_experts_gptoss(kernels, rng, types, T):
+    """gpt-oss's experts: each expert's gate, up and down biases and the clamped SwiGLU (code 2),
+    fused and with gate and up apart (act_mul)."""
+    from realizar_backend.backends.cuda.selfcheck import check_moe_experts
+    F, H = (96, 160)
+    err = check_moe_experts(kernels, types, 8, F, H, T, 4, 2, rng, biases=True)
+    print(f"gpt-oss experts {[q.name for q in types]} T={T}: rel.err {err:.2e}")
+    assert err <= TOL
+
+
 @pytest.fixture(scope="module", params=["f32", "q4k"])
 def moe_model(request):
     path = model_path(request.param)

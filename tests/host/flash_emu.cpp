@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
     auto part_o = load<float>("part_o", (size_t)num("part_floats"));
     auto part_ml = load<float2>("part_ml", (size_t)num("ml_count"));
     auto counters = load<int>("counters", (size_t)num("counters_count"));
+    auto sinks = load<float>("sinks");      // absent: no sinks (a null pointer)
     std::vector<float> out((size_t)n * H * D, NAN);
     std::vector<uint16_t> o16(num("use_o16") ? (size_t)n * H * D : 0, 0x7E00);
     std::vector<signed char> oq(num("use_oq") ? (size_t)n * H * D : 0, 0);
@@ -86,7 +87,8 @@ int main(int argc, char** argv) {
         const int msk = num("min_split_keys");
         emu::launch(grid, block, smem, [&] {
             fn(q.data(), out.data(), ptr(o16), kpool.data(), vpool.data(), bt.data(), max_blocks, bs_log2,
-               slots.data(), positions.data(), n, H, KVH, scale, window, ptr(part_o), ptr(part_ml), ptr(counters), msk);
+               slots.data(), positions.data(), n, H, KVH, scale, window, ptr(part_o), ptr(part_ml), ptr(counters), msk,
+               ptr(sinks));
         });
     } else if (dec.count(kernel)) {
         DecodeFn fn = dec[kernel];
@@ -98,7 +100,8 @@ int main(int argc, char** argv) {
             fn(q.data(), ptr(kin), ptr(vin), out.data(), ptr(o16), ptr(oq), ptr(od), kpool.data(), vpool.data(),
                bt.data(), max_blocks, bs_log2, slots.data(), positions.data(), n, H, KVH, scale, window, ptr(rt),
                rope_dim, style, fuse, ptr(part_o), ptr(part_ml), ptr(counters), single_max, split_keys,
-               0);   // spin: the host's blocks are clusters of one, which never wait for each other
+               0,    // spin: the host's blocks are clusters of one, which never wait for each other
+               ptr(sinks));
         });
     } else {
         std::fprintf(stderr, "flash_emu: unknown kernel %s\n", kernel.c_str());

@@ -12,9 +12,9 @@
 #include "moe.cu"
 
 typedef void (*GateUpFn)(const u8*, const u8*, long long, long long, int, int, int, const int*, int, const float*,
-                         int, float*, int, int);
+                         int, float*, int, int, const float*, const float*);
 typedef void (*GemvFn)(const u8*, long long, long long, int, int, int, const int*, const float*, int, int, float*,
-                       int);
+                       int, const float*);
 
 static std::map<std::string, std::string> params;
 static std::string dir;
@@ -41,6 +41,14 @@ template <class T> static std::vector<T> load(const char* name) {
     f.read((char*)v.data(), bytes);
     return v;
 }
+
+// an optional input (the experts' biases): empty where its file is absent, passed as a null pointer
+template <class T> static std::vector<T> load_opt(const char* name) {
+    std::ifstream f(dir + "/" + name + ".bin");
+    return f ? load<T>(name) : std::vector<T>();
+}
+
+template <class T> static T* opt_ptr(std::vector<T>& v) { return v.empty() ? nullptr : v.data(); }
 
 template <class T> static void save(const char* name, const std::vector<T>& v) {
     std::ofstream f(dir + "/" + name + "_after.bin", std::ios::binary);
@@ -98,16 +106,21 @@ int main(int argc, char** argv) {
         if (gate_up.count(kernel)) {
             auto wg = load<u8>("wg");
             auto wu = load<u8>("wu");
+            auto bg = load_opt<float>("bg"), bu = load_opt<float>("bu");
             const int top = num("k"), act = num("act");
             GateUpFn fn = gate_up[kernel];
             emu::launch(grid, block, 0, [&] {
-                fn(wg.data(), wu.data(), rb, eb, E, N, K, ids.data(), top, x.data(), xs, out.data(), os, act);
+                fn(wg.data(), wu.data(), rb, eb, E, N, K, ids.data(), top, x.data(), xs, out.data(), os, act,
+                   opt_ptr(bg), opt_ptr(bu));
             });
         } else {
             auto w = load<u8>("w");
+            auto b = load_opt<float>("b");
             const int xdiv = num("xdiv");
             GemvFn fn = gemv[kernel];
-            emu::launch(grid, block, 0, [&] { fn(w.data(), rb, eb, E, N, K, ids.data(), x.data(), xs, xdiv, out.data(), os); });
+            emu::launch(grid, block, 0, [&] {
+                fn(w.data(), rb, eb, E, N, K, ids.data(), x.data(), xs, xdiv, out.data(), os, opt_ptr(b));
+            });
         }
         save("out", out);
     } else {

@@ -68,15 +68,18 @@ def _run1(exe, tmp_path, plan, arrays: dict, scalars: dict, eager: bool, seed: i
     return res
 
 
-def _prefill(exe, tmp_path, rng, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=16, o16=True):
+def _prefill(exe, tmp_path, rng, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=16, o16=True,
+             sinks=None):
     from realizar_backend.backends.cuda.flash import plan_prefill
     plan = plan_prefill(c.n, c.H, c.D, splits=splits, nw=nw, wm=wm, qsplit=qsplit)
-    res = _run(exe, tmp_path, plan,
-               dict(q=c.q, kpool=c.pool.k, vpool=c.pool.v, bt=c.pool.bt, slots=c.slots, positions=c.positions),
+    arrays = dict(q=c.q, kpool=c.pool.k, vpool=c.pool.v, bt=c.pool.bt, slots=c.slots, positions=c.positions)
+    if sinks is not None:
+        arrays["sinks"] = sinks
+    res = _run(exe, tmp_path, plan, arrays,
                dict(n=c.n, H=c.H, KVH=c.KVH, D=c.D, scale=repr(c.scale), window=c.window,
                     max_blocks=c.pool.max_blocks, bs_log2=c.pool.bs_log2, min_split_keys=min_split_keys,
                     use_o16=int(o16), use_oq=0), rng)
-    ref = oracle(c.pool, c.q, c.slots, c.positions, c.scale, c.window)
+    ref = oracle(c.pool, c.q, c.slots, c.positions, c.scale, c.window, sinks)
     for r in res:
         assert not np.any(r["counters"]), "split counters must be left at zero"
         assert same_bits(r["kpool"].reshape(c.pool.k.shape), c.pool.k), "prefill must not write the pool"
@@ -137,10 +140,13 @@ def test_prefill_variants(emu, tmp_path, rng, variant, D):
         assert rel_err(r["out"], ref) <= TOL
 
 
-def _decode(exe, tmp_path, rng, c, fuse, splits, single_max, split_keys=64, qsplit=True, o16=False, oq=False):
+def _decode(exe, tmp_path, rng, c, fuse, splits, single_max, split_keys=64, qsplit=True, o16=False, oq=False,
+            sinks=None):
     from realizar_backend.backends.cuda.flash import plan_decode
     plan = plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, qsplit=qsplit)
     arrays = dict(q=c.q, kpool=c.pool.k, vpool=c.pool.v, bt=c.pool.bt, slots=c.slots, positions=c.positions)
+    if sinks is not None:
+        arrays["sinks"] = sinks
     if fuse:
         arrays.update(kin=c.k, vin=c.v, rt=rope_table_host(int(c.positions.max()) + 1, c.rope_dim, c.theta))
     res = _run(exe, tmp_path, plan, arrays,
@@ -148,7 +154,7 @@ def _decode(exe, tmp_path, rng, c, fuse, splits, single_max, split_keys=64, qspl
                     max_blocks=c.pool.max_blocks, bs_log2=c.pool.bs_log2, rope_dim=c.rope_dim if fuse else c.D,
                     style=int(c.neox), fuse=int(fuse), single_max=single_max, split_keys=split_keys,
                     use_o16=int(o16), use_oq=int(oq)), rng)
-    ref, pool = decode_expected(c, fuse)
+    ref, pool = decode_expected(c, fuse, sinks)
     for r in res:
         assert not np.any(r["counters"]), "split counters must be left at zero"
         assert same_bits(r["kpool"].reshape(pool.k.shape), pool.k), "K pool: wrong rows written"
@@ -188,3 +194,51 @@ def test_decode_partial_rope_plain_q_and_8bit(emu, tmp_path, rng):
         deq = qv.astype(np.float64) * r["od"][..., :1]
         assert rel_err(deq.reshape(ref.shape), ref) <= 1.5e-2      # 8-bit blocks: half a step of 1/127
         assert np.array_equal(r["od"][..., 1], r["od"][..., 0] * qv.sum(-1))
+
+
+def _sinks(rng, H: int) -> np.ndarray:
+    """gpt-oss-like sink logits: around the scores' range (a real share of each row's softmax), one
+    far above every score (its rows' outputs near 0) and one far below (no effect)."""
+    s = rng.uniform(-1.0, 3.0, H).astype(np.float32)
+    s[0], s[-1] = 40.0, -40.0
+    return s
+
+
+def _sinks_matter(c, sinks, ref, decode_fuse=None) -> None:
+    """The case would catch a kernel that ignores its sinks: without them the output is far off."""
+    plain = decode_expected(c, decode_fuse)[0] if decode_fuse is not None else \
+        oracle(c.pool, c.q, c.slots, c.positions, c.scale, c.window)
+    assert rel_err(plain, ref) > 20 * TOL
+
+
+# gpt-oss's attention (64-dim heads, 8 q heads per KV head, a 128-key window on alternate layers)
+@pytest.mark.parametrize("splits,window", [(1, 0), (3, 0), (2, 24)], ids=["one-pass", "split", "split-window"])
+def test_prefill_sinks(emu, tmp_path, rng, splits, window):
+    """A sink logit per head joins each row's softmax denominator, in one pass and where split
+    partials combine (the partials themselves stay sink-free)."""
+    c = prefill_case(rng, [(60, 40), (0, 9)], 8, 1, 64, 16, window)
+    sinks = _sinks(rng, c.H)
+    res, ref = _prefill(emu, tmp_path, rng, c, splits=splits, min_split_keys=16, sinks=sinks)
+    _sinks_matter(c, sinks, ref)
+    for r in res:
+        assert rel_err(r["out"], ref) <= TOL
+        assert rel_err(r["o16"], ref) <= TOL
+        assert np.max(np.abs(r["out"][:, 0])) < 1e-6       # the dominant sink takes all of head 0
+
+
+# (lengths, max splits, single_max, window): one pass; two split levels; split with a window
+DECODE_SINKS = [([1, 40, 9], 1, 1 << 30, 0), ([700, 3], 16, 64, 0), ([300, 50], 4, 32, 128)]
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-rope", "roped"])
+@pytest.mark.parametrize("case", DECODE_SINKS, ids=["one-pass", "two-levels", "split-window"])
+def test_decode_sinks(emu, tmp_path, rng, case, fuse):
+    lengths, splits, single_max, window = case
+    c = decode_case(rng, lengths, 8, 1, 64, 16, window, fuse=fuse, neox=True)
+    sinks = _sinks(rng, c.H)
+    res, ref = _decode(emu, tmp_path, rng, c, fuse, splits, single_max, o16=True, sinks=sinks)
+    _sinks_matter(c, sinks, ref, fuse)
+    for r in res:
+        assert rel_err(r["out"], ref) <= TOL / 4
+        assert rel_err(r["o16"], ref) <= TOL
+        assert np.max(np.abs(r["out"][:, 0])) < 1e-6

@@ -4,7 +4,8 @@ route: top k of a softmax, ties to the lower index, renormalised or not) on logi
 row strides whose padding would win if read; the experts' gated MLP over (row, expert) pairs and
 the per-pair GEMV (the down projection, and gate or up alone) with each pair's expert read through
 its id, on stacks of Q4_K, Q6_K, Q8_0 (in their device layouts, formats/gpu_layout.py) and F32
-experts at odd shapes; the weighted sum into the residual and a shared expert's gated output; and the chain of the four as
+experts at odd shapes; gpt-oss's experts (per-expert biases, the clamped SwiGLU); the weighted sum
+into the residual and a shared expert's gated output; and the chain of the four as
 backends/cuda/experts.py launches them. Outputs are poisoned before each launch and every value
 past the rows must stay so. The GPU tests (tests/gpu/test_moe.py) check the same on the device.
 Skipped where g++ is absent."""
@@ -21,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
 from realizar_backend.formats.quants import dequantize
-from realizar_backend.model.math import gelu_tanh, route, silu
+from realizar_backend.model.math import SWIGLU_LIMIT, gelu_tanh, route, silu, swiglu_oai
 from support.synth import TOLERANCE, quantize, random_quant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +127,8 @@ def test_topk(emu, tmp_path, T, E, k, renorm):
 
 
 # ------------------------------------------------------------------ the experts' projections
-def gate_up(emu, tmp_path, rng, qtype, act: int, T: int = 3, k: int = 2, bad_id: bool = False):
+def gate_up(emu, tmp_path, rng, qtype, act: int, T: int = 3, k: int = 2, bad_id: bool = False, biases=None):
+    """biases: (bg, bu) float32 [E, F] each, or None."""
     E, F, H = SHAPES[qtype]
     (wg, g64, rb), (wu, u64, _) = stack(qtype, E, F, H, rng), stack(qtype, E, F, H, rng)
     ids = routing(rng, T, E, k)
@@ -135,9 +137,11 @@ def gate_up(emu, tmp_path, rng, qtype, act: int, T: int = 3, k: int = 2, bad_id:
     xs, os = H + 3, F + 5
     x = (rng.standard_normal((T, xs)) * rng.uniform(0.3, 3.0, (T, 1))).astype(np.float32)
     pairs = T * k
+    extra = {} if biases is None else dict(bg=biases[0], bu=biases[1])
     out = Launch(emu, tmp_path, f"gate_up_{SFX[qtype]}", row_bytes=rb, expert_bytes=F * rb, E=E, N=F, K=H,
                  pairs=pairs, xs=xs, os=os, k=k, act=act).run(
-        {"out": np.float32}, wg=wg, wu=wu, ids=ids, x=x, out=poisoned((pairs, os)))["out"].reshape(pairs, os)
+        {"out": np.float32}, wg=wg, wu=wu, ids=ids, x=x, out=poisoned((pairs, os)),
+        **extra)["out"].reshape(pairs, os)
     return out, ids, x[:, :H].astype(F64), g64, u64, F, E
 
 
@@ -157,6 +161,34 @@ def test_gate_up(emu, tmp_path, qtype, act):
     assert np.all(np.isnan(out[:, F:])), "values past the rows were written"
 
 
+# gpt-oss's experts: MXFP4 in the real files; F32 and Q8_0 stacks beside them
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_gate_up_gptoss(emu, tmp_path, qtype):
+    """Each pair's gate and up plus its expert's biases, then the clamped SwiGLU (act 2) as the
+    NumPy backend computes it (model/math.py swiglu_oai); values on both sides of the clamps."""
+    rng = np.random.default_rng(int(qtype) + 101)
+    E, F, _ = SHAPES[qtype]
+    bg, bu = (rng.normal(0.0, 4.0, (E, F)).astype(np.float32) for _ in range(2))
+    out, ids, x, g64, u64, F, E = gate_up(emu, tmp_path, rng, qtype, 2, T=4, biases=(bg, bu))
+    k = ids.shape[1]
+    gs, us = [], []
+    for p, e in enumerate(ids.ravel()):
+        h = x[p // k]
+        g, u = g64[e] @ h + bg[e], u64[e] @ h + bu[e]
+        gs.append(g)
+        us.append(u)
+        ref = swiglu_oai(g, u)
+        gc, uc = np.minimum(g, SWIGLU_LIMIT), np.clip(u, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+        # the clamped terms' error bound: a rounding of each sum, through the function's slopes
+        scale = 1.2 * (np.abs(g64[e]) @ np.abs(h) + np.abs(bg[e])) * (np.abs(uc) + 1.0) + \
+            np.abs(gc) * (np.abs(u64[e]) @ np.abs(h) + np.abs(bu[e]))
+        e_ = err(out[p, :F], ref, scale)
+        assert e_ <= TOL, f"{qtype.name} pair {p} (expert {e}): error {e_:.2e}"
+    gs, us = np.concatenate(gs), np.concatenate(us)
+    assert np.any(gs > SWIGLU_LIMIT) and np.any(us > SWIGLU_LIMIT) and np.any(us < -SWIGLU_LIMIT)
+    assert np.all(np.isnan(out[:, F:])), "values past the rows were written"
+
+
 def test_gate_up_out_of_range_expert_gives_nan(emu, tmp_path):
     rng = np.random.default_rng(3)
     out, ids, *_, F, E = gate_up(emu, tmp_path, rng, Q.Q8_0, 0, bad_id=True)
@@ -167,11 +199,13 @@ def test_gate_up_out_of_range_expert_gives_nan(emu, tmp_path):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("xdiv", ["down", "gate"])
+@pytest.mark.parametrize("xdiv", ["down", "gate", "down-bias"])
 def test_pair_gemv(emu, tmp_path, qtype, xdiv):
-    """y[p] = W_e x[p]: the down projection (each pair its own input row), and x[p // k]: gate or up
-    on its own (each pair its token's row)."""
+    """y[p] = W_e x[p]: the down projection (each pair its own input row; gpt-oss: plus its
+    expert's bias), and x[p // k]: gate or up on its own (each pair its token's row)."""
     rng = np.random.default_rng(int(qtype) * 13 + len(xdiv))
+    bias = xdiv == "down-bias"
+    xdiv = "down" if bias else xdiv
     E = SHAPES[qtype][0]
     T, k = 4, 3
     if xdiv == "down":
@@ -184,12 +218,14 @@ def test_pair_gemv(emu, tmp_path, qtype, xdiv):
     div = 1 if xdiv == "down" else k
     xs, os = K + 4, N + 2
     x = rng.standard_normal((pairs // div, xs)).astype(np.float32)
+    b = rng.normal(0.0, 2.0, (E, N)).astype(np.float32) if bias else np.zeros((E, N), np.float32)
     out = Launch(emu, tmp_path, f"gemv_{SFX[qtype]}", row_bytes=rb, expert_bytes=N * rb, E=E, N=N, K=K,
                  pairs=pairs, xs=xs, os=os, xdiv=div).run(
-        {"out": np.float32}, w=dev, ids=ids, x=x, out=poisoned((pairs, os)))["out"].reshape(pairs, os)
+        {"out": np.float32}, w=dev, ids=ids, x=x, out=poisoned((pairs, os)),
+        **(dict(b=b) if bias else {}))["out"].reshape(pairs, os)
     for p, e in enumerate(ids.ravel()):
         h = x[p // div, :K].astype(F64)
-        e_ = err(out[p, :N], w64[e] @ h, np.abs(w64[e]) @ np.abs(h))
+        e_ = err(out[p, :N], w64[e] @ h + b[e], np.abs(w64[e]) @ np.abs(h) + np.abs(b[e]))
         assert e_ <= TOL, f"{qtype.name} pair {p}: error {e_:.2e}"
     assert np.all(np.isnan(out[:, N:]))
 
@@ -274,4 +310,43 @@ def test_chain(emu, tmp_path, types):
             ref[t] += float(ref_w[t, j]) * (d64[e] @ (silu(g64[e] @ h64) * (u64[e] @ h64)))
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"chain {[t.name for t in types]}: relative error {rel:.2e}")
+    assert rel <= 1e-5
+
+
+def test_chain_gptoss(emu, tmp_path):
+    """gpt-oss's experts end to end as experts.py launches them: router logits with the router's
+    bias (added by the router's GEMV) -> moe_topk (softmax over the top k: renormalised) -> MXFP4
+    gate/up with their biases and the clamped SwiGLU -> MXFP4 down plus its bias -> moe_combine,
+    against the NumPy backend's math (backends/cpu.py norm_moe_residual)."""
+    rng = np.random.default_rng(17)
+    T, E, k, F, H = 6, 8, 4, 64, 96
+    (wg, g64, rb), (wu, u64, _), (wd, d64, rbd) = (stack(Q.MXFP4, E, F, H, rng), stack(Q.MXFP4, E, F, H, rng),
+                                                    stack(Q.MXFP4, E, H, F, rng))
+    bg, bu = (rng.normal(0.0, 3.0, (E, F)).astype(np.float32) for _ in range(2))
+    bd = rng.normal(0.0, 1.0, (E, H)).astype(np.float32)
+    h = (2.0 * rng.standard_normal((T, H))).astype(np.float32)
+    logits = (2.0 * rng.standard_normal((T, E))).astype(np.float32)     # router output, bias included
+    x0 = rng.standard_normal((T, H)).astype(np.float32)
+    out = Launch(emu, tmp_path, "topk", T=T, E=E, k=k, ls=E, renorm=1).run(
+        {"ids": np.int32, "w": np.float32}, logits=logits, ids=poisoned((T, k), np.int32), w=poisoned((T, k)))
+    ids, w = out["ids"].reshape(T, k), out["w"].reshape(T, k)
+    pairs, ys = T * k, max(H, 2 * F)
+    a = Launch(emu, tmp_path, "gate_up_mxfp4", row_bytes=rb, expert_bytes=F * rb, E=E, N=F, K=H, pairs=pairs,
+               xs=H, os=F, k=k, act=2).run(
+        {"out": np.float32}, wg=wg, wu=wu, ids=ids, x=h, out=poisoned((pairs, F)), bg=bg, bu=bu)["out"]
+    y = Launch(emu, tmp_path, "gemv_mxfp4", row_bytes=rbd, expert_bytes=H * rbd, E=E, N=H, K=F, pairs=pairs,
+               xs=F, os=ys, xdiv=1).run(
+        {"out": np.float32}, w=wd, ids=ids, x=a, out=poisoned((pairs, ys)), b=bd)["out"]
+    got = Launch(emu, tmp_path, "combine", T=T, k=k, H=H, xs=H, ys=ys).run(
+        {"x": np.float32}, x=x0, y=y, w=w)["x"].reshape(T, H)
+    ref_ids, ref_w = route(logits, k, True)
+    assert np.array_equal(ids, ref_ids)
+    ref = x0.astype(F64)
+    for t in range(T):
+        h64 = h[t].astype(F64)
+        for j, e in enumerate(ref_ids[t]):
+            act = swiglu_oai(g64[e] @ h64 + bg[e], u64[e] @ h64 + bu[e])
+            ref[t] += float(ref_w[t, j]) * (d64[e] @ act + bd[e])
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"chain gpt-oss: relative error {rel:.2e}")
     assert rel <= 1e-5

@@ -99,13 +99,15 @@ def prefill_case(rng, items, H: int, KVH: int, D: int, bs: int = 16, window: int
     return PrefillCase(H, KVH, D, window, D ** -0.5, pool, q, slots, pos, list(items))
 
 
-def oracle(pool: Pool, q: np.ndarray, slots, positions, scale: float, window: int) -> np.ndarray:
-    """float64 attention of each row over its slot's keys [0, pos] (the oracle masks the window)."""
+def oracle(pool: Pool, q: np.ndarray, slots, positions, scale: float, window: int,
+           sinks: np.ndarray | None = None) -> np.ndarray:
+    """float64 attention of each row over its slot's keys [0, pos] (the oracle masks the window;
+    sinks [H]: each head's sink logit in the softmax)."""
     out = []
     for t in range(len(positions)):
         kk, vv = pool.rows(int(slots[t]), int(positions[t]) + 1)
         out.append(attention(q[t:t + 1].astype(np.float64), kk.astype(np.float64), vv.astype(np.float64),
-                             positions[t:t + 1], scale, window))
+                             positions[t:t + 1], scale, window, sinks))
     return np.concatenate(out).reshape(q.shape)
 
 
@@ -154,8 +156,8 @@ def decode_case(rng, lengths, H: int, KVH: int, D: int, bs: int = 16, window: in
     return DecodeCase(H, KVH, D, window, D ** -0.5, pool, q, k, v, slots, pos, rope_dim or D, neox, theta)
 
 
-def decode_expected(c: DecodeCase, fuse: bool) -> tuple[np.ndarray, Pool]:
-    """(attention output, the pool as the kernel must leave it)."""
+def decode_expected(c: DecodeCase, fuse: bool, sinks: np.ndarray | None = None) -> tuple[np.ndarray, Pool]:
+    """(attention output, the pool as the kernel must leave it; sinks [H]: each head's sink logit)."""
     import copy
     pool = copy.deepcopy(c.pool)
     q = c.q
@@ -166,7 +168,7 @@ def decode_expected(c: DecodeCase, fuse: bool) -> tuple[np.ndarray, Pool]:
         rk = apply_rope(c.k, cos, sin, style).astype(np.float16)
         for t in range(c.n):
             pool.set_row(int(c.slots[t]), int(c.positions[t]), rk[t], c.v[t].astype(np.float16))
-    return oracle(pool, q, c.slots, c.positions, c.scale, c.window), pool
+    return oracle(pool, q, c.slots, c.positions, c.scale, c.window, sinks), pool
 
 
 def rope_table_host(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.ndarray:

@@ -18,23 +18,29 @@ from .dispatch import ExpertsChoice
 from .linear import ACT, Context, Family, GemvLinear
 from .ops import WeightRef
 
+# the experts' activation codes: the dense ones, and gpt-oss's clamped SwiGLU of gate and up, which
+# only the experts' kernels take (moe.cu and act_mul through common.cuh gated_f)
+MOE_ACT = {**ACT, "swiglu_oai": 2}
+
 
 def expert_pairs(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
-                 a: int, y: int, ys: int, act: int, fused: bool) -> None:
+                 a: int, y: int, ys: int, act: int, fused: bool, biases: tuple[int, int, int] = (0, 0, 0)) -> None:
     """The experts of T rows' (row, expert) pairs, p = t * top + j with expert ids[p] (int32 [T, top]):
-    a[p] = act(gate_e @ h[t]) * (up_e @ h[t]) (a: [T * top, gate.rows] floats, rows back to back),
-    then y[p] = down_e @ a[p] (row stride ys >= 2 * gate.rows). fused (gate and up of one type and
-    shape): gate and up in one launch; otherwise each its own, into the rows of y (free until the
-    down projection writes it), and act_mul joins them."""
+    a[p] = act(gate_e @ h[t] + bg_e, up_e @ h[t] + bu_e) (a: [T * top, gate.rows] floats, rows back to
+    back), then y[p] = down_e @ a[p] + bd_e (row stride ys >= 2 * gate.rows); biases (bg, bu, bd):
+    float [experts, rows] device pointers, 0: none. fused (gate and up of one type and shape): gate
+    and up in one launch; otherwise each its own, into the rows of y (free until the down projection
+    writes it), and act_mul joins them."""
     pairs, F = T * top, gate.rows
+    bg, bu, bd = biases
     if fused:
-        ops.moe_gate_up(k, gate, up, ids, top, pairs, h, hs, a, F, act)
+        ops.moe_gate_up(k, gate, up, ids, top, pairs, h, hs, a, F, act, bg, bu)
     else:
         g, u = y, y + 4 * pairs * F          # [pairs, F] each, back to back in y's pairs * ys floats
-        ops.moe_gemv(k, gate, ids, pairs, h, hs, top, g, F)
-        ops.moe_gemv(k, up, ids, pairs, h, hs, top, u, F)
+        ops.moe_gemv(k, gate, ids, pairs, h, hs, top, g, F, bg)
+        ops.moe_gemv(k, up, ids, pairs, h, hs, top, u, F, bu)
         ops.act_mul(k, g, u, a, pairs * F, act)
-    ops.moe_gemv(k, down, ids, pairs, a, F, 1, y, ys)
+    ops.moe_gemv(k, down, ids, pairs, a, F, 1, y, ys, bd)
 
 
 class PairExperts(Family):
@@ -47,17 +53,14 @@ class PairExperts(Family):
 
     def moe(self, x: cupy.ndarray, norm: int, e, choice: ExpertsChoice, T: int) -> cupy.ndarray:
         """x[:T] += the routed experts of RMSNorm(x[:T]) * norm (e: model/transformer.py Experts)."""
-        if any(b is not None for b in (e.router_bias, e.gate_bias, e.up_bias, e.down_bias)):
-            # support.py refuses such models (gpt-oss) before they get here
-            raise NotImplementedError("expert or router biases on the GPU")
         k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
         h, logits, a, y = ws.h, ws.moe_logits, ws.moe_a, ws.moe_y
         self.norm(x, norm, h, T)
-        self.gemv._one(choice.router, e.router, h, T, logits.data.ptr, logits.shape[1])
+        self.gemv._one(choice.router, e.router, h, T, logits.data.ptr, logits.shape[1], bias=e.router_bias or 0)
         ids, w = ws.moe_ids.data.ptr, ws.moe_w.data.ptr
         ops.moe_topk(k, logits.data.ptr, logits.shape[1], T, e.router.rows, e.top_k, e.renormalize, ids, w)
         expert_pairs(k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr, y.data.ptr,
-                     y.shape[1], ACT[e.act], choice.fused)
+                     y.shape[1], MOE_ACT[e.act], choice.fused, (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0))
         ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)
         if e.shared_gate is not None:
             self.shared(x, h, e, choice, T)

@@ -333,10 +333,12 @@ def _paging(max_blocks: int, bs_log2: int) -> None:
 
 def prefill(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: int, bt: int, max_blocks: int,
             bs_log2: int, slots: int, positions: int, n: int, H: int, KVH: int, D: int, scale: float, window: int,
-            scratch: FlashScratch | None = None, o16: int = 0, min_split_keys: int = 512, pdl: bool = False) -> None:
+            scratch: FlashScratch | None = None, o16: int = 0, min_split_keys: int = 512, pdl: bool = False,
+            sinks: int = 0) -> None:
     """Prompt rows: q fp32 [n, H, D] (roped), K/V of every row's positions already in the pool
     (rope_kv); row t sees keys [start, positions[t]] of slot slots[t]. out fp32 [n, H, D] and, when
-    given, o16 fp16 [n, H, D]. The plan must come from plan_prefill(n, H, D, ...)."""
+    given, o16 fp16 [n, H, D]. sinks: fp32 [H], each head's sink logit in its softmax (0: none).
+    The plan must come from plan_prefill(n, H, D, ...)."""
     if plan.grid[1:] != (H, plan.splits) or plan.grid[0] * plan.rows < n or (plan.grid[0] - 1) * plan.rows >= n \
             or f"_d{D}_" not in plan.kernel:
         raise ValueError(f"flash prefill: plan {plan.kernel} {plan.grid} does not fit n={n}, H={H}, D={D}")
@@ -349,13 +351,13 @@ def prefill(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: i
     fn = fk.get(plan)
     _launch(fn, plan, (_U64(q), _U64(out), _U64(o16), _U64(kpool), _U64(vpool), _U64(bt), _I32(max_blocks),
                        _I32(bs_log2), _U64(slots), _U64(positions), _I32(n), _I32(H), _I32(KVH), _F32(scale),
-                       _I32(window), part, ml, cnt, _I32(min_split_keys)), pdl)
+                       _I32(window), part, ml, cnt, _I32(min_split_keys), _U64(sinks)), pdl)
 
 
 def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: int, bt: int, max_blocks: int,
            bs_log2: int, slots: int, positions: int, n: int, H: int, KVH: int, D: int, scale: float, window: int,
            scratch: FlashScratch | None = None, rope=None, o16: int = 0, oq: int = 0, od: int = 0,
-           single_max: int = 256, split_keys: int = 64, pdl: bool = False) -> None:
+           single_max: int = 256, split_keys: int = 64, pdl: bool = False, sinks: int = 0) -> None:
     """Decode rows (one token per row, n = the batch bucket): out fp32 [n, H, D]; o16 fp16 and
     (oq int8, od float2 per 32 values) 8-bit blocks when given.
     rope = (k, v, rope_dim, neox, table): q, k, v are the step's unrotated fp32 rows ([n, H, D],
@@ -363,7 +365,8 @@ def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: in
     rope_dim / 2, 2]) and writes the new k and v to the pool at positions[t]. rope None: q is roped
     and the pool already holds every row's key (rope_kv ran).
     Rows with at most single_max keys run in one pass; longer rows split into chunks of at least
-    split_keys keys (a multiple of 64), at most plan.splits per row."""
+    split_keys keys (a multiple of 64), at most plan.splits per row. sinks: fp32 [H], each head's
+    sink logit in its softmax (0: none)."""
     if plan.grid != (plan.splits, KVH, n) or f"_d{D}_" not in plan.kernel:
         raise ValueError(f"flash decode: plan {plan.kernel} {plan.grid} does not fit n={n}, KVH={KVH}, D={D}")
     _check_dims(H, KVH, D)
@@ -390,4 +393,4 @@ def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: in
                        _U64(vpool), _U64(bt), _I32(max_blocks), _I32(bs_log2), _U64(slots), _U64(positions), _I32(n),
                        _I32(H), _I32(KVH), _F32(scale), _I32(window), _U64(table), _I32(rope_dim), _I32(int(neox)),
                        _I32(fuse), part, ml, cnt, _I32(single_max), _I32(split_keys),
-                       _I32(int(fk.spins(plan)))), pdl)
+                       _I32(int(fk.spins(plan))), _U64(sinks)), pdl)

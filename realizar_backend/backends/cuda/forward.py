@@ -140,9 +140,10 @@ class Forward:
         return self._family[kernel]
 
     # ------------------------------------------------------------ attention
-    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool) -> None:
+    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool, sinks: int = 0) -> None:
         """ws.attn[:T] from ws.q, ws.k, ws.v: RoPE and the KV write (in the attention launch for
-        decode rows), then attention over the paged cache."""
+        decode rows), then attention over the paged cache (sinks: the layer's sink logits, fp32
+        [n_heads] on the device; 0: none)."""
         c, ws, kv, li = self.c, self.ws, self.kv.layer(spec.layer), spec.layer
         neox = spec.rope.style == "neox"
         fuse = decode and c.head_dim <= ops.ATT_MAXD
@@ -153,16 +154,16 @@ class Forward:
         args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
                 c.n_heads, c.n_kv_heads, c.head_dim, spec.scale, spec.window)
         if self.flash and fuse and self.long_decode:
-            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl)
+            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl, sinks=sinks)
         elif self.flash and not fuse:
             plan = self._prefill_plan(T, self.max_pos + 1)
             if self.pre_scratch.ensure(plan):
                 for cb in self.scratch_listeners:
                     cb()
-            flash.prefill(self.fk, plan, *args, self.pre_scratch, pdl=self.pdl)
+            flash.prefill(self.fk, plan, *args, self.pre_scratch, pdl=self.pdl, sinks=sinks)
         else:
             ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv, slots, pos, c.n_heads, c.n_kv_heads,
-                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl)
+                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl, sinks=sinks)
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int, long: bool = False) -> None:
@@ -239,17 +240,19 @@ class StepOps:
         return y
 
     def attention(self, q, k, v, spec: AttentionSpec, sinks=None):
-        if sinks is not None:
-            raise NotImplementedError("attention sinks on the GPU")      # support.py refuses such models
-        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode)
+        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode, sinks or 0)
         return self.fwd.ws.attn
 
     def linear_residual(self, a, w, x, post_norm, bias=None):
-        if bias is not None:
-            raise NotImplementedError("an output projection bias on the GPU")   # support.py refuses them
-        kern = self.fwd.dispatcher.linear(self.step, (w,)).kernels[0]
-        self.fwd.family(kern).linear_residual(a, w, post_norm or 0, kern, self.T)
-        return self.fwd.ws.x
+        if bias is not None and post_norm is not None:
+            # the bias goes before the post-norm there; no model has both (support.py refuses one)
+            raise NotImplementedError("an output projection bias before a post-norm on the GPU")
+        fwd = self.fwd
+        kern = fwd.dispatcher.linear(self.step, (w,)).kernels[0]
+        fwd.family(kern).linear_residual(a, w, post_norm or 0, kern, self.T)
+        if bias is not None:        # x + (a @ w.T + bias): the bias after the projection, every family alike
+            ops.add_rows(fwd.k, fwd.ws.x.data.ptr, fwd.ws.x.shape[1], bias, self.T, fwd.c.hidden)
+        return fwd.ws.x
 
     def norm_gated_mlp(self, x, norm: int, gate, up, act: str):
         choice = self.fwd.dispatcher.gated(self.step, gate, up)

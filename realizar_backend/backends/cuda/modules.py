@@ -220,7 +220,8 @@ class Kernels:
         regrouped = [q for q in REGROUPED if q in types]
         repack = build("repack.cu", [f"repack_{sfx[q]}" for q in regrouped]) if regrouped else None
         self._core += [build("elementwise.cu", ["spin_ns",
-                                                "act_mul", "split_pair", "sigmoid_mul", "gather_rows", "argmax_rows",
+                                                "act_mul", "add_rows", "split_pair", "sigmoid_mul", "gather_rows",
+                                                "argmax_rows",
                                                 "argmax_unpack",
                                                 "decode_io_merge"]),
                        build("norm.cu", ["rms_norm"]),

@@ -223,23 +223,26 @@ def moe_topk(k: Kernels, logits: int, ls: int, T: int, E: int, top_k: int, renor
 
 
 def moe_gate_up(k: Kernels, gate: WeightRef, up: WeightRef, ids: int, top_k: int, pairs: int, x: int, xs: int,
-                a: int, as_: int, act: int) -> None:
-    """a[p] = act(gate_e @ x[p // top_k]) * (up_e @ x[p // top_k]) for each of `pairs` (row, expert)
-    pairs p, e = ids[p] (gate and up: stacks of experts of one type and shape)."""
+                a: int, as_: int, act: int, bg: int = 0, bu: int = 0) -> None:
+    """a[p] = act(gate_e @ x[p // top_k] + bg_e) * (up_e @ x[p // top_k] + bu_e) for each of `pairs`
+    (row, expert) pairs p, e = ids[p] (gate and up: stacks of experts of one type and shape; act 2:
+    the clamped SwiGLU of the two; bg, bu: float [experts, rows] biases, 0: none)."""
     if not same_shape(gate, up):
         raise ValueError(f"moe_gate_up: {gate.name} and {up.name} differ in type or shape")
     k.moe[("gate_up", gate.qtype)]((pairs, (gate.rows + MOE_WARPS - 1) // MOE_WARPS), (MOE_WARPS * 32,),
                                    (_U64(gate.ptr), _U64(up.ptr), _I64(gate.row_bytes), _I64(gate.expert_bytes),
                                     _I32(gate.experts), _I32(gate.rows), _I32(gate.cols), _U64(ids), _I32(top_k),
-                                    _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(act)))
+                                    _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(act), _U64(bg), _U64(bu)))
 
 
-def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xdiv: int, y: int, ys: int) -> None:
-    """y[p] = w_e @ x[p // xdiv] for each of `pairs` (row, expert) pairs p, e = ids[p] (w: a stack
-    of experts; xdiv 1: each pair its own input row, top_k: its token's)."""
+def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xdiv: int, y: int, ys: int,
+             bias: int = 0) -> None:
+    """y[p] = w_e @ x[p // xdiv] (+ bias_e) for each of `pairs` (row, expert) pairs p, e = ids[p] (w: a
+    stack of experts; xdiv 1: each pair its own input row, top_k: its token's; bias: float
+    [experts, w.rows], 0: none)."""
     k.moe[("gemv", w.qtype)]((pairs, (w.rows + MOE_WARPS - 1) // MOE_WARPS), (MOE_WARPS * 32,),
                              (_U64(w.ptr), _I64(w.row_bytes), _I64(w.expert_bytes), _I32(w.experts), _I32(w.rows),
-                              _I32(w.cols), _U64(ids), _U64(x), _I32(xs), _I32(xdiv), _U64(y), _I32(ys)))
+                              _I32(w.cols), _U64(ids), _U64(x), _I32(xs), _I32(xdiv), _U64(y), _I32(ys), _U64(bias)))
 
 
 def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int, T: int, H: int) -> None:
@@ -299,19 +302,21 @@ def rope_host_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.n
 
 
 def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: int,
-              H: int, KVH: int, D: int, scale: float, window: int, n: int, rope=None, pdl: bool = False) -> None:
+              H: int, KVH: int, D: int, scale: float, window: int, n: int, rope=None, pdl: bool = False,
+              sinks: int = 0) -> None:
     """out (fp32): row t attends to positions [0, positions[t]] of the sequence in slots[t] (paged:
     kv's tables). rope = (k, v, rope_dim, neox, table): decode rows (one per sequence, attn_decode),
     RoPE of q and of the new k and the KV-cache write done here, from the unrotated q, k, v rows (no
     rope_kv launch); table: a rope_table(...) pointer. Without rope: prompt rows already in the
-    cache (attn_tile). The kernels' 8-bit and fp16 outputs are not used (null)."""
+    cache (attn_tile). sinks: fp32 [H], each head's sink logit in its softmax (0: none). The kernels'
+    8-bit and fp16 outputs are not used (null)."""
     if rope is None:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
         smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
         fn = k.attn_tile if D % 128 == 0 else k.attn_tile_v2      # 4 or 2 dims per lane: no idle lanes
         _launch(fn, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
                 (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
-                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(0)), smem, pdl)
+                 _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(0), _U64(sinks)), smem, pdl)
         return
     kin, vin, rope_dim, neox, table = rope
     if not table:
@@ -322,10 +327,11 @@ def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: 
             (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
              _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
              _U64(0), _U64(0), _U64(0), _U64(kin), _U64(vin), _I32(rope_dim),
-             _I32(int(neox)), _I32(1), _U64(table)), 0, pdl)
+             _I32(int(neox)), _I32(1), _U64(table), _U64(sinks)), 0, pdl)
 
 
 def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:
+    """a = act(g) * u over n floats (act 2: the clamped SwiGLU of g and u)."""
     k.act_mul(((n + 255) // 256,), (256,), (_U64(g), _U64(u), _U64(a), _I64(n), _I32(act)))
 
 
@@ -375,6 +381,11 @@ def dn_delta(k: Kernels, cv: int, cvs: int, alpha: int, beta: int, abs_: int, z:
                (_U64(cv), _I32(cvs), _U64(alpha), _U64(beta), _I32(abs_), _U64(z), _I32(zs), _U64(a_coef),
                 _U64(dt_bias), _U64(out_norm), _U64(state), *rows.args(), _I32(nk), _I32(dk), _I32(nv), _I32(dv),
                 _F32(eps), _U64(out), _I32(os)))
+
+
+def add_rows(k: Kernels, x: int, xs: int, bias: int, n: int, width: int) -> None:
+    """x[b, :width] += bias (fp32 [width]) for n rows of stride xs."""
+    k.add_rows(((width + 255) // 256, n), (256,), (_U64(x), _I32(xs), _U64(bias), _I32(n), _I32(width)))
 
 
 def gather_rows(k: Kernels, src: int, idx: int, dst: int, n: int, width: int) -> None:

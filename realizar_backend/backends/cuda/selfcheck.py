@@ -18,7 +18,8 @@ from ...errors import BackendError
 from ...formats.gpu_layout import to_device
 from ...formats.quants import dequantize, random_matrix
 from ...model.config import ModelConfig
-from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu
+from ...model.arch import ARCHITECTURES
+from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu, swiglu_oai
 from . import deltanet_twin, ops
 from .dispatch import same_shape
 from .modules import QTYPES, Kernels
@@ -311,15 +312,25 @@ def check_rope_kv(k: Kernels, n: int, H: int, KVH: int, D: int, neox: bool, thet
     return max(errs)
 
 
-def _attention_twin(q, kc, vc, slots, pos, scale, window) -> np.ndarray:
+def _attention_twin(q, kc, vc, slots, pos, scale, window, sinks=None) -> np.ndarray:
     return np.concatenate([
         attention(q[t:t + 1].astype(np.float64), kc[slots[t], :pos[t] + 1].astype(np.float64),
-                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window)
+                  vc[slots[t], :pos[t] + 1].astype(np.float64), pos[t:t + 1], scale, window, sinks)
         for t in range(len(pos))])
 
 
+def _sinks(H: int, on: bool, rng) -> tuple[np.ndarray | None, cupy.ndarray | None, int]:
+    """Sink logits for H heads (gpt-oss's attention) where on: around the scores' range, so each
+    takes a real share of its rows' softmax; (host, device, pointer), or (None, None, 0)."""
+    if not on:
+        return None, None, 0
+    s = rng.uniform(-1.0, 3.0, H).astype(np.float32)
+    d = _dev(s)
+    return s, d, d.data.ptr
+
+
 def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, rng,
-                    n_slots: int = 3) -> float:
+                    n_slots: int = 3, sinks: bool = False) -> float:
     kc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     vc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     q = rng.standard_normal((n, H, D)).astype(np.float32)
@@ -329,15 +340,18 @@ def check_attention(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, wind
     scale = D ** -0.5
     pg = Paged(kc, vc, rng)
     qd, sd, pd = _dev(q), _dev(slots), _dev(pos)
+    sk, _skd, skp = _sinks(H, sinks, rng)
     out = _nan((n, H * D))
-    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n)
-    return rel_err(out.get(), _attention_twin(q, kc, vc, slots, pos, scale, window))
+    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n,
+                  sinks=skp)
+    return rel_err(out.get(), _attention_twin(q, kc, vc, slots, pos, scale, window, sk))
 
 
 def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int, window: int, rng,
-                           n_slots: int = 3) -> float:
+                           n_slots: int = 3, sinks: bool = False) -> float:
     """Prompt rows as a prefill lays them out: items = [(slot, first position, rows)], each item's
-    rows at consecutive positions, items back to back (so a tile of rows can span two items)."""
+    rows at consecutive positions, items back to back (so a tile of rows can span two items).
+    sinks: each head with a sink logit (gpt-oss)."""
     kc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     vc = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     slots = np.concatenate([np.full(n, s, np.int32) for s, _, n in items])
@@ -347,13 +361,15 @@ def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int
     scale = D ** -0.5
     pg = Paged(kc, vc, rng)
     qd, sd, pd = _dev(q), _dev(slots), _dev(pos)
+    sk, _skd, skp = _sinks(H, sinks, rng)
     out = _nan((n, H * D))
-    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n)
-    return rel_err(out.get(), _attention_twin(q, kc, vc, slots, pos, scale, window))
+    ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n,
+                  sinks=skp)
+    return rel_err(out.get(), _attention_twin(q, kc, vc, slots, pos, scale, window, sk))
 
 
 def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, neox: bool,
-                         theta: float, rng, n_slots: int = 3, rope_dim: int = 0) -> float:
+                         theta: float, rng, n_slots: int = 3, rope_dim: int = 0, sinks: bool = False) -> float:
     """Decode attention with RoPE and the KV write folded in (one row per sequence, distinct slots):
     output against the float64 twin over the cache with the new (roped, fp16) row, and the cache
     rows it wrote against the rope twin; rows it must not touch stay as they were. The angles come
@@ -372,10 +388,11 @@ def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int,
     scale = D ** -0.5
     qd, kd, vd, sd, pd = _dev(q), _dev(kk), _dev(v), _dev(slots), _dev(pos)
     pg = Paged(kc0, vc0, rng)
+    sk, _skd, skp = _sinks(H, sinks, rng)
     out = _nan((n, H * D))
     rt = ops.rope_table(ctx, rope_dim, theta)
     ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n,
-                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, neox, rt.data.ptr))
+                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, neox, rt.data.ptr), sinks=skp)
     cos, sin = rope_angles(pos, rope_dim, theta)
     style = "neox" if neox else "normal"
     rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
@@ -387,9 +404,14 @@ def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int,
     untouched[slots, pos] = False
     if not (np.array_equal(kc_h[untouched], kc0[untouched]) and np.array_equal(vc_h[untouched], vc0[untouched])):
         return float("inf")
-    ref = _attention_twin(rq, kc_ref, vc_ref, slots, pos, scale, window)
+    ref = _attention_twin(rq, kc_ref, vc_ref, slots, pos, scale, window, sk)
     return max(rel_err(out.get(), ref), rel_err(kc_h[slots, pos], rk.astype(np.float16)),
                rel_err(vc_h[slots, pos], v.astype(np.float16)))
+
+
+def _gated(g: np.ndarray, u: np.ndarray, act: int) -> np.ndarray:
+    """The experts' activation codes (common.cuh gated_f) in NumPy: act(g) * u, or the clamped SwiGLU."""
+    return swiglu_oai(g, u) if act == 2 else (gelu_tanh(g) if act else silu(g)) * u
 
 
 def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
@@ -404,16 +426,16 @@ def check_argmax(k: Kernels, rows: int, cols: int, rng) -> float:
 
 
 def check_glue(k: Kernels, rows: int, cols: int, rng) -> float:
-    """act_mul (both activations), gather_rows, split_pair and sigmoid_mul (a gated attention's)."""
-    t = rng.standard_normal((rows, cols)).astype(np.float32)
-    u = rng.standard_normal((rows, cols)).astype(np.float32)
+    """act_mul (the three activations), gather_rows, split_pair and sigmoid_mul (a gated attention's)."""
+    # spread wide enough that the clamped SwiGLU's limits cut some of gate and up
+    t = (4.0 * rng.standard_normal((rows, cols))).astype(np.float32)
+    u = (4.0 * rng.standard_normal((rows, cols))).astype(np.float32)
     td, ud = _dev(t), _dev(u)
     errs = []
-    for act in (0, 1):
+    for act in (0, 1, 2):
         a = _nan((rows, cols))
         ops.act_mul(k, td.data.ptr, ud.data.ptr, a.data.ptr, rows * cols, act)
-        g = t.astype(np.float64)
-        errs.append(rel_err(a.get(), (gelu_tanh(g) if act else silu(g)) * u))
+        errs.append(rel_err(a.get(), _gated(t.astype(np.float64), u.astype(np.float64), act)))
     idx = rng.integers(0, rows, max(1, rows // 2)).astype(np.int32)
     dst, idd = _nan((idx.size, cols)), _dev(idx)
     ops.gather_rows(k, td.data.ptr, idd.data.ptr, dst.data.ptr, idx.size, cols)
@@ -460,11 +482,14 @@ def check_moe_shared_add(k: Kernels, T: int, H: int, rng) -> float:
     return rel_err(xd.get(), x + y / (1.0 + np.exp(-s.astype(np.float64)))[:, None])
 
 
-def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng) -> float:
+def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng,
+                      biases: bool = False) -> float:
     """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
     where gate and up differ) and moe_combine into residual rows, against float64: each of T rows
     takes top distinct experts of E (some shared between rows) at random weights. types: (gate, up,
-    down) storage types of stacks [E, F, H], [E, F, H], [E, H, F]. Relative error of the rows after."""
+    down) storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the activation code (2:
+    gpt-oss's clamped SwiGLU); biases: each expert's gate, up and down biases (gpt-oss). Relative
+    error of the rows after."""
     from .experts import expert_pairs
     shapes = ((F, H), (F, H), (H, F))
     hosts = [random_weight(qt, E * r, c, rng) for qt, (r, c) in zip(types, shapes)]
@@ -474,7 +499,11 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
         mats.append(dataclasses.replace(w, rows=r, experts=E))
         keep.append(dev)
     wg, wu, wd = (dequantize(host, qt, (E, r, c)).astype(np.float64) for qt, host, (r, c) in zip(types, hosts, shapes))
-    h = rng.standard_normal((T, H)).astype(np.float32)
+    # act 2: inputs wide enough that the SwiGLU's clamps cut some of gate and up
+    h = (rng.standard_normal((T, H)) * (8.0 if act == 2 else 1.0)).astype(np.float32)
+    bs = [rng.normal(0.0, 2.0, (E, r)).astype(np.float32) if biases else np.zeros((E, r), np.float32)
+          for r in (F, F, H)]
+    bds = [_dev(b) for b in bs] if biases else []
     ids = np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32)
     wts = rng.random((T, top)).astype(np.float32)
     x0 = rng.standard_normal((T, H)).astype(np.float32)
@@ -482,14 +511,14 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     hd, idd, wtd, xd = _dev(h), _dev(ids), _dev(wts), _dev(x0)
     a, y = _nan((pairs, F)), _nan((pairs, max(H, 2 * F)))
     expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
-                 same_shape(mats[0], mats[1]))
+                 same_shape(mats[0], mats[1]), tuple(b.data.ptr for b in bds) if biases else (0, 0, 0))
     ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
     ref = x0.astype(np.float64)
     for t in range(T):
         h64 = h[t].astype(np.float64)
         for j, e in enumerate(ids[t]):
-            g = wg[e] @ h64
-            ref[t] += float(wts[t, j]) * (wd[e] @ ((gelu_tanh(g) if act else silu(g)) * (wu[e] @ h64)))
+            a_ = _gated(wg[e] @ h64 + bs[0][e], wu[e] @ h64 + bs[1][e], act)
+            ref[t] += float(wts[t, j]) * (wd[e] @ a_ + bs[2][e])
     return rel_err(xd.get(), ref)
 
 
@@ -500,7 +529,9 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
     modules of a one-row step; the GPU test suite covers every width)."""
     rng = np.random.default_rng(seed)
     errs: dict[str, float] = {}
-    act = 1 if cfg.activation == "gelu_tanh" else 0
+    act = 1 if cfg.activation == "gelu_tanh" else 0      # the dense kernels' code (gpt-oss's experts: below)
+    tensors = ARCHITECTURES[cfg.arch].block_required
+    sinks = "attn_sinks.weight" in tensors
     for qt in sorted(qtypes, key=int):
         if qt not in QTYPES:
             continue  # DeviceWeights names the unsupported tensor
@@ -520,15 +551,17 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
     errs["rms_norm_add"] = check_rms_norm(k, 3, D, True, rng)
     errs["rope_kv"] = check_rope_kv(k, 3, cfg.n_heads, cfg.n_kv_heads, D, cfg.rope_style == "neox",
                                     cfg.rope_theta, rng)
-    errs["attention"] = check_attention(k, 3, cfg.n_heads, cfg.n_kv_heads, D, 40, 0, rng)
+    errs["attention"] = check_attention(k, 3, cfg.n_heads, cfg.n_kv_heads, D, 40, 0, rng, sinks=sinks)
     errs["attention_prompt"] = check_attention_prompt(k, [(0, 0, 21), (1, 4, 13)], cfg.n_heads, cfg.n_kv_heads,
-                                                      D, 40, 0, rng)
+                                                      D, 40, 0, rng, sinks=sinks)
     if cfg.n_experts:                      # the routed experts' kernels, each stored type through them
+        from .experts import MOE_ACT
         E, top = cfg.n_experts, min(cfg.n_experts_used, cfg.n_experts)
         errs["moe_topk"] = check_moe_topk(k, 5, E, top, cfg.expert_renormalize, rng)
         for qt in sorted((q for q in qtypes if q in QTYPES), key=int):
             K = 2 * max(QTYPES[qt].block, 32) + (3 if QTYPES[qt].block == 1 else 0)
-            errs[f"moe_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 2, 2, act, rng)
+            errs[f"moe_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 2, 2, MOE_ACT[cfg.activation], rng,
+                                                       biases="ffn_gate_exps.bias" in tensors)
         if cfg.shared_expert_ffn_dim:
             errs["moe_shared_add"] = check_moe_shared_add(k, 3, cfg.hidden, rng)
     if cfg.has_recurrent_state:            # a hybrid's Gated DeltaNet at the model's own head sizes

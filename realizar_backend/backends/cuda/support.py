@@ -7,12 +7,10 @@ from __future__ import annotations
 from ...formats import ModelFile
 from .matrices import QTYPES
 
-# tensors the GPU's kernels have no operation for yet (the NumPy backend runs them): attention sinks,
-# output-projection biases, a router's or experts' biases
-UNSUPPORTED_TENSORS = ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
-                       "ffn_up_exps.bias", "ffn_down_exps.bias")
-# the routed experts' activations the GPU kernels apply (kernels/common.cuh act_f)
-MOE_ACTIVATIONS = ("silu", "gelu_tanh")
+# the dense MLPs' activations the GPU kernels apply (kernels/common.cuh act_f)
+DENSE_ACTIVATIONS = ("silu", "gelu_tanh")
+# the routed experts' activations (common.cuh gated_f: those, and gpt-oss's clamped SwiGLU)
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 # experts a token takes that the GPU's routing holds (kernels/moe.cu MOE_MAX_K: one per lane)
 MOE_MAX_K = 32
 # a Gated DeltaNet's shapes the GPU's kernels hold (kernels/deltanet.cu, the same names): conv inputs
@@ -34,20 +32,19 @@ def refusal(mf: ModelFile) -> str | None:
         return (f"{c.arch}: the GPU's Gated DeltaNet kernels take conv kernels of up to {DN_MAX_TAPS + 1} and "
                 f"heads of up to {DN_MAX_K} key and {DN_MAX_V} value dims (this model: {c.ssm_conv_kernel}, "
                 f"{c.ssm_k_dim}, {c.ssm_v_dim})")
-    if c.arch == "gpt-oss":
-        return ("gpt-oss: the GPU backend has no attention sinks, projection and expert biases, clamped "
-                "SwiGLU experts or MXFP4 weights yet")
     if c.n_experts and c.activation not in MOE_ACTIVATIONS:
         return f"{c.arch}: the GPU backend has no {c.activation} experts yet"
+    if not c.n_experts and c.activation not in DENSE_ACTIVATIONS:
+        return f"{c.arch}: the GPU backend has no {c.activation} MLPs yet"
     if c.n_experts_used > MOE_MAX_K:
         return f"{c.arch}: {c.n_experts_used} experts a token; the GPU backend routes at most {MOE_MAX_K}"
     for name, t in mf.tensors.items():
-        if name.startswith("blk.") and name.split(".", 2)[2] in UNSUPPORTED_TENSORS:
-            return f"tensor {name}: the GPU backend has no kernel for it yet"
         if name.endswith(".ffn_gate_shexp.weight") and t.shape[0] != c.shared_expert_ffn_dim:
             # the workspace holds a shared expert of the width the metadata gives
             return (f"tensor {name}: {t.shape[0]} rows, but the metadata gives a shared expert FFN of "
                     f"{c.shared_expert_ffn_dim}")
+        if c.post_norms and name.endswith("attn_output.bias"):
+            return f"tensor {name}: the GPU backend adds no output-projection bias before a post-norm yet"
         if len(t.shape) >= 2 and t.qtype not in QTYPES:
             return f"tensor {name}: type {t.type_name} has no GPU kernel yet"
     return None
