@@ -6,7 +6,8 @@ The parent never blocks on a child: every read has a deadline and may watch a ca
 child that hangs, or a caller whose client left, costs at most the limit. The child imports only
 what its `worker_main` imports. It ignores SIGINT and SIGTERM (the server's process group may be
 signalled as a whole; the server decides when its workers end) and ends quietly at the end of its
-input, or when a reply finds its parent gone. A reply that carries RESTART retires its child
+input, when a reply finds its parent gone, or (busy on a request) within PARENT_CHECK_S of its
+parent's end: a server killed outright leaves no worker behind. A reply that carries RESTART retires its child
 (after a MemoryError there nothing in it is trusted).
 """
 
@@ -33,6 +34,8 @@ FRAME = struct.Struct("<Q")        # a frame: its length, then that many bytes o
 POLL_S = 0.05                      # how often a read looks at its cancel event
 _END_WAIT_S = 2.0                  # a child given the end of its input exits within this, or is killed
 RESTART = "restart"                # a reply with this key true: its child is killed and replaced
+PARENT_CHECK_S = 1.0               # how often a child looks whether its parent is still there
+_WATCH_STACK_BYTES = 256 << 10     # the parent watch's thread stack (it counts in a child's RLIMIT_AS)
 
 
 def package_root() -> str:
@@ -146,7 +149,8 @@ class Child:
 # - close() ends every child: idle ones are told to end (and killed if they do not within
 #   _END_WAIT_S), those in use are killed (their callers get the pool's closed error), those
 #   being started are ended when their start returns. No child outlives the server: every pool is
-#   closed at interpreter exit, and a child whose parent is gone ends at the end of its input.
+#   closed at interpreter exit, and a child whose parent is gone ends at the end of its input or,
+#   busy, within PARENT_CHECK_S (ParentChannel).
 class ChildPool:
     """Up to `size` children running `module.worker_main(args)`, lent one caller at a time.
 
@@ -326,6 +330,17 @@ class ParentChannel:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         self._in, self._out = sys.stdin.buffer, sys.stdout.buffer
+        # a parent killed outright does not close() us: a request that runs away would run on alone
+        parent = os.getppid()
+        stack = threading.stack_size(_WATCH_STACK_BYTES)
+        threading.Thread(target=self._watch, args=(parent,), name="parent-watch", daemon=True).start()
+        threading.stack_size(stack)
+
+    @staticmethod
+    def _watch(parent: int) -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
 
     def read(self) -> Any | None:
         """The parent's next frame, or None at the end of its input."""

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from realizar_backend.childproc import ChildCancelled, ChildPool
 
 CHILD = "tests.support.pool_child"     # imported by the child from the repository's root
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Unavailable(Exception):
@@ -135,3 +139,35 @@ def test_close_ends_every_child_also_one_in_use():
     assert not [pid for pid in pids if _running(pid)] and not _pool_children()
     with pytest.raises(Unavailable):
         pool.call({}, 30.0)
+
+
+SERVER = f"""
+import sys, threading, time
+sys.path.insert(0, {str(ROOT)!r})
+from realizar_backend.childproc import ChildPool
+pool = ChildPool({CHILD!r}, 2, start_timeout_s=60.0, unavailable=RuntimeError, name="test-pool")
+pool.prestart()
+deadline = time.monotonic() + 60
+while len(pool.pids()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+threading.Thread(target=pool.call, args=({{"sleep": 600}}, 600.0), daemon=True).start()
+time.sleep(0.3)                                # one child hangs on its request, the other is idle
+print(" ".join(map(str, pool.pids())), flush=True)
+time.sleep(60)
+"""
+
+
+def test_no_child_outlives_a_server_killed_outright():
+    # a server killed by SIGKILL closes nothing: its idle child ends at the end of its input, the
+    # one hung on a request within a second or two of noticing its parent gone
+    server = psutil.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in server.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(pid) for pid in pids)
+    finally:
+        server.kill()
+        server.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _running(pid)], "a child outlived its server"
