@@ -16,15 +16,15 @@ with llguidance's view of the same vocabulary:
 - with its address space capped (WORKER_MEMORY_BYTES).
 The structural limits (engine/grammar_limits.py) come before: most bad grammars never get here.
 
-Workers start on first use (or `prestart`, after the server is ready) and are shared by the
-Guidance objects of one vocabulary in the process (`checker`). Messages are length-prefixed JSON
+Workers start on first use (or `prestart`, after the server is ready), in a ChildPool
+(realizar_backend/childproc.py), and are shared by the Guidance objects of one vocabulary in the
+process (`checker`). Messages are length-prefixed JSON
 over the worker's stdin and stdout (realizar_backend/childproc.py); the worker imports llguidance and
 nothing of the server.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import logging
@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..childproc import POLL_S, Child, ChildCancelled, ChildGone, ParentChannel
+from ..childproc import RESTART, ChildCancelled, ChildGone, ChildPool, ParentChannel
 
 log = logging.getLogger(__name__)
 
@@ -74,30 +74,6 @@ class Vocabulary:
         return h.hexdigest()
 
 
-class _Worker(Child):
-    """One check process with its vocabulary sent and its start handshake."""
-
-    def __init__(self, vocab: Vocabulary, cancel: threading.Event | None):
-        super().__init__(__name__)
-        try:
-            self.send({"tokenizer": vocab.tokenizer_json, "n_vocab": vocab.n_vocab, "eos": list(vocab.eos),
-                       "slices": list(vocab.slices), "memory": WORKER_MEMORY_BYTES})
-            hello = self.read(_START_TIMEOUT_S, cancel)
-        except (TimeoutError, ChildGone) as e:
-            self.kill()
-            raise CheckFailed("unavailable", f"the grammar checker process did not start ({e or 'timeout'})") from None
-        except BaseException:
-            self.kill()
-            raise
-        if hello != {"ready": True}:
-            self.kill()
-            raise CheckFailed("unavailable", f"the grammar checker process did not start: {hello!r}")
-
-    def check(self, grammar: str, timeout_s: float, cancel: threading.Event | None) -> dict:
-        self.send({"grammar": grammar})
-        return self.read(timeout_s, cancel)
-
-
 class GrammarChecker:
     """A pool of check workers for one vocabulary. `check` blocks (call it off the event loop);
     up to `workers` checks run at once, the others wait for a free worker."""
@@ -105,83 +81,38 @@ class GrammarChecker:
     def __init__(self, vocab: Vocabulary, timeout_s: float, workers: int):
         self.vocab = vocab
         self.timeout_s = timeout_s
-        self._idle: list[_Worker | None] = [None] * workers      # None: a slot with no process yet
-        self._cond = threading.Condition()
-        self._closed = False
+        init = {"tokenizer": vocab.tokenizer_json, "n_vocab": vocab.n_vocab, "eos": list(vocab.eos),
+                "slices": list(vocab.slices), "memory": WORKER_MEMORY_BYTES}
+        self.pool = ChildPool(__name__, workers, init=init, start_timeout_s=_START_TIMEOUT_S,
+                              unavailable=_unavailable, name="grammar-check")
 
     def check(self, grammar: str, cancel: threading.Event | None = None) -> None:
         """Return if the grammar compiles, allows some text and gets past its forced start within
         the time limit; else CheckFailed. Cancelled when `cancel` is set meanwhile."""
-        worker = self._acquire(cancel)
         try:
-            if worker is None:
-                worker = _Worker(self.vocab, cancel)
-            reply = worker.check(grammar, self.timeout_s, cancel)
-        except BaseException as e:
-            if worker is not None:
-                worker.kill()       # cut off mid-answer: nothing it says later is trusted
-            worker = None
-            if isinstance(e, TimeoutError):
-                raise CheckFailed("complex", f"compiling it took longer than {self.timeout_s:g} s "
-                                             f"(REALIZAR_GRAMMAR_TIMEOUT_S)") from None
-            if isinstance(e, ChildGone):
-                log.warning("a grammar check worker exited with status %s on a request's grammar", e.status)
-                raise CheckFailed("complex", f"the grammar compiler failed on it (its process exited with "
-                                             f"status {e.status})") from None
-            raise
-        finally:
-            self._release(worker)
+            reply = self.pool.call({"grammar": grammar}, self.timeout_s, cancel)
+        except TimeoutError:
+            raise CheckFailed("complex", f"compiling it took longer than {self.timeout_s:g} s "
+                                         f"(REALIZAR_GRAMMAR_TIMEOUT_S)") from None
+        except ChildGone as e:
+            log.warning("a grammar check worker exited with status %s on a request's grammar", e.status)
+            raise CheckFailed("complex", f"the grammar compiler failed on it (its process exited with "
+                                         f"status {e.status})") from None
         if "error" in reply:
             raise CheckFailed(reply["error"], reply["message"])
 
     def prestart(self) -> None:
         """Start the workers now, on a thread (a request that comes first waits for one)."""
-        threading.Thread(target=self._start_idle, name="grammar-check-start", daemon=True).start()
-
-    def _start_idle(self) -> None:
-        with self._cond:
-            missing = [i for i, w in enumerate(self._idle) if w is None]
-            for i in reversed(missing):
-                del self._idle[i]
-        for _ in missing:
-            try:
-                w = _Worker(self.vocab, None)
-            except Exception as e:        # the request that takes the slot tries again and says why
-                log.warning("a grammar check worker did not start: %s", e)
-                w = None
-            self._release(w)
-
-    def _acquire(self, cancel: threading.Event | None) -> _Worker | None:
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise CheckFailed("unavailable", "the grammar checker is closed")
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled()
-                started = [i for i, w in enumerate(self._idle) if w is not None]
-                if started:
-                    return self._idle.pop(started[-1])
-                if self._idle:
-                    return self._idle.pop()
-                self._cond.wait(POLL_S)
-
-    def _release(self, worker: _Worker | None) -> None:
-        with self._cond:
-            if self._closed:
-                if worker is not None:
-                    worker.close()
-                return
-            self._idle.append(worker)
-            self._cond.notify()
+        self.pool.prestart()
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._cond.notify_all()
-        for w in idle:
-            if w is not None:
-                w.close()
+        self.pool.close()
+
+
+def _unavailable(why: str) -> CheckFailed:
+    if why == "closed":
+        return CheckFailed("unavailable", "the grammar checker is closed")
+    return CheckFailed("unavailable", f"the grammar checker process {why}")
 
 
 _checkers: dict[tuple, GrammarChecker] = {}
@@ -196,15 +127,6 @@ def checker(vocab: Vocabulary, timeout_s: float, workers: int) -> GrammarChecker
         if c is None:
             c = _checkers[key] = GrammarChecker(vocab, timeout_s, workers)
         return c
-
-
-@atexit.register
-def _close_checkers() -> None:
-    with _checkers_lock:
-        cs = list(_checkers.values())
-        _checkers.clear()
-    for c in cs:
-        c.close()
 
 
 # ------------------------------------------------------------------------------ the worker's side
@@ -271,7 +193,8 @@ def worker_main(argv: list[str]) -> None:
             try:
                 result.append(probe(llguidance.LLMatcher, tokenizer, req["grammar"]))
             except MemoryError:
-                result.append({"error": "complex", "message": "it needs more memory than a grammar may take"})
+                result.append({"error": "complex", "message": "it needs more memory than a grammar may take",
+                               RESTART: True})
             except Exception as e:   # a refusal of llguidance's API on this grammar is this grammar's failure
                 result.append({"error": "invalid", "message": f"{type(e).__name__}: {e}"})
 
@@ -279,5 +202,5 @@ def worker_main(argv: list[str]) -> None:
         t.start()
         t.join()
         parent.reply(result[0])
-        if result[0].get("error") == "complex" and "memory" in result[0]["message"]:
+        if result[0].get(RESTART):
             return                       # after a MemoryError nothing here is trusted: a fresh worker

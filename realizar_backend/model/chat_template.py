@@ -3,8 +3,8 @@
 A GGUF file can carry any Jinja, and the jinja2 sandbox only stops attribute escapes: a template
 can loop for ever, recurse, or build a string of gigabytes. So every render runs in a small worker
 process (`python -c` importing only this module and jinja2) that the caller can abandon:
-- a wall-clock limit: the caller stops waiting and kills the worker (a fresh one starts on the
-  next render);
+- a wall-clock limit: the caller stops waiting and kills the worker (a fresh one starts on a
+  thread; the pool of workers is realizar_backend/childproc.py's ChildPool);
 - an output limit: the render is consumed chunk by chunk and stopped past `max_chars`;
 - a memory limit: the worker's address space is capped (RLIMIT_AS), so a runaway allocation is a
   MemoryError there instead of swap here.
@@ -18,13 +18,12 @@ fails on every small conversation tried is refused with the model, not per reque
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..childproc import Child, ChildGone, ParentChannel
+from ..childproc import RESTART, ChildGone, ChildPool, ParentChannel
 from ..errors import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -92,65 +91,27 @@ def is_harmony(chat_template: str | None) -> bool:
     return bool(chat_template) and "<|channel|>" in chat_template and "<|message|>" in chat_template
 
 
-class _Worker(Child):
-    """One render process with its start handshake; errors as ChatTemplateError."""
-
-    def __init__(self, limits: TemplateLimits):
-        super().__init__(__name__, (str(limits.max_chars), str(limits.memory_mb)))
-        try:
-            hello = self.read(_START_TIMEOUT_S)
-        except (TimeoutError, ChildGone):
-            self.kill()
-            raise ChatTemplateError("unavailable", "the chat template worker process did not start") from None
-        if hello != {"ready": True}:
-            self.kill()
-            raise ChatTemplateError("unavailable", f"the chat template worker said {hello!r} at start")
-
-    def call(self, request: dict, timeout_s: float) -> dict:
-        try:
-            self.send(request)
-            return self.read(timeout_s)
-        except TimeoutError:
-            raise ChatTemplateError("limit", "timeout") from None
-        except ChildGone:
-            raise ChatTemplateError("unavailable", "the chat template worker process exited") from None
-
-
 class TemplateRenderer:
     """A pool of render workers with one set of limits. Renders are blocking calls (run them off
     the event loop); up to `limits.workers` run at once, the rest wait for a free worker."""
 
     def __init__(self, limits: TemplateLimits):
         self.limits = limits
-        self._idle: list[_Worker | None] = [None] * limits.workers   # None: not started yet
-        self._cond = threading.Condition()
-        self._closed = False
-        self._starting = 0        # workers prestart() is bringing up (not in _idle meanwhile)
+        self.pool = ChildPool(__name__, limits.workers, args=(str(limits.max_chars), str(limits.memory_mb)),
+                              start_timeout_s=_START_TIMEOUT_S, unavailable=_unavailable, name="template-worker")
 
     def render(self, source: str, context: dict[str, Any]) -> str:
         """The template rendered with `context` (plain JSON values); raises ChatTemplateError."""
-        request = {"template": source, "context": context}
-        worker = self._acquire()
         try:
-            if worker is None:
-                worker = _Worker(self.limits)
-            try:
-                reply = worker.call(request, self.limits.timeout_s)
-            except ChatTemplateError as e:
-                worker.kill()
-                worker = None
-                if e.message == "timeout":
-                    raise ChatTemplateError("limit", f"the chat template did not finish within "
-                                                     f"{self.limits.timeout_s:g} s") from None
-                raise
-            if "ok" in reply:
-                return reply["ok"]
-            if reply.get("restart"):            # after a MemoryError nothing there is trusted
-                worker.kill()
-                worker = None
-            raise ChatTemplateError(reply["error"], reply["message"])
-        finally:
-            self._release(worker)
+            reply = self.pool.call({"template": source, "context": context}, self.limits.timeout_s)
+        except TimeoutError:
+            raise ChatTemplateError("limit", f"the chat template did not finish within "
+                                             f"{self.limits.timeout_s:g} s") from None
+        except ChildGone:
+            raise ChatTemplateError("unavailable", "the chat template worker process exited") from None
+        if "ok" in reply:
+            return reply["ok"]
+        raise ChatTemplateError(reply["error"], reply["message"])
 
     def check(self, source: str, special_tokens: Mapping[str, str]) -> None:
         """Compile and render the template on a plain conversation, within the limits; a template
@@ -166,78 +127,22 @@ class TemplateRenderer:
                 if e.kind != "render" or messages is not TRIAL_MESSAGES:
                     raise
         # the other workers start beside the rest of the load, not before the check returns
-        threading.Thread(target=self._start_idle, name="template-workers", daemon=True).start()
+        self.pool.prestart()
 
     def prestart(self) -> None:
-        """Start one worker now, on a thread, if none has started: a new process takes 0.1-0.3 s
-        to come up, which a model load spends building the vocabulary meanwhile, so that the
-        check after the build only renders. A render that comes first waits for this worker."""
-        with self._cond:
-            if self._starting or any(w is not None for w in self._idle) or None not in self._idle:
-                return
-            self._idle.remove(None)
-            self._starting += 1
-
-        def start() -> None:
-            try:
-                worker = _Worker(self.limits)
-            except ChatTemplateError:       # the render that takes the slot tries again, and says why
-                worker = None
-            self._release(worker, prestarted=True)
-
-        threading.Thread(target=start, name="template-worker-start", daemon=True).start()
-
-    def _start_idle(self) -> None:
-        """Start the workers not started yet, so that the first requests do not wait for them
-        (a request that comes first waits for one of them, as it waits for a busy worker)."""
-        with self._cond:
-            missing = [i for i, w in enumerate(self._idle) if w is None]
-            for i in reversed(missing):
-                del self._idle[i]
-        for _ in missing:
-            try:
-                self._release(_Worker(self.limits))
-            except ChatTemplateError:
-                self._release(None)
-
-    def _acquire(self) -> _Worker | None:
-        """A started worker if one is idle; else a slot to start one in (None), unless prestart()
-        is bringing one up: that one is nearer than a new one."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ChatTemplateError("unavailable", "the chat template renderer is closed")
-                started = [i for i, w in enumerate(self._idle) if w is not None]
-                if started:
-                    return self._idle.pop(started[-1])
-                if self._idle and not self._starting:
-                    return self._idle.pop()
-                self._cond.wait()
-
-    def _release(self, worker: _Worker | None, prestarted: bool = False) -> None:
-        with self._cond:
-            if prestarted:
-                self._starting -= 1
-            if self._closed:
-                if worker is not None:
-                    worker.close()
-                return
-            self._idle.append(worker)
-            if prestarted:        # every waiter looks again: those it does not serve may take a free slot
-                self._cond.notify_all()
-            else:
-                self._cond.notify()
+        """Start one worker now, on a thread, if none is up: a new process takes 0.1-0.3 s to come
+        up, which a model load spends building the vocabulary meanwhile, so that the check after
+        the build only renders. A render that comes first waits for this worker."""
+        self.pool.prestart(1)
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._cond.notify_all()
-        idle = [w for w in idle if w is not None]
-        for w in idle:           # all told first, so that they exit together (a process exit waits)
-            w.end_input()
-        for w in idle:
-            w.wait_end()
+        self.pool.close()
+
+
+def _unavailable(why: str) -> ChatTemplateError:
+    if why == "closed":
+        return ChatTemplateError("unavailable", "the chat template renderer is closed")
+    return ChatTemplateError("unavailable", f"the chat template worker process {why}")
 
 
 _renderers: dict[TemplateLimits, TemplateRenderer] = {}
@@ -251,15 +156,6 @@ def renderer(limits: TemplateLimits) -> TemplateRenderer:
         if r is None:
             r = _renderers[limits] = TemplateRenderer(limits)
         return r
-
-
-@atexit.register
-def _close_renderers() -> None:
-    with _renderers_lock:
-        rs = list(_renderers.values())
-        _renderers.clear()
-    for r in rs:
-        r.close()
 
 
 # ---------------------------------------------------------------------- the worker side
@@ -281,7 +177,7 @@ def worker_main(argv: list[str]) -> None:
             parent.reply({"ok": jinja_env.render(env, compiled, req["template"], req["context"], max_chars)})
         except MemoryError:
             compiled.clear()
-            parent.reply({"error": "limit", "restart": True,
+            parent.reply({"error": "limit", RESTART: True,
                           "message": f"the chat template needed more than {memory_mb} MB of memory"})
         except ChatTemplateError as e:
             parent.reply({"error": e.kind, "message": e.message})

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
+import psutil
 import pytest
 
 from realizar_backend.errors import ModelFormatError, RequestError, UnsupportedModelError
@@ -164,12 +165,13 @@ def test_the_worker_started_during_the_build_serves_the_check(workers):
     limits = TemplateLimits(timeout_s=4.5, max_chars=1 << 20, memory_mb=511, workers=workers)
     tok = _with_template("smol135", "<{{ messages[0].content }}>", limits)
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
-    pool = tok._renderer
+    pool = tok._renderer.pool
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (pool._starting or None in pool._idle or len(pool._idle) < workers):
+    while time.monotonic() < deadline and len(pool.pids()) < workers:
         time.sleep(0.05)                 # the other workers start on a thread after the check
-    assert len({w.proc.pid for w in pool._idle if w is not None}) == workers
-    assert all(w.proc.poll() is None for w in pool._idle)
+    pids = pool.pids()
+    assert len(set(pids)) == len(pids) == workers
+    assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
     assert tok.apply_chat_template([{"role": "user", "content": "y"}]) == "<y>"
 
 
@@ -183,7 +185,7 @@ def test_renders_arriving_while_a_worker_starts_all_complete():
         with ThreadPoolExecutor(4) as ex:
             outs = list(ex.map(lambda i: pool.render("<{{ n }}>", {"n": i}), range(8)))
         assert outs == [f"<{i}>" for i in range(8)]
-        assert len(pool._idle) == 2 and len({w.proc.pid for w in pool._idle if w is not None}) <= 2
+        assert len(pool.pool.pids()) <= 2
     finally:
         pool.close()
 

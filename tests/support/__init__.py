@@ -17,4 +17,5 @@
     split16_twin       the NumPy twin of the split16 prefill GEMM
     grammars           grammars too large or too slow for a request
     server             a real `bentoml serve` process (the `server` fixture's)
+    pool_child         a child process for ChildPool's tests (a child imports it as tests.support.pool_child)
 """
