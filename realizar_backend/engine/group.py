@@ -7,8 +7,8 @@ NOTE on routing, the invariants:
 - a request runs start to end on the engine it was sent to (its KV cache lives there); every choice
   of an n > 1 request is a request of its own, and goes where its prompt's prefix is (below);
 - the router counts what is in flight on each engine itself (a request counts from its submit to
-  the end of its stream): it needs no report from the engines, so a burst of requests spreads at
-  once, and a slow stats report cannot skew it. With several front ends (engine/shared.py) it adds
+  the end of its stream): the counts need no report from the engines, so a burst of requests
+  spreads at once, and a slow stats report cannot skew them. With several front ends (engine/shared.py) it adds
   what the other front ends have in flight there, as the engine's load board says;
 - among the engines that can take work (alive, not stuck), a request goes to the first by
   (KV-full, requests in flight, prompt tokens in flight, index): KV-full engines last, then the
