@@ -269,6 +269,7 @@ class Engine(RequestPrep):
             "kv_used_blocks": kv.used_blocks,
             "kv_used_tokens": kv.used_tokens,
             "kv_total_blocks": kv.num_blocks,
+            "kv_waiting_blocks": s.waiting_blocks(),
             "preemptions": s.preemptions,         # the three counts are cumulative
             "prefix_cache_queried_tokens": kv.queried_tokens,
             "prefix_cache_hit_tokens": kv.hit_tokens,

@@ -7,14 +7,28 @@ NOTE on routing, the invariants:
 - a request runs start to end on the engine it was sent to (its KV cache lives there); every choice
   of an n > 1 request is a request of its own, and goes where its prompt's prefix is (below);
 - the router counts what is in flight on each engine itself (a request counts from its submit to
-  the end of its stream): it needs no report from the engines, so a burst of requests spreads at
-  once, and a slow stats report cannot skew it. With several front ends (engine/shared.py) it adds
+  the end of its stream): the counts need no report from the engines, so a burst of requests
+  spreads at once, and a slow stats report cannot skew them. With several front ends (engine/shared.py) it adds
   what the other front ends have in flight there, as the engine's load board says;
-- among the engines that can take work (alive, not stuck), a request goes to the one with the
-  fewest requests in flight, ties broken by the fewest prompt tokens in flight, then by index;
-- a request whose first PREFIX_TOKENS prompt tokens an engine served recently goes back to that
-  engine (its prefix cache holds their KV blocks) while it has at most PREFIX_SLACK more requests
-  in flight than the least busy one;
+- among the engines that can take work (alive, not stuck), a request goes to the first by
+  (KV-full, requests in flight, prompt tokens in flight, index): KV-full engines last, then the
+  fewest requests, then the fewest prompt tokens, then the lowest index. An engine is KV-full for
+  a prompt when its latest report, if younger than KV_REPORT_TTL_S, leaves less than KV_ROOM of
+  its pool free once the blocks its waiting requests want and this prompt's blocks are taken:
+  there the request would queue, or soon make a sequence be preempted. So while one engine has
+  room, a nearly full one gets nothing new; when all are full (or none is), the counts decide;
+- the KV state is the engines' (a report per change of their batch, at most 50 ms apart while
+  they step: engine.py), the counts are the router's own: a burst spreads over the engines with
+  room at once by the counts, and a report that stops coming (an engine gone idle, whose blocks
+  are then free, or in one long step) stops counting after KV_REPORT_TTL_S, so a stale report
+  cannot keep work off an engine. With several front ends every one reads the KV state the
+  engine writes on its load board (engine/shared.py);
+- a request whose first PREFIX_TOKENS prompt tokens went to an engine recently goes back to that
+  engine (its prefix cache holds their KV blocks) while it is no more KV-full than the chosen one
+  and has at most PREFIX_SLACK more requests in flight than it; the prompt head then belongs to
+  the engine it went to. The heads are remembered in a `PrefixTable` (engine/shared.py), which
+  with several front ends is one file that all of them read and write: a known prefix goes to
+  its engine through whichever front end it comes;
 - an engine that dies or is stuck stands aside: nothing new goes to it; its requests in flight end
   with a retryable error (EngineClient). The group serves while one engine can.
 """
@@ -23,19 +37,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from ..errors import CapacityError
 from ..settings import Settings
 from .prep import RequestPrep
+from .shared import PrefixTable, prefix_path
 
 log = logging.getLogger(__name__)
 
 PREFIX_TOKENS = 64            # the prompt head whose KV blocks an engine's prefix cache may hold
 PREFIX_SLACK = 4              # requests in flight an engine may be ahead of the least busy and keep its prefixes
-PREFIX_MEMORY = 4096          # prompt heads remembered (least recently used forgotten)
+KV_ROOM = 1 / 16              # the share of its KV pool an engine must keep free after a new prompt, or it is KV-full
+KV_REPORT_TTL_S = 2.0         # an engine's KV report counts this long (it reports at most 50 ms apart while it steps)
 
 # the engine reports whose numbers add up over the engines (the rest: the first engine's)
 _KV_KEYS = ("kv_used_blocks", "kv_total_blocks")
@@ -82,7 +98,7 @@ class EngineGroup(RequestPrep):
         self._inflight = [0] * len(devices)
         self._tokens = [0] * len(devices)
         self._owner: dict[str, int] = {}                      # request id -> engine
-        self._prefixes: OrderedDict[tuple, int] = OrderedDict()
+        self._prefixes = PrefixTable.private()                 # prompt head -> engine (start: shared)
 
     # ---------------------------------------------------------------- start
     @classmethod
@@ -124,6 +140,12 @@ class EngineGroup(RequestPrep):
                     group.members[i] = f.result()
                 except Exception as e:           # this engine stands aside
                     group.failures[i] = e
+        if shared is not None:
+            try:
+                group._prefixes = PrefixTable.open(prefix_path(shared))
+            except OSError as e:        # affinity stays this front end's own
+                log.warning("the front ends' shared prefix table cannot be opened (%s); this front end "
+                            "remembers its own prompt heads", e)
         for i, e in group.failures.items():
             if quiet:
                 break
@@ -181,20 +203,31 @@ class EngineGroup(RequestPrep):
             if not live:
                 raise CapacityError("no engine can take work (every one is stuck or gone); retry later",
                                     retry_after_s=5)
-            load = {i: self._load(i) for i in live}
+            now = time.monotonic()
+            load = {i: (self._kv_full(i, len(prompt_ids), now), *self._load(i)) for i in live}
             best = min(live, key=lambda i: (*load[i], i))
             head = tuple(prompt_ids[:PREFIX_TOKENS]) if len(prompt_ids) >= PREFIX_TOKENS else None
             if head is not None:
                 owner = self._prefixes.get(head)
-                if owner in live and load[owner][0] <= load[best][0] + PREFIX_SLACK:
+                if (owner in load and load[owner][0] <= load[best][0]
+                        and load[owner][1] <= load[best][1] + PREFIX_SLACK):
                     best = owner
-                self._prefixes[head] = best
-                self._prefixes.move_to_end(head)
-                while len(self._prefixes) > PREFIX_MEMORY:
-                    self._prefixes.popitem(last=False)
+                if owner != best:
+                    self._prefixes.put(head, best)
             self._inflight[best] += 1
             self._tokens[best] += len(prompt_ids)
             return best
+
+    def _kv_full(self, i: int, prompt_tokens: int, now: float) -> bool:
+        """Whether engine i's latest KV report (if younger than KV_REPORT_TTL_S) leaves less than
+        KV_ROOM of its pool free after its waiting requests' blocks and this prompt's."""
+        m = self.members[i]
+        state = m.kv_state()
+        if state is None or not state.total_blocks or now - state.reported_at > KV_REPORT_TTL_S:
+            return False
+        block = max(1, m.kv_capacity // state.total_blocks)
+        free = state.total_blocks - state.used_blocks - state.waiting_blocks - -(-prompt_tokens // block)
+        return free < KV_ROOM * state.total_blocks
 
     def _load(self, i: int) -> tuple[int, int]:
         """Requests and prompt tokens in flight on engine i: this side's, and (a shared engine)
@@ -302,3 +335,4 @@ class EngineGroup(RequestPrep):
         for m in self.members:
             if m is not None:
                 m.shutdown()
+        self._prefixes.close()

@@ -163,6 +163,7 @@ class EngineClient(RequestPrep):
         self.board = None
         self.reports = True                 # this side writes the engine's series (a shared engine's reporter)
         self._stats = info["stats"]
+        self._stats_at = time.monotonic()   # when the latest report came
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._dead: BaseException | None = None
@@ -386,6 +387,14 @@ class EngineClient(RequestPrep):
                 pass
         return dict(self._stats)
 
+    def kv_state(self):
+        """The engine's KV pool as of its latest report (shared.KVState; None: not known): a shared
+        engine's from its load board (every front end reads the same), else from its reports here."""
+        from .shared import KVState
+        if self.board is not None:
+            return self.board.kv()
+        return KVState.of(self._stats, self._stats_at)
+
     def finish_all(self, reason: str = "shutdown") -> None:
         self._send(("finish_all", reason))
 
@@ -446,7 +455,7 @@ class EngineClient(RequestPrep):
                         obs.on_request_finished(*value)
             elif op == "stats":
                 self._stats_asked = False
-                self._stats = msg[1]
+                self._stats, self._stats_at = msg[1], time.monotonic()
                 if len(msg) > 2:        # a shared engine's: whether this side writes its series
                     self.reports = msg[2]
                 if self.reports:

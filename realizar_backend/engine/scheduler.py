@@ -154,6 +154,12 @@ class Scheduler:
             ids, self._aborts = self._aborts, set()
         return ids
 
+    def waiting_blocks(self) -> int:
+        """KV blocks the waiting sequences' prompts want (before prefix-cache hits): what must
+        free up before a newcomer is admitted (nothing overtakes them)."""
+        with self._lock:
+            return sum(self.kv.blocks_for(s.kv_target) for s in self.waiting)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._aborts)
 

@@ -26,7 +26,19 @@ NOTE on the design, the invariants:
   the stream's end, abort or the connection's end), in a small shared file beside its socket
   (`LoadBoard`). A front end routes by its own in-flight counts (exact, and at once) plus the
   other slots' (the engines' view of the other front ends): the least-work rule of group.py over
-  the whole engine. Prefix affinity is per front end (each remembers the prompt heads it sent);
+  the whole engine. The board also holds the engine's KV state as of its latest report (blocks
+  used, in the pool, wanted by its waiting requests, and when: the host's monotonic clock, which
+  every process reads alike), written under a sequence counter (odd while written: a reader that
+  sees it odd or changed reads again, and after _BOARD_READS tries takes no report) so that a
+  front end that is not the engine's reporter reads the same KV state as the one that is;
+- prefix affinity is shared: a `PrefixTable` file in the same directory (the serving process
+  makes it before any worker starts) maps a prompt head's hash to the engine it last went to,
+  one 8-byte word an entry, direct-mapped (PREFIX_MEMORY entries; a head takes over its entry
+  from whatever head hashed there). It is read and written without a lock: a word written
+  by two front ends at once keeps one of the two, and a torn or overwritten entry names no
+  engine or the wrong one, which costs a prefix-cache miss, never a wrong answer (the router
+  checks the engine is live and within its slack, group.py). The last engine to end removes it
+  with the directory;
 - per-engine metrics are written once: an engine's reports (its gauges, cumulative step totals
   and the finished-sequence and token-interval events of every sequence) go to one connection,
   the reporter (the earliest connected that is still connected), which writes them as that
@@ -44,6 +56,7 @@ NOTE on the design, the invariants:
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import mmap
 import os
@@ -54,9 +67,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..childproc import package_root
 from ..settings import Settings, gpu_environ
@@ -66,8 +80,15 @@ log = logging.getLogger(__name__)
 
 SLOTS = 64                     # connections an engine counts load for (front ends and their restarts)
 BACKLOG = 8192                 # messages a front end may leave unread before the engine hangs up on it
+PREFIX_MEMORY = 4096           # prompt heads the prefix table remembers (entries; a power of two)
 _SLOT = struct.Struct("<qq")   # requests, prompt tokens in flight
-_BOARD_BYTES = SLOTS * _SLOT.size
+# the engine's KV state after the slots: sequence counter (odd while written), blocks used, blocks
+# in the pool, blocks its waiting requests' prompts want, when reported (time.monotonic())
+_KV = struct.Struct("<qqqqd")
+_KV_AT = SLOTS * _SLOT.size
+_BOARD_BYTES = _KV_AT + _KV.size
+_BOARD_READS = 8               # tries at a consistent KV state before a reader takes none
+_ENTRY = struct.Struct("<Q")   # a prefix table entry: the head's 56-bit hash, then its engine + 1 (0: empty)
 _STOP_TIMEOUT_S = 15.0
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
@@ -86,6 +107,24 @@ def socket_path(directory: str, index: int) -> str:
 
 def board_path(directory: str, index: int) -> str:
     return os.path.join(directory, f"engine-{index}.load")
+
+
+def prefix_path(directory: str) -> str:
+    return os.path.join(directory, "prefixes")
+
+
+class KVState(NamedTuple):
+    """An engine's KV pool as of its latest report."""
+    used_blocks: int
+    total_blocks: int
+    waiting_blocks: int        # blocks its waiting requests' prompts want (admitted as these free up)
+    reported_at: float         # time.monotonic() when reported
+
+    @classmethod
+    def of(cls, stats: dict[str, Any], at: float) -> "KVState | None":
+        if "kv_total_blocks" not in stats:
+            return None
+        return cls(stats.get("kv_used_blocks", 0), stats["kv_total_blocks"], stats.get("kv_waiting_blocks", 0), at)
 
 
 class LoadBoard:
@@ -113,6 +152,26 @@ class LoadBoard:
         with self._lock:
             _SLOT.pack_into(self._map, slot * _SLOT.size, 0, 0)
 
+    def set_kv(self, stats: dict[str, Any]) -> None:
+        """The engine's: its KV state, from a report (KVState.of), now."""
+        state = KVState.of(stats, time.monotonic())
+        if state is None:
+            return
+        with self._lock:
+            seq = struct.unpack_from("<q", self._map, _KV_AT)[0] + 1
+            struct.pack_into("<q", self._map, _KV_AT, seq)                    # odd: being written
+            _KV.pack_into(self._map, _KV_AT, seq, *state)
+            struct.pack_into("<q", self._map, _KV_AT, seq + 1)
+
+    def kv(self) -> KVState | None:
+        """The engine's KV state as of its latest report (None: none yet, or no consistent read)."""
+        for _ in range(_BOARD_READS):
+            seq, *state = _KV.unpack_from(self._map, _KV_AT)
+            if seq % 2 or struct.unpack_from("<q", self._map, _KV_AT)[0] != seq:
+                continue
+            return KVState(*state) if seq else None
+        return None
+
     def others(self, slot: int | None) -> tuple[int, int]:
         """Requests and prompt tokens in flight from every slot but `slot`."""
         values = struct.unpack_from(f"<{2 * SLOTS}q", self._map, 0)
@@ -127,6 +186,58 @@ class LoadBoard:
             self._map.close()
         except (BufferError, ValueError):
             pass
+
+
+class PrefixTable:
+    """Prompt head -> the engine it last went to, PREFIX_MEMORY entries of one word each: in a
+    shared file (several front ends: `open`) or in this process (one front end: `private`).
+    Lock-free, direct-mapped (the NOTE above): a lookup or an update is one word's read or write."""
+
+    def __init__(self, buffer):
+        self._map = buffer
+
+    @classmethod
+    def private(cls) -> "PrefixTable":
+        return cls(bytearray(PREFIX_MEMORY * _ENTRY.size))
+
+    @classmethod
+    def open(cls, path: str) -> "PrefixTable":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            return cls(mmap.mmap(fd, PREFIX_MEMORY * _ENTRY.size))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def create(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(bytes(PREFIX_MEMORY * _ENTRY.size))
+
+    @staticmethod
+    def _hash(head: tuple[int, ...]) -> int:
+        data = struct.pack(f"<{len(head)}q", *head)
+        return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+    def get(self, head: tuple[int, ...]) -> int | None:
+        """The engine (0-based) this head last went to, or None."""
+        h = self._hash(head)
+        word = _ENTRY.unpack_from(self._map, (h % PREFIX_MEMORY) * _ENTRY.size)[0]
+        if word >> 8 != h or not word & 0xFF:
+            return None
+        return (word & 0xFF) - 1
+
+    def put(self, head: tuple[int, ...], engine: int) -> None:
+        if not 0 <= engine < 0xFF:
+            return
+        h = self._hash(head)
+        _ENTRY.pack_into(self._map, (h % PREFIX_MEMORY) * _ENTRY.size, (h << 8) | (engine + 1))
+
+    def close(self) -> None:
+        if isinstance(self._map, mmap.mmap):
+            try:
+                self._map.close()
+            except (BufferError, ValueError):
+                pass
 
 
 # ------------------------------------------------------------------------------ the serving process's side
@@ -146,6 +257,7 @@ class EngineHost:
         host = cls(run_dir(os.getpid()))
         shutil.rmtree(host.directory, ignore_errors=True)
         os.makedirs(host.directory, mode=0o700)
+        PrefixTable.create(prefix_path(host.directory))
         for i, gpu in enumerate(devices, 1):
             path = socket_path(host.directory, i)
             LoadBoard.create(board_path(host.directory, i))
@@ -348,7 +460,9 @@ class _Hub:
             return events
 
     def report(self, stats: dict[str, Any], to: _Peer | None = None) -> None:
-        """The engine's report: to the reporter (its series), or, asked by another, to it alone."""
+        """The engine's report: to the reporter (its series), or, asked by another, to it alone;
+        its KV state to the board, for every front end."""
+        self.board.set_kv(stats)
         with self.lock:
             reporter = self.reporter
             if to is not None and to is not reporter:
@@ -476,6 +590,8 @@ def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> 
         if engine is not None:
             engine.shutdown()
         # the server's run directory, gone with its last engine (even when the server was killed)
+        # (each engine lists the directory after removing its own files: the last of them to
+        # remove its files sees the prefix table alone, and removes it too)
         directory = os.path.dirname(board)
         for path in (board, socket_path(directory, index)):
             try:
@@ -483,6 +599,8 @@ def engine_main(control_fd: int, listen_fd: int, board: str, index: int = 1) -> 
             except OSError:
                 pass
         try:
+            if os.listdir(directory) == [os.path.basename(prefix_path(directory))]:
+                os.unlink(prefix_path(directory))
             os.rmdir(directory)
-        except OSError:          # another engine's files are still there
+        except OSError:          # another engine's files are still there (or another removed it)
             pass

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import signal
+import time
 
 import httpx
 import pytest
 
 from support.server import sample, start_server, wait_for
 
-from realizar_backend.engine.group import PREFIX_SLACK, PREFIX_TOKENS, EngineGroup
+from realizar_backend.engine.group import KV_REPORT_TTL_S, PREFIX_SLACK, PREFIX_TOKENS, EngineGroup
 from realizar_backend.engine.process import EngineClient
 from realizar_backend.engine.sampling import SamplingParams
 from realizar_backend.errors import CapacityError, SettingsError
@@ -186,6 +188,64 @@ def test_a_repeated_prompt_hits_the_prefix_cache_of_its_engine(group):
     assert busy == [1, 0]
     assert wait_for(lambda: group.stats()["prefix_cache_hit_tokens"] - before >= PREFIX_TOKENS, 20), group.stats()
     assert group.inflight() == [0, 0]
+
+
+def _probe(g, ids: list[int]) -> int:
+    """Where a request of this prompt would go now (routed, then released: nothing is sent)."""
+    i = g.route(ids)
+    g.release(i, len(ids))
+    return i
+
+
+def test_an_engine_whose_kv_pool_is_full_gets_nothing_new_while_another_has_room():
+    """Four long requests sent to engine 1 directly (as another front end's would be: the router
+    has none of them in flight) fill its 64-block pool until it preempts. Then new requests go to
+    engine 2 although it is the busier by the router's counts; when engine 1's reports stop (it
+    is stopped) they stop counting after KV_REPORT_TTL_S, and it gets work again; and once its
+    requests end, its pool has room again."""
+    g = EngineGroup.start(SETTINGS.replace(kv_cache_tokens=1024), [None, None])
+    routed: list[tuple[int, int]] = []
+    try:
+        async def run():
+            release, started = asyncio.Event(), [asyncio.Event() for _ in range(4)]
+            one = g.members[0]
+            params = SamplingParams(max_tokens=260, temperature=0, ignore_eos=True)
+
+            async def fill(k: int) -> None:
+                ids = [100 + k] + list(range(2000, 2239))                  # 240 tokens, 15 blocks each
+                async for _ in one.generate(one.prepare(ids, params), params, request_id=f"fill{k}"):
+                    started[k].set()
+                    if release.is_set():
+                        break
+
+            tasks = [asyncio.create_task(fill(k)) for k in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+            full = await asyncio.to_thread(wait_for, lambda: _probe(g, [7]) == 1, 60)
+            assert full, one.kv_state()
+            assert g.inflight() == [0, 0]
+            # engine 1 has nothing in flight by the router's counts, engine 2 more and more
+            for n in range(3):
+                i = g.route([7, n])
+                routed.append((i, 2))
+                assert i == 1, (n, one.kv_state())
+            # a stale report cannot keep work off an engine: engine 1 stopped, its last report ages out
+            one._proc.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(KV_REPORT_TTL_S + 0.5)
+                assert _probe(g, [7]) == 0
+            finally:
+                one._proc.send_signal(signal.SIGCONT)
+            assert await asyncio.to_thread(wait_for, lambda: _probe(g, [7]) == 1, 30)
+            release.set()
+            await asyncio.gather(*tasks)
+
+        asyncio.run(run())
+        # its requests ended, engine 1 has room again: the fewest in flight takes the next
+        assert wait_for(lambda: _probe(g, [7]) == 0, 30)
+    finally:
+        for i, n in routed:
+            g.release(i, n)
+        g.shutdown()
 
 
 def test_an_engine_that_dies_ends_its_streams_and_the_others_serve_on():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import json
 import os
 import signal
@@ -26,9 +27,9 @@ import pytest
 
 from support.server import sample, start_server, wait_for
 
-from realizar_backend.engine.group import EngineGroup
+from realizar_backend.engine.group import PREFIX_TOKENS, EngineGroup
 from realizar_backend.engine.sampling import SamplingParams
-from realizar_backend.engine.shared import SLOTS, EngineHost, LoadBoard
+from realizar_backend.engine.shared import PREFIX_MEMORY, SLOTS, EngineHost, KVState, LoadBoard, PrefixTable
 from realizar_backend.errors import SettingsError
 from realizar_backend.settings import Settings, serve_front_ends
 
@@ -60,9 +61,42 @@ def test_the_load_board_gives_each_front_end_the_others_load(tmp_path):
         engine.add(1, -1, -10)
         engine.clear(0)
         assert reader.others(SLOTS - 1) == (1, 20)
+        # the engine's KV state, as its reports say it, for every front end
+        assert reader.kv() is None
+        before = time.monotonic()
+        engine.set_kv({"kv_used_blocks": 60, "kv_total_blocks": 64, "kv_waiting_blocks": 15})
+        state = reader.kv()
+        assert state[:3] == (60, 64, 15) and before <= state.reported_at <= time.monotonic()
+        assert reader.others(SLOTS - 1) == (1, 20)              # the slots are untouched
     finally:
         engine.close()
         reader.close()
+
+
+def test_the_prefix_table_is_one_for_every_front_end_and_bounded(tmp_path):
+    path = str(tmp_path / "prefixes")
+    PrefixTable.create(path)
+    a, b = PrefixTable.open(path), PrefixTable.open(path)
+    try:
+        heads = [tuple(range(k, k + PREFIX_TOKENS)) for k in range(3)]
+        assert a.get(heads[0]) is None
+        a.put(heads[0], 1)
+        b.put(heads[1], 0)
+        assert (b.get(heads[0]), a.get(heads[1]), a.get(heads[2])) == (1, 0, None)
+        a.put(heads[0], 0)                                   # the head went elsewhere: the last word stands
+        assert b.get(heads[0]) == 0
+        # bounded: as many heads as entries and more leave the file its size, and each lookup
+        # names the engine last put or none (a head displaced by another that shares its entry)
+        many = [tuple(range(10_000 + k, 10_000 + k + PREFIX_TOKENS)) for k in range(2 * PREFIX_MEMORY)]
+        for k, head in enumerate(many):
+            a.put(head, k % 3)
+        assert os.path.getsize(path) == PREFIX_MEMORY * 8
+        found = [b.get(head) for head in many]
+        assert all(f is None or f == k % 3 for k, f in enumerate(found))
+        assert sum(f is not None for f in found[-PREFIX_MEMORY:]) > PREFIX_MEMORY // 2
+    finally:
+        a.close()
+        b.close()
 
 
 # ------------------------------------------------------------------------------ two front ends in this process
@@ -134,6 +168,18 @@ def test_two_front_ends_share_two_engines_route_by_their_whole_load_and_hand_ove
             n = min(len(a), len(b))
             assert n > 0 and a[:n] == b[:n]
         assert wait_for(lambda: [g2._load(i) for i in range(2)] == [(0, 0), (0, 0)], 10)
+        # a prompt head front end 1 sent goes to the same engine through front end 2, although
+        # by front end 2's own counts the other engine is the less busy (route alone: nothing sent)
+        head = list(range(3000, 3000 + PREFIX_TOKENS))
+        assert wait_for(lambda: [g1._load(i) for i in range(2)] == [(0, 0), (0, 0)], 10)
+        assert g1.route(head + [1]) == 0
+        assert g2.route([5]) == 0
+        assert g2.route(head + [2]) == 0 and g2.inflight() == [2, 0]
+        g1.release(0, PREFIX_TOKENS + 1)
+        g2.release(0, 1)
+        g2.release(0, PREFIX_TOKENS + 1)
+        # the KV state each front end reads is the engine's, reported or not to it
+        assert all(isinstance(g.members[i].kv_state(), KVState) for g in (g1, g2) for i in range(2))
         # each sequence's end reached the reporting front end only
         assert wait_for(lambda: sum(len(o.finished) for o in obs1) == 4, 10)
         assert sum(len(o.finished) for o in obs2) == 0 and not any(o.steps for o in obs2)
@@ -227,9 +273,12 @@ def _streamed(server, prompt: str) -> str:
     return "".join(text)
 
 
+FRONTS_KV_TOKENS = 1024          # 64 blocks an engine: four long requests fill one
+
+
 @pytest.fixture(scope="module")
 def fronts():
-    s = start_server(ENV)
+    s = start_server({**ENV, "REALIZAR_KV_CACHE_TOKENS": str(FRONTS_KV_TOKENS)})
     yield s
     s.stop()
 
@@ -280,6 +329,145 @@ def test_streamed_greedy_text_equals_one_engine_servers(fronts, server):
         mine = list(pool.map(lambda p: _streamed(fronts, p), prompts))
     assert mine == [_streamed(server, p) for p in prompts]
     assert all(mine)
+
+
+def _served_by_engine(metrics) -> dict[str, float]:
+    """Requests each engine has finished (their length or a stop), as /metrics says."""
+    return {e: sum(sample(metrics, "realizar_requests_total", engine=e, finish_reason=r)
+                   for r in ("length", "stop")) for e in ("1", "2")}
+
+
+def _completions_per_worker(server) -> dict[str, int]:
+    lines = server.log_path.read_text(errors="replace").splitlines()
+    return {w: sum(1 for line in lines if f"[:{w}]" in line and "path=/v1/completions" in line) for w in ("1", "2")}
+
+
+# a prompt head of more than PREFIX_TOKENS tokens, the same for every request that starts with it
+_HEAD = "Here is the preamble every question shares: the lighthouse, the sea, the keeper and his log. " * 4
+
+
+def _stream_until(server, prompt: str, stop, max_tokens: int = 260) -> None:
+    """A greedy stream that the client leaves once `stop` is set (its request is aborted)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.auth, json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            if stop.is_set():
+                break
+
+
+def _in_flight(server, engine: str) -> float:
+    """Requests running or waiting (a preempted one waits again) on an engine, as /metrics says."""
+    m = server.metrics()
+    return sample(m, "realizar_requests_running", engine=engine) + sample(m, "realizar_requests_waiting", engine=engine)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_requests_sharing_a_prefix_go_to_one_engine_through_every_front_end(fronts):
+    """A head's first request goes to engine 1 while it is the busier one (a long stream on each
+    engine, then engine 2's ends): so a front end that did not know the head would send it to
+    engine 2, the less busy. Every later request with that head, through whichever front end,
+    goes to engine 1."""
+    import threading
+
+    server = fronts
+    stops = [threading.Event(), threading.Event()]
+
+    def ask(i: int) -> None:
+        r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
+                       json={"model": MODEL, "prompt": f"{_HEAD}Question {i}: what comes after {i}?",
+                             "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > PREFIX_TOKENS
+
+    with cf.ThreadPoolExecutor(2) as streams:
+        busy = []
+        try:
+            for k, want in enumerate([(1, 0), (1, 1)]):  # one after the other: the idle one each time
+                busy.append(streams.submit(_stream_until, server, f"Count to {k}00:", stops[k], 500))
+                assert wait_for(lambda: (_in_flight(server, "1"), _in_flight(server, "2")) == want, 60)
+            ask(0)                           # a tie: engine 1, which holds the head from now on
+            stops[1].set()
+            busy[1].result()
+            assert wait_for(lambda: _in_flight(server, "2") == 0, 30)
+            before, calls = server.metrics(), _completions_per_worker(server)
+            # three at a time: engine 1 stays within PREFIX_SLACK of the idle engine 2
+            with cf.ThreadPoolExecutor(3) as pool:
+                list(pool.map(ask, range(1, 5)))
+                assert not busy[0].done()                # engine 1 was the busier all along
+                stops[0].set()                           # (its abort is not counted as served)
+                busy[0].result()
+                list(pool.map(ask, range(5, 17)))
+        finally:
+            for stop in stops:
+                stop.set()
+        for f in busy:
+            f.result()
+    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 60)
+    time.sleep(0.5)
+    after, calls_after = server.metrics(), _completions_per_worker(server)
+    served = {e: n - _served_by_engine(before)[e] for e, n in _served_by_engine(after).items()}
+    assert served == {"1": 16, "2": 0}, served
+    # through both front ends (the kernel hands each connection to one of them)
+    assert all(calls_after[w] > calls[w] for w in ("1", "2")), (calls, calls_after)
+    # and engine 1's prefix cache served the shared head
+    hits = sample(after, "realizar_prefix_cache_hit_tokens_total") - sample(before, "realizar_prefix_cache_hit_tokens_total")
+    assert hits >= 16 * PREFIX_TOKENS, hits
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_an_engine_with_its_kv_pool_full_gets_no_new_request_while_the_other_has_room(fronts):
+    """Four long requests of one prompt head (240 prompt tokens, 260 generated) fill one engine's
+    64-block pool (they go where their head is, through either front end) until it preempts;
+    short requests sent meanwhile all go to the other engine,
+    although by requests in flight the full one would get some (4 there, 0 here, eight sent)."""
+    import threading
+
+    server = fronts
+    stop = threading.Event()
+
+    def fill(i: int) -> None:
+        _stream_until(server, f"{_HEAD}Now count from {i} upwards, slowly: " + f"{i} " * 73, stop)
+
+    running = functools.partial(_in_flight, server)
+
+    with cf.ThreadPoolExecutor(4) as fillers:
+        first = fillers.submit(fill, 0)
+        try:
+            assert wait_for(lambda: running("1") + running("2") >= 1, 60), server.log_tail()
+            full = "1" if running("1") else "2"
+            rest = []
+            for i in range(1, 4):            # one at a time: none waits for blocks while the next is routed
+                rest.append(fillers.submit(fill, i))
+                assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running", engine=full) == i + 1,
+                                60), server.log_tail()
+            assert wait_for(lambda: sample(server.metrics(), "realizar_kv_cache_usage_ratio", engine=full)
+                            >= 1 - 1 / 16, 120), server.log_tail()
+            other = "2" if full == "1" else "1"
+            assert running(full) == 4 and running(other) == 0
+            before = server.metrics()
+
+            def short(i: int) -> None:           # long enough that they are in flight together
+                r = httpx.post(server.url + "/v1/completions", headers=server.auth, timeout=120,
+                               json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 48,
+                                     "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+
+            with cf.ThreadPoolExecutor(8) as pool:
+                list(pool.map(short, range(8)))
+            time.sleep(0.5)
+            after = server.metrics()
+            assert running(full) == 4        # the long ones were running all along
+            served = {e: n - _served_by_engine(before)[e] for e, n in _served_by_engine(after).items()}
+            assert served == {full: 0, other: 8}, served
+        finally:
+            stop.set()
+        for f in [first, *rest]:
+            f.result()
+    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 60)
 
 
 @pytest.mark.server
