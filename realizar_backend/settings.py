@@ -40,7 +40,8 @@ def _parse(kind: Any, raw: str):
 # tools/device_check.sh). Any other unknown REALIZAR_* name stops the start, so that a misspelt
 # setting is never ignored silently
 NOT_SETTINGS_PREFIXES = ("REALIZAR_TEST_",)
-NOT_SETTINGS = frozenset({"REALIZAR_TWINS", "REALIZAR_REAL_SMOL", "REALIZAR_MOE_MODELS", "REALIZAR_GPTOSS_MODELS"})
+NOT_SETTINGS = frozenset({"REALIZAR_TWINS", "REALIZAR_REAL_SMOL", "REALIZAR_MOE_MODELS", "REALIZAR_GPTOSS_MODELS",
+                          "REALIZAR_HYBRID_MODELS"})
 
 _TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "str | None": (str, type(None))}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
