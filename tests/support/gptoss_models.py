@@ -19,12 +19,14 @@ and the GPU tests read them from $REALIZAR_GPTOSS_MODELS (or make them where the
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
+
+if __name__ == "__main__":                      # as a script: tests/, the support package, on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support.carried_models import CarriedModels  # noqa: E402
 
 ARCH = "gpt_oss"
 NAMES = ("f16", "mxfp4")
@@ -51,39 +53,9 @@ def types(name: str):
     return pick
 
 
-def file_name(name: str) -> str:
-    return f"gptoss-{name}.gguf"
-
-
-def make(name: str, out: Path) -> Path:
-    """Build the model `name` (NAMES) with transformers and the converter (cached by hf_oracle.py),
-    stored as `types` says, into out."""
-    from support.hf_oracle import tiny_gguf
-    from support.synth import requantize
-    src = tiny_gguf(ARCH, **OVERRIDES[name])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return requantize(src, out, types(name))
-
-
-def model_path(name: str) -> Path | None:
-    """The tiny model `name`: from $REALIZAR_GPTOSS_MODELS where it is there, else made now (None
-    where transformers or the converter is out of reach)."""
-    d = os.environ.get("REALIZAR_GPTOSS_MODELS")
-    if d and (Path(d) / file_name(name)).exists():
-        return Path(d) / file_name(name)
-    try:
-        from support.hf_oracle import available, tiny_gguf
-        if not available(ARCH):
-            return None
-        # beside the converted model, in hf_oracle's cache (keyed by its config, seed and versions)
-        out = tiny_gguf(ARCH, **OVERRIDES[name]).parent / file_name(name)
-        return out if out.exists() else make(name, out)
-    except (ImportError, subprocess.CalledProcessError):     # no transformers, or no network for the converter
-        return None
-
+MODELS = CarriedModels("gptoss", "REALIZAR_GPTOSS_MODELS", ".device/gptoss", {n: ARCH for n in NAMES}, OVERRIDES,
+                       {n: types(n) for n in NAMES})
+model_path = MODELS.model_path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: the support package
-    dest = Path(sys.argv[1] if len(sys.argv) > 1 else ".device/gptoss")
-    for n in NAMES:
-        print(make(n, dest / file_name(n)))
+    MODELS.main()

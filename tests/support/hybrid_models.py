@@ -20,12 +20,14 @@ and the GPU tests read them from $REALIZAR_HYBRID_MODELS (or make them where the
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
+
+if __name__ == "__main__":                      # as a script: tests/, the support package, on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support.carried_models import CarriedModels  # noqa: E402
 
 NAMES = ("f32", "q4k", "moe")
 # tests/support/hf_oracle.py's architecture of each model, and its config.json overrides (ARCHS has the rest)
@@ -59,39 +61,8 @@ def moe_types(name: str, shape: tuple[int, ...]) -> Q | None:
 TYPES = {"f32": f32_types, "q4k": q4k_types, "moe": moe_types}
 
 
-def file_name(name: str) -> str:
-    return f"qwen35-{name}.gguf"
-
-
-def make(name: str, out: Path) -> Path:
-    """Build the model `name` (NAMES) with transformers and the converter (cached by hf_oracle.py),
-    requantized as above, into out."""
-    from support.hf_oracle import tiny_gguf
-    from support.synth import requantize
-    src = tiny_gguf(ARCH[name], **OVERRIDES[name])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    requantize(src, out, TYPES[name])
-    return out
-
-
-def model_path(name: str) -> Path | None:
-    """The tiny model `name`: from $REALIZAR_HYBRID_MODELS where it is there, else made now (None
-    where transformers or the converter is out of reach)."""
-    d = os.environ.get("REALIZAR_HYBRID_MODELS")
-    if d and (Path(d) / file_name(name)).exists():
-        return Path(d) / file_name(name)
-    try:
-        from support.hf_oracle import available, tiny_gguf
-        if not available(ARCH[name]):
-            return None
-        out = tiny_gguf(ARCH[name], **OVERRIDES[name]).parent / file_name(name)
-        return out if out.exists() else make(name, out)
-    except (ImportError, subprocess.CalledProcessError, RuntimeError):   # no transformers, converter or network
-        return None
-
+MODELS = CarriedModels("qwen35", "REALIZAR_HYBRID_MODELS", ".device/hybrid", ARCH, OVERRIDES, TYPES)
+model_path = MODELS.model_path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: the support package
-    dest = Path(sys.argv[1] if len(sys.argv) > 1 else ".device/hybrid")
-    for n in NAMES:
-        print(make(n, dest / file_name(n)))
+    MODELS.main()

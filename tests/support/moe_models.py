@@ -17,13 +17,14 @@ and the GPU tests read them from $REALIZAR_MOE_MODELS (or make them where they c
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
+
+if __name__ == "__main__":                      # as a script: tests/, the support package, on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support.carried_models import CarriedModels  # noqa: E402
 
 ARCH = "qwen3_moe"
 NAMES = ("f32", "q4k")
@@ -46,43 +47,9 @@ def q4k_types(name: str, shape: tuple[int, ...]) -> Q | None:
     return Q.Q4_K
 
 
-def file_name(name: str) -> str:
-    return f"qwen3moe-{name}.gguf"
-
-
-def make(name: str, out: Path) -> Path:
-    """Build the model `name` (NAMES) with transformers and the converter (cached by hf_oracle.py),
-    quantized as above for q4k, into out."""
-    from support.hf_oracle import tiny_gguf
-    from support.synth import requantize
-    src = tiny_gguf(ARCH, **OVERRIDES[name])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if name == "f32":
-        shutil.copyfile(src, out)
-    else:
-        requantize(src, out, q4k_types)
-    return out
-
-
-def model_path(name: str) -> Path | None:
-    """The tiny model `name`: from $REALIZAR_MOE_MODELS where it is there, else made now (None
-    where transformers or the converter is out of reach)."""
-    d = os.environ.get("REALIZAR_MOE_MODELS")
-    if d and (Path(d) / file_name(name)).exists():
-        return Path(d) / file_name(name)
-    try:
-        from support.hf_oracle import available, tiny_gguf
-        if not available(ARCH):
-            return None
-        # beside the converted model, in hf_oracle's cache (keyed by its config, seed and versions)
-        out = tiny_gguf(ARCH, **OVERRIDES[name]).parent / file_name(name)
-        return out if out.exists() else make(name, out)
-    except (ImportError, subprocess.CalledProcessError):     # no transformers, or no network for the converter
-        return None
-
+MODELS = CarriedModels("qwen3moe", "REALIZAR_MOE_MODELS", ".device/moe", {n: ARCH for n in NAMES}, OVERRIDES,
+                       {"f32": None, "q4k": q4k_types})
+model_path = MODELS.model_path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/: the support package
-    dest = Path(sys.argv[1] if len(sys.argv) > 1 else ".device/moe")
-    for n in NAMES:
-        print(make(n, dest / file_name(n)))
+    MODELS.main()
