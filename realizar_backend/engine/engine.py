@@ -277,6 +277,8 @@ class Engine(RequestPrep):
             "graph_status": b.get("graph_status", {}),
             "pool_bytes": b.get("pool_bytes", 0),
             "recurrent_state_bytes": b.get("recurrent_state_bytes", 0),   # a hybrid's, within pool_bytes
+            # what one sequence's slot needs of it (the model's, whether or not the slots are made yet)
+            "recurrent_state_bytes_per_sequence": self.config.recurrent_state_bytes,
             "device_memory_bytes": b.get("device_memory_bytes", 0),
             "graph_replays": b.get("graph_replays", 0),
             "graph_captures": b.get("graph_captures", 0),

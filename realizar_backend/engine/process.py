@@ -54,7 +54,7 @@ _STOP_TIMEOUT_S = 15.0
 HEARTBEAT_S = 1.0            # between pings of the engine process (one unanswered at a time)
 # the gauges of an engine process that is gone: nothing runs, waits or holds memory
 _GONE_GAUGES = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_used_blocks": 0, "kv_used_tokens": 0,
-                "decode_tokens_per_s": 0.0, "pool_bytes": 0, "device_memory_bytes": 0}
+                "decode_tokens_per_s": 0.0, "pool_bytes": 0, "recurrent_state_bytes": 0, "device_memory_bytes": 0}
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from realizar_backend.engine.process import child_main; child_main(int(sys.argv[2]))")

@@ -93,6 +93,10 @@ GAUGES = {
     "decode_tokens_per_second": "Recent decode throughput over all running sequences",
     "graph_status": "Decode-step graph status per batch bucket (1 for the current status)",
     "buffer_pool_bytes": "Bytes held by the backend's preallocated buffer pools",
+    "recurrent_state_bytes": "Bytes of recurrent state the engine holds for its sequence slots (a hybrid's "
+                             "linear-attention layers; 0 for other models)",
+    "recurrent_state_bytes_per_sequence": "Bytes of recurrent state one sequence needs, beside its KV cache "
+                                          "(a hybrid's linear-attention layers; 0 for other models)",
     "gpu_memory_used_bytes": "Device memory in use by this process",
     "worker_status": "The server's state (1 for the current one: loading, ready, failed)",
     "engine_status": "Each engine's state (1 for the current one: ready, stuck, dead, failed) and its device",
@@ -178,6 +182,8 @@ class Metrics:
         self.decode_rate = gauge("decode_tokens_per_second", "livesum")
         self.graph_status = gauge("graph_status", "livemax", ["bucket", "status"])
         self.pool_bytes = gauge("buffer_pool_bytes", "livesum")
+        self.state_bytes = gauge("recurrent_state_bytes", "livesum")
+        self.state_bytes_per_seq = gauge("recurrent_state_bytes_per_sequence", "livemax")
         self.gpu_memory = gauge("gpu_memory_used_bytes", "livesum")
         self.worker_status = gauge("worker_status", "livemax", ["status", "device"], engine=False)
         self.engine_status = gauge("engine_status", "livemax", ["engine", "device", "status"], engine=False)
@@ -283,6 +289,7 @@ class EngineMetrics:
             mine(g) for g in (m.running, m.waiting, m.kv_usage, m.kv_used_blocks, m.kv_used_tokens))
         self.decode_rate, self.pool_bytes, self.gpu_memory = (mine(g) for g in (m.decode_rate, m.pool_bytes,
                                                                                 m.gpu_memory))
+        self.state_bytes, self.state_bytes_per_seq = mine(m.state_bytes), mine(m.state_bytes_per_seq)
         self.requests = {reason: mine(m.requests, reason)     # present at 0 before the first request
                          for reason in ("stop", "length", "abort", "error", "shutdown")}
         self.decode_steps = {start: mine(m.decode_steps, start) for start in DECODE_STARTS}
@@ -379,6 +386,8 @@ class EngineMetrics:
             self.kv_used_tokens.set(stats.get("kv_used_tokens", 0))
             self.decode_rate.set(stats.get("decode_tokens_per_s", 0.0))
             self.pool_bytes.set(stats.get("pool_bytes", 0))
+            self.state_bytes.set(stats.get("recurrent_state_bytes", 0))
+            self.state_bytes_per_seq.set(stats.get("recurrent_state_bytes_per_sequence", 0))
             self.gpu_memory.set(stats.get("device_memory_bytes", 0))
             graphs = stats.get("graph_status") or {}
             for bucket, status in graphs.items():

@@ -6,6 +6,8 @@ Several engines: tests/engine/test_engine_group.py."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -217,3 +219,52 @@ def test_the_grafana_dashboard_reads_only_metrics_the_server_exports(server):
     used = dashboard_metrics(REPO / "docs" / "grafana-dashboard.json")
     assert used <= exported, used - exported
     assert all(any(u.startswith(name) for u in used) for name in VLLM)      # every vLLM name has a panel
+
+
+HYBRID_SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """A `bentoml serve` of the tiny qwen35 (tests/support/hf_oracle.py: three Gated DeltaNet
+    layers and one attention layer) on the CPU, with 3 sequence slots, and its config.json."""
+    pytest.importorskip("transformers")
+    from support.hf_oracle import available, tiny_gguf
+    from support.server import start_server
+    if not available("qwen3_5"):
+        pytest.skip("this transformers has no qwen3_5")
+    path = tiny_gguf("qwen3_5")
+    config = json.loads((path.parent / "hf" / "config.json").read_text())
+    s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": "tiny-qwen35",
+                      "REALIZAR_BACKEND": "cpu", "REALIZAR_MAX_NUM_SEQS": str(HYBRID_SLOTS),
+                      "REALIZAR_CONTEXT_LENGTH": "512"})
+    yield s, config
+    s.stop()
+
+
+def test_recurrent_state_bytes_beside_the_kv_series(hybrid):
+    """A hybrid's recurrent state is on /metrics: the bytes one sequence needs (by the model's
+    config.json: per linear-attention layer, the conv's last kernel - 1 inputs of the q|k|v channels
+    and each value head's key x value state, float32) and the bytes the engine holds once a request
+    ran (the CPU backend makes a layer's state for every slot when the layer first runs)."""
+    server, c = hybrid
+    linear = c["layer_types"].count("linear_attention")
+    channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + c["linear_num_value_heads"] * \
+        c["linear_value_head_dim"]
+    per_layer = (c["linear_conv_kernel_dim"] - 1) * channels + \
+        c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"]
+    per_sequence = 4 * per_layer * linear
+    families = server.families()
+    for name in ("realizar_recurrent_state_bytes", "realizar_recurrent_state_bytes_per_sequence"):
+        assert families[name].type == "gauge" and families[name].documentation
+    r = server.openai().completions.create(model="tiny-qwen35", prompt="one two three", max_tokens=4,
+                                           temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+    def reported():
+        m = server.metrics()
+        return (sample(m, "realizar_recurrent_state_bytes_per_sequence") == per_sequence
+                and sample(m, "realizar_recurrent_state_bytes") == HYBRID_SLOTS * per_sequence)
+    assert wait_for(reported, 15), {k: v for k, v in server.metrics().items() if "recurrent" in k[0]}
+    m = server.metrics()
+    assert sample(m, "realizar_recurrent_state_bytes_per_sequence", engine="1", worker="1") == per_sequence
