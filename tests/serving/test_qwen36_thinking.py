@@ -148,3 +148,44 @@ def test_recorded_replies_with_thinking_off(tok):
     deltas = _recorded(tok, "<think>\n" + THOUGHT + "\n</think>\n\n" + ANSWER, prompt)
     whole, _ = _chat(plan, deltas)
     assert whole["reasoning_content"] == THOUGHT and whole["content"] == ANSWER
+
+
+SET_MODE = ("set_mode", "Sets the mode.", {"type": "object", "properties": {
+    "mode": {"enum": ["fast", "slow"]}, "loud": {"type": "boolean"}}, "required": ["mode", "loud"]})
+CALL = "<tool_call>\n<function=set_mode>\n<parameter=mode>\nfast\n</parameter>\n" \
+       "<parameter=loud>\ntrue\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_a_thought_then_a_call_in_the_real_template_syntax(tok):
+    """Tools on the real template: its XML call syntax is read from it; a recorded thought and call
+    come back as reasoning and a tool call (whole and streamed); tool_choice required's grammar,
+    walked token by token with the real tokenizer, lets the thought come first and then the call."""
+    from realizar_backend.backends.sampling import allowed_tokens
+    from realizar_backend.engine.guidance import Guidance
+    from realizar_backend.serving.tools import QWEN_XML, detect_format, tool_request
+
+    assert detect_format(tok.chat_template) is QWEN_XML
+    req = tool_request([SET_MODE], "required", None, False, tok.chat_template)
+    prompt = tok.apply_chat_template(USER, tools=req.template_tools)
+    assert "set_mode" in prompt and THINK.opened_by(prompt)
+    plan = Plan([], 0, False, False, False, tools=req, reasoning=THINK, thinking_inside=True)
+    deltas = _recorded(tok, THOUGHT + "\n</think>\n\n" + CALL, prompt)
+    whole, reason = message(plan, "".join(deltas), "stop")
+    assert reason == "tool_calls" and whole["reasoning_content"] == THOUGHT and whole["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == \
+        [("set_mode", '{"mode": "fast", "loud": true}')]
+    parts = _parts(plan, deltas)
+    assert [k for k, _ in parts] == ["reasoning", "call"] and parts[0][1] == THOUGHT
+
+    guidance = Guidance(tok, tok.vocab_size)
+    constraint = req.constraint(guidance, THINK)
+
+    def walk(text: str) -> bool:
+        g = guidance.guide(constraint)
+        for t in tok.encode(text, add_special_tokens=False):
+            if not allowed_tokens(g.compute_mask(), guidance.vocab_size)[t] or not g.consume(t):
+                return False
+        return g.finished
+    assert walk(THOUGHT + "\n</think>\n\n" + CALL) and walk("</think>\n\n" + CALL)
+    assert not walk(THOUGHT + "\n</think>\n\n" + ANSWER)                 # required: no answer instead
+    assert not walk(THOUGHT + "\n</think>\n\n" + CALL.replace("fast", "medium"))
