@@ -55,6 +55,16 @@ def tok(tmp_path_factory):
     return t
 
 
+def test_the_moe_carries_the_same_tokenizer_and_template(tmp_path):
+    """Qwen3.6-35B-A3B's head has the 27B's tokenizer and template: these tests cover both."""
+    from support.qwen35_model import tokenizer_kvs
+    moe = qwen36_head("qwen36moe")
+    if moe is None or qwen36_head() is None:
+        pytest.skip("shared/models/qwen36moe.head.gz is not here")
+    dense, sparse = ({kv.key: kv.value for kv in tokenizer_kvs(src, tmp_path)} for src in (qwen36_head(), moe))
+    assert "tokenizer.chat_template" in dense and dense == sparse
+
+
 def test_real_tokenizer_keeps_marks_with_letters_and_think_tags_whole(tok):
     # Devanagari vowel signs are combining marks: Qwen3.5's split keeps them with the letter before
     # them, so no token of a word starts with one (Qwen2's split would start a piece at each sign)

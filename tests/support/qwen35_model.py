@@ -24,9 +24,10 @@ HEADS, KV_HEADS, HEAD_DIM, ROPE_DIM = 4, 2, 256, 64      # the attention layer: 
 K_HEADS, V_HEADS, SSM_DIM, CONV = 2, 4, 32, 4            # the DeltaNet layers: key/value heads of SSM_DIM
 
 
-def qwen36_head() -> Path | None:
+def qwen36_head(name: str = "qwen36") -> Path | None:
+    """shared/models/NAME.head.gz (qwen36: Qwen3.6-27B's; qwen36moe: Qwen3.6-35B-A3B's), or None."""
     for parent in Path(__file__).resolve().parents:
-        p = parent / "shared" / "models" / "qwen36.head.gz"
+        p = parent / "shared" / "models" / f"{name}.head.gz"
         if p.is_file():
             return p
     return None
@@ -34,7 +35,7 @@ def qwen36_head() -> Path | None:
 
 def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[gguf_kv.KV]:
     """The tokenizer.* keys (tokenizer and chat template) of the real file's head."""
-    head = scratch / "qwen36.head"
+    head = scratch / head_gz.name.removesuffix(".gz")
     if not head.is_file():
         head.write_bytes(gzip.decompress(head_gz.read_bytes()))
     return [kv for kv in gguf_kv.read(head).kvs if kv.key.startswith("tokenizer.")]
