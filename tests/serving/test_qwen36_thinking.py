@@ -57,7 +57,7 @@ def tok(tmp_path_factory):
 
 def test_the_moe_carries_the_same_tokenizer_and_template(tmp_path):
     """Qwen3.6-35B-A3B's head has the 27B's tokenizer and template: these tests cover both."""
-    from support.qwen35_model import tokenizer_kvs
+    from support.gguf_kv import tokenizer_kvs
     moe = qwen36_head("qwen36moe")
     if moe is None or qwen36_head() is None:
         pytest.skip("shared/models/qwen36moe.head.gz is not here")

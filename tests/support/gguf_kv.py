@@ -152,3 +152,32 @@ def replaced(kvs: list[KV], key: str, vtype: int | None = None, value: Any = Non
     if not drop and all(kv.key != key for kv in kvs):
         out.append(KV(key, vtype, value, itype))
     return out
+
+
+# ---------------------------------------------------------------- the real files' heads
+def shared_head(name: str) -> Path | None:
+    """shared/models/NAME.head.gz (a gzipped head of a real GGUF: metadata, tokenizer, template,
+    tensor table), found above the checkout; None where it is not there."""
+    for parent in Path(__file__).resolve().parents:
+        p = parent / "shared" / "models" / f"{name}.head.gz"
+        if p.is_file():
+            return p
+    return None
+
+
+def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[KV]:
+    """The tokenizer.* keys (tokenizer and chat template) of a real file's head, unpacked into scratch."""
+    import gzip
+    head = scratch / head_gz.name.removesuffix(".gz")
+    if not head.is_file():
+        head.write_bytes(gzip.decompress(head_gz.read_bytes()))
+    return [kv for kv in read(head).kvs if kv.key.startswith("tokenizer.")]
+
+
+def add_kvs(writer, kvs: list[KV]) -> None:
+    """Each key of kvs into a gguf GGUFWriter, typed as it was."""
+    for kv in kvs:
+        if kv.vtype == V.ARRAY:
+            writer.add_key_value(kv.key, kv.value, V.ARRAY, kv.itype)
+        else:
+            writer.add_key_value(kv.key, kv.value, kv.vtype)

@@ -11,11 +11,10 @@ size 32, so the embedding and output matrices (201,088 rows) stay ~26 MB each.
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType as V, GGUFWriter
+from gguf import GGUFWriter
 
 from support import gguf_kv
 
@@ -23,19 +22,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, USED, FFN, LAYERS = 32, 2, 1, 16, 4,
 
 
 def gptoss_head() -> Path | None:
-    for parent in Path(__file__).resolve().parents:
-        p = parent / "shared" / "models" / "gptoss20.head.gz"
-        if p.is_file():
-            return p
-    return None
-
-
-def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[gguf_kv.KV]:
-    """The tokenizer.* keys (tokenizer and chat template) of the real file's head."""
-    head = scratch / "gptoss20.head"
-    if not head.is_file():
-        head.write_bytes(gzip.decompress(head_gz.read_bytes()))
-    return [kv for kv in gguf_kv.read(head).kvs if kv.key.startswith("tokenizer.")]
+    return gguf_kv.shared_head("gptoss20")
 
 
 def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int = 0) -> Path:
@@ -43,7 +30,7 @@ def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int =
     src = gptoss_head()
     if src is None:
         raise FileNotFoundError("shared/models/gptoss20.head.gz")
-    kvs = tokenizer_kvs(src, path.parent)
+    kvs = gguf_kv.tokenizer_kvs(src, path.parent)
     n_vocab = len(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
     a = "gpt-oss"
     w = GGUFWriter(str(path), a)
@@ -62,11 +49,7 @@ def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int =
         w.add_float32(key, val)
     w.add_string(f"{a}.rope.scaling.type", "yarn")
     w.add_uint32("general.file_type", 0)
-    for kv in kvs:
-        if kv.vtype == V.ARRAY:
-            w.add_key_value(kv.key, kv.value, V.ARRAY, kv.itype)
-        else:
-            w.add_key_value(kv.key, kv.value, kv.vtype)
+    gguf_kv.add_kvs(w, kvs)
 
     rng = np.random.default_rng(seed)
 

@@ -11,11 +11,10 @@ layer, hidden size 64, tied embeddings stored F16 so that the vocabulary-sized m
 
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType as V, GGUFWriter
+from gguf import GGUFWriter
 
 from support import gguf_kv
 
@@ -26,19 +25,7 @@ K_HEADS, V_HEADS, SSM_DIM, CONV = 2, 4, 32, 4            # the DeltaNet layers: 
 
 def qwen36_head(name: str = "qwen36") -> Path | None:
     """shared/models/NAME.head.gz (qwen36: Qwen3.6-27B's; qwen36moe: Qwen3.6-35B-A3B's), or None."""
-    for parent in Path(__file__).resolve().parents:
-        p = parent / "shared" / "models" / f"{name}.head.gz"
-        if p.is_file():
-            return p
-    return None
-
-
-def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[gguf_kv.KV]:
-    """The tokenizer.* keys (tokenizer and chat template) of the real file's head."""
-    head = scratch / head_gz.name.removesuffix(".gz")
-    if not head.is_file():
-        head.write_bytes(gzip.decompress(head_gz.read_bytes()))
-    return [kv for kv in gguf_kv.read(head).kvs if kv.key.startswith("tokenizer.")]
+    return gguf_kv.shared_head(name)
 
 
 def write_qwen35_model(path: str | Path, context_length: int = 4096, seed: int = 0) -> Path:
@@ -46,7 +33,7 @@ def write_qwen35_model(path: str | Path, context_length: int = 4096, seed: int =
     src = qwen36_head()
     if src is None:
         raise FileNotFoundError("shared/models/qwen36.head.gz")
-    kvs = tokenizer_kvs(src, path.parent)
+    kvs = gguf_kv.tokenizer_kvs(src, path.parent)
     n_vocab = len(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
     recurrent = [(i + 1) % INTERVAL != 0 for i in range(LAYERS)]
     a = "qwen35"
@@ -65,11 +52,7 @@ def write_qwen35_model(path: str | Path, context_length: int = 4096, seed: int =
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
     w.add_array(f"{a}.attention.recurrent_layers", recurrent)
-    for kv in kvs:
-        if kv.vtype == V.ARRAY:
-            w.add_key_value(kv.key, kv.value, V.ARRAY, kv.itype)
-        else:
-            w.add_key_value(kv.key, kv.value, kv.vtype)
+    gguf_kv.add_kvs(w, kvs)
 
     rng = np.random.default_rng(seed)
 
