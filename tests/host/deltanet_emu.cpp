@@ -5,8 +5,6 @@
 // <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py dn_conv, dn_delta).
 #include "cuda_emu.h"
 
-static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-
 #include "deltanet.cu"
 #include "emu_io.h"
 
