@@ -36,9 +36,10 @@ def build(source: str, exe: Path, *, flags=("-std=c++17", "-O1"), include_first:
 
 def launch(exe: Path, d: Path, params: dict, arrays: dict, outputs: dict, *, env: dict | None = None,
            timeout: int = 600, label: str = "") -> dict[str, np.ndarray]:
-    """One launch in the directory d (made here where it is not there yet): params (name -> value, written with str), arrays (name ->
-    ndarray), outputs (name -> dtype, read back flat, or (dtype, shape)). env: added to the
-    environment (EMU_SEED, EMU_CP_EAGER). label heads the message where the emulator fails."""
+    """One launch in the directory d (made here where it is not there yet): params (name -> value,
+    written with str), arrays (name -> ndarray), outputs (name -> dtype, read back flat, or (dtype,
+    shape)). env: added to the environment (EMU_SEED, EMU_CP_EAGER). label heads the message where
+    the emulator fails."""
     d.mkdir(exist_ok=True)
     (d / "params.txt").write_text("".join(f"{k} {v}\n" for k, v in params.items()))
     for name, a in arrays.items():
