@@ -3,54 +3,15 @@
 // tests/kernels/test_attention_host.py: argv[1] is a directory holding params.txt (one "name value"
 // per line: the kernel's name, launch shape and scalar arguments, as backends/cuda/ops.py attention
 // launches it) and the input arrays as raw .bin files; the outputs are written back there (out,
-// kpool, vpool after the launch).
+// kpool, vpool after the launch), through emu_io.h.
 #include "cuda_emu.h"
 
-#include <fstream>
-#include <map>
-#include <string>
-
 #include "attention.cu"
-
-static std::map<std::string, std::string> params;
-static std::string dir;
-
-static double num(const char* k) {
-    auto it = params.find(k);
-    if (it == params.end()) {
-        std::fprintf(stderr, "attention_emu: missing parameter %s\n", k);
-        std::exit(2);
-    }
-    return std::stod(it->second);
-}
-
-template <class T> static std::vector<T> load(const char* name) {
-    std::ifstream f(dir + "/" + name + ".bin", std::ios::binary);
-    std::vector<T> v;
-    if (f) {
-        f.seekg(0, std::ios::end);
-        size_t bytes = f.tellg();
-        f.seekg(0);
-        v.resize(bytes / sizeof(T));
-        f.read((char*)v.data(), bytes);
-    }
-    return v;
-}
-
-template <class T> static void save(const char* name, const std::vector<T>& v) {
-    std::ofstream f(dir + "/" + name + ".bin", std::ios::binary);
-    f.write((const char*)v.data(), v.size() * sizeof(T));
-}
-
-template <class T> static T* ptr(std::vector<T>& v) { return v.empty() ? nullptr : v.data(); }
+#include "emu_io.h"
 
 int main(int argc, char** argv) {
-    if (argc != 2) return 2;
-    dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
-    std::string k, v;
-    while (pf >> k >> v) params[k] = v;
-    const std::string kernel = params["kernel"];
+    if (!open_dir(argc, argv, "attention_emu")) return 2;
+    const std::string kernel = str("kernel");
     const int n = num("n"), H = num("H"), KVH = num("KVH"), D = num("D"), window = num("window");
     const int max_blocks = num("max_blocks"), bs_log2 = num("bs_log2");
     const float scale = num("scale");
@@ -58,7 +19,7 @@ int main(int argc, char** argv) {
     auto q = load<float>("q");
     auto kpool = load<uint16_t>("kpool"), vpool = load<uint16_t>("vpool");
     auto bt = load<int>("bt"), slots = load<int>("slots"), positions = load<int>("positions");
-    auto sinks = load<float>("sinks");      // absent: no sinks (a null pointer)
+    auto sinks = load_opt<float>("sinks");      // absent: no sinks (a null pointer)
     std::vector<float> out((size_t)n * H * D, NAN);
     if (kernel == "attn_decode") {
         auto kin = load<float>("kin"), vin = load<float>("vin");
@@ -76,11 +37,10 @@ int main(int argc, char** argv) {
                bs_log2, H, KVH, D, scale, window, n, nullptr, ptr(sinks));
         });
     } else {
-        std::fprintf(stderr, "attention_emu: unknown kernel %s\n", kernel.c_str());
-        return 2;
+        fail("unknown kernel", kernel);
     }
     save("out", out);
-    save("kpool_out", kpool);
-    save("vpool_out", vpool);
+    save("kpool", kpool);
+    save("vpool", vpool);
     return 0;
 }

@@ -21,14 +21,7 @@
 #include <functional>
 #include <vector>
 
-#define __device__
-#define __host__
-#define __global__
-#define __forceinline__ inline
-#define __restrict__
-#define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ static
 
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };

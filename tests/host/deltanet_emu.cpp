@@ -5,52 +5,12 @@
 // <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py dn_conv, dn_delta).
 #include "cuda_emu.h"
 
-#include <fstream>
-#include <map>
-#include <string>
-
-static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-
 #include "deltanet.cu"
-
-static std::map<std::string, std::string> params;
-static std::string dir;
-
-static double num(const char* k) {
-    auto it = params.find(k);
-    if (it == params.end()) {
-        std::fprintf(stderr, "deltanet_emu: missing parameter %s\n", k);
-        std::exit(2);
-    }
-    return std::stod(it->second);
-}
-
-template <class T> static std::vector<T> load(const char* name) {
-    std::ifstream f(dir + "/" + name + ".bin", std::ios::binary);
-    if (!f) {
-        std::fprintf(stderr, "deltanet_emu: no %s.bin\n", name);
-        std::exit(2);
-    }
-    f.seekg(0, std::ios::end);
-    size_t bytes = f.tellg();
-    f.seekg(0);
-    std::vector<T> v(bytes / sizeof(T));
-    f.read((char*)v.data(), bytes);
-    return v;
-}
-
-template <class T> static void save(const char* name, const std::vector<T>& v) {
-    std::ofstream f(dir + "/" + name + "_after.bin", std::ios::binary);
-    f.write((const char*)v.data(), v.size() * sizeof(T));
-}
+#include "emu_io.h"
 
 int main(int argc, char** argv) {
-    if (argc != 2) return 2;
-    dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
-    std::string k, v;
-    while (pf >> k >> v) params[k] = v;
-    const std::string kernel = params["kernel"];
+    if (!open_dir(argc, argv, "deltanet_emu")) return 2;
+    const std::string kernel = str("kernel");
     auto slots = load<int>("slots");
     auto pos = load<int>("pos");
     const int n = num("n"), scratch = num("scratch");
@@ -87,8 +47,7 @@ int main(int argc, char** argv) {
         save("state", st);
         save("out", out);
     } else {
-        std::fprintf(stderr, "deltanet_emu: unknown kernel %s\n", kernel.c_str());
-        return 2;
+        fail("unknown kernel", kernel);
     }
     return 0;
 }

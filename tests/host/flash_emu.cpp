@@ -2,69 +2,29 @@
 // cuda_emu.h, for tests/kernels/test_flash_host.py: argv[1] is a directory holding params.txt (one
 // "name value" per line: the kernel's name, launch shape and scalar arguments, as
 // backends/cuda/flash.py plans them) and the input arrays as raw .bin files; the outputs are
-// written back there (out, o16, oq, od, kpool, vpool after the launch, counters).
+// written back there (out, o16, oq, od, kpool, vpool after the launch, counters), through emu_io.h.
 #include "cuda_emu.h"
-
-#include <fstream>
-#include <map>
-#include <string>
 
 #include "flash_prefill.cu"
 #include "flash_decode.cu"
+#include "emu_io.h"
 
 typedef void (*PrefillFn)(FL_PREFILL_ARGS);
 typedef void (*DecodeFn)(FL_DECODE_ARGS);
 
-static std::map<std::string, std::string> params;
-static std::string dir;
-
-static double num(const char* k) {
-    auto it = params.find(k);
-    if (it == params.end()) {
-        std::fprintf(stderr, "flash_emu: missing parameter %s\n", k);
-        std::exit(2);
-    }
-    return std::stod(it->second);
-}
-
-template <class T> static std::vector<T> load(const char* name, size_t min_count = 0) {
-    std::ifstream f(dir + "/" + name + ".bin", std::ios::binary);
-    std::vector<T> v;
-    if (f) {
-        f.seekg(0, std::ios::end);
-        size_t bytes = f.tellg();
-        f.seekg(0);
-        v.resize(bytes / sizeof(T));
-        f.read((char*)v.data(), bytes);
-    }
-    if (v.size() < min_count) v.resize(min_count);
-    return v;
-}
-
-template <class T> static void save(const char* name, const std::vector<T>& v) {
-    std::ofstream f(dir + "/" + name + ".bin", std::ios::binary);
-    f.write((const char*)v.data(), v.size() * sizeof(T));
-}
-
-template <class T> static T* ptr(std::vector<T>& v) { return v.empty() ? nullptr : v.data(); }
-
 int main(int argc, char** argv) {
-    if (argc != 2) return 2;
-    dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
-    std::string k, v;
-    while (pf >> k >> v) params[k] = v;
-    const std::string kernel = params["kernel"];
+    if (!open_dir(argc, argv, "flash_emu")) return 2;
+    const std::string kernel = str("kernel");
     const int n = num("n"), H = num("H"), D = num("D");
     dim3 grid{(unsigned)num("gx"), (unsigned)num("gy"), (unsigned)num("gz")}, block{(unsigned)num("threads"), 1, 1};
     const size_t smem = (size_t)num("smem");
     auto q = load<float>("q");
     auto kpool = load<uint16_t>("kpool"), vpool = load<uint16_t>("vpool");
     auto bt = load<int>("bt"), slots = load<int>("slots"), positions = load<int>("positions");
-    auto part_o = load<float>("part_o", (size_t)num("part_floats"));
-    auto part_ml = load<float2>("part_ml", (size_t)num("ml_count"));
-    auto counters = load<int>("counters", (size_t)num("counters_count"));
-    auto sinks = load<float>("sinks");      // absent: no sinks (a null pointer)
+    auto part_o = load_opt<float>("part_o", (size_t)num("part_floats"));
+    auto part_ml = load_opt<float2>("part_ml", (size_t)num("ml_count"));
+    auto counters = load_opt<int>("counters", (size_t)num("counters_count"));
+    auto sinks = load_opt<float>("sinks");      // absent: no sinks (a null pointer)
     std::vector<float> out((size_t)n * H * D, NAN);
     std::vector<uint16_t> o16(num("use_o16") ? (size_t)n * H * D : 0, 0x7E00);
     std::vector<signed char> oq(num("use_oq") ? (size_t)n * H * D : 0, 0);
@@ -92,8 +52,8 @@ int main(int argc, char** argv) {
         });
     } else if (dec.count(kernel)) {
         DecodeFn fn = dec[kernel];
-        auto kin = load<float>("kin"), vin = load<float>("vin");
-        auto rt = load<float2>("rt");
+        auto kin = load_opt<float>("kin"), vin = load_opt<float>("vin");   // absent: unfused
+        auto rt = load_opt<float2>("rt");
         const int rope_dim = num("rope_dim"), style = num("style"), fuse = num("fuse");
         const int single_max = num("single_max"), split_keys = num("split_keys");
         emu::launch(grid, block, smem, [&] {
@@ -104,15 +64,14 @@ int main(int argc, char** argv) {
                ptr(sinks));
         });
     } else {
-        std::fprintf(stderr, "flash_emu: unknown kernel %s\n", kernel.c_str());
-        return 2;
+        fail("unknown kernel", kernel);
     }
     save("out", out);
     save("o16", o16);
     save("oq", oq);
     save("od", od);
-    save("kpool_out", kpool);
-    save("vpool_out", vpool);
-    save("counters_out", counters);
+    save("kpool", kpool);
+    save("vpool", vpool);
+    save("counters", counters);
     return 0;
 }

@@ -1,8 +1,18 @@
-// CUDA's vector types and the per-thread intrinsics that kernel sources (common.cuh's decoders,
-// the sampling and mma kernels) use, for compiling them with g++ in the host tests
+// CUDA's qualifiers, vector types and the per-thread intrinsics that kernel sources (common.cuh's
+// decoders, the sampling and mma kernels) use, for compiling them with g++ in the host tests
 // (tests/host/*.cpp, cuda_emu.h). Pure functions only: each program brings its own threads.
 #pragma once
+#include <cmath>
 #include <cstring>
+
+// every function a host one; a __shared__ array one static copy (blocks run one after another)
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __shared__ static
 
 struct uint4 { unsigned int x, y, z, w; };
 struct uint2 { unsigned int x, y; };
@@ -24,6 +34,7 @@ static inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); retur
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 template <class T> static inline T __ldg(const T* p) { return *p; }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 static inline float realizar_host_h2f(unsigned short h) { _Float16 x; std::memcpy(&x, &h, 2); return (float)x; }
 static inline unsigned short realizar_host_f2h(float f) {

@@ -23,23 +23,11 @@
 #include <functional>
 #include <vector>
 
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __global__
-#define __restrict__
-#define __launch_bounds__(...)
-#define __shared__ static
-
 struct dim3e { unsigned x = 0, y = 0, z = 0; };
 dim3e threadIdx, blockIdx, blockDim, gridDim;
 
 using std::max;
 using std::min;
-
-
-template <class T, class U> static inline T bit_cast_(U u) { T t; std::memcpy(&t, &u, sizeof(T)); return t; }
-static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 // ------------------------------------------------------------------ fibers
 namespace emu {

@@ -15,11 +15,6 @@
 #include <vector>
 #include <random>
 
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __global__
-#define __restrict__
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 struct HostDim3 { unsigned x = 0, y = 0, z = 0; };   // common.cuh's block helpers name them (unused here)
 static HostDim3 threadIdx, blockDim;

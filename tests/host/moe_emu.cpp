@@ -5,66 +5,20 @@
 // back as <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py moe_*).
 #include "cuda_emu.h"
 
-#include <fstream>
-#include <map>
-#include <string>
-
 #include "moe.cu"
+#include "emu_io.h"
 
 typedef void (*GateUpFn)(const u8*, const u8*, long long, long long, int, int, int, const int*, int, const float*,
                          int, float*, int, int, const float*, const float*);
 typedef void (*GemvFn)(const u8*, long long, long long, int, int, int, const int*, const float*, int, int, float*,
                        int, const float*);
 
-static std::map<std::string, std::string> params;
-static std::string dir;
-
-static long long num(const char* k) {
-    auto it = params.find(k);
-    if (it == params.end()) {
-        std::fprintf(stderr, "moe_emu: missing parameter %s\n", k);
-        std::exit(2);
-    }
-    return std::stoll(it->second);
-}
-
-template <class T> static std::vector<T> load(const char* name) {
-    std::ifstream f(dir + "/" + name + ".bin", std::ios::binary);
-    if (!f) {
-        std::fprintf(stderr, "moe_emu: no %s.bin\n", name);
-        std::exit(2);
-    }
-    f.seekg(0, std::ios::end);
-    size_t bytes = f.tellg();
-    f.seekg(0);
-    std::vector<T> v(bytes / sizeof(T));
-    f.read((char*)v.data(), bytes);
-    return v;
-}
-
-// an optional input (the experts' biases): empty where its file is absent, passed as a null pointer
-template <class T> static std::vector<T> load_opt(const char* name) {
-    std::ifstream f(dir + "/" + name + ".bin");
-    return f ? load<T>(name) : std::vector<T>();
-}
-
-template <class T> static T* opt_ptr(std::vector<T>& v) { return v.empty() ? nullptr : v.data(); }
-
-template <class T> static void save(const char* name, const std::vector<T>& v) {
-    std::ofstream f(dir + "/" + name + "_after.bin", std::ios::binary);
-    f.write((const char*)v.data(), v.size() * sizeof(T));
-}
-
 #define TYPES(X) X(f32) X(f16) X(bf16) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q8_0) X(q4_k) X(q5_k) X(q6_k) \
     X(q2_k) X(q3_k) X(iq4_nl) X(iq4_xs) X(mxfp4) X(iq2_xxs) X(iq2_xs) X(iq2_s) X(iq3_xxs) X(iq3_s)
 
 int main(int argc, char** argv) {
-    if (argc != 2) return 2;
-    dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
-    std::string k, v;
-    while (pf >> k >> v) params[k] = v;
-    const std::string kernel = params["kernel"];
+    if (!open_dir(argc, argv, "moe_emu")) return 2;
+    const std::string kernel = str("kernel");
 #define GATE_UP(t) {"gate_up_" #t, moe_gate_up_##t},
 #define GEMV(t) {"gemv_" #t, moe_gemv_##t},
     std::map<std::string, GateUpFn> gate_up = {TYPES(GATE_UP)};
@@ -73,7 +27,7 @@ int main(int argc, char** argv) {
         auto logits = load<float>("logits");
         auto ids = load<int>("ids");
         auto w = load<float>("w");
-        const int T = num("T"), E = num("E"), top = num("k"), ls = num("ls"), renorm = num("renorm");
+        const int T = inum("T"), E = inum("E"), top = inum("k"), ls = inum("ls"), renorm = inum("renorm");
         dim3 grid{(unsigned)((T + MOE_TOPK_ROWS - 1) / MOE_TOPK_ROWS), 1, 1}, block{MOE_TOPK_ROWS * 32, 1, 1};
         emu::launch(grid, block, 0, [&] { moe_topk(logits.data(), ls, T, E, top, renorm, ids.data(), w.data()); });
         save("ids", ids);
@@ -82,7 +36,7 @@ int main(int argc, char** argv) {
         auto x = load<float>("x");
         auto y = load<float>("y");
         auto w = load<float>("w");
-        const int T = num("T"), top = num("k"), H = num("H"), xs = num("xs"), ys = num("ys");
+        const int T = inum("T"), top = inum("k"), H = inum("H"), xs = inum("xs"), ys = inum("ys");
         dim3 grid{(unsigned)T, (unsigned)((H + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS), 1};
         dim3 block{MOE_COMBINE_THREADS, 1, 1};
         emu::launch(grid, block, 0, [&] { moe_combine(x.data(), xs, y.data(), ys, w.data(), top, H); });
@@ -91,7 +45,7 @@ int main(int argc, char** argv) {
         auto x = load<float>("x");
         auto y = load<float>("y");
         auto sg = load<float>("s");
-        const int T = num("T"), H = num("H"), xs = num("xs"), ys = num("ys");
+        const int T = inum("T"), H = inum("H"), xs = inum("xs"), ys = inum("ys");
         dim3 grid{(unsigned)T, (unsigned)((H + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS), 1};
         dim3 block{MOE_COMBINE_THREADS, 1, 1};
         emu::launch(grid, block, 0, [&] { moe_shared_add(x.data(), xs, y.data(), ys, sg.data(), H); });
@@ -100,32 +54,31 @@ int main(int argc, char** argv) {
         auto ids = load<int>("ids");
         auto x = load<float>("x");
         auto out = load<float>("out");
-        const long long rb = num("row_bytes"), eb = num("expert_bytes");
-        const int E = num("E"), N = num("N"), K = num("K"), pairs = num("pairs"), xs = num("xs"), os = num("os");
+        const long long rb = inum("row_bytes"), eb = inum("expert_bytes");
+        const int E = inum("E"), N = inum("N"), K = inum("K"), pairs = inum("pairs"), xs = inum("xs"), os = inum("os");
         dim3 grid{(unsigned)pairs, (unsigned)((N + MOE_WARPS - 1) / MOE_WARPS), 1}, block{MOE_WARPS * 32, 1, 1};
         if (gate_up.count(kernel)) {
             auto wg = load<u8>("wg");
             auto wu = load<u8>("wu");
-            auto bg = load_opt<float>("bg"), bu = load_opt<float>("bu");
-            const int top = num("k"), act = num("act");
+            auto bg = load_opt<float>("bg"), bu = load_opt<float>("bu");     // the experts' biases, if any
+            const int top = inum("k"), act = inum("act");
             GateUpFn fn = gate_up[kernel];
             emu::launch(grid, block, 0, [&] {
                 fn(wg.data(), wu.data(), rb, eb, E, N, K, ids.data(), top, x.data(), xs, out.data(), os, act,
-                   opt_ptr(bg), opt_ptr(bu));
+                   ptr(bg), ptr(bu));
             });
         } else {
             auto w = load<u8>("w");
             auto b = load_opt<float>("b");
-            const int xdiv = num("xdiv");
+            const int xdiv = inum("xdiv");
             GemvFn fn = gemv[kernel];
             emu::launch(grid, block, 0, [&] {
-                fn(w.data(), rb, eb, E, N, K, ids.data(), x.data(), xs, xdiv, out.data(), os, opt_ptr(b));
+                fn(w.data(), rb, eb, E, N, K, ids.data(), x.data(), xs, xdiv, out.data(), os, ptr(b));
             });
         }
         save("out", out);
     } else {
-        std::fprintf(stderr, "moe_emu: unknown kernel %s\n", kernel.c_str());
-        return 2;
+        fail("unknown kernel", kernel);
     }
     return 0;
 }

@@ -21,14 +21,7 @@
 #include <thread>
 #include <vector>
 
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __global__
-#define __restrict__
-#define __launch_bounds__(x)
 #define __align__(n) alignas(n)
-#define __shared__ static
 
 struct dim3e { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3e threadIdx;
@@ -45,7 +38,6 @@ using std::max;
 using std::min;
 
 
-template <class T, class U> static inline T bit_cast_(U u) { T t; std::memcpy(&t, &u, sizeof(T)); return t; }
 static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 static inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 static inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {

@@ -8,20 +8,15 @@ device. Skipped without g++."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from support import host_emu
 from support.flash_cases import decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host, same_bits
-
-ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ROOT / "realizar_backend" / "kernels"
-GXX = shutil.which("g++")
+from support.host_emu import GXX, KERNELS
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 TOL = 1e-4          # fp32 scores and sums over fp16 K/V: max |error| over max |ref|
@@ -31,26 +26,13 @@ DEFINES = {m[1]: int(m[2]) for m in re.finditer(r"#define (ATT_\w+) (\d+)\b", (K
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("attention_emu") / "attention_emu"
-    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", "-I", str(KERNELS), "-o", str(exe),
-                        str(ROOT / "tests" / "host" / "attention_emu.cpp")], capture_output=True, text=True)
-    if r.returncode != 0 and "_Float16" in r.stderr:
-        pytest.skip("this g++ has no _Float16")
-    assert r.returncode == 0, r.stderr
-    return exe
+    return host_emu.build("attention_emu.cpp", tmp_path_factory.mktemp("attention_emu") / "attention_emu")
 
 
 def _run(exe, d: Path, params: dict, arrays: dict, seed: int) -> dict:
-    d.mkdir()
-    (d / "params.txt").write_text("".join(f"{k} {v}\n" for k, v in params.items()))
-    for name, a in arrays.items():
-        np.ascontiguousarray(a).tofile(d / f"{name}.bin")
-    r = subprocess.run([str(exe), str(d)], capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, EMU_SEED=str(seed)))
-    assert r.returncode == 0, f"EMU_SEED={seed}: " + r.stderr[-3000:]
-    n, H, D = params["n"], params["H"], params["D"]
-    return {"out": np.fromfile(d / "out.bin", np.float32).reshape(n, H, D),
-            "kpool": np.fromfile(d / "kpool_out.bin", np.float16), "vpool": np.fromfile(d / "vpool_out.bin", np.float16)}
+    out = (np.float32, (params["n"], params["H"], params["D"]))
+    return host_emu.launch(exe, d, params, arrays, {"out": out, "kpool": np.float16, "vpool": np.float16},
+                           env={"EMU_SEED": str(seed)}, timeout=900, label=f"EMU_SEED={seed}")
 
 
 def _sinks(rng, H: int) -> np.ndarray:

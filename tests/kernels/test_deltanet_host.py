@@ -10,18 +10,14 @@ A copy of the kernel with the decay left out of the delta term must fail. Skippe
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from realizar_backend.backends.cuda import deltanet_twin as twin
-
-ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ROOT / "realizar_backend" / "kernels"
-GXX = shutil.which("g++")
+from support import host_emu
+from support.host_emu import GXX, KERNELS
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 TOL = 2e-5          # float32 against float64, relative to the values' scale
@@ -30,11 +26,7 @@ SCRATCH = SLOTS     # the scratch slot: the state arrays hold the live slots onl
 
 
 def build(out: Path, include_first: Path | None = None) -> Path:
-    inc = ([str(include_first)] if include_first else []) + [str(KERNELS)]
-    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", *[a for d in inc for a in ("-I", d)], "-o", str(out),
-                        str(ROOT / "tests" / "host" / "deltanet_emu.cpp")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return out
+    return host_emu.build("deltanet_emu.cpp", out, include_first=include_first)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +35,8 @@ def emu(tmp_path_factory):
 
 
 def launch(emu: Path, tmp_path: Path, kernel: str, outputs: dict, arrays: dict, **params) -> dict:
-    d = tmp_path / f"launch{len(list(tmp_path.iterdir()))}"
-    d.mkdir()
-    (d / "params.txt").write_text("".join(f"{k} {v}\n" for k, v in {"kernel": kernel, **params}.items()))
-    for name, a in arrays.items():
-        np.ascontiguousarray(a).tofile(d / f"{name}.bin")
-    r = subprocess.run([str(emu), str(d)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{kernel}: emulator failed ({r.returncode}): {r.stderr[-3000:]}"
-    return {n: np.fromfile(d / f"{n}_after.bin", np.float32).reshape(shape) for n, shape in outputs.items()}
+    return host_emu.launch(emu, tmp_path / f"launch{len(list(tmp_path.iterdir()))}", {"kernel": kernel, **params},
+                           arrays, {n: (np.float32, shape) for n, shape in outputs.items()}, label=kernel)
 
 
 # the rows of a step: (slot, first position, tokens) per segment

@@ -8,19 +8,13 @@ tests, tests/gpu/test_flash_attention.py, check the same on the device). Skipped
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from support import host_emu
 from support.flash_cases import (decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host,
                          row_cosine_min, same_bits)
-
-ROOT = Path(__file__).resolve().parents[2]
-GXX = shutil.which("g++")
+from support.host_emu import GXX
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 TOL = 2e-3          # max abs error over max |ref| (fp16 q and P; the GPU test holds the same bound)
@@ -28,14 +22,7 @@ TOL = 2e-3          # max abs error over max |ref| (fp16 q and P; the GPU test h
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("flash_emu") / "flash_emu"
-    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", "-I", str(ROOT / "realizar_backend" / "kernels"),
-                        "-o", str(exe), str(ROOT / "tests" / "host" / "flash_emu.cpp")],
-                       capture_output=True, text=True)
-    if r.returncode != 0 and "_Float16" in r.stderr:
-        pytest.skip("this g++ has no _Float16")
-    assert r.returncode == 0, r.stderr
-    return exe
+    return host_emu.build("flash_emu.cpp", tmp_path_factory.mktemp("flash_emu") / "flash_emu")
 
 
 def _run(exe, tmp_path, plan, arrays: dict, scalars: dict, rng) -> list[dict]:
@@ -44,28 +31,18 @@ def _run(exe, tmp_path, plan, arrays: dict, scalars: dict, rng) -> list[dict]:
 
 
 def _run1(exe, tmp_path, plan, arrays: dict, scalars: dict, eager: bool, seed: int) -> dict:
-    d = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-    d.mkdir()
     params = dict(kernel=plan.kernel, gx=plan.grid[0], gy=plan.grid[1], gz=plan.grid[2], threads=plan.threads,
                   smem=plan.smem, part_floats=plan.part_floats, ml_count=plan.ml_count,
                   counters_count=plan.counters, **scalars)
-    (d / "params.txt").write_text("".join(f"{k} {v}\n" for k, v in params.items()))
-    for name, a in arrays.items():
-        np.ascontiguousarray(a).tofile(d / f"{name}.bin")
-    env = dict(os.environ, EMU_CP_EAGER="1" if eager else "0", EMU_SEED=str(seed))
-    r = subprocess.run([str(exe), str(d)], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, f"eager={eager} EMU_SEED={seed}: " + r.stderr[-3000:]
     n, H, D = scalars["n"], scalars["H"], scalars["D"]
-    res = {"out": np.fromfile(d / "out.bin", np.float32).reshape(n, H, D),
-           "counters": np.fromfile(d / "counters_out.bin", np.int32),
-           "kpool": np.fromfile(d / "kpool_out.bin", np.float16),
-           "vpool": np.fromfile(d / "vpool_out.bin", np.float16)}
+    outputs = {"out": (np.float32, (n, H, D)), "counters": np.int32, "kpool": np.float16, "vpool": np.float16}
     if scalars.get("use_o16"):
-        res["o16"] = np.fromfile(d / "o16.bin", np.float16).reshape(n, H, D)
+        outputs["o16"] = (np.float16, (n, H, D))
     if scalars.get("use_oq"):
-        res["oq"] = np.fromfile(d / "oq.bin", np.int8).reshape(n, H, D)
-        res["od"] = np.fromfile(d / "od.bin", np.float32).reshape(n, H, D // 32, 2)
-    return res
+        outputs.update(oq=(np.int8, (n, H, D)), od=(np.float32, (n, H, D // 32, 2)))
+    return host_emu.launch(exe, tmp_path / f"run{len(list(tmp_path.iterdir()))}", params, arrays, outputs,
+                           env={"EMU_CP_EAGER": "1" if eager else "0", "EMU_SEED": str(seed)}, timeout=900,
+                           label=f"eager={eager} EMU_SEED={seed}")
 
 
 def _prefill(exe, tmp_path, rng, c, splits=1, nw=4, wm=None, qsplit=False, min_split_keys=16, o16=True,

@@ -9,10 +9,8 @@ kernels on the device. Skipped where g++ is absent."""
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,9 +18,9 @@ from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
 from realizar_backend.formats.quants import dequantize, random_matrix
+from support import host_emu
+from support.host_emu import GXX
 
-ROOT = Path(__file__).resolve().parents[2]
-GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 F64 = np.float64
@@ -36,13 +34,7 @@ EXACT_TOL = 2e-6         # with exact tensor-core sums only fp32 roundings are l
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("mmq") / "mmq_emu"
-    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", "-I", str(ROOT / "realizar_backend" / "kernels"),
-                        "-o", str(exe), str(ROOT / "tests" / "host" / "mmq_emu.cpp")], capture_output=True, text=True)
-    if r.returncode != 0 and "_Float16" in r.stderr:
-        pytest.skip("this g++ has no _Float16")
-    assert r.returncode == 0, r.stderr
-    return exe
+    return host_emu.build("mmq_emu.cpp", tmp_path_factory.mktemp("mmq") / "mmq_emu")
 
 
 def activations(rng, M: int, K: int, stress: bool) -> np.ndarray:

@@ -7,32 +7,19 @@ dequantize of the GGUF bytes. Skipped where g++ is absent."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-GXX = shutil.which("g++")
+from support import host_emu
+from support.host_emu import GXX
 # the types the self-check compares on C++ random blocks (the others: test_decoders_give_gguf_values)
 TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 
-def _build(tmp_path) -> Path:
-    exe = tmp_path / "mmvf_decode"
-    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", "-I", str(ROOT / "realizar_backend" / "kernels"),
-                        "-o", str(exe), str(ROOT / "tests" / "host" / "mmvf_decode.cpp")],
-                       capture_output=True, text=True)
-    if r.returncode != 0 and "_Float16" in r.stderr:
-        pytest.skip("this g++ has no _Float16")
-    assert r.returncode == 0, r.stderr
-    return exe
-
-
 @pytest.fixture(scope="module")
 def exe(tmp_path_factory):
-    return _build(tmp_path_factory.mktemp("mmvf"))
+    return host_emu.build("mmvf_decode.cpp", tmp_path_factory.mktemp("mmvf") / "mmvf_decode")
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not installed")

@@ -12,8 +12,6 @@ Skipped where g++ is absent."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +21,10 @@ from gguf import GGMLQuantizationType as Q
 from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
 from realizar_backend.formats.quants import dequantize
 from realizar_backend.model.math import SWIGLU_LIMIT, gelu_tanh, route, silu, swiglu_oai
+from support import host_emu
+from support.host_emu import GXX
 from support.synth import TOLERANCE, quantize, random_quant
 
-ROOT = Path(__file__).resolve().parents[2]
-GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 F64 = np.float64
@@ -45,13 +43,7 @@ DOWN_F = {Q.Q4_K: 256, Q.Q6_K: 256, Q.Q8_0: 64, Q.F32: 37, Q.MXFP4: 96, Q.IQ4_XS
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("moe_emu") / "moe_emu"
-    r = subprocess.run([GXX, "-std=c++17", "-O1", "-w", "-I", str(ROOT / "realizar_backend" / "kernels"),
-                        "-o", str(exe), str(ROOT / "tests" / "host" / "moe_emu.cpp")], capture_output=True, text=True)
-    if r.returncode != 0 and "_Float16" in r.stderr:
-        pytest.skip("this g++ has no _Float16")
-    assert r.returncode == 0, r.stderr
-    return exe
+    return host_emu.build("moe_emu.cpp", tmp_path_factory.mktemp("moe_emu") / "moe_emu")
 
 
 class Launch:
@@ -63,13 +55,8 @@ class Launch:
         self.dir.mkdir()
 
     def run(self, outputs: dict[str, np.dtype], **arrays: np.ndarray) -> dict[str, np.ndarray]:
-        (self.dir / "params.txt").write_text(
-            "".join(f"{k} {v}\n" for k, v in {"kernel": self.kernel, **self.params}.items()))
-        for name, a in arrays.items():
-            np.ascontiguousarray(a).tofile(self.dir / f"{name}.bin")
-        r = subprocess.run([str(self.emu), str(self.dir)], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, f"{self.kernel}: emulator failed ({r.returncode}): {r.stderr[-3000:]}"
-        return {n: np.fromfile(self.dir / f"{n}_after.bin", dt) for n, dt in outputs.items()}
+        return host_emu.launch(self.emu, self.dir, {"kernel": self.kernel, **self.params}, arrays, outputs,
+                               label=self.kernel)
 
 
 def stack(qtype, E: int, rows: int, cols: int, rng) -> tuple[np.ndarray, np.ndarray, int]:

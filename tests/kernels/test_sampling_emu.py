@@ -7,9 +7,7 @@ same on the device. Skipped where g++ (with C++20's <barrier>) is absent."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,22 +15,16 @@ import pytest
 from realizar_backend.backends.base import SampleRow
 from realizar_backend.backends.sampling import (BIAS_ROW_WORDS, kernel_params, mask_words, pack_bias, pack_masks,
                                                 raw_logprobs, sample_logits)
+from support import host_emu
+from support.host_emu import GXX
 
-ROOT = Path(__file__).resolve().parents[2]
-GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("emu") / "sampling_emu"
-    r = subprocess.run([GXX, "-std=c++20", "-O2", "-ffp-contract=off", "-w", "-pthread",
-                        "-I", str(ROOT / "realizar_backend" / "kernels"), "-o", str(exe),
-                        str(ROOT / "tests" / "host" / "sampling_emu.cpp")], capture_output=True, text=True)
-    if r.returncode != 0 and "barrier" in r.stderr:
-        pytest.skip("this g++ has no <barrier>")
-    assert r.returncode == 0, r.stderr
-    return exe
+    return host_emu.build("sampling_emu.cpp", tmp_path_factory.mktemp("emu") / "sampling_emu",
+                          flags=("-std=c++20", "-O2", "-ffp-contract=off", "-pthread"), lacks=("barrier", "<barrier>"))
 
 
 def run_emu(exe, tmp, logits, rows, slots, counts, tokens_in, cap=8192, threads=(128, 256), slice_=None):

@@ -15,6 +15,7 @@
     pipeline_rows      sample rows for the pipelined-sampling tests
     flash_cases        paged-attention cases and their float64 oracle
     split16_twin       the NumPy twin of the split16 prefill GEMM
+    host_emu           builds the host emulators of tests/host/ with g++ and runs their launches
     grammars           grammars too large or too slow for a request
     server             a real `bentoml serve` process (the `server` fixture's)
     pool_child         a child process for ChildPool's tests (a child imports it as tests.support.pool_child)
