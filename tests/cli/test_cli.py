@@ -116,17 +116,20 @@ def test_inspect_says_which_backend_runs_each_type_and_what_the_gpu_refuses(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,gpu", [
-    ("qwen3_moe", "runs"),
-    ("gpt_oss", "runs"),
-    ("qwen3_5_moe", "runs")])
-def test_inspect_says_which_mixtures_of_experts_the_gpu_runs(capsys, arch, gpu):
-    """The tiny random models of tests/support/hf_oracle.py (transformers' own, converted by llama.cpp)."""
+@pytest.mark.parametrize("arch,overrides,gpu", [
+    ("qwen3_moe", dict(head_dim=32), "runs"),
+    ("gpt_oss", dict(head_dim=64), "runs"),
+    ("qwen3_5_moe", {}, "runs"),
+    ("qwen3_moe", {}, "head_dim 16: the GPU attention kernels need a multiple of 32 up to 256")],
+    ids=["qwen3_moe", "gpt_oss", "qwen3_5_moe", "qwen3_moe-head16"])
+def test_inspect_says_which_mixtures_of_experts_the_gpu_runs(capsys, arch, overrides, gpu):
+    """The tiny random models of tests/support/hf_oracle.py (transformers' own, converted by llama.cpp),
+    at head sizes the GPU's attention takes, and one it does not."""
     pytest.importorskip("transformers")
     from support.hf_oracle import available, tiny_gguf
     if not available(arch):
         pytest.skip(f"this transformers has no {arch}")
-    assert main(["inspect", str(tiny_gguf(arch)), "--json"]) == 0
+    assert main(["inspect", str(tiny_gguf(arch, **overrides)), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["gpu"] == gpu and info["experts"].startswith("2 of ")
 

@@ -14,12 +14,12 @@ from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
 from .dispatch import same_shape
-from .support import MOE_MAX_K
+from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
 from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
-GEMV_WARPS, GEMV_MAXB, ATT_WARPS, ATT_MAXD = 4, 8, 16, 256   # must match the .cu defines
+GEMV_WARPS, GEMV_MAXB, ATT_WARPS = 4, 8, 16                   # must match the .cu defines
 ATT_TQ, ATT_KT = 16, 32                                        # attention.cu attn_tile
 
 

@@ -13,6 +13,8 @@ DENSE_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 # experts a token takes that the GPU's routing holds (kernels/moe.cu MOE_MAX_K: one per lane)
 MOE_MAX_K = 32
+# the head sizes the GPU's attention takes: whole warps of lanes, up to attention.cu's ATT_MAXD
+ATT_MAXD = 256
 # a Gated DeltaNet's shapes the GPU's kernels hold (kernels/deltanet.cu, the same names): conv inputs
 # kept per channel, and the column of a head's state (k_dim floats) and the head's columns (v_dim
 # threads) of one block
@@ -27,6 +29,8 @@ def gpu_types(mf: ModelFile) -> dict[str, bool]:
 def refusal(mf: ModelFile) -> str | None:
     """Why the GPU backend cannot run this model (None: it can)."""
     c = mf.config
+    if c.head_dim % 32 or c.head_dim > ATT_MAXD:
+        return f"head_dim {c.head_dim}: the GPU attention kernels need a multiple of 32 up to {ATT_MAXD}"
     if c.has_recurrent_state and not (c.ssm_conv_kernel - 1 <= DN_MAX_TAPS and c.ssm_k_dim <= DN_MAX_K
                                       and c.ssm_v_dim <= DN_MAX_V):
         return (f"{c.arch}: the GPU's Gated DeltaNet kernels take conv kernels of up to {DN_MAX_TAPS + 1} and "

@@ -14,7 +14,6 @@ import time
 import cupy
 import numpy as np
 
-from ...errors import UnsupportedModelError
 from ...formats import ModelFile, Tensor
 from ...formats.gpu_layout import REGROUPED
 from ...formats.quants import dequantize
@@ -22,7 +21,7 @@ from ...model.families import build_model
 from ...progress import progress
 from .matrices import check_matrix
 from .modules import Kernels
-from .ops import ATT_MAXD, WeightRef
+from .ops import WeightRef
 from .ops import row_bytes as device_row_bytes
 
 log = logging.getLogger(__name__)
@@ -43,11 +42,6 @@ class DeviceWeights:
         self.total_bytes = 0
         self.max_matrix_elems = 0   # largest layer matrix, for the split16 dequantize buffer
         self._plan: list[tuple[Tensor, int, WeightRef]] = []
-        if c.head_dim % 32 or c.head_dim > ATT_MAXD:
-            raise UnsupportedModelError(model.path, f"head_dim {c.head_dim}: the GPU attention kernel needs a "
-                                                    f"multiple of 32 up to {ATT_MAXD}")
-        if c.rope_dim > c.head_dim or c.rope_dim % 2:
-            raise UnsupportedModelError(model.path, f"rope dimension {c.rope_dim} with head_dim {c.head_dim}")
         self.model = build_model(c, self)
         self.upload()
 
