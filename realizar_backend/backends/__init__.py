@@ -116,7 +116,7 @@ def create_backend(model: ModelFile, settings: Settings) -> Backend:
     threads = cpu_threads(settings)
     log.log(logging.WARNING if gpu_unused else logging.INFO, "backend: cpu (%s); %d BLAS thread(s)", why, threads)
     blocks = cpu_kv_blocks(model, settings, slots, ctx)
-    check_cpu_memory(model, blocks * settings.block_size)
+    check_cpu_memory(model, blocks * settings.block_size, slots)
     _limit_blas(threads)
     from .cpu import CPUBackend
     return CPUBackend(model, max_slots=slots, max_context=ctx, block_size=settings.block_size, num_blocks=blocks)
@@ -140,25 +140,27 @@ CPU_HEADROOM_BYTES = 256 << 20   # the process beside its weights and KV pool: P
 
 def cpu_memory_bytes(model: ModelFile, kv_tokens: int) -> tuple[int, int]:
     """(weights, KV pool) in bytes as the CPU backend holds them: every weight as float32 (a
-    tied output matrix once), K and V as float32 for kv_tokens positions."""
+    tied output matrix once), K and V as float32 for kv_tokens positions of the layers that keep
+    them (a hybrid's recurrent layers keep none)."""
     weights = sum(4 * math.prod(t.shape) for t in model.tensors.values())
-    c = model.config
-    return weights, 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * kv_tokens
+    return weights, model.config.kv_bytes_per_token(4) * kv_tokens
 
 
-def check_cpu_memory(model: ModelFile, kv_tokens: int) -> None:
-    """BackendError, with the figures, when the CPU backend's weights and KV pool cannot fit in
-    the memory this host has available: said at once instead of a MemoryError (or the OOM
-    killer) minutes into the load."""
+def check_cpu_memory(model: ModelFile, kv_tokens: int, slots: int = 1) -> None:
+    """BackendError, with the figures, when the CPU backend's weights, KV pool and (a hybrid's)
+    recurrent state of `slots` sequences cannot fit in the memory this host has available: said
+    at once instead of a MemoryError (or the OOM killer) minutes into the load."""
     avail = host.available_memory()
     weights, kv = cpu_memory_bytes(model, kv_tokens)
-    if avail is None or weights + kv + CPU_HEADROOM_BYTES <= avail:
+    state = slots * model.config.recurrent_state_bytes
+    if avail is None or weights + kv + state + CPU_HEADROOM_BYTES <= avail:
         return
     gib = 1 << 30
     raise BackendError(
-        f"the CPU backend needs {(weights + kv + CPU_HEADROOM_BYTES) / gib:.1f} GiB for this model "
-        f"({weights / gib:.1f} GiB of weights as float32, {kv / gib:.1f} GiB of KV cache for {kv_tokens} tokens) "
-        f"and {avail / gib:.1f} GiB is available; use a GPU, a smaller model, or fewer KV tokens "
+        f"the CPU backend needs {(weights + kv + state + CPU_HEADROOM_BYTES) / gib:.1f} GiB for this model "
+        f"({weights / gib:.1f} GiB of weights as float32, {kv / gib:.1f} GiB of KV cache for {kv_tokens} tokens"
+        + (f", {state / gib:.1f} GiB of recurrent state for {slots} sequences" if state else "")
+        + f") and {avail / gib:.1f} GiB is available; use a GPU, a smaller model, or fewer KV tokens "
         f"(REALIZAR_KV_CACHE_TOKENS)")
 
 
@@ -172,8 +174,7 @@ def cpu_kv_blocks(model: ModelFile, settings: Settings, slots: int, ctx: int) ->
     if settings.kv_cache_tokens:
         return max(1, settings.kv_cache_tokens // bs)
     per_seq = -(-ctx // bs)
-    per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
-    return min(slots * per_seq, max(per_seq, CPU_KV_BYTES // per_token // bs))
+    return min(slots * per_seq, max(per_seq, CPU_KV_BYTES // max(1, c.kv_bytes_per_token(4)) // bs))
 
 
 __all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "choose_backend", "create_backend", "cuda_available",

@@ -84,7 +84,8 @@ class CpuOps:
         cos, sin = rope_angles(self.pos, r.dim, r.theta, r.scaling)
         q, k = apply_rope(q, cos, sin, r.style), apply_rope(k, cos, sin, r.style)
         out = np.empty((T, q.shape[1] * D), np.float32)
-        kp, vp = self.be.k_pool[spec.layer], self.be.v_pool[spec.layer]
+        kv = self.be.kv_index[spec.layer]
+        kp, vp = self.be.k_pool[kv], self.be.v_pool[kv]
         bounds = self.bounds
         for j, L in enumerate(self.ends):
             a, b = bounds[j], bounds[j + 1]
@@ -136,10 +137,10 @@ class CpuOps:
         return y * _sigmoid(gate)
 
     def delta_rule(self, mixed, z, beta, alpha, net) -> np.ndarray:
-        T, C = mixed.shape
+        T = mixed.shape[0]
         nk, dk, nv, dv = net.k_heads, net.k_dim, net.v_heads, net.v_dim
         K = net.conv.shape[1]
-        conv_state, states = self.be.recurrent_state(net.layer, C, K - 1, nv, dk, dv)
+        conv_state, states = self.be.recurrent_state(net.layer)
         g = np.exp(net.a_coef * _softplus(alpha + net.dt_bias))     # decay per row and value head
         b = _sigmoid(beta)
         out = np.empty((T, nv, dv), np.float32)
@@ -204,33 +205,43 @@ class CPUBackend:
         # GGUF bytes read and dequantized (a bar on a terminal: a 1.5B model takes a while)
         with progress("cpu: dequantizing weights", total=model.total_bytes, log=log) as advance:
             self.model = build_model(c, _Dequantized(model, advance))
-        # KV pool: per layer [num_blocks, block_size, kv_heads, head_dim] for K and for V; a slot
-        # reads and writes it through its block table. np.zeros pages in lazily.
+        # KV pool: per layer that keeps K and V (c.kv_layers; a hybrid's recurrent layers keep
+        # none) [num_blocks, block_size, kv_heads, head_dim] for K and for V; layer li's are
+        # k_pool[kv_index[li]] and v_pool[kv_index[li]]. A slot reads and writes them through its
+        # block table. np.zeros pages in lazily.
         self.block_size = block_size
         self.max_blocks_per_seq = -(-self.max_context // block_size)
         self.num_blocks = num_blocks if num_blocks is not None else max_slots * self.max_blocks_per_seq
+        self.kv_index = {li: i for i, li in enumerate(c.kv_layers)}
         shape = (self.num_blocks, block_size, c.n_kv_heads, c.head_dim)
-        self.k_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
-        self.v_pool = [np.zeros(shape, kv_dtype) for _ in range(c.n_layers)]
+        self.k_pool = [np.zeros(shape, kv_dtype) for _ in self.kv_index]
+        self.v_pool = [np.zeros(shape, kv_dtype) for _ in self.kv_index]
         self.tables: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(max_slots)]
-        # per recurrent layer (hybrids): each slot's conv inputs and DeltaNet state, made on first use
-        self._recurrent: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # per recurrent layer (hybrids), by its index among them: each slot's conv inputs
+        # [slots, conv_kernel - 1, channels] and DeltaNet state [slots, v_heads, k_dim, v_dim],
+        # float32, c.recurrent_state_bytes per slot (paged in as used)
+        channels = 2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim
+        self._recurrent = [(np.zeros((max_slots, c.ssm_conv_kernel - 1, channels), np.float32),
+                            np.zeros((max_slots, c.ssm_v_heads, c.ssm_k_dim, c.ssm_v_dim), np.float32))
+                           for _ in range(sum(c.recurrent))]
         self.counts: np.ndarray | None = None   # [slots, vocab] token counts, made on first use
         log.info("cpu backend: %s, %d layers, hidden %d, %.0f MB of float32 weights; KV pool %d blocks "
-                 "x %d positions (%.0f MB, paged in as used)", c.arch, c.n_layers, c.hidden,
-                 self.weight_bytes() / 1e6, self.num_blocks, block_size, self.kv_bytes() / 1e6)
+                 "x %d positions over %d layers (%.0f MB, paged in as used)%s", c.arch, c.n_layers, c.hidden,
+                 self.weight_bytes() / 1e6, self.num_blocks, block_size, len(self.kv_index), self.kv_bytes() / 1e6,
+                 f", recurrent state {self.recurrent_state_bytes / 1e6:.1f} MB" if self._recurrent else "")
 
-    def recurrent_state(self, layer: int, channels: int, taps: int, heads: int, k_dim: int,
-                        v_dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """Recurrent layer `layer`'s state of every slot: the last `taps` conv inputs [slots, taps,
-        channels] and the DeltaNet state [slots, heads, k_dim, v_dim] (float32)."""
-        st = self._recurrent.get(layer)
-        if st is None:
-            st = self._recurrent[layer] = (np.zeros((self.max_slots, taps, channels), np.float32),
-                                           np.zeros((self.max_slots, heads, k_dim, v_dim), np.float32))
-        return st
+    def recurrent_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Recurrent layer `layer`'s (its index among the recurrent layers) state of every slot:
+        the conv inputs kept and the DeltaNet state."""
+        return self._recurrent[layer]
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of a hybrid's recurrent state (every slot's), 0 for other models."""
+        return sum(a.nbytes + b.nbytes for a, b in self._recurrent)
 
     def kv_bytes(self) -> int:
+        """Bytes of the KV pool: K and V of the layers that keep them."""
         return sum(a.nbytes for a in self.k_pool) + sum(a.nbytes for a in self.v_pool)
 
     def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:
@@ -371,8 +382,9 @@ class CPUBackend:
 
     def stats(self) -> dict[str, Any]:
         return {"graph_status": {"all": "disabled"}, "pool_bytes": 0, "device_memory_bytes": 0,
-                "recurrent_state_bytes": sum(a.nbytes + b.nbytes for a, b in self._recurrent.values())}
+                "kv_pool_bytes": self.kv_bytes(), "recurrent_state_bytes": self.recurrent_state_bytes}
 
     def close(self) -> None:
         self.k_pool.clear()
         self.v_pool.clear()
+        self._recurrent.clear()

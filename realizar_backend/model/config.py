@@ -107,6 +107,17 @@ class ModelConfig:
         return bool(self.recurrent) and self.recurrent[layer]
 
     @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K and V, in order: every layer but a hybrid's recurrent ones. A
+        backend's KV storage holds these alone; layer kv_layers[i] is its i-th."""
+        return tuple(li for li in range(self.n_layers) if not self.is_recurrent(li))
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes one position takes in a KV cache of `itemsize`-byte elements: K and V of every
+        layer that keeps them."""
+        return 2 * len(self.kv_layers) * self.n_kv_heads * self.head_dim * itemsize
+
+    @property
     def has_recurrent_state(self) -> bool:
         """Some layer keeps a per-sequence recurrent state (a hybrid): a prefix's KV blocks alone
         cannot resume a sequence."""

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from support.paging import contiguous_tables
+from realizar_backend.backends import cpu_memory_bytes
 from realizar_backend.backends.base import PrefillItem
 from realizar_backend.backends.cpu import CPUBackend, apply_rope, attention, rope_angles
 
@@ -148,6 +149,17 @@ def test_attention_is_causal_and_windowed():
     # window 1: every query sees only itself
     w1 = attention(q, k, v, np.arange(4), 8 ** -0.5, window=1)
     np.testing.assert_allclose(w1[3].reshape(4, 8)[0], v[3, 0], rtol=1e-5)
+
+
+def test_a_dense_model_holds_kv_for_every_layer(backend, smol_model):
+    """Every layer of a dense model keeps K and V (a hybrid's recurrent layers keep none:
+    test_cpu_hybrid_kv.py), and no recurrent state."""
+    md = smol_model.metadata
+    per_token = 2 * md["llama.block_count"] * md["llama.attention.head_count_kv"] * backend.config.head_dim * 4
+    st = backend.stats()
+    assert st["kv_pool_bytes"] == backend.num_blocks * backend.block_size * per_token
+    assert st["recurrent_state_bytes"] == 0
+    assert cpu_memory_bytes(smol_model, 1)[1] == per_token
 
 
 def test_fp16_kv_cache_stays_close_to_fp32(smol_model):

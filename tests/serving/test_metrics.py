@@ -245,8 +245,8 @@ def hybrid():
 def test_recurrent_state_bytes_beside_the_kv_series(hybrid):
     """A hybrid's recurrent state is on /metrics: the bytes one sequence needs (by the model's
     config.json: per linear-attention layer, the conv's last kernel - 1 inputs of the q|k|v channels
-    and each value head's key x value state, float32) and the bytes the engine holds once a request
-    ran (the CPU backend makes a layer's state for every slot when the layer first runs)."""
+    and each value head's key x value state, float32) and the bytes the engine holds for its slots
+    (the CPU backend makes every slot's state at load, as the GPU backend does)."""
     server, c = hybrid
     linear = c["layer_types"].count("linear_attention")
     channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + c["linear_num_value_heads"] * \

@@ -27,15 +27,9 @@ log = logging.getLogger(__name__)
 STAGING_MAX = 16       # pinned copies of the block tables for uploads still queued, at most
 
 
-def kv_layers(cfg: ModelConfig) -> list[int]:
-    """The layers that keep K and V: all of them but a hybrid's recurrent ones (their state is
-    recurrent.py's)."""
-    return [li for li in range(cfg.n_layers) if not (cfg.recurrent and cfg.recurrent[li])]
-
-
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Device bytes of one block: K and V of every layer that keeps them, fp16."""
-    return 2 * len(kv_layers(cfg)) * block_size * cfg.n_kv_heads * cfg.head_dim * 2
+    """Device bytes of one block: K and V of every layer that keeps them (cfg.kv_layers), fp16."""
+    return block_size * cfg.kv_bytes_per_token(2)
 
 
 class KVCache:
@@ -49,7 +43,7 @@ class KVCache:
         self.max_blocks = -(-max_context // block_size)
         self.max_slots = max_slots
         self.scratch_slot = max_slots
-        layers = kv_layers(cfg)
+        layers = cfg.kv_layers
         shape = (len(layers), num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
         # Not zeroed (the server's pool is tens of GB): no kernel reads a row nobody wrote. A row
         # attends to positions [start, pos] of its own slot, each written before (its prompt by
