@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +189,39 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
         time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def model_server(path: str | Path, name: str, **env: str) -> Iterator[Server]:
+    """For a module's own `server` fixture (`yield from model_server(path, name)`): a server of the
+    model file at `path`, served as `name`, with a context of 4096 tokens and two sequences at once
+    (env: other settings), stopped after the module."""
+    s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": name,
+                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_MAX_NUM_SEQS": "2", **env})
+    yield s
+    s.stop()
+
+
+def tiny_model_server(tmp_path_factory, head: str, write, name: str, **env: str) -> Iterator[Server]:
+    """model_server of the tiny random model that `write(path)` makes with the real tokenizer of
+    shared/models/HEAD.head.gz (tests/support/gptoss_model.py, qwen35_model.py); the module is
+    skipped where that head is not here."""
+    import pytest
+    from support.gguf_kv import shared_head
+    if shared_head(head) is None:
+        pytest.skip(f"shared/models/{head}.head.gz is not here")
+    yield from model_server(write(tmp_path_factory.mktemp(head) / f"{head}.gguf"), name, **env)
+
+
+def guided_chat(client, grammar: str | None, *, model: str, messages: list, **kw):
+    """A chat completion through the `openai` client at temperature 0 (max_tokens 80 unless given),
+    its output held by the Lark `grammar` (guided_grammar, beside any other extra_body; None: not
+    held). A module binds its model and messages: `chat = functools.partial(guided_chat, model=MODEL,
+    messages=USER)`."""
+    kw.setdefault("max_tokens", 80)
+    extra = kw.pop("extra_body", {})
+    if grammar:
+        extra = {"guided_grammar": grammar, **extra}
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, extra_body=extra, **kw)
 
 
 def _limit_files(n: int) -> None:
