@@ -14,6 +14,7 @@
     paging             block tables for tests that drive a backend directly
     pipeline_rows      sample rows for the pipelined-sampling tests
     flash_cases        paged-attention cases and their float64 oracle
+    parity             the GPU tests' logits cosines against the NumPy oracle, and ParityRun, their parity loop
     split16_twin       the NumPy twin of the split16 prefill GEMM
     host_emu           builds the host emulators of tests/host/ with g++ and runs their launches
     grammars           grammars too large or too slow for a request
