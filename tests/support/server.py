@@ -290,6 +290,52 @@ def sample(metrics: dict, name: str, **labels) -> float:
     return sum(v for (n, key), v in metrics.items() if n == name and want <= set(key))
 
 
+SMOL_MODEL = "SmolLM2-135M-Instruct"           # the default model's served name
+
+
+def count_to(server, i: int, model: str = SMOL_MODEL) -> dict:
+    """A greedy completion of "Count to I:" (8 tokens at most), answered 200; its usage."""
+    r = httpx.post(server.url + "/v1/completions", headers=server.auth,
+                   json={"model": model, "prompt": f"Count to {i}:", "max_tokens": 8, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+@dataclass
+class MetricsDelta:
+    """Two Server.metrics() scrapes; called as delta(name, **labels): how much `name` grew between
+    them (summed as `sample` sums)."""
+    before: dict
+    after: dict
+
+    def __call__(self, name: str, **labels) -> float:
+        return sample(self.after, name, **labels) - sample(self.before, name, **labels)
+
+    def finished_by_engine(self, engines=("1", "2")) -> list[float]:
+        """The requests each engine finished (their length or a stop) between the scrapes."""
+        return [sum(self("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
+                for e in engines]
+
+
+def counted_burst(server, n: int, settle_s: float = 0.0) -> tuple[list[dict], MetricsDelta]:
+    """n count_to requests, six at a time, between two scrapes of /metrics (the second once none
+    runs, and settle_s later); asserts that the engines' events and reports add up to exactly what
+    was served (requests finished, tokens generated, prompt tokens). Returns (usages, delta)."""
+    import concurrent.futures as cf
+    before = server.metrics()
+    with cf.ThreadPoolExecutor(6) as pool:
+        usages = list(pool.map(lambda i: count_to(server, i), range(n)))
+    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 10)
+    time.sleep(settle_s)
+    delta = MetricsDelta(before, server.metrics())
+    assert delta("realizar_requests_total", finish_reason="length") + delta(
+        "realizar_requests_total", finish_reason="stop") == len(usages)
+    assert delta("realizar_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("realizar_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    return usages, delta
+
+
 class LivezProbe:
     """Polls /livez from a separate process (so that nothing the test process does delays it)
     over one keep-alive connection, and reports each answer's latency.
