@@ -53,3 +53,9 @@ def server():
     module that needs a server of its own settings defines its own `server`."""
     from support.server import shared_server
     return shared_server()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client of the module's `server`."""
+    return server.openai()

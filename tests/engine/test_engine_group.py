@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from support.server import sample, start_server, wait_for
+from support.server import count_to, counted_burst, start_server, wait_for
 
 from realizar_backend.engine.group import KV_REPORT_TTL_S, PREFIX_SLACK, PREFIX_TOKENS, EngineGroup
 from realizar_backend.engine.process import EngineClient
@@ -26,7 +26,6 @@ from realizar_backend.engine.sampling import SamplingParams
 from realizar_backend.errors import CapacityError, SettingsError
 from realizar_backend.settings import Settings, gpu_environ, serve_engines, visible_gpus
 
-MODEL = "SmolLM2-135M-Instruct"
 SETTINGS = Settings(backend="cpu", max_num_seqs=4, context_length=512)
 
 
@@ -280,14 +279,6 @@ def test_an_engine_that_dies_ends_its_streams_and_the_others_serve_on():
 
 # ------------------------------------------------------------------------------ a real server
 
-def _complete(server, i: int) -> dict:
-    r = httpx.post(server.url + "/v1/completions", headers=server.auth,
-                   json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 8, "temperature": 0},
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]
-
-
 @pytest.mark.server
 @pytest.mark.slow
 def test_two_engines_behind_one_front_end_serve_and_one_may_die():
@@ -295,29 +286,17 @@ def test_two_engines_behind_one_front_end_serve_and_one_may_die():
     try:
         assert server.engine_statuses() == {"1": ("cpu", "ready"), "2": ("cpu", "ready")}
         assert len(server.engines()) == 2
-        before = server.metrics()
-        with cf.ThreadPoolExecutor(6) as pool:
-            usages = list(pool.map(lambda i: _complete(server, i), range(18)))
-        assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 10)
-        after = server.metrics()
-
-        def delta(name, **labels):
-            return sample(after, name, **labels) - sample(before, name, **labels)
         # the engines' events and reports add up to exactly what was served
-        assert delta("realizar_requests_total", finish_reason="length") + delta(
-            "realizar_requests_total", finish_reason="stop") == len(usages)
-        assert delta("realizar_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
-        assert delta("realizar_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+        usages, delta = counted_burst(server, 18)
         assert delta("realizar_engine_steps_total", kind="decode") > 0
         # each engine's series: both served, about evenly (least in flight first)
-        per = [sum(delta("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
-               for e in ("1", "2")]
+        per = delta.finished_by_engine()
         assert sum(per) == len(usages) and min(per) >= len(usages) // 3, per
 
         server.engines()[1].kill()                   # the OOM killer takes engine 2
         assert wait_for(lambda: server.engine_statuses().get("2") == ("cpu", "dead"), 30), server.log_tail()
         with cf.ThreadPoolExecutor(4) as pool:
-            assert len(list(pool.map(lambda i: _complete(server, i), range(8)))) == 8    # all 200
+            assert len(list(pool.map(lambda i: count_to(server, i), range(8)))) == 8    # all 200
         assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
         assert httpx.get(server.url + "/livez", timeout=10).status_code == 200
         assert server.engine_statuses()["1"] == ("cpu", "ready")

@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from support.server import sample, start_server, wait_for
+from support.server import count_to, counted_burst, sample, start_server, wait_for
 
 from realizar_backend.engine.group import PREFIX_TOKENS, EngineGroup
 from realizar_backend.engine.sampling import SamplingParams
@@ -240,14 +240,6 @@ def _engines(server) -> list:
     return sorted(_children(server, "realizar_backend.engine.shared"), key=lambda p: int(p.cmdline()[-1]))
 
 
-def _complete(server, i: int) -> dict:
-    r = httpx.post(server.url + "/v1/completions", headers=server.auth,
-                   json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 8, "temperature": 0},
-                   timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["usage"]
-
-
 def _complete_retrying(server, i: int) -> dict:
     for _ in range(60):
         r = httpx.post(server.url + "/v1/completions", headers=server.auth,
@@ -290,22 +282,10 @@ def test_both_front_ends_and_both_engines_serve_and_metrics_count_once(fronts):
     assert len(_workers(server)) == 2 and len(_engines(server)) == 2
     assert wait_for(lambda: server.worker_statuses() == {"1": "ready", "2": "ready"}, 30), server.log_tail()
     assert wait_for(lambda: server.engine_statuses() == {"1": ("cpu", "ready"), "2": ("cpu", "ready")}, 30)
-    before = server.metrics()
-    with cf.ThreadPoolExecutor(6) as pool:
-        usages = list(pool.map(lambda i: _complete(server, i), range(24)))
-    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 10)
-    time.sleep(0.5)
-    after = server.metrics()
-
-    def delta(name, **labels):
-        return sample(after, name, **labels) - sample(before, name, **labels)
     # each sequence's end is written once (by the front end its engine reports to)
-    assert delta("realizar_requests_total", finish_reason="length") + delta(
-        "realizar_requests_total", finish_reason="stop") == len(usages)
-    assert delta("realizar_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
-    assert delta("realizar_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
-    per = [sum(delta("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
-           for e in ("1", "2")]
+    usages, delta = counted_burst(server, 24, settle_s=0.5)
+    after = delta.after
+    per = delta.finished_by_engine()
     assert min(per) >= len(usages) // 4, per
     # each engine's series are written by one front end: one series each, not one per front end
     for e in ("1", "2"):
@@ -487,7 +467,7 @@ def test_a_killed_front_end_comes_back_and_the_other_serves_meanwhile(fronts):
     assert wait_for(lambda: server.worker_statuses() == {"1": "ready", "2": "ready"}, 60), server.log_tail()
     assert [p.pid for p in _engines(server)] == engines          # the engines were not started again
     with cf.ThreadPoolExecutor(6) as pool:
-        assert len(list(pool.map(lambda i: _complete(server, i), range(12)))) == 12
+        assert len(list(pool.map(lambda i: count_to(server, i), range(12)))) == 12
     assert wait_for(lambda: server.engine_statuses() == {"1": ("cpu", "ready"), "2": ("cpu", "ready")}, 30)
     assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
 
@@ -499,7 +479,7 @@ def test_a_killed_engine_stands_aside_in_every_front_end(fronts):
     _engines(server)[1].kill()                          # the OOM killer takes engine 2
     assert wait_for(lambda: server.engine_statuses().get("2") == ("cpu", "dead"), 30), server.log_tail()
     with cf.ThreadPoolExecutor(4) as pool:
-        assert len(list(pool.map(lambda i: _complete(server, i), range(12)))) == 12     # all 200
+        assert len(list(pool.map(lambda i: count_to(server, i), range(12)))) == 12     # all 200
     assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
     assert server.engine_statuses()["1"] == ("cpu", "ready")
     assert server.worker_statuses() == {"1": "ready", "2": "ready"}

@@ -18,7 +18,8 @@ import pytest
 
 from realizar_backend.backends.cuda import deltanet_twin as twin
 from support.hybrid_models import model_path
-from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
+from support.parity import COS_MIN, ParityRun
+from test_model_parity import _backends, _cos
 
 pytestmark = pytest.mark.gpu
 
@@ -134,13 +135,8 @@ def test_model_parity(hybrid_model, rng):
     assert st["recurrent_state_bytes"] == 8 * c.recurrent_state_bytes
     assert gpu.kv.k.shape[0] == c.n_layers - sum(c.recurrent), "the recurrent layers keep no KV cache"
     V = c.vocab_size
-    cos, pos, families = [], [0] * 8, []
-
-    def prefill(items):
-        families.append(gpu.fwd.prompt_step(sum(len(it.tokens) for it in items)).family)
-        cos.append(_cos(cpu.prefill(items), gpu.prefill(items)))
-        for it in items:
-            pos[it.slot] = it.start_pos + len(it.tokens)
+    run = ParityRun(cpu, gpu, rng, V, slots=8)
+    prefill, decode = run.prompt, run.decode
 
     def prompt(n):
         return rng.integers(0, V, n).astype(np.int32)
@@ -151,32 +147,12 @@ def test_model_parity(hybrid_model, rng):
     chunked = prompt(61)                       # slot 7: three chunks, each continuing the state
     for a, b in ((0, 7), (7, 40), (40, 61)):
         prefill([PrefillItem(7, chunked[a:b], a)])
-
-    def decode(slots, n_steps):
-        for _ in range(n_steps):
-            tok = [int(t) for t in rng.integers(0, V, len(slots))]
-            cos.append(_cos(cpu.decode(slots, tok, [pos[s] for s in slots]),
-                            gpu.decode(slots, tok, [pos[s] for s in slots])))
-            for s in slots:
-                pos[s] += 1
-
     decode([3], 4)
     decode(list(range(8)), 6)
     # slot 2 taken by a new sequence (position 0): its state starts over on both
     prefill([PrefillItem(2, prompt(9))])
     decode([2, 5], 3)
-    greedy = gpu.decode_argmax(list(range(8)), [1] * 8, pos[:8])
-    ref = cpu.decode(list(range(8)), [1] * 8, pos[:8])
-    st = gpu.stats()
-    gpu.close()
-    cos = np.concatenate([np.ravel(x) for x in cos])
-    print(f"qwen35 {name}: prompt families {families}, {cos.size} rows, cos min {cos.min():.7f}; "
-          f"graphs {st['graph_status']}")
-    _assert_parity(f"qwen35-{name}", cos, COS_MIN)
-    assert st["graph_status"], "no decode step was captured"
-    top2 = np.sort(ref, axis=1)[:, -2:]
-    same = greedy == np.argmax(ref, axis=1)
-    assert np.all(same | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))
+    run.finish_greedy("qwen35", name)
 
 
 def test_a_reused_slot_matches_a_fresh_one(hybrid_model, rng):

@@ -11,43 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.paging import contiguous_tables
+from support.parity import COS_MIN
+from support.parity import assert_parity as _assert_parity
+from support.parity import cosines as _cos
 
 pytestmark = pytest.mark.gpu
 
 TWINS = Path(os.environ.get("REALIZAR_TWINS", "/tmp/twins"))
-COS_MIN = 0.999
-
-
-def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
-# The gemma270 and qwen05 twins are chaotic: their random weights make attention nearly one-hot,
-# so for some prompts a difference at float32 rounding level flips which key a head attends to
-# (gemma270: 1e-7 relative noise on the oracle's own norm outputs moves a prompt's logits to cosine
-# 0.9995; qwen05: the oracle's K/V kept in fp32 instead of fp16 moves a prompt row to 0.99997, and a
-# batch of 130 decoding rows has a row below 0.999 for most prompt draws, identically before and
-# after every kernel change). A worst-row floor there measures the prompt, not the kernels; the
-# median row does not move.
-CHAOTIC = {"gemma270", "qwen05"}
-CHAOTIC_MEDIAN = 2e-5          # bound on the median row's 1 - cos
-# any row: still far above a broken kernel's (which lands near 0): the random twin amplifies
-# rounding-level differences in a few rows of a batch
-CHAOTIC_FLOOR = 0.9
-
-
-def _assert_parity(name: str, cos: np.ndarray, floor: float) -> None:
-    """Every row's logits cosine >= floor; on a chaotic twin, the median row within its bound and
-    every row above a floor that only a broken kernel breaks."""
-    cos = np.asarray(cos, np.float64).ravel()
-    if name not in CHAOTIC:
-        assert cos.min() >= floor, f"{name}: worst row cosine {cos.min():.7f} < {floor}"
-        return
-    median = float(np.median(1.0 - cos))
-    print(f"{name}: {cos.size} rows, median 1 - cos {median:.1e}, worst cos {cos.min():.6f}")
-    assert median <= CHAOTIC_MEDIAN, f"{name}: median row 1 - cos {median:.2e} > {CHAOTIC_MEDIAN:.0e}"
-    assert cos.min() >= CHAOTIC_FLOOR, f"{name}: worst row cosine {cos.min():.6f} < {CHAOTIC_FLOOR}"
 
 
 def _real_smol() -> Path | None:

@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType as Q
 from realizar_backend.backends.cuda.matrices import QTYPES
 
 from support.moe_models import model_path
-from test_model_parity import COS_MIN, _assert_parity, _backends, _cos
+from support.parity import ParityRun
+from test_model_parity import _backends
 
 pytestmark = pytest.mark.gpu
 
@@ -92,35 +93,12 @@ def test_model_parity(moe_model, rng):
     assert gpu.fwd.model.layers[0].ffn.gate.experts == model.config.n_experts
     V = model.config.vocab_size
     lens = [100, 5] + [int(n) for n in rng.integers(3, 12, 6)]
-    cos, pos = [], [0] * 8
     steps = [[PrefillItem(1, rng.integers(0, V, lens[1]).astype(np.int32))],
              [PrefillItem(s, rng.integers(0, V, lens[s]).astype(np.int32)) for s in range(2, 8)],
              [PrefillItem(0, rng.integers(0, V, lens[0]).astype(np.int32))]]
-    families = []
+    run = ParityRun(cpu, gpu, rng, V, slots=8)
     for items in steps:
-        families.append(gpu.fwd.prompt_step(sum(len(it.tokens) for it in items)).family)
-        cos.append(_cos(cpu.prefill(items), gpu.prefill(items)))
-        for it in items:
-            pos[it.slot] = len(it.tokens)
+        run.prompt(items)
     for rows, n_steps in ((1, 4), (8, 6)):
-        slots = list(range(rows))
-        for _ in range(n_steps):
-            tok = [int(t) for t in rng.integers(0, V, rows)]
-            lc = cpu.decode(slots, tok, [pos[s] for s in slots])
-            lg = gpu.decode(slots, tok, [pos[s] for s in slots])
-            cos.append(_cos(lc, lg))
-            for s in slots:
-                pos[s] += 1
-    greedy = gpu.decode_argmax(list(range(8)), [1] * 8, pos[:8])
-    ref = cpu.decode(list(range(8)), [1] * 8, pos[:8])
-    st = gpu.stats()
-    gpu.close()
-    cos = np.concatenate([np.ravel(c) for c in cos])
-    print(f"qwen3moe {name}: prompt families {families}, {cos.size} rows, cos min {cos.min():.7f}; "
-          f"graphs {st['graph_status']}")
-    _assert_parity(f"qwen3moe-{name}", cos, COS_MIN)
-    assert st["graph_status"], "no decode step was captured"
-    # the greedy step's tokens (argmax on the device) are the oracle's, save at its near-ties
-    top2 = np.sort(ref, axis=1)[:, -2:]
-    same = greedy == np.argmax(ref, axis=1)
-    assert np.all(same | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))
+        run.decode(list(range(rows)), n_steps)
+    run.finish_greedy("qwen3moe", name)

@@ -14,13 +14,14 @@ module is skipped without it). The random model's output is held by a grammar to
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
 import pytest
 
-from support.gptoss_model import gptoss_head, write_gptoss_model
-from support.server import start_server
+from support.gptoss_model import write_gptoss_model
+from support.server import guided_chat, tiny_model_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -35,27 +36,12 @@ TOOLS = [{"type": "function", "function": {"name": "set_mode", "description": "S
     "type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}}, "required": ["mode"]}}}]
 
 
+chat = functools.partial(guided_chat, model=MODEL, messages=USER)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if gptoss_head() is None:
-        pytest.skip("shared/models/gptoss20.head.gz is not here")
-    path = write_gptoss_model(tmp_path_factory.mktemp("gptoss") / "gptoss.gguf")
-    s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_MAX_NUM_SEQS": "2"})
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
-def chat(client, grammar, **kw):
-    kw.setdefault("max_tokens", 80)
-    extra = {"guided_grammar": grammar, **kw.pop("extra_body", {})}
-    return client.chat.completions.create(model=MODEL, messages=kw.pop("messages", USER), temperature=0,
-                                          extra_body=extra, **kw)
+    yield from tiny_model_server(tmp_path_factory, "gptoss20", write_gptoss_model, MODEL)
 
 
 def test_analysis_is_reasoning_and_final_is_content(client):

@@ -15,11 +15,13 @@ Parsing the real tokenizer's token streams: tests/serving/test_qwen36_thinking.p
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import pytest
 
-from support.qwen35_model import qwen36_head, write_qwen35_model
-from support.server import start_server
+from support.qwen35_model import write_qwen35_model
+from support.server import guided_chat, tiny_model_server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -31,26 +33,12 @@ ANSWER_ONLY = "start: /[a-z]{3,6}( [a-z]{3,6}){2,4}/"
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
 
 
+chat = functools.partial(guided_chat, model=MODEL, messages=USER)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if qwen36_head() is None:
-        pytest.skip("shared/models/qwen36.head.gz is not here")
-    path = write_qwen35_model(tmp_path_factory.mktemp("qwen35") / "qwen35.gguf")
-    s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": MODEL, "REALIZAR_BACKEND": "cpu",
-                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_MAX_NUM_SEQS": "2"})
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
-def chat(client, grammar, **kw):
-    kw.setdefault("max_tokens", 80)
-    extra = {"guided_grammar": grammar, **kw.pop("extra_body", {})}
-    return client.chat.completions.create(model=MODEL, messages=USER, temperature=0, extra_body=extra, **kw)
+    yield from tiny_model_server(tmp_path_factory, "qwen36", write_qwen35_model, MODEL, REALIZAR_BACKEND="cpu")
 
 
 def rendered(server, **kw) -> str:

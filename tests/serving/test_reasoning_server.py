@@ -15,6 +15,7 @@ a grammar to a thought and then an answer, so the shapes are certain:
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -22,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from support.server import sample, start_server, wait_for
+from support.server import guided_chat, model_server, sample, start_server, wait_for
 from support.thinking_model import write_thinking_model
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -40,21 +41,10 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    s = start_server({"REALIZAR_MODEL": str(model_path), "REALIZAR_MODEL_NAME": MODEL,
-                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_MAX_NUM_SEQS": "2"})
-    yield s
-    s.stop()
+    yield from model_server(model_path, MODEL)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
-def chat(client, grammar=THINK_THEN_ANSWER, messages=USER, **kw):
-    kw.setdefault("max_tokens", 80)
-    extra = {"guided_grammar": grammar, **kw.pop("extra_body", {})} if grammar else kw.pop("extra_body", {})
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body=extra, **kw)
+chat = functools.partial(guided_chat, grammar=THINK_THEN_ANSWER, model=MODEL, messages=USER)
 
 
 def test_reasoning_content_apart_from_content(client):

@@ -21,11 +21,6 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
 def realizar_generate(prompt: str, max_tokens: int, chat: bool = False) -> str:
     """Greedy text from the CLI, a separate process with its own engine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REALIZAR_")}

@@ -34,11 +34,6 @@ def server():
     return shared_qwen_server()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
 def _pet_model():
     from pydantic import BaseModel, Field
 

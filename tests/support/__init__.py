@@ -14,9 +14,11 @@
     paging             block tables for tests that drive a backend directly
     pipeline_rows      sample rows for the pipelined-sampling tests
     flash_cases        paged-attention cases and their float64 oracle
+    parity             the GPU tests' logits cosines against the NumPy oracle, and ParityRun, their parity loop
     split16_twin       the NumPy twin of the split16 prefill GEMM
     host_emu           builds the host emulators of tests/host/ with g++ and runs their launches
     grammars           grammars too large or too slow for a request
-    server             a real `bentoml serve` process (the `server` fixture's)
+    server             a real `bentoml serve` process (the `server` fixture's; a module's own: model_server,
+                       tiny_model_server) and guided_chat, a grammar-held chat completion
     pool_child         a child process for ChildPool's tests (a child imports it as tests.support.pool_child)
 """

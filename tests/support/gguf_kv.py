@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gguf import GGUFValueType as V
+from gguf import GGUFWriter
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT
 
 _SCALAR_FMT = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
@@ -172,6 +173,37 @@ def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[KV]:
     if not head.is_file():
         head.write_bytes(gzip.decompress(head_gz.read_bytes()))
     return [kv for kv in read(head).kvs if kv.key.startswith("tokenizer.")]
+
+
+def tiny_writer(path: str | Path, head: str, arch: str, *, layers: int, context_length: int, hidden: int, ffn: int,
+                heads: int, kv_heads: int, head_dim: int):
+    """A gguf GGUFWriter for a tiny random `arch` model at path ("tiny-ARCH") that carries the tokenizer
+    and chat template of shared/models/HEAD.head.gz (FileNotFoundError where that is not there), its
+    attention shape's keys added (uint32). Returns (writer, the head's tokenizer.* keys, vocabulary size):
+    the caller adds its architecture's other keys and the tensors, then `finish(writer, kvs)`."""
+    path = Path(path)
+    src = shared_head(head)
+    if src is None:
+        raise FileNotFoundError(f"shared/models/{head}.head.gz")
+    kvs = tokenizer_kvs(src, path.parent)
+    n_vocab = len(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    for key, val in [("block_count", layers), ("context_length", context_length), ("embedding_length", hidden),
+                     ("feed_forward_length", ffn), ("attention.head_count", heads),
+                     ("attention.head_count_kv", kv_heads), ("attention.key_length", head_dim),
+                     ("attention.value_length", head_dim)]:
+        w.add_uint32(f"{arch}.{key}", val)
+    return w, kvs, n_vocab
+
+
+def finish(writer, kvs: list[KV]) -> None:
+    """tiny_writer's file written out: the tokenizer keys (after the model's own), then the tensors."""
+    add_kvs(writer, kvs)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def add_kvs(writer, kvs: list[KV]) -> None:

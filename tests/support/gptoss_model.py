@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
 
 from support import gguf_kv
 
@@ -26,20 +25,10 @@ def gptoss_head() -> Path | None:
 
 
 def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int = 0) -> Path:
-    path = Path(path)
-    src = gptoss_head()
-    if src is None:
-        raise FileNotFoundError("shared/models/gptoss20.head.gz")
-    kvs = gguf_kv.tokenizer_kvs(src, path.parent)
-    n_vocab = len(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
     a = "gpt-oss"
-    w = GGUFWriter(str(path), a)
-    w.add_name("tiny-gpt-oss")
-    for key, val in [(f"{a}.block_count", LAYERS), (f"{a}.context_length", context_length),
-                     (f"{a}.embedding_length", HIDDEN), (f"{a}.feed_forward_length", FFN),
-                     (f"{a}.attention.head_count", HEADS), (f"{a}.attention.head_count_kv", KV_HEADS),
-                     (f"{a}.attention.key_length", HEAD_DIM), (f"{a}.attention.value_length", HEAD_DIM),
-                     (f"{a}.expert_count", EXPERTS), (f"{a}.expert_used_count", USED),
+    w, kvs, n_vocab = gguf_kv.tiny_writer(path, "gptoss20", a, layers=LAYERS, context_length=context_length,
+                                          hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    for key, val in [(f"{a}.expert_count", EXPERTS), (f"{a}.expert_used_count", USED),
                      (f"{a}.expert_feed_forward_length", FFN), (f"{a}.attention.sliding_window", 8),
                      (f"{a}.rope.scaling.original_context_length", 4096)]:
         w.add_uint32(key, val)
@@ -49,7 +38,6 @@ def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int =
         w.add_float32(key, val)
     w.add_string(f"{a}.rope.scaling.type", "yarn")
     w.add_uint32("general.file_type", 0)
-    gguf_kv.add_kvs(w, kvs)
 
     rng = np.random.default_rng(seed)
 
@@ -77,8 +65,5 @@ def write_gptoss_model(path: str | Path, context_length: int = 4096, seed: int =
         t(b + "ffn_gate_exps.weight", EXPERTS, FFN, HIDDEN); t(b + "ffn_gate_exps.bias", EXPERTS, FFN)
         t(b + "ffn_up_exps.weight", EXPERTS, FFN, HIDDEN); t(b + "ffn_up_exps.bias", EXPERTS, FFN)
         t(b + "ffn_down_exps.weight", EXPERTS, HIDDEN, FFN); t(b + "ffn_down_exps.bias", EXPERTS, HIDDEN)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    gguf_kv.finish(w, kvs)
+    return Path(path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
 
 from support import gguf_kv
 
@@ -29,21 +28,11 @@ def qwen36_head(name: str = "qwen36") -> Path | None:
 
 
 def write_qwen35_model(path: str | Path, context_length: int = 4096, seed: int = 0) -> Path:
-    path = Path(path)
-    src = qwen36_head()
-    if src is None:
-        raise FileNotFoundError("shared/models/qwen36.head.gz")
-    kvs = gguf_kv.tokenizer_kvs(src, path.parent)
-    n_vocab = len(next(kv.value for kv in kvs if kv.key == "tokenizer.ggml.tokens"))
     recurrent = [(i + 1) % INTERVAL != 0 for i in range(LAYERS)]
     a = "qwen35"
-    w = GGUFWriter(str(path), a)
-    w.add_name("tiny-qwen35")
-    for key, val in [(f"{a}.block_count", LAYERS), (f"{a}.context_length", context_length),
-                     (f"{a}.embedding_length", HIDDEN), (f"{a}.feed_forward_length", FFN),
-                     (f"{a}.attention.head_count", HEADS), (f"{a}.attention.head_count_kv", KV_HEADS),
-                     (f"{a}.attention.key_length", HEAD_DIM), (f"{a}.attention.value_length", HEAD_DIM),
-                     (f"{a}.ssm.conv_kernel", CONV), (f"{a}.ssm.state_size", SSM_DIM),
+    w, kvs, n_vocab = gguf_kv.tiny_writer(path, "qwen36", a, layers=LAYERS, context_length=context_length,
+                                          hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    for key, val in [(f"{a}.ssm.conv_kernel", CONV), (f"{a}.ssm.state_size", SSM_DIM),
                      (f"{a}.ssm.group_count", K_HEADS), (f"{a}.ssm.time_step_rank", V_HEADS),
                      (f"{a}.ssm.inner_size", V_HEADS * SSM_DIM), (f"{a}.full_attention_interval", INTERVAL),
                      (f"{a}.rope.dimension_count", ROPE_DIM), ("general.file_type", 1)]:
@@ -52,7 +41,6 @@ def write_qwen35_model(path: str | Path, context_length: int = 4096, seed: int =
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_array(f"{a}.rope.dimension_sections", [11, 11, 10, 0])
     w.add_array(f"{a}.attention.recurrent_layers", recurrent)
-    gguf_kv.add_kvs(w, kvs)
 
     rng = np.random.default_rng(seed)
 
@@ -91,8 +79,5 @@ def write_qwen35_model(path: str | Path, context_length: int = 4096, seed: int =
             t(b + "attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN)
             t(b + "attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
             t(b + "attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    gguf_kv.finish(w, kvs)
+    return Path(path)

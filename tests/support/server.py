@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +191,39 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log_tail()}")
 
 
+def model_server(path: str | Path, name: str, **env: str) -> Iterator[Server]:
+    """For a module's own `server` fixture (`yield from model_server(path, name)`): a server of the
+    model file at `path`, served as `name`, with a context of 4096 tokens and two sequences at once
+    (env: other settings), stopped after the module."""
+    s = start_server({"REALIZAR_MODEL": str(path), "REALIZAR_MODEL_NAME": name,
+                      "REALIZAR_CONTEXT_LENGTH": "4096", "REALIZAR_MAX_NUM_SEQS": "2", **env})
+    yield s
+    s.stop()
+
+
+def tiny_model_server(tmp_path_factory, head: str, write, name: str, **env: str) -> Iterator[Server]:
+    """model_server of the tiny random model that `write(path)` makes with the real tokenizer of
+    shared/models/HEAD.head.gz (tests/support/gptoss_model.py, qwen35_model.py); the module is
+    skipped where that head is not here."""
+    import pytest
+    from support.gguf_kv import shared_head
+    if shared_head(head) is None:
+        pytest.skip(f"shared/models/{head}.head.gz is not here")
+    yield from model_server(write(tmp_path_factory.mktemp(head) / f"{head}.gguf"), name, **env)
+
+
+def guided_chat(client, grammar: str | None, *, model: str, messages: list, **kw):
+    """A chat completion through the `openai` client at temperature 0 (max_tokens 80 unless given),
+    its output held by the Lark `grammar` (guided_grammar, beside any other extra_body; None: not
+    held). A module binds its model and messages: `chat = functools.partial(guided_chat, model=MODEL,
+    messages=USER)`."""
+    kw.setdefault("max_tokens", 80)
+    extra = kw.pop("extra_body", {})
+    if grammar:
+        extra = {"guided_grammar": grammar, **extra}
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, extra_body=extra, **kw)
+
+
 def _limit_files(n: int) -> None:
     import resource
     resource.setrlimit(resource.RLIMIT_NOFILE, (n, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -254,6 +288,52 @@ def sample(metrics: dict, name: str, **labels) -> float:
     server's workers, unless `worker=` names one."""
     want = set(labels.items())
     return sum(v for (n, key), v in metrics.items() if n == name and want <= set(key))
+
+
+SMOL_MODEL = "SmolLM2-135M-Instruct"           # the default model's served name
+
+
+def count_to(server, i: int, model: str = SMOL_MODEL) -> dict:
+    """A greedy completion of "Count to I:" (8 tokens at most), answered 200; its usage."""
+    r = httpx.post(server.url + "/v1/completions", headers=server.auth,
+                   json={"model": model, "prompt": f"Count to {i}:", "max_tokens": 8, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+@dataclass
+class MetricsDelta:
+    """Two Server.metrics() scrapes; called as delta(name, **labels): how much `name` grew between
+    them (summed as `sample` sums)."""
+    before: dict
+    after: dict
+
+    def __call__(self, name: str, **labels) -> float:
+        return sample(self.after, name, **labels) - sample(self.before, name, **labels)
+
+    def finished_by_engine(self, engines=("1", "2")) -> list[float]:
+        """The requests each engine finished (their length or a stop) between the scrapes."""
+        return [sum(self("realizar_requests_total", engine=e, finish_reason=r) for r in ("length", "stop"))
+                for e in engines]
+
+
+def counted_burst(server, n: int, settle_s: float = 0.0) -> tuple[list[dict], MetricsDelta]:
+    """n count_to requests, six at a time, between two scrapes of /metrics (the second once none
+    runs, and settle_s later); asserts that the engines' events and reports add up to exactly what
+    was served (requests finished, tokens generated, prompt tokens). Returns (usages, delta)."""
+    import concurrent.futures as cf
+    before = server.metrics()
+    with cf.ThreadPoolExecutor(6) as pool:
+        usages = list(pool.map(lambda i: count_to(server, i), range(n)))
+    assert wait_for(lambda: sample(server.metrics(), "realizar_requests_running") == 0, 10)
+    time.sleep(settle_s)
+    delta = MetricsDelta(before, server.metrics())
+    assert delta("realizar_requests_total", finish_reason="length") + delta(
+        "realizar_requests_total", finish_reason="stop") == len(usages)
+    assert delta("realizar_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("realizar_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    return usages, delta
 
 
 class LivezProbe:

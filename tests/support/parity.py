@@ -1,0 +1,101 @@
+"""A CUDA backend's logits against the NumPy oracle's (CPUBackend) on the same model, for the GPU
+tests' whole-model parity (tests/gpu/): the rows' cosines, the bound they are held to (COS_MIN,
+assert_parity) and ParityRun, prompt and decode steps run on both backends alike."""
+
+from __future__ import annotations
+
+import numpy as np
+
+COS_MIN = 0.999
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each row's cosine between a and b, in float64."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+# The gemma270 and qwen05 twins are chaotic: their random weights make attention nearly one-hot,
+# so for some prompts a difference at float32 rounding level flips which key a head attends to
+# (gemma270: 1e-7 relative noise on the oracle's own norm outputs moves a prompt's logits to cosine
+# 0.9995; qwen05: the oracle's K/V kept in fp32 instead of fp16 moves a prompt row to 0.99997, and a
+# batch of 130 decoding rows has a row below 0.999 for most prompt draws, identically before and
+# after every kernel change). A worst-row floor there measures the prompt, not the kernels; the
+# median row does not move.
+CHAOTIC = {"gemma270", "qwen05"}
+CHAOTIC_MEDIAN = 2e-5          # bound on the median row's 1 - cos
+# any row: still far above a broken kernel's (which lands near 0): the random twin amplifies
+# rounding-level differences in a few rows of a batch
+CHAOTIC_FLOOR = 0.9
+
+
+def assert_parity(name: str, cos: np.ndarray, floor: float) -> None:
+    """Every row's logits cosine >= floor; on a chaotic twin, the median row within its bound and
+    every row above a floor that only a broken kernel breaks."""
+    cos = np.asarray(cos, np.float64).ravel()
+    if name not in CHAOTIC:
+        assert cos.min() >= floor, f"{name}: worst row cosine {cos.min():.7f} < {floor}"
+        return
+    median = float(np.median(1.0 - cos))
+    print(f"{name}: {cos.size} rows, median 1 - cos {median:.1e}, worst cos {cos.min():.6f}")
+    assert median <= CHAOTIC_MEDIAN, f"{name}: median row 1 - cos {median:.2e} > {CHAOTIC_MEDIAN:.0e}"
+    assert cos.min() >= CHAOTIC_FLOOR, f"{name}: worst row cosine {cos.min():.6f} < {CHAOTIC_FLOOR}"
+
+
+class ParityRun:
+    """Steps run on the oracle `cpu` and the `gpu` backend alike (test_model_parity's _backends over
+    one model, `slots` slots; random tokens from rng below `vocab`): every step's rows' cosines
+    (`cos`), each prompt step's family on the GPU (`families`), each slot's next position (`pos`)."""
+
+    def __init__(self, cpu, gpu, rng, vocab: int, slots: int):
+        self.cpu, self.gpu, self.rng, self.vocab = cpu, gpu, rng, vocab
+        self.cos: list[np.ndarray] = []
+        self.families: list = []
+        self.pos = [0] * slots
+
+    def prompt(self, items) -> None:
+        """One prompt step of these PrefillItems."""
+        self.families.append(self.gpu.fwd.prompt_step(sum(len(it.tokens) for it in items)).family)
+        self.cos.append(cosines(self.cpu.prefill(items), self.gpu.prefill(items)))
+        for it in items:
+            self.pos[it.slot] = it.start_pos + len(it.tokens)
+
+    def decode(self, slots: list[int], n_steps: int) -> None:
+        """n_steps decode steps of these slots, each fed random tokens."""
+        pos = self.pos
+        for _ in range(n_steps):
+            tok = [int(t) for t in self.rng.integers(0, self.vocab, len(slots))]
+            lc = self.cpu.decode(slots, tok, [pos[s] for s in slots])
+            lg = self.gpu.decode(slots, tok, [pos[s] for s in slots])
+            self.cos.append(cosines(lc, lg))
+            for s in slots:
+                pos[s] += 1
+
+    def rows(self) -> np.ndarray:
+        """Every row's cosine so far, flat."""
+        return np.concatenate([np.ravel(c) for c in self.cos])
+
+    def report(self, label: str, st: dict) -> np.ndarray:
+        """Prints the run (the prompt families, the rows, the worst cosine, the graphs in the GPU's
+        stats `st`) and returns rows()."""
+        cos = self.rows()
+        print(f"{label}: prompt families {self.families}, {cos.size} rows, cos min {cos.min():.7f}; "
+              f"graphs {st['graph_status']}")
+        return cos
+
+    def finish_greedy(self, arch: str, name: str) -> None:
+        """A greedy step of every slot (argmax on the device), the GPU backend closed, then: every row's
+        cosine >= COS_MIN (assert_parity, as ARCH-NAME), a decode step captured in a graph, and the
+        greedy step's tokens the oracle's, save at its near-ties (top two within 1e-3)."""
+        n = len(self.pos)
+        greedy = self.gpu.decode_argmax(list(range(n)), [1] * n, self.pos[:n])
+        ref = self.cpu.decode(list(range(n)), [1] * n, self.pos[:n])
+        st = self.gpu.stats()
+        self.gpu.close()
+        cos = self.report(f"{arch} {name}", st)
+        assert_parity(f"{arch}-{name}", cos, COS_MIN)
+        assert st["graph_status"], "no decode step was captured"
+        # the greedy step's tokens (argmax on the device) are the oracle's, save at its near-ties
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        same = greedy == np.argmax(ref, axis=1)
+        assert np.all(same | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))
