@@ -116,7 +116,7 @@ class Settings:
     # the CUDA backend's prompt steps (and decode steps of 64+ rows) multiply fp16 halves of the
     # dequantized weights; it keeps them on the device from start-up (4 bytes a weight) instead of
     # dequantizing and splitting them in every such step: "on", "off", or "auto" (on when they take
-    # at most a quarter of the device memory free at start)
+    # at most half the device memory free at start; the KV pool keeps the other half)
     prefill_weight_cache: str = "auto"
     self_check: bool = True            # run kernel self-check at CUDA start-up
     # load the kernel modules shipped compiled for this GPU (kernels/cubin, tools/build_kernels.py)

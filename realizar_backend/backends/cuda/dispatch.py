@@ -64,6 +64,12 @@ GEMM_ROW_STEP = 64
 # row: the GEMMs of so few rows are bound by reading the split weights, which the pairs read once
 # instead of 1.5 times; past it the GEMMs turn compute-bound and the pairs' extra products cost more.
 SPLIT16_PAIRED_MAX_ROWS = 128
+# The split16 weights (4 bytes a weight) are kept from start-up (`prefill_weight_cache=auto`) when they
+# take at most this share of the device memory free before the KV pool is sized: the KV pool keeps
+# the other half. Kept, a 64-row decode step reads them once at GEMM speed instead of re-reading the
+# quantized blocks per mmq tile, and prompts skip a dequantize per GEMM; a 7-8B model's (28-32 GB)
+# fit beside its KV pool on an 80 GB GPU, a 32B model's do not.
+SPLIT16_KEEP_FREE_SHARE = 0.5
 
 # The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
 # (MOE_PAIRS): each (row, expert) pair reads its expert's rows through the id the router wrote on the

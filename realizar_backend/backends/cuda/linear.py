@@ -19,7 +19,7 @@ import cupy
 from ...errors import BackendError
 from ...model.config import ModelConfig
 from . import ops, split16
-from .dispatch import Choice, Dispatcher, Kernel
+from .dispatch import SPLIT16_KEEP_FREE_SHARE, Choice, Dispatcher, Kernel
 from .mmq import MmqPrep, MmqScratch, mmq, mmq_ffn, prep
 from .modules import Kernels
 from .ops import WeightRef
@@ -224,7 +224,7 @@ class Split16Linear(Family):
         sizes = [sum(w.rows for w in g) * g[0].cols for g in groups]
         total = 4 * sum(sizes)                   # two fp16 halves per weight: one float32's bytes
         free = cupy.cuda.runtime.memGetInfo()[0]
-        if weight_cache == "on" or (weight_cache == "auto" and total <= free // 4):
+        if weight_cache == "on" or (weight_cache == "auto" and total <= free * SPLIT16_KEEP_FREE_SHARE):
             try:
                 for g in groups:
                     buf = cupy.empty(sum(w.rows for w in g) * g[0].cols, cupy.float32)
