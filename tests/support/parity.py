@@ -16,12 +16,13 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # The gemma270 and qwen05 twins are chaotic: their random weights make attention nearly one-hot,
-# so for some prompts a difference at float32 rounding level flips which key a head attends to
-# (gemma270: 1e-7 relative noise on the oracle's own norm outputs moves a prompt's logits to cosine
-# 0.9995; qwen05: the oracle's K/V kept in fp32 instead of fp16 moves a prompt row to 0.99997, and a
-# batch of 130 decoding rows has a row below 0.999 for most prompt draws, identically before and
-# after every kernel change). A worst-row floor there measures the prompt, not the kernels; the
-# median row does not move.
+# so for some prompts a difference at float32 rounding level flips which key a head attends to, and
+# a batch of 130 decoding rows has a row below 0.999 for most prompt draws, identically before and
+# after every kernel change. A worst-row floor there measures the prompt, not the kernels. Their
+# median row is held to CHAOTIC_MEDIAN, or, on a prompt that moves the oracle itself more, to the
+# oracle's own median when it keeps K/V in fp32 instead of fp16 (`sensitivity`): how far rounding
+# alone takes that prompt. (gemma270, one such prompt: the GPU's median 3.5e-5, the oracle's own
+# 2.7e-4; over the other draws the GPU stays under both bounds.)
 CHAOTIC = {"gemma270", "qwen05"}
 CHAOTIC_MEDIAN = 2e-5          # bound on the median row's 1 - cos
 # any row: still far above a broken kernel's (which lands near 0): the random twin amplifies
@@ -29,16 +30,21 @@ CHAOTIC_MEDIAN = 2e-5          # bound on the median row's 1 - cos
 CHAOTIC_FLOOR = 0.9
 
 
-def assert_parity(name: str, cos: np.ndarray, floor: float) -> None:
-    """Every row's logits cosine >= floor; on a chaotic twin, the median row within its bound and
-    every row above a floor that only a broken kernel breaks."""
+def assert_parity(name: str, cos: np.ndarray, floor: float, sensitivity: np.ndarray | None = None) -> None:
+    """Every row's logits cosine >= floor; on a chaotic twin, the median row within its bound (the
+    larger of CHAOTIC_MEDIAN and the median row's 1 - cos of `sensitivity`, the oracle's rows
+    against its own with K/V in fp32, where given) and every row above a floor that only a broken
+    kernel breaks."""
     cos = np.asarray(cos, np.float64).ravel()
     if name not in CHAOTIC:
         assert cos.min() >= floor, f"{name}: worst row cosine {cos.min():.7f} < {floor}"
         return
     median = float(np.median(1.0 - cos))
-    print(f"{name}: {cos.size} rows, median 1 - cos {median:.1e}, worst cos {cos.min():.6f}")
-    assert median <= CHAOTIC_MEDIAN, f"{name}: median row 1 - cos {median:.2e} > {CHAOTIC_MEDIAN:.0e}"
+    own = float(np.median(1.0 - np.asarray(sensitivity, np.float64))) if sensitivity is not None else 0.0
+    bound = max(CHAOTIC_MEDIAN, own)
+    print(f"{name}: {cos.size} rows, median 1 - cos {median:.1e} (the oracle's own, K/V in fp32: {own:.1e}), "
+          f"worst cos {cos.min():.6f}")
+    assert median <= bound, f"{name}: median row 1 - cos {median:.2e} > {bound:.1e}"
     assert cos.min() >= CHAOTIC_FLOOR, f"{name}: worst row cosine {cos.min():.6f} < {CHAOTIC_FLOOR}"
 
 
