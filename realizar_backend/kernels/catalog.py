@@ -66,6 +66,12 @@ MMV8_MINB = 2
 # registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
 MMV8_R = {1: 2, 2: 1}
 MMV8_UNROLL = {1: 1, 2: 2}
+# dynamic shared memory of an mmv8.cu launch: the row's int8 values, then (d, d * sum q) per 32
+MMV8_SMEM_MAX = 100 * 1024
+
+
+def mmv8_smem(K: int) -> int:
+    return K + 8 * (K // 32)
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
