@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_WARPS, MMVF_HEAD_R, MMVF_WARPS, mmv8_smem
+from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R, MMVF_WARPS, mmv8_smem
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
@@ -159,6 +159,8 @@ def _mmv8_launch(k: Kernels, fn, kind: int, rows: int, K: int, nb: int) -> tuple
     """Grid, warps per row and dynamic shared memory of an mmv8.cu launch (kind 1 mmv8, 2 ffn8)
     over `rows` rows in total: one resident wave, a block column per activation row."""
     smem = mmv8_smem(K)
+    if smem > MMV8_SMEM_MAX:
+        raise ValueError(f"mmv8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
     groups = -(-rows // MMV8_R[kind])
     blocks = _max_grid(k, fn, smem, MMV8_WARPS)
     wpr = mmv8_wpr(K, groups, blocks)
