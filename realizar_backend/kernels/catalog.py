@@ -66,6 +66,10 @@ MMV8_MINB = 2
 # registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
 MMV8_R = {1: 2, 2: 1}
 MMV8_UNROLL = {1: 1, 2: 2}
+# float4 loads a thread has in flight while quantizing the input row (-DMMV8_STAGE_UNROLL), one memory
+# latency per trip of 512 x this many: 8 for mmv8 (a down projection's 18944-27648 values in 2-4
+# trips), 4 for ffn8 (its input, the hidden row, in one trip up to 8192 values; 8 spills there)
+MMV8_STAGE_UNROLL = {1: 8, 2: 4}
 # dynamic shared memory of an mmv8.cu launch: the row's int8 values, then (d, d * sum q) per 32
 MMV8_SMEM_MAX = 100 * 1024
 
@@ -133,7 +137,8 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
 def mmv8_options(kind: int) -> tuple[str, ...]:
     """The options of mmv8.cu's module of kind 1 (mmv8_nb1) or 2 (ffn8_nb1)."""
     return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
-            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}")
+            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}",
+            f"-DMMV8_STAGE_UNROLL={MMV8_STAGE_UNROLL[kind]}")
 
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:

@@ -37,7 +37,7 @@
 #define MMV8_UNROLL 2      // units in flight per row and lane: one memory latency covers both
 #endif
 #ifndef MMV8_STAGE_UNROLL
-#define MMV8_STAGE_UNROLL 8   // float4 loads in flight per thread while quantizing the input
+#define MMV8_STAGE_UNROLL 8   // float4 loads in flight per thread while quantizing the input (catalog.py)
 #endif
 constexpr int kMmv8Unroll = MMV8_UNROLL;
 
