@@ -130,9 +130,14 @@ __device__ __forceinline__ float mmv8_dot(const QUnit& w, int4 a, int4 c, float2
     return w.A * ds.x * (float)(w.s0 * lo + w.s1 * hi) + w.C * ds.y;
 }
 
+// rows of a group whose units a lane loads together: all MMV8_R, but Q5_K's unit (four 16-byte loads
+// and its fifth bits) takes so many registers that two rows of them spill at 64: one row at a time
+__host__ __device__ constexpr int mmv8_flight(int qt) { return qt == QT_Q5_K ? 1 : MMV8_R; }
+
 // partial sums of rows r0 .. r0+R-1 (clamped to rlast: rows past the end repeat the last one and
-// are never stored) of M matrices over units u0, u0 + ustep, ... . All the units' weight loads of a
-// trip are issued before the first shared-memory read, so MMV8_R x M x MMV8_UNROLL of them are in flight.
+// are never stored) of M matrices over units u0, u0 + ustep, ... . The units' weight loads of a trip
+// (mmv8_flight rows of them) are issued before the first shared-memory read, so that many x M x
+// MMV8_UNROLL are in flight.
 template <int QT, int M>
 __device__ __forceinline__ void mmv8_rows(const u8* const (&W)[M], long long rb, int r0, int rlast, int nu, int u0,
                                           int ustep, const u8* sm, float (&acc)[M][MMV8_R]) {
@@ -144,17 +149,26 @@ __device__ __forceinline__ void mmv8_rows(const u8* const (&W)[M], long long rb,
     const float2* ds = (const float2*)(sm + 32 * nu);
 #pragma unroll kMmv8Unroll
     for (int u = u0; u < nu; u += ustep) {
-        QUnit w[M][MMV8_R];
+        constexpr int F = mmv8_flight(QT);
+        int4 a, c;
+        float2 d;
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+        for (int i0 = 0; i0 < MMV8_R; i0 += F) {
+            QUnit w[M][F];
 #pragma unroll
-            for (int i = 0; i < MMV8_R; ++i) load_qunit<QT>(rows[m][i], u, nu, w[m][i]);
-        int4 a = *(const int4*)(sm + 32 * u + mmv8_half(u, 0)), c = *(const int4*)(sm + 32 * u + mmv8_half(u, 1));
-        float2 d = ds[u];
+            for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+                for (int i = 0; i < F; ++i) load_qunit<QT>(rows[m][i0 + i], u, nu, w[m][i]);
+            if (i0 == 0) {
+                a = *(const int4*)(sm + 32 * u + mmv8_half(u, 0));
+                c = *(const int4*)(sm + 32 * u + mmv8_half(u, 1));
+                d = ds[u];
+            }
 #pragma unroll
-            for (int i = 0; i < MMV8_R; ++i) acc[m][i] += mmv8_dot(w[m][i], a, c, d);
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int i = 0; i < F; ++i) acc[m][i0 + i] += mmv8_dot(w[m][i], a, c, d);
+        }
     }
 }
 
