@@ -58,10 +58,12 @@ VARIANTS = {
     "W8": {"MMVF_WARPS": 8},
 }
 # defines over catalog.mmv8_options (--mmv8): blocks of 8 warps, 4 an SM (the same 50% occupancy, twice
-# the input quantizations); 3 blocks of 16 (75%: 42 registers); more units in flight
+# the input quantizations), one of 32 (half of them); 3 blocks of 16 (75%: 42 registers); more units
+# in flight
 MMV8_VARIANTS = {
     "base": {},
     "W8M4": {"MMV8_WARPS": 8, "MMV8_MINB": 4},
+    "W32M1": {"MMV8_WARPS": 32, "MMV8_MINB": 1},
     "M3": {"MMV8_MINB": 3},
     "U2": {"MMV8_UNROLL": 2},
     "R1U4": {"MMV8_R": 1, "MMV8_UNROLL": 4},
