@@ -10,7 +10,9 @@
 // in flight. Here a row takes 1.25 K bytes (8 bits a value + 8 bytes a unit), a unit's activations
 // 10 registers (two 16-byte and one 8-byte shared load) and 8 dp4a, so __launch_bounds__(MMV8_WARPS
 // * 32, MMV8_MINB) holds the registers to 64 and the blocks to half the SM's warps (50% occupancy),
-// every warp with MMV8_R x MMV8_UNROLL weight units (16-byte loads) in flight.
+// every warp with MMV8_R x MMV8_UNROLL weight units (16-byte loads) in flight. The longest rows (the
+// 32B down projection, K = 27648: 35 KB) stage too, so K is never split across blocks (no partial
+// sums through global memory to add in a fixed order).
 //
 // A warp owns MMV8_R consecutive rows (of every matrix of the launch: ffn8's gate and up) and its
 // lanes stride over 32-weight units; `wpr` warps share one row group for long rows, each a strided
@@ -21,7 +23,7 @@
 // RMSNorm folded in (nw != 0): x / rms(x) * nw before the quantization. Argmax folded in (amax != 0,
 // mmvf.cu's rule: an order-keeping 64-bit key per output, one atomicMax per block).
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, 1.25 K bytes of
-// dynamic shared memory (ops.mmv8_smem).
+// dynamic shared memory (catalog.mmv8_smem). The defines' values: catalog.mmv8_options.
 #include "common.cuh"
 
 #ifndef MMV8_WARPS
@@ -34,7 +36,7 @@
 #define MMV8_MINB 2        // blocks per SM the registers must allow: 2 x 16 warps = 32 warps, 64 registers
 #endif
 #ifndef MMV8_UNROLL
-#define MMV8_UNROLL 2      // units in flight per row and lane: one memory latency covers both
+#define MMV8_UNROLL 1      // loop trips a lane's loads are issued for at once (one memory latency)
 #endif
 #ifndef MMV8_STAGE_UNROLL
 #define MMV8_STAGE_UNROLL 8   // float4 loads in flight per thread while quantizing the input (catalog.py)
