@@ -31,7 +31,7 @@ Q8_NORM_TOL = 2e-4
 
 def paths(cases, types=lambda c: [c[0]]):
     """(path, case) for mmvf.cu, and for mmv8.cu where it takes every type of the case."""
-    return [pytest.param(p, c, id=f"{p}-{_id(c) if isinstance(c, tuple) and isinstance(c[0], Q) else c}")
+    return [pytest.param(p, c, id=f"{p}-{_id(c) if isinstance(c, tuple) else c.name}")
             for c in cases for p in ("mmvf", "mmv8") if p == "mmvf" or set(types(c)) <= MMV8_KERNEL_TYPES]
 
 
