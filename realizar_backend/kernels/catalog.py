@@ -55,6 +55,27 @@ FFNF_R = {1: 1}
 # by compiler) leaves 1-2 blocks of 8 warps an SM; 3 hide more of that latency on the 7B-32B shapes
 # (4 spill). Not the 4-row module (the LM head, unstaged rows), whose extra rows need the registers.
 MMVF_MINB = {1: 3}
+# mmv8.cu (one-row GEMVs on 8-bit activations, dp4a): warps a block and blocks an SM its registers
+# must allow (-DMMV8_WARPS, -DMMV8_MINB): 2 x 16 warps hold half the SM's 64 warps at 64 registers a
+# thread (65536 / (2 x 512)); each block quantizes the whole input row, so 2 larger blocks an SM
+# quantize it half as often as 4 blocks of 8 warps would
+MMV8_WARPS = 16
+MMV8_MINB = 2
+# rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane loads per loop trip
+# (-DMMV8_UNROLL): R x M x UNROLL decoded units (12 registers each) live at once, within the 64
+# registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
+MMV8_R = {1: 2, 2: 1}
+MMV8_UNROLL = {1: 1, 2: 2}
+# float4 loads a thread has in flight while quantizing the input row (-DMMV8_STAGE_UNROLL), one memory
+# latency per trip of 512 x this many: 8 for mmv8 (a down projection's 18944-27648 values in 2-4
+# trips), 4 for ffn8 (its input, the hidden row, in one trip up to 8192 values; 8 spills there)
+MMV8_STAGE_UNROLL = {1: 8, 2: 4}
+# dynamic shared memory of an mmv8.cu launch: the row's int8 values, then (d, d * sum q) per 32
+MMV8_SMEM_MAX = 100 * 1024
+
+
+def mmv8_smem(K: int) -> int:
+    return K + 8 * (K // 32)
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -66,12 +87,12 @@ ARCHS = ("sm_80", "sm_90")
 NVRTC_IMPLIED = ("-ftz=true",)
 
 _GENERAL = ("-DREALIZAR_QMASK=", "-DATT_HEAD_DIM=")
-# Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu) and of a
-# few (mmqs.cu). Compiled for every type, their kernels switch over every decoder, and a decode
+# Files whose quant mask is never generalised away: the decode GEMVs of one row (mmvf.cu, mmv8.cu)
+# and of a few (mmqs.cu). Compiled for every type, their kernels switch over every decoder, and a decode
 # step of one row runs markedly slower than on a module built for the model's own types. A model
 # whose mask ships no module of these compiles it with NVRTC (once: CuPy caches it on disk) rather
 # than take the general one.
-QMASK_EXACT = frozenset({"mmvf.cu", "mmqs.cu"})
+QMASK_EXACT = frozenset({"mmvf.cu", "mmv8.cu", "mmqs.cu"})
 # quant masks shipped prebuilt for the QMASK_EXACT files: the matrix types of common GGUF files
 # (Q4_K_M: Q4_K + Q6_K; Q4_K_M with Q5_0 / Q8_0 tensors, as Qwen2.5-0.5B and Gemma 3 270M; Q4_1 +
 # Q8_0, as SmolLM2-135M; Q5_K_M: Q5_K + Q6_K), as GGML type numbers
@@ -113,6 +134,13 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
     return opts + (f"-DMMVF_R={FFNF_R[nb]}",) if kind == 2 and nb in FFNF_R else opts
 
 
+def mmv8_options(kind: int) -> tuple[str, ...]:
+    """The options of mmv8.cu's module of kind 1 (mmv8_nb1) or 2 (ffn8_nb1)."""
+    return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
+            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}",
+            f"-DMMV8_STAGE_UNROLL={MMV8_STAGE_UNROLL[kind]}")
+
+
 def variants() -> list[tuple[str, tuple[str, ...]]]:
     """(file, options beyond base_options) of every prebuilt module, for one arch."""
     out = [("mmvf.cu", mmvf_options(nb, kind)) for nb in MMV_NB for kind in (1, 2)]
@@ -120,6 +148,8 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
             for m in PREBUILT_QMASKS for nb in MMV_NB for kind in (1, 2)]
     out += [("mmvf.cu", mask + mmvf_options(1, 1, head=True))
             for mask in [()] + [(qmask_option(m),) for m in PREBUILT_QMASKS]]
+    out += [("mmv8.cu", mask + mmv8_options(kind))
+            for mask in [()] + [(qmask_option(m),) for m in PREBUILT_QMASKS] for kind in (1, 2)]
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from realizar_backend.backends.cuda.dispatch import MMV8_KERNEL_TYPES
 from realizar_backend.backends.cuda.matrices import QTYPES
 
 pytestmark = pytest.mark.gpu
@@ -38,6 +39,23 @@ def test_gemv(kernels, rng, case, nb):
     err = check_gemv(kernels, q, n, k, nb, rng)
     print(f"gemv {q.name} {n}x{k} batch {nb}: rel.err {err:.2e}")
     assert err <= TOL
+
+
+QUANT_CASES = [c for c in CASES if c[0] not in FLOATS]
+
+
+@pytest.mark.parametrize("path,case", [pytest.param(p, c, id=f"{p}-{_id(c)}") for c in QUANT_CASES
+                                       for p in ("mmvf", "mmv8") if p == "mmvf" or c[0] in MMV8_KERNEL_TYPES])
+@pytest.mark.parametrize("nb", [1, 3])
+def test_quantized_gemv_paths(kernels, rng, path, case, nb):
+    """The quantized types on each GEMV the dispatcher may pick for them: mmvf.cu (fp32 activations),
+    and mmv8.cu (8-bit activations: against the twin of its quantized input) for the types it takes
+    (tests/gpu/test_kernels_f32.py covers both over more launch shapes)."""
+    from realizar_backend.backends.cuda.selfcheck import check_mmvf
+    q, n, k = case
+    err = check_mmvf(kernels, [(q, n)], k, nb, rng, bias=True, q8=path == "mmv8")
+    print(f"{path} {q.name} {n}x{k} batch {nb}: rel.err {err:.2e}")
+    assert err <= 2e-5
 
 
 @pytest.mark.parametrize("q", FLOATS, ids=lambda q: q.name)

@@ -297,3 +297,38 @@ def test_the_gpu_loader_refuses_partial_blocks_and_wrong_sizes():
     assert check_matrix("m.gguf", "blk.0.ffn_up_exps.weight", Q.MXFP4, (32, 2880, 2880), 32 * 2880 * 90 * 17)
     with pytest.raises(UnsupportedModelError, match="tensor w: 100 bytes for shape"):
         check_matrix("m.gguf", "w", Q.Q3_K, (4, 256), 100)
+
+
+def test_one_row_gemvs_stay_on_mmvf_until_the_table_names_mmv8_types():
+    """MMV8_TYPES is empty until timed on a GPU: every one-row GEMV is mmvf.cu's."""
+    assert d.MMV8_TYPES == frozenset() and d.MMV8_TYPES <= d.MMV8_KERNEL_TYPES
+    groups, head = dense(Q4_K_M)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    step = disp.decode_step(1)
+    for kind, g in groups:
+        choice = disp.gated(step, *g) if kind == "gated" else disp.linear(step, g)
+        assert set(choice.kernels) == {Kernel.MMVF}
+
+
+def test_mmv8_types_take_the_one_row_gemvs_only(monkeypatch):
+    """With Q4_K and Q6_K in MMV8_TYPES (Qwen2.5-7B Q4_K_M's shapes): one-row steps multiply every
+    group on mmv8.cu, a group of mixed types (Q/K Q4_K, V Q6_K) in one launch, gate and up fused; two
+    rows, an I-quant (no mmv8 kernel), a row too long for its shared memory and the LM head (its
+    argmax fold) stay on mmvf.cu."""
+    monkeypatch.setattr(d, "MMV8_TYPES", frozenset({Q.Q4_K, Q.Q6_K}))
+    groups, head = dense(Q4_K_M, hidden=3584, q_dim=3584, kv_dim=512, ffn=18944, vocab=152064)
+    disp = Dispatcher(groups, head, split16_kept=False)
+    one, two = disp.decode_step(1), disp.decode_step(2)
+    for kind, g in groups:
+        c1 = disp.gated(one, *g) if kind == "gated" else disp.linear(one, g)
+        c2 = disp.gated(two, *g) if kind == "gated" else disp.linear(two, g)
+        assert c1.kernel is Kernel.MMV8 and c1.fused == (kind == "gated")
+        assert c2.kernel is Kernel.MMVF
+    assert disp.head(1) is Kernel.MMVF
+    iq = mat(Q.IQ4_XS, 64, 3584)
+    monkeypatch.setattr(d, "MMV8_TYPES", frozenset({Q.Q4_K, Q.IQ4_XS}))
+    assert disp.linear(one, (iq,)).kernels == (Kernel.MMVF,)
+    assert disp.linear(one, (mat(Q.Q4_K, 64, 3584), iq)).kernels == (Kernel.MMV8, Kernel.MMVF)
+    longest = 100 * 1024 * 4 // 5                      # K + K / 4 bytes of shared memory: 100 KB
+    assert disp.linear(one, (mat(Q.Q4_K, 64, longest),)).kernels == (Kernel.MMV8,)
+    assert disp.linear(one, (mat(Q.Q4_K, 64, longest + 256),)).kernels == (Kernel.MMVF,)

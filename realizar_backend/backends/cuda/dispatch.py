@@ -4,7 +4,8 @@ of a GPU step.
 A step runs its projections in one of three families, chosen from its rows (`decode_step`,
 `prompt_step`):
 - "gemv": GEMVs, several activation rows per launch, each weight read once per 8 rows: MMVF
-  (mmvf.cu, quantized blocks, fp32 activations, the RMSNorm before a projection folded into it)
+  (mmvf.cu, quantized blocks, fp32 activations, the RMSNorm before a projection folded into it),
+  MMV8 (mmv8.cu, one-row steps of the MMV8_TYPES: the input quantized to 8 bits in the launch)
   or GEMV (gemv.cu, float matrices);
 - "mmq": tensor-core matrix multiplies on the quantized blocks (a prep launch turns the input rows
   into row-scaled fp16 halves): MMQS (mmqs.cu, 16-row weight tiles, weights straight into the mma
@@ -28,6 +29,7 @@ from typing import Sequence
 
 from gguf import GGMLQuantizationType as Q
 
+from ...kernels.catalog import MMV8_SMEM_MAX, mmv8_smem
 from .matrices import QTYPES, WeightRef
 
 # ---------------------------------------------------------------- the table
@@ -71,6 +73,14 @@ SPLIT16_PAIRED_MAX_ROWS = 128
 # fit beside its KV pool on an 80 GB GPU, a 32B model's do not.
 SPLIT16_KEEP_FREE_SHARE = 0.5
 
+# One-row GEMV steps multiply the matrices of these quant types on mmv8.cu (the input quantized to
+# 8 bits per 32 values in the launch, dp4a, 2 blocks of 16 warps an SM: half the SM's warps where
+# mmvf.cu's staged fp32 rows leave a quarter) instead of mmvf.cu; a group of matrices shares one
+# launch when all of its types are here. Empty, so mmvf.cu stays every type's kernel, until timed on
+# a GPU (`benchmarks/mmvf_sweep.py --mmv8`); the types it can take are MMV8_KERNEL_TYPES. The 8-bit
+# input costs accuracy as llama.cpp's mmvq does (a relative error of ~1/254 per activation).
+MMV8_TYPES: frozenset = frozenset()
+
 # The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
 # (MOE_PAIRS): each (row, expert) pair reads its expert's rows through the id the router wrote on the
 # device, so a step's launches do not depend on the routing (a decode bucket stays one graph). A
@@ -94,10 +104,12 @@ DENSE_KINDS = ("linear", "gated")
 _LOWBIT = {Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
 MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, *_LOWBIT})     # mmq.cu
 MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, *_LOWBIT})                    # mmqs.cu
+MMV8_KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})   # mmv8.cu
 
 
 class Kernel(enum.Enum):
     MMVF = "mmvf"
+    MMV8 = "mmv8"
     GEMV = "gemv"
     MMQS = "mmqs"
     MMQ = "mmq"
@@ -138,6 +150,11 @@ class ExpertsChoice:
 def mmvf_ok(w: WeightRef) -> bool:
     """mmvf.cu: quantized types, whole 32-weight units per row (every quantized type has them)."""
     return QTYPES[w.qtype].blocks and w.cols % 32 == 0
+
+
+def mmv8_ok(w: WeightRef) -> bool:
+    """mmv8.cu: its types, with the input row's 8-bit form within its shared memory."""
+    return w.qtype in MMV8_KERNEL_TYPES and mmvf_ok(w) and mmv8_smem(w.cols) <= MMV8_SMEM_MAX
 
 
 def mmq_ok(w: WeightRef) -> bool:
@@ -213,8 +230,13 @@ class Dispatcher:
 
     # ------------------------------------------------------------ matrices
     @staticmethod
-    def _gemv(mats: Sequence[WeightRef]) -> tuple[Kernel, ...]:
-        return tuple(Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV for w in mats)
+    def _gemv(mats: Sequence[WeightRef], rows: int = 0) -> tuple[Kernel, ...]:
+        """The GEMV of each matrix in a step of `rows` rows (MMV8_TYPES: one-row steps only)."""
+        def one(w: WeightRef) -> Kernel:
+            if rows == 1 and w.qtype in MMV8_TYPES and mmv8_ok(w):
+                return Kernel.MMV8
+            return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
+        return tuple(one(w) for w in mats)
 
     def linear(self, step: Step, mats: Sequence[WeightRef]) -> Choice:
         """The kernels of projections that share one input."""
@@ -222,7 +244,7 @@ class Dispatcher:
             return Choice((Kernel.SPLIT16,) * len(mats))
         if step.family == "mmq" and self._mmq_group("linear", mats):
             return Choice(((Kernel.MMQS if mmqs_takes(mats, step.rows) else Kernel.MMQ),) * len(mats))
-        return Choice(self._gemv(mats))
+        return Choice(self._gemv(mats, step.rows))
 
     def gated(self, step: Step, gate: WeightRef, up: WeightRef) -> Choice:
         """The kernels of act(gate) * up: fused into one launch where both share type and shape."""
@@ -231,7 +253,7 @@ class Dispatcher:
             return Choice((Kernel.SPLIT16,) * 2, True)
         if step.family == "mmq" and self._mmq_group("gated", (gate, up)):
             return Choice(((Kernel.MMQS if mmqs_takes((gate, up), step.rows) else Kernel.MMQ),) * 2, True)
-        return Choice(self._gemv((gate, up)), fused)
+        return Choice(self._gemv((gate, up), step.rows), fused)
 
     def head(self, rows: int) -> Kernel:
         """The LM head's kernel for `rows` rows (its argmax folded in wherever the kernel can)."""

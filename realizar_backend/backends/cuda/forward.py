@@ -78,8 +78,8 @@ class Forward:
                   for kind, g in dense for part in launches(g)}
         shapes.add((head.cols, (head.rows,), False))
         self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
-        self._family = {Kernel.MMVF: self.gemv, Kernel.GEMV: self.gemv, Kernel.MMQS: self.mmq,
-                        Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16,
+        self._family = {Kernel.MMVF: self.gemv, Kernel.MMV8: self.gemv, Kernel.GEMV: self.gemv,
+                        Kernel.MMQS: self.mmq, Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16,
                         Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv)}
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)

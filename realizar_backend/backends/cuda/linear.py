@@ -85,26 +85,28 @@ class GemvLinear(Family):
     def _one(self, kern: Kernel, w: WeightRef, x: cupy.ndarray, T: int, y: int, ys: int, bias: int = 0,
              accumulate: bool = False) -> None:
         """y[:T] (+)= x[:T] @ w.T (+ bias) from fp32 rows."""
-        if kern is Kernel.MMVF:
-            ops.mmvf(self.ctx.k, [(w, bias, y, ys)], w.cols, x.data.ptr, x.shape[1], T, accumulate, pdl=self.ctx.pdl)
+        if kern in (Kernel.MMVF, Kernel.MMV8):
+            ops.mmvf(self.ctx.k, [(w, bias, y, ys)], w.cols, x.data.ptr, x.shape[1], T, accumulate, pdl=self.ctx.pdl,
+                     q8=kern is Kernel.MMV8)
         else:
             ops.gemv(self.ctx.k, w, x.data.ptr, x.shape[1], y, ys, T, bias, accumulate)
 
-    def normed(self, x: cupy.ndarray, w: int, T: int):
+    def normed(self, x: cupy.ndarray, w: int, T: int, kern: Kernel = Kernel.MMVF):
         """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself
         and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
-        norm written to ws.h by its own launch."""
+        norm written to ws.h by its own launch. MMV8 launches always fold it (dispatch.mmv8_ok)."""
         c = self.ctx.c
-        if ops.mmvf_stage_ok(x.shape[1], T):
+        if kern is Kernel.MMV8 or ops.mmvf_stage_ok(x.shape[1], T):
             return x, (w, c.rms_eps)
         self.norm(x, w, self.ctx.ws.h, T)
         return self.ctx.ws.h, None
 
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
-        if choice.kernel is Kernel.MMVF:
-            xin, nrm = self.normed(x, norm, T)
+        if choice.kernel in (Kernel.MMVF, Kernel.MMV8):
+            xin, nrm = self.normed(x, norm, T, choice.kernel)
             for part in launches(segs):
-                ops.mmvf(self.ctx.k, part, segs[0][0].cols, xin.data.ptr, xin.shape[1], T, norm=nrm, pdl=self.ctx.pdl)
+                ops.mmvf(self.ctx.k, part, segs[0][0].cols, xin.data.ptr, xin.shape[1], T, norm=nrm, pdl=self.ctx.pdl,
+                         q8=choice.kernel is Kernel.MMV8)
             return
         h = self.ctx.ws.h
         self.norm(x, norm, h, T)
@@ -120,18 +122,18 @@ class GemvLinear(Family):
               T: int) -> cupy.ndarray:
         k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
         F = gate.rows
-        if choice.fused and choice.kernel is Kernel.MMVF:
-            xin, nrm = self.normed(x, norm, T)
+        if choice.fused and choice.kernel in (Kernel.MMVF, Kernel.MMV8):
+            xin, nrm = self.normed(x, norm, T, choice.kernel)
             ops.ffn_f(k, gate, up, xin.data.ptr, xin.shape[1], ws.a.data.ptr, ws.a.shape[1], T, act, norm=nrm,
-                      pdl=self.ctx.pdl)
+                      pdl=self.ctx.pdl, q8=choice.kernel is Kernel.MMV8)
             return ws.a
         self.norm(x, norm, ws.h, T)
         if choice.fused and choice.kernel is Kernel.GEMV:
             ops.ffn_gate_up(k, gate, up, ws.h.data.ptr, c.hidden, ws.a.data.ptr, ws.a.shape[1], T, act)
             return ws.a
-        if choice.kernel is Kernel.MMVF:
+        if choice.kernel in (Kernel.MMVF, Kernel.MMV8):
             ops.mmvf(k, [(gate, 0, ws.g.data.ptr, F), (up, 0, ws.u.data.ptr, F)], c.hidden, ws.h.data.ptr,
-                     ws.h.shape[1], T, pdl=self.ctx.pdl)
+                     ws.h.shape[1], T, pdl=self.ctx.pdl, q8=choice.kernel is Kernel.MMV8)
         else:
             self._one(choice.kernels[0], gate, ws.h, T, ws.g.data.ptr, F)
             self._one(choice.kernels[1], up, ws.h, T, ws.u.data.ptr, F)

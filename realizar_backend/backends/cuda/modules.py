@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import cupy
 
 from ...formats.gpu_layout import REGROUPED
+from . import dispatch
 from .matrices import QTYPES
 from ...kernels import catalog
 from ...kernels.catalog import MMQ_BN  # noqa: F401  (token-tile widths of mmq.cu, one module each)
@@ -210,6 +211,12 @@ class Kernels:
         # the LM head, and rows too long to stage, at one row: the same kernel with more rows a warp
         # group (catalog.MMVF_HEAD_R)
         self._mmvf_head = build("mmvf.cu", ["mmvf_nb1"], typed + catalog.mmvf_options(1, 1, head=True), 100 * 1024)
+        # the one-row GEMVs on 8-bit activations (mmv8.cu): loaded with the core where the dispatcher
+        # sends a type of the model to them (dispatch.MMV8_TYPES), else on first use (tests, benchmarks)
+        eager8 = bool(types & dispatch.MMV8_TYPES)
+        mmv8 = {name: build("mmv8.cu", [f"{name}_nb1"], typed + catalog.mmv8_options(i), 100 * 1024, lazy=not eager8)
+                for i, name in ((1, "mmv8"), (2, "ffn8"))}
+        self.mmv8 = _Family({name: (fut, f"{name}_nb1") for name, fut in mmv8.items()})
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant", "embed")],
                           typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel

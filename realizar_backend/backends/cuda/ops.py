@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
+from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R, MMVF_WARPS, mmv8_smem
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
@@ -138,14 +138,57 @@ def _stage_args(norm, K: int, nb: int):
     return _I32(1), _U64(nw), _F32(eps), _nb_variant(nb) * mmvf_stride(K) * 4
 
 
+def mmv8_wpr(K: int, groups: int, blocks: int, warps: int = MMV8_WARPS) -> int:
+    """Warps sharing one row group of an mmv8/ffn8 launch of `groups` groups on `blocks` resident
+    blocks: the power of two (up to the block's warps, each lane left 2 units or more a row) that
+    minimises rounds x units a lane per round, ceil(groups wpr / (warps blocks)) x K / (32 wpr): more
+    warps a row shorten each round, and the last round of a launch whose groups do not fill it
+    runs part-empty; ties to the fewer warps (fewer sums through shared memory)."""
+    nu = K // 32
+    best, best_t = 1, None
+    w = 1
+    while w <= warps and (w == 1 or nu >= 64 * w):
+        t = -(-groups * w // (warps * max(blocks, 1))) * (-(-nu // (32 * w)))
+        if best_t is None or t < best_t:
+            best, best_t = w, t
+        w *= 2
+    return best
+
+
+def _mmv8_launch(k: Kernels, fn, kind: int, rows: int, K: int, nb: int) -> tuple[tuple, int, int]:
+    """Grid, warps per row and dynamic shared memory of an mmv8.cu launch (kind 1 mmv8, 2 ffn8)
+    over `rows` rows in total: one resident wave, a block column per activation row."""
+    smem = mmv8_smem(K)
+    if smem > MMV8_SMEM_MAX:
+        raise ValueError(f"mmv8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
+    groups = -(-rows // MMV8_R[kind])
+    blocks = _max_grid(k, fn, smem, MMV8_WARPS)
+    wpr = mmv8_wpr(K, groups, blocks)
+    gpb = MMV8_WARPS // wpr
+    return (min(-(-groups // gpb), blocks), nb), wpr, smem
+
+
 def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = False,
-         norm=None, amax: int = 0, pdl: bool = False, head: bool = False) -> None:
+         norm=None, amax: int = 0, pdl: bool = False, head: bool = False, q8: bool = False) -> None:
     """y_s[b] (+)= W_s @ h[b] (+ bias_s) for up to three segments s = (WeightRef, bias, y, ys)
     sharing one fp32 activation input x [nb, K] (row stride xs): h = x, or with norm = (weight
     pointer, eps) h = RMSNorm(x) computed in the launch. amax: a zeroed uint64 [nb] buffer that
     receives the packed argmax of each output row (one segment; argmax_unpack reads it). head: the
-    LM head; at one row it takes the module of MMVF_HEAD_R rows a group."""
+    LM head; at one row it takes the module of MMVF_HEAD_R rows a group. q8: mmv8.cu's kernel (8-bit
+    activations; the dispatcher's Kernel.MMV8), the input always quantized in the launch."""
     _check_x(x, xs, K)
+    if q8:
+        fn = k.mmv8["mmv8"]
+        args = []
+        for w, bias, y, ys in segs:
+            args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
+        args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)] * (3 - len(segs))
+        grid, wpr, smem = _mmv8_launch(k, fn, 1, sum(w.rows for w, *_ in segs), K, nb)
+        nw, eps = norm if norm is not None else (0, 0.0)
+        _launch(fn, grid, (MMV8_WARPS * 32,),
+                (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), _I32(1), _U64(nw),
+                 _F32(eps), _U64(amax)), smem, pdl)
+        return
     v = _nb_variant(nb)
     stage, nw, eps, smem = _stage_args(norm, K, nb)
     # one-row launches whose input is too long to stage read each unit's 32 activations through L1
@@ -181,11 +224,20 @@ def ffnf_lanes(K: int, wpr: int, nb: int = 1) -> int:
 
 
 def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int, nb: int, act: int,
-          norm=None, pdl: bool = False) -> None:
+          norm=None, pdl: bool = False, q8: bool = False) -> None:
     """a[b] = act(gate @ h[b]) * (up @ h[b]), fp32 in and out (gate and up share type and shape);
-    h = x, or RMSNorm(x) with norm = (weight pointer, eps)."""
+    h = x, or RMSNorm(x) with norm = (weight pointer, eps). q8: mmv8.cu's ffn8 (8-bit activations)."""
     K = wg.cols
     _check_x(x, xs, K)
+    if q8:
+        fn = k.mmv8["ffn8"]
+        grid, wpr, smem = _mmv8_launch(k, fn, 2, wg.rows, K, nb)
+        nw, eps = norm if norm is not None else (0, 0.0)
+        _launch(fn, grid, (MMV8_WARPS * 32,),
+                (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
+                 _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), _I32(1), _U64(nw),
+                 _F32(eps), _I32(32)), smem, pdl)
+        return
     stage, nw, eps, smem = _stage_args(norm, K, nb)
     v = _nb_variant(nb)
     W = MMVF_WARPS[v]

@@ -20,7 +20,7 @@ from ...formats.quants import dequantize, random_matrix
 from ...model.config import ModelConfig
 from ...model.arch import ARCHITECTURES
 from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu, swiglu_oai
-from . import deltanet_twin, ops
+from . import deltanet_twin, dispatch, ops
 from .dispatch import same_shape
 from .modules import QTYPES, Kernels
 from .ops import WeightRef
@@ -116,6 +116,25 @@ def _rms_norm64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * w.astype(np.float64)
 
 
+def q8_rows(x: np.ndarray) -> np.ndarray:
+    """mmv8.cu's 8-bit activations (mmv8_quant) of float32 rows x [nb, K] as float64 values q d: per
+    32 values d = max|x| / 127 and q = rint(x / d), rounded in float32 as the kernel does."""
+    u = np.asarray(x, np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(u).max(axis=2) / np.float32(127.0)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
+    q = np.rint(u * inv[..., None])
+    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(x.shape[0], -1)
+
+
+def _q8_input(x: np.ndarray, nw, eps: float) -> np.ndarray:
+    """The activations an mmv8.cu launch multiplies, from float32 rows x [nb, K] (nw: with the folded
+    RMSNorm, rounded as the kernel rounds it: (x inv) nw in float32)."""
+    if nw is not None:
+        inv = (1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + eps)).astype(np.float32)
+        x = (x * inv).astype(np.float32) * nw
+    return q8_rows(x)
+
+
 def _norm_input(rng, K: int, norm: bool):
     """A norm weight on the device and (ptr, eps) for a folded-norm launch, or Nones."""
     if not norm:
@@ -126,14 +145,18 @@ def _norm_input(rng, K: int, norm: bool):
 
 
 def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accumulate: bool = False,
-               x_pad: int = 4, norm: bool = False, head: bool = False) -> float:
+               x_pad: int = 4, norm: bool = False, head: bool = False, q8: bool = False) -> float:
     """mmvf.cu: segs = [(qtype, rows)], up to three matrices sharing one fp32 input (row stride
     K + x_pad), outputs with a row stride wider than the rows (the tail must stay untouched);
-    norm: the input is RMSNorm(x) folded into the launch; head: launched as the LM head."""
+    norm: the input is RMSNorm(x) folded into the launch; head: launched as the LM head; q8: mmv8.cu's
+    launch, against the input as its 8-bit twin (q8_rows)."""
     x = (rng.standard_normal((nb, K + x_pad)) * rng.uniform(0.1, 30.0, (nb, 1))).astype(np.float32)
     xd = _dev(x)
     nw, nwd, nrm = _norm_input(rng, K, norm)
-    x64 = _rms_norm64(x[:, :K], nw, 1e-6) if norm else x[:, :K].astype(np.float64)
+    if q8:
+        x64 = _q8_input(x[:, :K], nw, 1e-6)
+    else:
+        x64 = _rms_norm64(x[:, :K], nw, 1e-6) if norm else x[:, :K].astype(np.float64)
     keep, launch, checks = [], [], []
     for qt, N in segs:
         host = random_weight(qt, N, K, rng)
@@ -157,7 +180,7 @@ def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accum
             ref += y0[:, :N]
             scale += np.abs(y0[:, :N])
         checks.append((y, ref, y0, N, scale))
-    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate, norm=nrm, head=head)
+    ops.mmvf(k, launch, K, xd.data.ptr, K + x_pad, nb, accumulate, norm=nrm, head=head, q8=q8)
     errs = []
     for y, ref, y0, N, scale in checks:
         got = y.get()
@@ -166,17 +189,21 @@ def check_mmvf(k: Kernels, segs, K: int, nb: int, rng, bias: bool = False, accum
     return max(errs)
 
 
-def check_ffn_f(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng, norm: bool = False) -> float:
+def check_ffn_f(k: Kernels, qtype, N: int, K: int, nb: int, act: int, rng, norm: bool = False,
+                q8: bool = False) -> float:
     """mmvf.cu's fused gate/up/activation on fp32 activations, into an output of row stride N + 5
-    (norm: with RMSNorm of the input folded in)."""
+    (norm: with RMSNorm of the input folded in; q8: mmv8.cu's ffn8 against the 8-bit twin)."""
     hg, hu = random_weight(qtype, N, K, rng), random_weight(qtype, N, K, rng)
     ups = [upload_weight(qtype, h) for h in (hg, hu)]   # holds both device buffers until the check returns
     (wg, _), (wu, _) = ups
     x = rng.standard_normal((nb, K)).astype(np.float32)
     xd, a = _dev(x), _nan((nb, N + 5))
     nw, nwd, nrm = _norm_input(rng, K, norm)
-    ops.ffn_f(k, wg, wu, xd.data.ptr, K, a.data.ptr, N + 5, nb, act, norm=nrm)
-    x64 = _rms_norm64(x, nw, 1e-6) if norm else x.astype(np.float64)
+    ops.ffn_f(k, wg, wu, xd.data.ptr, K, a.data.ptr, N + 5, nb, act, norm=nrm, q8=q8)
+    if q8:
+        x64 = _q8_input(x, nw, 1e-6)
+    else:
+        x64 = _rms_norm64(x, nw, 1e-6) if norm else x.astype(np.float64)
     wg64, wu64 = (dequantize(h, qtype, (N, K)).astype(np.float64) for h in (hg, hu))
     g, u = x64 @ wg64.T, x64 @ wu64.T
     got = a.get()
@@ -541,6 +568,9 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
             errs[f"mmvf_acc_{qt.name}"] = check_mmvf(k, [(qt, 9)], K, min(rows, 2), rng, accumulate=True)
             errs[f"mmvf_norm_{qt.name}"] = check_mmvf(k, [(qt, 9)], K, min(rows, 2), rng, norm=True)
             errs[f"ffnf_{qt.name}"] = check_ffn_f(k, qt, 37, K, rows, act, rng)
+            if rows == 1 and qt in dispatch.MMV8_TYPES:    # the dispatcher's one-row GEMVs of this type
+                errs[f"mmv8_{qt.name}"] = check_mmvf(k, [(qt, 37), (qt, 5)], K, 1, rng, bias=True, q8=True)
+                errs[f"ffn8_{qt.name}"] = check_ffn_f(k, qt, 37, K, 1, act, rng, q8=True)
         else:                              # float matrices: the one-warp-per-row GEMVs (gemv.cu)
             errs[f"gemv_{qt.name}"] = check_gemv(k, qt, 37, K, 3, rng, bias=True)
             errs[f"ffn_gate_up_{qt.name}"] = check_ffn(k, qt, 37, K, 3, act, rng)

@@ -1,0 +1,77 @@
+// Runs one launch of kernels/mmv8.cu (mmv8_nb1 or ffn8_nb1) on the CPU through cuda_emu.h, for
+// tests/kernels/test_mmv8_host.py: argv[1] is a directory (emu_io.h) whose params.txt names the
+// kernel (`mmv8` or `ffn8`), the launch's scalars and its grid (grid_x, nb: grid.y), and whose .bin
+// files hold the weights in their device layouts, the input, the norm weight (nw, absent: no norm)
+// and the outputs as the test poisoned them. Built once per kind with the loader's defines
+// (catalog.mmv8_options), which fix the block size.
+#include "cuda_emu.h"
+
+static inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int m) {
+    unsigned long long all[32];
+    emu::gather(v, all, "shfl_xor64");
+    return all[emu::lane() ^ m];
+}
+static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+    unsigned long long o = *p;
+    if (v > o) *p = v;
+    return o;
+}
+
+#include "mmv8.cu"
+#include "emu_io.h"
+
+int main(int argc, char** argv) {
+    if (!open_dir(argc, argv, "mmv8_emu")) return 2;
+    const std::string kernel = str("kernel");
+    auto x = load<float>("x");
+    auto nw = load_opt<float>("nw");
+    const int K = inum("K"), xs = inum("xs"), nb = inum("nb"), wpr = inum("wpr");
+    const float eps = (float)num("eps");
+    const size_t smem = (size_t)K + 8 * (size_t)(K / 32);        // ops.mmv8_smem
+    dim3 grid{(unsigned)inum("grid_x"), (unsigned)nb, 1}, block{MMV8_WARPS * 32, 1, 1};
+#if !defined(MMV8_KIND) || MMV8_KIND == 1
+    if (kernel == "mmv8") {
+        const int S = inum("segments"), acc = inum("accumulate");
+        std::vector<u8> w[3];
+        std::vector<float> b[3], y[3];
+        long long rb[3] = {0, 0, 0};
+        int n[3] = {0, 0, 0}, qt[3] = {0, 0, 0}, ys[3] = {0, 0, 0};
+        for (int s = 0; s < S; ++s) {
+            std::string i = std::to_string(s);
+            w[s] = load<u8>(("w" + i).c_str());
+            b[s] = load_opt<float>(("b" + i).c_str());
+            y[s] = load<float>(("y" + i).c_str());
+            rb[s] = inum(("rb" + i).c_str());
+            n[s] = inum(("n" + i).c_str());
+            qt[s] = inum(("qt" + i).c_str());
+            ys[s] = inum(("ys" + i).c_str());
+        }
+        auto amax = load_opt<unsigned long long>("amax");
+        emu::launch(grid, block, smem, [&] {
+            mmv8_nb1(ptr(w[0]), rb[0], n[0], qt[0], ptr(b[0]), ptr(y[0]), ys[0],
+                     ptr(w[1]), rb[1], n[1], qt[1], ptr(b[1]), ptr(y[1]), ys[1],
+                     ptr(w[2]), rb[2], n[2], qt[2], ptr(b[2]), ptr(y[2]), ys[2],
+                     K, x.data(), xs, nb, wpr, acc, 1, ptr(nw), eps, ptr(amax));
+        });
+        for (int s = 0; s < S; ++s) save(("y" + std::to_string(s)).c_str(), y[s]);
+        if (!amax.empty()) save("amax", amax);
+        return 0;
+    }
+#endif
+#if !defined(MMV8_KIND) || MMV8_KIND == 2
+    if (kernel == "ffn8") {
+        auto wg = load<u8>("wg");
+        auto wu = load<u8>("wu");
+        auto a = load<float>("a");
+        const long long rb = inum("rb");
+        const int N = inum("N"), qt = inum("qt"), act = inum("act"), as = inum("as");
+        emu::launch(grid, block, smem, [&] {
+            ffn8_nb1(wg.data(), wu.data(), rb, N, K, qt, x.data(), xs, nb, act, a.data(), as, wpr, 1, ptr(nw), eps,
+                     32);
+        });
+        save("a", a);
+        return 0;
+    }
+#endif
+    fail("unknown kernel", kernel);
+}

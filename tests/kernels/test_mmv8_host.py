@@ -1,0 +1,218 @@
+"""kernels/mmv8.cu (the one-row GEMVs on 8-bit activations) run on the CPU (tests/host/mmv8_emu.cpp
+over cuda_emu.h: every thread a fiber, the warp shuffles rendezvous of the real 32 lanes, warps at
+random speeds) against NumPy in float64, for every type the kernel takes, in the device layouts
+(formats/gpu_layout.py): the activations quantized as the kernel's twin (`q8_twin`: per 32 values,
+d = max|x| / 127, q = rint(x / d)), then W @ (q d) in float64; the error is measured against sum |w x|
+as the GPU self-check does. Shapes whose units leave a lane pass part-empty, rows no row group or
+block divides, grids smaller than the row groups (blocks stride over them), every warps-per-row
+the host may pick; the segments, bias, residual, folded RMSNorm and argmax of mmv8, and ffn8's
+fused gate/up with both activations. Outputs are poisoned before each launch and what lies past
+the rows must stay so. A changed copy of the kernel must fail (the checks can fail), and the
+outputs must be bitwise the same whatever the warps' speeds (the split of K is reduced in a fixed
+order). The GPU tests (tests/gpu/test_kernels_f32.py) check the same launches on the device.
+Skipped where g++ is absent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from realizar_backend.formats.gpu_layout import device_row_bytes, to_device
+from realizar_backend.formats.quants import dequantize, random_matrix
+from realizar_backend.kernels import catalog
+from realizar_backend.model.math import gelu_tanh, silu
+from support import host_emu
+from support.host_emu import GXX, KERNELS
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
+
+TOL = 2e-5     # error over sum |w x| against the quantized activations: fp32 arithmetic
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]   # mmv8.cu's (QUnit decoders)
+# (rows, K, warps per row, grid.x): K of 5 units (a pass of 32 lanes mostly empty), 41 and 152 units
+# (passes ending part-way), 256-weight types at 1, 9 and 19 blocks; rows no group of 2 divides;
+# grids smaller than the groups need
+SHAPES = {32: [(37, 160, 1, 3), (5, 1312, 2, 1), (61, 4864, 16, 7)],
+          256: [(37, 256, 1, 3), (5, 2304, 4, 2), (33, 4864, 16, 5)]}
+WARPS = catalog.MMV8_WARPS
+
+
+def _exe(tmp_path_factory, kind: int, include_first=None, tag: str = ""):
+    d = tmp_path_factory.mktemp(f"mmv8_{kind}{tag}")
+    flags = ("-std=c++17", "-O1") + catalog.mmv8_options(kind)
+    return host_emu.build("mmv8_emu.cpp", d / "mmv8_emu", flags=flags, include_first=include_first)
+
+
+@pytest.fixture(scope="module")
+def emu1(tmp_path_factory):
+    return _exe(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def emu2(tmp_path_factory):
+    return _exe(tmp_path_factory, 2)
+
+
+def q8_twin(x: np.ndarray) -> np.ndarray:
+    """The kernel's 8-bit activations (mmv8_quant) as float64 values q d, from float32 x [K]."""
+    u = x.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(u).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(u * inv[:, None])
+    return (q.astype(np.float64) * d[:, None].astype(np.float64)).reshape(-1)
+
+
+def normed(x: np.ndarray, nw: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) * nw in float32 as the kernel rounds it ((x inv) nw)."""
+    inv = np.float32(1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps))
+    return (x * inv).astype(np.float32) * nw
+
+
+def weight(qt, rows: int, cols: int, rng):
+    raw = random_matrix(qt, rows, cols, rng)
+    return to_device(qt, raw, cols), device_row_bytes(qt, cols), dequantize(raw, qt, (rows, cols)).astype(np.float64)
+
+
+def err(got, ref, scale) -> float:
+    got = np.asarray(got, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(scale), 1e-30))
+
+
+def run_mmv8(exe, tmp_path, segs, K: int, nb: int, wpr: int, grid_x: int, rng, bias=False, accumulate=False,
+             norm=False, amax=False, xs=None, env=None):
+    """One mmv8_nb1 launch over segs = [(qtype, rows)]; returns (max error, outputs, amax)."""
+    xs = xs or K
+    x = (rng.standard_normal((nb, xs)) * rng.uniform(0.1, 30.0, (nb, 1))).astype(np.float32)
+    nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32) if norm else None
+    eps = 1e-6
+    xin = [normed(x[b, :K], nw, eps) if norm else x[b, :K] for b in range(nb)]
+    xq = np.stack([q8_twin(v) for v in xin])
+    params = {"kernel": "mmv8", "K": K, "xs": xs, "nb": nb, "wpr": wpr, "eps": eps, "grid_x": grid_x,
+              "segments": len(segs), "accumulate": int(accumulate)}
+    arrays = {"x": x}
+    if norm:
+        arrays["nw"] = nw
+    checks, outputs = [], {}
+    for s, (qt, n) in enumerate(segs):
+        dev, rb, w64 = weight(qt, n, K, rng)
+        ys = n + 3
+        y0 = rng.standard_normal((nb, ys)).astype(np.float32) if accumulate else np.full((nb, ys), np.nan, np.float32)
+        arrays[f"w{s}"], arrays[f"y{s}"] = dev, y0
+        params.update({f"rb{s}": rb, f"n{s}": n, f"qt{s}": int(qt), f"ys{s}": ys})
+        ref, scale = xq @ w64.T, np.abs(xq) @ np.abs(w64).T
+        if bias:
+            b = rng.standard_normal(n).astype(np.float32)
+            arrays[f"b{s}"] = b
+            ref, scale = ref + b, scale + np.abs(b)
+        if accumulate:
+            ref, scale = ref + y0[:, :n], scale + np.abs(y0[:, :n])
+        checks.append((s, n, y0, ref, scale))
+        outputs[f"y{s}"] = (np.float32, (nb, ys))
+    if amax:
+        arrays["amax"] = np.zeros(nb, np.uint64)
+        outputs["amax"] = np.uint64
+    res = host_emu.launch(exe, tmp_path / f"l{len(list(tmp_path.iterdir()))}", params, arrays, outputs, env=env,
+                          label="mmv8")
+    errs = []
+    for s, n, y0, ref, scale in checks:
+        got = res[f"y{s}"]
+        tail = np.array_equal(got[:, n:], y0[:, n:], equal_nan=True)
+        errs.append(err(got[:, :n], ref, scale) if tail else float("inf"))
+    return max(errs), res
+
+
+def _cases():
+    from realizar_backend.backends.cuda.matrices import QTYPES
+    return [(q, *shape) for q in TYPES for shape in SHAPES[QTYPES[q].block]]
+
+
+def _id(c):
+    return f"{c[0].name}-{c[1]}x{c[2]}-wpr{c[3]}-grid{c[4]}"
+
+
+@pytest.mark.parametrize("case", _cases(), ids=_id)
+def test_mmv8_every_type(emu1, tmp_path, case):
+    qt, n, K, wpr, grid_x = case
+    rng = np.random.default_rng(n * K + int(qt) + wpr)
+    e, _ = run_mmv8(emu1, tmp_path, [(qt, n)], K, 1, wpr, grid_x, rng)
+    assert e <= TOL, f"{_id(case)}: {e:.2e}"
+
+
+def test_mmv8_segments_bias_residual_rows(emu1, tmp_path):
+    """Three segments of three types sharing one input (a padded row stride), with bias; then into
+    the residual; two activation rows (grid.y)."""
+    rng = np.random.default_rng(5)
+    segs = [(Q.Q4_K, 37), (Q.Q6_K, 5), (Q.Q8_0, 9)]
+    e1, _ = run_mmv8(emu1, tmp_path, segs, 768, 2, 2, 4, rng, bias=True, xs=772)
+    e2, _ = run_mmv8(emu1, tmp_path, segs[:2], 768, 1, 4, 2, rng, bias=True, accumulate=True)
+    assert max(e1, e2) <= TOL, (e1, e2)
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda q: q.name)
+def test_mmv8_folded_norm_and_argmax(emu1, tmp_path, qt):
+    """RMSNorm folded into the quantization, and the argmax of the outputs (the LM head's fold):
+    the packed key holds the largest output and its row."""
+    rng = np.random.default_rng(int(qt))
+    e, res = run_mmv8(emu1, tmp_path, [(qt, 45)], 2304, 1, 2, 3, rng, norm=True, amax=True)
+    assert e <= TOL, e
+    y = res["y0"][0, :45]
+    key = int(res["amax"][0])
+    assert 0xFFFFFFFF - (key & 0xFFFFFFFF) == int(np.argmax(y))
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
+def test_ffn8_gate_up(emu2, tmp_path, qt, act):
+    """act(gate . x) * (up . x) over rows no block divides, a row of 48 units (K = 1536: a pass
+    half-empty) with the norm folded in, at two warps per row."""
+    from realizar_backend.backends.cuda.matrices import QTYPES
+    rng = np.random.default_rng(int(qt) * 3 + act)
+    N, K = 41, (1536 if QTYPES[qt].block == 256 else 1312)
+    (dg, rb, wg64), (du, _, wu64) = weight(qt, N, K, rng), weight(qt, N, K, rng)
+    x = rng.standard_normal(K).astype(np.float32)
+    nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
+    xq = q8_twin(normed(x, nw, 1e-6))
+    a0 = np.full(N + 5, np.nan, np.float32)
+    params = {"kernel": "ffn8", "K": K, "xs": K, "nb": 1, "wpr": 2, "eps": 1e-6, "grid_x": 3, "rb": rb, "N": N,
+              "qt": int(qt), "act": act, "as": N + 5}
+    res = host_emu.launch(emu2, tmp_path / "ffn", params, {"x": x, "nw": nw, "wg": dg, "wu": du, "a": a0},
+                          {"a": np.float32}, label="ffn8")
+    got = res["a"]
+    assert np.all(np.isnan(got[N:]))
+    g, u = wg64 @ xq, wu64 @ xq
+    ag = gelu_tanh(g) if act else silu(g)
+    scale = 1.2 * (np.abs(wg64) @ np.abs(xq)) * np.abs(u) + np.abs(ag) * (np.abs(wu64) @ np.abs(xq))
+    e = err(got[:N], ag * u, scale)
+    assert e <= TOL, e
+
+
+def test_outputs_bitwise_the_same_at_any_warp_speed(emu1, tmp_path):
+    """The split of a row over 16 warps is summed in warp order: two runs whose warps drift apart
+    differently (EMU_SEED) give the same bits."""
+    outs = []
+    for seed in ("1", "977"):
+        rng = np.random.default_rng(11)
+        _, res = run_mmv8(emu1, tmp_path, [(Q.Q4_K, 21)], 4864, 1, 16, 3, rng, env={"EMU_SEED": seed})
+        outs.append(res["y0"])
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+# changed copies of the kernel that must fail the checks: the second half of every unit's
+# activations read from the first half's place, and the quantization's scale off by one step
+BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)"),
+          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;")}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
+    old, new = BROKEN[name]
+    src = (KERNELS / "mmv8.cu").read_text()
+    assert src.count(old) == 1, f"the mutation {name} no longer applies"
+    d = tmp_path_factory.mktemp(f"broken_{name}")
+    (d / "mmv8.cu").write_text(src.replace(old, new))
+    exe = _exe(tmp_path_factory, 1, include_first=d, tag=name)
+    rng = np.random.default_rng(3)
+    e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, rng)
+    assert e > 10 * TOL, e    # the checks above would fail it
