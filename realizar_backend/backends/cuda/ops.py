@@ -14,7 +14,8 @@ from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import FFNF_R, MMVF_HEAD_R, MMVF_WARPS
 from . import pdl as _pdl
 from .dispatch import same_shape
-from .support import ATT_MAXD, MOE_MAX_K, dn_delta_kernel  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
+from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
+from .support import dn_delta_kernel
 from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
