@@ -20,6 +20,10 @@
 // Largest k_dim: each thread of a delta-rule block holds its column of S (k_dim floats) in registers
 // for the whole segment (Qwen3.5: 128). The backend refuses more.
 #define DN_MAX_K 128
+// k_dims with a delta-rule kernel of their own, dn_delta_k<dk> (the column's length known at compile
+// time: no per-element bound checks, and no registers beyond dk for it): the real models' (Qwen3.5 and
+// 3.6: 128) and half that. Other k_dims run dn_delta. backends/cuda/support.py DN_DELTA_K lists the same.
+#define DN_DELTA_K_LIST(X) X(64) X(128)
 // Largest v_dim: a delta-rule block has one thread per column of S, rounded up to a warp (Qwen3.5: 128).
 // The backend refuses more.
 #define DN_MAX_V 256
@@ -83,23 +87,27 @@ __device__ __forceinline__ float dn_softplus(float x) { return x > 20.0f ? x : l
 //   q, k of key head h % nk, l2-normalised (q also / sqrt(dk)); g = a_coef_h * softplus(alpha + dt_bias_h),
 //   b = sigmoid(beta);  S <- exp(g) S;  S <- S + k (b (v - S^T k))^T;  o = S^T q;
 //   out[r][h] = o / rms(o) * out_norm * silu(z[r][h]).
-// Block: a multiple of 32 threads, at least v_dim (<= DN_MAX_V); k_dim <= DN_MAX_K.
-extern "C" __global__ void __launch_bounds__(DN_MAX_V) dn_delta(const float* __restrict__ cv, int cvs, const float* __restrict__ alpha,
-                                    const float* __restrict__ beta, int abs_, const float* __restrict__ z, int zs,
-                                    const float* __restrict__ a_coef, const float* __restrict__ dt_bias,
-                                    const float* __restrict__ out_norm, float* __restrict__ state,
-                                    const int* __restrict__ slots, const int* __restrict__ pos, int scratch, int n,
-                                    int nk, int dk, int nv, int dv, float eps, float* __restrict__ out, int os) {
-    __shared__ float qs[DN_MAX_K], ks[DN_MAX_K], red[32];
+// Block: a multiple of 32 threads, at least v_dim (<= DN_MAX_V). KD: the length of the column held in
+// registers; EXACT: dk == KD (a dn_delta_k<KD> instance), else dk <= KD.
+template <int KD, bool EXACT>
+__device__ __forceinline__ void dn_delta_segment(const float* __restrict__ cv, int cvs, const float* __restrict__ alpha,
+                                                 const float* __restrict__ beta, int abs_, const float* __restrict__ z,
+                                                 int zs, const float* __restrict__ a_coef,
+                                                 const float* __restrict__ dt_bias, const float* __restrict__ out_norm,
+                                                 float* __restrict__ state, const int* __restrict__ slots,
+                                                 const int* __restrict__ pos, int scratch, int n, int nk, int dk_arg,
+                                                 int nv, int dv, float eps, float* __restrict__ out, int os) {
+    __shared__ float qs[KD], ks[KD], red[32];
+    const int dk = EXACT ? KD : dk_arg;
     const int h = blockIdx.x, t = blockIdx.y, j = threadIdx.x;
     if (t >= n || !dn_segment_start(slots, pos, t)) return;
     const int end = dn_segment_end(slots, pos, t, n), slot = slots[t], kh = h % nk;
     const bool keep = slot != scratch, fresh = !keep || pos[t] == 0;
     const bool col = j < dv;
     float* S = state + ((long long)slot * nv + h) * dk * dv + j;
-    float s[DN_MAX_K];
+    float s[KD];
 #pragma unroll
-    for (int i = 0; i < DN_MAX_K; ++i) s[i] = col && i < dk && !fresh ? S[(long long)i * dv] : 0.0f;
+    for (int i = 0; i < KD; ++i) s[i] = col && i < dk && !fresh ? S[(long long)i * dv] : 0.0f;
     const float qscale = rsqrtf((float)dk);
     for (int r = t; r < end; ++r) {
         const float* row = cv + (long long)r * cvs;
@@ -116,14 +124,21 @@ extern "C" __global__ void __launch_bounds__(DN_MAX_V) dn_delta(const float* __r
         const float rk = rsqrtf(block_reduce(sk, 0, red) + 1e-6f);
         const float g = expf(a_coef[h] * dn_softplus(alpha[(long long)r * abs_ + h] + dt_bias[h]));
         const float b = 1.0f / (1.0f + expf(-beta[(long long)r * abs_ + h]));
-        float o = 0.0f;
+        float kv = 0.0f, o = 0.0f;
         if (col) {
-            float kv = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DN_MAX_K; ++i) if (i < dk) kv += s[i] * ks[i];
+            for (int i = 0; i < KD; ++i) if (i < dk) kv += s[i] * ks[i];
+        }
+        // Both passes over the column read k from shared memory. Left alone, the compiler keeps the
+        // first pass's dk values of k in registers for the second, next to the column's dk: more than
+        // a thread has at dk = 128, so the column spilled. Across a warp barrier shared memory may
+        // have changed (it orders the warp's memory accesses), so the second pass loads k again. Every
+        // lane of the block passes it (outside `if (col)`).
+        __syncwarp();
+        if (col) {
             const float d = b * (row[2 * nk * dk + h * dv + j] - g * kv * rk);
 #pragma unroll
-            for (int i = 0; i < DN_MAX_K; ++i) {
+            for (int i = 0; i < KD; ++i) {
                 if (i < dk) {
                     s[i] = g * s[i] + ks[i] * rk * d;
                     o += s[i] * qs[i];
@@ -140,6 +155,27 @@ extern "C" __global__ void __launch_bounds__(DN_MAX_V) dn_delta(const float* __r
     }
     if (keep && col) {
 #pragma unroll
-        for (int i = 0; i < DN_MAX_K; ++i) if (i < dk) S[(long long)i * dv] = s[i];
+        for (int i = 0; i < KD; ++i) if (i < dk) S[(long long)i * dv] = s[i];
     }
 }
+
+#define DN_DELTA_PARAMS                                                                                               \
+    const float* __restrict__ cv, int cvs, const float* __restrict__ alpha, const float* __restrict__ beta, int abs_, \
+        const float* __restrict__ z, int zs, const float* __restrict__ a_coef, const float* __restrict__ dt_bias,     \
+        const float* __restrict__ out_norm, float* __restrict__ state, const int* __restrict__ slots,                 \
+        const int* __restrict__ pos, int scratch, int n, int nk, int dk, int nv, int dv, float eps,                   \
+        float* __restrict__ out, int os
+#define DN_DELTA_ARGS cv, cvs, alpha, beta, abs_, z, zs, a_coef, dt_bias, out_norm, state, slots, pos, scratch, n, nk, \
+                      dk, nv, dv, eps, out, os
+
+// Any k_dim <= DN_MAX_K.
+extern "C" __global__ void __launch_bounds__(DN_MAX_V) dn_delta(DN_DELTA_PARAMS) {
+    dn_delta_segment<DN_MAX_K, false>(DN_DELTA_ARGS);
+}
+
+// k_dim == K exactly (the dk argument is not read).
+#define DN_DELTA_K_INSTANCE(K)                                                                     \
+    extern "C" __global__ void __launch_bounds__(DN_MAX_V) dn_delta_k##K(DN_DELTA_PARAMS) {        \
+        dn_delta_segment<K, true>(DN_DELTA_ARGS);                                                   \
+    }
+DN_DELTA_K_LIST(DN_DELTA_K_INSTANCE)

@@ -74,9 +74,9 @@ def test_conv(kernels, step, C, K):
 
 
 @pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
-@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (16, 128, 32, 128),
-                                         (2, 128, 6, 256)],
-                         ids=["qwen35-tiny", "wide-v", "odd", "qwen3-next", "widest"])
+@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (4, 64, 8, 128),
+                                         (16, 128, 32, 128), (16, 128, 48, 128), (2, 128, 6, 256)],
+                         ids=["qwen35-tiny", "wide-v", "odd", "k64", "qwen3-next", "qwen36-27b", "widest"])
 def test_delta(kernels, step, nk, dk, nv, dv):
     import cupy
     from realizar_backend.backends.cuda import ops

@@ -1,6 +1,7 @@
 // Runs one launch of a kernels/deltanet.cu kernel on the CPU through cuda_emu.h, for
 // tests/kernels/test_deltanet_host.py: argv[1] is a directory holding params.txt (one "name value" per
-// line: `kernel` is conv or delta, the rest its scalar arguments) and the input arrays as raw .bin
+// line: `kernel` is conv or delta, the rest its scalar arguments; for delta, `entry` names the kernel:
+// dn_delta or one of its dn_delta_k<dk> instances) and the input arrays as raw .bin
 // files. The arrays a launch writes are read as the test poisoned them and written back as
 // <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py dn_conv, dn_delta).
 #include "cuda_emu.h"
@@ -38,11 +39,17 @@ int main(int argc, char** argv) {
         auto out = load<float>("out");
         const int nk = num("nk"), dk = num("dk"), nv = num("nv"), dv = num("dv");
         const int threads = num("threads");
+        const std::string entry = str("entry");
+        using Delta = decltype(&dn_delta);
+        Delta fn = entry == "dn_delta" ? &dn_delta : nullptr;
+#define DN_DELTA_K_ENTRY(K) if (entry == "dn_delta_k" #K) fn = &dn_delta_k##K;
+        DN_DELTA_K_LIST(DN_DELTA_K_ENTRY)
+        if (fn == nullptr) fail("unknown delta kernel", entry);
         dim3 grid{(unsigned)nv, (unsigned)n, 1}, block{(unsigned)threads, 1, 1};
         emu::launch(grid, block, 0, [&] {
-            dn_delta(cv.data(), num("cvs"), alpha.data(), beta.data(), num("abs"), z.data(), num("zs"), a_coef.data(),
-                     dt_bias.data(), out_norm.data(), st.data(), slots.data(), pos.data(), scratch, n, nk, dk, nv, dv,
-                     (float)num("eps"), out.data(), num("os"));
+            fn(cv.data(), num("cvs"), alpha.data(), beta.data(), num("abs"), z.data(), num("zs"), a_coef.data(),
+               dt_bias.data(), out_norm.data(), st.data(), slots.data(), pos.data(), scratch, n, nk, dk, nv, dv,
+               (float)num("eps"), out.data(), num("os"));
         });
         save("state", st);
         save("out", out);

@@ -4,9 +4,12 @@ fiber, block barriers and warp shuffles real rendezvous) against its NumPy twin 
 causal conv and the gated delta rule over decode rows (one token of each of several slots), a prompt
 chunk continuing a slot's state, a sequence's first chunk (position 0: the state there is ignored),
 several segments in one step and padding rows on the scratch slot (which keep no state), at the
-tiny and the real Qwen3.5 head sizes and odd ones. Outputs are poisoned before each launch: every
-value past a row's width must stay so, and so must the states of the slots the step does not run.
-A copy of the kernel with the decay left out of the delta term must fail. Skipped where g++ is absent."""
+tiny and the real Qwen3.5/3.6 head sizes and odd ones, through the kernel the launcher picks for the
+k_dim (support.dn_delta_kernel: the dn_delta_k64 and dn_delta_k128 instances, else the general
+dn_delta), and through the general kernel at the instances' k_dims too. Outputs are poisoned before
+each launch: every value past a row's width must stay so, and so must the states of the slots the step
+does not run. A copy of the kernels with the decay left out of the delta term must fail, through the
+general kernel and an instance. Skipped where g++ is absent."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 
 from realizar_backend.backends.cuda import deltanet_twin as twin
+from realizar_backend.backends.cuda.support import DN_DELTA_K, dn_delta_kernel
 from support import host_emu
 from support.host_emu import GXX, KERNELS
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
@@ -92,7 +96,8 @@ def delta_inputs(rng, n, nk, dk, nv, dv):
                 state=(rng.standard_normal((SLOTS, nv, dk, dv)) * 0.3).astype(np.float32))
 
 
-def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0):
+def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0, entry=None):
+    """entry: the kernel (None: the launcher's pick for dk)."""
     rng = np.random.default_rng(seed + nk * 7 + dk + dv)
     slots, pos = rows(STEPS[step])
     n = len(slots)
@@ -101,18 +106,42 @@ def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0):
     got = launch(emu, tmp_path, "delta", {"out": (n, os), "state": a["state"].shape},
                  dict(a, slots=slots, pos=pos, out=np.full((n, os), np.nan, np.float32)),
                  n=n, nk=nk, dk=dk, nv=nv, dv=dv, cvs=a["cv"].shape[1], abs=nv + 1, zs=a["z"].shape[1], os=os,
-                 eps=1e-6, scratch=SCRATCH, threads=-(-dv // 32) * 32)
+                 eps=1e-6, scratch=SCRATCH, threads=-(-dv // 32) * 32, entry=entry or dn_delta_kernel(dk))
     ref, ref_st = twin.delta(a["cv"][:, :2 * nk * dk + nv * dv], a["alpha"][:, :nv], a["beta"][:, :nv],
                              a["z"][:, :nv * dv], a["a_coef"], a["dt_bias"], a["out_norm"], a["state"], slots, pos,
                              SCRATCH, nk, dk, nv, dv, 1e-6)
     return got, ref, ref_st, a["state"], nv * dv
 
 
+# (nk, dk, nv, dv, entry): entry None is the launcher's pick (dk 64 and 128: their instances)
+SHAPES = {
+    "qwen35-tiny": (2, 32, 4, 32, None),
+    "wide-v": (2, 32, 4, 64, None),
+    "odd": (1, 16, 3, 40, None),
+    "k64": (2, 64, 4, 64, None),
+    "k64-odd-v": (1, 64, 3, 200, None),
+    "qwen36-heads": (4, 128, 16, 128, None),
+    "k128-widest": (1, 128, 2, 256, None),
+    "general-k64": (2, 64, 4, 64, "dn_delta"),
+    "general-k128": (2, 128, 4, 128, "dn_delta"),
+}
+
+
+def test_the_instances_are_the_launchers():
+    """deltanet.cu's dn_delta_k<dk> instances are the k_dims support.DN_DELTA_K names, and the
+    launcher runs them at those k_dims (the shapes above run each)."""
+    src = (KERNELS / "deltanet.cu").read_text()
+    listed = src.split("#define DN_DELTA_K_LIST(X)", 1)[1].split("\n", 1)[0]
+    assert tuple(int(x) for x in listed.replace("X(", " ").replace(")", " ").split()) == DN_DELTA_K
+    picked = {dn_delta_kernel(dk) for _, dk, *_ in SHAPES.values()}
+    assert picked == {"dn_delta"} | {f"dn_delta_k{d}" for d in DN_DELTA_K}
+
+
 @pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
-@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (1, 128, 2, 128)],
-                         ids=["qwen35-tiny", "wide-v", "odd", "qwen35-heads"])
-def test_delta(emu, tmp_path, step, nk, dk, nv, dv):
-    got, ref, ref_st, st, w = run_delta(emu, tmp_path, step, nk, dk, nv, dv)
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_delta(emu, tmp_path, step, shape):
+    nk, dk, nv, dv, entry = SHAPES[shape]
+    got, ref, ref_st, st, w = run_delta(emu, tmp_path, step, nk, dk, nv, dv, entry=entry)
     assert np.max(np.abs(got["out"][:, :w] - ref)) < TOL * max(1.0, np.abs(ref).max())
     assert np.all(np.isnan(got["out"][:, w:])), "values past the rows were written"
     assert np.max(np.abs(got["state"] - ref_st)) < TOL * max(1.0, np.abs(ref_st).max())
@@ -120,19 +149,24 @@ def test_delta(emu, tmp_path, step, nk, dk, nv, dv):
         assert np.array_equal(got["state"][s], st[s])
 
 
-def test_a_kernel_without_the_decay_in_the_delta_fails(tmp_path):
-    """The delta term read against the undecayed state (S^T k instead of (g S)^T k): a plausible slip
-    this test must catch."""
+@pytest.fixture(scope="module")
+def broken_emu(tmp_path_factory):
+    """The emulator over a copy of the kernels with the delta term read against the undecayed state
+    (S^T k instead of (g S)^T k): a plausible slip the tests must catch."""
+    tmp_path = tmp_path_factory.mktemp("deltanet_broken")
     src = (KERNELS / "deltanet.cu").read_text()
     slip = src.replace("- g * kv * rk)", "- kv * rk)")
     assert slip != src
     broken_dir = tmp_path / "broken"
     broken_dir.mkdir()
     (broken_dir / "deltanet.cu").write_text(slip)
-    emu = build(tmp_path / "broken_emu", broken_dir)
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    got, ref, *_ , w = run_delta(emu, runs, "prompt", 2, 32, 4, 32)
+    return build(tmp_path / "broken_emu", broken_dir)
+
+
+@pytest.mark.parametrize("shape", ["qwen35-tiny", "qwen36-heads"])
+def test_a_kernel_without_the_decay_in_the_delta_fails(broken_emu, tmp_path, shape):
+    nk, dk, nv, dv, entry = SHAPES[shape]
+    got, ref, *_ , w = run_delta(broken_emu, tmp_path, "prompt", nk, dk, nv, dv, entry=entry)
     assert np.max(np.abs(got["out"][:, :w] - ref)) > 100 * TOL
 
 

@@ -63,7 +63,7 @@ class Forward:
         self.kv: KVCache | None = None
         self.recurrent: RecurrentState | None = None   # a hybrid's DeltaNet states: set with the KV cache
         if c.has_recurrent_state:
-            _ = k.deltanet["delta"]       # its module now, never inside a graph capture
+            _ = k.deltanet["conv"]        # its module now, never inside a graph capture
         groups = self.model.projections()
         # the groups the dense families multiply (a mixture of experts' router and experts: experts.py)
         dense = [(kind, g) for kind, g in groups if kind in dispatch.DENSE_KINDS]

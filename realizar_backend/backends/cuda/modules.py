@@ -20,6 +20,7 @@ import cupy
 from ...formats.gpu_layout import REGROUPED
 from . import dispatch
 from .matrices import QTYPES
+from .support import DN_DELTA_K
 from ...kernels import catalog
 from ...kernels.catalog import MMQ_BN  # noqa: F401  (token-tile widths of mmq.cu, one module each)
 from ...kernels.catalog import MMV_NB  # noqa: F401  (activation rows per launch column; ops imports it here)
@@ -246,7 +247,8 @@ class Kernels:
         moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add"] + [f"{p}_{sfx[q]}" for q in types
                                                             for p in ("moe_gate_up", "moe_gemv")], typed, lazy=True)
         # a linear-attention hybrid's Gated DeltaNet (deltanet.cu): loaded on first use, by such models only
-        deltanet = build("deltanet.cu", ["dn_conv", "dn_delta"], lazy=True)
+        dn_deltas = ["dn_delta"] + [f"dn_delta_k{d}" for d in DN_DELTA_K]
+        deltanet = build("deltanet.cu", ["dn_conv", *dn_deltas], lazy=True)
         self._gemvs, self._sfx = gemvs, sfx
         self._ready_lock = threading.Lock()
         self._ready = False
@@ -258,7 +260,8 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
-        self.deltanet = _Family({"conv": (deltanet, "dn_conv"), "delta": (deltanet, "dn_delta")})
+        # keys: "conv", and the delta rule's kernel by name (support.dn_delta_kernel)
+        self.deltanet = _Family({"conv": (deltanet, "dn_conv"), **{name: (deltanet, name) for name in dn_deltas}})
         # keys: "topk", "combine", "shared_add", ("gate_up", type), ("gemv", type)
         self.moe = _Family({"topk": (moe, "moe_topk"), "combine": (moe, "moe_combine"),
                             "shared_add": (moe, "moe_shared_add"),

@@ -15,6 +15,7 @@ from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_H
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
+from .support import dn_delta_kernel
 from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
@@ -428,8 +429,8 @@ def dn_delta(k: Kernels, cv: int, cvs: int, alpha: int, beta: int, abs_: int, z:
              eps: float, out: int, os: int) -> None:
     """The gated delta rule of each value head over the segments of the step from the conv output
     cv, each continuing its slot's state [slots][nv][dk][dv] (left holding the last row's), and the
-    gated RMSNorm of the heads' output into out (deltanet.cu dn_delta)."""
-    k.deltanet["delta"]((nv, rows.n), (-(-dv // 32) * 32,),
+    gated RMSNorm of the heads' output into out (deltanet.cu dn_delta, or its instance for this dk)."""
+    k.deltanet[dn_delta_kernel(dk)]((nv, rows.n), (-(-dv // 32) * 32,),
                (_U64(cv), _I32(cvs), _U64(alpha), _U64(beta), _I32(abs_), _U64(z), _I32(zs), _U64(a_coef),
                 _U64(dt_bias), _U64(out_norm), _U64(state), *rows.args(), _I32(nk), _I32(dk), _I32(nv), _I32(dv),
                 _F32(eps), _U64(out), _I32(os)))

@@ -19,6 +19,14 @@ ATT_MAXD = 256
 # kept per channel, and the column of a head's state (k_dim floats) and the head's columns (v_dim
 # threads) of one block
 DN_MAX_TAPS, DN_MAX_K, DN_MAX_V = 8, 128, 256
+# the k_dims with a delta-rule kernel of their own (deltanet.cu DN_DELTA_K_LIST: dn_delta_k<dk>, the
+# state column's length fixed at compile time); other k_dims run the general dn_delta
+DN_DELTA_K = (64, 128)
+
+
+def dn_delta_kernel(k_dim: int) -> str:
+    """The name of deltanet.cu's delta-rule kernel for heads of k_dim key dims."""
+    return f"dn_delta_k{k_dim}" if k_dim in DN_DELTA_K else "dn_delta"
 
 
 def gpu_types(mf: ModelFile) -> dict[str, bool]:
