@@ -148,6 +148,11 @@ CASES = {
     # a 16-row tile height (33 pairs over 3 experts), Q4_K gate/up and Q8_0 down, gpt-oss's biases and SwiGLU
     "mixed-biases-swiglu": ((Q.Q4_K, Q.Q8_0), 3, 11, 3, 256, 96, lambda r, T, k: routing_with(r, T, k, [0, 1, 2]), 2,
                             True),
+    # tiles of 32 (45 pairs over 2 experts, top 1) and of 64 (every row on both of 2 experts: 70 pairs each)
+    "q8_0-tiles-of-32": ((Q.Q8_0, Q.Q8_0), 2, 45, 1, 64, 96, lambda r, T, k: r.integers(0, 2, (T, k)).astype(np.int32),
+                         1, False),
+    "q4k-tiles-of-64": ((Q.Q4_K, Q.Q4_K), 2, 70, 2, 256, 256, lambda r, T, k: np.tile(np.int32([1, 0]), (T, 1)), 0,
+                        False),
 }
 
 
@@ -157,6 +162,7 @@ def test_grouped_chain(emu, tmp_path, case):
     rng = np.random.default_rng(len(case))
     ids = route_fn(rng, T, k)
     out, c = run_chain(emu, tmp_path, rng, types, E, T, k, H, F, ids, act, biases, label=case)
+    print(f"{case}: tiles of {c['bn']}, {c['TB']} token tiles, counts {out['cnt']}")
     assert check_chain(out, c) == []
 
 
