@@ -515,8 +515,8 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     a, y = _nan((pairs, F)), _nan((pairs, max(H, 2 * F)))
     bias_ptrs = tuple(b.data.ptr for b in bds) if biases else (0, 0, 0)
     if grouped:
-        expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act,
-                      GroupedBuffers(T, top, E, H, F), bias_ptrs)
+        buf = GroupedBuffers(T, top, E, H, F)      # held until the result is read below
+        expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act, buf, bias_ptrs)
     else:
         expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
                      same_shape(mats[0], mats[1]), bias_ptrs)
