@@ -585,14 +585,16 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
     }
 }
 
-// prep records of chunk c for tokens tok0 .. tok0 + BN - 1 (those < M) into X and S, by cp.async
+// prep records of chunk c for tokens tok0 .. tok0 + BN - 1 (those < M) into X and S, by cp.async;
+// gi (the grouped experts' gate/up): token j's record is row gi[j] / gdiv of xp (its pair's input row)
 template <int BN>
 __device__ __forceinline__ void mmq_stage_x(const u8* __restrict__ xp, long long xps, int c, int tok0, int M, u8* Xs,
-                                            float* Ss) {
+                                            float* Ss, const int* __restrict__ gi, int gdiv) {
     for (int i = threadIdx.x; i < BN * 33; i += MMQ_THREADS) {
         const int t = i / 33, q = i - 33 * t;
         if (tok0 + t < M) {
-            const u8* src = xp + (long long)(tok0 + t) * xps + (long long)c * MMQ_REC + 16 * q;
+            const long long row = gi ? gi[tok0 + t] / gdiv : tok0 + t;
+            const u8* src = xp + row * xps + (long long)c * MMQ_REC + 16 * q;
             void* dst = q < 32 ? (void*)(Xs + t * MMQ_XROW + ((q ^ ((t & 1) << 2)) << 4)) : (void*)(Ss + 4 * t);
             cp_async16(dst, src);
         }
@@ -615,7 +617,8 @@ __device__ __forceinline__ void mmq_wait_x(int pending) {
 template <int QT, int BN, int SLOT>
 __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqCfg<BN>::D][2], const u8* __restrict__ wrow,
                                          int nu, int p0, const u8* __restrict__ xp, long long xps, int tok0, int M,
-                                         u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+                                         u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
+                                         const int* __restrict__ gi, int gdiv) {
     constexpr int D = MmqCfg<BN>::D;
     const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), xb = (c - c0) % (D + 1);
     u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
@@ -630,7 +633,7 @@ __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqC
         if (c + 1 + D < c1) {
             mmq_load<QT>(wrow, nu, c + 1 + D, p0, r[SLOT][0]);
             mmq_load<QT>(wrow, nu, c + 1 + D, p0 + 2, r[SLOT][1]);
-            mmq_stage_x<BN>(xp, xps, c + 1 + D, tok0, M, X, S);
+            mmq_stage_x<BN>(xp, xps, c + 1 + D, tok0, M, X, S, gi, gdiv);
         }
         mmq_wait_x(min(D, c1 - c - 2));
         __syncthreads();
@@ -638,11 +641,12 @@ __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqC
 }
 
 // chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row tid % 128);
-// it loads and decodes pieces p0 and p0 + 2 of every chunk.
+// it loads and decodes pieces p0 and p0 + 2 of every chunk. gi, gdiv: mmq_stage_x's gather (null: none).
 template <int QT, int BN>
 __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, int c0, int c1,
                                          const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm,
-                                         int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4]) {
+                                         int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
+                                         const int* __restrict__ gi = nullptr, int gdiv = 1) {
     constexpr int D = MmqCfg<BN>::D;
     const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
     u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
@@ -651,7 +655,7 @@ __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, in
     mmq_load<QT>(wrow, nu, c0, p0, r[0][0]);     // weights only: may run before the kernel before ends
     mmq_load<QT>(wrow, nu, c0, p0 + 2, r[0][1]);
     pdl_wait();
-    mmq_stage_x<BN>(xp, xps, c0, tok0, M, X0, S0);
+    mmq_stage_x<BN>(xp, xps, c0, tok0, M, X0, S0, gi, gdiv);
     mmq_store<QT>(r[0][0], c0, p0, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
     mmq_store<QT>(r[0][1], c0, p0 + 2, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
 #pragma unroll
@@ -659,18 +663,49 @@ __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, in
         if (c0 + j < c1) {
             mmq_load<QT>(wrow, nu, c0 + j, p0, r[j - 1][0]);
             mmq_load<QT>(wrow, nu, c0 + j, p0 + 2, r[j - 1][1]);
-            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * 4);
+            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * 4, gi, gdiv);
         }
     mmq_wait_x(min(D, c1 - 1 - c0));
     __syncthreads();
     for (int c = c0; c < c1; c += D) {
-        mmq_iter<QT, BN, 0>(c, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
+        mmq_iter<QT, BN, 0>(c, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv);
         if (D > 1 && c + 1 < c1)
-            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc);
+            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv);
     }
 }
 
 // ------------------------------------------------------------------ the kernel
+// mmq_main for the weight type qt (false: a type not compiled in, acc untouched)
+template <int BN>
+__device__ __forceinline__ bool mmq_run(int qt, const u8* __restrict__ wrow, int nu, int c0, int c1,
+                                        const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm, int wm,
+                                        int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
+                                        const int* __restrict__ gi, int gdiv) {
+#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv); return true; } break;
+    switch (qt) {
+        MMQ_CASE(QT_Q4_0)
+        MMQ_CASE(QT_Q4_1)
+        MMQ_CASE(QT_Q5_0)
+        MMQ_CASE(QT_Q8_0)
+        MMQ_CASE(QT_Q4_K)
+        MMQ_CASE(QT_Q6_K)
+        MMQ_CASE(QT_Q5_K)
+        MMQ_CASE(QT_Q5_1)
+        MMQ_CASE(QT_Q3_K)
+        MMQ_CASE(QT_IQ4_NL)
+        MMQ_CASE(QT_IQ4_XS)
+        MMQ_CASE(QT_MXFP4)
+        MMQ_CASE(QT_IQ2_XXS)
+        MMQ_CASE(QT_IQ2_XS)
+        MMQ_CASE(QT_IQ2_S)
+        MMQ_CASE(QT_IQ3_XXS)
+        MMQ_CASE(QT_IQ3_S)
+        default: break;
+    }
+#undef MMQ_CASE
+    return false;
+}
+
 template <int BN>
 __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8* __restrict__ xp, long long xps,
                                          const float* __restrict__ inv, int M, int mode, int act, int accumulate,
@@ -719,29 +754,7 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-    bool known = false;
-#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc); known = true; } break;
-    switch (S.qt) {
-        MMQ_CASE(QT_Q4_0)
-        MMQ_CASE(QT_Q4_1)
-        MMQ_CASE(QT_Q5_0)
-        MMQ_CASE(QT_Q8_0)
-        MMQ_CASE(QT_Q4_K)
-        MMQ_CASE(QT_Q6_K)
-        MMQ_CASE(QT_Q5_K)
-        MMQ_CASE(QT_Q5_1)
-        MMQ_CASE(QT_Q3_K)
-        MMQ_CASE(QT_IQ4_NL)
-        MMQ_CASE(QT_IQ4_XS)
-        MMQ_CASE(QT_MXFP4)
-        MMQ_CASE(QT_IQ2_XXS)
-        MMQ_CASE(QT_IQ2_XS)
-        MMQ_CASE(QT_IQ2_S)
-        MMQ_CASE(QT_IQ3_XXS)
-        MMQ_CASE(QT_IQ3_S)
-        default: break;
-    }
-#undef MMQ_CASE
+    const bool known = mmq_run<BN>(S.qt, wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, nullptr, 1);
     if (!known) mmq_fill_nan(acc);
     pdl_trigger();
 
@@ -852,6 +865,97 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
     }
 }
 
+// ------------------------------------------------------------------ grouped experts
+// The routed experts of a wide step (backends/cuda/experts.py GroupedExperts) on these tiles, one
+// launch for all experts. moe.cu's bucketing lists each expert's (row, expert) pairs in row order in
+// a slot range of its own padded to BN (list[slot] = pair p = t * k + j; -1: padding) and describes
+// each BN-slot token tile: tiles[3 tb ..] = (expert e, first slot, end of e's slots that hold pairs;
+// e = -1: no tile). A CTA runs mmq_bnBN's pipeline over expert e's matrix (W + e * eb):
+//   mode 1 (gate W0 and up W1 of one type and shape): slot s reads row list[s] / k of the prep
+//     records (h, one record a step row: gathered in mmq_stage_x) and writes
+//     y[s] = gated_f(gate_e . h + b0_e, up_e . h + b1_e, act)  (rows in slot order, stride ys);
+//   mode 0 (down W0): slot s reads prep row s (of the rows mode 1 wrote) and writes
+//     y[list[s]] = W_e . a[s] + b0_e  (rows in pair order: moe_combine sums them per row, j in order).
+// Biases: float [E, n]. Grid: row tiles x TB token tiles (the host's bound, token tile fastest); a CTA
+// past the step's tiles returns at once, so the launch is fixed by the row count, not the routing.
+// Every output is written by one CTA with no K split: bitwise the same run to run.
+template <int BN>
+__device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8* __restrict__ W1, long long rb,
+                                             long long eb, int n, int qt, const float* __restrict__ b0,
+                                             const float* __restrict__ b1, float* __restrict__ y, int ys, int K,
+                                             const u8* __restrict__ xp, long long xps, const float* __restrict__ inv,
+                                             const int* __restrict__ tiles, const int* __restrict__ list, int k,
+                                             int TB, int mode, int act) {
+#ifdef MMQ_DYN_SMEM
+    MMQ_DYN_SMEM(mmq_sm);
+#else
+    extern __shared__ uint4 mmq_sm[];
+#endif
+    constexpr int MT = MmqCfg<BN>::MT, NT = MmqCfg<BN>::NT, WM = MmqCfg<BN>::WM;
+    u8* sm = (u8*)mmq_sm;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp % WM, wn = warp / WM;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int tb = blockIdx.x % TB, tile = blockIdx.x / TB;
+    pdl_wait();                              // the tile table is the bucketing's output
+    const int e = tiles[3 * tb], tok0 = tiles[3 * tb + 1], M = tiles[3 * tb + 2];
+    if (e < 0) return;                       // block-uniform: no tile here this step
+    const int tile_rows = mode ? MMQ_BM / 2 : MMQ_BM, r0 = tile * tile_rows;
+    const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
+    const int lr = tid & (MMQ_BM - 1);
+    const long long eo = (long long)e * eb;
+    const u8* wrow = mode ? (lr < MMQ_BM / 2 ? W0 : W1) + eo + (long long)min(r0 + (lr & 63), n - 1) * rb
+                          : W0 + eo + (long long)min(r0 + lr, n - 1) * rb;
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.0f;
+    if (!mmq_run<BN>(qt, wrow, nu, 0, nch, xp, xps, tok0, M, sm, wm, wn, acc, mode ? list : nullptr, k))
+        mmq_fill_nan(acc);
+    pdl_trigger();
+    __syncthreads();                         // the A tile is free: the up values' exchange below
+    const float* be0 = b0 ? b0 + (long long)e * n : nullptr;
+    const float* be1 = b1 ? b1 + (long long)e * n : nullptr;
+    if (mode) {
+        // as mmq_body's fused FFN: warps wm < WM/2 hold gate rows r0..r0+63, the others the same up rows
+        float* xu = (float*)sm;              // [64][BN]
+        const bool up = wm >= WM / 2;
+        for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int lrow = wm * 16 * MT + 16 * m + gid + 8 * (i >> 1);
+                        const int tl = wn * 8 * NT + 8 * j + 2 * tig + (i & 1), t = tok0 + tl;
+                        const float v = t < M ? acc[m][j][i] * inv[list[t] / k] : 0.0f;
+                        if (pass == 0 && up) {
+                            const int r = r0 + lrow - MMQ_BM / 2;
+                            xu[(lrow - MMQ_BM / 2) * BN + tl] = be1 && r < n ? v + be1[r] : v;
+                        }
+                        if (pass == 1 && !up && t < M && r0 + lrow < n)
+                            y[(long long)t * ys + r0 + lrow] =
+                                gated_f(be0 ? v + be0[r0 + lrow] : v, xu[lrow * BN + tl], act);
+                    }
+            if (pass == 0) __syncthreads();
+        }
+        return;
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + wm * 16 * MT + 16 * m + gid + 8 * (i >> 1);
+                const int t = tok0 + wn * 8 * NT + 8 * j + 2 * tig + (i & 1);
+                if (r < n && t < M) y[(long long)list[t] * ys + r] = acc[m][j][i] * inv[t] + (be0 ? be0[r] : 0.0f);
+            }
+}
+
 // MMQ_BN: one token-tile width per compilation (the loader compiles them as separate modules, on
 // first use); 0: mmq_prep only; unset: everything
 #define DEFINE_MMQ(BN)                                                                                    \
@@ -864,6 +968,12 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         const MmqSeg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},          \
                                {W2, rb2, n2, qt2, b2, y2, ys2}};                                          \
         mmq_body<BN>(seg, K, xp, xps, inv, M, mode, act, accumulate, splits, cps, part, cnt, amax);       \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) mmq_moe_bn##BN(                          \
+        const u8* W0, const u8* W1, long long rb, long long eb, int n, int qt, const float* b0,           \
+        const float* b1, float* y, int ys, int K, const u8* xp, long long xps, const float* inv,          \
+        const int* tiles, const int* list, int k, int TB, int mode, int act) {                            \
+        mmq_moe_body<BN>(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act); \
     }
 #if !defined(MMQ_BN) || MMQ_BN == 8
 DEFINE_MMQ(8)

@@ -12,18 +12,23 @@
 //   moe_combine      x[t] += sum_j w[t, j] * y[t * k + j], j in order (deterministic, no atomics)
 //   moe_shared_add   x[t] += sigmoid(s[t]) * y[t]: a shared expert's output y (qwen35moe; its MLP
 //                    and its gate logit s run on the GEMVs, backends/cuda/experts.py)
+//   moe_bucket_count, moe_bucket_fill   the grouped path's lists (wide steps, mmq.cu mmq_moe_bnBN):
+//                    the pairs of each expert in row order, in a slot range padded to the tile height,
+//                    and the table of the token tiles over them; counts, offsets and lists stay on the
+//                    device, the launches fixed by the pair count
 // The experts' biases (gpt-oss; null pointers: none) are float [E, N], expert e's row r at e * N + r.
 // The per-pair GEMVs follow gemv.cu: one warp per output row, lanes over the row's 32-weight units
 // (common.cuh load_unit<QT>), here with the row's matrix found through the pair's expert id. Each
 // pair reads its expert's rows on its own (pairs that share an expert share them only through L2):
-// the path for every row count until a grouped one (rows sorted by expert, tensor-core tiles per
-// group) takes the wide steps; backends/cuda/dispatch.py says which runs.
+// the path of narrow steps; wide ones take the grouped tiles (pairs bucketed per expert here, then
+// mmq.cu's tensor-core tiles per expert); backends/cuda/dispatch.py says which runs.
 #include "common.cuh"
 
 #define MOE_WARPS 4             // output rows per block of the per-pair GEMVs, a warp each
 #define MOE_TOPK_ROWS 4         // router rows per block of moe_topk, a warp each
 #define MOE_MAX_K 32            // experts per token: moe_topk keeps the j-th on lane j
 #define MOE_COMBINE_THREADS 256 // residual columns per block of moe_combine
+#define MOE_BUCKET_THREADS 256  // segments of the pairs per block of the bucketing, a thread each
 
 // an output of a pair whose expert id is out of range: visible, never a read out of the weights
 #define MOE_NAN __int_as_float(0x7fc00000)
@@ -279,4 +284,75 @@ extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS)
     const int c = blockIdx.y * MOE_COMBINE_THREADS + threadIdx.x;
     if (c >= H) return;
     x[(long long)t * xs + c] += y[(long long)t * ys + c] / (1.0f + expf(-s[t]));
+}
+
+// ------------------------------------------------------------------ the grouped path's lists
+// Inclusive prefix sum of v over the block's MOE_BUCKET_THREADS threads (sm: as many ints), and the
+// block's total. Block-uniform barriers.
+__device__ __forceinline__ int moe_block_scan(int v, int* sm, int& total) {
+    const int tid = threadIdx.x;
+    __syncthreads();                                     // sm may still be read from the last scan
+    sm[tid] = v;
+    __syncthreads();
+    for (int o = 1; o < MOE_BUCKET_THREADS; o <<= 1) {
+        const int a = tid >= o ? sm[tid - o] : 0;
+        __syncthreads();
+        sm[tid] += a;
+        __syncthreads();
+    }
+    total = sm[MOE_BUCKET_THREADS - 1];
+    return sm[tid];
+}
+
+// Grid: E blocks of MOE_BUCKET_THREADS. cnt[e] = the pairs p < P (ids int32 [P], P = rows x k) with
+// ids[p] == e (integer counts: the same in any order).
+extern "C" __global__ void __launch_bounds__(MOE_BUCKET_THREADS)
+    moe_bucket_count(const int* __restrict__ ids, int P, int* __restrict__ cnt) {
+    __shared__ int sm[MOE_BUCKET_THREADS];
+    const int e = blockIdx.x;
+    int c = 0;
+    for (int p = threadIdx.x; p < P; p += MOE_BUCKET_THREADS) c += ids[p] == e;
+    int total;
+    moe_block_scan(c, sm, total);
+    if (threadIdx.x == 0) cnt[e] = total;
+}
+
+// Grid: E blocks of MOE_BUCKET_THREADS, after moe_bucket_count. Expert e's slots start at BN times
+// the tiles of the experts before it (each ceil(cnt / BN) tiles): list[slot] = its pairs p in
+// ascending order (so by row: a row takes an expert once), then -1 up to its last tile's end; its
+// tiles' entries tiles[3 tb ..] = (e, first slot of the tile, end of its pairs' slots). The last
+// block marks the tiles past the step's last one (up to the host's bound TB) with e = -1. Thread i
+// takes the pairs of segment i (ceil(P / threads) consecutive pairs): their places in the list are
+// the prefix sum of the segments' counts, so the order does not depend on scheduling. Pairs whose
+// id is out of range are in no list (moe_topk writes none).
+extern "C" __global__ void __launch_bounds__(MOE_BUCKET_THREADS)
+    moe_bucket_fill(const int* __restrict__ ids, int P, int E, int BN, const int* __restrict__ cnt,
+                    int* __restrict__ list, int* __restrict__ tiles, int TB) {
+    __shared__ int sm[MOE_BUCKET_THREADS];
+    const int e = blockIdx.x, tid = threadIdx.x;
+    int pad = 0;                                         // tiles of the experts before e
+    for (int i = tid; i < e; i += MOE_BUCKET_THREADS) pad += (cnt[i] + BN - 1) / BN;
+    int first;
+    moe_block_scan(pad, sm, first);
+    const int c = cnt[e], nt = (c + BN - 1) / BN, s0 = first * BN;
+    const int seg = (P + MOE_BUCKET_THREADS - 1) / MOE_BUCKET_THREADS;
+    const int p0 = min(P, tid * seg), p1 = min(P, p0 + seg);
+    int mine = 0;
+    for (int p = p0; p < p1; ++p) mine += ids[p] == e;
+    int total;
+    int slot = s0 + moe_block_scan(mine, sm, total) - mine;
+    for (int p = p0; p < p1; ++p)
+        if (ids[p] == e) list[slot++] = p;
+    for (int i = c + tid; i < nt * BN; i += MOE_BUCKET_THREADS) list[s0 + i] = -1;
+    for (int j = tid; j < nt; j += MOE_BUCKET_THREADS) {
+        tiles[3 * (first + j)] = e;
+        tiles[3 * (first + j) + 1] = s0 + j * BN;
+        tiles[3 * (first + j) + 2] = s0 + c;
+    }
+    if (e == E - 1)
+        for (int j = first + nt + tid; j < TB; j += MOE_BUCKET_THREADS) {
+            tiles[3 * j] = -1;
+            tiles[3 * j + 1] = 0;
+            tiles[3 * j + 2] = 0;
+        }
 }

@@ -1,6 +1,6 @@
 """Mixture of experts on the GPU: moe.cu's kernels against their NumPy twins (backends/cuda/selfcheck.py:
 the routing against model/math.py route, the experts through experts.py's launches against float64)
-at several shapes with outputs poisoned, and whole qwen3moe models, CUDABackend against the NumPy
+at several shapes with outputs poisoned (the per-pair GEMVs and the grouped tiles), and whole qwen3moe models, CUDABackend against the NumPy
 oracle (CPUBackend), in prompt steps of every family and decode steps of 1 and 8 rows.
 
 The models are tests/support/moe_models.py's tiny qwen3moe (transformers' own, converted by llama.cpp's
@@ -9,6 +9,8 @@ This machine cannot make them without transformers and the network: make them wh
 (`python tests/support/moe_models.py .device/moe`) and point $REALIZAR_MOE_MODELS at that directory."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -73,6 +75,63 @@ def test_experts_gptoss(kernels, rng, types, T):
     assert err <= TOL
 
 
+# the grouped path's stacks (mmq.cu types; gate and up of one type): one type throughout, a down of
+# another, gpt-oss's MXFP4
+GROUPED_TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS, Q.MXFP4)]
+GROUPED_TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.IQ3_S, Q.IQ3_S, Q.Q4_K)]
+
+
+def grouped_routing(kind: str, T: int, E: int, k: int, rng) -> np.ndarray | None:
+    """A routing [T, k] of the grouped tests: random (None), all rows on experts 0..k-1 (one expert
+    of every row, the rest of none), or a third of the experts unused."""
+    if kind == "random":
+        return None
+    if kind == "one-expert":
+        return np.tile(np.arange(k, dtype=np.int32), (T, 1))
+    return np.stack([rng.choice(np.arange(E // 3, E), k, replace=False) for _ in range(T)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("types", GROUPED_TYPES, ids=lambda t: "-".join(q.name for q in t))
+@pytest.mark.parametrize("T", [1, 8, 37, 200])
+@pytest.mark.parametrize("routing", ["random", "one-expert", "unused-experts"])
+def test_experts_grouped(kernels, rng, types, T, routing):
+    """The grouped path (experts.py expert_groups: bucketing, mmq.cu's grouped tiles, combine) at the
+    per-pair path's bound, tile heights 8 to 64 (T x 3 pairs over 7 experts)."""
+    from realizar_backend.backends.cuda.selfcheck import check_moe_experts
+    kq = any(QTYPES[q].block == 256 for q in types)
+    F, H = (256, 512) if kq else (96, 160)
+    for act in (0, 1, 2):
+        err = check_moe_experts(kernels, types, 7, F, H, T, 3, act, rng, biases=act == 2, grouped=True,
+                                ids=grouped_routing(routing, T, 7, 3, rng))
+        print(f"grouped experts {[q.name for q in types]} T={T} {routing} act={act}: rel.err {err:.2e}")
+        assert err <= TOL
+
+
+@pytest.mark.parametrize("T", [37, 512])
+def test_experts_grouped_bitwise_repeat(kernels, rng, T):
+    """The grouped path twice on the same inputs gives the same bits (no order-dependent float
+    atomics: integer counts, one CTA an output, the combine's fixed order), on Qwen3-30B-A3B's
+    expert count and top k at a narrow width."""
+    import cupy
+    from realizar_backend.backends.cuda.experts import GroupedBuffers, expert_groups
+    from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
+    E, top, F, H = 128, 8, 256, 512
+    mats, keep = [], []
+    for r, c in ((F, H), (F, H), (H, F)):
+        w, dev = upload_weight(Q.Q4_K, random_weight(Q.Q4_K, E * r, c, rng))
+        mats.append(dataclasses.replace(w, rows=r, experts=E))
+        keep.append(dev)
+    ids = cupy.asarray(np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32))
+    h = cupy.asarray(rng.standard_normal((T, H)).astype(np.float32))
+    buf = GroupedBuffers(T, top, E, H, F)
+    ys = [cupy.full((T * top, H), np.nan, cupy.float32) for _ in range(2)]
+    for y in ys:
+        expert_groups(kernels, *mats, ids.data.ptr, top, T, h.data.ptr, H, y.data.ptr, H, 0, buf)
+    a, b = (y.get() for y in ys)
+    assert np.all(np.isfinite(a))
+    assert a.tobytes() == b.tobytes()
+
+
 @pytest.fixture(scope="module", params=["f32", "q4k"])
 def moe_model(request):
     path = model_path(request.param)
@@ -83,12 +142,20 @@ def moe_model(request):
     return request.param, open_model(path)
 
 
-def test_model_parity(moe_model, rng):
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
+def test_model_parity(moe_model, rng, monkeypatch, path):
     """Prompt steps on the GEMVs (a few tokens), the tensor-core buckets or GEMVs (eight short prompts
     at once) and the split16 GEMMs (100 tokens), then decode steps of one row and of eight rows
-    (captured graphs, replayed): every row's logits at cosine >= COS_MIN to the NumPy backend's."""
+    (captured graphs, replayed): every row's logits at cosine >= COS_MIN to the NumPy backend's.
+    path: the routed experts on the per-pair GEMVs, or forced onto the grouped tiles at every row
+    count (dispatch.MOE_GROUPED_MIN_ROWS = 1; stacks without mmq.cu kernels, the F32 model's, stay
+    on the pairs)."""
     from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import dispatch
+    monkeypatch.setattr(dispatch, "MOE_GROUPED_MIN_ROWS", 1 if path == "grouped" else None)
     name, model = moe_model
+    if path == "grouped" and name == "f32":
+        pytest.skip("F32 stacks have no mmq.cu kernel: the grouped path does not take them")
     cpu, gpu = _backends(model, slots=8, ctx=256)
     assert gpu.fwd.model.layers[0].ffn.gate.experts == model.config.n_experts
     V = model.config.vocab_size

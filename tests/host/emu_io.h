@@ -1,5 +1,5 @@
 // The file harness of the emulators that run one launch from a directory (attention_emu, deltanet_emu,
-// flash_emu, moe_emu; their Python side is tests/support/host_emu.py): argv[1] is the directory, its
+// flash_emu, moe_emu, moe_grouped_emu; their Python side is tests/support/host_emu.py): argv[1] is the directory, its
 // params.txt holds one "name value" per line (`kernel` and the launch's scalars), each input array is
 // a raw NAME.bin there, and each output is written back as NAME_after.bin.
 //

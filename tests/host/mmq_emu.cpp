@@ -224,6 +224,7 @@ static void launch(unsigned grid, unsigned threads, size_t smem, const std::func
         }
 }
 
+#ifndef MMQ_EMU_NO_MAIN   // moe_grouped_emu.cpp: the harness above, its own main
 template <class T> static bool rd(FILE* f, T* p, size_t n) { return std::fread(p, sizeof(T), n, f) == n; }
 
 int main(int argc, char** argv) {
@@ -350,3 +351,4 @@ int main(int argc, char** argv) {
     std::fclose(o);
     return 0;
 }
+#endif

@@ -185,16 +185,17 @@ def moe(layers: int = 2, hidden: int = 2048, q_dim: int = 4096, kv_dim: int = 51
 def test_a_mixture_of_experts_runs_its_experts_per_pair_at_every_row_count_and_keeps_the_tensor_cores():
     """The router (F32) and the stacks of experts do not take the dense families' kernels, so they
     do not decide the step's family: the attention keeps the tensor-core buckets. The experts run
-    on the per-pair GEMVs in every step (no grouped path yet), the router on gemv.cu's GEMV, gate
-    and up in one launch where they share type and shape."""
+    on the per-pair GEMVs in every step (the grouped path not yet measured: MOE_GROUPED_MIN_ROWS
+    None), the router on gemv.cu's GEMV, gate and up in one launch where they share type and shape."""
     groups, head = moe()
     disp = Dispatcher(groups, head, split16_kept=True)
     assert disp.mmq_all and disp.mmqs_all and disp.buckets
     router, (gate, up, _) = groups[2][1][0], groups[3][1]
     assert d.MOE_GROUPED_MIN_ROWS is None
+    down = groups[3][1][2]
     for step in [disp.decode_step(b) for b in (1, 4, 16, 64, 256)] + [disp.prompt_step(T) for T in (3, 40, 2048)]:
-        c = disp.experts(step, router, gate, up)
-        assert c == d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS, True), step
+        assert disp.experts(step, router, gate, up) == d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS, True), step
+        assert disp.experts(step, router, gate, up, down=down).experts == Kernel.MOE_PAIRS, step
     groups, head = moe(up=Q.Q6_K)
     gate, up = groups[3][1][:2]
     assert not Dispatcher(groups, head, split16_kept=False).experts(Step("gemv", 1), router, gate, up).fused
@@ -332,3 +333,36 @@ def test_mmv8_types_take_the_one_row_gemvs_only(monkeypatch):
     longest = 100 * 1024 * 4 // 5                      # K + K / 4 bytes of shared memory: 100 KB
     assert disp.linear(one, (mat(Q.Q4_K, 64, longest),)).kernels == (Kernel.MMV8,)
     assert disp.linear(one, (mat(Q.Q4_K, 64, longest + 256),)).kernels == (Kernel.MMVF,)
+
+
+def test_grouped_experts_take_the_steps_from_their_row_count_where_every_stack_has_mmq(monkeypatch):
+    """With MOE_GROUPED_MIN_ROWS set (the GPU tests force 1), steps of that many rows or more run the
+    experts on the grouped tiles where gate and up share type and shape and every stack has an mmq.cu
+    kernel (the down projection's stack is needed to say so); others stay on the pairs."""
+    monkeypatch.setattr(d, "MOE_GROUPED_MIN_ROWS", 16)
+    groups, head = moe()
+    disp = Dispatcher(groups, head, split16_kept=True)
+    router, (gate, up, down) = groups[2][1][0], groups[3][1]
+    for rows, want in ((1, Kernel.MOE_PAIRS), (15, Kernel.MOE_PAIRS), (16, Kernel.MOE_GROUPED),
+                       (512, Kernel.MOE_GROUPED)):
+        assert disp.experts(Step("mmq", rows), router, gate, up, down=down).experts == want, rows
+    assert disp.experts(Step("mmq", 64), router, gate, up).experts == Kernel.MOE_PAIRS        # no down given
+    for kw in ({"up": Q.Q6_K}, {"down": Q.Q2_K}, {"gate": Q.F32, "up": Q.F32}):
+        g2, _ = moe(**kw)
+        gate2, up2, down2 = g2[3][1]
+        assert disp.experts(Step("mmq", 64), router, gate2, up2, down=down2).experts == Kernel.MOE_PAIRS, kw
+
+
+@pytest.mark.parametrize("T,k,E,bn", [(1, 8, 128, 8), (16, 8, 128, 8), (64, 8, 128, 8), (512, 8, 128, 32),
+                                      (2048, 8, 128, 64), (7, 2, 6, 8), (40, 4, 8, 32)])
+def test_grouped_plan_tile_height_and_bound(T, k, E, bn):
+    """moe_grouped_plan: the smallest tile height holding the mean pairs per expert, and a token-tile
+    bound no routing exceeds (one pair on each of min(E, P) - 1 experts and the rest on one; an even
+    spread)."""
+    got_bn, TB = d.moe_grouped_plan(T, k, E)
+    assert got_bn == bn
+    P = T * k
+    n = min(E, P)
+    for counts in ([1] * (n - 1) + [P - n + 1], [P // E + (i < P % E) for i in range(E)], [P]):
+        assert sum(-(-c // bn) for c in counts) <= TB, counts
+    assert TB <= -(-P // bn) + n        # and never more than one extra tile per expert with pairs

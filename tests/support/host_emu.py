@@ -1,7 +1,7 @@
 """The host emulators of tests/host/ (CUDA kernels compiled with g++ and run on the CPU), from the
 Python side: `build` compiles one (the tests' module fixtures), `launch` runs one launch of an
-emulator that reads a directory (attention_emu, deltanet_emu, flash_emu, moe_emu through
-tests/host/emu_io.h): params.txt, each input array as NAME.bin, each output read back from
+emulator that reads a directory (attention_emu, deltanet_emu, flash_emu, moe_emu, moe_grouped_emu
+through tests/host/emu_io.h): params.txt, each input array as NAME.bin, each output read back from
 NAME_after.bin. The tests skip themselves where GXX is None."""
 
 from __future__ import annotations

@@ -84,11 +84,16 @@ MMV8_TYPES: frozenset = frozenset()
 # The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
 # (MOE_PAIRS): each (row, expert) pair reads its expert's rows through the id the router wrote on the
 # device, so a step's launches do not depend on the routing (a decode bucket stays one graph). A
-# step of n rows reads its experts' weights once per pair that chose them, up to n * top_k times;
-# a grouped path (pairs sorted by expert, each expert's rows read once per tile of its pairs, on the
-# tensor cores) wins once pairs share experts, and takes the steps from MOE_GROUPED_MIN_ROWS rows
-# once it exists. None: no grouped path yet, the per-pair GEMVs at every row count.
+# step of n rows reads its experts' weights once per pair that chose them, up to n * top_k times.
+# The grouped path (MOE_GROUPED: the pairs bucketed per expert on the device, each expert's weights
+# read once per tile of MOE_GROUPED_BN of its pairs on mmq.cu's tensor-core tiles) wins once pairs
+# share experts, and takes the steps from MOE_GROUPED_MIN_ROWS rows where every expert matrix has an
+# mmq.cu kernel. None: not yet measured against the pairs on a GPU (benchmarks/moe_grouped_bench.py),
+# so the per-pair GEMVs at every row count; the GPU tests force the grouped path.
 MOE_GROUPED_MIN_ROWS: int | None = None
+# Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
+# per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
+MOE_GROUPED_BN = (8, 16, 32, 64)
 # The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
 # are too few for a tensor-core tile to pay its prep. So does a shared expert (qwen35moe: a small
 # MLP and its one-output gate beside the routed experts), for now: correct at every row count, its
@@ -115,6 +120,7 @@ class Kernel(enum.Enum):
     MMQ = "mmq"
     SPLIT16 = "split16"
     MOE_PAIRS = "moe_pairs"
+    MOE_GROUPED = "moe_grouped"
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,22 @@ def mmqs_takes(mats: Sequence[WeightRef], rows: int) -> bool:
     MMQS_MAX_ROWS rows, and beyond for launches of up to MMQS_L2_BYTES of weights."""
     return all(mmqs_ok(w) for w in mats) and (
         rows <= MMQS_MAX_ROWS or sum(w.rows * w.row_bytes for w in mats) <= MMQS_L2_BYTES)
+
+
+def moe_grouped_ok(gate: WeightRef, up: WeightRef, down: WeightRef) -> bool:
+    """The grouped experts take the stacks: gate and up of one type and shape (one fused launch),
+    every matrix on mmq.cu."""
+    return same_shape(gate, up) and all(mmq_ok(w) for w in (gate, up, down))
+
+
+def moe_grouped_plan(rows: int, top_k: int, experts: int) -> tuple[int, int]:
+    """(bn, tiles): a grouped step's token-tile height (MOE_GROUPED_BN) and the token tiles its
+    launches cover, a bound that holds for any routing: an expert with c > 0 pairs takes
+    ceil(c / bn) <= (c + bn - 1) / bn tiles, so P = rows x top_k pairs over at most min(E, P) experts
+    take at most (P + min(E, P) (bn - 1)) // bn."""
+    P = rows * top_k
+    bn = next((b for b in MOE_GROUPED_BN if b * experts >= P), MOE_GROUPED_BN[-1])
+    return bn, (P + min(experts, P) * (bn - 1)) // bn
 
 
 def prompt_buckets(max_tokens: int = PROMPT_MMQ_TOKENS) -> tuple[int, ...]:
@@ -263,10 +285,14 @@ class Dispatcher:
         return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
 
     def experts(self, step: Step, router: WeightRef, gate: WeightRef, up: WeightRef,
-                shared: Sequence[WeightRef] = ()) -> ExpertsChoice:
+                shared: Sequence[WeightRef] = (), down: WeightRef | None = None) -> ExpertsChoice:
         """The kernels of a routed-experts block in a step (the rules of MOE_GROUPED_MIN_ROWS and the
-        router's above), and of its shared expert's matrices where it has one."""
-        return ExpertsChoice(self._gemv((router,))[0], Kernel.MOE_PAIRS, same_shape(gate, up), self._gemv(shared))
+        router's above; the grouped path needs the down projection's stack), and of its shared
+        expert's matrices where it has one."""
+        grouped = (MOE_GROUPED_MIN_ROWS is not None and step.rows >= MOE_GROUPED_MIN_ROWS
+                   and down is not None and moe_grouped_ok(gate, up, down))
+        return ExpertsChoice(self._gemv((router,))[0], Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS,
+                             same_shape(gate, up), self._gemv(shared))
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

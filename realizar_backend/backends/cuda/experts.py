@@ -1,5 +1,6 @@
 """A mixture of experts' routed experts on the GPU (model/ops.py norm_moe_residual), one class per
-kernel family of the dispatcher's `experts` rule (dispatch.py).
+kernel family of the dispatcher's `experts` rule (dispatch.py): PairExperts (moe.cu's per-pair
+GEMVs) and GroupedExperts (the pairs bucketed per expert, mmq.cu's tensor-core tiles per expert).
 
 Each step: h = RMSNorm(x) into ws.h; the router's logits (its GEMV, the dispatcher's choice) into
 ws.moe_logits; moe_topk writes each row's experts and weights (ws.moe_ids, ws.moe_w); the experts'
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import cupy
 
+from . import mmq as mmq_ops
 from . import ops
-from .dispatch import ExpertsChoice
+from .dispatch import ExpertsChoice, moe_grouped_plan
 from .linear import ACT, Context, Family, GemvLinear
+from .mmq import MmqPrep
 from .ops import WeightRef
 
 # the experts' activation codes: the dense ones, and gpt-oss's clamped SwiGLU of gate and up, which
@@ -59,12 +62,18 @@ class PairExperts(Family):
         self.gemv._one(choice.router, e.router, h, T, logits.data.ptr, logits.shape[1], bias=e.router_bias or 0)
         ids, w = ws.moe_ids.data.ptr, ws.moe_w.data.ptr
         ops.moe_topk(k, logits.data.ptr, logits.shape[1], T, e.router.rows, e.top_k, e.renormalize, ids, w)
-        expert_pairs(k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr, y.data.ptr,
-                     y.shape[1], MOE_ACT[e.act], choice.fused, (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0))
+        self.experts(e, ids, T, h, a, y, choice)
         ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)
         if e.shared_gate is not None:
             self.shared(x, h, e, choice, T)
         return x
+
+    def experts(self, e, ids: int, T: int, h: cupy.ndarray, a: cupy.ndarray, y: cupy.ndarray,
+                choice: ExpertsChoice) -> None:
+        """y[p] = the expert ids[p]'s MLP of row h[p // top_k], for the T rows' pairs (expert_pairs)."""
+        expert_pairs(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
+                     y.data.ptr, y.shape[1], MOE_ACT[e.act], choice.fused,
+                     (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0))
 
     def shared(self, x: cupy.ndarray, h: cupy.ndarray, e, choice: ExpertsChoice, T: int) -> None:
         """x[:T] += sigmoid(h @ shared_router.T) * down(act(h @ gate.T) * (h @ up.T)), the shared
@@ -78,3 +87,60 @@ class PairExperts(Family):
         self.gemv._one(kd, e.shared_down, ws.sh_a, T, ws.tmp.data.ptr, ws.tmp.shape[1])
         self.gemv._one(kr, e.shared_router, h, T, ws.sh_s.data.ptr, 1)
         ops.moe_shared_add(k, x.data.ptr, x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], ws.sh_s.data.ptr, T, c.hidden)
+
+
+class GroupedBuffers:
+    """The grouped path's device buffers for steps of up to `rows` rows of top_k of E experts (gate
+    and up [E, F, H], down [E, H, F]): per-expert counts, the slot list and the token-tile table
+    (ops.moe_bucket), the slots' gated rows, and the prep records of the step's rows and of the
+    slots. Sized once for the largest plan of up to `rows` rows (dispatch.moe_grouped_plan)."""
+
+    def __init__(self, rows: int, top_k: int, E: int, H: int, F: int):
+        plans = [moe_grouped_plan(r, top_k, E) for r in range(1, rows + 1)]
+        slots, tiles = max(bn * tb for bn, tb in plans), max(tb for _, tb in plans)
+        self.rows, self.top_k, self.E, self.H, self.F = rows, top_k, E, H, F
+        self.cnt = cupy.empty(E, cupy.int32)
+        self.lst = cupy.empty(slots, cupy.int32)
+        self.tiles = cupy.empty((tiles, 3), cupy.int32)
+        self.a = cupy.empty((slots, F), cupy.float32)
+        self.ph, self.pa = MmqPrep(rows, H), MmqPrep(slots, F)
+
+    def fits(self, rows: int, top_k: int, E: int, H: int, F: int) -> bool:
+        return rows <= self.rows and (top_k, E, H, F) == (self.top_k, self.E, self.H, self.F)
+
+
+def expert_groups(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
+                  y: int, ys: int, act: int, buf: GroupedBuffers, biases: tuple[int, int, int] = (0, 0, 0)) -> None:
+    """What expert_pairs computes (y[p] = down_e(act(gate_e h[t], up_e h[t])) for p = t * top + j,
+    e = ids[p]; y row stride ys), on the grouped path: the pairs bucketed per expert (ops.moe_bucket),
+    the step's rows prepped once, each expert's gate and up (one fused launch: same type and shape)
+    over its pairs' rows into the slots' rows buf.a, those prepped, and each expert's down
+    projection into the pairs' rows of y (mmq.mmq_moe). Every launch's size is fixed by T."""
+    E, F, H = gate.experts, gate.rows, gate.cols
+    bn, TB = moe_grouped_plan(T, top, E)
+    bg, bu, bd = biases
+    ops.moe_bucket(k, ids, T * top, E, bn, buf.cnt.data.ptr, buf.lst.data.ptr, buf.tiles.data.ptr, TB)
+    tiles, lst = buf.tiles.data.ptr, buf.lst.data.ptr
+    mmq_ops.prep(k, h, hs, T, H, buf.ph)
+    mmq_ops.mmq_moe(k, gate, up, bn, TB, tiles, lst, top, buf.ph, buf.a.data.ptr, F, 1, act, bg, bu)
+    # every slot a tile covers (padding too: rows never read) into prep records
+    mmq_ops.prep(k, buf.a.data.ptr, F, TB * bn, F, buf.pa)
+    mmq_ops.mmq_moe(k, down, None, bn, TB, tiles, lst, top, buf.pa, y, ys, 0, 0, bd)
+
+
+class GroupedExperts(PairExperts):
+    """The grouped path (dispatch.py MOE_GROUPED): the router, top-k, combine and shared expert as
+    PairExperts, the experts on expert_groups. Its buffers follow the workspace's capacity (they are
+    made again when the workspace grows, as its own pools are, never inside a captured step)."""
+
+    def __init__(self, ctx: Context, gemv: GemvLinear):
+        super().__init__(ctx, gemv)
+        self.buf: GroupedBuffers | None = None
+
+    def experts(self, e, ids: int, T: int, h: cupy.ndarray, a: cupy.ndarray, y: cupy.ndarray,
+                choice: ExpertsChoice) -> None:
+        shape = (max(T, self.ctx.ws.capacity), e.top_k, e.gate.experts, e.gate.cols, e.gate.rows)
+        if self.buf is None or not self.buf.fits(*shape):
+            self.buf = GroupedBuffers(*shape)
+        expert_groups(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], y.data.ptr,
+                      y.shape[1], MOE_ACT[e.act], self.buf, (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0))

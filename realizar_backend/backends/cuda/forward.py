@@ -27,7 +27,7 @@ from ...model.ops import AttentionSpec
 from ...settings import Settings
 from . import dispatch, flash, ops
 from .dispatch import Dispatcher, Kernel, Step
-from .experts import PairExperts
+from .experts import GroupedExperts, PairExperts
 from .kv_cache import KVCache
 from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear, launches
 from .modules import Kernels
@@ -80,7 +80,8 @@ class Forward:
         self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
         self._family = {Kernel.MMVF: self.gemv, Kernel.MMV8: self.gemv, Kernel.GEMV: self.gemv,
                         Kernel.MMQS: self.mmq, Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16,
-                        Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv)}
+                        Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv),
+                        Kernel.MOE_GROUPED: GroupedExperts(self.ctx, self.gemv)}
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct (theta, scaling) of
@@ -261,7 +262,7 @@ class StepOps:
     def norm_moe_residual(self, x, norm: int, experts):
         e = experts
         shared = (e.shared_gate, e.shared_up, e.shared_down, e.shared_router) if e.shared_gate is not None else ()
-        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up, shared)
+        choice = self.fwd.dispatcher.experts(self.step, e.router, e.gate, e.up, shared, e.down)
         return self.fwd.family(choice.experts).moe(x, norm, e, choice, self.T)
 
     def split_heads(self, y, parts: int) -> tuple:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import cupy
 import numpy as np
 
-from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes
+from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
 from .modules import MMQ_BN, mmq_smem_bytes
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
@@ -298,3 +298,21 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
         return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps, cluster)
     pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)
+
+
+def mmq_moe(k: "Kernels", w0: WeightRef, w1: WeightRef | None, bn: int, TB: int, tiles: int, lst: int, top_k: int,
+            p: MmqPrep, y: int, ys: int, mode: int, act: int = 0, b0: int = 0, b1: int = 0) -> None:
+    """The grouped experts' tiles (mmq.cu mmq_moe_bnBN) over the lists of ops.moe_bucket (tile height
+    bn, TB token tiles): mode 1, y[slot] = act(w0_e @ h + b0_e, w1_e @ h + b1_e) with gate w0 and up w1
+    (stacks of one type and shape) over p's records of the step's rows (row lst[slot] // top_k);
+    mode 0, y[lst[slot]] = w0_e @ a[slot] + b0_e over p's records of the slots. b0, b1: float
+    [experts, rows] biases (0: none)."""
+    if mode and (w1 is None or not same_shape(w0, w1)):
+        raise ValueError(f"mmq_moe: gate {w0.name} and up {getattr(w1, 'name', None)} differ in type or shape")
+    _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1)
+    rows = BM // 2 if mode else BM
+    _launch(k.mmq[("moe", bn)], (-(-w0.rows // rows) * TB,), (THREADS,),
+            (_U64(w0.ptr), _U64(w1.ptr if mode else 0), _I64(w0.row_bytes), _I64(w0.expert_bytes), _I32(w0.rows),
+             _I32(int(w0.qtype)), _U64(b0), _U64(b1), _U64(y), _I32(ys), _I32(w0.cols), _U64(p.rec.data.ptr),
+             _I64(prep_row_bytes(w0.cols)), _U64(p.inv.data.ptr), _U64(tiles), _U64(lst), _I32(top_k), _I32(TB),
+             _I32(mode), _I32(act)), mmq_smem_bytes(bn))

@@ -239,12 +239,15 @@ class Kernels:
         floats = [q for q in types if not QTYPES[q].blocks]
         gemv = build("gemv.cu", [f"{p}_{sfx[q]}" for q in floats for p in ("gemv", "ffn_gate_up")], typed, lazy=True)
         # the batched-decode matrix multiply (mmq.cu), one module per token-tile width, and its prep
-        mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + (f"-DMMQ_BN={bn}",), smem=mmq_smem_bytes(bn), lazy=True)
+        # (mmq_moe_bnBN: the grouped experts' tiles, in the same module)
+        mmq = {bn: build("mmq.cu", [f"mmq_bn{bn}", f"mmq_moe_bn{bn}"], typed + (f"-DMMQ_BN={bn}",),
+                         smem=mmq_smem_bytes(bn), lazy=True)
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
         # the routed experts of mixture-of-experts models (moe.cu): loaded on first use, by such models only
-        moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add"] + [f"{p}_{sfx[q]}" for q in types
+        moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add", "moe_bucket_count", "moe_bucket_fill"]
+                    + [f"{p}_{sfx[q]}" for q in types
                                                             for p in ("moe_gate_up", "moe_gemv")], typed, lazy=True)
         # a linear-attention hybrid's Gated DeltaNet (deltanet.cu): loaded on first use, by such models only
         dn_deltas = ["dn_delta"] + [f"dn_delta_k{d}" for d in DN_DELTA_K]
@@ -258,13 +261,15 @@ class Kernels:
         self.repack = _Family({q: (repack, "repack_" + sfx[q]) for q in regrouped})
         self.gemv = _Family({q: (gemv, "gemv_" + sfx[q]) for q in floats})
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
-        self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep")})
+        self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep"),
+                            **{("moe", bn): (mmq[bn], f"mmq_moe_bn{bn}") for bn in MMQ_BN}})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
         # keys: "conv", and the delta rule's kernel by name (support.dn_delta_kernel)
         self.deltanet = _Family({"conv": (deltanet, "dn_conv"), **{name: (deltanet, name) for name in dn_deltas}})
-        # keys: "topk", "combine", "shared_add", ("gate_up", type), ("gemv", type)
+        # keys: "topk", "combine", "shared_add", "bucket_count", "bucket_fill", ("gate_up", type), ("gemv", type)
         self.moe = _Family({"topk": (moe, "moe_topk"), "combine": (moe, "moe_combine"),
-                            "shared_add": (moe, "moe_shared_add"),
+                            "shared_add": (moe, "moe_shared_add"), "bucket_count": (moe, "moe_bucket_count"),
+                            "bucket_fill": (moe, "moe_bucket_fill"),
                             **{(p, q): (moe, f"moe_{p}_{sfx[q]}") for q in types for p in ("gate_up", "gemv")}})
 
     def ready(self, max_batch: int | None = None) -> "Kernels":

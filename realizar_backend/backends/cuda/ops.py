@@ -261,7 +261,7 @@ def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: in
                              _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(nb), _I32(act)))
 
 
-MOE_WARPS, MOE_TOPK_ROWS, MOE_COMBINE_THREADS = 4, 4, 256      # must match moe.cu (and MOE_MAX_K)
+MOE_WARPS, MOE_TOPK_ROWS, MOE_COMBINE_THREADS, MOE_BUCKET_THREADS = 4, 4, 256, 256   # must match moe.cu (and MOE_MAX_K)
 
 
 def moe_topk(k: Kernels, logits: int, ls: int, T: int, E: int, top_k: int, renorm: bool, ids: int,
@@ -302,6 +302,16 @@ def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int
     """x[t] += sum_j w[t, j] * y[t * top_k + j] over the first H columns, j in order."""
     k.moe["combine"]((T, (H + MOE_COMBINE_THREADS - 1) // MOE_COMBINE_THREADS), (MOE_COMBINE_THREADS,),
                      (_U64(x), _I32(xs), _U64(y), _I32(ys), _U64(w), _I32(top_k), _I32(H)))
+
+
+def moe_bucket(k: Kernels, ids: int, pairs: int, E: int, bn: int, cnt: int, lst: int, tiles: int, TB: int) -> None:
+    """The grouped experts' lists (moe.cu moe_bucket_count, moe_bucket_fill) of `pairs` expert ids
+    (int32): cnt int32 [E], lst int32 [TB * bn] (each expert's pairs in row order from slot bn x the
+    tiles before it, -1 padding its last tile), tiles int32 [TB, 3] (expert, first slot, end of the
+    expert's pairs; -1: none), TB the bound dispatch.moe_grouped_plan gives."""
+    k.moe["bucket_count"]((E,), (MOE_BUCKET_THREADS,), (_U64(ids), _I32(pairs), _U64(cnt)))
+    k.moe["bucket_fill"]((E,), (MOE_BUCKET_THREADS,), (_U64(ids), _I32(pairs), _I32(E), _I32(bn), _U64(cnt),
+                                                       _U64(lst), _U64(tiles), _I32(TB)))
 
 
 def moe_shared_add(k: Kernels, x: int, xs: int, y: int, ys: int, s: int, T: int, H: int) -> None:

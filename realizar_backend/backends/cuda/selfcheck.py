@@ -510,14 +510,15 @@ def check_moe_shared_add(k: Kernels, T: int, H: int, rng) -> float:
 
 
 def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng,
-                      biases: bool = False) -> float:
+                      biases: bool = False, grouped: bool = False, ids: np.ndarray | None = None) -> float:
     """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
-    where gate and up differ) and moe_combine into residual rows, against float64: each of T rows
-    takes top distinct experts of E (some shared between rows) at random weights. types: (gate, up,
-    down) storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the activation code (2:
-    gpt-oss's clamped SwiGLU); biases: each expert's gate, up and down biases (gpt-oss). Relative
-    error of the rows after."""
-    from .experts import expert_pairs
+    where gate and up differ; grouped: expert_groups, the bucketing and mmq.cu's grouped tiles) and
+    moe_combine into residual rows, against float64: each of T rows takes top distinct experts of E
+    (some shared between rows; ids: this routing instead) at random weights. types: (gate, up, down)
+    storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the activation code (2: gpt-oss's
+    clamped SwiGLU); biases: each expert's gate, up and down biases (gpt-oss). Relative error of
+    the rows after."""
+    from .experts import GroupedBuffers, expert_groups, expert_pairs
     shapes = ((F, H), (F, H), (H, F))
     hosts = [random_weight(qt, E * r, c, rng) for qt, (r, c) in zip(types, shapes)]
     mats, keep = [], []
@@ -531,14 +532,21 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     bs = [rng.normal(0.0, 2.0, (E, r)).astype(np.float32) if biases else np.zeros((E, r), np.float32)
           for r in (F, F, H)]
     bds = [_dev(b) for b in bs] if biases else []
-    ids = np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32)
+    if ids is None:
+        ids = np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32)
+    ids = np.ascontiguousarray(ids, np.int32)
     wts = rng.random((T, top)).astype(np.float32)
     x0 = rng.standard_normal((T, H)).astype(np.float32)
     pairs = T * top
     hd, idd, wtd, xd = _dev(h), _dev(ids), _dev(wts), _dev(x0)
     a, y = _nan((pairs, F)), _nan((pairs, max(H, 2 * F)))
-    expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
-                 same_shape(mats[0], mats[1]), tuple(b.data.ptr for b in bds) if biases else (0, 0, 0))
+    bias_ptrs = tuple(b.data.ptr for b in bds) if biases else (0, 0, 0)
+    if grouped:
+        buf = GroupedBuffers(T, top, E, H, F)      # held until the result is read below
+        expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act, buf, bias_ptrs)
+    else:
+        expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
+                     same_shape(mats[0], mats[1]), bias_ptrs)
     ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
     ref = x0.astype(np.float64)
     for t in range(T):
