@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..model.arch import ARCHITECTURES, required_tensors
+from ..model.arch import ARCHITECTURES, SHARED_EXPERT, required_tensors
 from ..model.config import config_from_gguf
 from .model_file import ModelFile, Tensor
 from .quants import SUPPORTED
@@ -312,7 +312,9 @@ def open_gguf(path: Path) -> ModelFile:
 
 def validate_model(mf: ModelFile) -> None:
     """The tensors agree with the config: the block count, every required tensor present, and
-    every known tensor with the shape the metadata implies. Shared with the safetensors loader."""
+    every tensor a model reads with the shape the metadata implies, so that a disagreeing file
+    fails here, naming the tensor, and never as a shape error (or an out-of-bounds read on the
+    GPU) in a forward pass. Shared with the safetensors loader."""
     c = mf.config
     # Compare block_count with the tensors before building per-layer name lists, so an absurd
     # count (10**12) fails here instead of allocating.
@@ -321,30 +323,56 @@ def validate_model(mf: ModelFile) -> None:
         top = max(layers) + 1 if layers else 0
         raise ModelFormatError(mf.path, f"the metadata says {c.n_layers} layers but the tensors "
                                         f"describe {top}")
-    for name in required_tensors(c.arch, c.n_layers):
+    for name in required_tensors(c.arch, c.n_layers, c.recurrent):
         mf.tensor(name)
     expect = {
         "token_embd.weight": (c.vocab_size, c.hidden),
         "output.weight": (c.vocab_size, c.hidden),
         "output_norm.weight": (c.hidden,),
     }
-    q_rows = 2 * c.q_dim if ARCHITECTURES[c.arch].gated_attention else c.q_dim
+    q_rows = 2 * c.q_dim if ARCHITECTURES[c.arch].gated_attention else c.q_dim   # [query | gate]
+    E, F, H = c.n_experts, c.expert_ffn_dim, c.hidden
+    # Gated DeltaNet: q|k|v mixed in C channels, value heads V of dim c.ssm_v_dim
+    C = 2 * c.ssm_k_heads * c.ssm_k_dim + c.ssm_v_heads * c.ssm_v_dim
+    V = c.ssm_v_heads * c.ssm_v_dim
     for i in range(c.n_layers):
         b = f"blk.{i}."
         expect.update({
-            b + "attn_norm.weight": (c.hidden,), b + "ffn_norm.weight": (c.hidden,),
-            b + "attn_q.weight": (q_rows, c.hidden), b + "attn_k.weight": (c.kv_dim, c.hidden),
-            b + "attn_v.weight": (c.kv_dim, c.hidden), b + "attn_output.weight": (c.hidden, c.q_dim),
-            b + "ffn_gate.weight": (c.ffn_dim, c.hidden), b + "ffn_up.weight": (c.ffn_dim, c.hidden),
-            b + "ffn_down.weight": (c.hidden, c.ffn_dim),
-            b + "attn_q.bias": (c.q_dim,), b + "attn_k.bias": (c.kv_dim,), b + "attn_v.bias": (c.kv_dim,),
+            b + "attn_norm.weight": (H,), b + "ffn_norm.weight": (H,),
+            b + "attn_q.weight": (q_rows, H), b + "attn_k.weight": (c.kv_dim, H),
+            b + "attn_v.weight": (c.kv_dim, H), b + "attn_output.weight": (H, c.q_dim),
+            b + "ffn_gate.weight": (c.ffn_dim, H), b + "ffn_up.weight": (c.ffn_dim, H),
+            b + "ffn_down.weight": (H, c.ffn_dim),
+            b + "attn_q.bias": (q_rows,), b + "attn_k.bias": (c.kv_dim,), b + "attn_v.bias": (c.kv_dim,),
+            b + "attn_output.bias": (H,), b + "attn_sinks.weight": (c.n_heads,),     # a sink logit per head
             b + "attn_q_norm.weight": (c.head_dim,), b + "attn_k_norm.weight": (c.head_dim,),
-            b + "post_attention_norm.weight": (c.hidden,), b + "post_ffw_norm.weight": (c.hidden,),
+            b + "post_attention_norm.weight": (H,), b + "post_ffw_norm.weight": (H,),
         })
         if c.n_experts:
-            E, F = c.n_experts, c.expert_ffn_dim
-            expect.update({b + "ffn_gate_inp.weight": (E, c.hidden), b + "ffn_gate_exps.weight": (E, F, c.hidden),
-                           b + "ffn_up_exps.weight": (E, F, c.hidden), b + "ffn_down_exps.weight": (E, c.hidden, F)})
+            expect.update({
+                b + "ffn_gate_inp.weight": (E, H), b + "ffn_gate_inp.bias": (E,),
+                b + "ffn_gate_exps.weight": (E, F, H), b + "ffn_up_exps.weight": (E, F, H),
+                b + "ffn_down_exps.weight": (E, H, F),
+                b + "ffn_gate_exps.bias": (E, F), b + "ffn_up_exps.bias": (E, F), b + "ffn_down_exps.bias": (E, H),
+            })
+            shared = [b + n for n in SHARED_EXPERT if b + n in mf.tensors]
+            if shared and len(shared) != len(SHARED_EXPERT):
+                raise ModelFormatError(mf.path, f"layer {i} has a partial shared expert: "
+                                                f"{', '.join(shared)} without the rest of {', '.join(SHARED_EXPERT)}")
+            # its width: the metadata's (expert_shared_feed_forward_length), else its gate's rows
+            S = c.shared_expert_ffn_dim or (mf.tensors[shared[0]].shape[0] if shared else 0)
+            expect.update({
+                b + "ffn_gate_shexp.weight": (S, H), b + "ffn_up_shexp.weight": (S, H),
+                b + "ffn_down_shexp.weight": (H, S), b + "ffn_gate_inp_shexp.weight": (1, H),
+            })
+        if c.has_recurrent_state:
+            expect.update({
+                b + "attn_qkv.weight": (C, H), b + "attn_gate.weight": (V, H),
+                b + "ssm_beta.weight": (c.ssm_v_heads, H), b + "ssm_alpha.weight": (c.ssm_v_heads, H),
+                b + "ssm_conv1d.weight": (C, c.ssm_conv_kernel),
+                b + "ssm_a": (c.ssm_v_heads,), b + "ssm_dt.bias": (c.ssm_v_heads,),
+                b + "ssm_norm.weight": (c.ssm_v_dim,), b + "ssm_out.weight": (H, V),
+            })
     for name, shape in expect.items():
         t = mf.tensors.get(name)
         if t is not None and tuple(t.shape) != shape:

@@ -200,6 +200,6 @@ def _check_required(mf: ModelFile) -> None:
     c = mf.config
     if c.n_layers > len(mf.tensors):
         return                                   # validate_model words this one
-    for name in required_tensors(c.arch, c.n_layers):
+    for name in required_tensors(c.arch, c.n_layers, c.recurrent):
         if name not in mf.tensors:
             raise ModelFormatError(mf.path, f"missing required tensor {_hf_name(name)!r} ({name})")

@@ -11,8 +11,12 @@ from dataclasses import dataclass
 class ArchSpec:
     name: str
     gguf_rope_style: str                 # llama.cpp permutes llama q/k to adjacent pairs
-    block_required: tuple[str, ...]
+    block_required: tuple[str, ...]      # every layer's
     block_optional: tuple[str, ...] = ()
+    # a hybrid's layers of each kind (model/config.py is_recurrent): the tensors that kind reads;
+    # neither kind is asked for the other's
+    attention_required: tuple[str, ...] = ()
+    recurrent_required: tuple[str, ...] = ()
     experts: bool = False                # mixture of experts (model/transformer.py Experts)
     recurrent: bool = False              # linear-attention hybrid (model/transformer.py DeltaNet layers)
     gated_attention: bool = False        # attn_q also gives a gate per head ([query | gate])
@@ -28,6 +32,11 @@ _EXPERTS = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "f
             "ffn_down_exps.weight")
 _BIAS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 _QKNORM = ("attn_q_norm.weight", "attn_k_norm.weight")
+_GATED_ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight") + _QKNORM
+_DELTANET = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_conv1d.weight",
+             "ssm_a", "ssm_dt.bias", "ssm_norm.weight", "ssm_out.weight")
+# qwen35moe's shared expert (optional; all four or none: validate_model in formats/gguf.py)
+SHARED_EXPERT = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", "normal", _LLAMA_BLOCK, _BIAS),
@@ -40,12 +49,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         "attn_output.bias", "attn_sinks.weight", "post_attention_norm.weight", "ffn_gate_inp.weight",
         "ffn_gate_inp.bias", "ffn_gate_exps.weight", "ffn_gate_exps.bias", "ffn_up_exps.weight", "ffn_up_exps.bias",
         "ffn_down_exps.weight", "ffn_down_exps.bias"), experts=True, ffn_norm="post_attention_norm.weight"),
-    # Qwen3.5 / 3.6: Gated DeltaNet layers and gated full-attention layers (their tensors vary by
-    # layer kind: model/transformer.py loads each kind's; these are the ones every layer has)
+    # Qwen3.5 / 3.6: Gated DeltaNet layers and gated full-attention layers (model/transformer.py
+    # loads each kind's tensors; block_required are those every layer has)
     "qwen35": ArchSpec("qwen35", "neox", ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight",
                                           "ffn_up.weight", "ffn_down.weight"),
+                       attention_required=_GATED_ATTENTION, recurrent_required=_DELTANET,
                        recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
     "qwen35moe": ArchSpec("qwen35moe", "neox", ("attn_norm.weight", "post_attention_norm.weight") + _EXPERTS[1:],
+                          SHARED_EXPERT, attention_required=_GATED_ATTENTION, recurrent_required=_DELTANET,
                           experts=True, recurrent=True, gated_attention=True, ffn_norm="post_attention_norm.weight"),
 }
 
@@ -66,11 +77,14 @@ def supported_list() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 
 
-def required_tensors(arch: str, n_layers: int) -> list[str]:
+def required_tensors(arch: str, n_layers: int, recurrent: tuple[bool, ...] = ()) -> list[str]:
+    """The tensors a model must have; a hybrid's layer by its kind (recurrent[i]: layer i is
+    recurrent, as ModelConfig.recurrent says)."""
     spec = ARCHITECTURES[arch]
     names = list(GLOBAL_REQUIRED)
     for i in range(n_layers):
-        names += [f"blk.{i}.{t}" for t in spec.block_required]
+        kind = spec.recurrent_required if i < len(recurrent) and recurrent[i] else spec.attention_required
+        names += [f"blk.{i}.{t}" for t in spec.block_required + kind]
     return names
 
 

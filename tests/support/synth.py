@@ -337,7 +337,10 @@ def write_gguf(path: str | Path, arch: str = "llama", *, qtype: Q = Q.F32,
         if t in TOLERANCE:
             stored = quantize(arr, t)
         else:                             # no quantizer: random blocks, and the source they decode to
-            stored = random_quant(t, *arr.shape, float(arr.std()), np.random.default_rng(zlib.crc32(tname.encode())))
+            rows = int(np.prod(arr.shape[:-1]))        # stacked experts [n, rows, cols]: n * rows rows
+            stored = random_quant(t, rows, arr.shape[-1], float(arr.std()),
+                                  np.random.default_rng(zlib.crc32(tname.encode())))
+            stored = stored.reshape(*arr.shape[:-1], -1)
             weights[tname] = gq.dequantize(stored, t).reshape(arr.shape).astype(np.float32)
         w.add_tensor(tname, stored, raw_dtype=None if t in (Q.F32, Q.F16) else t)
     w.write_header_to_file()
