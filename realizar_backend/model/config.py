@@ -215,9 +215,17 @@ def config_from_gguf(path, md: dict[str, Any], tensor_names: set[str], rope_freq
         vocab = len(m.strings("tokenizer.ggml.tokens", nonempty=True))
     else:
         vocab = m.integer(a + "vocab_size", required=True, lo=1, hi=MAX_DIM * 16)
+    # A mixture of experts whose every layer is routed (Qwen3.5/3.6-MoE) may have no dense
+    # feed_forward_length: its FFN width is then its widest expert's (routed or shared), which is
+    # what the buffers sized by ffn_dim hold.
+    ffn_default = None
+    if spec.experts and a + "feed_forward_length" not in m:
+        ffn_default = max(m.integer(a + "expert_feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
+                          m.integer(a + "expert_shared_feed_forward_length", 0, lo=0, hi=MAX_DIM * 4))
     cfg = dict(
         arch=arch, n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv,
-        head_dim=head_dim, ffn_dim=m.integer(a + "feed_forward_length", required=True, lo=1, hi=MAX_DIM * 4),
+        head_dim=head_dim, ffn_dim=m.integer(a + "feed_forward_length", ffn_default, required=ffn_default is None,
+                                             lo=1, hi=MAX_DIM * 4),
         vocab_size=vocab,
         context_length=m.integer(a + "context_length", 2048, lo=1, hi=MAX_CONTEXT),
         rms_eps=m.number(a + "attention.layer_norm_rms_epsilon", 1e-6, positive=True),
