@@ -10,7 +10,9 @@
 #            parts (.device/smol.part*, staged in /tmp/stage while the machine stays warm); the prebuilt
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
-#   tests    pytest -m gpu over $PYTEST_PATHS (default tests/gpu), no -x: the full report
+#   tests    pytest -m gpu over $PYTEST_PATHS (default: every tests/gpu file), no -x: the full report; one
+#            pytest process per file (one process for the whole suite ran about twice as slow), each
+#            stopped at $TESTS_DEADLINE s from the stage's start (default 560: one call's limit)
 #   kbench   the kernel benchmarks ($KBENCH, default both): benchmarks/mmq_bench.py ($MMQ_BENCH_ARGS),
 #            benchmarks/attn_bench.py
 #   bench    `realizar bench` on each twin of $BENCH_TWINS (pp512, tg128) and on each of $BATCH_TWINS
@@ -102,12 +104,34 @@ pkill -f "bentoml serve" 2>/dev/null && sleep 2   # servers left by an earlier c
 # ---------------------------------------------------------------- tests
 rc=0
 if has tests; then
-  t0=$(date +%s)
-  python3 -m pytest -m gpu ${PYTEST_PATHS:-tests/gpu} -p no:cacheprovider -rfE -q -s --durations=15 \
-    --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
-  rc=$?
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
+  t0=$(date +%s); rm -rf /tmp/gpu_tests; mkdir -p /tmp/gpu_tests; : > "$OUT/pytest.log"
+  for f in ${PYTEST_PATHS:-tests/gpu/test_*.py}; do
+    n=$(basename "$f" .py); left=$(( ${TESTS_DEADLINE:-560} - $(date +%s) + t0 ))
+    [ $left -lt 20 ] && { echo "$n: not run (the stage's deadline)"; rc=1; continue; }
+    s0=$(date +%s)
+    timeout $left python3 -m pytest -m gpu "$f" -p no:cacheprovider -rfE -q --durations=5 \
+      --junitxml="/tmp/gpu_tests/$n.xml" ${PYTEST_ARGS:-} > "/tmp/gpu_tests/$n.log" 2>&1
+    r=$?; [ $r -ne 0 ] && [ $r -ne 5 ] && rc=1
+    echo "$n rc=$r $(( $(date +%s) - s0 )) s: $(tail -1 "/tmp/gpu_tests/$n.log")"
+    grep -E "^(FAILED|ERROR)" "/tmp/gpu_tests/$n.log" | head -10
+    { echo "==== $f (rc=$r)"; cat "/tmp/gpu_tests/$n.log"; } >> "$OUT/pytest.log"
+  done
   echo "pytest rc=$rc in $(( $(date +%s) - t0 )) s"
+  # the files' reports as one junit.xml (one testsuite: their cases and summed counts)
+  python3 - "$OUT/junit.xml" /tmp/gpu_tests/*.xml <<'PY'
+import sys, xml.etree.ElementTree as ET
+merged = ET.Element("testsuite", name="pytest -m gpu")
+counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+for f in sys.argv[2:]:
+    root = ET.parse(f).getroot()
+    for ts in ([root] if root.tag == "testsuite" else root.findall("testsuite")):
+        for k in counts:
+            counts[k] += int(ts.get(k, 0))
+        merged.extend(ts.findall("testcase"))
+for k, v in counts.items():
+    merged.set(k, str(v))
+ET.ElementTree(merged).write(sys.argv[1])
+PY
 fi
 
 # ---------------------------------------------------------------- kernel benchmarks
