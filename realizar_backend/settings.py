@@ -61,7 +61,8 @@ class Settings:
     # CUDA device ordinal, for the CLI; under `bentoml serve` each worker takes its own (workers)
     device: int = 0
     context_length: int = 0            # per-sequence context; 0 = the model's own (and never more)
-    max_num_seqs: int = 256            # sequences running at once (decode batch up to this)
+    max_num_seqs: int = 256            # sequences running at once (decode batch up to this; a hybrid's
+                                       # GPU backend runs fewer where their recurrent state would not fit)
     # KV cache: one pool of blocks of block_size positions, shared by every sequence. On the GPU the
     # pool takes what gpu_memory_utilization of the device's memory leaves after the weights and
     # the workspace; kv_cache_tokens (> 0) caps it, in tokens (on the CPU it sets the pool)

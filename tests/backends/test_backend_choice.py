@@ -72,3 +72,27 @@ def test_the_cupy_install_hint_matches_the_package_extras():
         "project"]["optional-dependencies"]
     for extra, wheel in host.CUPY_EXTRAS.values():
         assert extras[extra] == [wheel]
+
+
+def test_a_hybrids_gpu_slots_leave_the_kv_pool_room_for_64_long_conversations(tmp_path):
+    """Qwen3.6-27B (its real header): each sequence keeps ~157 MB of recurrent state, allocated per
+    slot before the KV pool. On an 80 GB GPU the default max_num_seqs (256) would take 40 GB of it;
+    the GPU backend takes as many slots as half the memory left after the weights holds, so 64
+    conversations of 4,000 tokens still fit in the KV pool beside them."""
+    from support import gguf_kv
+    from realizar_backend.backends.cuda.support import RECURRENT_STATE_SHARE, recurrent_slots
+    from realizar_backend.formats import open_model
+    path = gguf_kv.header_twin("qwen36", tmp_path)
+    if path is None:
+        pytest.skip("shared/models/qwen36.head.gz is not here")
+    c = open_model(path).config
+    per = c.recurrent_state_bytes
+    assert 100e6 < per < 200e6
+    budget = int(0.9 * 80e9) - path.stat().st_size                  # gpu_memory_utilization 0.9, the weights
+    n = recurrent_slots(per, Settings().max_num_seqs, budget)
+    assert 64 <= n < Settings().max_num_seqs
+    assert n * per <= RECURRENT_STATE_SHARE * budget < (n + 1) * per
+    assert budget - n * per >= 64 * 4000 * c.kv_bytes_per_token(2)  # fp16 K/V of the attention layers
+    assert recurrent_slots(per, 8, budget) == 8                      # fewer asked for: all of them
+    assert recurrent_slots(per, 256, per) == 0                       # not one: the backend refuses
+    assert recurrent_slots(0, 256, 1) == 256                         # no recurrent state: max_num_seqs

@@ -7,10 +7,6 @@ MXFP4 experts) on tiny files of tests/support/arch_models.py, and the real files
 
 from __future__ import annotations
 
-import dataclasses
-import gzip
-import json
-
 import numpy as np
 import pytest
 
@@ -135,17 +131,11 @@ def test_a_shared_expert_without_its_width_in_the_metadata_agrees_with_itself(tm
 # ------------------------------------------------------------------ the real files' tensor tables
 
 def _twin(tmp_path, name: str, kvs_edit=None):
-    """The real file `name`'s header over a sparse data region of its real size (no disk): what the
-    loader reads of it."""
-    src = gguf_kv.shared_head(name)
-    if src is None:
+    """The real file `name`'s header over a sparse data region of its real size (gguf_kv.header_twin)."""
+    path = gguf_kv.header_twin(name, tmp_path, kvs_edit)
+    if path is None:
         pytest.skip(f"shared/models/{name}.head.gz is not here")
-    head = tmp_path / f"{name}.head"
-    head.write_bytes(gzip.decompress(src.read_bytes()))
-    parts = gguf_kv.read(head)
-    parts = dataclasses.replace(parts, size=json.loads(src.with_name(f"{name}.json").read_text())["total"])
-    kvs = kvs_edit(parts.kvs) if kvs_edit else parts.kvs
-    return gguf_kv.write(parts, kvs, tmp_path / f"{name}.gguf")
+    return path
 
 
 @pytest.mark.parametrize("name,arch", [("qwen36", "qwen35"), ("gptoss20", "gpt-oss")])

@@ -12,6 +12,9 @@ the loader, which maps tensors without reading them; data="copy" copies the real
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import json
 import shutil
 import struct
 from dataclasses import dataclass
@@ -164,6 +167,20 @@ def shared_head(name: str) -> Path | None:
         if p.is_file():
             return p
     return None
+
+
+def header_twin(name: str, scratch: Path, kvs_edit=None) -> Path | None:
+    """The real file NAME's head over a sparse data region of its real size (no disk): what a loader
+    reads of it, written into scratch (kvs_edit: a function of its key list, for a changed copy);
+    None where shared/models has no such head."""
+    src = shared_head(name)
+    if src is None:
+        return None
+    head = Path(scratch) / f"{name}.head"
+    head.write_bytes(gzip.decompress(src.read_bytes()))
+    parts = read(head)
+    parts = dataclasses.replace(parts, size=json.loads(src.with_name(f"{name}.json").read_text())["total"])
+    return write(parts, kvs_edit(parts.kvs) if kvs_edit else parts.kvs, Path(scratch) / f"{name}.gguf")
 
 
 def tokenizer_kvs(head_gz: Path, scratch: Path) -> list[KV]:

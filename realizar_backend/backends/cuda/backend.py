@@ -28,7 +28,7 @@ from .kv_cache import KVCache, block_bytes
 from .modules import get_kernels
 from .recurrent import RecurrentState
 from .sampling import GpuSampler
-from .support import refusal
+from .support import RECURRENT_STATE_SHARE, recurrent_slots, refusal
 from .token_ring import TokenRing
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
@@ -90,6 +90,8 @@ class CUDABackend:
                                    prebuilt=self.settings.prebuilt_kernels)
         self.weights = DeviceWeights(model, self.kernels)
         timeline.mark("cuda: weights uploaded")
+        if c.has_recurrent_state:
+            self.max_slots = self._recurrent_slots()
         self.kernels.ready(max_batch=max_slots)     # GEMVs for wider batches than this: on first use
         timeline.mark("cuda: core kernels ready")
         if self.settings.self_check:
@@ -147,15 +149,33 @@ class CUDABackend:
                  self.max_slots, self.max_context, self.num_blocks * self.block_size, self.buckets,
                  f", recurrent state {self.recurrent_state_bytes / 1e6:.1f} MB" if self.recurrent is not None else "")
 
+    def _budget(self) -> int:
+        """Device bytes gpu_memory_utilization leaves now (CuPy's pool's unused bytes included)."""
+        cupy.cuda.runtime.deviceSynchronize()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        free += cupy.get_default_memory_pool().free_bytes()      # held by CuPy's pool but unused: ours
+        return free - int(total * (1.0 - self.settings.gpu_memory_utilization))
+
+    def _recurrent_slots(self) -> int:
+        """A hybrid's slot count: max_num_seqs, or as many as support.recurrent_slots lets the
+        recurrent state take of the memory left after the weights."""
+        per, budget = self.config.recurrent_state_bytes, self._budget()
+        n = recurrent_slots(per, self.max_slots, budget)
+        if n < 1:
+            raise BackendError(f"no device memory for one sequence's recurrent state ({per / 1e6:.0f} MB; "
+                               f"{budget / 1e6:.0f} MB left after the weights under gpu_memory_utilization "
+                               f"{self.settings.gpu_memory_utilization})")
+        if n < self.max_slots:
+            log.warning("%d sequences at once instead of max_num_seqs %d: each keeps %.0f MB of recurrent "
+                        "state, which may take at most %.0f%% of the %.1f GB left after the weights",
+                        n, self.max_slots, per / 1e6, 100 * RECURRENT_STATE_SHARE, budget / 1e9)
+        return n
+
     def _pool_blocks(self) -> int:
         """KV blocks: what gpu_memory_utilization of the device leaves after everything allocated so
         far, capped by kv_cache_tokens and by what max_slots whole contexts could use."""
         s, c = self.settings, self.config
-        cupy.cuda.runtime.deviceSynchronize()
-        free, total = cupy.cuda.runtime.memGetInfo()
-        pool = cupy.get_default_memory_pool()
-        free += pool.free_bytes()                 # held by CuPy's pool but unused: ours to take
-        budget = free - int(total * (1.0 - s.gpu_memory_utilization))
+        budget = self._budget()
         per = block_bytes(c, s.block_size)
         n = budget // per
         if s.kv_cache_tokens:

@@ -29,6 +29,22 @@ def dn_delta_kernel(k_dim: int) -> str:
     return f"dn_delta_k{k_dim}" if k_dim in DN_DELTA_K else "dn_delta"
 
 
+# A hybrid's recurrent state is a fixed size per slot, allocated for every slot before the KV pool
+# takes what is left: it gets at most this share of the memory left after the weights, and the
+# slots are as many as fit in it (fewer than max_num_seqs where the state is large: Qwen3.6-27B's
+# is 157 MB a sequence), so that the KV pool keeps room for long conversations.
+RECURRENT_STATE_SHARE = 0.5
+
+
+def recurrent_slots(state_bytes: int, want: int, budget: int) -> int:
+    """The slots of a model whose sequences keep `state_bytes` of recurrent state each: `want`, or as
+    many as RECURRENT_STATE_SHARE of `budget` (device bytes left after the weights) holds; 0 when not
+    even one fits."""
+    if state_bytes <= 0:
+        return want
+    return max(0, min(want, int(budget * RECURRENT_STATE_SHARE) // state_bytes))
+
+
 def gpu_types(mf: ModelFile) -> dict[str, bool]:
     """Each storage type of the file's matrices: whether the GPU backend has kernels for it."""
     return {t.type_name: t.qtype in QTYPES for t in mf.tensors.values() if len(t.shape) >= 2}
