@@ -21,8 +21,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # after every kernel change. A worst-row floor there measures the prompt, not the kernels. Their
 # median row is held to CHAOTIC_MEDIAN, or, on a prompt that moves the oracle itself more, to the
 # oracle's own median when it keeps K/V in fp32 instead of fp16 (`sensitivity`): how far rounding
-# alone takes that prompt. (gemma270, one such prompt: the GPU's median 3.5e-5, the oracle's own
-# 2.7e-4; over the other draws the GPU stays under both bounds.)
+# alone takes that prompt.
 CHAOTIC = {"gemma270", "qwen05"}
 CHAOTIC_MEDIAN = 2e-5          # bound on the median row's 1 - cos
 # any row: still far above a broken kernel's (which lands near 0): the random twin amplifies
