@@ -161,7 +161,7 @@ def check_cpu_memory(model: ModelFile, kv_tokens: int, slots: int = 1) -> None:
         f"({weights / gib:.1f} GiB of weights as float32, {kv / gib:.1f} GiB of KV cache for {kv_tokens} tokens"
         + (f", {state / gib:.1f} GiB of recurrent state for {slots} sequences" if state else "")
         + f") and {avail / gib:.1f} GiB is available; use a GPU, a smaller model, or fewer KV tokens "
-        f"(REALIZAR_KV_CACHE_TOKENS)")
+        f"(REALIZAR_KV_CACHE_TOKENS)" + (" or sequences (REALIZAR_MAX_NUM_SEQS)" if state else ""))
 
 
 CPU_KV_BYTES = 1 << 30   # the CPU's KV pool when kv_cache_tokens leaves it to the backend

@@ -84,5 +84,6 @@ def test_a_hybrids_kv_pool_is_sized_and_checked_by_its_attention_layers(hybrid, 
     with pytest.raises(BackendError) as e:
         check_cpu_memory(model, 1024, SLOTS)
     assert f"of KV cache for 1024 tokens, 0.0 GiB of recurrent state for {SLOTS} sequences)" in str(e.value)
+    assert "REALIZAR_MAX_NUM_SEQS" in str(e.value)            # what to lower, the state being per sequence
     monkeypatch.setattr(host, "available_memory", lambda: weights + kv + state + CPU_HEADROOM_BYTES)
     check_cpu_memory(model, 1024, SLOTS)
