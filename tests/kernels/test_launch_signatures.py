@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
@@ -131,6 +130,12 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert L["grid"][1] == nb and L["block"] == [catalog.MMV8_WARPS * 32]
         wpr = _args(L)[25] if L["kernel"] == "mmv8_nb1" else _args(L)[12]
         assert catalog.MMV8_WARPS % wpr == 0
+        # every row group has a warp group in the first round (mmv8_body counts each segment's groups),
+        # unless the grid is the resident wave (launch_record's Rec: 64 registers, 2 blocks on each of 132 SMs)
+        a, R = _args(L), catalog.MMV8_R[1 if L["kernel"] == "mmv8_nb1" else 2]
+        rows = (a[2], a[9], a[16]) if L["kernel"] == "mmv8_nb1" else (a[3],)
+        groups = sum(-(-n // R) for n in rows)
+        assert L["grid"][0] == min(-(-groups // (catalog.MMV8_WARPS // wpr)), 2 * 132), (L["kernel"], groups, wpr)
     fills = by["moe_bucket_fill"]
     for L, F in zip(by["moe_bucket_count"], fills):
         E = _args(F)[2]

@@ -34,7 +34,7 @@ def main() -> None:
     sys.modules["cupy"] = types.ModuleType("cupy")
     from gguf import GGMLQuantizationType as Q
 
-    from realizar_backend.backends.cuda import experts, mmq, ops
+    from realizar_backend.backends.cuda import experts, ops
     from realizar_backend.backends.cuda.matrices import WeightRef
     from realizar_backend.backends.cuda.modules import MMQ_BN, mmq_smem_bytes
     from realizar_backend.backends.cuda.support import DN_DELTA_K
@@ -45,7 +45,8 @@ def main() -> None:
     k = NS(sm_count=132,
            mmv8={n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8")},
            moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log)},
-           mmq={"prep": Rec("mmq_prep", log), **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
+           mmq={"prep": Rec("mmq_prep", log),
+                **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
            deltanet={"conv": Rec("dn_conv", log),
                      **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_delta_k{d}" for d in DN_DELTA_K]}})
 
