@@ -1,0 +1,158 @@
+"""The Python launchers of mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN)
+and deltanet.cu against the kernels' `extern "C"` signatures: each launch's argument count and each
+argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
+float32), its block against __launch_bounds__, its grid against what the kernel indexes, its dynamic
+shared memory against the limit the loader sets (48 KB where it sets none). The launches are
+recorded on the CPU (tests/support/launch_record.py, in a process of its own: it stands in a bare
+cupy module); the signatures come from the module's source as the loader builds it (catalog.source
+and its options), run through g++'s preprocessor, which expands the macro-made kernels. A
+mismatch here is garbage or a crash on the GPU only. Skipped where g++ is absent."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from functools import lru_cache
+
+import pytest
+
+from realizar_backend.kernels import catalog
+from support.host_emu import GXX, ROOT
+
+pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
+
+DEFAULT_SMEM = 48 * 1024
+# kernel name -> (file, options beyond base_options) as backends/cuda/modules.py builds its module
+MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
+           **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
+           "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
+           "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
+           **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", "dn_delta_k64", "dn_delta_k128")}}
+# dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
+SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
+# kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
+# MOE_BUCKET_THREADS in their reductions)
+EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "moe_bucket_count", "moe_bucket_fill", "mmq_prep",
+               *(f"mmq_moe_bn{bn}" for bn in catalog.MMQ_BN)}
+_SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
+
+
+def c_type(param: str) -> str:
+    """The NumPy type string a launcher must pass for one C parameter."""
+    p = re.sub(r"\b(const|__restrict__|volatile)\b", " ", param)
+    words = p.replace("*", " * ").split()
+    if "*" in words:
+        return "<u8"
+    base = " ".join(words[:-1])
+    return {"int": "<i4", "unsigned": "<u4", "unsigned int": "<u4", "long long": "<i8",
+            "unsigned long long": "<u8", "float": "<f4"}[base]
+
+
+@lru_cache(maxsize=None)
+def signatures(fname: str, options: tuple[str, ...]) -> dict[str, tuple[int | None, list[str]]]:
+    """name -> (threads of __launch_bounds__ or None, each parameter's NumPy type) of the module."""
+    text = re.sub(r"^\s*#\s*include.*$", "", catalog.source(fname), flags=re.M)
+    r = subprocess.run([GXX, "-E", "-P", "-x", "c++", "-std=c++17", *catalog.base_options(90), *options, "-"],
+                       input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = {}
+    for bounds, name, params in _SIG.findall(r.stdout):
+        threads = eval(bounds.split(",")[0], {}) if bounds else None     # noqa: S307  (an integer expression)
+        out[name] = (threads, [c_type(p) for p in params.split(",")])
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches() -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "launch_record.py")], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_kernels_declared():
+    for name, (fname, opts) in MODULES.items():
+        assert name in signatures(fname, opts), f"{name}: no such kernel in {fname} {' '.join(opts)}"
+
+
+def test_host_constants_match_kernels():
+    from realizar_backend.backends.cuda.support import DN_DELTA_K, DN_MAX_K, DN_MAX_TAPS, DN_MAX_V
+    dn = catalog.source("deltanet.cu")
+    moe = catalog.source("moe.cu")
+
+    def define(text, name):
+        return int(re.search(rf"^#define {name} (\d+)", text, re.M).group(1))
+    assert (define(dn, "DN_MAX_TAPS"), define(dn, "DN_MAX_K"), define(dn, "DN_MAX_V")) == (DN_MAX_TAPS, DN_MAX_K,
+                                                                                            DN_MAX_V)
+    assert tuple(int(d) for d in re.findall(r"X\((\d+)\)", re.search(r"#define DN_DELTA_K_LIST.*", dn).group(0))) \
+        == DN_DELTA_K
+    assert define(dn, "DN_CONV_THREADS") == 128        # ops.DN_CONV_THREADS (ops imports CuPy)
+    assert define(moe, "MOE_BUCKET_THREADS") == 256    # ops.MOE_BUCKET_THREADS
+
+
+def test_launches_match_signatures(launches):
+    seen = set()
+    for L in launches:
+        name = L["kernel"]
+        seen.add(name)
+        fname, opts = MODULES[name]
+        threads, params = signatures(fname, opts)[name]
+        got = [t for t, _ in L["args"]]
+        assert len(got) == len(params), f"{name}: {len(got)} arguments, the kernel takes {len(params)}"
+        bad = [(i, g, p) for i, (g, p) in enumerate(zip(got, params)) if g != p]
+        assert not bad, f"{name}: (argument, passed, kernel's) {bad}"
+        block = math.prod(L["block"])
+        assert block % 32 == 0 and len(L["grid"]) <= 3 and all(g >= 1 for g in L["grid"]), L
+        if threads is not None:
+            assert block == threads if name in EXACT_BLOCK else block <= threads, (name, block, threads)
+        limit = SMEM_LIMIT.get(fname, DEFAULT_SMEM)
+        if limit is None:
+            limit = L["smem_limit"]
+        assert L["smem"] <= limit, (name, L["smem"], limit)
+    assert seen == set(MODULES), seen
+
+
+def _args(L) -> list:
+    return [v for _, v in L["args"]]
+
+
+def test_grids_cover_the_kernels_indexing(launches):
+    by = {}
+    for L in launches:
+        by.setdefault(L["kernel"].rstrip("0123456789").removesuffix("_bn").removesuffix("_k"), []).append(L)
+    for L in by["mmv8_nb"] + by["ffn8_nb"]:
+        nb = _args(L)[24] if L["kernel"] == "mmv8_nb1" else _args(L)[8]
+        assert L["grid"][1] == nb and L["block"] == [catalog.MMV8_WARPS * 32]
+        wpr = _args(L)[25] if L["kernel"] == "mmv8_nb1" else _args(L)[12]
+        assert catalog.MMV8_WARPS % wpr == 0
+        # every row group has a warp group in the first round (mmv8_body counts each segment's groups),
+        # unless the grid is the resident wave (launch_record's Rec: 64 registers, 2 blocks on each of 132 SMs)
+        a, R = _args(L), catalog.MMV8_R[1 if L["kernel"] == "mmv8_nb1" else 2]
+        rows = (a[2], a[9], a[16]) if L["kernel"] == "mmv8_nb1" else (a[3],)
+        groups = sum(-(-n // R) for n in rows)
+        assert L["grid"][0] == min(-(-groups // (catalog.MMV8_WARPS // wpr)), 2 * 132), (L["kernel"], groups, wpr)
+    fills = by["moe_bucket_fill"]
+    for L, F in zip(by["moe_bucket_count"], fills):
+        E = _args(F)[2]
+        assert L["grid"] == [E] and F["grid"] == [E]
+    moes = by["mmq_moe"]
+    assert len(moes) == 2 * len(fills)
+    for i, L in enumerate(moes):
+        a = _args(L)
+        n, TB, mode, fill = a[4], a[17], a[18], _args(fills[i // 2])
+        assert (a[14], a[15], TB) == (fill[6], fill[5], fill[7])        # tiles, list, TB of the bucketing
+        assert mode == 1 - i % 2
+        assert L["grid"] == [-(-n // (64 if mode else 128)) * TB]
+        assert L["smem"] == L["smem_limit"]
+    for L in by["dn_conv"]:
+        a = _args(L)
+        assert L["grid"] == [-(-a[9] // 128), a[8]] and L["block"] == [128]
+    for L in by["dn_delta"]:
+        a = _args(L)
+        nv, dv, n = a[17], a[18], a[14]
+        assert L["grid"] == [nv, n] and dv <= L["block"][0] <= 256

@@ -1,0 +1,87 @@
+"""Runs the CUDA launchers (backends/cuda ops.py, mmq.py, experts.py) on the CPU against recording
+stand-ins for their RawKernels and prints each launch as JSON: kernel name, grid, block, the
+arguments' NumPy types and values, dynamic shared memory. Run as a script in a process of its own
+(tests/kernels/test_launch_signatures.py): it puts a bare `cupy` module in sys.modules, which the
+launchers import but these launches never call, so no other test may share its process."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from types import SimpleNamespace as NS
+
+
+class Rec:
+    """A RawKernel that records its launches (the attributes _max_grid's fallback reads)."""
+
+    num_regs, shared_size_bytes, kernel = 64, 0, None
+
+    def __init__(self, name: str, log: list, smem_limit: int = 48 * 1024):
+        self.name, self.log, self.smem_limit = name, log, smem_limit
+
+    def __call__(self, grid, block, args, shared_mem: int = 0):
+        self.log.append({"kernel": self.name, "grid": [int(g) for g in grid], "block": [int(b) for b in block],
+                         "args": [[a.dtype.str, a.item()] for a in args], "smem": int(shared_mem),
+                         "smem_limit": self.smem_limit})
+
+
+def _ptr(n: int) -> NS:
+    return NS(data=NS(ptr=0x10000 * n))
+
+
+def main() -> None:
+    sys.modules["cupy"] = types.ModuleType("cupy")
+    from gguf import GGMLQuantizationType as Q
+
+    from realizar_backend.backends.cuda import experts, ops
+    from realizar_backend.backends.cuda.matrices import WeightRef
+    from realizar_backend.backends.cuda.modules import MMQ_BN, mmq_smem_bytes
+    from realizar_backend.backends.cuda.support import DN_DELTA_K
+    from realizar_backend.formats.gpu_layout import device_row_bytes
+
+    log: list = []
+    # the Kernels mappings of modules.py, each name the function modules.py loads for that key
+    k = NS(sm_count=132,
+           mmv8={n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8")},
+           moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log)},
+           mmq={"prep": Rec("mmq_prep", log),
+                **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
+           deltanet={"conv": Rec("dn_conv", log),
+                     **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_delta_k{d}" for d in DN_DELTA_K]}})
+
+    def w(name, qt, rows, cols, ptr, experts=0):
+        return WeightRef(name, qt, 0x100000 * ptr, rows, cols, device_row_bytes(qt, cols), experts)
+
+    # mmv8.cu: one and three segments, the folded norm and argmax; ffn8
+    K = 4096
+    segs = [(w("q", Q.Q4_K, 4096, K, 1), 0, 0x2000, 4096)]
+    ops.mmvf(k, segs, K, 0x4000, K, 1, norm=(0x5000, 1e-6), amax=0x6000, q8=True)
+    segs3 = [(w("q", Q.Q4_K, 37, K, 1), 0x1000, 0x2000, 40), (w("k", Q.Q6_K, 5, K, 2), 0, 0x3000, 8),
+             (w("v", Q.Q8_0, 5, K, 3), 0, 0x3800, 8)]
+    ops.mmvf(k, segs3, K, 0x4000, K + 4, 1, accumulate=True, q8=True)
+    ops.ffn_f(k, w("g", Q.Q4_K, 11008, K, 4), w("u", Q.Q4_K, 11008, K, 5), 0x4000, K, 0x7000, 11008, 1, 0,
+              norm=(0x5000, 1e-6), q8=True)
+    # the grouped experts: bucketing, prep, the gate/up and down tiles (widths 8, 16, 32, 64)
+    E, F, H, top = 64, 768, 2048, 8
+    gate, up = w("g", Q.Q4_K, F, H, 6, E), w("u", Q.Q4_K, F, H, 7, E)
+    down = w("d", Q.Q6_K, H, F, 8, E)
+    for T in (3, 100, 200, 300):
+        bn, TB = experts.moe_grouped_plan(T, top, E)
+        slots = bn * TB
+        buf = NS(cnt=_ptr(1), lst=_ptr(2), tiles=_ptr(3), a=_ptr(4),
+                 ph=NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0)),
+                 pa=NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0)))
+        experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
+                              (0x1100, 0x1200, 0x1300))
+    # the Gated DeltaNet: conv, the delta rule for each kernel
+    rows = ops.StepRows(0xc000, 0xd000, 7, 9)
+    ops.dn_conv(k, 0xe000, 8192, 0xf000, 3, 0x11000, rows, 8192, 0x12000, 8192)
+    for dk, dv in ((128, 128), (64, 96), (96, 256)):
+        ops.dn_delta(k, 0x12000, 8192, 0x13000, 0x14000, 32, 0x15000, 4096, 0x16000, 0x17000, 0x18000, 0x19000,
+                     rows, 16, dk, 32, dv, 1e-6, 0x1a000, 4096)
+    json.dump(log, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
