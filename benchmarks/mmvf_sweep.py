@@ -97,6 +97,26 @@ SHAPES = [
 ]
 
 
+def graph_us(stream, mats, launch, reps: int) -> float:
+    """Microseconds per replay of one CUDA graph that launches `launch(m)` for every m of mats (a
+    warm-up outside the capture first: the module loads)."""
+    with stream:
+        for m in mats:
+            launch(m)
+        stream.synchronize()
+        stream.begin_capture()
+        for m in mats:
+            launch(m)
+        g = stream.end_capture()
+        g.launch(stream)
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record(stream)
+        for _ in range(reps):
+            g.launch(stream)
+        e1.record(stream)
+        e1.synchronize()
+    return cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+
 def qmask(shapes) -> int:
     """One bit per type of the shapes (a sum would carry where a type repeats and drop types: it
     once compiled Q6_K out)."""
@@ -188,22 +208,7 @@ def sweep_mmv8(args, shapes_run, variants: dict) -> list[dict]:
                                          np.int32(wpr), np.int32(0), np.int32(1), np.uint64(0), np.float32(0),
                                          np.uint64(0)), shared_mem=smem)
 
-                with stream:
-                    for m in mats:
-                        launch(m)
-                    stream.synchronize()
-                    stream.begin_capture()
-                    for m in mats:
-                        launch(m)
-                    g = stream.end_capture()
-                    g.launch(stream)
-                    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-                    e0.record(stream)
-                    for _ in range(args.reps):
-                        g.launch(stream)
-                    e1.record(stream)
-                    e1.synchronize()
-                us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
+                us = graph_us(stream, mats, launch, args.reps) / layers
                 results.append({"shape": shape_name, "variant": "mmv8-" + vname, "nb": 1, "wpr": wpr, "grid": grid[0],
                                 "regs": int(fn.num_regs), "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
                                 "rows": rows_total, "K": K})
@@ -301,22 +306,7 @@ def main() -> int:
                                          np.int32(wpr), np.int32(0), np.int32(stage), np.uint64(0), np.float32(0),
                                          np.uint64(0)), shared_mem=smem)
 
-                with stream:
-                    for m in mats:
-                        launch(m)                 # warm-up (module load) outside the capture
-                    stream.synchronize()
-                    stream.begin_capture()
-                    for m in mats:
-                        launch(m)
-                    g = stream.end_capture()
-                    g.launch(stream)
-                    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-                    e0.record(stream)
-                    for _ in range(args.reps):
-                        g.launch(stream)
-                    e1.record(stream)
-                    e1.synchronize()
-                us = cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / (args.reps * layers)
+                us = graph_us(stream, mats, launch, args.reps) / layers
                 results.append({"shape": shape_name, "variant": vname + ("-cap" if capped else ""), "nb": nb, "wpr": wpr,
                                 "grid": grid[0], "regs": int(fn.num_regs),
                                 "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
