@@ -50,11 +50,6 @@ MMVF_WARPS = {1: 8, 2: 4, 4: 4, 8: 4}
 MMVF_HEAD_R = 4
 # rows a group in the fused gate/up launch (ffnf) by batch width (-DMMVF_R; absent: 2)
 FFNF_R = {1: 1}
-# blocks per SM the registers of mmvf.cu's one-row modules must allow (-DMMVF_MINB; absent: 1): a
-# one-row GEMV waits on its weight loads, and the uncapped allocation (120-160 registers a thread,
-# by compiler) leaves 1-2 blocks of 8 warps an SM; 3 hide more of that latency on the 7B-32B shapes
-# (4 spill). Not the 4-row module (the LM head, unstaged rows), whose extra rows need the registers.
-MMVF_MINB = {1: 3}
 # mmv8.cu (one-row GEMVs on 8-bit activations, dp4a): warps a block and blocks an SM its registers
 # must allow (-DMMV8_WARPS, -DMMV8_MINB): 2 x 16 warps hold half the SM's 64 warps at 64 registers a
 # thread (65536 / (2 x 512)); each block quantizes the whole input row, so 2 larger blocks an SM
@@ -130,7 +125,6 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
     opts = (f"-DMMVF_NB={nb}", f"-DMMVF_KIND={kind}", f"-DMMVF_WARPS={MMVF_WARPS[nb]}")
     if head:
         return opts + (f"-DMMVF_R={MMVF_HEAD_R}",)
-    opts += (f"-DMMVF_MINB={MMVF_MINB[nb]}",) if nb in MMVF_MINB else ()
     return opts + (f"-DMMVF_R={FFNF_R[nb]}",) if kind == 2 and nb in FFNF_R else opts
 
 

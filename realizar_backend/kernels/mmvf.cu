@@ -34,9 +34,6 @@
 #ifndef MMVF_R
 #define MMVF_R 2
 #endif
-#ifndef MMVF_MINB
-#define MMVF_MINB 1        // blocks per SM the register allocation must allow (__launch_bounds__)
-#endif
 #ifndef MMVF_UNROLL
 #define MMVF_UNROLL 2      // two units' loads in flight per lane: one memory latency covers both
 #endif
@@ -427,7 +424,7 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
 // compiles them as separate modules, in parallel: a cold start waits for the slower one only)
 #if !defined(MMVF_KIND) || MMVF_KIND == 1
 #define DEFINE_MMVF(NB)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32, MMVF_MINB) mmvf_nb##NB(                          \
+    extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) mmvf_nb##NB(                           \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,               \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,               \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,               \
@@ -442,7 +439,7 @@ __device__ __forceinline__ void ffnf_body(const u8* Wg, const u8* Wu, long long 
 #endif
 #if !defined(MMVF_KIND) || MMVF_KIND == 2
 #define DEFINE_FFNF(NB)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32, MMVF_MINB) ffnf_nb##NB(                          \
+    extern "C" __global__ void __launch_bounds__(MMVF_WARPS * 32) ffnf_nb##NB(                           \
         const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,  \
         int act, float* a, int as, int wpr, int stage, const float* nw, float eps, int lpg) {            \
         ffnf_body<NB>(Wg, Wu, rb, N, K, qt, x, xs, nb, act, a, as, wpr, stage, nw, eps, lpg);            \

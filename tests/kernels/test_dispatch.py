@@ -102,9 +102,9 @@ def test_gate_and_up_of_different_types_are_not_fused():
     groups, head = dense({"gate": Q.Q4_K, "up": Q.Q6_K})
     disp = Dispatcher(groups, head, split16_kept=False)
     gate, up = groups[2][1]
-    for rows in (1, 16):
-        c = disp.gated(disp.decode_step(rows), gate, up)
-        assert not c.fused and c.kernel is Kernel.MMVF
+    for rows, kern in ((1, Kernel.MMV8), (2, Kernel.MMVF), (16, Kernel.MMVF)):
+        c = disp.gated(disp.decode_step(rows), gate, up)      # one launch of two segments, no fused activation
+        assert not c.fused and c.kernel is kern
 
 
 def test_split16_steps_run_every_matrix_there():
@@ -182,20 +182,20 @@ def moe(layers: int = 2, hidden: int = 2048, q_dim: int = 4096, kv_dim: int = 51
     return groups, mat(Q.Q6_K, vocab, hidden, "head")
 
 
-def test_a_mixture_of_experts_runs_its_experts_per_pair_at_every_row_count_and_keeps_the_tensor_cores():
+def test_a_mixture_of_experts_groups_its_experts_from_two_rows_and_keeps_the_tensor_cores():
     """The router (F32) and the stacks of experts do not take the dense families' kernels, so they
-    do not decide the step's family: the attention keeps the tensor-core buckets. The experts run
-    on the per-pair GEMVs in every step (the grouped path not yet measured: MOE_GROUPED_MIN_ROWS
-    None), the router on gemv.cu's GEMV, gate and up in one launch where they share type and shape."""
+    do not decide the step's family: the attention keeps the tensor-core buckets. One-row steps run
+    the experts on the per-pair GEMVs, steps of MOE_GROUPED_MIN_ROWS (2) rows or more on the grouped
+    tiles; the router on gemv.cu's GEMV, gate and up in one launch where they share type and shape."""
     groups, head = moe()
     disp = Dispatcher(groups, head, split16_kept=True)
     assert disp.mmq_all and disp.mmqs_all and disp.buckets
-    router, (gate, up, _) = groups[2][1][0], groups[3][1]
-    assert d.MOE_GROUPED_MIN_ROWS is None
-    down = groups[3][1][2]
-    for step in [disp.decode_step(b) for b in (1, 4, 16, 64, 256)] + [disp.prompt_step(T) for T in (3, 40, 2048)]:
-        assert disp.experts(step, router, gate, up) == d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS, True), step
-        assert disp.experts(step, router, gate, up, down=down).experts == Kernel.MOE_PAIRS, step
+    router, (gate, up, down) = groups[2][1][0], groups[3][1]
+    assert disp.experts(disp.decode_step(1), router, gate, up, down=down) == \
+        d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS, True)
+    for step in [disp.decode_step(b) for b in (2, 4, 16, 64, 256)] + [disp.prompt_step(T) for T in (3, 40, 2048)]:
+        assert disp.experts(step, router, gate, up, down=down) == \
+            d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_GROUPED, True), step
     groups, head = moe(up=Q.Q6_K)
     gate, up = groups[3][1][:2]
     assert not Dispatcher(groups, head, split16_kept=False).experts(Step("gemv", 1), router, gate, up).fused
@@ -300,43 +300,43 @@ def test_the_gpu_loader_refuses_partial_blocks_and_wrong_sizes():
         check_matrix("m.gguf", "w", Q.Q3_K, (4, 256), 100)
 
 
-def test_one_row_gemvs_stay_on_mmvf_until_the_table_names_mmv8_types():
-    """MMV8_TYPES is empty until timed on a GPU: every one-row GEMV is mmvf.cu's."""
-    assert d.MMV8_TYPES == frozenset() and d.MMV8_TYPES <= d.MMV8_KERNEL_TYPES
-    groups, head = dense(Q4_K_M)
-    disp = Dispatcher(groups, head, split16_kept=False)
-    step = disp.decode_step(1)
-    for kind, g in groups:
-        choice = disp.gated(step, *g) if kind == "gated" else disp.linear(step, g)
-        assert set(choice.kernels) == {Kernel.MMVF}
+def test_one_row_steps_take_mmv8_for_large_groups_of_its_types():
+    """The table's rule on Qwen2.5-1.5B and -7B Q4_K_M shapes: one-row steps multiply a group on
+    mmv8.cu when all its types are MMV8_TYPES and it holds MMV8_MIN_BYTES of weights (1.5B: gate/up
+    fused and the Q6_K down projection; 7B: every group but the output projection); two rows, the LM
+    head (its argmax fold) and the small groups stay on mmvf.cu."""
+    assert {Q.Q4_K, Q.Q6_K} <= d.MMV8_TYPES <= d.MMV8_KERNEL_TYPES
+    for shape, takes in (({}, {("gated", "gate"), ("linear", "down")}),
+                         ({"hidden": 3584, "q_dim": 3584, "kv_dim": 512, "ffn": 18944, "vocab": 152064},
+                          {("linear", "q"), ("gated", "gate"), ("linear", "down")})):
+        groups, head = dense(Q4_K_M, **shape)
+        disp = Dispatcher(groups, head, split16_kept=False)
+        one, two = disp.decode_step(1), disp.decode_step(2)
+        for kind, g in groups:
+            c1 = disp.gated(one, *g) if kind == "gated" else disp.linear(one, g)
+            c2 = disp.gated(two, *g) if kind == "gated" else disp.linear(two, g)
+            want = Kernel.MMV8 if (kind, g[0].name) in takes else Kernel.MMVF
+            assert c1.kernel is want and c1.fused == (kind == "gated"), (shape, g[0].name)
+            assert c2.kernel is Kernel.MMVF
+        assert disp.head(1) is Kernel.MMVF
 
 
-def test_mmv8_types_take_the_one_row_gemvs_only(monkeypatch):
-    """With Q4_K and Q6_K in MMV8_TYPES (Qwen2.5-7B Q4_K_M's shapes): one-row steps multiply every
-    group on mmv8.cu, a group of mixed types (Q/K Q4_K, V Q6_K) in one launch, gate and up fused; two
-    rows, an I-quant (no mmv8 kernel), a row too long for its shared memory and the LM head (its
-    argmax fold) stay on mmvf.cu."""
-    monkeypatch.setattr(d, "MMV8_TYPES", frozenset({Q.Q4_K, Q.Q6_K}))
-    groups, head = dense(Q4_K_M, hidden=3584, q_dim=3584, kv_dim=512, ffn=18944, vocab=152064)
-    disp = Dispatcher(groups, head, split16_kept=False)
-    one, two = disp.decode_step(1), disp.decode_step(2)
-    for kind, g in groups:
-        c1 = disp.gated(one, *g) if kind == "gated" else disp.linear(one, g)
-        c2 = disp.gated(two, *g) if kind == "gated" else disp.linear(two, g)
-        assert c1.kernel is Kernel.MMV8 and c1.fused == (kind == "gated")
-        assert c2.kernel is Kernel.MMVF
-    assert disp.head(1) is Kernel.MMVF
-    iq = mat(Q.IQ4_XS, 64, 3584)
-    monkeypatch.setattr(d, "MMV8_TYPES", frozenset({Q.Q4_K, Q.IQ4_XS}))
-    assert disp.linear(one, (iq,)).kernels == (Kernel.MMVF,)
-    assert disp.linear(one, (mat(Q.Q4_K, 64, 3584), iq)).kernels == (Kernel.MMV8, Kernel.MMVF)
+def test_mmv8_takes_a_group_only_when_it_takes_every_matrix():
+    """A group with a type mmv8.cu does not take (an I-quant), or a row too long for its shared
+    memory, stays on mmvf.cu whole: one launch a group."""
+    disp = Dispatcher(*dense(Q4_K_M), split16_kept=False)
+    one = disp.decode_step(1)
+    big = 8192                                           # rows enough for MMV8_MIN_BYTES at this width
+    iq = mat(Q.IQ4_XS, big, 3584)
+    assert disp.linear(one, (mat(Q.Q4_K, big, 3584),)).kernels == (Kernel.MMV8,)
+    assert disp.linear(one, (mat(Q.Q4_K, big, 3584), iq)).kernels == (Kernel.MMVF, Kernel.MMVF)
     longest = 100 * 1024 * 4 // 5                      # K + K / 4 bytes of shared memory: 100 KB
-    assert disp.linear(one, (mat(Q.Q4_K, 64, longest),)).kernels == (Kernel.MMV8,)
-    assert disp.linear(one, (mat(Q.Q4_K, 64, longest + 256),)).kernels == (Kernel.MMVF,)
+    assert disp.linear(one, (mat(Q.Q4_K, 512, longest),)).kernels == (Kernel.MMV8,)
+    assert disp.linear(one, (mat(Q.Q4_K, 512, longest + 256),)).kernels == (Kernel.MMVF,)
 
 
 def test_grouped_experts_take_the_steps_from_their_row_count_where_every_stack_has_mmq(monkeypatch):
-    """With MOE_GROUPED_MIN_ROWS set (the GPU tests force 1), steps of that many rows or more run the
+    """With MOE_GROUPED_MIN_ROWS at 16 (the table has 2), steps of that many rows or more run the
     experts on the grouped tiles where gate and up share type and shape and every stack has an mmq.cu
     kernel (the down projection's stack is needed to say so); others stay on the pairs."""
     monkeypatch.setattr(d, "MOE_GROUPED_MIN_ROWS", 16)

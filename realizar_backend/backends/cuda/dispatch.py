@@ -73,13 +73,17 @@ SPLIT16_PAIRED_MAX_ROWS = 128
 # fit beside its KV pool on an 80 GB GPU, a 32B model's do not.
 SPLIT16_KEEP_FREE_SHARE = 0.5
 
-# One-row GEMV steps multiply the matrices of these quant types on mmv8.cu (the input quantized to
-# 8 bits per 32 values in the launch, dp4a, 2 blocks of 16 warps an SM: half the SM's warps where
-# mmvf.cu's staged fp32 rows leave a quarter) instead of mmvf.cu; a group of matrices shares one
-# launch when all of its types are here. Empty, so mmvf.cu stays every type's kernel, until timed on
-# a GPU (`benchmarks/mmvf_sweep.py --mmv8`); the types it can take are MMV8_KERNEL_TYPES. The 8-bit
-# input costs accuracy as llama.cpp's mmvq does (a relative error of ~1/254 per activation).
-MMV8_TYPES: frozenset = frozenset()
+# One-row GEMV steps multiply a group of matrices sharing an input (q/k/v, gate/up, one projection)
+# on mmv8.cu (the input quantized to 8 bits per 32 values in the launch, dp4a, 2 blocks of 16 warps
+# an SM: half the SM's warps where mmvf.cu's staged fp32 rows leave a quarter) instead of mmvf.cu
+# when every type of the group is in MMV8_TYPES and the group holds at least MMV8_MIN_BYTES of
+# weights: each block quantizes the whole input row before its first weight load, a fixed cost that
+# only a long stream of weights hides (1.5B: gate/up and the Q6_K down projections take it; 7-8B:
+# every group but the output projection; 32B: every group). The types are those timed
+# end to end; mmv8.cu can take MMV8_KERNEL_TYPES. The 8-bit input costs accuracy as llama.cpp's mmvq
+# does (a relative error of ~1/254 per activation).
+MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
+MMV8_MIN_BYTES = 8 << 20
 
 # The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
 # (MOE_PAIRS): each (row, expert) pair reads its expert's rows through the id the router wrote on the
@@ -88,9 +92,11 @@ MMV8_TYPES: frozenset = frozenset()
 # The grouped path (MOE_GROUPED: the pairs bucketed per expert on the device, each expert's weights
 # read once per tile of MOE_GROUPED_BN of its pairs on mmq.cu's tensor-core tiles) wins once pairs
 # share experts, and takes the steps from MOE_GROUPED_MIN_ROWS rows where every expert matrix has an
-# mmq.cu kernel. None: not yet measured against the pairs on a GPU (benchmarks/moe_grouped_bench.py),
-# so the per-pair GEMVs at every row count; the GPU tests force the grouped path.
-MOE_GROUPED_MIN_ROWS: int | None = None
+# mmq.cu kernel: from two rows (16 pairs over 128 experts) its bucketing and tiles cost less than the
+# pairs' second reads of shared experts; one row's 8 pairs read 8 distinct experts once either way,
+# and the pairs skip the bucketing (benchmarks/moe_grouped_bench.py times both at Qwen3-30B-A3B's
+# shapes). None would keep the pairs at every row count (the GPU tests run both paths).
+MOE_GROUPED_MIN_ROWS: int | None = 2
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
 # per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
 MOE_GROUPED_BN = (8, 16, 32, 64)
@@ -253,12 +259,12 @@ class Dispatcher:
     # ------------------------------------------------------------ matrices
     @staticmethod
     def _gemv(mats: Sequence[WeightRef], rows: int = 0) -> tuple[Kernel, ...]:
-        """The GEMV of each matrix in a step of `rows` rows (MMV8_TYPES: one-row steps only)."""
-        def one(w: WeightRef) -> Kernel:
-            if rows == 1 and w.qtype in MMV8_TYPES and mmv8_ok(w):
-                return Kernel.MMV8
-            return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
-        return tuple(one(w) for w in mats)
+        """The GEMV of each matrix in a step of `rows` rows: the group on mmv8.cu by the rule of
+        MMV8_TYPES (one-row steps only), else each on mmvf.cu where it takes the type."""
+        if rows == 1 and mats and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in mats) \
+                and sum(w.rows * w.row_bytes for w in mats) >= MMV8_MIN_BYTES:
+            return (Kernel.MMV8,) * len(mats)
+        return tuple(Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV for w in mats)
 
     def linear(self, step: Step, mats: Sequence[WeightRef]) -> Choice:
         """The kernels of projections that share one input."""
