@@ -79,8 +79,12 @@ def test_mmqs_takes_up_to_16_rows_and_beyond_only_what_stays_in_l2():
 def test_the_lm_head_takes_the_tensor_cores_from_two_rows_and_one_row_folds_the_argmax():
     groups, head = dense(Q4_K_M)
     disp = Dispatcher(groups, head, split16_kept=False)
-    assert disp.head(1) is Kernel.MMVF
+    assert disp.head(1) is Kernel.MMV8                  # 152k x 1536 of Q6_K: mmv8.cu's rule
     assert disp.head(2) is Kernel.MMQS
+    small = mat(Q.Q6_K, 2048, 1536)                     # a head under MMV8_MIN_BYTES keeps mmvf.cu
+    assert Dispatcher(groups, small, split16_kept=False).head(1) is Kernel.MMVF
+    q8_head = mat(Q.Q8_0, 49152, 576)                   # SmolLM2's: a type outside MMV8_TYPES
+    assert Dispatcher(groups, q8_head, split16_kept=False).head(1) is Kernel.MMVF
     f16_head = mat(Q.F16, 32000, 1536)
     assert Dispatcher(groups, f16_head, split16_kept=False).head(8) is Kernel.GEMV
 
@@ -303,8 +307,8 @@ def test_the_gpu_loader_refuses_partial_blocks_and_wrong_sizes():
 def test_one_row_steps_take_mmv8_for_large_groups_of_its_types():
     """The table's rule on Qwen2.5-1.5B and -7B Q4_K_M shapes: one-row steps multiply a group on
     mmv8.cu when all its types are MMV8_TYPES and it holds MMV8_MIN_BYTES of weights (1.5B: gate/up
-    fused and the Q6_K down projection; 7B: every group but the output projection); two rows, the LM
-    head (its argmax fold) and the small groups stay on mmvf.cu."""
+    fused, the Q6_K down projection and the LM head; 7B: every group but the output projection); two
+    rows and the small groups stay on mmvf.cu."""
     assert {Q.Q4_K, Q.Q6_K} <= d.MMV8_TYPES <= d.MMV8_KERNEL_TYPES
     for shape, takes in (({}, {("gated", "gate"), ("linear", "down")}),
                          ({"hidden": 3584, "q_dim": 3584, "kv_dim": 512, "ffn": 18944, "vocab": 152064},
@@ -318,7 +322,7 @@ def test_one_row_steps_take_mmv8_for_large_groups_of_its_types():
             want = Kernel.MMV8 if (kind, g[0].name) in takes else Kernel.MMVF
             assert c1.kernel is want and c1.fused == (kind == "gated"), (shape, g[0].name)
             assert c2.kernel is Kernel.MMVF
-        assert disp.head(1) is Kernel.MMVF
+        assert disp.head(1) is Kernel.MMV8
 
 
 def test_mmv8_takes_a_group_only_when_it_takes_every_matrix():

@@ -78,10 +78,10 @@ SPLIT16_KEEP_FREE_SHARE = 0.5
 # an SM: half the SM's warps where mmvf.cu's staged fp32 rows leave a quarter) instead of mmvf.cu
 # when every type of the group is in MMV8_TYPES and the group holds at least MMV8_MIN_BYTES of
 # weights: each block quantizes the whole input row before its first weight load, a fixed cost that
-# only a long stream of weights hides (1.5B: gate/up and the Q6_K down projections take it; 7-8B:
-# every group but the output projection; 32B: every group). The types are those timed
-# end to end; mmv8.cu can take MMV8_KERNEL_TYPES. The 8-bit input costs accuracy as llama.cpp's mmvq
-# does (a relative error of ~1/254 per activation).
+# only a long stream of weights hides (1.5B: gate/up, the Q6_K down projections and the LM head take
+# it; 7-8B: every group but the output projection; 32B: every group). The LM head's argmax folds into
+# either kernel. The types are those timed end to end; mmv8.cu can take MMV8_KERNEL_TYPES. The 8-bit
+# input costs accuracy as llama.cpp's mmvq does (a relative error of ~1/254 per activation).
 MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 MMV8_MIN_BYTES = 8 << 20
 
@@ -284,11 +284,12 @@ class Dispatcher:
         return Choice(self._gemv((gate, up), step.rows), fused)
 
     def head(self, rows: int) -> Kernel:
-        """The LM head's kernel for `rows` rows (its argmax folded in wherever the kernel can)."""
+        """The LM head's kernel for `rows` rows (its argmax folded in wherever the kernel can: mmvf.cu
+        and mmv8.cu): a one-row step takes the GEMVs' rule (mmv8.cu for a large head of its types)."""
         w = self.head_matrix
         if mmq_ok(w) and rows >= (MMQS_HEAD_MIN_ROWS if self.mmqs_all else self.mmq_min_rows):
             return Kernel.MMQS if mmqs_takes((w,), rows) else Kernel.MMQ
-        return Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV
+        return self._gemv((w,), rows)[0]
 
     def experts(self, step: Step, router: WeightRef, gate: WeightRef, up: WeightRef,
                 shared: Sequence[WeightRef] = (), down: WeightRef | None = None) -> ExpertsChoice:

@@ -144,11 +144,11 @@ class GemvLinear(Family):
         """RMSNorm(rows[:n]) * norm -> LM head -> ws.logits, and each row's argmax into ws.argmax
         (and the decode inputs, `feed`: argmax_unpack's io and ring arguments)."""
         k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
-        if kern is Kernel.MMVF:
+        if kern in (Kernel.MMVF, Kernel.MMV8):
             # norm, LM head and argmax in one launch (+ the tiny unpack)
-            x, nrm = self.normed(rows, norm, n)
+            x, nrm = self.normed(rows, norm, n, kern)
             ops.mmvf(k, [(w, 0, ws.logits.data.ptr, c.vocab_size)], c.hidden, x.data.ptr, x.shape[1], n, norm=nrm,
-                     amax=amax, pdl=self.ctx.pdl, head=True)
+                     amax=amax, pdl=self.ctx.pdl, head=True, q8=kern is Kernel.MMV8)
             ops.argmax_unpack(k, amax, ws.argmax.data.ptr, n, *feed, pdl=self.ctx.pdl)
             return
         self.norm(rows, norm, ws.last_norm, n)
