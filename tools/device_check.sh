@@ -119,15 +119,19 @@ if has tests; then
   }
   files=(${PYTEST_PATHS:-tests/gpu/test_*.py})
   # On a machine of several GPUs, one queue a GPU ($GPU_QUEUES, default every GPU; 1: one after another
-  # on the visible GPUs): each takes the next file, largest first (the longest, roughly). The files of
-  # $GPU_ALL_FILES (those that place engines on several GPUs) run after the queues, seeing every GPU.
+  # on the visible GPUs): each takes the next file, the slowest first (SLOW_FILES, by their times on an
+  # H100, then the rest largest first). The files of $GPU_ALL_FILES (those that place engines on several
+  # GPUs) run after the queues, seeing every GPU.
+  SLOW_FILES="test_long_context.py test_kernels.py test_sampling_gpu.py test_batched_decode.py test_mmq.py
+              test_flash_attention.py test_model_parity.py test_prefill_split.py test_kernels_f32.py"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU"); queues=${GPU_QUEUES:-$ngpu}; [ "${queues:-0}" -ge 1 ] || queues=1
   all_gpus=() queued=()
   for f in "${files[@]}"; do
     if [ "$queues" -gt 1 ] && [[ " ${GPU_ALL_FILES-test_engines_gpu.py} " == *" $(basename "$f") "* ]]; then all_gpus+=("$f"); else queued+=("$f"); fi
   done
   if [ "$queues" -gt 1 ]; then
-    { [ ${#queued[@]} -gt 0 ] && ls -S "${queued[@]}" 2>/dev/null || printf '%s\n' "${queued[@]}"; } > /tmp/gpu_tests/queue
+    { for n in $SLOW_FILES; do printf '%s\n' "${queued[@]}" | grep "/$n\$"; done
+      [ ${#queued[@]} -gt 0 ] && ls -S "${queued[@]}" 2>/dev/null | grep -v -F "$(printf '%s\n' $SLOW_FILES)"; } > /tmp/gpu_tests/queue
     next() { flock /tmp/gpu_tests/queue.lock sh -c 'head -1 /tmp/gpu_tests/queue; sed -i 1d /tmp/gpu_tests/queue'; }
     for ((g = 0; g < queues; g++)); do ( while f=$(next) && [ -n "$f" ]; do test_file "$f" $g; done ) & done
     wait
