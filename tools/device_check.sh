@@ -69,10 +69,12 @@ if [ ! -f "$SMOL" ] && ls /tmp/stage/smol.partA /tmp/stage/smol.partB >/dev/null
   if [ "$(sha256sum "$SMOL.tmp" | cut -d' ' -f1)" = "$SMOL_SHA" ]; then mv "$SMOL.tmp" "$SMOL"; echo "real SmolLM2 assembled"
   else echo "real SmolLM2 parts do not match the sha256"; rm -f "$SMOL.tmp"; fi
 fi
-for d in .whl*; do
+for d in .whl*; do   # once per set of wheels on a warm machine (a reinstall would pull files from under running jobs)
   ls "$d"/*.whl >/dev/null 2>&1 || continue
+  mark=/tmp/site/.installed-$(ls "$d" | md5sum | cut -c1-16); [ -f "$mark" ] && continue
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
     || { echo "wheel install from $d failed"; exit 1; }
+  touch "$mark"
 done
 export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
 for n in ${TWINS:-smol135 qwen05 gemma270 qwen15}; do
