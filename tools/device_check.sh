@@ -7,7 +7,7 @@
 #   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; the shape twins
 #            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json +
 #            twin_expand.py) into /tmp/twins; the real SmolLM2 from its
-#            parts (.device/smol.part*, staged in /tmp/stage while the machine stays warm); the prebuilt
+#            parts (.device/smol.part*, one call each, staged in /tmp/stage while the machine stays warm); the prebuilt
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
 #   tests    pytest -m gpu over $PYTEST_PATHS (default: every tests/gpu file), no -x: the full report; one
@@ -38,7 +38,7 @@
 #            WORKER_COUNTS="1 4:1 4:2"; /metrics and nvidia-smi's processes of each; the speed-up of generation
 #            tok/s (N vs 1), the front ends' count and CPU (all of them, in cores), the errors and each
 #            engine's requests in serve.json ("workers", keys workersN or workersN_feF) and the log
-# `device_check.sh stage` only stages (for the call that carries the first SmolLM2 part).
+# `device_check.sh stage` only stages (for the calls that carry the SmolLM2 parts before the last).
 # Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
 #         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json
 #         (llama.cpp's figures are also in summary.json, under "llamacpp")
@@ -64,10 +64,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 for p in .device/smol.part*; do [ -f "$p" ] && cp -f "$p" /tmp/stage/ && echo "staged $p"; done
 SMOL=/tmp/smol135.gguf
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-if [ ! -f "$SMOL" ] && ls /tmp/stage/smol.partA /tmp/stage/smol.partB >/dev/null 2>&1; then
-  cat /tmp/stage/smol.partA /tmp/stage/smol.partB > "$SMOL.tmp"
+# the parts in name order (split -n 3 -d: smol.part0..2, each carried by its own call); whole once they match
+if [ ! -f "$SMOL" ] && ls /tmp/stage/smol.part* >/dev/null 2>&1; then
+  cat $(ls /tmp/stage/smol.part* | sort) > "$SMOL.tmp"
   if [ "$(sha256sum "$SMOL.tmp" | cut -d' ' -f1)" = "$SMOL_SHA" ]; then mv "$SMOL.tmp" "$SMOL"; echo "real SmolLM2 assembled"
-  else echo "real SmolLM2 parts do not match the sha256"; rm -f "$SMOL.tmp"; fi
+  else echo "real SmolLM2: $(ls /tmp/stage/smol.part* | wc -l) parts staged, not yet whole"; rm -f "$SMOL.tmp"; fi
 fi
 for d in .whl*; do   # once per set of wheels on a warm machine (a reinstall would pull files from under running jobs)
   ls "$d"/*.whl >/dev/null 2>&1 || continue
