@@ -136,16 +136,21 @@ if has tests; then
     { for n in $SLOW_FILES; do printf '%s\n' "${queued[@]}" | grep "/$n\$"; done
       [ ${#queued[@]} -gt 0 ] && ls -S "${queued[@]}" 2>/dev/null | grep -v -F "$(printf '%s\n' $SLOW_FILES)"; } > /tmp/gpu_tests/queue
     next() { flock /tmp/gpu_tests/queue.lock sh -c 'head -1 /tmp/gpu_tests/queue; sed -i 1d /tmp/gpu_tests/queue'; }
-    for ((g = 0; g < queues; g++)); do ( while f=$(next) && [ -n "$f" ]; do test_file "$f" $g; done ) & done
-    wait
+    # each file's line as it ends (a call cut off still returns them); `wait` on the workers' pids: a
+    # bare `wait` would also wait on the log's tee (bash 5.1+ waits on the last process substitution)
+    workers=()
+    for ((g = 0; g < queues; g++)); do
+      ( while f=$(next) && [ -n "$f" ]; do test_file "$f" $g; cat "/tmp/gpu_tests/$(basename "$f" .py).sum"; done ) &
+      workers+=($!)
+    done
+    wait "${workers[@]}"
   else
     for f in "${queued[@]}"; do test_file "$f"; cat "/tmp/gpu_tests/$(basename "$f" .py).sum"; done
   fi
-  for f in "${all_gpus[@]}"; do test_file "$f"; done
+  for f in "${all_gpus[@]}"; do test_file "$f"; cat "/tmp/gpu_tests/$(basename "$f" .py).sum"; done
   for f in "${files[@]}"; do
     n=$(basename "$f" .py); r=$(cat "/tmp/gpu_tests/$n.rc" 2>/dev/null || echo 1)
     [ "$r" -ne 0 ] && [ "$r" -ne 5 ] && rc=1
-    [ "$queues" -gt 1 ] && cat "/tmp/gpu_tests/$n.sum"
     { echo "==== $f (rc=$r)"; cat "/tmp/gpu_tests/$n.log" 2>/dev/null; } >> "$OUT/pytest.log"
   done
   echo "pytest rc=$rc in $(( $(date +%s) - t0 )) s"
