@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .support import DN_CHUNK
+
 F64 = np.float64
 
 
@@ -47,7 +49,7 @@ def conv(x, w, conv_state, slots, pos, scratch):
 
 
 def delta(cv, alpha, beta, z, a_coef, dt_bias, out_norm, state, slots, pos, scratch, nk, dk, nv, dv, eps,
-          chunk_min: int | None = None, chunk: int = 64):
+          chunk_min: int | None = None, chunk: int = DN_CHUNK):
     """cv [n, 2 nk dk + nv dv] (the conv output), alpha, beta [n, nv], z [n, nv dv], state
     [slots, nv, dk, dv]: (the gated RMSNorm of each head's output [n, nv dv], the new state).
     chunk_min: as deltanet.cu's chunked rule (dn_chunk, then dn_delta's tail): a segment of a live

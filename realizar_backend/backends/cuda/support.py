@@ -29,6 +29,17 @@ def dn_delta_kernel(k_dim: int) -> str:
     return f"dn_delta_k{k_dim}" if k_dim in DN_DELTA_K else "dn_delta"
 
 
+# the chunked form of the delta rule (deltanet.cu dn_chunk_k<dk>, one per DN_DELTA_K): chunks of
+# DN_CHUNK rows, heads of up to DN_CHUNK_MAX_V value dims (the same names there)
+DN_CHUNK, DN_CHUNK_MAX_V = 32, 128
+
+
+def dn_chunk_kernel(k_dim: int, v_dim: int) -> str | None:
+    """The name of deltanet.cu's chunked delta-rule kernel for these heads, or None where there is
+    none (those heads run dn_delta token by token)."""
+    return f"dn_chunk_k{k_dim}" if k_dim in DN_DELTA_K and v_dim <= DN_CHUNK_MAX_V else None
+
+
 # A hybrid's recurrent state is a fixed size per slot, allocated for every slot before the KV pool
 # takes what is left: it gets at most this share of the memory left after the weights, and the
 # slots are as many as fit in it (fewer than max_num_seqs where the state is large: Qwen3.6-27B's
