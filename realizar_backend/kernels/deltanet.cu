@@ -28,8 +28,10 @@
 #define DN_MAX_K 128
 // k_dims with a delta-rule kernel of their own, dn_delta_k<dk> (the column's length known at compile
 // time: no per-element bound checks, and no registers beyond dk for it): the real models' (Qwen3.5 and
-// 3.6: 128) and half that. Other k_dims run dn_delta. backends/cuda/support.py DN_DELTA_K lists the same.
-#define DN_DELTA_K_LIST(X) X(64) X(128)
+// 3.6: 128), half that, and the tiny test models' 32 (tests/support/hybrid_models.py: through them the
+// GPU tests run whole models on the chunked rule, which has these k_dims only). Other k_dims run
+// dn_delta. backends/cuda/support.py DN_DELTA_K lists the same.
+#define DN_DELTA_K_LIST(X) X(32) X(64) X(128)
 // Largest v_dim: a delta-rule block has one thread per column of S, rounded up to a warp (Qwen3.5: 128).
 // The backend refuses more.
 #define DN_MAX_V 256

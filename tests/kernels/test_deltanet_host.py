@@ -5,8 +5,8 @@ causal conv and the gated delta rule over decode rows (one token of each of seve
 chunk continuing a slot's state, a sequence's first chunk (position 0: the state there is ignored),
 several segments in one step and padding rows on the scratch slot (which keep no state), at the
 tiny and the real Qwen3.5/3.6 head sizes and odd ones, through the kernel the launcher picks for the
-k_dim (support.dn_delta_kernel: the dn_delta_k64 and dn_delta_k128 instances, else the general
-dn_delta), and through the general kernel at the instances' k_dims too. Outputs are poisoned before
+k_dim (support.dn_delta_kernel: the dn_delta_k<dk> instances, else the general dn_delta), and
+through the general kernel at the instances' k_dims too. Outputs are poisoned before
 each launch: every value past a row's width must stay so, and so must the states of the slots the step
 does not run. A copy of the kernels with the decay left out of the delta term must fail, through the
 general kernel and an instance. The chunked rule: dn_chunk_k<dk> then dn_delta_k<dk> (the prompt
@@ -120,7 +120,7 @@ def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0, entry=None, chunk_min
     return got, ref, ref_st, a["state"], nv * dv
 
 
-# (nk, dk, nv, dv, entry): entry None is the launcher's pick (dk 64 and 128: their instances)
+# (nk, dk, nv, dv, entry): entry None is the launcher's pick (dk 32, 64 and 128: their instances)
 SHAPES = {
     "qwen35-tiny": (2, 32, 4, 32, None),
     "wide-v": (2, 32, 4, 64, None),
@@ -166,9 +166,11 @@ CHUNKED = {
     "mixed": [(0, 0, LONG + 1), (2, 11, LONG - 1), (4, 3, 1), (SCRATCH, 0, LONG)],
 }
 # (nk, dk, nv, dv): the chunked kernel's instances at the real heads' sizes and narrower value heads
-CHUNK_SHAPES = {"k64": (2, 64, 4, 64), "k64-narrow-v": (1, 64, 3, 40), "qwen36-heads": (4, 128, 16, 128)}
+CHUNK_SHAPES = {"k64": (2, 64, 4, 64), "k64-narrow-v": (1, 64, 3, 40), "qwen36-heads": (4, 128, 16, 128),
+                "qwen35-tiny": (2, 32, 4, 32)}
 # every step at the small shapes; the real heads (slow to emulate) at chunks with a tail
-CHUNK_CASES = [(sh, st) for sh in ("k64", "k64-narrow-v") for st in CHUNKED] + [("qwen36-heads", "chunks-and-tail")]
+CHUNK_CASES = [(sh, st) for sh in ("k64", "k64-narrow-v", "qwen35-tiny") for st in CHUNKED] \
+    + [("qwen36-heads", "chunks-and-tail")]
 
 
 @pytest.mark.parametrize("shape,step", CHUNK_CASES, ids=[f"{sh}-{st}" for sh, st in CHUNK_CASES])

@@ -21,7 +21,7 @@ from functools import lru_cache
 import pytest
 
 from realizar_backend.kernels import catalog
-from realizar_backend.backends.cuda.support import DN_CHUNK
+from realizar_backend.backends.cuda.support import DN_CHUNK, DN_DELTA_K
 from support.host_emu import GXX, ROOT
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
@@ -32,8 +32,8 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
-           **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", "dn_delta_k64", "dn_delta_k128", "dn_chunk_k64",
-                                                "dn_chunk_k128")}}
+           **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
+                                                                          for d in DN_DELTA_K))}}
 # dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,

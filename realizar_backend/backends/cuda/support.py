@@ -21,7 +21,7 @@ ATT_MAXD = 256
 DN_MAX_TAPS, DN_MAX_K, DN_MAX_V = 8, 128, 256
 # the k_dims with a delta-rule kernel of their own (deltanet.cu DN_DELTA_K_LIST: dn_delta_k<dk>, the
 # state column's length fixed at compile time); other k_dims run the general dn_delta
-DN_DELTA_K = (64, 128)
+DN_DELTA_K = (32, 64, 128)
 
 
 def dn_delta_kernel(k_dim: int) -> str:
