@@ -222,12 +222,23 @@ DN_DELTA_K_LIST(DN_DELTA_K_INSTANCE)
 // the cumulative logs, never ratios of products: over a chunk of strong decays the product
 // underflows. out holds e^{G_r} S^T q_r between the passes over a chunk (each thread its own
 // column). Block: a multiple of 32 threads, at least v_dim (<= DN_CHUNK_MAX_V); dk == KD.
+__device__ __forceinline__ float4 dn_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+// a . s[0..3] (s: a register array's static slice once unrolled)
+__device__ __forceinline__ float dn_dot4(float4 a, const float* s) {
+    return a.x * s[0] + a.y * s[1] + a.z * s[2] + a.w * s[3];
+}
+
 template <int KD>
 __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
-    // (k's rows padded by one: a warp's lanes on m hit distinct banks; xs holds q's rows, then u's)
-    constexpr int L = DN_CHUNK, KP = KD + 1, XW = KP > DN_CHUNK_MAX_V ? KP : DN_CHUNK_MAX_V;
+    // The tiles are read 4 floats a load (every inner loop is over k's dims); rows padded by 4 floats
+    // keep them 16-byte aligned, and the products' lanes (a row m each) on distinct banks in each
+    // quarter-warp. xs holds q's rows, then u's columns.
+    constexpr int L = DN_CHUNK, KP = KD + 4, XW = KP > DN_CHUNK_MAX_V ? KP : DN_CHUNK_MAX_V;
     static_assert(L == 32, "the cumulative decays are one warp's");
-    __shared__ float ks[L][KP], xs[L][XW];
+    static_assert(KD % 4 == 0 && XW % 4 == 0, "rows of whole float4s");
+    __shared__ __align__(16) float ks[L][KP];
+    __shared__ __align__(16) float xs[L][XW];
     __shared__ float mk[L][L + 1], mq[L][L + 1], gs[L], bs[L], rs[L];
     const int h = blockIdx.x, t = blockIdx.y, j = threadIdx.x, nt = blockDim.x;
     const int warp = j >> 5, lane = j & 31, nw = nt >> 5;
@@ -274,15 +285,18 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             gs[lane] = g;
         }
         __syncthreads();
-        // the decay-weighted products: a warp's lanes on one row r, consecutive m
+        // the decay-weighted products: a warp's lanes on one row r, consecutive m. (At dk 128 the loop
+        // stays rolled: the column of S is live across it, and unrolled it spilled on sm_90; ptxas -v
+        // shows no spills at these unroll counts on sm_80 and sm_90.)
         for (int e = j; e < L * L; e += nt) {
             const int r = e / L, m = e % L;
             float kk = 0.0f, qk = 0.0f;
             if (m <= r) {
-#pragma unroll 8
-                for (int i = 0; i < KD; ++i) {
-                    kk += ks[r][i] * ks[m][i];
-                    qk += xs[r][i] * ks[m][i];
+#pragma unroll(KD >= 128 ? 1 : 8)
+                for (int i = 0; i < KD; i += 4) {
+                    const float4 a = dn_ld4(&ks[r][i]), b = dn_ld4(&ks[m][i]), q = dn_ld4(&xs[r][i]);
+                    kk += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+                    qk += q.x * b.x + q.y * b.y + q.z * b.z + q.w * b.w;
                 }
             }
             const float d = m <= r ? expf(gs[r] - gs[m]) : 0.0f;
@@ -294,7 +308,7 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             for (int r = 0; r < L; ++r) {
                 float qp = 0.0f;
 #pragma unroll
-                for (int i = 0; i < KD; ++i) qp += xs[r][i] * s[i];
+                for (int i = 0; i < KD; i += 4) qp += dn_dot4(dn_ld4(&xs[r][i]), s + i);
                 out[(long long)(c + r) * os + h * dv + j] = expf(gs[r]) * qp;
             }
         }
@@ -304,7 +318,7 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             for (int r = 0; r < L; ++r) {
                 float kp = 0.0f;
 #pragma unroll
-                for (int i = 0; i < KD; ++i) kp += ks[r][i] * s[i];
+                for (int i = 0; i < KD; i += 4) kp += dn_dot4(dn_ld4(&ks[r][i]), s + i);
                 float u = v[(long long)r * cvs] - expf(gs[r]) * kp;
                 for (int m = 0; m < r; ++m) u -= mk[r][m] * xs[m][j];
                 xs[r][j] = bs[r] * u;
@@ -338,7 +352,13 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             for (int r = 0; r < L; ++r) {
                 const float w = expf(gl - gs[r]) * xs[r][j];
 #pragma unroll
-                for (int i = 0; i < KD; ++i) s[i] += ks[r][i] * w;
+                for (int i = 0; i < KD; i += 4) {
+                    const float4 a = dn_ld4(&ks[r][i]);
+                    s[i] += a.x * w;
+                    s[i + 1] += a.y * w;
+                    s[i + 2] += a.z * w;
+                    s[i + 3] += a.w * w;
+                }
             }
         }
         __syncthreads();        // ks, xs, gs, bs and rs are rewritten by the next chunk
