@@ -3,8 +3,8 @@
 // line: `kernel` is conv or delta, the rest its scalar arguments; for delta, `entry` names the kernel:
 // dn_delta or one of its dn_delta_k<dk> instances, `chunk_min` the chunked rule's argument, and
 // `chunk`, where given, the chunked kernel (dn_chunk_k<dk>) launched before it, as the prompt step
-// launches them) and the input arrays as raw .bin files. The arrays a launch writes are read as the test poisoned them and written back as
-// <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py dn_conv, dn_delta).
+// launches them) and the input arrays as raw .bin files. The arrays a launch writes are read as the
+// test poisoned them and written back as <name>_after.bin. Grids and blocks are the launchers' (backends/cuda/ops.py dn_conv, dn_delta).
 #include "cuda_emu.h"
 
 #include "deltanet.cu"
