@@ -211,9 +211,10 @@ DN_DELTA_K_LIST(DN_DELTA_K_INSTANCE)
 
 
 // The chunked form of dn_delta_segment's rule over a segment's whole chunks of L = DN_CHUNK rows
-// (deltanet_twin.py chunk_step has the derivation). Block (h, t): value head h over the segment
-// starting at row t, if its slot is live and it holds at least chunk_min rows (the other blocks
-// return); thread j holds column j of S_h. Per chunk, with G_r the cumulative log-decay of its rows
+// (deltanet_twin.py chunk_step has the derivation). Grid (nv, ceil(n / DN_CHUNK)): block (h, b) runs
+// value head h over the segment of a live slot of at least chunk_min rows that starts among rows
+// [b DN_CHUNK, (b + 1) DN_CHUNK), where one does (the other blocks return: a grid of one block a row
+// would pass ~DN_CHUNK times as many empty blocks through the SMs); thread j holds column j of S_h. Per chunk, with G_r the cumulative log-decay of its rows
 // 0..r (a_coef_h * softplus(alpha + dt_bias_h) summed) and b_r = sigmoid(beta):
 //   mk[r][m] = e^{G_r - G_m} k_r . k_m (m < r),   mq[r][m] = e^{G_r - G_m} q_r . k_m (m <= r);
 //   u_r = b_r (v_r - e^{G_r} S^T k_r - sum_{m<r} mk[r][m] u_m)          (forward substitution);
@@ -240,11 +241,27 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
     __shared__ __align__(16) float ks[L][KP];
     __shared__ __align__(16) float xs[L][XW];
     __shared__ float mk[L][L + 1], mq[L][L + 1], gs[L], bs[L], rs[L];
-    const int h = blockIdx.x, t = blockIdx.y, j = threadIdx.x, nt = blockDim.x;
+    __shared__ int first;
+    const int h = blockIdx.x, j = threadIdx.x, nt = blockDim.x;
     const int warp = j >> 5, lane = j & 31, nw = nt >> 5;
-    if (t >= n || chunk_min <= 0 || !dn_segment_start(slots, pos, t)) return;
+    if (chunk_min < L) return;
+    // the chunked segment starting among this block's L rows, if any: a lane a row (at most one
+    // starts there: a chunked segment holds at least L rows); a candidate's rows are walked up to
+    // chunk_min only
+    if (j == 0) first = -1;
+    __syncthreads();
+    if (warp == 0) {
+        const int r = blockIdx.y * L + lane;
+        if (r < n && slots[r] != scratch && dn_segment_start(slots, pos, r)) {
+            int e = r + 1;
+            while (e < n && e - r < chunk_min && slots[e] == slots[r] && pos[e] == pos[e - 1] + 1) ++e;
+            if (e - r >= chunk_min) first = r;
+        }
+    }
+    __syncthreads();
+    const int t = first;
+    if (t < 0) return;
     const int end = dn_segment_end(slots, pos, t, n), slot = slots[t];
-    if (slot == scratch || end - t < chunk_min) return;
     const int kh = h % nk, last = t + (end - t) / L * L;
     const bool col = j < dv, fresh = pos[t] == 0;
     float* S = state + ((long long)slot * nv + h) * KD * dv + j;

@@ -157,13 +157,14 @@ def test_delta(emu, tmp_path, step, shape):
 
 
 # steps with segments long enough for the chunked rule at chunk_min = 2 DN_CHUNK (the twin's chunks
-# and rows as deltanet.cu's): whole chunks and a tail, whole chunks only, a first segment, one a row
-# short of the rule beside a decode row, and long padding on the scratch slot (never chunked)
+# and rows as deltanet.cu's): whole chunks and a tail, whole chunks only, a first segment; chunked
+# segments starting off dn_chunk's row blocks (rows 1 and 129) beside a decode row, one a row short
+# of the rule, and long padding on the scratch slot (never chunked)
 LONG = 2 * DN_CHUNK
 CHUNKED = {
     "chunks-and-tail": [(2, 5, LONG + DN_CHUNK + 7)],
     "whole-chunks": [(1, 0, LONG)],
-    "mixed": [(0, 0, LONG + 1), (2, 11, LONG - 1), (4, 3, 1), (SCRATCH, 0, LONG)],
+    "mixed": [(4, 3, 1), (0, 0, LONG + 1), (2, 11, LONG - 1), (3, 2, LONG + 3), (SCRATCH, 0, LONG)],
 }
 # (nk, dk, nv, dv): the chunked kernel's instances at the real heads' sizes and narrower value heads
 CHUNK_SHAPES = {"k64": (2, 64, 4, 64), "k64-narrow-v": (1, 64, 3, 40), "qwen36-heads": (4, 128, 16, 128),
