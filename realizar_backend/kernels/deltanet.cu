@@ -225,10 +225,19 @@ DN_DELTA_K_LIST(DN_DELTA_K_INSTANCE)
 // column). Block: a multiple of 32 threads, at least v_dim (<= DN_CHUNK_MAX_V); dk == KD.
 __device__ __forceinline__ float4 dn_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
-// a . s[0..3] (s: a register array's static slice once unrolled)
-__device__ __forceinline__ float dn_dot4(float4 a, const float* s) {
-    return a.x * s[0] + a.y * s[1] + a.z * s[2] + a.w * s[3];
+// The state's dot products over dk (S^T q, S^T k) keep four partial sums (a float4's lanes): one sum
+// would be a chain of dk dependent multiply-adds, and a block has few warps to hide its latency.
+// (The chunk's k.k and q.k products and the solve keep one: with more, ptxas spilled at dk 128 on
+// sm_90 and, oddly, at dk 32.)
+// acc += a * s[0..3] lane by lane (s: a register array's static slice once unrolled)
+__device__ __forceinline__ void dn_fma4(float4& acc, float4 a, const float* s) {
+    acc.x += a.x * s[0];
+    acc.y += a.y * s[1];
+    acc.z += a.z * s[2];
+    acc.w += a.w * s[3];
 }
+
+__device__ __forceinline__ float dn_sum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
 
 template <int KD>
 __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
@@ -323,20 +332,20 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
         // e^{G_r} S^T q_r into out, for the output pass below
         if (col) {
             for (int r = 0; r < L; ++r) {
-                float qp = 0.0f;
+                float4 qp = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                for (int i = 0; i < KD; i += 4) qp += dn_dot4(dn_ld4(&xs[r][i]), s + i);
-                out[(long long)(c + r) * os + h * dv + j] = expf(gs[r]) * qp;
+                for (int i = 0; i < KD; i += 4) dn_fma4(qp, dn_ld4(&xs[r][i]), s + i);
+                out[(long long)(c + r) * os + h * dv + j] = expf(gs[r]) * dn_sum4(qp);
             }
         }
         __syncthreads();        // q is read; xs takes the columns of u
         if (col) {
             const float* v = cv + (long long)c * cvs + 2 * nk * KD + h * dv + j;
             for (int r = 0; r < L; ++r) {
-                float kp = 0.0f;
+                float4 kp = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                for (int i = 0; i < KD; i += 4) kp += dn_dot4(dn_ld4(&ks[r][i]), s + i);
-                float u = v[(long long)r * cvs] - expf(gs[r]) * kp;
+                for (int i = 0; i < KD; i += 4) dn_fma4(kp, dn_ld4(&ks[r][i]), s + i);
+                float u = v[(long long)r * cvs] - expf(gs[r]) * dn_sum4(kp);
                 for (int m = 0; m < r; ++m) u -= mk[r][m] * xs[m][j];
                 xs[r][j] = bs[r] * u;
             }
