@@ -214,15 +214,18 @@ DN_DELTA_K_LIST(DN_DELTA_K_INSTANCE)
 // (deltanet_twin.py chunk_step has the derivation). Grid (nv, ceil(n / DN_CHUNK)): block (h, b) runs
 // value head h over the segment of a live slot of at least chunk_min rows that starts among rows
 // [b DN_CHUNK, (b + 1) DN_CHUNK), where one does (the other blocks return: a grid of one block a row
-// would pass ~DN_CHUNK times as many empty blocks through the SMs); thread j holds column j of S_h. Per chunk, with G_r the cumulative log-decay of its rows
-// 0..r (a_coef_h * softplus(alpha + dt_bias_h) summed) and b_r = sigmoid(beta):
+// would pass ~DN_CHUNK times as many empty blocks through the SMs). Two threads hold each column of
+// S_h, half its rows each (twice the warps of a thread a column, and half the registers: a block has
+// a head's columns only, and a prompt's heads are few blocks for the SMs). Per chunk, with G_r the
+// cumulative log-decay of its rows 0..r (a_coef_h * softplus(alpha + dt_bias_h) summed) and
+// b_r = sigmoid(beta):
 //   mk[r][m] = e^{G_r - G_m} k_r . k_m (m < r),   mq[r][m] = e^{G_r - G_m} q_r . k_m (m <= r);
 //   u_r = b_r (v_r - e^{G_r} S^T k_r - sum_{m<r} mk[r][m] u_m)          (forward substitution);
 //   o_r = e^{G_r} S^T q_r + sum_{m<=r} mq[r][m] u_m;   S <- e^{G_L} S + sum_m e^{G_L - G_m} k_m u_m^T;
 // then the gated RMSNorm of each o_r as dn_delta's. The decays are exponentials of differences of
 // the cumulative logs, never ratios of products: over a chunk of strong decays the product
-// underflows. out holds e^{G_r} S^T q_r between the passes over a chunk (each thread its own
-// column). Block: a multiple of 32 threads, at least v_dim (<= DN_CHUNK_MAX_V); dk == KD.
+// underflows. out holds e^{G_r} S^T q_r between the passes over a chunk (each column's own).
+// Block: 32 threads per 16 columns, v_dim <= DN_CHUNK_MAX_V (ops.dn_delta); dk == KD.
 __device__ __forceinline__ float4 dn_ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
 // The state's dot products over dk (S^T q, S^T k) keep four partial sums (a float4's lanes): one sum
@@ -244,9 +247,9 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
     // The tiles are read 4 floats a load (every inner loop is over k's dims); rows padded by 4 floats
     // keep them 16-byte aligned, and the products' lanes (a row m each) on distinct banks in each
     // quarter-warp. xs holds q's rows, then u's columns.
-    constexpr int L = DN_CHUNK, KP = KD + 4, XW = KP > DN_CHUNK_MAX_V ? KP : DN_CHUNK_MAX_V;
+    constexpr int L = DN_CHUNK, KP = KD + 4, XW = KP > DN_CHUNK_MAX_V ? KP : DN_CHUNK_MAX_V, KH = KD / 2;
     static_assert(L == 32, "the cumulative decays are one warp's");
-    static_assert(KD % 4 == 0 && XW % 4 == 0, "rows of whole float4s");
+    static_assert(KH % 4 == 0 && XW % 4 == 0, "rows and halves of whole float4s");
     __shared__ __align__(16) float ks[L][KP];
     __shared__ __align__(16) float xs[L][XW];
     __shared__ float mk[L][L + 1], mq[L][L + 1], gs[L], bs[L], rs[L];
@@ -272,11 +275,13 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
     if (t < 0) return;
     const int end = dn_segment_end(slots, pos, t, n), slot = slots[t];
     const int kh = h % nk, last = t + (end - t) / L * L;
-    const bool col = j < dv, fresh = pos[t] == 0;
-    float* S = state + ((long long)slot * nv + h) * KD * dv + j;
-    float s[KD];
+    // column cj of S, its rows [i0, i0 + KH): lanes l and l + 16 of a warp hold one column's halves
+    const int cj = warp * 16 + (lane & 15), half = lane >> 4, i0 = half * KH;
+    const bool col = cj < dv, fresh = pos[t] == 0;
+    float* S = state + ((long long)slot * nv + h) * KD * dv + (long long)i0 * dv + cj;
+    float s[KH];
 #pragma unroll
-    for (int i = 0; i < KD; ++i) s[i] = col && !fresh ? S[(long long)i * dv] : 0.0f;
+    for (int i = 0; i < KH; ++i) s[i] = col && !fresh ? S[(long long)i * dv] : 0.0f;
     const float qscale = rsqrtf((float)KD);
     for (int c = t; c < last; c += L) {
         // the chunk's q and k, l2-normalised (q also / sqrt(dk)), a warp per row; its log-decays and betas
@@ -329,30 +334,36 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             mk[r][m] = m < r ? d * kk : 0.0f;
             mq[r][m] = d * qk;
         }
-        // e^{G_r} S^T q_r into out, for the output pass below
-        if (col) {
-            for (int r = 0; r < L; ++r) {
-                float4 qp = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        // e^{G_r} S^T q_r into out, for the output pass below: each half's partial sum, the pair's
+        // total by a shuffle (every lane of the warp passes it: a lane past dv works on zeros and
+        // writes nothing global)
+        for (int r = 0; r < L; ++r) {
+            float4 qp = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                for (int i = 0; i < KD; i += 4) dn_fma4(qp, dn_ld4(&xs[r][i]), s + i);
-                out[(long long)(c + r) * os + h * dv + j] = expf(gs[r]) * dn_sum4(qp);
-            }
+            for (int i = 0; i < KH; i += 4) dn_fma4(qp, dn_ld4(&xs[r][i0 + i]), s + i);
+            const float o = dn_sum4(qp) + __shfl_xor_sync(0xffffffffu, dn_sum4(qp), 16);
+            if (col && half == 0) out[(long long)(c + r) * os + h * dv + cj] = expf(gs[r]) * o;
         }
         __syncthreads();        // q is read; xs takes the columns of u
-        if (col) {
-            const float* v = cv + (long long)c * cvs + 2 * nk * KD + h * dv + j;
+        {
+            // both halves solve for the column's u, to the same values (the pair's sums are the same
+            // floats in either order), and both write them; cj < XW for every lane (dv <= XW)
+            const float* v = cv + (long long)c * cvs + 2 * nk * KD + h * dv + cj;
             for (int r = 0; r < L; ++r) {
                 float4 kp = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                for (int i = 0; i < KD; i += 4) dn_fma4(kp, dn_ld4(&ks[r][i]), s + i);
-                float u = v[(long long)r * cvs] - expf(gs[r]) * dn_sum4(kp);
-                for (int m = 0; m < r; ++m) u -= mk[r][m] * xs[m][j];
-                xs[r][j] = bs[r] * u;
+                for (int i = 0; i < KH; i += 4) dn_fma4(kp, dn_ld4(&ks[r][i0 + i]), s + i);
+                const float p = dn_sum4(kp) + __shfl_xor_sync(0xffffffffu, dn_sum4(kp), 16);
+                float u = (col ? v[(long long)r * cvs] : 0.0f) - expf(gs[r]) * p;
+                for (int m = 0; m < r; ++m) u -= mk[r][m] * xs[m][cj];
+                xs[r][cj] = bs[r] * u;
             }
+        }
+        if (col && half == 0) {
             for (int r = 0; r < L; ++r) {
-                float o = out[(long long)(c + r) * os + h * dv + j];
-                for (int m = 0; m <= r; ++m) o += mq[r][m] * xs[m][j];
-                out[(long long)(c + r) * os + h * dv + j] = o;
+                float o = out[(long long)(c + r) * os + h * dv + cj];
+                for (int m = 0; m <= r; ++m) o += mq[r][m] * xs[m][cj];
+                out[(long long)(c + r) * os + h * dv + cj] = o;
             }
         }
         __syncthreads();        // every column of the chunk's outputs is in out
@@ -366,38 +377,41 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             if (lane == 0) rs[r] = rsqrtf(ss / dv + eps);
         }
         __syncthreads();
-        if (col) {
-            const float gl = gs[L - 1], nj = out_norm[j];
-            for (int r = 0; r < L; ++r) {
-                const long long at = (long long)(c + r) * os + h * dv + j;
-                out[at] = out[at] * rs[r] * nj * silu_f(z[(long long)(c + r) * zs + h * dv + j]);
+        const float gl = gs[L - 1];
+        if (col) {          // the pair's halves take alternate rows
+            const float nj = out_norm[cj];
+            for (int r = half; r < L; r += 2) {
+                const long long at = (long long)(c + r) * os + h * dv + cj;
+                out[at] = out[at] * rs[r] * nj * silu_f(z[(long long)(c + r) * zs + h * dv + cj]);
             }
-            const float eg = expf(gl);
+        }
+        const float eg = expf(gl);
 #pragma unroll
-            for (int i = 0; i < KD; ++i) s[i] *= eg;
-            for (int r = 0; r < L; ++r) {
-                const float w = expf(gl - gs[r]) * xs[r][j];
+        for (int i = 0; i < KH; ++i) s[i] *= eg;
+        for (int r = 0; r < L; ++r) {
+            const float w = expf(gl - gs[r]) * xs[r][cj];
 #pragma unroll
-                for (int i = 0; i < KD; i += 4) {
-                    const float4 a = dn_ld4(&ks[r][i]);
-                    s[i] += a.x * w;
-                    s[i + 1] += a.y * w;
-                    s[i + 2] += a.z * w;
-                    s[i + 3] += a.w * w;
-                }
+            for (int i = 0; i < KH; i += 4) {
+                const float4 a = dn_ld4(&ks[r][i0 + i]);
+                s[i] += a.x * w;
+                s[i + 1] += a.y * w;
+                s[i + 2] += a.z * w;
+                s[i + 3] += a.w * w;
             }
         }
         __syncthreads();        // ks, xs, gs, bs and rs are rewritten by the next chunk
     }
     if (col) {
 #pragma unroll
-        for (int i = 0; i < KD; ++i) S[(long long)i * dv] = s[i];
+        for (int i = 0; i < KH; ++i) S[(long long)i * dv] = s[i];
     }
 }
 
 // dk == K exactly (the dk argument is not read): the chunked rule's instances, one per dn_delta_k<K>.
-#define DN_CHUNK_K_INSTANCE(K)                                                                     \
-    extern "C" __global__ void __launch_bounds__(DN_CHUNK_MAX_V) dn_chunk_k##K(DN_DELTA_PARAMS) {  \
+// (A minimum of one block an SM in the bounds: without it ptxas spilled a few registers on sm_90 at
+// every dk, well under the registers a thread may have.)
+#define DN_CHUNK_K_INSTANCE(K)                                                                        \
+    extern "C" __global__ void __launch_bounds__(2 * DN_CHUNK_MAX_V, 1) dn_chunk_k##K(DN_DELTA_PARAMS) { \
         dn_chunk_segment<K>(DN_DELTA_ARGS);                                                         \
     }
 DN_DELTA_K_LIST(DN_CHUNK_K_INSTANCE)

@@ -52,9 +52,10 @@ int main(int argc, char** argv) {
         if (!chunk.empty() && chunk_fn == nullptr) fail("unknown chunk kernel", chunk);
         dim3 grid{(unsigned)nv, (unsigned)n, 1}, block{(unsigned)threads, 1, 1};
         dim3 chunk_grid{(unsigned)nv, (unsigned)((n + DN_CHUNK - 1) / DN_CHUNK), 1};
+        dim3 chunk_block{(unsigned)((dv + 15) / 16 * 32), 1, 1};
         for (Delta f : {chunk_fn, fn}) {
             if (f == nullptr) continue;
-            emu::launch(f == chunk_fn ? chunk_grid : grid, block, 0, [&] {
+            emu::launch(f == chunk_fn ? chunk_grid : grid, f == chunk_fn ? chunk_block : block, 0, [&] {
                 f(cv.data(), num("cvs"), alpha.data(), beta.data(), num("abs"), z.data(), num("zs"), a_coef.data(),
                   dt_bias.data(), out_norm.data(), st.data(), slots.data(), pos.data(), scratch, n, nk, dk, nv, dv,
                   (float)num("eps"), out.data(), num("os"), num("chunk_min"));

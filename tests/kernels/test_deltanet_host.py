@@ -199,7 +199,7 @@ def test_chunk_kernels_are_the_instances():
 # plausible slips of the chunked form: the u without the intra-chunk triangular solve; the state
 # carried to the next chunk without the chunk's decay
 CHUNK_SLIPS = {"no-solve": [("for (int m = 0; m < r; ++m) u -=", "for (int m = 0; m < 0; ++m) u -=")],
-               "undecayed-state": [("for (int i = 0; i < KD; ++i) s[i] *= eg;", "")]}
+               "undecayed-state": [("for (int i = 0; i < KH; ++i) s[i] *= eg;", "")]}
 
 
 @pytest.fixture(scope="module", params=list(CHUNK_SLIPS))

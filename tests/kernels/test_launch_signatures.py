@@ -161,14 +161,15 @@ def test_grids_cover_the_kernels_indexing(launches):
         nv, dv, n = a[17], a[18], a[14]
         assert L["grid"] == [nv, n] and dv <= L["block"][0] <= 256
     # each chunked launch (a block per DN_CHUNK rows: each block's rows hold at most one chunked
-    # segment's start) is followed by its dk's dn_delta_k<dk> over the same rows and arguments,
+    # segment's start; two threads a column of the state) is followed by its dk's dn_delta_k<dk> over the same rows and arguments,
     # chunk_min (the last) included: the tail runs from the state the chunks left
     chunked = [i for i, L in enumerate(launches) if L["kernel"].startswith("dn_chunk_k")]
     assert chunked
     for i in chunked:
         L, D = launches[i], launches[i + 1]
         assert D["kernel"] == L["kernel"].replace("chunk", "delta")
-        assert D["args"] == L["args"] and D["block"] == L["block"]
-        nv, n = _args(L)[17], _args(L)[14]
+        assert D["args"] == L["args"]
+        nv, n, dv = _args(L)[17], _args(L)[14], _args(L)[18]
         assert L["grid"] == [nv, -(-n // DN_CHUNK)] and D["grid"] == [nv, n]
+        assert L["block"] == [-(-dv // 16) * 32]            # two threads a column
         assert _args(L)[-1] >= DN_CHUNK

@@ -453,7 +453,8 @@ def dn_delta(k: Kernels, cv: int, cvs: int, alpha: int, beta: int, abs_: int, z:
         chunked = dn_chunk_kernel(dk, dv)
         if chunked is None or chunk_min < DN_CHUNK:
             raise ValueError(f"dn_delta: no chunked rule for chunk_min {chunk_min} at k_dim {dk}, v_dim {dv}")
-        k.deltanet[chunked]((nv, -(-rows.n // DN_CHUNK)), block, args + (_I32(chunk_min),))
+        # a block per DN_CHUNK rows, two threads a column of S (deltanet.cu dn_chunk_segment)
+        k.deltanet[chunked]((nv, -(-rows.n // DN_CHUNK)), (-(-dv // 16) * 32,), args + (_I32(chunk_min),))
     k.deltanet[dn_delta_kernel(dk)](grid, block, args + (_I32(chunk_min or 0),))
 
 
