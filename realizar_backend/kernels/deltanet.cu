@@ -35,15 +35,15 @@
 // Largest v_dim: a delta-rule block has one thread per column of S, rounded up to a warp (Qwen3.5: 128).
 // The backend refuses more.
 #define DN_MAX_V 256
-// Rows of a chunk of dn_chunk. Its per-row work a thread (a column of S) does is about 3 dk + 2
-// DN_CHUNK multiply-adds (S^T q, S^T k and the state update over dk; the triangular solve and the
+// Rows of a chunk of dn_chunk. Its per-row work for a column of S is about 3 dk + 2 DN_CHUNK
+// multiply-adds (S^T q, S^T k and the state update over dk; the triangular solve and the
 // intra-chunk output over the chunk), so without tensor cores shorter chunks cost less per row
 // while they amortise the chunk's barriers; at 32 a chunk's tiles (k, q then u, and the two
 // decay-weighted products) fit the 48 KB of static shared memory at dk 128. The cumulative decays
 // are one warp's (a lane per row). backends/cuda/support.py DN_CHUNK is the same.
 #define DN_CHUNK 32
-// Largest v_dim of dn_chunk: the chunk's u (a column per thread) shares the q tile's rows (Qwen3.5
-// and 3.6: 128). Wider heads run dn_delta only (support.dn_chunk_ok).
+// Largest v_dim of dn_chunk: the chunk's u (a column each) shares the q tile's rows (Qwen3.5 and 3.6:
+// 128). Wider heads run dn_delta only (support.dn_chunk_kernel).
 #define DN_CHUNK_MAX_V 128
 
 // Row t starts a segment: the first row, or a change of slot, or a position that does not follow.
@@ -230,8 +230,7 @@ __device__ __forceinline__ float4 dn_ld4(const float* p) { return *reinterpret_c
 
 // The state's dot products over dk (S^T q, S^T k) keep four partial sums (a float4's lanes): one sum
 // would be a chain of dk dependent multiply-adds, and a block has few warps to hide its latency.
-// (The chunk's k.k and q.k products and the solve keep one: with more, ptxas spilled at dk 128 on
-// sm_90 and, oddly, at dk 32.)
+// (The chunk's k.k and q.k products and the solve keep one: with more there, ptxas spilled.)
 // acc += a * s[0..3] lane by lane (s: a register array's static slice once unrolled)
 __device__ __forceinline__ void dn_fma4(float4& acc, float4 a, const float* s) {
     acc.x += a.x * s[0];
@@ -316,14 +315,12 @@ __device__ __forceinline__ void dn_chunk_segment(DN_DELTA_PARAMS) {
             gs[lane] = g;
         }
         __syncthreads();
-        // the decay-weighted products: a warp's lanes on one row r, consecutive m. (At dk 128 the loop
-        // stays rolled: the column of S is live across it, and unrolled it spilled on sm_90; ptxas -v
-        // shows no spills at these unroll counts on sm_80 and sm_90.)
+        // the decay-weighted products: a warp's lanes on one row r, consecutive m
         for (int e = j; e < L * L; e += nt) {
             const int r = e / L, m = e % L;
             float kk = 0.0f, qk = 0.0f;
             if (m <= r) {
-#pragma unroll(KD >= 128 ? 1 : 8)
+#pragma unroll 8
                 for (int i = 0; i < KD; i += 4) {
                     const float4 a = dn_ld4(&ks[r][i]), b = dn_ld4(&ks[m][i]), q = dn_ld4(&xs[r][i]);
                     kk += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
