@@ -111,9 +111,9 @@ MOE_GROUPED_BN = (8, 16, 32, 64)
 # chunked form first (dn_chunk_k<dk>: per chunk the decay-weighted k.k and q.k products, a triangular
 # solve per value column and one state update, its barriers a chunk's), the rows after them token
 # by token; decode steps never do (their graphs are unchanged). None: every segment token by token,
-# until a GPU measurement (a long prompt on a Qwen3.5/3.6 model, the rule at 64 against None) sets
-# the threshold; the chunked path is checked against the NumPy twins in the host emulator only.
-# It must be at least support.DN_CHUNK (a chunked segment holds a whole chunk).
+# until a GPU measurement sets the threshold: the shortest segment on which the chunked pair beats
+# dn_delta at Qwen3.5/3.6's heads (benchmarks/deltanet_chunk_bench.py), confirmed by a long prompt
+# through a whole model. It must be at least support.DN_CHUNK (a chunked segment holds a whole chunk).
 DN_CHUNK_MIN_TOKENS: int | None = None
 
 # the kinds of projection groups the dense families multiply (model/transformer.py projections);
