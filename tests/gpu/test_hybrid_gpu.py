@@ -3,7 +3,9 @@ through ops.py's launchers against their NumPy twins (backends/cuda/deltanet_twi
 several shapes with outputs poisoned, and whole tiny qwen35 models, CUDABackend against the NumPy
 oracle (CPUBackend): prompts in one step and split across chunks (the state carried between them),
 batches of short prompts, decode steps of 1 and 8 rows (captured graphs, replayed), and a slot
-reused by a new sequence (its state starts over); greedy tokens equal.
+reused by a new sequence (its state starts over); greedy tokens equal. The chunked delta rule
+(dn_chunk_k<dk> before dn_delta over long segments, off in dispatch's table until measured) the
+same way: at the kernels' level with chunk_min given, and whole models with the rule forced on.
 
 The models are tests/support/hybrid_models.py's (transformers' own, converted by llama.cpp's
 converter): F32 layers, a wider one requantized to Q4_K/Q6_K, and a qwen35moe (routed experts
@@ -112,6 +114,60 @@ def test_delta(kernels, step, nk, dk, nv, dv):
         assert np.array_equal(new_st[s], st[s])
 
 
+# steps with segments for the chunked rule at chunk_min 64: chunks and a tail continuing a state, whole
+# chunks of a first segment, and chunked segments beside a short one, a decode row and long padding
+# (the scratch slot's: never chunked)
+CHUNK_MIN = 64
+CHUNKED = {
+    "chunks-and-tail": [(2, 5, 200)],
+    "first-whole-chunks": [(1, 0, 128)],
+    "mixed": [(0, 0, 65), (2, 11, 40), (3, 7, 100), (4, 3, 1), (SCRATCH, 0, 70)],
+}
+
+
+@pytest.mark.parametrize("step", CHUNKED, ids=list(CHUNKED))
+@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 64, 4, 40), (4, 64, 8, 128), (16, 128, 32, 128),
+                                         (16, 128, 48, 128)],
+                         ids=["qwen35-tiny", "k64-narrow-v", "k64", "qwen3-next", "qwen36-27b"])
+def test_chunked_delta(kernels, step, nk, dk, nv, dv):
+    """ops.dn_delta under chunk_min (deltanet.cu dn_chunk_k<dk>, then dn_delta_k<dk> over the rows
+    after the whole chunks) against the twin under the same rule, and against the rule token by
+    token (the twin without it)."""
+    import cupy
+    from realizar_backend.backends.cuda import ops
+    rng = np.random.default_rng(nk * 7 + dk + dv + len(step))
+    slots, pos = _rows(CHUNKED[step])
+    n = len(slots)
+    C = 2 * nk * dk + nv * dv
+    cv = (rng.standard_normal((n, C + 2)) * 0.7).astype(np.float32)
+    ab = rng.standard_normal((2, n, nv)).astype(np.float32)
+    z = rng.standard_normal((n, nv * dv + 4)).astype(np.float32)
+    a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, nv).astype(np.float32)
+    out_norm = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+    st = (rng.standard_normal((SLOTS, nv, dk, dv)) * 0.3).astype(np.float32)
+    d = {k: cupy.asarray(v) for k, v in dict(cv=cv, alpha=ab[0], beta=ab[1], z=z, a_coef=a_coef, dt_bias=dt_bias,
+                                              out_norm=out_norm, st=st, slots=slots, pos=pos).items()}
+    os = nv * dv + 3
+    d_out = cupy.full((n, os), np.nan, cupy.float32)
+    ops.dn_delta(kernels, d["cv"].data.ptr, C + 2, d["alpha"].data.ptr, d["beta"].data.ptr, nv, d["z"].data.ptr,
+                 z.shape[1], d["a_coef"].data.ptr, d["dt_bias"].data.ptr, d["out_norm"].data.ptr, d["st"].data.ptr,
+                 ops.StepRows(d["slots"].data.ptr, d["pos"].data.ptr, SCRATCH, n), nk, dk, nv, dv, 1e-6,
+                 d_out.data.ptr, os, chunk_min=CHUNK_MIN)
+    out, new_st = d_out.get(), d["st"].get()
+    w = nv * dv
+    for rule in (CHUNK_MIN, None):
+        ref, ref_st = twin.delta(cv[:, :C], ab[0], ab[1], z[:, :w], a_coef, dt_bias, out_norm, st, slots, pos,
+                                 SCRATCH, nk, dk, nv, dv, 1e-6, chunk_min=rule)
+        err = np.max(np.abs(out[:, :w] - ref)) / max(1.0, np.abs(ref).max())
+        print(f"dn_chunk {step} nk={nk} dk={dk} nv={nv} dv={dv} against the twin's rule {rule}: rel.err {err:.2e}")
+        assert err < TOL
+        assert np.max(np.abs(new_st - ref_st)) < TOL * max(1.0, np.abs(ref_st).max())
+    assert np.all(np.isnan(out[:, w:])), "values past the rows were written"
+    for s in _untouched(CHUNKED[step]):
+        assert np.array_equal(new_st[s], st[s])
+
+
 @pytest.fixture(scope="module", params=["f32", "q4k", "moe"])
 def hybrid_model(request):
     path = model_path(request.param)
@@ -153,6 +209,42 @@ def test_model_parity(hybrid_model, rng):
     prefill([PrefillItem(2, prompt(9))])
     decode([2, 5], 3)
     run.finish_greedy("qwen35", name)
+
+
+def test_model_parity_chunked(hybrid_model, rng, monkeypatch):
+    """With the chunked rule on from 64 rows (dispatch.DN_CHUNK_MIN_TOKENS, None in the table until
+    measured): a 100-token prompt (whole chunks and a tail), a 150-token one in two prompt steps (the
+    second's 80 rows chunked from the state the first left), a batch of a long prompt, short ones and
+    one of exactly 64 rows (whole chunks, no tail), then decode steps over them: every row's logits
+    at cosine >= COS_MIN to the NumPy backend's, the greedy tokens the oracle's, and the prompt steps
+    did launch the chunked kernels."""
+    from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import dispatch, ops
+    name, model = hybrid_model
+    monkeypatch.setattr(dispatch, "DN_CHUNK_MIN_TOKENS", 64)
+    rules = []
+    real = ops.dn_delta
+
+    def dn_delta(*a, chunk_min=None, **kw):
+        rules.append(chunk_min)
+        return real(*a, chunk_min=chunk_min, **kw)
+    monkeypatch.setattr(ops, "dn_delta", dn_delta)
+    cpu, gpu = _backends(model, slots=6, ctx=256)
+    V = model.config.vocab_size
+    run = ParityRun(cpu, gpu, rng, V, slots=6)
+
+    def prompt(n):
+        return rng.integers(0, V, n).astype(np.int32)
+
+    run.prompt([PrefillItem(1, prompt(100))])
+    two = prompt(150)
+    run.prompt([PrefillItem(2, two[:70])])
+    run.prompt([PrefillItem(2, two[70:], 70)])
+    run.prompt([PrefillItem(3, prompt(130)), PrefillItem(0, prompt(5)), PrefillItem(4, prompt(9)),
+                PrefillItem(5, prompt(64))])
+    run.decode(list(range(6)), 4)
+    run.finish_greedy("qwen35-chunked", name)
+    assert 64 in rules, "no prompt step ran the chunked rule"
 
 
 def test_a_reused_slot_matches_a_fresh_one(hybrid_model, rng):

@@ -302,6 +302,13 @@ static inline float __shfl_xor_sync(unsigned, float v, int m) {
     emu::gather(v, all, "shfl_xor");
     return all[emu::lane() ^ m];
 }
+// (a lane below delta gets its own value back, as on the GPU)
+static inline float __shfl_up_sync(unsigned, float v, unsigned delta) {
+    float all[32];
+    emu::gather(v, all, "shfl_up");
+    const int from = emu::lane() - (int)delta;
+    return all[from < 0 ? emu::lane() : from];
+}
 static inline float __shfl_sync(unsigned, float v, int src) {
     float all[32];
     emu::gather(v, all, "shfl");

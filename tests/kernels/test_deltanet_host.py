@@ -5,11 +5,14 @@ causal conv and the gated delta rule over decode rows (one token of each of seve
 chunk continuing a slot's state, a sequence's first chunk (position 0: the state there is ignored),
 several segments in one step and padding rows on the scratch slot (which keep no state), at the
 tiny and the real Qwen3.5/3.6 head sizes and odd ones, through the kernel the launcher picks for the
-k_dim (support.dn_delta_kernel: the dn_delta_k64 and dn_delta_k128 instances, else the general
-dn_delta), and through the general kernel at the instances' k_dims too. Outputs are poisoned before
+k_dim (support.dn_delta_kernel: the dn_delta_k<dk> instances, else the general dn_delta), and
+through the general kernel at the instances' k_dims too. Outputs are poisoned before
 each launch: every value past a row's width must stay so, and so must the states of the slots the step
 does not run. A copy of the kernels with the decay left out of the delta term must fail, through the
-general kernel and an instance. Skipped where g++ is absent."""
+general kernel and an instance. The chunked rule: dn_chunk_k<dk> then dn_delta_k<dk> (the prompt
+step's pair) on segments long enough for it beside ones that are not, against the twin under the same
+rule; copies with a slip of the chunked form (no triangular solve, no decay of the carried state) must
+fail. Skipped where g++ is absent."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 
 from realizar_backend.backends.cuda import deltanet_twin as twin
-from realizar_backend.backends.cuda.support import DN_DELTA_K, dn_delta_kernel
+from realizar_backend.backends.cuda.support import DN_CHUNK, DN_DELTA_K, dn_chunk_kernel, dn_delta_kernel
 from support import host_emu
 from support.host_emu import GXX, KERNELS
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
@@ -96,24 +99,28 @@ def delta_inputs(rng, n, nk, dk, nv, dv):
                 state=(rng.standard_normal((SLOTS, nv, dk, dv)) * 0.3).astype(np.float32))
 
 
-def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0, entry=None):
-    """entry: the kernel (None: the launcher's pick for dk)."""
+def run_delta(emu, tmp_path, step, nk, dk, nv, dv, seed=0, entry=None, chunk_min=0, steps=STEPS):
+    """entry: the kernel (None: the launcher's pick for dk). chunk_min: the chunked rule's argument;
+    where not 0, the chunked kernel for dk runs first (as ops.dn_delta launches them) and the twin
+    takes the same rule."""
     rng = np.random.default_rng(seed + nk * 7 + dk + dv)
-    slots, pos = rows(STEPS[step])
+    slots, pos = rows(steps[step])
     n = len(slots)
     a = delta_inputs(rng, n, nk, dk, nv, dv)
     os = nv * dv + 3
+    chunk = {"chunk": dn_chunk_kernel(dk, dv)} if chunk_min else {}
     got = launch(emu, tmp_path, "delta", {"out": (n, os), "state": a["state"].shape},
                  dict(a, slots=slots, pos=pos, out=np.full((n, os), np.nan, np.float32)),
                  n=n, nk=nk, dk=dk, nv=nv, dv=dv, cvs=a["cv"].shape[1], abs=nv + 1, zs=a["z"].shape[1], os=os,
-                 eps=1e-6, scratch=SCRATCH, threads=-(-dv // 32) * 32, entry=entry or dn_delta_kernel(dk))
+                 eps=1e-6, scratch=SCRATCH, threads=-(-dv // 32) * 32, entry=entry or dn_delta_kernel(dk),
+                 chunk_min=chunk_min, **chunk)
     ref, ref_st = twin.delta(a["cv"][:, :2 * nk * dk + nv * dv], a["alpha"][:, :nv], a["beta"][:, :nv],
                              a["z"][:, :nv * dv], a["a_coef"], a["dt_bias"], a["out_norm"], a["state"], slots, pos,
-                             SCRATCH, nk, dk, nv, dv, 1e-6)
+                             SCRATCH, nk, dk, nv, dv, 1e-6, chunk_min=chunk_min or None, chunk=DN_CHUNK)
     return got, ref, ref_st, a["state"], nv * dv
 
 
-# (nk, dk, nv, dv, entry): entry None is the launcher's pick (dk 64 and 128: their instances)
+# (nk, dk, nv, dv, entry): entry None is the launcher's pick (dk 32, 64 and 128: their instances)
 SHAPES = {
     "qwen35-tiny": (2, 32, 4, 32, None),
     "wide-v": (2, 32, 4, 64, None),
@@ -147,6 +154,71 @@ def test_delta(emu, tmp_path, step, shape):
     assert np.max(np.abs(got["state"] - ref_st)) < TOL * max(1.0, np.abs(ref_st).max())
     for s in untouched(STEPS[step]):
         assert np.array_equal(got["state"][s], st[s])
+
+
+# steps with segments long enough for the chunked rule at chunk_min = 2 DN_CHUNK (the twin's chunks
+# and rows as deltanet.cu's): whole chunks and a tail, whole chunks only, a first segment; chunked
+# segments starting off dn_chunk's row blocks (rows 1 and 129) beside a decode row, one a row short
+# of the rule, and long padding on the scratch slot (never chunked)
+LONG = 2 * DN_CHUNK
+CHUNKED = {
+    "chunks-and-tail": [(2, 5, LONG + DN_CHUNK + 7)],
+    "whole-chunks": [(1, 0, LONG)],
+    "mixed": [(4, 3, 1), (0, 0, LONG + 1), (2, 11, LONG - 1), (3, 2, LONG + 3), (SCRATCH, 0, LONG)],
+}
+# (nk, dk, nv, dv): the chunked kernel's instances at the real heads' sizes and narrower value heads
+CHUNK_SHAPES = {"k64": (2, 64, 4, 64), "k64-narrow-v": (1, 64, 3, 40), "qwen36-heads": (4, 128, 16, 128),
+                "qwen35-tiny": (2, 32, 4, 32)}
+# every step at the small shapes; the real heads (slow to emulate) at chunks with a tail
+CHUNK_CASES = [(sh, st) for sh in ("k64", "k64-narrow-v", "qwen35-tiny") for st in CHUNKED] \
+    + [("qwen36-heads", "chunks-and-tail")]
+
+
+@pytest.mark.parametrize("shape,step", CHUNK_CASES, ids=[f"{sh}-{st}" for sh, st in CHUNK_CASES])
+def test_chunked_delta(emu, tmp_path, step, shape):
+    """dn_chunk_k<dk> then dn_delta_k<dk> under chunk_min = LONG against the twin under the same rule
+    (itself the rule token by token: test_deltanet_chunk_twin.py): outputs, states, untouched slots."""
+    nk, dk, nv, dv = CHUNK_SHAPES[shape]
+    got, ref, ref_st, st, w = run_delta(emu, tmp_path, step, nk, dk, nv, dv, chunk_min=LONG, steps=CHUNKED)
+    assert np.max(np.abs(got["out"][:, :w] - ref)) < TOL * max(1.0, np.abs(ref).max())
+    assert np.all(np.isnan(got["out"][:, w:])), "values past the rows were written"
+    assert np.max(np.abs(got["state"] - ref_st)) < TOL * max(1.0, np.abs(ref_st).max())
+    for s in untouched(CHUNKED[step]):
+        assert np.array_equal(got["state"][s], st[s])
+
+
+def test_chunk_kernels_are_the_instances():
+    """A chunked kernel for each dn_delta_k<dk> instance; none for the general k_dims or value heads
+    past DN_CHUNK_MAX_V (those run dn_delta token by token)."""
+    src = (KERNELS / "deltanet.cu").read_text()
+    assert "DN_DELTA_K_LIST(DN_CHUNK_K_INSTANCE)" in src
+    assert [dn_chunk_kernel(dk, 128) for dk in DN_DELTA_K] == [f"dn_chunk_k{dk}" for dk in DN_DELTA_K]
+    assert dn_chunk_kernel(96, 128) is None and dn_chunk_kernel(128, 256) is None
+
+
+# plausible slips of the chunked form: the u without the intra-chunk triangular solve; the state
+# carried to the next chunk without the chunk's decay
+CHUNK_SLIPS = {"no-solve": [("for (int m = 0; m < r; ++m) u -=", "for (int m = 0; m < 0; ++m) u -=")],
+               "undecayed-state": [("for (int i = 0; i < KH; ++i) s[i] *= eg;", "")]}
+
+
+@pytest.fixture(scope="module", params=list(CHUNK_SLIPS))
+def chunk_slip_emu(request, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(f"deltanet_{request.param}")
+    slip = (KERNELS / "deltanet.cu").read_text()
+    for old, new in CHUNK_SLIPS[request.param]:
+        assert slip.count(old) == 1, old
+        slip = slip.replace(old, new)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "deltanet.cu").write_text(slip)
+    return build(tmp_path / "broken_emu", tmp_path / "broken")
+
+
+def test_a_chunked_kernel_with_a_slip_fails(chunk_slip_emu, tmp_path):
+    nk, dk, nv, dv = CHUNK_SHAPES["k64"]
+    got, ref, *_, w = run_delta(chunk_slip_emu, tmp_path, "chunks-and-tail", nk, dk, nv, dv, chunk_min=LONG,
+                                steps=CHUNKED)
+    assert np.max(np.abs(got["out"][:, :w] - ref)) > 100 * TOL
 
 
 @pytest.fixture(scope="module")

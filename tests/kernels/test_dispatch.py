@@ -370,3 +370,10 @@ def test_grouped_plan_tile_height_and_bound(T, k, E, bn):
     for counts in ([1] * (n - 1) + [P - n + 1], [P // E + (i < P % E) for i in range(E)], [P]):
         assert sum(-(-c // bn) for c in counts) <= TB, counts
     assert TB <= -(-P // bn) + n        # and never more than one extra tile per expert with pairs
+
+
+def test_the_chunked_delta_rule_threshold_holds_a_chunk():
+    """DN_CHUNK_MIN_TOKENS (None: off) is at least a chunk of deltanet.cu's dn_chunk: ops.dn_delta
+    refuses less in the middle of a prompt step."""
+    from realizar_backend.backends.cuda.support import DN_CHUNK
+    assert d.DN_CHUNK_MIN_TOKENS is None or d.DN_CHUNK_MIN_TOKENS >= DN_CHUNK

@@ -21,6 +21,7 @@ from functools import lru_cache
 import pytest
 
 from realizar_backend.kernels import catalog
+from realizar_backend.backends.cuda.support import DN_CHUNK, DN_DELTA_K
 from support.host_emu import GXX, ROOT
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
@@ -31,7 +32,8 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
-           **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", "dn_delta_k64", "dn_delta_k128")}}
+           **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
+                                                                          for d in DN_DELTA_K))}}
 # dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
@@ -81,7 +83,8 @@ def test_kernels_declared():
 
 
 def test_host_constants_match_kernels():
-    from realizar_backend.backends.cuda.support import DN_DELTA_K, DN_MAX_K, DN_MAX_TAPS, DN_MAX_V
+    from realizar_backend.backends.cuda.support import (DN_CHUNK, DN_CHUNK_MAX_V, DN_DELTA_K, DN_MAX_K, DN_MAX_TAPS,
+                                                        DN_MAX_V)
     dn = catalog.source("deltanet.cu")
     moe = catalog.source("moe.cu")
 
@@ -91,6 +94,7 @@ def test_host_constants_match_kernels():
                                                                                             DN_MAX_V)
     assert tuple(int(d) for d in re.findall(r"X\((\d+)\)", re.search(r"#define DN_DELTA_K_LIST.*", dn).group(0))) \
         == DN_DELTA_K
+    assert (define(dn, "DN_CHUNK"), define(dn, "DN_CHUNK_MAX_V")) == (DN_CHUNK, DN_CHUNK_MAX_V)
     assert define(dn, "DN_CONV_THREADS") == 128        # ops.DN_CONV_THREADS (ops imports CuPy)
     assert define(moe, "MOE_BUCKET_THREADS") == 256    # ops.MOE_BUCKET_THREADS
 
@@ -156,3 +160,16 @@ def test_grids_cover_the_kernels_indexing(launches):
         a = _args(L)
         nv, dv, n = a[17], a[18], a[14]
         assert L["grid"] == [nv, n] and dv <= L["block"][0] <= 256
+    # each chunked launch (a block per DN_CHUNK rows: each block's rows hold at most one chunked
+    # segment's start; two threads a column of the state) is followed by its dk's dn_delta_k<dk> over the same rows and arguments,
+    # chunk_min (the last) included: the tail runs from the state the chunks left
+    chunked = [i for i, L in enumerate(launches) if L["kernel"].startswith("dn_chunk_k")]
+    assert chunked
+    for i in chunked:
+        L, D = launches[i], launches[i + 1]
+        assert D["kernel"] == L["kernel"].replace("chunk", "delta")
+        assert D["args"] == L["args"]
+        nv, n, dv = _args(L)[17], _args(L)[14], _args(L)[18]
+        assert L["grid"] == [nv, -(-n // DN_CHUNK)] and D["grid"] == [nv, n]
+        assert L["block"] == [-(-dv // 16) * 32]            # two threads a column
+        assert _args(L)[-1] >= DN_CHUNK

@@ -48,7 +48,8 @@ def main() -> None:
            mmq={"prep": Rec("mmq_prep", log),
                 **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
            deltanet={"conv": Rec("dn_conv", log),
-                     **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_delta_k{d}" for d in DN_DELTA_K]}})
+                     **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
+                                                                for d in DN_DELTA_K]}})
 
     def w(name, qt, rows, cols, ptr, experts=0):
         return WeightRef(name, qt, 0x100000 * ptr, rows, cols, device_row_bytes(qt, cols), experts)
@@ -77,9 +78,13 @@ def main() -> None:
     # the Gated DeltaNet: conv, the delta rule for each kernel
     rows = ops.StepRows(0xc000, 0xd000, 7, 9)
     ops.dn_conv(k, 0xe000, 8192, 0xf000, 3, 0x11000, rows, 8192, 0x12000, 8192)
-    for dk, dv in ((128, 128), (64, 96), (96, 256)):
+    for dk, dv in ((128, 128), (64, 96), (32, 32), (96, 256)):
         ops.dn_delta(k, 0x12000, 8192, 0x13000, 0x14000, 32, 0x15000, 4096, 0x16000, 0x17000, 0x18000, 0x19000,
                      rows, 16, dk, 32, dv, 1e-6, 0x1a000, 4096)
+    # the chunked rule's pair (dn_chunk_k<dk>, then dn_delta_k<dk>) at the instances' k_dims
+    for dk, dv in ((128, 128), (64, 96), (32, 64)):
+        ops.dn_delta(k, 0x12000, 8192, 0x13000, 0x14000, 32, 0x15000, 4096, 0x16000, 0x17000, 0x18000, 0x19000,
+                     rows, 16, dk, 32, dv, 1e-6, 0x1a000, 4096, chunk_min=64)
     json.dump(log, sys.stdout)
 
 

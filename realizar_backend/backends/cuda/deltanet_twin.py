@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .support import DN_CHUNK
+
 F64 = np.float64
 
 
@@ -46,13 +48,20 @@ def conv(x, w, conv_state, slots, pos, scratch):
     return out, st
 
 
-def delta(cv, alpha, beta, z, a_coef, dt_bias, out_norm, state, slots, pos, scratch, nk, dk, nv, dv, eps):
+def delta(cv, alpha, beta, z, a_coef, dt_bias, out_norm, state, slots, pos, scratch, nk, dk, nv, dv, eps,
+          chunk_min: int | None = None, chunk: int = DN_CHUNK):
     """cv [n, 2 nk dk + nv dv] (the conv output), alpha, beta [n, nv], z [n, nv dv], state
-    [slots, nv, dk, dv]: (the gated RMSNorm of each head's output [n, nv dv], the new state)."""
+    [slots, nv, dk, dv]: (the gated RMSNorm of each head's output [n, nv dv], the new state).
+    chunk_min: as deltanet.cu's chunked rule (dn_chunk, then dn_delta's tail): a segment of a live
+    slot of at least chunk_min rows runs its whole chunks of `chunk` rows in the chunked form
+    (chunk_step), the rows after them token by token; None: every row token by token."""
+    if chunk_min is not None and chunk_min < chunk:
+        raise ValueError(f"chunk_min {chunk_min}: a chunked segment holds a whole chunk ({chunk} rows)")
     cv = np.asarray(cv, F64)
     st = np.array(state, F64)
     n = cv.shape[0]
-    g = np.exp(np.asarray(a_coef, F64) * np.logaddexp(0.0, np.asarray(alpha, F64) + dt_bias))
+    lg = np.asarray(a_coef, F64) * np.logaddexp(0.0, np.asarray(alpha, F64) + dt_bias)    # log of the decay
+    g = np.exp(lg)
     b = 1.0 / (1.0 + np.exp(-np.asarray(beta, F64)))
     q = cv[:, :nk * dk].reshape(n, nk, dk)
     k = cv[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
@@ -64,7 +73,13 @@ def delta(cv, alpha, beta, z, a_coef, dt_bias, out_norm, state, slots, pos, scra
     for a, e in segments(slots, pos):
         slot = slots[a]
         S = np.zeros((nv, dk, dv)) if slot == scratch or pos[a] == 0 else st[slot].copy()
-        for t in range(a, e):
+        tail = a
+        if chunk_min is not None and slot != scratch and e - a >= chunk_min:
+            tail = a + (e - a) // chunk * chunk
+            for c in range(a, tail, chunk):
+                r = slice(c, c + chunk)
+                o[r], S = chunk_step(S, q[r][:, heads], k[r][:, heads], v[r], lg[r], b[r])
+        for t in range(tail, e):
             kt, qt = k[t, heads], q[t, heads]
             S *= g[t][:, None, None]
             d = (v[t] - np.einsum("hkv,hk->hv", S, kt)) * b[t][:, None]
@@ -74,3 +89,43 @@ def delta(cv, alpha, beta, z, a_coef, dt_bias, out_norm, state, slots, pos, scra
             st[slot] = S
     y = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + eps) * np.asarray(out_norm, F64)
     return (y * _silu(np.asarray(z, F64).reshape(n, nv, dv))).reshape(n, nv * dv), st
+
+
+def _decays(G, diagonal: bool):
+    """exp(G_r - G_m) over the chunk's rows r, m [heads, L, L] where m < r (m <= r with the
+    diagonal), else 0: differences of cumulative log-decays, never ratios of products (a product
+    over 64 strong decays underflows); the entries above are never exponentiated (they could
+    overflow)."""
+    L = G.shape[1]
+    keep = np.tril(np.ones((L, L), bool), 0 if diagonal else -1)
+    diff = np.where(keep, G[:, :, None] - G[:, None, :], 0.0)
+    return np.where(keep, np.exp(diff), 0.0)
+
+
+def chunk_step(S, q, k, v, lg, b):
+    """The delta rule over one chunk of L rows at once, as deltanet.cu's dn_chunk computes it. S
+    [heads, dk, dv] the state before the chunk; q, k [L, heads, dk] (normalised, each value head's
+    key head); v [L, heads, dv]; lg, b [L, heads] the log-decays and betas. Returns (o [L, heads,
+    dv], the state after the chunk).
+
+    With G_r the cumulative log-decay of rows 1..r of the chunk, the rule token by token
+    (S_r = g_r S_{r-1} + k_r u_r^T, u_r = b_r (v_r - (g_r S_{r-1})^T k_r), o_r = S_r^T q_r) unrolls to
+      S_r = e^{G_r} S + sum_{m<=r} e^{G_r - G_m} k_m u_m^T, so that
+      u_r + b_r sum_{m<r} e^{G_r - G_m} (k_r . k_m) u_m = b_r (v_r - e^{G_r} S^T k_r):
+    a unit lower-triangular system in the u of the chunk, solved by forward substitution over the
+    rows (each value column on its own); then
+      o_r = e^{G_r} S^T q_r + sum_{m<=r} e^{G_r - G_m} (q_r . k_m) u_m,
+      S_L = e^{G_L} S + sum_m e^{G_L - G_m} k_m u_m^T."""
+    G = np.cumsum(np.asarray(lg, F64), 0).T                 # [heads, L]
+    # (contiguous per head: NumPy's stacked matmul takes BLAS on contiguous operands only)
+    K, Q, V = (np.ascontiguousarray(np.asarray(x, F64).transpose(1, 0, 2)) for x in (k, q, v))
+    B = np.asarray(b, F64).T
+    L = K.shape[1]
+    Kt = np.ascontiguousarray(K.transpose(0, 2, 1))
+    M = _decays(G, False) * (K @ Kt)
+    U = V - np.exp(G)[:, :, None] * (K @ S)                  # v - e^{G_r} S^T k_r, then the u
+    for r in range(L):
+        U[:, r] = B[:, r, None] * (U[:, r] - np.einsum("hm,hmv->hv", M[:, r, :r], U[:, :r]))
+    O = np.exp(G)[:, :, None] * (Q @ S) + (_decays(G, True) * (Q @ Kt)) @ U
+    S = np.exp(G[:, -1])[:, None, None] * S + (Kt * np.exp(G[:, -1:] - G)[:, None, :]) @ U
+    return O.transpose(1, 0, 2), S

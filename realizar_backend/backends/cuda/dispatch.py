@@ -105,6 +105,17 @@ MOE_GROUPED_BN = (8, 16, 32, 64)
 # MLP and its one-output gate beside the routed experts), for now: correct at every row count, its
 # tensor-core path (the dense MLP's kernels) not yet wired.
 
+# A linear-attention hybrid's Gated DeltaNet (kernels/deltanet.cu) runs a prompt step's segments token
+# by token (dn_delta: a block per value head walks the segment, a few barriers a row). A segment of a
+# live slot of at least DN_CHUNK_MIN_TOKENS rows runs its whole chunks of support.DN_CHUNK rows in the
+# chunked form first (dn_chunk_k<dk>: per chunk the decay-weighted k.k and q.k products, a triangular
+# solve per value column and one state update, its barriers a chunk's), the rows after them token
+# by token; decode steps never do (their graphs are unchanged). None: every segment token by token,
+# until a GPU measurement sets the threshold: the shortest segment on which the chunked pair beats
+# dn_delta at Qwen3.5/3.6's heads (benchmarks/deltanet_chunk_bench.py), confirmed by a long prompt
+# through a whole model. It must be at least support.DN_CHUNK (a chunked segment holds a whole chunk).
+DN_CHUNK_MIN_TOKENS: int | None = None
+
 # the kinds of projection groups the dense families multiply (model/transformer.py projections);
 # "router" and "experts" have their own rule (Dispatcher.experts)
 DENSE_KINDS = ("linear", "gated")

@@ -33,6 +33,7 @@ from .linear import ACT, Context, GemvLinear, MmqLinear, Split16Linear, launches
 from .modules import Kernels
 from .pdl import clusters_ok
 from .recurrent import RecurrentState
+from .support import dn_chunk_kernel
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
 
@@ -285,10 +286,14 @@ class StepOps:
         C = mixed.shape[1]
         ops.dn_conv(fwd.k, mixed.data.ptr, C, net.conv, c.ssm_conv_kernel - 1, conv_state.data.ptr, rows, C,
                     ws.conv.data.ptr, ws.conv.shape[1])
+        # long prompt segments in chunks first where the heads have a chunked kernel (dispatch's rule)
+        chunk = dispatch.DN_CHUNK_MIN_TOKENS
+        if self.decode or dn_chunk_kernel(net.k_dim, net.v_dim) is None:
+            chunk = None
         ops.dn_delta(fwd.k, ws.conv.data.ptr, ws.conv.shape[1], alpha.data.ptr, beta.data.ptr, alpha.shape[1],
                      z.data.ptr, z.shape[1], net.a_coef, net.dt_bias, net.out_norm, state.data.ptr, rows,
                      net.k_heads, net.k_dim, net.v_heads, net.v_dim, c.rms_eps, ws.dn_out.data.ptr,
-                     ws.dn_out.shape[1])
+                     ws.dn_out.shape[1], chunk_min=chunk)
         return ws.dn_out
 
     def logits(self, x, norm: int, w):

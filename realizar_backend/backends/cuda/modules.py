@@ -250,7 +250,7 @@ class Kernels:
                     + [f"{p}_{sfx[q]}" for q in types
                                                             for p in ("moe_gate_up", "moe_gemv")], typed, lazy=True)
         # a linear-attention hybrid's Gated DeltaNet (deltanet.cu): loaded on first use, by such models only
-        dn_deltas = ["dn_delta"] + [f"dn_delta_k{d}" for d in DN_DELTA_K]
+        dn_deltas = ["dn_delta"] + [f"dn_{kind}_k{d}" for kind in ("delta", "chunk") for d in DN_DELTA_K]
         deltanet = build("deltanet.cu", ["dn_conv", *dn_deltas], lazy=True)
         self._gemvs, self._sfx = gemvs, sfx
         self._ready_lock = threading.Lock()
@@ -264,7 +264,7 @@ class Kernels:
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep"),
                             **{("moe", bn): (mmq[bn], f"mmq_moe_bn{bn}") for bn in MMQ_BN}})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
-        # keys: "conv", and the delta rule's kernel by name (support.dn_delta_kernel)
+        # keys: "conv", and the delta rule's kernels by name (support.dn_delta_kernel, dn_chunk_kernel)
         self.deltanet = _Family({"conv": (deltanet, "dn_conv"), **{name: (deltanet, name) for name in dn_deltas}})
         # keys: "topk", "combine", "shared_add", "bucket_count", "bucket_fill", ("gate_up", type), ("gemv", type)
         self.moe = _Family({"topk": (moe, "moe_topk"), "combine": (moe, "moe_combine"),

@@ -15,7 +15,7 @@ from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_H
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
-from .support import dn_delta_kernel
+from .support import DN_CHUNK, dn_chunk_kernel, dn_delta_kernel
 from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
 from .modules import MMV_NB, Kernels, resident_blocks
 
@@ -437,14 +437,25 @@ def dn_conv(k: Kernels, x: int, xs: int, w: int, taps: int, conv_state: int, row
 
 def dn_delta(k: Kernels, cv: int, cvs: int, alpha: int, beta: int, abs_: int, z: int, zs: int, a_coef: int,
              dt_bias: int, out_norm: int, state: int, rows: StepRows, nk: int, dk: int, nv: int, dv: int,
-             eps: float, out: int, os: int) -> None:
+             eps: float, out: int, os: int, chunk_min: int | None = None) -> None:
     """The gated delta rule of each value head over the segments of the step from the conv output
     cv, each continuing its slot's state [slots][nv][dk][dv] (left holding the last row's), and the
-    gated RMSNorm of the heads' output into out (deltanet.cu dn_delta, or its instance for this dk)."""
-    k.deltanet[dn_delta_kernel(dk)]((nv, rows.n), (-(-dv // 32) * 32,),
-               (_U64(cv), _I32(cvs), _U64(alpha), _U64(beta), _I32(abs_), _U64(z), _I32(zs), _U64(a_coef),
-                _U64(dt_bias), _U64(out_norm), _U64(state), *rows.args(), _I32(nk), _I32(dk), _I32(nv), _I32(dv),
-                _F32(eps), _U64(out), _I32(os)))
+    gated RMSNorm of the heads' output into out (deltanet.cu dn_delta, or its instance for this dk).
+    chunk_min (None: off; else at least support.DN_CHUNK, and the heads must have a chunked kernel,
+    support.dn_chunk_kernel): a segment of a live slot of at least chunk_min rows runs its whole
+    chunks of DN_CHUNK rows through deltanet.cu's dn_chunk_k<dk> first, then its remaining rows
+    token by token as every other segment's."""
+    args = (_U64(cv), _I32(cvs), _U64(alpha), _U64(beta), _I32(abs_), _U64(z), _I32(zs), _U64(a_coef),
+            _U64(dt_bias), _U64(out_norm), _U64(state), *rows.args(), _I32(nk), _I32(dk), _I32(nv), _I32(dv),
+            _F32(eps), _U64(out), _I32(os))
+    grid, block = (nv, rows.n), (-(-dv // 32) * 32,)
+    if chunk_min is not None:
+        chunked = dn_chunk_kernel(dk, dv)
+        if chunked is None or chunk_min < DN_CHUNK:
+            raise ValueError(f"dn_delta: no chunked rule for chunk_min {chunk_min} at k_dim {dk}, v_dim {dv}")
+        # a block per DN_CHUNK rows, two threads a column of S (deltanet.cu dn_chunk_segment)
+        k.deltanet[chunked]((nv, -(-rows.n // DN_CHUNK)), (-(-dv // 16) * 32,), args + (_I32(chunk_min),))
+    k.deltanet[dn_delta_kernel(dk)](grid, block, args + (_I32(chunk_min or 0),))
 
 
 def add_rows(k: Kernels, x: int, xs: int, bias: int, n: int, width: int) -> None:

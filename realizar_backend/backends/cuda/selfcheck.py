@@ -24,6 +24,7 @@ from . import deltanet_twin, dispatch, ops
 from .dispatch import same_shape
 from .modules import QTYPES, Kernels
 from .ops import WeightRef
+from .support import dn_chunk_kernel
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,35 @@ def check_deltanet(k: Kernels, cfg: ModelConfig, rng) -> tuple[float, float]:
     ref, ref_st = deltanet_twin.delta(cv.get(), ab[0], ab[1], z, a_coef, dt_bias, out_norm, st, slots, pos, slots_n,
                                       nk, dk, nv, dv, cfg.rms_eps)
     return e_conv, max(rel_err(out.get(), ref), rel_err(d[6].get(), ref_st))
+
+
+def check_deltanet_chunked(k: Kernels, cfg: ModelConfig, rng, chunk_min: int) -> float:
+    """dn_delta under the chunked rule (dn_chunk_k<dk> over whole chunks, then dn_delta_k<dk>) against
+    deltanet_twin.py under the same rule, over a step of a prompt segment of chunk_min + 7 rows
+    continuing a random state (whole chunks and a tail) beside a decode row of another slot; the
+    rel.err of the outputs and the states. Run where dispatch.DN_CHUNK_MIN_TOKENS is set."""
+    nk, dk, nv, dv = cfg.ssm_k_heads, cfg.ssm_k_dim, cfg.ssm_v_heads, cfg.ssm_v_dim
+    C, slots_n, T = 2 * nk * dk + nv * dv, 2, chunk_min + 7
+    slots = np.array([0] * T + [1], np.int32)
+    pos = np.concatenate([np.arange(5, 5 + T), [9]]).astype(np.int32)
+    n = slots.size
+    slots_d, pos_d = _dev(slots), _dev(pos)
+    rows = ops.StepRows(slots_d.data.ptr, pos_d.data.ptr, slots_n, n)
+    cv = (0.7 * rng.standard_normal((n, C))).astype(np.float32)
+    ab = rng.standard_normal((2, n, nv)).astype(np.float32)
+    z = rng.standard_normal((n, nv * dv)).astype(np.float32)
+    a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, nv).astype(np.float32)
+    out_norm = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+    st = (0.3 * rng.standard_normal((slots_n, nv, dk, dv))).astype(np.float32)
+    d = [_dev(a) for a in (cv, ab[0], ab[1], z, a_coef, dt_bias, out_norm, st)]
+    out = _nan((n, nv * dv))
+    ops.dn_delta(k, d[0].data.ptr, C, d[1].data.ptr, d[2].data.ptr, nv, d[3].data.ptr, nv * dv, d[4].data.ptr,
+                 d[5].data.ptr, d[6].data.ptr, d[7].data.ptr, rows, nk, dk, nv, dv, cfg.rms_eps, out.data.ptr, nv * dv,
+                 chunk_min=chunk_min)
+    ref, ref_st = deltanet_twin.delta(cv, ab[0], ab[1], z, a_coef, dt_bias, out_norm, st, slots, pos, slots_n,
+                                      nk, dk, nv, dv, cfg.rms_eps, chunk_min=chunk_min)
+    return max(rel_err(out.get(), ref), rel_err(d[7].get(), ref_st))
 
 
 # ------------------------------------------------------------------ paged KV (kernels/paged_kv.cuh)
@@ -604,6 +634,9 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
             errs["moe_shared_add"] = check_moe_shared_add(k, 3, cfg.hidden, rng)
     if cfg.has_recurrent_state:            # a hybrid's Gated DeltaNet at the model's own head sizes
         errs["dn_conv"], errs["dn_delta"] = check_deltanet(k, cfg, rng)
+        chunk = dispatch.DN_CHUNK_MIN_TOKENS
+        if chunk is not None and dn_chunk_kernel(cfg.ssm_k_dim, cfg.ssm_v_dim) is not None:
+            errs["dn_chunk"] = check_deltanet_chunked(k, cfg, rng, chunk)
     errs["argmax"] = check_argmax(k, 3, 1000, rng)
     errs["glue"] = check_glue(k, 4, 70, rng)
     cupy.cuda.Device().synchronize()

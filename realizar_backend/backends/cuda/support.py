@@ -21,12 +21,23 @@ ATT_MAXD = 256
 DN_MAX_TAPS, DN_MAX_K, DN_MAX_V = 8, 128, 256
 # the k_dims with a delta-rule kernel of their own (deltanet.cu DN_DELTA_K_LIST: dn_delta_k<dk>, the
 # state column's length fixed at compile time); other k_dims run the general dn_delta
-DN_DELTA_K = (64, 128)
+DN_DELTA_K = (32, 64, 128)
 
 
 def dn_delta_kernel(k_dim: int) -> str:
     """The name of deltanet.cu's delta-rule kernel for heads of k_dim key dims."""
     return f"dn_delta_k{k_dim}" if k_dim in DN_DELTA_K else "dn_delta"
+
+
+# the chunked form of the delta rule (deltanet.cu dn_chunk_k<dk>, one per DN_DELTA_K): chunks of
+# DN_CHUNK rows, heads of up to DN_CHUNK_MAX_V value dims (the same names there)
+DN_CHUNK, DN_CHUNK_MAX_V = 32, 128
+
+
+def dn_chunk_kernel(k_dim: int, v_dim: int) -> str | None:
+    """The name of deltanet.cu's chunked delta-rule kernel for these heads, or None where there is
+    none (those heads run dn_delta token by token)."""
+    return f"dn_chunk_k{k_dim}" if k_dim in DN_DELTA_K and v_dim <= DN_CHUNK_MAX_V else None
 
 
 # A hybrid's recurrent state is a fixed size per slot, allocated for every slot before the KV pool
