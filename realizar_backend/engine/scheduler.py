@@ -191,12 +191,16 @@ class Scheduler:
         budget = self.prefill_chunk_tokens
         prefilling = sorted((s for s in self.running if s.prefilling), key=rank)
         admitting = not plan.preempted
-        i = 0
+        i = j = 0
         with self._lock:
+            # ranks do not change within the step (served counts the running sequences as the step
+            # found them), so the waiting ones are sorted once: one sort a step, not a scan per admission
+            queue = sorted(self.waiting, key=rank) if admitting and self.free_slots else []
             while budget > 0:
                 nxt = prefilling[i] if i < len(prefilling) else None
-                new = min(self.waiting, key=rank) if admitting and self.waiting and self.free_slots else None
+                new = queue[j] if admitting and j < len(queue) and self.free_slots else None
                 if new is not None and (nxt is None or rank(new) < rank(nxt)):
+                    j += 1
                     admitted = self._admit(new, plan)
                     if admitted is None:          # no room: nothing overtakes it this step
                         admitting = False
