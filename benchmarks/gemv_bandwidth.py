@@ -34,6 +34,8 @@ from realizar_backend.backends.cuda.dispatch import MMV8_KERNEL_TYPES  # noqa: E
 from realizar_backend.backends.cuda.matrices import QTYPES, WeightRef  # noqa: E402
 from realizar_backend.backends.cuda.modules import get_kernels  # noqa: E402
 
+from mmvf_sweep import graph_us  # noqa: E402
+
 L2_MARGIN = 4          # copies span at least this many times the L2 cache
 
 
@@ -69,24 +71,8 @@ def _random_rows(qt, nbytes: int, rng) -> cupy.ndarray:
 
 
 def _seconds(launch, copies: list, reps: int) -> float:
-    """Seconds of one launch(copy), from CUDA-graph replays of a launch per copy."""
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for c in copies:
-            launch(c)                     # module load and first-use compiles outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        for c in copies:
-            launch(c)
-        g = stream.end_capture()
-        g.launch(stream)
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record(stream)
-        for _ in range(reps):
-            g.launch(stream)
-        e1.record(stream)
-        e1.synchronize()
-    return cupy.cuda.get_elapsed_time(e0, e1) / 1e3 / (reps * len(copies))
+    """Seconds of one launch(copy), from CUDA-graph replays of a launch per copy (mmvf_sweep.graph_us)."""
+    return graph_us(cupy.cuda.Stream(non_blocking=True), copies, launch, reps) / 1e6 / len(copies)
 
 
 def time_type(k, qt, N: int, K: int, l2: int, reps: int, path: str = "mmvf") -> dict:

@@ -75,15 +75,13 @@ def test_conv(kernels, step, C, K):
         assert np.array_equal(new_st[s], st[s])
 
 
-@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
-@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (4, 64, 8, 128),
-                                         (16, 128, 32, 128), (16, 128, 48, 128), (2, 128, 6, 256)],
-                         ids=["qwen35-tiny", "wide-v", "odd", "k64", "qwen3-next", "qwen36-27b", "widest"])
-def test_delta(kernels, step, nk, dk, nv, dv):
+def _run_delta(kernels, segs, nk, dk, nv, dv, seed, chunk_min=None):
+    """ops.dn_delta over a step of the segments from random inputs and slot states: (the inputs the
+    twin takes, the rows' slots and positions, the output rows [n, nv dv + 3], the new states)."""
     import cupy
     from realizar_backend.backends.cuda import ops
-    rng = np.random.default_rng(nk * 7 + dk + dv + len(step))
-    slots, pos = _rows(STEPS[step])
+    rng = np.random.default_rng(seed)
+    slots, pos = _rows(segs)
     n = len(slots)
     C = 2 * nk * dk + nv * dv
     cv = (rng.standard_normal((n, C + 2)) * 0.7).astype(np.float32)
@@ -100,10 +98,19 @@ def test_delta(kernels, step, nk, dk, nv, dv):
     ops.dn_delta(kernels, d["cv"].data.ptr, C + 2, d["alpha"].data.ptr, d["beta"].data.ptr, nv, d["z"].data.ptr,
                  z.shape[1], d["a_coef"].data.ptr, d["dt_bias"].data.ptr, d["out_norm"].data.ptr, d["st"].data.ptr,
                  ops.StepRows(d["slots"].data.ptr, d["pos"].data.ptr, SCRATCH, n), nk, dk, nv, dv, 1e-6,
-                 d_out.data.ptr, os)
-    out, new_st = d_out.get(), d["st"].get()
-    ref, ref_st = twin.delta(cv[:, :C], ab[0], ab[1], z[:, :nv * dv], a_coef, dt_bias, out_norm, st, slots, pos,
-                             SCRATCH, nk, dk, nv, dv, 1e-6)
+                 d_out.data.ptr, os, chunk_min=chunk_min)
+    inputs = (cv[:, :C], ab[0], ab[1], z[:, :nv * dv], a_coef, dt_bias, out_norm, st)
+    return inputs, slots, pos, d_out.get(), d["st"].get()
+
+
+@pytest.mark.parametrize("step", STEPS, ids=list(STEPS))
+@pytest.mark.parametrize("nk,dk,nv,dv", [(2, 32, 4, 32), (2, 32, 4, 64), (1, 16, 3, 40), (4, 64, 8, 128),
+                                         (16, 128, 32, 128), (16, 128, 48, 128), (2, 128, 6, 256)],
+                         ids=["qwen35-tiny", "wide-v", "odd", "k64", "qwen3-next", "qwen36-27b", "widest"])
+def test_delta(kernels, step, nk, dk, nv, dv):
+    inputs, slots, pos, out, new_st = _run_delta(kernels, STEPS[step], nk, dk, nv, dv, nk * 7 + dk + dv + len(step))
+    st = inputs[-1]
+    ref, ref_st = twin.delta(*inputs, slots, pos, SCRATCH, nk, dk, nv, dv, 1e-6)
     w = nv * dv
     err = np.max(np.abs(out[:, :w] - ref)) / max(1.0, np.abs(ref).max())
     print(f"dn_delta {step} nk={nk} dk={dk} nv={nv} dv={dv}: rel.err {err:.2e}")
@@ -133,32 +140,12 @@ def test_chunked_delta(kernels, step, nk, dk, nv, dv):
     """ops.dn_delta under chunk_min (deltanet.cu dn_chunk_k<dk>, then dn_delta_k<dk> over the rows
     after the whole chunks) against the twin under the same rule, and against the rule token by
     token (the twin without it)."""
-    import cupy
-    from realizar_backend.backends.cuda import ops
-    rng = np.random.default_rng(nk * 7 + dk + dv + len(step))
-    slots, pos = _rows(CHUNKED[step])
-    n = len(slots)
-    C = 2 * nk * dk + nv * dv
-    cv = (rng.standard_normal((n, C + 2)) * 0.7).astype(np.float32)
-    ab = rng.standard_normal((2, n, nv)).astype(np.float32)
-    z = rng.standard_normal((n, nv * dv + 4)).astype(np.float32)
-    a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
-    dt_bias = rng.uniform(-1, 1, nv).astype(np.float32)
-    out_norm = rng.uniform(0.5, 1.5, dv).astype(np.float32)
-    st = (rng.standard_normal((SLOTS, nv, dk, dv)) * 0.3).astype(np.float32)
-    d = {k: cupy.asarray(v) for k, v in dict(cv=cv, alpha=ab[0], beta=ab[1], z=z, a_coef=a_coef, dt_bias=dt_bias,
-                                              out_norm=out_norm, st=st, slots=slots, pos=pos).items()}
-    os = nv * dv + 3
-    d_out = cupy.full((n, os), np.nan, cupy.float32)
-    ops.dn_delta(kernels, d["cv"].data.ptr, C + 2, d["alpha"].data.ptr, d["beta"].data.ptr, nv, d["z"].data.ptr,
-                 z.shape[1], d["a_coef"].data.ptr, d["dt_bias"].data.ptr, d["out_norm"].data.ptr, d["st"].data.ptr,
-                 ops.StepRows(d["slots"].data.ptr, d["pos"].data.ptr, SCRATCH, n), nk, dk, nv, dv, 1e-6,
-                 d_out.data.ptr, os, chunk_min=CHUNK_MIN)
-    out, new_st = d_out.get(), d["st"].get()
+    inputs, slots, pos, out, new_st = _run_delta(kernels, CHUNKED[step], nk, dk, nv, dv, nk * 7 + dk + dv + len(step),
+                                                 CHUNK_MIN)
+    st = inputs[-1]
     w = nv * dv
     for rule in (CHUNK_MIN, None):
-        ref, ref_st = twin.delta(cv[:, :C], ab[0], ab[1], z[:, :w], a_coef, dt_bias, out_norm, st, slots, pos,
-                                 SCRATCH, nk, dk, nv, dv, 1e-6, chunk_min=rule)
+        ref, ref_st = twin.delta(*inputs, slots, pos, SCRATCH, nk, dk, nv, dv, 1e-6, chunk_min=rule)
         err = np.max(np.abs(out[:, :w] - ref)) / max(1.0, np.abs(ref).max())
         print(f"dn_chunk {step} nk={nk} dk={dk} nv={nv} dv={dv} against the twin's rule {rule}: rel.err {err:.2e}")
         assert err < TOL

@@ -265,6 +265,14 @@ def check_deltanet(k: Kernels, cfg: ModelConfig, rng) -> tuple[float, float]:
     ops.dn_conv(k, xd.data.ptr, C, wd.data.ptr, K - 1, cstd.data.ptr, rows, C, cv.data.ptr, C)
     ref_cv, ref_cst = deltanet_twin.conv(x, w, cst, slots, pos, slots_n)
     e_conv = max(rel_err(cv.get(), ref_cv), rel_err(cstd.get(), ref_cst))
+    return e_conv, _check_delta(k, cfg, rng, cv, slots, pos, slots_n, rows)
+
+
+def _check_delta(k: Kernels, cfg: ModelConfig, rng, cv, slots, pos, slots_n: int, rows, chunk_min=None) -> float:
+    """dn_delta over the step's rows (cv: their conv outputs on the device) from random gates, norms
+    and states, against deltanet_twin.py under the same chunk rule: the rel.err of outputs and states."""
+    nk, dk, nv, dv = cfg.ssm_k_heads, cfg.ssm_k_dim, cfg.ssm_v_heads, cfg.ssm_v_dim
+    C, n = 2 * nk * dk + nv * dv, slots.size
     ab = rng.standard_normal((2, n, nv)).astype(np.float32)
     z = rng.standard_normal((n, nv * dv)).astype(np.float32)
     a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
@@ -274,10 +282,11 @@ def check_deltanet(k: Kernels, cfg: ModelConfig, rng) -> tuple[float, float]:
     d = [_dev(a) for a in (ab[0], ab[1], z, a_coef, dt_bias, out_norm, st)]
     out = _nan((n, nv * dv))
     ops.dn_delta(k, cv.data.ptr, C, d[0].data.ptr, d[1].data.ptr, nv, d[2].data.ptr, nv * dv, d[3].data.ptr,
-                 d[4].data.ptr, d[5].data.ptr, d[6].data.ptr, rows, nk, dk, nv, dv, cfg.rms_eps, out.data.ptr, nv * dv)
+                 d[4].data.ptr, d[5].data.ptr, d[6].data.ptr, rows, nk, dk, nv, dv, cfg.rms_eps, out.data.ptr, nv * dv,
+                 chunk_min=chunk_min)
     ref, ref_st = deltanet_twin.delta(cv.get(), ab[0], ab[1], z, a_coef, dt_bias, out_norm, st, slots, pos, slots_n,
-                                      nk, dk, nv, dv, cfg.rms_eps)
-    return e_conv, max(rel_err(out.get(), ref), rel_err(d[6].get(), ref_st))
+                                      nk, dk, nv, dv, cfg.rms_eps, chunk_min=chunk_min)
+    return max(rel_err(out.get(), ref), rel_err(d[6].get(), ref_st))
 
 
 def check_deltanet_chunked(k: Kernels, cfg: ModelConfig, rng, chunk_min: int) -> float:
@@ -292,21 +301,8 @@ def check_deltanet_chunked(k: Kernels, cfg: ModelConfig, rng, chunk_min: int) ->
     n = slots.size
     slots_d, pos_d = _dev(slots), _dev(pos)
     rows = ops.StepRows(slots_d.data.ptr, pos_d.data.ptr, slots_n, n)
-    cv = (0.7 * rng.standard_normal((n, C))).astype(np.float32)
-    ab = rng.standard_normal((2, n, nv)).astype(np.float32)
-    z = rng.standard_normal((n, nv * dv)).astype(np.float32)
-    a_coef = (-np.exp(rng.uniform(-2, 1, nv))).astype(np.float32)
-    dt_bias = rng.uniform(-1, 1, nv).astype(np.float32)
-    out_norm = rng.uniform(0.5, 1.5, dv).astype(np.float32)
-    st = (0.3 * rng.standard_normal((slots_n, nv, dk, dv))).astype(np.float32)
-    d = [_dev(a) for a in (cv, ab[0], ab[1], z, a_coef, dt_bias, out_norm, st)]
-    out = _nan((n, nv * dv))
-    ops.dn_delta(k, d[0].data.ptr, C, d[1].data.ptr, d[2].data.ptr, nv, d[3].data.ptr, nv * dv, d[4].data.ptr,
-                 d[5].data.ptr, d[6].data.ptr, d[7].data.ptr, rows, nk, dk, nv, dv, cfg.rms_eps, out.data.ptr, nv * dv,
-                 chunk_min=chunk_min)
-    ref, ref_st = deltanet_twin.delta(cv, ab[0], ab[1], z, a_coef, dt_bias, out_norm, st, slots, pos, slots_n,
-                                      nk, dk, nv, dv, cfg.rms_eps, chunk_min=chunk_min)
-    return max(rel_err(out.get(), ref), rel_err(d[7].get(), ref_st))
+    cv = _dev((0.7 * rng.standard_normal((n, C))).astype(np.float32))
+    return _check_delta(k, cfg, rng, cv, slots, pos, slots_n, rows, chunk_min)
 
 
 # ------------------------------------------------------------------ paged KV (kernels/paged_kv.cuh)
