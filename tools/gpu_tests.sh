@@ -14,7 +14,8 @@ test_file() {  # file [gpu]
   local f=$1 n left s0 r; n=$(basename "$1" .py); left=$(( ${TESTS_DEADLINE:-560} - $(date +%s) + t0 ))
   [ $left -lt 20 ] && { echo 1 > "$W/$n.rc"; echo "$n: not run (the stage's deadline)" > "$W/$n.sum"; return; }
   s0=$(date +%s)
-  ${2:+env CUDA_VISIBLE_DEVICES=$2} timeout $left python3 -m pytest -m gpu "$f" -p no:cacheprovider -rfE -q --durations=5 \
+  ${2:+env CUDA_VISIBLE_DEVICES=$2 OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads MKL_NUM_THREADS=$threads} \
+    timeout $left python3 -m pytest -m gpu "$f" -p no:cacheprovider -rfE -q --durations=5 \
     --junitxml="$W/$n.xml" ${PYTEST_ARGS:-} > "$W/$n.log" 2>&1
   r=$?; echo $r > "$W/$n.rc"
   { echo "$n rc=$r $(( $(date +%s) - s0 )) s${2:+ (GPU $2)}: $(tail -1 "$W/$n.log")"
@@ -28,6 +29,9 @@ files=("$@")
 SLOW_FILES="test_long_context.py test_kernels.py test_sampling_gpu.py test_batched_decode.py test_mmq.py
             test_flash_attention.py test_model_parity.py test_prefill_split.py test_kernels_f32.py"
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU"); queues=${GPU_QUEUES:-$ngpu}; [ "${queues:-0}" -ge 1 ] || queues=1
+# the queues share the CPU: each file's BLAS threads (the NumPy oracles) get its share of the cores, since
+# every process spinning a thread per core would thrash them
+threads=$(( $(nproc) / queues )); [ $threads -ge 1 ] || threads=1
 all_gpus=() queued=()
 for f in "${files[@]}"; do
   if [ "$queues" -gt 1 ] && [[ " ${GPU_ALL_FILES-test_engines_gpu.py} " == *" $(basename "$f") "* ]]; then all_gpus+=("$f"); else queued+=("$f"); fi
