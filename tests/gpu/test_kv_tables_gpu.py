@@ -14,7 +14,7 @@ from realizar_backend.backends.cuda.kv_cache import KVCache  # noqa: E402
 
 @pytest.fixture
 def kv():
-    cfg = SimpleNamespace(n_layers=2, n_kv_heads=2, head_dim=64, recurrent=())
+    cfg = SimpleNamespace(n_layers=2, kv_layers=(0, 1), n_kv_heads=2, head_dim=64, recurrent=())
     cache = KVCache(cfg, num_blocks=200, block_size=16, max_slots=9, max_context=300)   # 19 blocks a row
     yield cache
     cache.close()

@@ -5,8 +5,10 @@ model start needs on this GPU, and a cubin the driver refuses falls back to NVRT
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -86,26 +88,43 @@ def test_prebuilt_act_mul_equals_nvrtc(cc, rng):
 
 def test_prebuilt_modules_match_nvrtc_resources(cc):
     """Registers and local memory of every kernel of the prebuilt modules a start loads against
-    NVRTC's: nvcc and NVRTC of one CUDA release make the same code; a spill only the prebuilt side
-    has would be a loss of speed that the faster start must not hide."""
+    NVRTC's: a spill only the prebuilt side has would be a loss of speed that the faster start must
+    not hide. nvcc and NVRTC of one CUDA release make the same code, so there every kernel is held to
+    NVRTC's spills. Of two releases, a kernel at its register cap (mmv8.cu's 64) spills a few bytes
+    more under one or the other, either way round: there the prebuilt set is held to NVRTC's spills
+    in total."""
+    import cupy
     from realizar_backend.kernels import catalog
     served = catalog.find_prebuilt(catalog.source("norm.cu"), catalog.base_options(cc))[1][1]   # -DREALIZAR_CC=..
     arch = "sm_" + served.split("=")[1]
+    built = divmod(catalog.manifest()["cuda_version"] // 10, 100)       # 13000 -> (13, 0)
+    nvrtc_release = tuple(cupy.cuda.nvrtc.getVersion())
+    wanted = [m for m in catalog.manifest()["modules"]
+              if m["arch"] == arch and m["file"] != "gemv.cu"]          # gemv.cu: float matrices, loaded on first use
+
+    def both(m):   # NVRTC releases the GIL: the modules compile side by side, as a start's do
+        with cupy.cuda.Device(0):
+            return m, _both(cc, m["file"], tuple(m["options"][2:]))
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
+        pairs = list(pool.map(both, wanted))
     rows = []
-    for m in catalog.manifest()["modules"]:
-        if m["arch"] != arch or m["file"] == "gemv.cu":   # float matrices only: loaded on first use
-            continue
-        extra = tuple(m["options"][2:])
-        pre, nvrtc = _both(cc, m["file"], extra)
+    for m, (pre, nvrtc) in pairs:
         for name in m["kernels"]:
             a, b = pre.get_function(name).attributes, nvrtc.get_function(name).attributes
-            rows.append((m["file"], " ".join(extra), name, a["num_regs"], b["num_regs"], a["local_size_bytes"],
-                         b["local_size_bytes"]))
+            rows.append((m["file"], " ".join(m["options"][2:]), name, a["num_regs"], b["num_regs"],
+                         a["local_size_bytes"], b["local_size_bytes"]))
+    print(f"prebuilt: nvcc {built[0]}.{built[1]}, NVRTC {nvrtc_release[0]}.{nvrtc_release[1]}")
     for r in rows:
         print("%-14s %-34s %-18s regs %3d / %3d  local %4d / %4d" % r)
     assert rows
-    spills = [r for r in rows if r[5] > r[6]]
-    assert not spills, f"prebuilt kernels spill where NVRTC's do not: {spills}"
+    if nvrtc_release == built:
+        spills = [r for r in rows if r[5] > r[6]]
+        assert not spills, f"prebuilt kernels spill where NVRTC's do not: {spills}"
+    else:
+        pre_local, nvrtc_local = sum(r[5] for r in rows), sum(r[6] for r in rows)
+        assert pre_local <= nvrtc_local, (f"the prebuilt kernels spill {pre_local} bytes of local memory in all, "
+                                          f"NVRTC {nvrtc_release}'s {nvrtc_local}")
 
 
 START = r"""
