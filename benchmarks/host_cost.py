@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import statistics
@@ -48,6 +49,7 @@ HERE = Path(__file__).resolve().parents[1]
 _allocs: list[tuple[int, int, int]] = []       # (start, end, number) of every device allocation, by start
 _starts: list[int] = []
 _nalloc = 0
+_held: list = []        # every allocation's buffer, never freed: no address is reused, so it names one allocation
 LOG: list | None = None                        # launches when recording
 COUNT = [0]                                    # launches (kernels and cuBLAS calls) so far
 
@@ -121,6 +123,7 @@ def _empty(shape, dtype=np.float32, order="C"):
     n = int(np.prod(shape)) if not isinstance(shape, int) else shape
     raw = np.empty(n * dt.itemsize + 256, np.uint8)
     off = (-raw.ctypes.data) % 256
+    _held.append(raw)
     a = raw[off:off + n * dt.itemsize].view(dt).reshape(shape).view(ndarray)
     _register(a.data.ptr, a.nbytes)
     return a
@@ -267,6 +270,7 @@ class _Device:
 class _Pinned:
     def __init__(self, size, flags=0):
         self.buf = bytearray(size)
+        _held.append(self.buf)
         self.ptr = np.frombuffer(self.buf, np.uint8).ctypes.data
         _register(self.ptr, size)
 
@@ -378,10 +382,15 @@ def _median_us(fn, reps: int) -> tuple[float, int]:
     fn()
     per = COUNT[0] - n0
     ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()            # a collection inside one repetition is noise, not the step's cost
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return statistics.median(ts) * 1e6, per
 
 
