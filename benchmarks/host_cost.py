@@ -449,12 +449,14 @@ def child(model: str, reps: int, record: str | None, profile: str | None) -> Non
     if profile:
         import cProfile
         import pstats
-        items = steps[profile]
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(20):
             with eager.device, eager.stream:
-                eager.prefill(items)
+                if profile.startswith("decode"):
+                    eager.fwd.decode_step(int(profile.split()[1]), False)
+                else:
+                    eager.prefill(steps[profile])
         pr.disable()
         pstats.Stats(pr, stream=sys.stderr).sort_stats(os.environ.get("HC_SORT", "tottime")).print_stats(int(os.environ.get("HC_N", "30")))
     if record:
@@ -481,8 +483,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--record", help="write each step's launches here (JSON)")
     ap.add_argument("--check", help="a --record file from before: the launches must be the same")
-    ap.add_argument("--profile", choices=("prompt 128 x1", "prompt 2048 x16"),
-                    help="cProfile that eager step (20 runs) to stderr")
+    ap.add_argument("--profile", choices=("prompt 128 x1", "prompt 2048 x16", "decode 1", "decode 16"),
+                    help="cProfile that eager step (20 runs) to stderr; HC_SORT, HC_N: pstats' order and rows")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:

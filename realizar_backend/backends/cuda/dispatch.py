@@ -24,6 +24,7 @@ Every threshold is an entry of the table below, with the rule that sets it.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -157,9 +158,10 @@ class Choice:
     kernels: tuple[Kernel, ...]
     fused: bool = False
 
-    @property
+    @functools.cached_property
     def kernel(self) -> Kernel | None:
-        """The group's one kernel when every matrix takes it (one launch), else None."""
+        """The group's one kernel when every matrix takes it (one launch), else None (worked out
+        once: the families ask for it per launch, of a choice the dispatcher remembers)."""
         return self.kernels[0] if len(set(self.kernels)) == 1 else None
 
 
