@@ -37,7 +37,6 @@ from .support import dn_chunk_kernel
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
 
-
 # prompt attention plans remembered (_prefill_plan): a server's steps take a few (rows, depth) at once
 PLAN_MEMO = 256
 
