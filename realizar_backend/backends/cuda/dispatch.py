@@ -24,6 +24,7 @@ Every threshold is an entry of the table below, with the rule that sets it.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -116,6 +117,10 @@ MOE_GROUPED_BN = (8, 16, 32, 64)
 # through a whole model. It must be at least support.DN_CHUNK (a chunked segment holds a whole chunk).
 DN_CHUNK_MIN_TOKENS: int | None = None
 
+# Dispatcher.linear's and gated's choices remembered at most (all dropped when full): a model's groups
+# times the step shapes a server runs at once
+CHOICE_MEMO = 8192
+
 # the kinds of projection groups the dense families multiply (model/transformer.py projections);
 # "router" and "experts" have their own rule (Dispatcher.experts)
 DENSE_KINDS = ("linear", "gated")
@@ -153,9 +158,10 @@ class Choice:
     kernels: tuple[Kernel, ...]
     fused: bool = False
 
-    @property
+    @functools.cached_property
     def kernel(self) -> Kernel | None:
-        """The group's one kernel when every matrix takes it (one launch), else None."""
+        """The group's one kernel when every matrix takes it (one launch), else None (worked out
+        once: the families ask for it per launch, of a choice the dispatcher remembers)."""
         return self.kernels[0] if len(set(self.kernels)) == 1 else None
 
 
@@ -234,6 +240,10 @@ class Dispatcher:
         groups (DENSE_KINDS): the router and experts run on their own kernels in every family."""
         self.head_matrix = head
         self.split16_kept = split16_kept
+        # linear's and gated's choices by (family, rows, the matrices' identities): a step asks for
+        # the same few hundred on every step of its shape (each entry keeps its matrices, so that
+        # their identities stay theirs; a WeightRef's type and shape never change)
+        self._choices: dict[tuple, tuple[Choice, tuple]] = {}
         groups = [(kind, g) for kind, g in groups if kind in DENSE_KINDS]
         mats = [w for _, g in groups for w in g]
         # every group on the tensor cores: prompt steps may take them (else the GEMVs would take
@@ -277,8 +287,19 @@ class Dispatcher:
             return (Kernel.MMV8,) * len(mats)
         return tuple(Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV for w in mats)
 
+    def _remember(self, key: tuple, mats: tuple, choice: Choice) -> Choice:
+        if len(self._choices) >= CHOICE_MEMO:
+            self._choices.clear()
+        self._choices[key] = (choice, mats)
+        return choice
+
     def linear(self, step: Step, mats: Sequence[WeightRef]) -> Choice:
-        """The kernels of projections that share one input."""
+        """The kernels of projections that share one input (remembered per step shape and matrices)."""
+        key = (step.family, step.rows, *map(id, mats))
+        hit = self._choices.get(key)
+        return hit[0] if hit is not None else self._remember(key, tuple(mats), self._linear(step, mats))
+
+    def _linear(self, step: Step, mats: Sequence[WeightRef]) -> Choice:
         if step.family == "split16":
             return Choice((Kernel.SPLIT16,) * len(mats))
         if step.family == "mmq" and self._mmq_group("linear", mats):
@@ -286,7 +307,13 @@ class Dispatcher:
         return Choice(self._gemv(mats, step.rows))
 
     def gated(self, step: Step, gate: WeightRef, up: WeightRef) -> Choice:
-        """The kernels of act(gate) * up: fused into one launch where both share type and shape."""
+        """The kernels of act(gate) * up: fused into one launch where both share type and shape
+        (remembered per step shape and matrices)."""
+        key = ("gated", step.family, step.rows, id(gate), id(up))
+        hit = self._choices.get(key)
+        return hit[0] if hit is not None else self._remember(key, (gate, up), self._gated(step, gate, up))
+
+    def _gated(self, step: Step, gate: WeightRef, up: WeightRef) -> Choice:
         fused = same_shape(gate, up)
         if step.family == "split16":
             return Choice((Kernel.SPLIT16,) * 2, True)

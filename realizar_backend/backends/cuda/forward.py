@@ -37,6 +37,9 @@ from .support import dn_chunk_kernel
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
 
+# prompt attention plans remembered (_prefill_plan): a server's steps take a few (rows, depth) at once
+PLAN_MEMO = 256
+
 
 def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool], np.ndarray]:
     """The RoPE cos/sin tables of the layers, on the host (ops.rope_host_table): one per distinct
@@ -95,6 +98,7 @@ class Forward:
         # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
         self.token_ring = (0, 0)
         self.flash = c.head_dim in flash.HEAD_DIMS
+        self._plans: dict[tuple[int, int], flash.Plan] = {}     # _prefill_plan's
         if self.flash:
             self.fk = flash.get_flash_kernels(k.device.id, getattr(k, "prebuilt", True))
             buckets = [1 << i for i in range(ws.max_rows.bit_length()) if 1 << i <= ws.max_rows]
@@ -118,10 +122,19 @@ class Forward:
         self.long_decode = False  # this decode step's attention: flash-decoding (long rows) or attention.cu
 
     def _prefill_plan(self, T: int, keys: int) -> "flash.Plan":
-        c = self.c
-        rows = flash.plan_prefill(T, c.n_heads, c.head_dim).rows
-        return flash.plan_prefill(T, c.n_heads, c.head_dim,
-                                  splits=flash.prefill_splits(T, c.n_heads, keys, self.fk.sm_count, rows))
+        """The prompt attention's plan for T rows over up to `keys` keys. Remembered (plans are
+        immutable): every layer of a prompt step asks for its step's plan, and the step's key asked
+        first; at most PLAN_MEMO of them, all dropped when full."""
+        plan = self._plans.get((T, keys))
+        if plan is None:
+            c = self.c
+            rows = flash.plan_prefill(T, c.n_heads, c.head_dim).rows
+            plan = flash.plan_prefill(T, c.n_heads, c.head_dim,
+                                      splits=flash.prefill_splits(T, c.n_heads, keys, self.fk.sm_count, rows))
+            if len(self._plans) >= PLAN_MEMO:
+                self._plans.clear()
+            self._plans[(T, keys)] = plan
+        return plan
 
     @property
     def nbytes(self) -> int:

@@ -245,7 +245,7 @@ class Split16Linear(Family):
     def paired(self, T: int) -> bool:
         return Dispatcher.split16_paired(T, self.ctx.ws.capacity)
 
-    def _proj(self, mats: Sequence[WeightRef], T: int, y: int, ldy: int) -> None:
+    def _proj(self, mats: Sequence[WeightRef], T: int, y: int, ldy: int, paired: bool) -> None:
         """y[:T] = s x[:T] @ [mats].T: the split weights kept since start-up, or dequantize and split
         them now; then the GEMM calls."""
         ws = self.ctx.ws
@@ -255,16 +255,16 @@ class Split16Linear(Family):
             split16.split_weights(self.kx, tuple(mats), ws.deq.data.ptr)
             w = ws.deq
         split16.split_gemm(w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K),
-                           self.paired(T))
+                           paired)
 
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
         # the group as one GEMM, then 1/s and the biases on the way out
         ws, c = self.ctx.ws, self.ctx.c
         mats = [w for w, _, _, _ in segs]
-        inv, pr = ws.split_inv[0].data.ptr, self.paired(T)
+        inv, pr = ws.split_inv_ptrs[0], self.paired(T)
         split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, mats[0].cols, c.rms_eps, ws.x16.data.ptr, inv, pr)
         n = sum(w.rows for w in mats)
-        self._proj(mats, T, ws.y32.data.ptr, n)
+        self._proj(mats, T, ws.y32.data.ptr, n, pr)
         col = 0
         for part in launches(segs):     # each piece's columns of the GEMM's rows
             split16.unscale_scatter(self.kx, ws.y32.data.ptr + 4 * col, n, inv, T,
@@ -277,9 +277,9 @@ class Split16Linear(Family):
         if isinstance(a, SplitRows):          # the gated MLP left its output split for this projection
             inv = a.inv
         else:
-            inv = ws.split_inv[1].data.ptr
+            inv = ws.split_inv_ptrs[1]
             split16.split_rows(self.kx, a.data.ptr, a.shape[1], 0, T, w.cols, c.rms_eps, ws.x16.data.ptr, inv, pr)
-        self._proj((w,), T, ws.tmp.data.ptr, ws.tmp.shape[1])
+        self._proj((w,), T, ws.tmp.data.ptr, ws.tmp.shape[1], pr)
         split16.unscale_add(self.kx, ws.x.data.ptr, ws.x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], inv, post_norm,
                             T, c.hidden, c.rms_eps, pr)
 
@@ -287,9 +287,9 @@ class Split16Linear(Family):
               T: int) -> SplitRows:
         # gate and up as one GEMM; act(g) * u is split for the down projection in one pass
         ws, c = self.ctx.ws, self.ctx.c
-        inv_a, inv_b, pr = ws.split_inv[0].data.ptr, ws.split_inv[1].data.ptr, self.paired(T)
+        (inv_a, inv_b), pr = ws.split_inv_ptrs, self.paired(T)
         split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, c.hidden, c.rms_eps, ws.x16.data.ptr, inv_a, pr)
         F = gate.rows
-        self._proj((gate, up), T, ws.y32.data.ptr, 2 * F)
+        self._proj((gate, up), T, ws.y32.data.ptr, 2 * F, pr)
         split16.act_split(self.kx, ws.y32.data.ptr, F, inv_a, act, T, ws.x16.data.ptr, inv_b, pr)
         return SplitRows(inv_b)

@@ -5,6 +5,7 @@ are in elements."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cupy
@@ -62,7 +63,9 @@ def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
                      _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate))))
 
 
+@functools.cache
 def _nb_variant(nb: int) -> int:
+    """The GEMV module of nb rows (remembered: every mmvf/ffnf launch asks several times)."""
     return next((v for v in MMV_NB if v >= nb), MMV_NB[-1])
 
 

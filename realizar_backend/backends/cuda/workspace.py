@@ -125,6 +125,9 @@ class Workspace:
             self._outputs[(2 * c.q_dim, c.kv_dim, c.kv_dim)] = (self.qg, self.k, self.v)
             self._outputs[(C, inner, nv, nv)] = (self.mixed, self.z, self.beta, self.alpha)
         self.split_inv = cupy.empty((2, cap), f32)       # 1/s of the split rows (input, FFN down input)
+        # ... their addresses, which the split16 steps read per projection (indexing a CuPy array
+        # makes a view: microseconds of host time each)
+        self.split_inv_ptrs = (self.split_inv[0].data.ptr, self.split_inv[1].data.ptr)
         self.tokens = cupy.empty(cap, cupy.int32)
         self.positions = cupy.empty(cap, cupy.int32)
         self.slots = cupy.empty(cap, cupy.int32)
