@@ -16,10 +16,14 @@ An output is the `RequestOutput` (or the exception) that `Engine.generate` would
 The child ignores SIGINT and SIGTERM (the server drains first, then says stop) and exits when the
 pipe closes, so a server that dies takes its engine with it.
 
-The server never blocks on the pipe: its messages are pickled where they are made and written by
-a thread of their own, so a stalled engine (stopped, swapping, stuck in a step) cannot hold up the
-event loop. Submits that the engine has not taken are bounded (Settings.max_waiting of them beyond
-what the pipe holds); past that a new request gets a retryable CapacityError (503). The same
+The server never blocks on the pipe: its messages are pickled where they are made and, when
+nothing waits ahead of them, sent there as far as the socket takes them at once (a send that
+cannot block); the rest are written by a thread of their own, so a stalled engine (stopped,
+swapping, stuck in a step) cannot hold up the event loop. (Handing every message to the thread would make
+each one wait for the thread to wake and take the GIL from a busy event loop before the engine
+sees it: under a burst of requests that wait is in every request's time to first token.) Submits
+that the engine has not taken are bounded (Settings.max_waiting of them beyond what the pipe
+holds); past that a new request gets a retryable CapacityError (503). The same
 thread pings the engine every HEARTBEAT_S; an engine that does not answer, or whose step runs on,
 for Settings.engine_stall_timeout_s is reported stuck (`stall()`: /livez and /readyz turn 503).
 """
@@ -29,9 +33,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import signal
 import socket
 import subprocess
+import struct
 import sys
 import threading
 import time
@@ -55,6 +61,9 @@ HEARTBEAT_S = 1.0            # between pings of the engine process (one unanswer
 # the gauges of an engine process that is gone: nothing runs, waits or holds memory
 _GONE_GAUGES = {"running": 0, "waiting": 0, "kv_usage": 0.0, "kv_used_blocks": 0, "kv_used_tokens": 0,
                 "decode_tokens_per_s": 0.0, "pool_bytes": 0, "recurrent_state_bytes": 0, "device_memory_bytes": 0}
+
+_LENGTH = struct.Struct("!i")    # multiprocessing.connection's frame: its length, then the bytes
+_LONG = struct.Struct("!Q")      # (a length past 2**31 - 1: -1, then the length in 8 bytes)
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from realizar_backend.engine.process import child_main; child_main(int(sys.argv[2]))")
@@ -169,9 +178,15 @@ class EngineClient(RequestPrep):
         self._dead: BaseException | None = None
         self._closing = False
         self._on_exit = on_exit             # called once with the error when the process dies unasked
-        # what goes to the engine: (pickled message, is a submit), written by the writer thread
+        # what goes to the engine: (framed pickled message, is a submit), written by the writer
+        # thread; a message with nothing ahead of it (none queued, none being written) is sent
+        # where it is made, as far as the socket takes it at once (_send). Both write through
+        # _direct, a second descriptor of the pipe's socket (blocking; _send's sends never wait)
         self._out: collections.deque[tuple[bytes, bool]] = collections.deque()
         self._out_cond = threading.Condition()
+        self._writing = False               # the writer thread is writing a message now
+        self._direct = socket.socket(fileno=os.dup(conn.fileno()))
+        self._direct.settimeout(None)
         self._unsent_submits = 0
         self._max_unsent = settings.max_waiting
         self._stats_asked = False           # a ("stats",) not yet written
@@ -285,10 +300,25 @@ class EngineClient(RequestPrep):
         """Queue a message for the engine; never waits for the pipe. A submit is refused with a
         retryable CapacityError when max_waiting of them are already waiting to be written."""
         submit = msg[0] == "submit"
-        data = bytes(ForkingPickler.dumps(msg))
+        data = _frame(ForkingPickler.dumps(msg))
         with self._out_cond:
             if self._dead is not None:
                 raise OSError("the engine process is gone")
+            if not self._out and not self._writing:
+                try:
+                    sent = self._direct.send(data, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:             # closed: the writer and the reader see the end
+                    sent = 0
+                if sent == len(data):
+                    return
+                if sent:                    # its head is in the pipe: the rest must follow, first
+                    self._out.append((data[sent:], submit))
+                    if submit:
+                        self._unsent_submits += 1
+                    self._out_cond.notify()
+                    return
             if submit:
                 if self._unsent_submits >= self._max_unsent:
                     raise CapacityError(f"the engine is not keeping up: {self._unsent_submits} requests wait to "
@@ -300,7 +330,6 @@ class EngineClient(RequestPrep):
     def _write(self) -> None:
         """The writer thread: every queued message to the pipe in order, and a ping each
         HEARTBEAT_S while the last one has been answered. Ends with the pipe."""
-        ping = ForkingPickler.dumps
         next_ping = time.monotonic()
         while True:
             with self._out_cond:
@@ -315,14 +344,16 @@ class EngineClient(RequestPrep):
                     if self._pong < self._pings:      # the last one is unanswered: no pile of pings
                         continue
                     self._pings += 1
-                    data, submit = bytes(ping(("ping", self._pings))), False
+                    data, submit = _frame(ForkingPickler.dumps(("ping", self._pings))), False
+                self._writing = True
             try:
-                self._conn.send_bytes(data)
+                self._direct.sendall(data)
             except (OSError, ValueError):        # the pipe is closed: the reader sees the end
                 return
             finally:
-                if submit:
-                    with self._out_cond:
+                with self._out_cond:
+                    self._writing = False
+                    if submit:
                         self._unsent_submits -= 1
 
     def stall(self) -> str | None:
@@ -433,6 +464,7 @@ class EngineClient(RequestPrep):
             self._out_cond.notify()
         self._writer.join(timeout=5)
         self._conn.close()
+        self._direct.close()
         if self.board is not None:
             self.board.close()
 
@@ -517,6 +549,13 @@ class EngineClient(RequestPrep):
         _wake([(s.where, err) for s in lost])
         if not self._closing and self._on_exit is not None:
             self._on_exit(self._dead)
+
+
+def _frame(data) -> bytes:
+    """A pickled message as multiprocessing.connection frames it (Connection.recv reads it)."""
+    n = len(data)
+    head = _LENGTH.pack(n) if n <= 0x7FFFFFFF else _LENGTH.pack(-1) + _LONG.pack(n)
+    return head + data
 
 
 class _Stream:

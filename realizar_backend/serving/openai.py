@@ -8,7 +8,8 @@ Paths, status codes and server-sent events are exactly OpenAI's: /v1/models, /v1
 /v1/chat/completions; and vLLM's /tokenize, /detokenize, /health and /version.
 Nothing heavy runs on the event loop: tokenizing, chat template renders (themselves in worker
 processes) and large JSON go to `ServerState.work`, so /livez and every stream keep flowing
-while one request carries megabytes.
+while one request carries megabytes. Only a small completions body without a grammar is planned
+on the loop, where it costs less than the trip to a worker thread (plans.INLINE_PLAN_BYTES).
 
 Each choice is one engine sequence; the engine batches all of them, across clients. A response
 does not start until the first token exists, so every error that can happen before that
@@ -82,7 +83,7 @@ def routes(state: ServerState, endpoint) -> list[Route]:
 
     async def completions(request: Request, engine) -> Response:
         raw = await rq.read_body(request, state.settings.max_request_bytes)
-        plan = await plans.planned(state, request.receive, plans.completion_plan, raw, engine, state.settings)
+        plan = await plans.completion(state, request.receive, raw, engine)
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if plan.stream:

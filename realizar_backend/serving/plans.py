@@ -7,7 +7,14 @@ checks (the plan's `cancel` event).
 
 A request's cost is bounded before anything is queued: its prompt tokens times its choices, and
 its max_tokens times its choices, each at most Settings.max_request_tokens (0: the KV cache's
-size), so that one request cannot hold the engine from every other client for minutes."""
+size), so that one request cannot hold the engine from every other client for minutes.
+
+The exception: a completions body of at most INLINE_PLAN_BYTES that asks for no grammar is planned
+on the event loop (`completion`). Its plan (a small JSON body, a prompt of token ids or a short
+text for the GIL-free tokenizer) takes the loop less time than handing it to a worker thread and
+back: under a burst of requests each such hand-off waits for the GIL behind every other request's
+work (the interpreter's switch interval, milliseconds, at each of the two hops), and that wait is
+spent before the request reaches the engine."""
 
 from __future__ import annotations
 
@@ -23,8 +30,10 @@ from . import tokens
 from .chat_request import ChatOptions, chat_options
 from .reasoning import ReasoningFormat
 from .requests import bad
-from .structured import request_constraint
+from .structured import names_constraint, request_constraint
 from .tools import ToolRequest, ToolStreamParser, parse_tool_request
+
+INLINE_PLAN_BYTES = 8 << 10       # a completions body up to this size, without a grammar, is planned on the loop
 
 
 @dataclass
@@ -77,8 +86,22 @@ async def planned(state, receive, fn, *args):
     return work.result()
 
 
-def completion_plan(raw: bytes, engine, settings, cancel: threading.Event | None = None) -> Plan:
+async def completion(state, receive, raw: bytes, engine) -> Plan:
+    """The completions route's plan: on the event loop when the body is small and names no
+    grammar (INLINE_PLAN_BYTES), else on a worker thread (`planned`)."""
+    if len(raw) > INLINE_PLAN_BYTES:
+        return await planned(state, receive, completion_plan, raw, engine, state.settings)
     body = rq.parse_json(raw)
+    if names_constraint(body.data):
+        return await planned(state, receive, completion_body_plan, body, engine, state.settings)
+    return completion_body_plan(body, engine, state.settings)
+
+
+def completion_plan(raw: bytes, engine, settings, cancel: threading.Event | None = None) -> Plan:
+    return completion_body_plan(rq.parse_json(raw), engine, settings, cancel)
+
+
+def completion_body_plan(body: rq.Body, engine, settings, cancel: threading.Event | None = None) -> Plan:
     body.only(rq.COMPLETION_FIELDS)
     rq.check_model(body, engine)
     body.unsupported("suffix")

@@ -82,6 +82,12 @@ def guided(data: dict) -> Constraint | None:
     return Constraint(kind, spec, param=param)
 
 
+def names_constraint(data: dict) -> bool:
+    """Whether a request body gives any field that asks for a grammar (whose compilation blocks)."""
+    return data.get("response_format") is not None or data.get("structured_outputs") is not None \
+        or any(data.get(f) is not None for f in _GUIDED)
+
+
 def request_constraint(data: dict, chat: bool) -> Constraint | None:
     """The one constraint of a completions (chat=False) or chat request body, or None."""
     rf = response_format(data.get("response_format")) if chat else None

@@ -176,6 +176,64 @@ def _counter(registry, name: str, **labels) -> float:
     return registry.get_sample_value(name, {"engine": "1", "worker": "1", **labels}) or 0.0
 
 
+def test_a_submit_with_nothing_ahead_is_in_the_pipe_when_generate_starts():
+    """A request's submit goes into the pipe from the caller's own thread when nothing waits ahead
+    of it (no wait for the writer thread to wake and take the GIL), even with the engine stopped
+    and reading nothing; one the pipe cannot take whole is finished by the writer thread, in
+    order, and every stream is whole once the engine reads again."""
+    import os
+    import signal as sig
+
+    c = EngineClient.start(SETTINGS.replace(context_length=2048))
+    try:
+        # the writer thread's first ping is written and answered: nothing is ahead of the submit
+        assert wait_for(lambda: c._pong >= 1 and not c._writing, timeout=10, interval=0.01)
+        os.kill(c._proc.pid, sig.SIGSTOP)
+        try:
+            async def run():
+                params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+                small = c.generate(c.prepare("The capital of France is", params), params, request_id="small")
+                first = asyncio.ensure_future(small.__anext__())
+                await asyncio.sleep(0)          # generate's start: the submit is sent
+                assert not c._out and c._unsent_submits == 0
+                # prompts of 1,000 tokens until one does not fit the pipe whole: its tail waits
+                big = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+                gens, pending = [], []
+                for i in range(200):
+                    g = c.generate(list(range(100, 1100)), big, request_id=f"big{i}")
+                    gens.append(g)
+                    pending.append(asyncio.ensure_future(g.__anext__()))
+                    await asyncio.sleep(0)
+                    if c._out:
+                        break
+                assert c._out, "the pipe took 200 prompts of 1,000 tokens while nothing read it"
+                # all but the split one leave (their aborts queue behind the submits)
+                for p in pending[:-1]:
+                    p.cancel()
+                await asyncio.gather(*pending[:-1], return_exceptions=True)
+                for g in gens[:-1]:
+                    await g.aclose()
+                return small, first, gens, pending
+            loop = asyncio.new_event_loop()
+            small, first, gens, pending = loop.run_until_complete(run())
+        finally:
+            os.kill(c._proc.pid, sig.SIGCONT)
+
+        async def finish():
+            outs = [await first] + [o async for o in small]
+            assert sum(len(o.token_ids) for o in outs) == 3 and outs[-1].finish_reason == "length"
+            # the one split between this thread and the writer arrived whole, as did what followed
+            got = [await pending[-1]] + [o async for o in gens[-1]]
+            assert sum(len(o.token_ids) for o in got) == 2 and got[-1].finish_reason == "length"
+            again = [o async for o in c.generate(c.prepare("1, 2, 3,", params), params, request_id="again")]
+            assert again[-1].finish_reason == "length"
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        loop.run_until_complete(asyncio.wait_for(finish(), 120))
+        loop.close()
+    finally:
+        c.shutdown()
+
+
 def test_a_stopped_engine_never_blocks_the_caller_and_says_it_is_stuck():
     """SIGSTOP the engine process while long prompts arrive: each submit returns at once (the
     event loop keeps running), submits past max_waiting that the pipe cannot take are refused
