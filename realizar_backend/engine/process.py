@@ -297,8 +297,9 @@ class EngineClient(RequestPrep):
 
     # ---------------------------------------------------------------- request side (prepare: RequestPrep)
     def _send(self, msg: tuple) -> None:
-        """Queue a message for the engine; never waits for the pipe. A submit is refused with a
-        retryable CapacityError when max_waiting of them are already waiting to be written."""
+        """Send a message to the engine, as far as the pipe takes it at once, the rest queued for the
+        writer thread; never waits for the pipe. A submit is refused with a retryable CapacityError
+        when max_waiting of them are already waiting to be written."""
         submit = msg[0] == "submit"
         data = _frame(ForkingPickler.dumps(msg))
         with self._out_cond:
