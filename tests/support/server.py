@@ -59,11 +59,21 @@ class Server:
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def log_tail(self, n: int = 60) -> str:
+    def log_text(self) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def exit_report(self) -> str:
+        """Why the server exited: the log's error lines (two engines' start-up lines can push them
+        out of the tail), then its tail."""
+        lines = self.log_text().splitlines()
+        errors = [ln for ln in lines[:-60] if any(w in ln for w in ("Error", "Traceback", "Could not", "ERROR"))]
+        return "\n".join([*errors[:40], *(["..."] if errors else []), *lines[-60:]])
 
     def openai(self, **kw):
         import openai
@@ -137,7 +147,7 @@ def _lost_its_port(server: Server, within_s: float = 30.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            return "Could not bind" in server.log_tail()
+            return "Could not bind" in server.log_text()
         try:
             proc = psutil.Process(server.proc.pid)
             conns = (getattr(proc, "net_connections", None) or proc.connections)(kind="tcp")   # psutil < 6: connections
@@ -177,7 +187,7 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 240.0,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"bentoml serve exited with {proc.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"bentoml serve exited with {proc.returncode}:\n{server.exit_report()}")
         try:
             if wait_ready and httpx.get(server.url + "/readyz", timeout=5).status_code == 200:
                 return server
