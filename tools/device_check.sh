@@ -23,7 +23,7 @@
 #            and, with $CONSTRAINED_BATCHES, held to a JSON schema on every row and on every other
 #            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
-#            greedy text; then `realizar loadtest` through `bentoml serve` on the qwen15 twin at
+#            greedy text; then `realizar loadtest` through `bentoml serve` on the $LT_TWIN twin (default qwen15) at
 #            $LT_CLIENTS clients (LT_WARMUP=1: after two unmeasured runs of the same size), a soak with random cancels
 #            ($SOAK_REQUESTS completions), and $LT_VARIANTS (server settings, one fresh server each)
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
@@ -33,7 +33,7 @@
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
 #   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,
-#            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the qwen15 twin with
+#            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the $LT_TWIN twin with
 #            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); an entry
 #            N:F also sets REALIZAR_FRONT_ENDS=F (else the rule: one front end per engine), e.g.
 #            WORKER_COUNTS="1 4:1 4:2"; /metrics and nvidia-smi's processes of each; the speed-up of generation
@@ -51,6 +51,7 @@ BATCHES=${BATCHES:-1 4 16 64 128 256}
 DEPTHS=${DEPTHS:-}
 CONSTRAINED_BATCHES=${CONSTRAINED_BATCHES:-}
 LT_CLIENTS=${LT_CLIENTS:-64}
+LT_MODEL=/tmp/twins/${LT_TWIN:-qwen15}.gguf   # the serve and workers stages' loadtest model
 SOAK_REQUESTS=${SOAK_REQUESTS:-0}
 mkdir -p "$OUT" /tmp/stage /tmp/twins /tmp/bench; rm -f /tmp/bench/*.json
 export PYTHONUNBUFFERED=1 BENTOML_DO_NOT_TRACK=true
@@ -206,7 +207,7 @@ if has serve && python3 -c "import bentoml" 2>/dev/null; then
       serve_down 3901
     fi
   fi
-  if [ -f /tmp/twins/qwen15.gguf ] && serve_up /tmp/twins/qwen15.gguf 3902 REALIZAR_CONTEXT_LENGTH=4096; then
+  if [ -f $LT_MODEL ] && serve_up $LT_MODEL 3902 REALIZAR_CONTEXT_LENGTH=4096; then
     grep -h "ready: serving\|cuda backend ready" /tmp/serve_3902.log | tail -2
     if [ "${PYSPY:-0}" = 1 ] && [ -x /tmp/site/bin/py-spy ]; then   # sample the worker (all threads) mid-run
       wpid=$(pgrep -f "_bentoml_impl.worker" | head -1)
@@ -233,12 +234,12 @@ print(f'LT GPU utilization: mean {sum(v) / max(1, len(v)):.1f}% over {len(v)} sa
     serve_down 3902
   fi
   # $LT_VARIANTS: server settings to compare, ';'-separated ("REALIZAR_X=1 REALIZAR_Y=2;REALIZAR_X=3"), each
-  # a fresh server on the qwen15 twin and the same loadtest (/tmp/bench/lt_vN.json, in serve.json)
+  # a fresh server on the $LT_TWIN twin and the same loadtest (/tmp/bench/lt_vN.json, in serve.json)
   IFS=';' read -ra variants <<< "${LT_VARIANTS:-}"
   for i in "${!variants[@]}"; do
     read -ra venv <<< "${variants[$i]}"
     echo "== loadtest variant v$i: ${venv[*]}"
-    serve_up /tmp/twins/qwen15.gguf 3902 REALIZAR_CONTEXT_LENGTH=4096 "${venv[@]}" || continue
+    serve_up $LT_MODEL 3902 REALIZAR_CONTEXT_LENGTH=4096 "${venv[@]}" || continue
     lt_warm 3902
     python3 -m realizar_backend.cli loadtest http://127.0.0.1:3902 --clients $LT_CLIENTS --requests $((4 * LT_CLIENTS)) \
       --prompt-tokens 128 --max-tokens 128 --json /tmp/bench/lt_v$i.json 2>/dev/null | tail -30
@@ -248,14 +249,14 @@ print(f'LT GPU utilization: mean {sum(v) / max(1, len(v)):.1f}% over {len(v)} sa
 fi
 
 # ---------------------------------------------------------------- one engine per GPU
-if has workers && [ -f /tmp/twins/qwen15.gguf ] && python3 -c "import bentoml" 2>/dev/null; then
+if has workers && [ -f $LT_MODEL ] && python3 -c "import bentoml" 2>/dev/null; then
   echo "GPUs: $(nvidia-smi -L | wc -l)"
   for entry in ${WORKER_COUNTS:-1 2}; do
     n=${entry%%:*}; f=0; key=workers$n
     if [ "$entry" != "$n" ]; then f=${entry#*:}; key=workers${n}_fe$f; fi
     fes=$f; [ "$fes" = 0 ] && fes=$n
     echo "== $n engine(s), $fes front end(s)"
-    serve_up /tmp/twins/qwen15.gguf 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n REALIZAR_FRONT_ENDS=$f || continue
+    serve_up $LT_MODEL 3903 REALIZAR_CONTEXT_LENGTH=4096 REALIZAR_WORKERS=$n REALIZAR_FRONT_ENDS=$f || continue
     for i in $(seq 1 240); do   # /readyz says one front end and one engine are ready: wait for all of them
       m=$(curl -s 127.0.0.1:3903/metrics)
       [ "$(echo "$m" | grep -c '^realizar_engine_status{.*status="ready".*} 1.0')" = "$n" ] \
