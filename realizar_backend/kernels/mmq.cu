@@ -35,16 +35,16 @@
 // flight) and their prep records in shared buffers (cp.async) while chunk c is computed; then the
 // next chunk's registers are decoded into the (single) A tile between two barriers.
 //
-// 8-bit activations (-DMMQ_A8=1: a module of its own, the same tiles, pipeline and epilogues). The
-// q8_1 scheme of mmv8.cu at tile scale: mmq_prep quantizes each 32-column unit of s h (s as above) to
-// int8 q = rint(s h / dx), dx = max|s h| / 127 (common.cuh quant_q8_lane), and keeps (dx, dx sum q);
-// the A tile holds the weights' integers q (every type taken fits int8: Q4_K 0..15, Q6_K -32..31,
-// Q8_0 -128..127, ...). Per unit and weight row one int8 mma (m16n8k32 s8, exact int32 sums; two
-// m16n8k16 for Q6_K's 16-column scales) gives T = q_w . q_x, and acc = fma(float(T) dx, d, acc)
-// [then fma(m, dx sum q, acc)]: the GEMV numerics of mmv8.cu (results are those of W . (q dx),
-// within fp32 roundings), with a quarter of the mma instructions and under a third of the activation
-// bytes. The other types (Q3_K, the I-quants, MXFP4) are not taken (mmq_takes): the host keeps them
-// on the fp16 variant.
+// 8-bit activations (-DMMQ_A8=1: a module of its own, kernels mmq8_prep and mmq8_bnBN; the same
+// tiles, pipeline and epilogues). The q8_1 scheme of mmv8.cu at tile scale: mmq_prep quantizes each
+// 32-column unit of s h (s as above) to int8 q = rint(s h / dx), dx = max|s h| / 127 (common.cuh
+// quant_q8_lane), and keeps (dx, dx sum q); the A tile holds the weights' integers q (every type
+// taken fits int8: Q4_K 0..15, Q6_K -32..31, Q8_0 -128..127, ...). Per unit and weight row one int8
+// mma (m16n8k32 s8, exact int32 sums; two m16n8k16 for Q6_K's 16-column scales) gives T = q_w . q_x,
+// and acc = fma(float(T) dx, d, acc) [then fma(m, dx sum q, acc)]: the GEMV numerics of mmv8.cu
+// (results are those of W . (q dx), within fp32 roundings), with a quarter of the mma instructions
+// and under a third of the activation bytes. The other types (Q3_K, the I-quants, MXFP4) are not
+// taken (mmq_takes): the host keeps them on the fp16 variant.
 // Column c = 16s + 4t + i of a unit is stored at activation byte p = 8t + 4s + i of the unit (thread
 // tig = t reads bytes 8t..8t+7: its B registers of both k16 halves) and at A-tile byte c (the int8
 // fragment layout of ldmatrix: a row's bytes 4t..4t+3 and 16 + 4t..). Prep record per token and
@@ -59,6 +59,12 @@
 
 #ifndef MMQ_A8
 #define MMQ_A8 0
+#endif
+// kernel names: the 8-bit variant's are mmq8_prep and mmq8_bnBN (a profile tells the two apart)
+#if MMQ_A8
+#define MMQ_NAME(x) mmq8_##x
+#else
+#define MMQ_NAME(x) mmq_##x
 #endif
 #define MMQ_THREADS 256
 #define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row
@@ -182,7 +188,7 @@ __device__ __forceinline__ float2 block_sum_max(float a, float b, float* sm) {
 // which can only move the scale by a factor of two, exact either way).
 // Column c = 16s + 4t + i of a unit goes to position 8t + 4s + i (see the top of the file).
 #if !defined(MMQ_BN) || MMQ_BN == 0
-extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
+extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) MMQ_NAME(prep)(const float* __restrict__ x, int xs, int M, int K,
                                                                    const float* __restrict__ nw, float eps,
                                                                    u8* __restrict__ out, long long os,
                                                                    float* __restrict__ inv) {
@@ -1111,7 +1117,7 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
 // first use); 0: mmq_prep only; unset: everything. The 8-bit variant has no grouped-experts kernel
 // (the experts' launches stay on fp16 activations).
 #define DEFINE_MMQ(BN)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) mmq_bn##BN(                              \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) MMQ_NAME(bn##BN)(                        \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,                \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \

@@ -304,7 +304,7 @@ int main(int argc, char** argv) {
     const long long xps = (long long)nch * MMQ_REC;
     std::vector<u8> rec((size_t)M * xps, 0xFF);
     std::vector<float> inv(M, NAN);
-    launch(M, MMQ_PREP_THREADS, 0, [&] { mmq_prep(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); },
+    launch(M, MMQ_PREP_THREADS, 0, [&] { MMQ_NAME(prep)(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); },
            (unsigned)h[14]);
     for (size_t r = 0; r < rec.size(); r += MMQ_REC) {     // halves 0xFFFF and sums 0xFFFFFFFF: unwritten
         u16 hv[MMQ_XROW / 2];
@@ -359,10 +359,10 @@ int main(int argc, char** argv) {
                 case -8: mmqs_t8(MMQS_ARGS); break;
                 case -16: mmqs_t16(MMQS_ARGS); break;
 #endif
-                case 8: mmq_bn8(MMQ_ARGS); break;
-                case 16: mmq_bn16(MMQ_ARGS); break;
-                case 32: mmq_bn32(MMQ_ARGS); break;
-                default: mmq_bn64(MMQ_ARGS); break;
+                case 8: MMQ_NAME(bn8)(MMQ_ARGS); break;
+                case 16: MMQ_NAME(bn16)(MMQ_ARGS); break;
+                case 32: MMQ_NAME(bn32)(MMQ_ARGS); break;
+                default: MMQ_NAME(bn64)(MMQ_ARGS); break;
             }
 #undef MMQ_ARGS
 #undef MMQS_ARGS

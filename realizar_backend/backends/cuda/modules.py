@@ -247,10 +247,10 @@ class Kernels:
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         # its 8-bit-activation variant (-DMMQ_A8=1: int8 records, int8 mma), the same on first use
-        mmq8 = {bn: build("mmq.cu", [f"mmq_bn{bn}"], typed + ("-DMMQ_A8=1", f"-DMMQ_BN={bn}"),
+        mmq8 = {bn: build("mmq.cu", [f"mmq8_bn{bn}"], typed + ("-DMMQ_A8=1", f"-DMMQ_BN={bn}"),
                           smem=mmq_smem_bytes(bn, a8=True), lazy=True)
                 for bn in MMQ_BN}
-        mmq8_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_A8=1", "-DMMQ_BN=0"), lazy=True)
+        mmq8_prep = build("mmq.cu", ["mmq8_prep"], ("-DMMQ_A8=1", "-DMMQ_BN=0"), lazy=True)
         mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
         # the routed experts of mixture-of-experts models (moe.cu): loaded on first use, by such models only
         moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add", "moe_bucket_count", "moe_bucket_fill"]
@@ -270,7 +270,7 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep"),
                             **{("moe", bn): (mmq[bn], f"mmq_moe_bn{bn}") for bn in MMQ_BN}})
-        self.mmq8 = _Family({**{bn: (mmq8[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq8_prep, "mmq_prep")})
+        self.mmq8 = _Family({**{bn: (mmq8[bn], f"mmq8_bn{bn}") for bn in MMQ_BN}, "prep": (mmq8_prep, "mmq8_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
         # keys: "conv", and the delta rule's kernels by name (support.dn_delta_kernel, dn_chunk_kernel)
         self.deltanet = _Family({"conv": (deltanet, "dn_conv"), **{name: (deltanet, name) for name in dn_deltas}})
