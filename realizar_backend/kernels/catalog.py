@@ -150,6 +150,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
                                     "prefill.cu", "gemv.cu", "sampling.cu", "moe.cu",
                                     "deltanet.cu")]
     out += [("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in MMQ_BN + (0,)]          # 0: the prep kernel
+    out += [("mmq.cu", ("-DMMQ_A8=1", f"-DMMQ_BN={bn}")) for bn in MMQ_BN + (0,)]   # its 8-bit-activation variant
     out.append(("mmqs.cu", ()))
     out += [("mmqs.cu", (qmask_option(m),)) for m in PREBUILT_QMASKS]
     # flash attention (backends/cuda/flash.py plans): the default variant of each head size

@@ -1,11 +1,13 @@
 // What mmq.cu and mmqs.cu share: the tensor-core instructions, the weight-to-fp16 conversion, a
 // launch's segments and the NaN fill for a type not compiled in.
-// Host tests (tests/host/mmq_emu.cpp) define REALIZAR_HOST_TEST and emulate the two instructions.
+// Host tests (tests/host/mmq_emu.cpp) define REALIZAR_HOST_TEST and emulate the instructions.
 #pragma once
 #include "common.cuh"
 
 #ifdef REALIZAR_HOST_TEST
 void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+void mmq_mma8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+void mmq_mma8_k16(int (&d)[4], u32 a0, u32 a1, u32 b);
 u32 mmq_hsub2(u32 a, u32 b);
 #else
 // d += A (16x16 fp16, row) . B (16x8 fp16, col), fp32
@@ -14,6 +16,22 @@ __device__ __forceinline__ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0
                  "{%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += A (16x32 int8, row) . B (32x8 int8, col), exact int32 sums (mmq.cu's 8-bit variant)
+__device__ __forceinline__ void mmq_mma8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += A (16x16 int8, row) . B (16x8 int8, col), exact int32 sums
+__device__ __forceinline__ void mmq_mma8_k16(int (&d)[4], u32 a0, u32 a1, u32 b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%0, %1, %2, %3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b));
 }
 
 __device__ __forceinline__ u32 mmq_hsub2(u32 a, u32 b) {

@@ -35,6 +35,21 @@
 // flight) and their prep records in shared buffers (cp.async) while chunk c is computed; then the
 // next chunk's registers are decoded into the (single) A tile between two barriers.
 //
+// 8-bit activations (-DMMQ_A8=1: a module of its own, kernels mmq8_prep and mmq8_bnBN; the same
+// tiles, pipeline and epilogues). The q8_1 scheme of mmv8.cu at tile scale: mmq_prep quantizes each
+// 32-column unit of s h (s as above) to int8 q = rint(s h / dx), dx = max|s h| / 127 (common.cuh
+// quant_q8_lane), and keeps (dx, dx sum q); the A tile holds the weights' integers q (every type
+// taken fits int8: Q4_K 0..15, Q6_K -32..31, Q8_0 -128..127, ...). Per unit and weight row one int8
+// mma (m16n8k32 s8, exact int32 sums; two m16n8k16 for Q6_K's 16-column scales) gives T = q_w . q_x,
+// and acc = fma(float(T) dx, d, acc) [then fma(m, dx sum q, acc)]: the GEMV numerics of mmv8.cu
+// (results are those of W . (q dx), within fp32 roundings), with a quarter of the mma instructions
+// and under a third of the activation bytes. The other types (Q3_K, the I-quants, MXFP4) are not
+// taken (mmq_takes): the host keeps them on the fp16 variant.
+// Column c = 16s + 4t + i of a unit is stored at activation byte p = 8t + 4s + i of the unit (thread
+// tig = t reads bytes 8t..8t+7: its B registers of both k16 halves) and at A-tile byte c (the int8
+// fragment layout of ldmatrix: a row's bytes 4t..4t+3 and 16 + 4t..). Prep record per token and
+// chunk (160 bytes): 4 units x q[32] (128 bytes), then 4 x (dx, dx sum q) (fp32).
+//
 // mmq_bnBN: up to three segments sharing one input (Q, K, V; each its own type, bias and output),
 // accumulate != 0 adds into y (the residual), amax != 0 (one segment) folds the LM head's argmax
 // in (common.cuh argmax_key, as mmvf). mode 1: the fused FFN, segment 0 gate and 1 up (same type
@@ -42,15 +57,33 @@
 #include "common.cuh"
 #include "mma.cuh"
 
+#ifndef MMQ_A8
+#define MMQ_A8 0
+#endif
+// kernel names: the 8-bit variant's are mmq8_prep and mmq8_bnBN (a profile tells the two apart)
+#if MMQ_A8
+#define MMQ_NAME(x) mmq8_##x
+#else
+#define MMQ_NAME(x) mmq_##x
+#endif
 #define MMQ_THREADS 256
 #define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row
 #define MMQ_PREP_NJ 12          // mmq_prep keeps rows of up to 12 x 1024 columns in registers
 #define MMQ_BM 128          // weight rows per CTA tile
 #define MMQ_KC 128          // columns per chunk: 4 units
-#define MMQ_REC 528         // bytes per (token, chunk) prep record
-#define MMQ_AROW 272        // bytes per A-tile row: 256 + 16 (8 rows at one column hit 8 bank groups)
-#define MMQ_XROW 512        // bytes per activation row of a chunk in shared memory (swizzled, no pad)
 #define MMQ_MROW 5          // float4 per meta row: the 4 units' scales, 1 pad (conflict-free stores)
+#if MMQ_A8
+#define MMQ_AU 32           // bytes per unit in an A-tile row: 32 int8
+#define MMQ_XP 8            // 16-byte pieces of int8 values per (token, chunk) record: 4 units x 32
+#define MMQ_SW 8            // floats per (token, chunk) after them: (dx, dx sum q) per unit
+#else
+#define MMQ_AU 64           // bytes per unit in an A-tile row: 32 fp16
+#define MMQ_XP 32           // 16-byte pieces of fp16 halves per (token, chunk) record: 4 units x (xh, xl)
+#define MMQ_SW 4            // floats per (token, chunk) after them: the unit sums
+#endif
+#define MMQ_XROW (16 * MMQ_XP)              // bytes per activation row of a chunk in shared memory (swizzled, no pad)
+#define MMQ_REC (MMQ_XROW + 4 * MMQ_SW)     // bytes per (token, chunk) prep record: 528 (fp16), 160 (int8)
+#define MMQ_AROW (4 * MMQ_AU + 16)          // bytes per A-tile row: the chunk + 16 (8 rows at one column hit 8 bank groups)
 
 // Warp tiling per token-tile width (BM = 16 MT WM = 128 rows, BN = 8 NT WN tokens, WN = 8 / WM) and
 // the chunks of weights in flight (D: in registers; the narrow tiles are bound by memory latency,
@@ -58,12 +91,25 @@
 template <int BN> struct MmqCfg;
 template <> struct MmqCfg<8> { static constexpr int MT = 1, NT = 1, WM = 8, D = 2; };
 template <> struct MmqCfg<16> { static constexpr int MT = 1, NT = 2, WM = 8, D = 2; };
+#if MMQ_A8
+// 8 warps over the rows (no A fragment loaded twice per CTA): MT = NT = 2 spills in the module of all
+// 8 types
+template <> struct MmqCfg<32> { static constexpr int MT = 1, NT = 4, WM = 8, D = 1; };
+#else
 template <> struct MmqCfg<32> { static constexpr int MT = 2, NT = 2, WM = 4, D = 1; };
+#endif
 template <> struct MmqCfg<64> { static constexpr int MT = 2, NT = 4, WM = 4, D = 1; };
 
 // dynamic shared memory of mmq_bnBN: A tile | unit scales | D + 1 activation chunks | their unit sums
+// (int8: and scales)
 template <int BN> __host__ __device__ constexpr int mmq_smem_bytes() {
-    return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (MmqCfg<BN>::D + 1) * BN * (MMQ_XROW + 16);
+    return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (MmqCfg<BN>::D + 1) * BN * MMQ_REC;
+}
+
+// the types the 8-bit variant takes: those of mmv8.cu (common.cuh QUnit), whose integers fit int8
+__host__ __device__ constexpr bool mmq_takes(int qt) {
+    return !MMQ_A8 || qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q8_0 ||
+           qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K;
 }
 
 // ------------------------------------------------------------------ instructions
@@ -142,7 +188,7 @@ __device__ __forceinline__ float2 block_sum_max(float a, float b, float* sm) {
 // which can only move the scale by a factor of two, exact either way).
 // Column c = 16s + 4t + i of a unit goes to position 8t + 4s + i (see the top of the file).
 #if !defined(MMQ_BN) || MMQ_BN == 0
-extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const float* __restrict__ x, int xs, int M, int K,
+extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) MMQ_NAME(prep)(const float* __restrict__ x, int xs, int M, int K,
                                                                    const float* __restrict__ nw, float eps,
                                                                    u8* __restrict__ out, long long os,
                                                                    float* __restrict__ inv) {
@@ -155,14 +201,20 @@ extern "C" __global__ void __launch_bounds__(MMQ_PREP_THREADS) mmq_prep(const fl
     const int pos = 8 * ((lane >> 2) & 3) + 4 * (lane >> 4) + (lane & 3);
     u8* o = out + (long long)t * os;
     float iv;
-    // one unit (32 columns: its halves and its sum) per warp; rec points at its record
+    // one unit (32 columns: its halves and its sum; int8: its values and (dx, dx sum q)) per warp
     auto put = [&](int u, float v) {
+#if MMQ_A8
+        u8* rec = o + (u >> 2) * MMQ_REC;
+        // pos is 0 at lane 0 only: that lane writes the unit's (dx, dx sum q)
+        quant_q8_lane(v, (i8*)(rec + MMQ_AU * (u & 3)), (float2*)(rec + MMQ_XROW) + (u & 3), pos);
+#else
         u8* rec = o + (u >> 2) * MMQ_REC + (u & 3) * 128;
         const u16 h = f2h(v);
         ((u16*)rec)[pos] = h;
         ((u16*)(rec + 64))[pos] = f2h(v - h2f(h));
         const float sum = warp_sum(v);
-        if (lane == 0) ((float*)(o + (u >> 2) * MMQ_REC + 512))[u & 3] = sum;
+        if (lane == 0) ((float*)(o + (u >> 2) * MMQ_REC + MMQ_XROW))[u & 3] = sum;
+#endif
     };
     // the norm's 1 / rms(x) (rs; 1 without a norm) and the row's scale s, from each thread's sum of
     // squares and max |x w| (x w: x without a norm)
@@ -234,6 +286,24 @@ struct MmqRaw {
     uint4 e;
 };
 
+#if MMQ_A8
+// a type's offset (stored bytes are q + off) as the A-tile stores take it: four bytes of off
+__device__ __forceinline__ constexpr u32 mmq_offw(u32 off) { return off * 0x01010101u; }
+
+// four stored bytes b = q + off as int8 q: b - off in each byte (mod 256). The low 7 bits subtract
+// with the top bits set (no borrow leaves a byte); the top bit is then b's ^ off's ^ that borrow.
+__device__ __forceinline__ u32 mmq_q8(u32 w, u32 off4) {
+    const u32 H = 0x80808080u;
+    return off4 ? ((w | H) - (off4 & ~H)) ^ ((w ^ ~off4) & H) : w;
+}
+
+// 16 columns 16s + 4t + k (byte k of w[t]) into the A-tile unit at ua: bytes 16s + 4t + k
+__device__ __forceinline__ void mmq_put16(u8* ua, int s, u32 w0, u32 w1, u32 w2, u32 w3, u32 off4) {
+    *(uint4*)(ua + 16 * s) = make_uint4(mmq_q8(w0, off4), mmq_q8(w1, off4), mmq_q8(w2, off4), mmq_q8(w3, off4));
+}
+#else
+__device__ __forceinline__ constexpr u32 mmq_offw(u32 off) { return mmq_off2(off); }
+
 // 16 columns 16s + 4t + k (byte k of w[t]) into the A-tile unit at ua: positions 16s + 2t + k
 // (k = 0, 1) and 16s + 8 + 2t + k - 2 (k = 2, 3)
 __device__ __forceinline__ void mmq_put16(u8* ua, int s, u32 w0, u32 w1, u32 w2, u32 w3, u32 off2) {
@@ -242,6 +312,7 @@ __device__ __forceinline__ void mmq_put16(u8* ua, int s, u32 w0, u32 w1, u32 w2,
     *(uint4*)(ua + 32 * s + 16) = make_uint4(mmq_pair<1>(w0, off2), mmq_pair<1>(w1, off2), mmq_pair<1>(w2, off2),
                                              mmq_pair<1>(w3, off2));
 }
+#endif
 
 // a whole unit from v[8] (v[i]: columns 4i..4i+3, unsigned bytes q + offset)
 __device__ __forceinline__ void mmq_put32(u8* ua, const u32 (&v)[8], u32 off2) {
@@ -265,10 +336,10 @@ template <> __device__ __forceinline__ void mmq_load<QT_Q4_K>(const u8* __restri
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q4_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
-    const u32 M4 = 0x0F0F0F0Fu, off = mmq_off2(0);
-    u8* ulo = ar + 64 * (2 * (p >> 1));
+    const u32 M4 = 0x0F0F0F0Fu, off = mmq_offw(0);
+    u8* ulo = ar + MMQ_AU * (2 * (p >> 1));
     mmq_put16(ulo, p & 1, r.a.x & M4, r.a.y & M4, r.a.z & M4, r.a.w & M4, off);
-    mmq_put16(ulo + 64, p & 1, (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4, off);
+    mmq_put16(ulo + MMQ_AU, p & 1, (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4, off);
     int sc, m;
     scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
     const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
@@ -286,7 +357,7 @@ template <> __device__ __forceinline__ void mmq_load<QT_Q5_K>(const u8* __restri
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q5_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
-    const u32 M4 = 0x0F0F0F0Fu, B1 = 0x01010101u, off = mmq_off2(0);
+    const u32 M4 = 0x0F0F0F0Fu, B1 = 0x01010101u, off = mmq_offw(0);
     const int j = 4 * (c & 1) + 2 * (p >> 1);            // block unit of the low nibbles; j + 1: high
     const u32 q[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, h[4] = {r.e.x, r.e.y, r.e.z, r.e.w};
     u32 lo[4], hi[4];
@@ -295,9 +366,9 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q5_K>(const MmqRaw& r, 
         lo[i] = (q[i] & M4) | (((h[i] >> j) & B1) << 4);
         hi[i] = ((q[i] >> 4) & M4) | (((h[i] >> (j + 1)) & B1) << 4);
     }
-    u8* ulo = ar + 64 * (2 * (p >> 1));
+    u8* ulo = ar + MMQ_AU * (2 * (p >> 1));
     mmq_put16(ulo, p & 1, lo[0], lo[1], lo[2], lo[3], off);
-    mmq_put16(ulo + 64, p & 1, hi[0], hi[1], hi[2], hi[3], off);
+    mmq_put16(ulo + MMQ_AU, p & 1, hi[0], hi[1], hi[2], hi[3], off);
     int sc, m;
     scale_min_k4w(4 * (c & 1) + p, r.b.y, r.b.z, r.b.w, sc, m);
     const float d = h2f((u16)(r.b.x & 0xFFFF)) * sc;
@@ -319,7 +390,7 @@ template <> __device__ __forceinline__ void mmq_load<QT_Q6_K>(const u8* __restri
 template <> __device__ __forceinline__ void mmq_store<QT_Q6_K>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
     u32 v[8];
     q6k_bits(r.a, make_uint2(r.b.x, r.b.y), v);
-    mmq_put32(ar + 64 * p, v, mmq_off2(32));
+    mmq_put32(ar + MMQ_AU * p, v, mmq_offw(32));
     const float d = h2f((u16)r.d);
     mr[p] = make_float4(d * (float)(i8)(r.c & 255), d * (float)(i8)(r.c >> 8), 0.0f, 0.0f);
 }
@@ -336,7 +407,7 @@ template <> __device__ __forceinline__ void mmq_load<QT_Q8_0>(const u8* __restri
 template <> __device__ __forceinline__ void mmq_store<QT_Q8_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
     const u32 F = 0x80808080u;
     const u32 v[8] = {r.a.x ^ F, r.a.y ^ F, r.a.z ^ F, r.a.w ^ F, r.b.x ^ F, r.b.y ^ F, r.b.z ^ F, r.b.w ^ F};
-    mmq_put32(ar + 64 * p, v, mmq_off2(128));
+    mmq_put32(ar + MMQ_AU * p, v, mmq_offw(128));
     const float d = h2f((u16)r.c);
     mr[p] = make_float4(d, d, 0.0f, 0.0f);
 }
@@ -353,7 +424,7 @@ template <> __device__ __forceinline__ void mmq_load<QT_Q5_0>(const u8* __restri
 template <> __device__ __forceinline__ void mmq_store<QT_Q5_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
     u32 v[8];
     q5_0_bits<0>(r.a, r.c, v);
-    mmq_put32(ar + 64 * p, v, mmq_off2(16));
+    mmq_put32(ar + MMQ_AU * p, v, mmq_offw(16));
     const float d = h2f((u16)r.d);
     mr[p] = make_float4(d, d, 0.0f, 0.0f);
 }
@@ -383,7 +454,7 @@ __device__ __forceinline__ void mmq_put_q4(const MmqRaw& r, int p, u8* ar) {
     const u32 M4 = 0x0F0F0F0Fu;
     const u32 v[8] = {r.a.x & M4, r.a.y & M4, r.a.z & M4, r.a.w & M4,
                       (r.a.x >> 4) & M4, (r.a.y >> 4) & M4, (r.a.z >> 4) & M4, (r.a.w >> 4) & M4};
-    mmq_put32(ar + 64 * p, v, mmq_off2(OFF));
+    mmq_put32(ar + MMQ_AU * p, v, mmq_offw(OFF));
 }
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q4_0>(const MmqRaw& r, int, int p, u8* ar, float4* mr) {
@@ -419,7 +490,7 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q5_1>(const MmqRaw& r, 
         v[i] = (q[i] & M4) | (u32)bits_to_b4(r.d >> (4 * i));
         v[i + 4] = ((q[i] >> 4) & M4) | (u32)bits_to_b4(r.d >> (16 + 4 * i));
     }
-    mmq_put32(ar + 64 * p, v, mmq_off2(0));
+    mmq_put32(ar + MMQ_AU * p, v, mmq_offw(0));
     const float d = h2f((u16)(r.c & 0xFFFF));
     mr[p] = make_float4(d, d, h2f((u16)(r.c >> 16)), 0.0f);
 }
@@ -447,7 +518,7 @@ __device__ __forceinline__ void mmq_store_lb(const MmqRaw& r, int c, int p, u8* 
     l.d = r.b.x;
     LUnit w;
     lb_decode<QT>(l, 4 * c + p, w);
-    mmq_put32(ar + 64 * p, w.v, mmq_off2(lowbit_off(QT)));
+    mmq_put32(ar + MMQ_AU * p, w.v, mmq_offw(lowbit_off(QT)));
     mr[p] = make_float4(w.a0, w.a1, 0.0f, 0.0f);
 }
 
@@ -472,9 +543,13 @@ MMQ_LOWBIT(QT_IQ3_S)
 // 8 columns 8p..8p+7 (bytes of w0: 8p..8p+3, of w1: 8p+4..) into the A-tile unit at ua: step p >> 1,
 // t = 2(p & 1) and t + 1 of mmq_put16's positions
 __device__ __forceinline__ void mmq_put8(u8* ua, int p, u32 w0, u32 w1, u32 off2) {
+#if MMQ_A8
+    *(uint2*)(ua + 8 * p) = make_uint2(mmq_q8(w0, off2), mmq_q8(w1, off2));
+#else
     u8* q = ua + 32 * (p >> 1) + 8 * (p & 1);
     *(uint2*)q = make_uint2(mmq_pair<0>(w0, off2), mmq_pair<0>(w1, off2));
     *(uint2*)(q + 16) = make_uint2(mmq_pair<1>(w0, off2), mmq_pair<1>(w1, off2));
+#endif
 }
 
 // Q3_K (lowbit.cuh q3k_unit): chunk c is half h = c & 1 of block c >> 1, whose 4 units j = 4h + s share
@@ -491,13 +566,13 @@ template <> __device__ __forceinline__ void mmq_load<QT_Q3_K>(const u8* __restri
 
 template <> __device__ __forceinline__ void mmq_store<QT_Q3_K>(const MmqRaw& r, int c, int p, u8* ar, float4* mr) {
     const int h = c & 1;
-    const u32 off = mmq_off2(4);
+    const u32 off = mmq_offw(4);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
         const int j = 4 * h + s;
         const u32 w0 = ((r.a.x >> (2 * s)) & 0x03030303u) | (((r.a.z >> j) & 0x01010101u) << 2);
         const u32 w1 = ((r.a.y >> (2 * s)) & 0x03030303u) | (((r.a.w >> j) & 0x01010101u) << 2);
-        mmq_put8(ar + 64 * s, p, w0, w1, off);
+        mmq_put8(ar + MMQ_AU * s, p, w0, w1, off);
     }
     float a0, a1;
     q3k_scale_pair(r.c, r.d, r.b.x, 4 * h + p, a0, a1);
@@ -505,9 +580,99 @@ template <> __device__ __forceinline__ void mmq_store<QT_Q3_K>(const MmqRaw& r, 
 }
 
 // ------------------------------------------------------------------ the tile product
-// acc += the chunk's nuc units: A tile (rows of 4 units x 32 positions), meta (per row, 4 x float4),
-// X (BN activation rows of 32 16-byte pieces, piece q of row t at q ^ 4(t & 1): the two rows a
-// quarter-warp reads hit opposite bank halves), S (BN x 4 unit sums).
+// The numerics of a variant: a unit's A fragments of 16 rows (MmqA, mmq_lda), a token's B fragments
+// of a unit with what its unit sums and scales hold (MmqB, mmq_ldb), and the tensor-core products of
+// one 16-row x 8-token piece: the whole unit (mmq_dot) or its columns 16s..16s+15 (mmq_dot_half),
+// as fp32 T ready for the weights' scale (int8: T dx, the token's scale applied).
+// X: BN activation rows of MMQ_XP 16-byte pieces, piece q of row t at mmq_xpiece(q, t).
+#if MMQ_A8
+// the four tokens of a half-warp's 8-byte B loads read one unit at 4 different 32-byte bank groups
+__device__ __forceinline__ int mmq_xpiece(int q, int t) { return q ^ ((t & 3) << 1); }
+
+struct MmqA {
+    u32 r[4];                                    // rows 0..7 / 8..15 of k 0..15, then of k 16..31
+};
+struct MmqB {
+    uint2 q;                                     // k 4 tig.. and 16 + 4 tig.. of token gid
+    float dx0, dx1, sx0, sx1;                    // (dx, dx sum q) of tokens 2 tig and 2 tig + 1
+};
+
+__device__ __forceinline__ void mmq_lda(MmqA& a, const u8* p) { mmq_ldsm_x4(a.r, p); }
+
+__device__ __forceinline__ void mmq_ldb(MmqB& b, const u8* Xs, const float* Ss, int t0, int gid, int tig, int u) {
+    const int tl = t0 + gid, tc = t0 + 2 * tig;
+    b.q = *(const uint2*)(Xs + tl * MMQ_XROW + 32 * (u ^ (tl & 3)) + 8 * tig);
+    const float2 e0 = *(const float2*)(Ss + MMQ_SW * tc + 2 * u), e1 = *(const float2*)(Ss + MMQ_SW * (tc + 1) + 2 * u);
+    b.dx0 = e0.x;
+    b.sx0 = e0.y;
+    b.dx1 = e1.x;
+    b.sx1 = e1.y;
+}
+
+__device__ __forceinline__ void mmq_scale_t(float (&t)[4], const int (&T)[4], const MmqB& b) {
+    t[0] = (float)T[0] * b.dx0;                  // |T| <= 32 x 128 x 127 < 2^24: exact in fp32
+    t[1] = (float)T[1] * b.dx1;
+    t[2] = (float)T[2] * b.dx0;
+    t[3] = (float)T[3] * b.dx1;
+}
+
+__device__ __forceinline__ void mmq_dot(float (&t)[4], const MmqA& a, const MmqB& b) {
+    int T[4] = {0, 0, 0, 0};
+    mmq_mma8(T, a.r, b.q.x, b.q.y);
+    mmq_scale_t(t, T, b);
+}
+
+__device__ __forceinline__ void mmq_dot_half(float (&t)[4], const MmqA& a, const MmqB& b, int s) {
+    int T[4] = {0, 0, 0, 0};
+    mmq_mma8_k16(T, s ? a.r[2] : a.r[0], s ? a.r[3] : a.r[1], s ? b.q.y : b.q.x);
+    mmq_scale_t(t, T, b);
+}
+#else
+// the two rows a quarter-warp reads hit opposite bank halves
+__device__ __forceinline__ int mmq_xpiece(int q, int t) { return q ^ ((t & 1) << 2); }
+
+struct MmqA {
+    u32 r[2][4];                                 // step s (k 16s..16s+15)
+};
+struct MmqB {
+    uint4 h, l;                                  // xh, xl of both steps
+    float sx0, sx1;                              // sums of the tokens of c0/c2 and c1/c3
+};
+
+__device__ __forceinline__ void mmq_lda(MmqA& a, const u8* p) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) mmq_ldsm_x4(a.r[s], p + 32 * s);
+}
+
+template <bool MIN>
+__device__ __forceinline__ void mmq_ldb(MmqB& b, const u8* Xs, const float* Ss, int t0, int gid, int tig, int u) {
+    const int tl = t0 + gid;
+    const u8* xr = Xs + tl * MMQ_XROW;
+    b.h = *(const uint4*)(xr + (mmq_xpiece(8 * u + tig, tl) << 4));
+    b.l = *(const uint4*)(xr + (mmq_xpiece(8 * u + 4 + tig, tl) << 4));
+    b.sx0 = b.sx1 = 0.0f;
+    if (MIN) {
+        const int tc = t0 + 2 * tig;
+        b.sx0 = Ss[MMQ_SW * tc + u];
+        b.sx1 = Ss[MMQ_SW * tc + MMQ_SW + u];
+    }
+}
+
+__device__ __forceinline__ void mmq_dot(float (&t)[4], const MmqA& a, const MmqB& b) {
+    mmq_mma(t, a.r[0], b.h.x, b.h.y);
+    mmq_mma(t, a.r[0], b.l.x, b.l.y);
+    mmq_mma(t, a.r[1], b.h.z, b.h.w);
+    mmq_mma(t, a.r[1], b.l.z, b.l.w);
+}
+
+__device__ __forceinline__ void mmq_dot_half(float (&t)[4], const MmqA& a, const MmqB& b, int s) {
+    mmq_mma(t, a.r[s], s ? b.h.z : b.h.x, s ? b.h.w : b.h.y);
+    mmq_mma(t, a.r[s], s ? b.l.z : b.l.x, s ? b.l.w : b.l.y);
+}
+#endif
+
+// acc += the chunk's nuc units: A tile (rows of 4 units), meta (per row, 4 x float4), X (BN activation
+// rows, mmq_xpiece), S (BN x MMQ_SW unit sums, int8: and scales).
 template <int QT, int BN>
 __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const u8* Xs, const float* Ss, int nuc,
                                           int wm, int wn, int lane,
@@ -521,12 +686,11 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
     const u8* arow = As + (wm * 16 * MT + (lane & 7) + 8 * ((lane >> 3) & 1)) * MMQ_AROW + 16 * (lane >> 4);
 #pragma unroll 1
     for (int u = 0; u < nuc; ++u) {               // unrolled, ptxas spills at BN = 64
-        u32 a[MT][2][4];
+        MmqA a[MT];
         float d0[MT][2], d1[MT][2], mn[MT][2];      // [m][rows gid, gid + 8]
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-#pragma unroll
-            for (int s = 0; s < 2; ++s) mmq_ldsm_x4(a[m][s], arow + 16 * m * MMQ_AROW + 64 * u + 32 * s);
+            mmq_lda(a[m], arow + 16 * m * MMQ_AROW + MMQ_AU * u);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float4 t = Ms[(wm * 16 * MT + 16 * m + gid + 8 * h) * MMQ_MROW + u];
@@ -537,42 +701,33 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const int tl = wn * 8 * NT + 8 * n + gid;            // the token of this thread's B fragments
-            const u8* xr = Xs + tl * MMQ_XROW;
-            const int sw = (tl & 1) << 2;
-            const uint4 bh = *(const uint4*)(xr + (((8 * u + tig) ^ sw) << 4));
-            const uint4 bl = *(const uint4*)(xr + (((8 * u + 4 + tig) ^ sw) << 4));
-            float sx0 = 0.0f, sx1 = 0.0f;                        // sums of the tokens of c0/c2 and c1/c3
-            if (MIN) {
-                const int tc = wn * 8 * NT + 8 * n + 2 * tig;
-                sx0 = Ss[4 * tc + u];
-                sx1 = Ss[4 * tc + 4 + u];
-            }
+            MmqB b;                                              // tokens: gid (B), 2 tig and 2 tig + 1 (C)
+#if MMQ_A8
+            mmq_ldb(b, Xs, Ss, wn * 8 * NT + 8 * n, gid, tig, u);
+#else
+            mmq_ldb<MIN>(b, Xs, Ss, wn * 8 * NT + 8 * n, gid, tig, u);
+#endif
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 float* c = acc[m][n];
                 if (!HALF) {
                     float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mmq_mma(t, a[m][0], bh.x, bh.y);
-                    mmq_mma(t, a[m][0], bl.x, bl.y);
-                    mmq_mma(t, a[m][1], bh.z, bh.w);
-                    mmq_mma(t, a[m][1], bl.z, bl.w);
+                    mmq_dot(t, a[m], b);
                     c[0] = fmaf(t[0], d0[m][0], c[0]);
                     c[1] = fmaf(t[1], d0[m][0], c[1]);
                     c[2] = fmaf(t[2], d0[m][1], c[2]);
                     c[3] = fmaf(t[3], d0[m][1], c[3]);
                     if (MIN) {
-                        c[0] = fmaf(mn[m][0], sx0, c[0]);
-                        c[1] = fmaf(mn[m][0], sx1, c[1]);
-                        c[2] = fmaf(mn[m][1], sx0, c[2]);
-                        c[3] = fmaf(mn[m][1], sx1, c[3]);
+                        c[0] = fmaf(mn[m][0], b.sx0, c[0]);
+                        c[1] = fmaf(mn[m][0], b.sx1, c[1]);
+                        c[2] = fmaf(mn[m][1], b.sx0, c[2]);
+                        c[3] = fmaf(mn[m][1], b.sx1, c[3]);
                     }
                 } else {                                 // step s: columns 16s.., scale d_s
 #pragma unroll
                     for (int s = 0; s < 2; ++s) {
                         float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mmq_mma(t, a[m][s], s ? bh.z : bh.x, s ? bh.w : bh.y);
-                        mmq_mma(t, a[m][s], s ? bl.z : bl.x, s ? bl.w : bl.y);
+                        mmq_dot_half(t, a[m], b, s);
                         const float e0 = s ? d1[m][0] : d0[m][0], e1 = s ? d1[m][1] : d0[m][1];
                         c[0] = fmaf(t[0], e0, c[0]);
                         c[1] = fmaf(t[1], e0, c[1]);
@@ -590,12 +745,14 @@ __device__ __forceinline__ void mmq_chunk(const u8* As, const float4* Ms, const 
 template <int BN>
 __device__ __forceinline__ void mmq_stage_x(const u8* __restrict__ xp, long long xps, int c, int tok0, int M, u8* Xs,
                                             float* Ss, const int* __restrict__ gi, int gdiv) {
-    for (int i = threadIdx.x; i < BN * 33; i += MMQ_THREADS) {
-        const int t = i / 33, q = i - 33 * t;
+    constexpr int P = MMQ_REC / 16, PS = P - MMQ_XP;     // 16-byte pieces a record, of them after the values
+    for (int i = threadIdx.x; i < BN * P; i += MMQ_THREADS) {
+        const int t = i / P, q = i - P * t;
         if (tok0 + t < M) {
             const long long row = gi ? gi[tok0 + t] / gdiv : tok0 + t;
             const u8* src = xp + row * xps + (long long)c * MMQ_REC + 16 * q;
-            void* dst = q < 32 ? (void*)(Xs + t * MMQ_XROW + ((q ^ ((t & 1) << 2)) << 4)) : (void*)(Ss + 4 * t);
+            void* dst = q < MMQ_XP ? (void*)(Xs + t * MMQ_XROW + (mmq_xpiece(q, t) << 4))
+                                   : (void*)(Ss + MMQ_SW * t + (PS > 1 ? 4 * (q - MMQ_XP) : 0));
             cp_async16(dst, src);
         }
     }
@@ -622,7 +779,7 @@ __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqC
     constexpr int D = MmqCfg<BN>::D;
     const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), xb = (c - c0) % (D + 1);
     u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
-    float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * 4;
+    float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * MMQ_SW;
     mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), X, S, min(4, nu - 4 * c), wm, wn, tid & 31, acc);
     if (c + 1 < c1) {
         __syncthreads();                         // every warp is done with the A tile and X[xb]
@@ -650,7 +807,7 @@ __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, in
     constexpr int D = MmqCfg<BN>::D;
     const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
     u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
-    float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * 4
+    float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * MMQ_SW
     MmqRaw r[D][2] = {};
     mmq_load<QT>(wrow, nu, c0, p0, r[0][0]);     // weights only: may run before the kernel before ends
     mmq_load<QT>(wrow, nu, c0, p0 + 2, r[0][1]);
@@ -663,7 +820,7 @@ __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, in
         if (c0 + j < c1) {
             mmq_load<QT>(wrow, nu, c0 + j, p0, r[j - 1][0]);
             mmq_load<QT>(wrow, nu, c0 + j, p0 + 2, r[j - 1][1]);
-            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * 4, gi, gdiv);
+            mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * MMQ_SW, gi, gdiv);
         }
     mmq_wait_x(min(D, c1 - 1 - c0));
     __syncthreads();
@@ -675,13 +832,13 @@ __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, in
 }
 
 // ------------------------------------------------------------------ the kernel
-// mmq_main for the weight type qt (false: a type not compiled in, acc untouched)
+// mmq_main for the weight type qt (false: a type not compiled in or not taken, acc untouched)
 template <int BN>
 __device__ __forceinline__ bool mmq_run(int qt, const u8* __restrict__ wrow, int nu, int c0, int c1,
                                         const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm, int wm,
                                         int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
                                         const int* __restrict__ gi, int gdiv) {
-#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv); return true; } break;
+#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q) && mmq_takes(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv); return true; } break;
     switch (qt) {
         MMQ_CASE(QT_Q4_0)
         MMQ_CASE(QT_Q4_1)
@@ -957,9 +1114,10 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
 }
 
 // MMQ_BN: one token-tile width per compilation (the loader compiles them as separate modules, on
-// first use); 0: mmq_prep only; unset: everything
+// first use); 0: mmq_prep only; unset: everything. The 8-bit variant has no grouped-experts kernel
+// (the experts' launches stay on fp16 activations).
 #define DEFINE_MMQ(BN)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) mmq_bn##BN(                              \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) MMQ_NAME(bn##BN)(                        \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
         const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,                \
         const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,                \
@@ -969,12 +1127,18 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
                                {W2, rb2, n2, qt2, b2, y2, ys2}};                                          \
         mmq_body<BN>(seg, K, xp, xps, inv, M, mode, act, accumulate, splits, cps, part, cnt, amax);       \
     }                                                                                                     \
+    MMQ_MOE(BN)
+#if MMQ_A8
+#define MMQ_MOE(BN)
+#else
+#define MMQ_MOE(BN)                                                                                       \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) mmq_moe_bn##BN(                          \
         const u8* W0, const u8* W1, long long rb, long long eb, int n, int qt, const float* b0,           \
         const float* b1, float* y, int ys, int K, const u8* xp, long long xps, const float* inv,          \
         const int* tiles, const int* list, int k, int TB, int mode, int act) {                            \
         mmq_moe_body<BN>(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act); \
     }
+#endif
 #if !defined(MMQ_BN) || MMQ_BN == 8
 DEFINE_MMQ(8)
 #endif

@@ -5,7 +5,9 @@ token tiles, partial ones), K = 896 .. 14336 (partial last chunks, long rows spl
 row counts, the LM head's 151936 rows with its fused argmax, Q/K/V segments of mixed types with
 biases, the residual add, the fused FFN, the folded RMSNorm, activations from 1e-6 to 1e4, every
 output poisoned (NaN) before the launch and the row tails checked untouched, forced K splits,
-determinism, CUDA-graph capture and programmatic dependent launch.
+determinism, CUDA-graph capture and programmatic dependent launch. The 8-bit-activation variant
+(MmqPrep(..., a8=True): mmq.cu built with MMQ_A8) through the same launches against W @ its quantized
+activations (selfcheck's twin of mmv8.cu's, the same scheme).
 
 Errors are in units of sum |w x| (selfcheck.dot_err, the fp32 GEMV's measure), taken per token row
 (the worst row counts); the bound is the fp32 GEMV tests' own (test_kernels_f32.py FP32_TOL). tests/kernels/test_mmq_emu.py runs the same
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from realizar_backend.backends.cuda.dispatch import MMQ_TYPES, MMQS_TYPES
+from realizar_backend.backends.cuda.dispatch import MMQ_TYPES, MMQS_TYPES, MMV8_KERNEL_TYPES
 from realizar_backend.backends.cuda.matrices import QTYPES
 
 pytestmark = pytest.mark.gpu
@@ -32,6 +34,11 @@ TYPES = sorted(MMQ_TYPES)
 SMALL = sorted(MMQS_TYPES)
 KQUANT = tuple(q for q in TYPES if QTYPES[q].block == 256)
 MS = [1, 2, 3, 8, 13, 16, 17, 64, 100, 256]
+A8 = sorted(MMV8_KERNEL_TYPES)      # the 8-bit variant's types (mmq.py A8_TYPES)
+# the 8-bit variant with the folded norm: its float32 rounding may put an activation on the other side
+# of a half step from the twin's, an error of d |w| (d ~ 3 sigma / 127) against sum |w x| ~ 0.8 K sigma
+# |w| (test_kernels_f32.py Q8_NORM_TOL, the same bound for mmv8.cu)
+A8_NORM_TOL = 2e-4
 KERNEL = Path(__file__).resolve().parents[2] / "realizar_backend" / "kernels" / "mmq.cu"
 
 
@@ -49,6 +56,21 @@ def k(kernels):
 def bufs(k):
     from realizar_backend.backends.cuda.mmq import MmqPrep, MmqScratch
     return MmqPrep(256, 14336), MmqScratch(64 << 20, 1 << 16)
+
+
+@pytest.fixture(scope="module")
+def k8(kernels):
+    """The kernels, with the 8-bit variant's modules compiled side by side first."""
+    with ThreadPoolExecutor(5) as ex:
+        list(ex.map(lambda key: kernels.mmq8[key], [8, 16, 32, 64, "prep"]))
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def bufs8(k8):
+    """A prep buffer of int8 records (it selects the 8-bit variant) and a scratch of its own."""
+    from realizar_backend.backends.cuda.mmq import MmqPrep, MmqScratch
+    return MmqPrep(256, 18944, a8=True), MmqScratch(64 << 20, 1 << 16)
 
 
 def _poison(shape):
@@ -83,6 +105,37 @@ def _x(rng, M, K, stress=False, pad=4):
 def _rms(x, w):
     x = x.astype(np.float64)
     return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-6) * w.astype(np.float64)
+
+
+def _q8(x, nw=None):
+    """The activations the 8-bit variant multiplies, as float64 (selfcheck's twin of mmv8.cu's: the
+    same quantization, the folded norm rounded as the kernels round it)."""
+    from realizar_backend.backends.cuda.selfcheck import _q8_input
+    return _q8_input(np.ascontiguousarray(x, np.float32), nw, 1e-6)
+
+
+def _on(request, a8: bool):
+    """(kernels, (prep, scratch)) of a variant: fp16 records (k, bufs) or int8 ones (k8, bufs8)."""
+    names = ("k8", "bufs8") if a8 else ("k", "bufs")
+    return tuple(request.getfixturevalue(n) for n in names)
+
+
+def _h(x, nw=None, a8=False):
+    """The activations a variant multiplies, float64: x (RMSNorm'ed with nw), or as the 8-bit
+    variant quantizes them."""
+    if a8:
+        return _q8(x, nw)
+    return _rms(x, nw) if nw is not None else x.astype(np.float64)
+
+
+def _tol(a8: bool, norm: bool) -> float:
+    return A8_NORM_TOL if a8 and norm else FP32_TOL
+
+
+def _variants(types):
+    """pytest params (qtype, a8): every type on the fp16 variant, the 8-bit variant's on it too."""
+    return ([pytest.param(q, False, id=q.name) for q in types]
+            + [pytest.param(q, True, id=f"{q.name}-8bit") for q in types if q in MMV8_KERNEL_TYPES])
 
 
 def _err(got, ref, scale):
@@ -138,25 +191,49 @@ def mmvf_err(k, w, W64, xd, xs, M, K, h64):
 
 
 # ------------------------------------------------------------------ plumbing
+def _variant(src: str, a8: bool) -> tuple[dict, str]:
+    """kernels/mmq.cu as one variant compiles it: its MMQ_ #defines evaluated, and the lines kept by
+    its `#if MMQ_A8` / `#else` / `#endif` blocks (other conditionals keep every branch)."""
+    stack, lines = [], []
+    for line in src.splitlines():
+        t = line.strip()
+        if t.startswith("#if"):
+            stack.append({"#if MMQ_A8": a8, "#if !MMQ_A8": not a8}.get(t))
+        elif t.startswith("#else") and stack and stack[-1] is not None:
+            stack[-1] = not stack[-1]
+        elif t.startswith("#endif"):
+            stack.pop()
+        elif all(v is None or v for v in stack):
+            lines.append(line)
+    text = "\n".join(lines)
+    d: dict = {}
+    for name, expr in re.findall(r"^#define (MMQ_\w+) ([\w()+* ]+?)\s*(?://.*)?$", text, re.M):
+        d[name] = eval(expr, {}, dict(d))       # numbers and the defines before it
+    return d, text
+
+
 def test_host_constants_match_the_kernel():
-    """mmq.py and modules.py restate kernels/mmq.cu's tile constants; they must agree."""
+    """mmq.py and modules.py restate kernels/mmq.cu's tile constants (of both variants); they must agree."""
     from realizar_backend.backends.cuda import mmq
     from realizar_backend.backends.cuda.modules import MMQ_BN, mmq_smem_bytes
     src = KERNEL.read_text()
-    d = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (MMQ_\w+) (\d+)", src, re.M)}
-    assert (d["MMQ_THREADS"], d["MMQ_BM"], d["MMQ_KC"], d["MMQ_REC"]) == (mmq.THREADS, mmq.BM, mmq.KC, mmq.REC)
-    assert d["MMQ_PREP_THREADS"] == mmq.PREP_THREADS
     small = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (MMQS_\w+) (\d+)",
                                                               KERNEL.with_name("mmqs.cu").read_text(), re.M)}
     assert (small["MMQS_MAXW"], small["MMQS_REC"]) == (mmq.SMALL_MAX_WARPS, mmq.REC)
-    cfg = {int(b): (int(mt), int(nt), int(dd)) for b, mt, nt, dd in
-           re.findall(r"struct MmqCfg<(\d+)> \{ static constexpr int MT = (\d+), NT = (\d+), WM = \d+, D = (\d+)",
-                      src)}
-    assert sorted(cfg) == list(MMQ_BN)
-    for bn, (mt, nt, depth) in cfg.items():
-        assert mmq.ACC[bn] == mt * nt * 4
-        smem = d["MMQ_BM"] * d["MMQ_AROW"] + d["MMQ_BM"] * 16 * d["MMQ_MROW"] + (depth + 1) * bn * (d["MMQ_XROW"] + 16)
-        assert mmq_smem_bytes(bn) == smem, bn
+    for a8 in (False, True):
+        d, text = _variant(src, a8)
+        assert (d["MMQ_THREADS"], d["MMQ_BM"], d["MMQ_KC"], d["MMQ_REC"]) == \
+            (mmq.THREADS, mmq.BM, mmq.KC, mmq.REC8 if a8 else mmq.REC)
+        assert d["MMQ_PREP_THREADS"] == mmq.PREP_THREADS
+        assert mmq.prep_row_bytes(300, a8) == 3 * d["MMQ_REC"]
+        cfg = {int(b): (int(mt), int(nt), int(dd)) for b, mt, nt, dd in
+               re.findall(r"struct MmqCfg<(\d+)> \{ static constexpr int MT = (\d+), NT = (\d+), WM = \d+, D = (\d+)",
+                          text)}
+        assert sorted(cfg) == list(MMQ_BN)
+        for bn, (mt, nt, depth) in cfg.items():
+            assert mmq.ACC[bn] == mt * nt * 4
+            smem = d["MMQ_BM"] * d["MMQ_AROW"] + d["MMQ_BM"] * 16 * d["MMQ_MROW"] + (depth + 1) * bn * d["MMQ_REC"]
+            assert mmq_smem_bytes(bn, a8) == smem, (bn, a8)
 
 
 def test_plan_fills_the_gpu_and_bounds_the_split():
@@ -307,18 +384,21 @@ def _shapes(qt):
     return [(896, 896), (1536, 288), (4864, 257), (8960, 1536)]
 
 
-@pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
-def test_mmq_every_type_m_and_k(k, bufs, rng, qt):
-    """Every M of the decode buckets on four row lengths per type, beside mmvf on the same input."""
+@pytest.mark.parametrize("qt,a8", _variants(TYPES))
+def test_mmq_every_type_m_and_k(request, rng, qt, a8):
+    """Every M of the decode buckets on four row lengths per type, beside mmvf on the same input
+    (8-bit: against W @ its quantized activations, the twin's q the kernel's, so fp32 roundings)."""
+    k, bufs = _on(request, a8)
     worst = 0.0
     for K, N in _shapes(qt):
         w, keep, W64 = _weight(qt, N, K, rng)
         x = _x(rng, 256, K)
         xd = _dev(x)
+        hx = _h(x[:, :K], a8=a8)
         for M in MS:
             h64 = x[:M, :K].astype(np.float64)
             outs = run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, rng=rng)
-            e = check_outputs([(w, W64)], outs, h64, M)
+            e = check_outputs([(w, W64)], outs, hx[:M], M)
             ev = mmvf_err(k, w, W64, xd, K + 4, M, K, h64)
             worst = max(worst, e)
             print(f"{qt.name} N={N} K={K} M={M}: mmq {e:.2e}  mmvf {ev:.2e}")
@@ -339,20 +419,24 @@ def test_mmq_every_type_m_and_k(k, bufs, rng, qt):
                          ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny", "past-prep-registers",
                               "q5km-qkv", "q5_1-qkv", "iq4xs-qkv", "mxfp4-mixed", "lowbit-mixed"])
 @pytest.mark.parametrize("M", [1, 13, 64, 100, 256])
-def test_mmq_segments_bias_residual_norm(k, bufs, rng, segs, K, M):
+@pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
+def test_mmq_segments_bias_residual_norm(request, rng, segs, K, M, a8):
+    if a8 and not {qt for qt, _ in segs} <= MMV8_KERNEL_TYPES:
+        pytest.skip("types the 8-bit variant does not take")
+    k, bufs = _on(request, a8)
     mats = [_weight(qt, n, K, rng) for qt, n in segs]
     sw = [(w, W64) for w, _, W64 in mats]
     x = _x(rng, M, K)
     xd = _dev(x)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
     nwd = _dev(nw)
-    h64 = x[:, :K].astype(np.float64)
+    h64 = _h(x[:, :K], a8=a8)
     e1 = check_outputs(sw, run_mmq(k, bufs, sw, K, xd, K + 4, M, bias=True, rng=rng), h64, M)
     e2 = check_outputs(sw[:1], run_mmq(k, bufs, sw[:1], K, xd, K + 4, M, accumulate=True, rng=rng), h64, M)
     e3 = check_outputs(sw, run_mmq(k, bufs, sw, K, xd, K + 4, M, bias=True, accumulate=True,
-                                   norm=(nwd.data.ptr, 1e-6), rng=rng), _rms(x[:, :K], nw), M)
+                                   norm=(nwd.data.ptr, 1e-6), rng=rng), _h(x[:, :K], nw, a8), M)
     print(f"segments K={K} M={M}: bias {e1:.2e}  residual {e2:.2e}  bias+residual+norm {e3:.2e}")
-    assert max(e1, e2, e3) <= FP32_TOL
+    assert max(e1, e2) <= FP32_TOL and e3 <= _tol(a8, True)
 
 
 def _ffn_ref(h64, G, U, act):
@@ -369,9 +453,12 @@ def _ffn_ref(h64, G, U, act):
                          ids=["qwen15", "qwen05", "smol", "gelu-odd", "q6k-gelu", "q4_0-tiny", "q5k", "q5_1-gelu",
                               "iq4xs", "q3k-gelu", "mxfp4", "iq2xs"])
 @pytest.mark.parametrize("M", [3, 17, 64, 256])
-def test_mmq_ffn(k, bufs, rng, qt, F, K, act, M):
+@pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
+def test_mmq_ffn(request, rng, qt, F, K, act, M, a8):
     from realizar_backend.backends.cuda import mmq
-    prep, scratch = bufs
+    if a8 and qt not in MMV8_KERNEL_TYPES:
+        pytest.skip("a type the 8-bit variant does not take")
+    k, (prep, scratch) = _on(request, a8)
     mats = [_weight(qt, F, K, rng) for _ in range(2)]        # (WeightRef, device bytes, float64)
     (wg, _, G), (wu, _, U) = mats
     x = _x(rng, M, K)
@@ -382,19 +469,21 @@ def test_mmq_ffn(k, bufs, rng, qt, F, K, act, M):
         a = _poison((M, F + 5))
         mmq.prep(k, xd.data.ptr, K + 4, M, K, prep, norm=(nwd.data.ptr, 1e-6) if norm else None)
         mmq.mmq_ffn(k, wg, wu, prep, M, act, a.data.ptr, F + 5, scratch)
-        h64 = _rms(x[:, :K], nw) if norm else x[:, :K].astype(np.float64)
-        ref, scale = _ffn_ref(h64, G, U, act)
+        ref, scale = _ffn_ref(_h(x[:, :K], nw if norm else None, a8), G, U, act)
         got = a.get()
         errs.append(_err(got[:, :F], ref, scale) if np.all(np.isnan(got[:, F:])) else float("inf"))
     print(f"ffn {qt.name} F={F} K={K} M={M} act={act}: {errs[0]:.2e}  norm {errs[1]:.2e}")
-    assert max(errs) <= FP32_TOL
+    assert errs[0] <= FP32_TOL and errs[1] <= _tol(a8, True)
 
 
-def test_mmq_lm_head_argmax(k, bufs, rng):
+@pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
+def test_mmq_lm_head_argmax(request, rng, a8):
     """qwen15's head: 151936 Q6_K rows, the norm folded in, argmax fused (M = 16: one token tile;
-    100: two); the key buffer is left zeroed by argmax_unpack for the next step."""
+    100: two); the key buffer is left zeroed by argmax_unpack for the next step. 8-bit: against W @
+    its quantized activations, the argmax that of the logits the launch wrote."""
     import cupy
     from realizar_backend.backends.cuda import ops
+    kk, bb = _on(request, a8)
     N, K = 151936, 1536
     w, keep, W64 = _weight(Q.Q6_K, N, K, rng)
     for M in (16, 100):
@@ -403,12 +492,12 @@ def test_mmq_lm_head_argmax(k, bufs, rng):
         xd, nwd = _dev(x), _dev(nw)
         key = cupy.zeros(M, cupy.uint64)
         out = cupy.full(M, -7, cupy.int32)
-        outs = run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, norm=(nwd.data.ptr, 1e-6), amax=key.data.ptr, rng=rng)
-        ops.argmax_unpack(k, key.data.ptr, out.data.ptr, M)
-        e = check_outputs([(w, W64)], outs, _rms(x[:, :K], nw), M)
+        outs = run_mmq(kk, bb, [(w, W64)], K, xd, K + 4, M, norm=(nwd.data.ptr, 1e-6), amax=key.data.ptr, rng=rng)
+        ops.argmax_unpack(kk, key.data.ptr, out.data.ptr, M)
+        e = check_outputs([(w, W64)], outs, _h(x[:, :K], nw, a8), M)
         logits = outs[0][0].get()[:, :N]
-        print(f"head M={M}: {e:.2e}")
-        assert e <= FP32_TOL
+        print(f"head{' 8-bit' if a8 else ''} M={M}: {e:.2e}")
+        assert e <= _tol(a8, True)
         assert out.get().tolist() == np.argmax(logits, axis=1).tolist()
         assert int(key.sum().get()) == 0
 
@@ -418,29 +507,37 @@ def test_mmq_lm_head_argmax(k, bufs, rng):
                                     (Q.MXFP4, 640, 2880)],
                          ids=["qwen15-down", "q4k", "q8_0", "q5_0", "q5k", "iq4xs", "mxfp4"])
 @pytest.mark.parametrize("M", [8, 64, 100])
-def test_mmq_activation_range_stress(k, bufs, rng, qt, N, K, M):
+@pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
+def test_mmq_activation_range_stress(request, rng, qt, N, K, M, a8):
     """Down-projection-like inputs: outlier channels, rows from 1e-6 to 1e4 (the row scaling keeps
-    fp16 in range; the hi/lo split keeps fp32-class accuracy), with the residual add."""
+    fp16 in range; the hi/lo split keeps fp32-class accuracy; 8-bit: each 32 values their own
+    scale, W @ the quantized rows within fp32 roundings), with the residual add."""
+    if a8 and qt not in MMV8_KERNEL_TYPES:
+        pytest.skip("a type the 8-bit variant does not take")
+    k, bufs = _on(request, a8)
     w, keep, W64 = _weight(qt, N, K, rng)
     x = _x(rng, M, K, stress=True)
     xd = _dev(x)
     h64 = x[:, :K].astype(np.float64)
-    e = check_outputs([(w, W64)], run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, accumulate=True, rng=rng), h64, M)
+    e = check_outputs([(w, W64)], run_mmq(k, bufs, [(w, W64)], K, xd, K + 4, M, accumulate=True, rng=rng),
+                      _h(x[:, :K], a8=a8), M)
     ev = mmvf_err(k, w, W64, xd, K + 4, M, K, h64)
     print(f"stress {qt.name} {N}x{K} M={M}: mmq {e:.2e}  mmvf {ev:.2e}")
     assert e <= FP32_TOL
 
 
 # ------------------------------------------------------------------ launch mechanics
-def test_forced_splits_and_determinism(k, bufs, rng):
-    """Every K split gives fp32-class results; one launch repeated gives the same bits (the split
-    reduction runs in a fixed order and leaves its counters at zero)."""
+@pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
+def test_forced_splits_and_determinism(request, rng, a8):
+    """Every K split gives fp32-class results (8-bit: of W @ its activations); one launch repeated
+    gives the same bits (the split reduction runs in a fixed order and leaves its counters at zero)."""
     from realizar_backend.backends.cuda import mmq
+    k, bufs = _on(request, a8)
     w, keep, W64 = _weight(Q.Q6_K, 1536, 8960, rng)
     M = 40
     x = _x(rng, M, 8960)
     xd = _dev(x)
-    h64 = x[:, :8960].astype(np.float64)
+    h64 = _h(x[:, :8960], a8=a8)
     _, scratch = bufs
     for splits in (1, 2, 7, 35, 70):
         outs = run_mmq(k, bufs, [(w, W64)], 8960, xd, 8964, M, splits=splits, rng=rng)
@@ -452,14 +549,14 @@ def test_forced_splits_and_determinism(k, bufs, rng):
         assert int(scratch.cnt.sum().get()) == 0
 
 
-@pytest.mark.parametrize("M", [24, 6], ids=["tiles", "small"])
-def test_graph_capture_and_pdl_match_eager(k, bufs, rng, M):
+@pytest.mark.parametrize("M,a8", [(24, False), (6, False), (64, True)], ids=["tiles", "small", "tiles-8bit"])
+def test_graph_capture_and_pdl_match_eager(request, k, rng, M, a8):
     """prep + mmq (QKV with biases) + mmq_ffn + the down projection with the residual, captured in
     a CUDA graph and replayed (then launched as programmatic dependent launches): the same bits as
-    eager launches; at 24 rows on mmq.cu's tiles, at 6 on mmqs.cu."""
+    eager launches; at 24 rows on mmq.cu's tiles, at 6 on mmqs.cu, at 64 on the 8-bit variant."""
     import cupy
     from realizar_backend.backends.cuda import mmq
-    prep, scratch = bufs
+    prep, scratch = request.getfixturevalue("bufs8" if a8 else "bufs")
     H, F = 1536, 8960
     wq, kq, _ = _weight(Q.Q4_K, 1536, H, rng)
     wk, kk, _ = _weight(Q.Q4_K, 256, H, rng)
@@ -505,3 +602,26 @@ def test_graph_capture_and_pdl_match_eager(k, bufs, rng, M):
         for name, e, r in zip(("q", "k", "v", "a", "x"), eager, [t.get() for t in step_out]):
             assert np.array_equal(e, r), f"programmatic dependent launches differ in {name}"
     assert np.all(np.isfinite(eager[4]))
+
+
+# ------------------------------------------------------------------ the 8-bit variant (MMQ_A8)
+def test_mmq8_refuses_what_it_lacks(k8, bufs8, bufs, rng):
+    """Types the 8-bit variant does not take, mmqs.cu on int8 records, and records of the other
+    kind raise before any launch."""
+    from realizar_backend.backends.cuda import mmq
+    prep8, scratch = bufs8
+    prep16, _ = bufs
+    x = _dev(_x(rng, 4, 512))
+    y = _poison((4, 64))
+    iq, keep, _ = _weight(Q.IQ4_XS, 64, 512, rng)
+    q4, keep4, _ = _weight(Q.Q4_K, 64, 512, rng)
+    mmq.prep(k8, x.data.ptr, 516, 4, 512, prep8)
+    with pytest.raises(ValueError, match="no 8-bit tensor-core kernel"):
+        mmq.mmq(k8, [(iq, 0, y.data.ptr, 64)], 512, prep8, 4, scratch)
+    with pytest.raises(ValueError, match="no 8-bit variant"):
+        mmq.mmq(k8, [(q4, 0, y.data.ptr, 64)], 512, prep8, 4, scratch, small=True)
+    mmq.prep(k8, x.data.ptr, 516, 4, 512, prep16)
+    with pytest.raises(ValueError, match="records"):
+        mmq.mmq(k8, [(q4, 0, y.data.ptr, 64)], 512, prep16, 4, scratch, a8=True)
+    mmq.mmq(k8, [(q4, 0, y.data.ptr, 64)], 512, prep8, 4, scratch)          # small M: tiles, not mmqs
+    assert np.all(np.isfinite(y.get()))

@@ -6,6 +6,8 @@
 // this checks the kernels' own indexing (the k permutation shared by the A tile and the prep
 // records, the swizzles, the split-K reduction and its counters, the FFN and argmax epilogues)
 // against float64 in tests/kernels/test_mmq_emu.py. Blocks run one after another.
+// Built with -DMMQ_A8=1: mmq.cu's 8-bit variant (its prep and mmq_bnBN; no mmqs.cu), with the int8
+// mma.m16n8k32 and m16n8k16 emulated from their fragment layouts (exact integer sums).
 //
 // usage: mmq_emu IN OUT  (formats: tests/kernels/test_mmq_emu.py)
 // Tensor-core accumulation model (header field): 0 = the exact sum rounded once to fp32, 1 = the
@@ -144,7 +146,9 @@ static inline unsigned long long atomicMax(unsigned long long* p, unsigned long 
 #define REALIZAR_HOST_TEST
 #define MMQ_DYN_SMEM(name) uint4* name = emu::dyn.data()
 #include "mmq.cu"
+#if !MMQ_A8
 #include "mmqs.cu"
+#endif
 
 static inline float h16(unsigned w, int hi) { return realizar_host_h2f((unsigned short)(hi ? w >> 16 : w & 0xFFFF)); }
 
@@ -210,6 +214,40 @@ void mmq_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
+// byte b of word w as int8
+static int s8(unsigned long long w, int b) { return (int)(signed char)((w >> (8 * b)) & 255); }
+
+// d[i] += sum over k < K of A(row, k) B(k, col) for the rows and columns of lane's D fragment (as
+// mmq_mma's), in exact integer arithmetic
+template <class FA, class FB> static void mma8_sum(int (&d)[4], int K, FA A, FB B) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        long long s = d[i];
+        for (int k = 0; k < K; ++k) s += (long long)A(row, k) * B(k, col);
+        out[i] = (int)s;
+    }
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+// mma.m16n8k32 row.col s32.s8.s8.s32: A row g: a0 (k 4t..4t+3), a2 (k 16+4t..); row g+8: a1, a3;
+// B column g: b0 (k 4t..4t+3), b1 (k 16+4t..)
+void mmq_mma8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    unsigned long long w[6] = {a[0], a[1], a[2], a[3], b0, b1};
+    auto buf = emu::publish(w, 6);
+    mma8_sum(d, 32, [&](int row, int k) { return s8(buf[4 * (row & 7) + ((k & 15) >> 2)][(row >> 3) + 2 * (k >> 4)], k & 3); },
+             [&](int k, int col) { return s8(buf[4 * col + ((k & 15) >> 2)][4 + (k >> 4)], k & 3); });
+}
+
+// mma.m16n8k16 row.col s32.s8.s8.s32: A row g: a0 (k 4t..4t+3); row g+8: a1; B column g: b (k 4t..)
+void mmq_mma8_k16(int (&d)[4], u32 a0, u32 a1, u32 b) {
+    unsigned long long w[3] = {a0, a1, b};
+    auto buf = emu::publish(w, 3);
+    mma8_sum(d, 16, [&](int row, int k) { return s8(buf[4 * (row & 7) + (k >> 2)][row >> 3], k & 3); },
+             [&](int k, int col) { return s8(buf[4 * col + (k >> 2)][2], k & 3); });
+}
+
 // ------------------------------------------------------------------ the launches
 static void launch(unsigned grid, unsigned threads, size_t smem, const std::function<void()>& body,
                    unsigned grid_y = 1) {
@@ -266,14 +304,15 @@ int main(int argc, char** argv) {
     const long long xps = (long long)nch * MMQ_REC;
     std::vector<u8> rec((size_t)M * xps, 0xFF);
     std::vector<float> inv(M, NAN);
-    launch(M, MMQ_PREP_THREADS, 0, [&] { mmq_prep(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); },
+    launch(M, MMQ_PREP_THREADS, 0, [&] { MMQ_NAME(prep)(x.data(), xs, M, K, use_norm ? nw.data() : nullptr, eps, rec.data(), xps, inv.data()); },
            (unsigned)h[14]);
     for (size_t r = 0; r < rec.size(); r += MMQ_REC) {     // halves 0xFFFF and sums 0xFFFFFFFF: unwritten
-        u16 hv[256];
-        u32 sv[4];
-        std::memcpy(hv, &rec[r], 512);
-        std::memcpy(sv, &rec[r + 512], 16);
-        if (std::count(hv, hv + 256, (u16)0xFFFF) || std::count(sv, sv + 4, 0xFFFFFFFFu)) {
+        u16 hv[MMQ_XROW / 2];
+        u32 sv[MMQ_SW];
+        std::memcpy(hv, &rec[r], MMQ_XROW);
+        std::memcpy(sv, &rec[r + MMQ_XROW], 4 * MMQ_SW);
+        // int8 values may be 0xFF (-1): there the unit's (dx, dx sum q), written with them, tell
+        if ((!MMQ_A8 && std::count(hv, hv + MMQ_XROW / 2, (u16)0xFFFF)) || std::count(sv, sv + MMQ_SW, 0xFFFFFFFFu)) {
             std::fprintf(stderr, "prep left part of record %zu unwritten\n", r / MMQ_REC);
             return 4;
         }
@@ -316,12 +355,14 @@ int main(int argc, char** argv) {
         (const u8*)ptr(2, 0), rb_(2), n_(2), qt_(2), (const float*)ptr(2, 1), (float*)ptr(2, 2), ys_(2), K,    \
         rec.data(), xps, inv.data(), M, mode, act, accumulate, use_amax ? amax.data() : nullptr, groups
             switch (bn) {
+#if !MMQ_A8
                 case -8: mmqs_t8(MMQS_ARGS); break;
                 case -16: mmqs_t16(MMQS_ARGS); break;
-                case 8: mmq_bn8(MMQ_ARGS); break;
-                case 16: mmq_bn16(MMQ_ARGS); break;
-                case 32: mmq_bn32(MMQ_ARGS); break;
-                default: mmq_bn64(MMQ_ARGS); break;
+#endif
+                case 8: MMQ_NAME(bn8)(MMQ_ARGS); break;
+                case 16: MMQ_NAME(bn16)(MMQ_ARGS); break;
+                case 32: MMQ_NAME(bn32)(MMQ_ARGS); break;
+                default: MMQ_NAME(bn64)(MMQ_ARGS); break;
             }
 #undef MMQ_ARGS
 #undef MMQS_ARGS

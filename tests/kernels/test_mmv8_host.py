@@ -24,6 +24,7 @@ from realizar_backend.kernels import catalog
 from realizar_backend.model.math import gelu_tanh, silu
 from support import host_emu
 from support.host_emu import GXX, KERNELS
+from support.q8 import normed, q8_twin
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
@@ -51,21 +52,6 @@ def emu1(tmp_path_factory):
 @pytest.fixture(scope="module")
 def emu2(tmp_path_factory):
     return _exe(tmp_path_factory, 2)
-
-
-def q8_twin(x: np.ndarray) -> np.ndarray:
-    """The kernel's 8-bit activations (mmv8_quant) as float64 values q d, from float32 x [K]."""
-    u = x.astype(np.float32).reshape(-1, 32)
-    d = (np.abs(u).max(axis=1) / np.float32(127.0)).astype(np.float32)
-    inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = np.rint(u * inv[:, None])
-    return (q.astype(np.float64) * d[:, None].astype(np.float64)).reshape(-1)
-
-
-def normed(x: np.ndarray, nw: np.ndarray, eps: float) -> np.ndarray:
-    """x / rms(x) * nw in float32 as the kernel rounds it ((x inv) nw)."""
-    inv = np.float32(1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps))
-    return (x * inv).astype(np.float32) * nw
 
 
 def weight(qt, rows: int, cols: int, rng):

@@ -16,6 +16,7 @@
     flash_cases        paged-attention cases and their float64 oracle
     parity             the GPU tests' logits cosines against the NumPy oracle, and ParityRun, their parity loop
     split16_twin       the NumPy twin of the split16 prefill GEMM
+    q8                 the NumPy twin of the 8-bit activations (mmv8.cu, mmq.cu's 8-bit variant)
     host_emu           builds the host emulators of tests/host/ with g++ and runs their launches
     grammars           grammars too large or too slow for a request
     server             a real `bentoml serve` process (the `server` fixture's; a module's own: model_server,

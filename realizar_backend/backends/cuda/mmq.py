@@ -9,6 +9,12 @@ fused argmax) or `mmq_ffn` (gate and up, a = act(g) * u). One prep serves every 
 input. Launches allocate nothing and never synchronize: buffers come from MmqPrep and MmqScratch,
 sized once for the largest batch, so the sequence can be captured in a CUDA graph.
 
+8-bit activations (`MmqPrep(..., a8=True)`): the prep quantizes each 32 values of a row to int8 with
+their own scale (the q8_1 scheme of mmv8.cu) and mmq / mmq_ffn run mmq.cu's -DMMQ_A8 modules (one
+int8 mma per 32-column unit and 16 x 8 piece, a quarter of the fp16 variant's mma instructions and
+under a third of its activation bytes), for the types of A8_TYPES; results are those of W @ the
+quantized activations, within fp32 roundings. mmqs.cu and the grouped experts take fp16 records only.
+
 The dispatcher (dispatch.py) sends launches to kernels/mmqs.cu instead (`small`: same prep, same
 numerics): one block per 16 weight rows and token group of up to 16 rows, its warps splitting K,
 weights straight from memory into the mma fragments (`small_warps`: warps per block).
@@ -29,7 +35,7 @@ from typing import TYPE_CHECKING
 import cupy
 import numpy as np
 
-from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
+from .dispatch import MMQS_TYPES, MMV8_KERNEL_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
 from .modules import MMQ_BN, mmq_smem_bytes
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MMQ_BM, MMQ_KC, MMQ_REC
+REC8 = 160                                       # MMQ_REC of the 8-bit variant (-DMMQ_A8=1)
+A8_TYPES = MMV8_KERNEL_TYPES                     # mmq.cu mmq_takes under MMQ_A8: mmv8.cu's (QUnit) types
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
@@ -87,9 +95,9 @@ def small_cluster(tiles: int, K: int, sm_count: int, limit: int | None = None) -
     return c
 
 
-def prep_row_bytes(K: int) -> int:
-    """Bytes per activation row of an MmqPrep buffer for inputs of K values."""
-    return -(-K // KC) * REC
+def prep_row_bytes(K: int, a8: bool = False) -> int:
+    """Bytes per activation row of an MmqPrep buffer for inputs of K values (a8: int8 records)."""
+    return -(-K // KC) * (REC8 if a8 else REC)
 
 
 def tile_width(M: int) -> int:
@@ -135,11 +143,12 @@ def plan(M: int, K: int, rows: tuple[int, ...], ffn: bool, sm_count: int, splits
 
 class MmqPrep:
     """The split activation rows of up to M tokens of up to K values (prep's output, mmq's input):
-    records of 528 bytes per 128 columns, and 1/s per row."""
+    records of 528 bytes per 128 columns, and 1/s per row. a8: the 8-bit variant's records (160
+    bytes per 128 columns: int8 values and a scale and sum per 32), which select it in mmq / mmq_ffn."""
 
-    def __init__(self, M: int, K: int):
-        self.M, self.K = M, K
-        self.rec = cupy.empty(max(1, M * prep_row_bytes(K)), cupy.uint8)
+    def __init__(self, M: int, K: int, a8: bool = False):
+        self.M, self.K, self.a8 = M, K, a8
+        self.rec = cupy.empty(max(1, M * prep_row_bytes(K, a8)), cupy.uint8)
         self.inv = cupy.empty(max(1, M), cupy.float32)
         self.filled = (0, 0)                # (M, K) of the last prep launch: a host-side check
 
@@ -197,22 +206,30 @@ def prep(k: "Kernels", x: int, xs: int, M: int, K: int, out: MmqPrep, norm=None,
     if K % 32 or M < 1 or M > out.M or K > out.K:
         raise ValueError(f"mmq.prep: {M} rows of {K} (K % 32 == 0) do not fit a buffer of {out.M} x {out.K}")
     nw, eps = norm if norm is not None else (0, 0.0)
-    _launch(k.mmq["prep"], (M, prep_splits(M, K, _sm_count(k))), (PREP_THREADS,),
+    _launch((k.mmq8 if out.a8 else k.mmq)["prep"], (M, prep_splits(M, K, _sm_count(k))), (PREP_THREADS,),
             (_U64(x), _I32(xs), _I32(M), _I32(K), _U64(nw), _F32(eps), _U64(out.rec.data.ptr),
-             _I64(prep_row_bytes(K)), _U64(out.inv.data.ptr)), 0, pdl)
+             _I64(prep_row_bytes(K, out.a8)), _U64(out.inv.data.ptr)), 0, pdl)
     out.filled = (M, K)
 
 
-def _check(kind: str, mats, K: int, p: MmqPrep, M: int) -> None:
+def _check(kind: str, mats, K: int, p: MmqPrep, M: int, a8: bool | None = None) -> bool:
+    """Raises where the launch cannot run; returns whether it runs on the 8-bit variant (a8: as asked,
+    None: as the prep buffer's records are)."""
+    if a8 is None:
+        a8 = p.a8
+    if a8 != p.a8:
+        raise ValueError(f"{kind}: the prep buffer holds {'int8' if p.a8 else 'fp16'} records; "
+                         f"the {'8-bit' if a8 else 'fp16'} variant reads the other kind (MmqPrep(..., a8=))")
     for w in mats:
-        if not mmq_ok(w) or w.cols != K:
+        if not mmq_ok(w) or w.cols != K or (a8 and w.qtype not in A8_TYPES):
             raise ValueError(f"{kind}: {w.name} ({getattr(w.qtype, 'name', w.qtype)}, {w.rows} x {w.cols}) "
-                             f"has no tensor-core kernel for K = {K}")
+                             f"has no {'8-bit ' if a8 else ''}tensor-core kernel for K = {K}")
     if M < 1:
         raise ValueError(f"{kind}: no rows (M = {M})")
     if p.filled[1] != K or M > p.filled[0]:
         raise ValueError(f"{kind}: the prep buffer holds {p.filled[0]} rows of {p.filled[1]}, not {M} of {K}: "
                          "call mmq.prep on this input first")
+    return a8
 
 
 def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: int, act: int, accumulate: bool,
@@ -223,15 +240,20 @@ def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: i
                          "MmqScratch.for_shapes over every shape and batch size)")
     for _ in range(3 - len(seg_args) // 7):
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
-    _launch(k.mmq[pl.bn], (pl.grid,), (THREADS,),
-            (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K)), _U64(p.inv.data.ptr), _I32(M),
+    _launch((k.mmq8 if p.a8 else k.mmq)[pl.bn], (pl.grid,), (THREADS,),
+            (*seg_args, _I32(K), _U64(p.rec.data.ptr), _I64(prep_row_bytes(K, p.a8)), _U64(p.inv.data.ptr), _I32(M),
              _I32(mode), _I32(act), _I32(int(accumulate)), _I32(pl.splits), _I32(pl.cps),
              _U64(scratch.part.data.ptr), _U64(scratch.cnt.data.ptr), _U64(amax)),
-            mmq_smem_bytes(pl.bn), pdl)
+            mmq_smem_bytes(pl.bn, p.a8), pdl)
 
 
-def _small_ok(mats, M: int, small: bool | None) -> bool:
-    """Whether a launch runs on mmqs.cu: as asked, or (None) as the dispatcher's rule says."""
+def _small_ok(mats, M: int, small: bool | None, a8: bool = False) -> bool:
+    """Whether a launch runs on mmqs.cu: as asked, or (None) as the dispatcher's rule says; never
+    on 8-bit records (mmqs.cu reads the fp16 ones)."""
+    if a8:
+        if small:
+            raise ValueError("mmqs: no 8-bit variant (the prep buffer holds int8 records)")
+        return False
     if small is None:
         return mmqs_takes(mats, M)
     if small and not all(mmqs_ok(w) for w in mats):
@@ -262,21 +284,22 @@ def _launch_small(k, seg_args: list, tiles: int, K: int, p: MmqPrep, M: int, mod
 
 def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, accumulate: bool = False,
         amax: int = 0, pdl: bool = False, splits: int | None = None, small: bool | None = None,
-        warps: int | None = None, cluster: int | None = None) -> None:
+        warps: int | None = None, cluster: int | None = None, a8: bool | None = None) -> None:
     """y_s[t] (+)= W_s @ h[t] (+ bias_s) for t < M and up to three segments s = (WeightRef, bias
     pointer or 0, y pointer, y row stride) sharing the input h that prep wrote into p. amax (one
     segment): a zeroed uint64 [M] buffer that receives the packed argmax of each row (as mmvf's;
     argmax_unpack reads and resets it). small: mmqs.cu (True) or mmq.cu's tiles (False), as the
     dispatcher says (None: its rule, dispatch.mmqs_takes); warps: mmqs's warps per block (None: small_warps);
-    cluster: its blocks per cluster (None: small_cluster where clusters_ok, else 1)."""
+    cluster: its blocks per cluster (None: small_cluster where clusters_ok, else 1). a8: the 8-bit
+    variant (None: where p holds its records; it must)."""
     if not 1 <= len(segs) <= 3 or (amax and len(segs) != 1):
         raise ValueError("mmq: one to three segments, and only one with amax")
     mats = [w for w, _, _, _ in segs]
-    _check("mmq", mats, K, p, M)
+    a8 = _check("mmq", mats, K, p, M, a8)
     args: list = []
     for w, bias, y, ys in segs:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
-    if _small_ok(mats, M, small):
+    if _small_ok(mats, M, small, a8):
         tiles = sum(-(-w.rows // 16) for w in mats)
         return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps, cluster)
     pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits)
@@ -285,16 +308,16 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
 
 def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act: int, a: int, as_: int,
             scratch: MmqScratch, pdl: bool = False, splits: int | None = None, small: bool | None = None,
-            warps: int | None = None, cluster: int | None = None) -> None:
+            warps: int | None = None, cluster: int | None = None, a8: bool | None = None) -> None:
     """a[t] = act(gate @ h[t]) * (up @ h[t]) for t < M (act 0: SiLU, 1: GELU-tanh), fp32 out with
-    row stride as_; gate and up share type and shape."""
+    row stride as_; gate and up share type and shape. a8: as mmq's."""
     if wg.qtype != wu.qtype or wg.rows != wu.rows or wg.cols != wu.cols or wg.row_bytes != wu.row_bytes:
         raise ValueError(f"mmq_ffn: gate {wg.name} and up {wu.name} differ in type or shape")
-    _check("mmq_ffn", [wg, wu], wg.cols, p, M)
+    a8 = _check("mmq_ffn", [wg, wu], wg.cols, p, M, a8)
     args = []
     for w in (wg, wu):
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
-    if _small_ok([wg, wu], M, small):
+    if _small_ok([wg, wu], M, small, a8):
         return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps, cluster)
     pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)
@@ -309,7 +332,7 @@ def mmq_moe(k: "Kernels", w0: WeightRef, w1: WeightRef | None, bn: int, TB: int,
     [experts, rows] biases (0: none)."""
     if mode and (w1 is None or not same_shape(w0, w1)):
         raise ValueError(f"mmq_moe: gate {w0.name} and up {getattr(w1, 'name', None)} differ in type or shape")
-    _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1)
+    _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1, a8=False)
     rows = BM // 2 if mode else BM
     _launch(k.mmq[("moe", bn)], (-(-w0.rows // rows) * TB,), (THREADS,),
             (_U64(w0.ptr), _U64(w1.ptr if mode else 0), _I64(w0.row_bytes), _I64(w0.expert_bytes), _I32(w0.rows),

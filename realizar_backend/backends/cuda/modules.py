@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
 
 
-def mmq_smem_bytes(bn: int) -> int:
+def mmq_smem_bytes(bn: int, a8: bool = False) -> int:
     """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
-    (272-byte rows), its unit scales (80 bytes a row), D + 1 activation chunks with their unit sums."""
-    return 128 * 272 + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * (512 + 16)
+    (272-byte rows; the 8-bit variant's, 144), its unit scales (80 bytes a row), D + 1 activation
+    chunks as their prep records (528 bytes a token; 8-bit: 160)."""
+    arow, rec = (144, 160) if a8 else (272, 528)
+    return 128 * arow + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * rec
 
 
 class _Lazy:
@@ -244,6 +246,11 @@ class Kernels:
                          smem=mmq_smem_bytes(bn), lazy=True)
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
+        # its 8-bit-activation variant (-DMMQ_A8=1: int8 records, int8 mma), the same on first use
+        mmq8 = {bn: build("mmq.cu", [f"mmq8_bn{bn}"], typed + ("-DMMQ_A8=1", f"-DMMQ_BN={bn}"),
+                          smem=mmq_smem_bytes(bn, a8=True), lazy=True)
+                for bn in MMQ_BN}
+        mmq8_prep = build("mmq.cu", ["mmq8_prep"], ("-DMMQ_A8=1", "-DMMQ_BN=0"), lazy=True)
         mmqs = build("mmqs.cu", ["mmqs_t8", "mmqs_t16"], typed, lazy=True)    # the same for 2..16 rows
         # the routed experts of mixture-of-experts models (moe.cu): loaded on first use, by such models only
         moe = build("moe.cu", ["moe_topk", "moe_combine", "moe_shared_add", "moe_bucket_count", "moe_bucket_fill"]
@@ -263,6 +270,7 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep"),
                             **{("moe", bn): (mmq[bn], f"mmq_moe_bn{bn}") for bn in MMQ_BN}})
+        self.mmq8 = _Family({**{bn: (mmq8[bn], f"mmq8_bn{bn}") for bn in MMQ_BN}, "prep": (mmq8_prep, "mmq8_prep")})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
         # keys: "conv", and the delta rule's kernels by name (support.dn_delta_kernel, dn_chunk_kernel)
         self.deltanet = _Family({"conv": (deltanet, "dn_conv"), **{name: (deltanet, name) for name in dn_deltas}})
