@@ -71,8 +71,8 @@ def main() -> None:
         bn, TB = experts.moe_grouped_plan(T, top, E)
         slots = bn * TB
         buf = NS(cnt=_ptr(1), lst=_ptr(2), tiles=_ptr(3), a=_ptr(4),
-                 ph=NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0)),
-                 pa=NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0)))
+                 ph=NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0), a8=False),
+                 pa=NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0), a8=False))
         experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
                               (0x1100, 0x1200, 0x1300))
     # the Gated DeltaNet: conv, the delta rule for each kernel
