@@ -192,6 +192,167 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
 #undef MMV8_CASE
 }
 
+// ------------------------------------------------------------------ the weight ring (MMV8_PIPE >= 2)
+// Why: a lane of the plain path (mmv8_rows) issues its units' loads, then waits a full memory latency
+// before it can decode them, so each warp streams in bursts separated by its own arithmetic, and the
+// loads in flight live in registers (at the 64-register cap, MMV8_R x MMV8_UNROLL units a lane). By
+// Little's law an SM must keep ~latency x bandwidth / SMs = ~1 us x 4.8 TB/s / 132 = ~36 KB in
+// flight, continuously. The ring moves the bytes in flight into shared memory: each warp copies its
+// next chunks with cp.async (no registers held, 16 bytes a copy, .cg: read once, never kept in L1)
+// MMV8_PIPE - 1 chunks ahead of the one it decodes, so the weight stream never waits for the decode,
+// and the first chunks are issued before the block quantizes its input (the staging's latency runs
+// under the first weight loads: weights are read-only, so they may be read before pdl_wait).
+// A chunk is the 32 consecutive units a warp's lanes take in one trip (unit u of the plain path is
+// chunk u / 32, lane u % 32), for each of the warp's M x MMV8_R rows: the same units, rows and order
+// of sums as the plain path, so the results are bitwise those of the plain path.
+// Types: the 256-weight K-quants whose chunks are whole 16-byte-aligned blocks (Q4_K: 4 x 144 bytes;
+// Q6_K in its device layout: 4 x 208 bytes plus the 16-byte-aligned window holding the chunk's four
+// fp16 block scales, at the row's end); a launch with any other type takes the plain path.
+// Shared memory: MMV8_WARPS x MMV8_PIPE stages of M x MMV8_R chunks (catalog.mmv8_ring_bytes) after the
+// staged input. The host sizes it (catalog.mmv8_launch_smem) and the kernel takes the ring only when
+// the launch's dynamic shared memory holds it: one rule, read in one place.
+#ifndef MMV8_PIPE
+#define MMV8_PIPE 0
+#endif
+
+// ring bytes of one row's chunk by type (0: the type never takes the ring); catalog.MMV8_RING_CHUNK
+__host__ __device__ constexpr int mmv8_ring_chunk(int qt) {
+    return qt == QT_Q4_K ? 4 * 144 : qt == QT_Q6_K ? 4 * 208 + 16 : 0;
+}
+
+__device__ __forceinline__ unsigned mmv8_dyn_smem_bytes() {
+#ifdef REALIZAR_HOST_TEST
+    return (unsigned)(emu::st().dyn.size() - 4096);      // cuda_emu.h's launch adds 4096 guard bytes
+#else
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+#endif
+}
+
+// 16 bytes global -> shared, asynchronous, through L2 only (a plain copy before sm_80)
+__device__ __forceinline__ void mmv8_cp16(u8* smem, const u8* gmem) {
+#if defined(REALIZAR_HOST_TEST)
+    emu::cp_async16(smem, gmem, true);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem)
+                 : "memory");
+#else
+    *(uint4*)smem = *(const uint4*)gmem;
+#endif
+}
+
+__device__ __forceinline__ void mmv8_commit() {
+#if defined(REALIZAR_HOST_TEST)
+    emu::cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// until at most N of this thread's committed copy groups are still in flight
+template <int N> __device__ __forceinline__ void mmv8_wait() {
+#if defined(REALIZAR_HOST_TEST)
+    emu::cp_async_wait(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// the launch's ring chunk bytes (the largest of its types'), or 0 where a matrix's type has none
+__device__ __forceinline__ int mmv8_launch_chunk(const int (&qt)[3], const int (&n)[3]) {
+    int cb = 0;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+        if (n[i] <= 0) continue;
+        int c = mmv8_ring_chunk(qt[i]);
+        if (c == 0) return 0;
+        cb = max(cb, c);
+    }
+    return cb;
+}
+
+// copy chunk c of the rows (M x MMV8_R, each row's chunk at st + cb (m R + i)) into a stage: its
+// superblocks' bytes, and for Q6_K the 16-byte window of the row's scale array holding its 4 scales
+template <int M>
+__device__ __forceinline__ void mmv8_ring_issue(const u8* const (&rows)[M][MMV8_R], int qt, int nu, int c, u8* st,
+                                                int cb, int lane) {
+    const int bs = qt == QT_Q6_K ? 208 : 144;
+    const int pieces = min(4, (nu >> 3) - 4 * c) * bs / 16;   // a row's last chunk: its blocks only
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int i = 0; i < MMV8_R; ++i) {
+            const u8* src = rows[m][i] + (long long)c * 4 * bs;
+            u8* dst = st + cb * (m * MMV8_R + i);
+#pragma unroll
+            for (int p = lane; p < 64; p += 32)               // 36 (Q4_K) or 52 (Q6_K) pieces at most
+                if (p < pieces) mmv8_cp16(dst + 16 * p, src + 16 * p);
+            if (qt == QT_Q6_K && lane == 0)
+                mmv8_cp16(dst + 4 * 208, rows[m][i] + 26 * nu + 16 * (c >> 1));
+        }
+}
+
+// unit `l` (0..31) of a Q6_K chunk in the ring (c: the chunk, whose scales sit at 8 (c & 1) of the
+// window), decoded as load_qunit<QT_Q6_K>
+__device__ __forceinline__ void mmv8_q6k_ring(const u8* st, int l, int c, QUnit& w) {
+    const u8* b = st + (l >> 3) * 208;
+    int j = l & 7;
+    uint4 lo = *(const uint4*)(b + 16 * j);
+    uint2 hi = *(const uint2*)(b + 128 + 8 * j);
+    u32 sc = *(const u16*)(b + 192 + 2 * j);
+    w.A = h2f(*(const u16*)(st + 4 * 208 + 8 * (c & 1) + 2 * (l >> 3)));
+    u32 v[8];
+    q6k_bits(lo, hi, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.v[i] = (int)__vsubss4(v[i], 0x20202020u);
+    w.s0 = (int)(i8)(sc & 255);
+    w.s1 = (int)(i8)(sc >> 8);
+    w.C = 0.0f;
+}
+
+// One round of a warp on the ring: its nk chunks (items t = rho nk + k of the warp's sequence, k =
+// 0..nk-1; chunk sub + k wpr of its group's rows), each first topped up with item t + MMV8_PIPE - 1
+// (loc(t, rows, qt, c): that item's rows, type and chunk; false: none), then waited for and decoded.
+// Warp-uniform; the __syncwarp pair: the lanes' copies land before any lane reads them, and a stage is
+// read by every lane before the next top-up refills it.
+template <int M, class Loc>
+__device__ __forceinline__ void mmv8_ring_round(Loc loc, int rho, int nk, int qt, int nu, int sub, int wpr,
+                                                int lane, const u8* sm, u8* ring, int cb, float (&acc)[M][MMV8_R]) {
+    const float2* ds = (const float2*)(sm + 32 * nu);
+    const int stage = cb * M * MMV8_R;
+    for (int k = 0; k < nk; ++k) {
+        const int t = rho * nk + k;
+        {
+            const u8* rows[M][MMV8_R];
+            int q, c;
+            if (loc(t + MMV8_PIPE - 1, rows, q, c))
+                mmv8_ring_issue<M>(rows, q, nu, c, ring + stage * ((t + MMV8_PIPE - 1) % MMV8_PIPE), cb, lane);
+            mmv8_commit();                                // one group an item, empty or not
+        }
+        mmv8_wait<MMV8_PIPE - 1>();
+        __syncwarp();
+        const int c = sub + k * wpr, u = 32 * c + lane;
+        const u8* st = ring + stage * (t % MMV8_PIPE);
+        if (u < nu) {
+            int4 a = *(const int4*)(sm + 32 * u + mmv8_half(u, 0));
+            int4 b = *(const int4*)(sm + 32 * u + mmv8_half(u, 1));
+            float2 d = ds[u];
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+#pragma unroll
+                for (int i = 0; i < MMV8_R; ++i) {
+                    QUnit w;
+                    const u8* ch = st + cb * (m * MMV8_R + i);
+                    if (QT_ON(QT_Q6_K) && qt == QT_Q6_K) mmv8_q6k_ring(ch, lane, c, w);
+                    else load_qunit<QT_Q4_K>(ch, lane, 32, w);       // the chunk as a row of 32 units
+                    acc[m][i] += mmv8_dot(w, a, b, d);
+                }
+        }
+        __syncwarp();
+    }
+}
+
 // sums over the warp's lanes, then (wpr > 1) over the warps of a group in warp order; on return
 // every lane of the group's first warp (sub == 0) holds the totals. Block-uniform barrier.
 template <int M>
@@ -287,8 +448,35 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
             l2_prefetch(s.W + (long long)g * MMV8_R * s.rb, (long long)min(MMV8_R, s.n - g * MMV8_R) * s.rb);
         }
     }
+#if MMV8_PIPE >= 2
+    // the weight ring: the warp's items (chunks of its groups' rows, round after round) located
+    const int nu = K >> 5, nch = (nu + 31) >> 5, nk = sub < nch ? (nch - sub + wpr - 1) / wpr : 0;
+    const int qts[3] = {seg[0].qt, seg[1].qt, seg[2].qt}, ns[3] = {seg[0].n, seg[1].n, seg[2].n};
+    const int cb = mmv8_launch_chunk(qts, ns);
+    const bool ring = cb > 0 && mmv8_dyn_smem_bytes() >= (unsigned)(K + 8 * nu + MMV8_WARPS * MMV8_PIPE * MMV8_R * cb);
+    u8* wring = sm + K + 8 * nu + wid * MMV8_PIPE * MMV8_R * cb;
+    auto loc = [&](int t, const u8* (&rows)[1][MMV8_R], int& q, int& c) -> bool {
+        if (nk == 0) return false;
+        int rho = t / nk, G = (blockIdx.x + rho * gridDim.x) * gpb + wid / wpr, g;
+        if (G >= groups) return false;
+        Mmv8Seg s = mmv8_seg(seg, G, g);
+#pragma unroll
+        for (int i = 0; i < MMV8_R; ++i) rows[0][i] = s.W + (long long)min(g * MMV8_R + i, s.n - 1) * s.rb;
+        q = s.qt;
+        c = sub + (t - rho * nk) * wpr;
+        return true;
+    };
+    if (ring)                             // the first items in flight while the block stages its input
+        for (int t = 0; t < MMV8_PIPE - 1; ++t) {
+            const u8* rows[1][MMV8_R];
+            int q, c;
+            if (loc(t, rows, q, c)) mmv8_ring_issue<1>(rows, q, nu, c, wring + MMV8_R * cb * t, cb, lane);
+            mmv8_commit();
+        }
+#endif
     mmv8_stage(x, xs, K, nw, eps, sm);
-    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // block-uniform trips
+    int rho = 0;
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb, ++rho) {   // block-uniform trips
         int G = base + wid / wpr;
         bool live = G < groups;
         int g;
@@ -298,6 +486,10 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
 #pragma unroll
         for (int i = 0; i < MMV8_R; ++i) acc[0][i] = 0.0f;
         const u8* const Ws[1] = {s.W};
+#if MMV8_PIPE >= 2
+        if (live && ring) mmv8_ring_round<1>(loc, rho, nk, s.qt, nu, sub, wpr, lane, sm, wring, cb, acc);
+        else
+#endif
         if (live) mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmv8_reduce<1>(acc, wpr, wid, sub, lane);
@@ -334,8 +526,37 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
         if (sub == 0 && lane < 2 && G < groups)
             l2_prefetch((lane ? Wu : Wg) + (long long)G * MMV8_R * rb, (long long)min(MMV8_R, N - G * MMV8_R) * rb);
     }
+#if MMV8_PIPE >= 2
+    // as mmv8_body: the ring over the gate and up rows of the warp's groups
+    const int nu = K >> 5, nch = (nu + 31) >> 5, nk = sub < nch ? (nch - sub + wpr - 1) / wpr : 0;
+    const int cb = N > 0 ? mmv8_ring_chunk(qt) : 0;
+    const bool ring = cb > 0 && mmv8_dyn_smem_bytes() >= (unsigned)(K + 8 * nu + MMV8_WARPS * MMV8_PIPE * 2 * MMV8_R * cb);
+    u8* wring = sm + K + 8 * nu + wid * MMV8_PIPE * 2 * MMV8_R * cb;
+    auto loc = [&](int t, const u8* (&rows)[2][MMV8_R], int& q, int& c) -> bool {
+        if (nk == 0) return false;
+        int rho = t / nk, G = (blockIdx.x + rho * gridDim.x) * gpb + wid / wpr;
+        if (G >= groups) return false;
+#pragma unroll
+        for (int i = 0; i < MMV8_R; ++i) {
+            long long off = (long long)min(G * MMV8_R + i, N - 1) * rb;
+            rows[0][i] = Wg + off;
+            rows[1][i] = Wu + off;
+        }
+        q = qt;
+        c = sub + (t - rho * nk) * wpr;
+        return true;
+    };
+    if (ring)
+        for (int t = 0; t < MMV8_PIPE - 1; ++t) {
+            const u8* rows[2][MMV8_R];
+            int q, c;
+            if (loc(t, rows, q, c)) mmv8_ring_issue<2>(rows, q, nu, c, wring + 2 * MMV8_R * cb * t, cb, lane);
+            mmv8_commit();
+        }
+#endif
     mmv8_stage(x, xs, K, nw, eps, sm);
-    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmv8_body
+    int rho = 0;
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb, ++rho) {   // as mmv8_body
         int G = base + wid / wpr;
         bool live = G < groups;
         int r0 = G * MMV8_R;
@@ -345,6 +566,10 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
 #pragma unroll
             for (int i = 0; i < MMV8_R; ++i) acc[m][i] = 0.0f;
         const u8* const Ws[2] = {Wg, Wu};
+#if MMV8_PIPE >= 2
+        if (live && ring) mmv8_ring_round<2>(loc, rho, nk, qt, nu, sub, wpr, lane, sm, wring, cb, acc);
+        else
+#endif
         if (live) mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();
         mmv8_reduce<2>(acc, wpr, wid, sub, lane);

@@ -81,8 +81,9 @@ def err(got, ref, scale) -> float:
 
 
 def run_mmv8(exe, tmp_path, segs, K: int, nb: int, wpr: int, grid_x: int, rng, bias=False, accumulate=False,
-             norm=False, amax=False, xs=None, env=None):
-    """One mmv8_nb1 launch over segs = [(qtype, rows)]; returns (max error, outputs, amax)."""
+             norm=False, amax=False, xs=None, env=None, ring=True):
+    """One mmv8_nb1 launch over segs = [(qtype, rows)] with the launcher's shared memory (ring=False:
+    the staged input's only, which keeps the kernel off its weight ring); returns (max error, outputs)."""
     xs = xs or K
     x = (rng.standard_normal((nb, xs)) * rng.uniform(0.1, 30.0, (nb, 1))).astype(np.float32)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32) if norm else None
@@ -90,7 +91,8 @@ def run_mmv8(exe, tmp_path, segs, K: int, nb: int, wpr: int, grid_x: int, rng, b
     xin = [normed(x[b, :K], nw, eps) if norm else x[b, :K] for b in range(nb)]
     xq = np.stack([q8_twin(v) for v in xin])
     params = {"kernel": "mmv8", "K": K, "xs": xs, "nb": nb, "wpr": wpr, "eps": eps, "grid_x": grid_x,
-              "segments": len(segs), "accumulate": int(accumulate)}
+              "segments": len(segs), "accumulate": int(accumulate),
+              "smem": catalog.mmv8_launch_smem(1, K, [q for q, _ in segs]) if ring else catalog.mmv8_smem(K)}
     arrays = {"x": x}
     if norm:
         arrays["nw"] = nw
@@ -176,7 +178,7 @@ def test_ffn8_gate_up(emu2, tmp_path, qt, act):
     xq = q8_twin(normed(x, nw, 1e-6))
     a0 = np.full(N + 5, np.nan, np.float32)
     params = {"kernel": "ffn8", "K": K, "xs": K, "nb": 1, "wpr": 2, "eps": 1e-6, "grid_x": 3, "rb": rb, "N": N,
-              "qt": int(qt), "act": act, "as": N + 5}
+              "qt": int(qt), "act": act, "as": N + 5, "smem": catalog.mmv8_launch_smem(2, K, [qt])}
     res = host_emu.launch(emu2, tmp_path / "ffn", params, {"x": x, "nw": nw, "wg": dg, "wu": du, "a": a0},
                           {"a": np.float32}, label="ffn8")
     got = res["a"]
@@ -199,20 +201,42 @@ def test_outputs_bitwise_the_same_at_any_warp_speed(emu1, tmp_path):
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
+def test_weight_ring_gives_the_plain_paths_bits(emu1, tmp_path):
+    """The weight ring (catalog.MMV8_PIPE) changes where a chunk's bytes wait, not the sums: a launch
+    with the ring's shared memory and one without (the plain path) give the same bits, over Q4_K and
+    Q6_K segments, rows ending in a part chunk (152 units: 4 chunks and 24 units), rounds that carry the
+    ring over (more row groups than the grid's warps), one and two warps a row."""
+    for wpr, seed in ((1, 21), (2, 22)):
+        outs = []
+        for ring in (True, False):
+            rng = np.random.default_rng(seed)
+            e, res = run_mmv8(emu1, tmp_path, [(Q.Q4_K, 61), (Q.Q6_K, 13)], 4864, 1, wpr, 2, rng, bias=True,
+                              norm=True, ring=ring)
+            assert e <= TOL, (wpr, ring, e)
+            outs.append(res)
+        for y in ("y0", "y1"):
+            assert np.array_equal(outs[0][y].view(np.uint32), outs[1][y].view(np.uint32)), (wpr, y)
+
+
 # changed copies of the kernel that must fail the checks: the second half of every unit's
-# activations read from the first half's place, and the quantization's scale off by one step
-BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)"),
-          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;")}
+# activations read from the first half's place, the quantization's scale off by one step, and the
+# ring's chunk read from the stage being refilled (its copies not landed: stale bytes)
+BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)", (True, False)),
+          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;", (True, False)),
+          "ring_stage": ("ring + stage * (t % MMV8_PIPE)", "ring + stage * ((t + 1) % MMV8_PIPE)", (True,))}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
-    old, new = BROKEN[name]
+    """Each change fails the checks on the paths it touches (ring: the launcher's shared memory,
+    which takes the weight ring for Q4_K; else the plain path)."""
+    old, new, rings = BROKEN[name]
     src = (KERNELS / "mmv8.cu").read_text()
-    assert src.count(old) == 1, f"the mutation {name} no longer applies"
+    assert src.count(old) >= 1, f"the mutation {name} no longer applies"
     d = tmp_path_factory.mktemp(f"broken_{name}")
     (d / "mmv8.cu").write_text(src.replace(old, new))
     exe = _exe(tmp_path_factory, 1, include_first=d, tag=name)
-    rng = np.random.default_rng(3)
-    e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, rng)
-    assert e > 10 * TOL, e    # the checks above would fail it
+    for ring in rings:
+        rng = np.random.default_rng(3)
+        e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 2048, 1, 1, 2, rng, ring=ring)
+        assert e > 10 * TOL, (ring, e)    # the checks above would fail it
