@@ -71,28 +71,31 @@ MMV8_SMEM_MAX = 100 * 1024
 # path): each warp keeps PIPE - 1 chunks of its rows (32 units each) in flight in shared memory while
 # it decodes one, so an SM of 2 x 16 warps holds (PIPE - 1) x 32 x chunk bytes in flight without a
 # register for them; Little's law asks ~36 KB an SM (~1 us x 4.8 TB/s over 132 SMs). mmv8 (2 rows of
-# 576-848 bytes a chunk): 2 stages, 37-54 KB in flight, and at K = 27648 (the 32B down projection's
-# 35 KB input) 2 blocks an SM still fit (3 stages of Q6_K would not); ffn8 (gate + up, its input at
-# most the hidden size): 3 stages, 74-109 KB in flight
+# 576-1088 bytes a chunk): 2 stages, 37-70 KB in flight, and the 32B down projection (K = 27648: a
+# 35 KB input) keeps its ring for Q4_K-Q6_K (3 stages of Q6_K would pass MMV8_SMEM_MAX); ffn8 (gate +
+# up, its input at most the hidden size): 3 stages, 74-109 KB in flight (Q8_0's 104 KB ring does not
+# fit: the plain path). Any launch within MMV8_SMEM_MAX keeps 2 blocks an SM (2 x 101 KB < 228 KB).
 MMV8_PIPE = {1: 2, 2: 3}
-# ring bytes of a row's chunk by GGML type (mmv8_ring_chunk in the kernel): the types whose chunks are
-# whole 16-byte-aligned blocks; Q4_K 4 x 144, Q6_K (device layout) 4 x 208 and the 16-byte window of
-# its scale array. A launch with a type not here runs the plain path.
-MMV8_RING_CHUNK = {12: 4 * 144, 14: 4 * 208 + 16}
+# ring bytes of a row's chunk (32 units) by GGML type, as mmv8_ring_chunk in the kernel: its device
+# layout's bytes a unit x 32 (Q5_0: 16 + 4 + 2, Q8_0: 32 + 2), Q6_K's blocks and the 16-byte window of
+# its scale array. A launch takes the ring where K % 256 == 0 (every plane of a row then holds a
+# chunk in whole 16-byte pieces) and its rows start 16-byte aligned (the kernel checks the pointers).
+MMV8_RING_CHUNK = {2: 32 * 18, 3: 32 * 20, 6: 32 * 22, 7: 32 * 24, 8: 32 * 34, 12: 32 * 18, 13: 32 * 22,
+                   14: 32 * 26 + 16}
 
 
 def mmv8_smem(K: int) -> int:
     return K + 8 * (K // 32)
 
 
-def mmv8_ring_bytes(kind: int, qtypes: Iterable[int], overrides: dict | None = None) -> int:
+def mmv8_ring_bytes(kind: int, K: int, qtypes: Iterable[int], overrides: dict | None = None) -> int:
     """Shared memory of mmv8.cu's weight ring in a launch of kind 1 (mmv8) or 2 (ffn8) over matrices
-    of qtypes, in the module of mmv8_options(kind, overrides); 0 where the launch has no ring."""
+    of qtypes and K columns, in the module of mmv8_options(kind, overrides); 0 where it has no ring."""
     d = overrides or {}
     pipe, warps, r = (int(d.get(k, v)) for k, v in (("MMV8_PIPE", MMV8_PIPE[kind]), ("MMV8_WARPS", MMV8_WARPS),
                                                      ("MMV8_R", MMV8_R[kind])))
     qts = [int(q) for q in qtypes]
-    if pipe < 2 or not qts or any(q not in MMV8_RING_CHUNK for q in qts):
+    if pipe < 2 or K % 256 or not qts or any(q not in MMV8_RING_CHUNK for q in qts):
         return 0
     return warps * pipe * (2 if kind == 2 else 1) * r * max(MMV8_RING_CHUNK[q] for q in qts)
 
@@ -100,7 +103,7 @@ def mmv8_ring_bytes(kind: int, qtypes: Iterable[int], overrides: dict | None = N
 def mmv8_launch_smem(kind: int, K: int, qtypes: Iterable[int], overrides: dict | None = None) -> int:
     """Dynamic shared memory of an mmv8.cu launch: the staged input, and the weight ring where it fits
     within MMV8_SMEM_MAX (the kernel takes the ring exactly when its launch holds it)."""
-    base, ring = mmv8_smem(K), mmv8_ring_bytes(kind, qtypes, overrides)
+    base, ring = mmv8_smem(K), mmv8_ring_bytes(kind, K, qtypes, overrides)
     return base + ring if ring and base + ring <= MMV8_SMEM_MAX else base
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3

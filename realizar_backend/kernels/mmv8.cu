@@ -205,19 +205,29 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
 // A chunk is the 32 consecutive units a warp's lanes take in one trip (unit u of the plain path is
 // chunk u / 32, lane u % 32), for each of the warp's M x MMV8_R rows: the same units, rows and order
 // of sums as the plain path, so the results are bitwise those of the plain path.
-// Types: the 256-weight K-quants whose chunks are whole 16-byte-aligned blocks (Q4_K: 4 x 144 bytes;
-// Q6_K in its device layout: 4 x 208 bytes plus the 16-byte-aligned window holding the chunk's four
-// fp16 block scales, at the row's end); a launch with any other type takes the plain path.
+// Every type of the kernel, where K % 256 == 0 and the rows start 16-byte aligned (then each plane of
+// a row, formats/gpu_layout.py, holds a chunk as a whole number of 16-byte pieces at a 16-byte
+// boundary); a stage holds a row's chunk in the device layout of a row of 32 units, so the decoders
+// read it as such a row (those with global-only loads, Q5_0 Q8_0 Q6_K, have their shared twins here).
 // Shared memory: MMV8_WARPS x MMV8_PIPE stages of M x MMV8_R chunks (catalog.mmv8_ring_bytes) after the
 // staged input. The host sizes it (catalog.mmv8_launch_smem) and the kernel takes the ring only when
 // the launch's dynamic shared memory holds it: one rule, read in one place.
 #ifndef MMV8_PIPE
 #define MMV8_PIPE 0
 #endif
+constexpr int kMmv8Pipe = MMV8_PIPE >= 2 ? MMV8_PIPE : 2;   // the ring's code compiles at any MMV8_PIPE
 
-// ring bytes of one row's chunk by type (0: the type never takes the ring); catalog.MMV8_RING_CHUNK
+// bytes a unit of a type's first plane (the whole row but for Q5_0, Q8_0, Q6_K: formats/gpu_layout.py)
+__host__ __device__ constexpr int mmv8_unit_bytes(int qt) {
+    return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : qt == QT_Q5_0 ? 16 : qt == QT_Q5_1 ? 24 : qt == QT_Q8_0 ? 32
+         : qt == QT_Q4_K ? 18 : qt == QT_Q5_K ? 22 : qt == QT_Q6_K ? 26 : 0;
+}
+
+// ring bytes of one row's chunk by type (0: the type never takes the ring); catalog.MMV8_RING_CHUNK.
+// Q5_0: then 32 fifth-bit words and 32 scales; Q8_0: then 32 scales; Q6_K: then the 16-byte window
+// of the row's scale array holding the chunk's 4 block scales
 __host__ __device__ constexpr int mmv8_ring_chunk(int qt) {
-    return qt == QT_Q4_K ? 4 * 144 : qt == QT_Q6_K ? 4 * 208 + 16 : 0;
+    return 32 * mmv8_unit_bytes(qt) + (qt == QT_Q5_0 ? 128 + 64 : qt == QT_Q8_0 ? 64 : qt == QT_Q6_K ? 16 : 0);
 }
 
 __device__ __forceinline__ unsigned mmv8_dyn_smem_bytes() {
@@ -259,56 +269,88 @@ template <int N> __device__ __forceinline__ void mmv8_wait() {
 #endif
 }
 
-// the launch's ring chunk bytes (the largest of its types'), or 0 where a matrix's type has none
-__device__ __forceinline__ int mmv8_launch_chunk(const int (&qt)[3], const int (&n)[3]) {
+// the launch's ring chunk bytes (the largest of its types'), or 0 where a matrix's type has none or
+// its rows do not start 16-byte aligned, or K % 256 != 0; block-uniform
+__device__ __forceinline__ int mmv8_launch_chunk(int K, const int (&qt)[3], const int (&n)[3],
+                                                 const u8* const (&W)[3], const long long (&rb)[3]) {
+    if (K & 255) return 0;
     int cb = 0;
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
         if (n[i] <= 0) continue;
         int c = mmv8_ring_chunk(qt[i]);
-        if (c == 0) return 0;
+        if (c == 0 || (((unsigned long long)W[i] | (unsigned long long)rb[i]) & 15)) return 0;
         cb = max(cb, c);
     }
     return cb;
 }
 
-// copy chunk c of the rows (M x MMV8_R, each row's chunk at st + cb (m R + i)) into a stage: its
-// superblocks' bytes, and for Q6_K the 16-byte window of the row's scale array holding its 4 scales
+// bytes [0, bytes) of src into dst by the warp's lanes, 16 a copy (bytes: a multiple of 16, at most 1024)
+__device__ __forceinline__ void mmv8_cp_span(u8* dst, const u8* src, int bytes, int lane) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        int p = lane + 32 * j;
+        if (16 * p < bytes) mmv8_cp16(dst + 16 * p, src + 16 * p);
+    }
+}
+
+// copy chunk c (its n units: 32, or a row's last n, a multiple of 8) of the rows (M x MMV8_R, each
+// row's chunk at st + cb (m R + i)) into a stage, each plane where a 32-unit row holds it
 template <int M>
 __device__ __forceinline__ void mmv8_ring_issue(const u8* const (&rows)[M][MMV8_R], int qt, int nu, int c, u8* st,
                                                 int cb, int lane) {
-    const int bs = qt == QT_Q6_K ? 208 : 144;
-    const int pieces = min(4, (nu >> 3) - 4 * c) * bs / 16;   // a row's last chunk: its blocks only
+    const int n = min(32, nu - 32 * c), bpu = mmv8_unit_bytes(qt);
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int i = 0; i < MMV8_R; ++i) {
-            const u8* src = rows[m][i] + (long long)c * 4 * bs;
+            const u8* row = rows[m][i];
             u8* dst = st + cb * (m * MMV8_R + i);
-#pragma unroll
-            for (int p = lane; p < 64; p += 32)               // 36 (Q4_K) or 52 (Q6_K) pieces at most
-                if (p < pieces) mmv8_cp16(dst + 16 * p, src + 16 * p);
-            if (qt == QT_Q6_K && lane == 0)
-                mmv8_cp16(dst + 4 * 208, rows[m][i] + 26 * nu + 16 * (c >> 1));
+            mmv8_cp_span(dst, row + (long long)c * 32 * bpu, n * bpu, lane);
+            if (qt == QT_Q5_0) {
+                mmv8_cp_span(dst + 32 * 16, row + 16 * nu + 128 * c, 4 * n, lane);   // fifth bits
+                mmv8_cp_span(dst + 32 * 20, row + 20 * nu + 64 * c, 2 * n, lane);    // scales
+            } else if (qt == QT_Q8_0) {
+                mmv8_cp_span(dst + 32 * 32, row + 32 * nu + 64 * c, 2 * n, lane);
+            } else if (qt == QT_Q6_K && lane == 0) {
+                mmv8_cp16(dst + 32 * 26, row + 26 * nu + 16 * (c >> 1));
+            }
         }
 }
 
-// unit `l` (0..31) of a Q6_K chunk in the ring (c: the chunk, whose scales sit at 8 (c & 1) of the
-// window), decoded as load_qunit<QT_Q6_K>
-__device__ __forceinline__ void mmv8_q6k_ring(const u8* st, int l, int c, QUnit& w) {
-    const u8* b = st + (l >> 3) * 208;
-    int j = l & 7;
-    uint4 lo = *(const uint4*)(b + 16 * j);
-    uint2 hi = *(const uint2*)(b + 128 + 8 * j);
-    u32 sc = *(const u16*)(b + 192 + 2 * j);
-    w.A = h2f(*(const u16*)(st + 4 * 208 + 8 * (c & 1) + 2 * (l >> 3)));
-    u32 v[8];
-    q6k_bits(lo, hi, v);
+// unit l (0..31) of chunk c in a stage, decoded as load_qunit<QT> decodes it from its row
+template <int QT>
+__device__ __forceinline__ void mmv8_ring_unit(const u8* st, int l, int c, QUnit& w) {
+    if constexpr (QT == QT_Q6_K) {
+        const u8* b = st + (l >> 3) * 208;
+        int j = l & 7;
+        uint4 lo = *(const uint4*)(b + 16 * j);
+        uint2 hi = *(const uint2*)(b + 128 + 8 * j);
+        u32 sc = *(const u16*)(b + 192 + 2 * j);
+        w.A = h2f(*(const u16*)(st + 32 * 26 + 8 * (c & 1) + 2 * (l >> 3)));   // the window: 2 chunks' scales
+        u32 v[8];
+        q6k_bits(lo, hi, v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w.v[i] = (int)__vsubss4(v[i], 0x20202020u);
-    w.s0 = (int)(i8)(sc & 255);
-    w.s1 = (int)(i8)(sc >> 8);
-    w.C = 0.0f;
+        for (int i = 0; i < 8; ++i) w.v[i] = (int)__vsubss4(v[i], 0x20202020u);
+        w.s0 = (int)(i8)(sc & 255);
+        w.s1 = (int)(i8)(sc >> 8);
+        w.C = 0.0f;
+    } else if constexpr (QT == QT_Q8_0) {
+        uint4 a = *(const uint4*)(st + 32 * l), b = *(const uint4*)(st + 32 * l + 16);
+        w.v[0] = (int)a.x; w.v[1] = (int)a.y; w.v[2] = (int)a.z; w.v[3] = (int)a.w;
+        w.v[4] = (int)b.x; w.v[5] = (int)b.y; w.v[6] = (int)b.z; w.v[7] = (int)b.w;
+        w.A = h2f(*(const u16*)(st + 32 * 32 + 2 * l));
+        w.C = 0.0f; w.s0 = w.s1 = 1;
+    } else if constexpr (QT == QT_Q5_0) {
+        u32 v[8];
+        q5_0_bits<0>(*(const uint4*)(st + 16 * l), *(const u32*)(st + 32 * 16 + 4 * l), v);
+        float d = h2f(*(const u16*)(st + 32 * 20 + 2 * l));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w.v[i] = (int)v[i];
+        w.A = d; w.C = -16.0f * d; w.s0 = w.s1 = 1;
+    } else {
+        load_qunit<QT>(st, l, 32, w);        // plain loads: the stage read as a row of 32 units
+    }
 }
 
 // One round of a warp on the ring: its nk chunks (items t = rho nk + k of the warp's sequence, k =
@@ -326,28 +368,40 @@ __device__ __forceinline__ void mmv8_ring_round(Loc loc, int rho, int nk, int qt
         {
             const u8* rows[M][MMV8_R];
             int q, c;
-            if (loc(t + MMV8_PIPE - 1, rows, q, c))
-                mmv8_ring_issue<M>(rows, q, nu, c, ring + stage * ((t + MMV8_PIPE - 1) % MMV8_PIPE), cb, lane);
+            if (loc(t + kMmv8Pipe - 1, rows, q, c))
+                mmv8_ring_issue<M>(rows, q, nu, c, ring + stage * ((t + kMmv8Pipe - 1) % kMmv8Pipe), cb, lane);
             mmv8_commit();                                // one group an item, empty or not
         }
-        mmv8_wait<MMV8_PIPE - 1>();
+        mmv8_wait<kMmv8Pipe - 1>();
         __syncwarp();
         const int c = sub + k * wpr, u = 32 * c + lane;
-        const u8* st = ring + stage * (t % MMV8_PIPE);
+        const u8* st = ring + stage * (t % kMmv8Pipe);
         if (u < nu) {
             int4 a = *(const int4*)(sm + 32 * u + mmv8_half(u, 0));
             int4 b = *(const int4*)(sm + 32 * u + mmv8_half(u, 1));
             float2 d = ds[u];
-#pragma unroll
-            for (int m = 0; m < M; ++m)
-#pragma unroll
-                for (int i = 0; i < MMV8_R; ++i) {
-                    QUnit w;
-                    const u8* ch = st + cb * (m * MMV8_R + i);
-                    if (QT_ON(QT_Q6_K) && qt == QT_Q6_K) mmv8_q6k_ring(ch, lane, c, w);
-                    else load_qunit<QT_Q4_K>(ch, lane, 32, w);       // the chunk as a row of 32 units
-                    acc[m][i] += mmv8_dot(w, a, b, d);
-                }
+#define MMV8_RING_CASE(Q)                                                                                      \
+    case Q:                                                                                                    \
+        if constexpr (QT_ON(Q))                                                                                \
+            for (int m = 0; m < M; ++m)                                                                        \
+                for (int i = 0; i < MMV8_R; ++i) {                                                             \
+                    QUnit w;                                                                                   \
+                    mmv8_ring_unit<Q>(st + cb * (m * MMV8_R + i), lane, c, w);                                 \
+                    acc[m][i] += mmv8_dot(w, a, b, d);                                                         \
+                }                                                                                              \
+        break;
+            switch (qt) {
+                MMV8_RING_CASE(QT_Q4_0)
+                MMV8_RING_CASE(QT_Q4_1)
+                MMV8_RING_CASE(QT_Q5_0)
+                MMV8_RING_CASE(QT_Q5_1)
+                MMV8_RING_CASE(QT_Q8_0)
+                MMV8_RING_CASE(QT_Q4_K)
+                MMV8_RING_CASE(QT_Q5_K)
+                MMV8_RING_CASE(QT_Q6_K)
+                default: break;
+            }
+#undef MMV8_RING_CASE
         }
         __syncwarp();
     }
@@ -430,9 +484,22 @@ __device__ __forceinline__ void mmv8_stage(const float* __restrict__ x, int xs, 
     __syncthreads();
 }
 
+// the launch's ring chunk bytes (mmv8_launch_chunk) where its shared memory holds the ring of M
+// matrices a group, else 0 (the plain path); block-uniform
+template <int M>
+__device__ __forceinline__ int mmv8_ring_cb(int cb, int K) {
+    if constexpr (MMV8_PIPE < 2) return 0;
+    if (cb == 0) return 0;
+    return mmv8_dyn_smem_bytes() >= (unsigned)(K + 8 * (K >> 5) + MMV8_WARPS * MMV8_PIPE * M * MMV8_R * cb) ? cb : 0;
+}
+
+// RING: through the weight ring (chunks of cb bytes), else the plain path (cb unused). Two
+// instances rather than a run-time branch inside one: the ring's state is not live in the plain
+// path, whose registers stay as they were.
+template <bool RING>
 __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const float* __restrict__ x, int xs,
                                           int wpr, int accumulate, const float* nw, float eps,
-                                          unsigned long long* amax) {
+                                          unsigned long long* amax, int cb) {
     MMV8_DYN_SMEM(sm);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
@@ -448,13 +515,9 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
             l2_prefetch(s.W + (long long)g * MMV8_R * s.rb, (long long)min(MMV8_R, s.n - g * MMV8_R) * s.rb);
         }
     }
-#if MMV8_PIPE >= 2
     // the weight ring: the warp's items (chunks of its groups' rows, round after round) located
     const int nu = K >> 5, nch = (nu + 31) >> 5, nk = sub < nch ? (nch - sub + wpr - 1) / wpr : 0;
-    const int qts[3] = {seg[0].qt, seg[1].qt, seg[2].qt}, ns[3] = {seg[0].n, seg[1].n, seg[2].n};
-    const int cb = mmv8_launch_chunk(qts, ns);
-    const bool ring = cb > 0 && mmv8_dyn_smem_bytes() >= (unsigned)(K + 8 * nu + MMV8_WARPS * MMV8_PIPE * MMV8_R * cb);
-    u8* wring = sm + K + 8 * nu + wid * MMV8_PIPE * MMV8_R * cb;
+    u8* wring = sm + K + 8 * nu + wid * kMmv8Pipe * MMV8_R * cb;
     auto loc = [&](int t, const u8* (&rows)[1][MMV8_R], int& q, int& c) -> bool {
         if (nk == 0) return false;
         int rho = t / nk, G = (blockIdx.x + rho * gridDim.x) * gpb + wid / wpr, g;
@@ -466,14 +529,13 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
         c = sub + (t - rho * nk) * wpr;
         return true;
     };
-    if (ring)                             // the first items in flight while the block stages its input
-        for (int t = 0; t < MMV8_PIPE - 1; ++t) {
+    if constexpr (RING)                   // the first items in flight while the block stages its input
+        for (int t = 0; t < kMmv8Pipe - 1; ++t) {
             const u8* rows[1][MMV8_R];
             int q, c;
             if (loc(t, rows, q, c)) mmv8_ring_issue<1>(rows, q, nu, c, wring + MMV8_R * cb * t, cb, lane);
             mmv8_commit();
         }
-#endif
     mmv8_stage(x, xs, K, nw, eps, sm);
     int rho = 0;
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb, ++rho) {   // block-uniform trips
@@ -486,11 +548,11 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
 #pragma unroll
         for (int i = 0; i < MMV8_R; ++i) acc[0][i] = 0.0f;
         const u8* const Ws[1] = {s.W};
-#if MMV8_PIPE >= 2
-        if (live && ring) mmv8_ring_round<1>(loc, rho, nk, s.qt, nu, sub, wpr, lane, sm, wring, cb, acc);
-        else
-#endif
-        if (live) mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
+        if constexpr (RING) {
+            if (live) mmv8_ring_round<1>(loc, rho, nk, s.qt, nu, sub, wpr, lane, sm, wring, cb, acc);
+        } else if (live) {
+            mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
+        }
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmv8_reduce<1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -513,9 +575,10 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
     if (amax) mmv8_argmax(best, amax + b);
 }
 
+template <bool RING>
 __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
                                           const float* __restrict__ x, int xs, int act, float* a, int as, int wpr,
-                                          const float* nw, float eps) {
+                                          const float* nw, float eps, int cb) {
     MMV8_DYN_SMEM(sm);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
@@ -526,12 +589,9 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
         if (sub == 0 && lane < 2 && G < groups)
             l2_prefetch((lane ? Wu : Wg) + (long long)G * MMV8_R * rb, (long long)min(MMV8_R, N - G * MMV8_R) * rb);
     }
-#if MMV8_PIPE >= 2
     // as mmv8_body: the ring over the gate and up rows of the warp's groups
     const int nu = K >> 5, nch = (nu + 31) >> 5, nk = sub < nch ? (nch - sub + wpr - 1) / wpr : 0;
-    const int cb = N > 0 ? mmv8_ring_chunk(qt) : 0;
-    const bool ring = cb > 0 && mmv8_dyn_smem_bytes() >= (unsigned)(K + 8 * nu + MMV8_WARPS * MMV8_PIPE * 2 * MMV8_R * cb);
-    u8* wring = sm + K + 8 * nu + wid * MMV8_PIPE * 2 * MMV8_R * cb;
+    u8* wring = sm + K + 8 * nu + wid * kMmv8Pipe * 2 * MMV8_R * cb;
     auto loc = [&](int t, const u8* (&rows)[2][MMV8_R], int& q, int& c) -> bool {
         if (nk == 0) return false;
         int rho = t / nk, G = (blockIdx.x + rho * gridDim.x) * gpb + wid / wpr;
@@ -546,14 +606,13 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
         c = sub + (t - rho * nk) * wpr;
         return true;
     };
-    if (ring)
-        for (int t = 0; t < MMV8_PIPE - 1; ++t) {
+    if constexpr (RING)
+        for (int t = 0; t < kMmv8Pipe - 1; ++t) {
             const u8* rows[2][MMV8_R];
             int q, c;
             if (loc(t, rows, q, c)) mmv8_ring_issue<2>(rows, q, nu, c, wring + 2 * MMV8_R * cb * t, cb, lane);
             mmv8_commit();
         }
-#endif
     mmv8_stage(x, xs, K, nw, eps, sm);
     int rho = 0;
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb, ++rho) {   // as mmv8_body
@@ -566,11 +625,11 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
 #pragma unroll
             for (int i = 0; i < MMV8_R; ++i) acc[m][i] = 0.0f;
         const u8* const Ws[2] = {Wg, Wu};
-#if MMV8_PIPE >= 2
-        if (live && ring) mmv8_ring_round<2>(loc, rho, nk, qt, nu, sub, wpr, lane, sm, wring, cb, acc);
-        else
-#endif
-        if (live) mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
+        if constexpr (RING) {
+            if (live) mmv8_ring_round<2>(loc, rho, nk, qt, nu, sub, wpr, lane, sm, wring, cb, acc);
+        } else if (live) {
+            mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
+        }
         if (base + gridDim.x * gpb >= groups) pdl_trigger();
         mmv8_reduce<2>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -594,13 +653,23 @@ extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) mmv8_nb
     float eps, unsigned long long* amax) {
     const Mmv8Seg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},
                             {W2, rb2, n2, qt2, b2, y2, ys2}};
-    mmv8_body(seg, K, x, xs, wpr, accumulate, nw, eps, amax);
+    const int qts[3] = {qt0, qt1, qt2}, ns[3] = {n0, n1, n2};
+    const u8* const Ws[3] = {W0, W1, W2};
+    const long long rbs[3] = {rb0, rb1, rb2};
+    const int cb = mmv8_ring_cb<1>(mmv8_launch_chunk(K, qts, ns, Ws, rbs), K);
+    if (cb) mmv8_body<true>(seg, K, x, xs, wpr, accumulate, nw, eps, amax, cb);
+    else mmv8_body<false>(seg, K, x, xs, wpr, accumulate, nw, eps, amax, 0);
 }
 #endif
 #if !defined(MMV8_KIND) || MMV8_KIND == 2
 extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) ffn8_nb1(
     const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,
     int act, float* a, int as, int wpr, int stage, const float* nw, float eps, int lpg) {
-    ffn8_body(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps);
+    const int qts[3] = {qt, qt, 0}, ns[3] = {N, N, 0};
+    const u8* const Ws[3] = {Wg, Wu, nullptr};
+    const long long rbs[3] = {rb, rb, 0};
+    const int cb = mmv8_ring_cb<2>(mmv8_launch_chunk(K, qts, ns, Ws, rbs), K);
+    if (cb) ffn8_body<true>(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps, cb);
+    else ffn8_body<false>(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps, 0);
 }
 #endif

@@ -166,12 +166,16 @@ def test_mmv8_folded_norm_and_argmax(emu1, tmp_path, qt):
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
-def test_ffn8_gate_up(emu2, tmp_path, qt, act):
+@pytest.mark.parametrize("K", [1536, 1312], ids=["K1536", "K1312"])
+def test_ffn8_gate_up(emu2, tmp_path, qt, act, K):
     """act(gate . x) * (up . x) over rows no block divides, a row of 48 units (K = 1536: a pass
-    half-empty) with the norm folded in, at two warps per row."""
+    half-empty; the weight ring where it fits) or 41 (K = 1312, 32-weight types: K % 256 != 0, the
+    plain path) with the norm folded in, at two warps per row."""
     from realizar_backend.backends.cuda.matrices import QTYPES
+    if K % QTYPES[qt].block:
+        pytest.skip("K is not a whole number of the type's blocks")
     rng = np.random.default_rng(int(qt) * 3 + act)
-    N, K = 41, (1536 if QTYPES[qt].block == 256 else 1312)
+    N = 41
     (dg, rb, wg64), (du, _, wu64) = weight(qt, N, K, rng), weight(qt, N, K, rng)
     x = rng.standard_normal(K).astype(np.float32)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
@@ -201,20 +205,23 @@ def test_outputs_bitwise_the_same_at_any_warp_speed(emu1, tmp_path):
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
-def test_weight_ring_gives_the_plain_paths_bits(emu1, tmp_path):
+@pytest.mark.parametrize("segs", [[(Q.Q4_K, 61), (Q.Q6_K, 13)], [(Q.Q4_0, 37), (Q.Q5_0, 9), (Q.Q8_0, 5)],
+                                  [(Q.Q4_1, 21), (Q.Q5_1, 11), (Q.Q5_K, 7)]],
+                         ids=lambda segs: "+".join(q.name for q, _ in segs))
+def test_weight_ring_gives_the_plain_paths_bits(emu1, tmp_path, segs):
     """The weight ring (catalog.MMV8_PIPE) changes where a chunk's bytes wait, not the sums: a launch
-    with the ring's shared memory and one without (the plain path) give the same bits, over Q4_K and
-    Q6_K segments, rows ending in a part chunk (152 units: 4 chunks and 24 units), rounds that carry the
-    ring over (more row groups than the grid's warps), one and two warps a row."""
+    with the ring's shared memory and one without (the plain path) give the same bits, for every type,
+    rows ending in a part chunk (152 units: 4 chunks and 24 units), rounds that carry the ring over
+    (more row groups than the grid's warps), one and two warps a row."""
     for wpr, seed in ((1, 21), (2, 22)):
         outs = []
         for ring in (True, False):
             rng = np.random.default_rng(seed)
-            e, res = run_mmv8(emu1, tmp_path, [(Q.Q4_K, 61), (Q.Q6_K, 13)], 4864, 1, wpr, 2, rng, bias=True,
-                              norm=True, ring=ring)
+            e, res = run_mmv8(emu1, tmp_path, segs, 4864, 1, wpr, 2, rng, bias=True, norm=True, ring=ring)
             assert e <= TOL, (wpr, ring, e)
             outs.append(res)
-        for y in ("y0", "y1"):
+        for s in range(len(segs)):
+            y = f"y{s}"
             assert np.array_equal(outs[0][y].view(np.uint32), outs[1][y].view(np.uint32)), (wpr, y)
 
 
@@ -223,7 +230,7 @@ def test_weight_ring_gives_the_plain_paths_bits(emu1, tmp_path):
 # ring's chunk read from the stage being refilled (its copies not landed: stale bytes)
 BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)", (True, False)),
           "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;", (True, False)),
-          "ring_stage": ("ring + stage * (t % MMV8_PIPE)", "ring + stage * ((t + 1) % MMV8_PIPE)", (True,))}
+          "ring_stage": ("ring + stage * (t % kMmv8Pipe)", "ring + stage * ((t + 1) % kMmv8Pipe)", (True,))}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
