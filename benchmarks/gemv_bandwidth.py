@@ -11,13 +11,16 @@ one-row launches of Qwen2.5-7B and -32B Q4_K_M (QKV with the folded norm, O, the
 down projections in Q4_K and Q6_K, the 7B LM head with its argmax) on each path. --mmv8-options
 "-DNAME=V ..." times mmv8.cu a second time in the same process, as path "mmv8 opt": its modules built
 (NVRTC) with those defines over catalog.mmv8_options, launched by the same launcher, whose shared
-memory follows them (the weight ring: catalog.mmv8_launch_smem); "-DMMV8_PIPE=0" is the plain path
-without the ring, to set against the default. The defines that fix a launch's shape (MMV8_KIND,
-MMV8_WARPS, MMV8_R) are the launcher's and cannot be changed here.
+memory follows them (the weight ring: catalog.mmv8_launch_smem); --ffn8-options gives the fused
+gate/up's module its own (default: --mmv8-options'). "-DMMV8_PIPE=0" is the plain path without the
+ring; with "-DMMV8_PIPE=0 -DMMV8_UNROLL=2" for ffn8 it is the kernel from before the ring, to set
+against the default. The defines that fix a launch's shape (MMV8_KIND, MMV8_WARPS, MMV8_R) are the
+launcher's and cannot be changed here.
 
     python benchmarks/gemv_bandwidth.py [--rows 4096] [--cols 14336] [--types Q4_K,Q6_K] [--json out.json]
     python benchmarks/gemv_bandwidth.py --paths mmvf,mmv8 --shapes --json gemv.json   (old against new)
-    python benchmarks/gemv_bandwidth.py --paths mmv8 --types Q4_K,Q6_K --shapes --mmv8-options "-DMMV8_PIPE=0"
+    python benchmarks/gemv_bandwidth.py --paths mmv8 --types Q4_K,Q6_K --shapes --mmv8-options "-DMMV8_PIPE=0" \
+        --ffn8-options "-DMMV8_PIPE=0 -DMMV8_UNROLL=2"      (the ring against the kernel before it)
 """
 
 from __future__ import annotations
@@ -88,21 +91,23 @@ def parse_defines(text: str) -> dict[str, str]:
     return out
 
 
-def mmv8_variant(k, overrides: dict[str, str]):
-    """A copy of the kernels k whose mmv8.cu modules are built with overrides over catalog.mmv8_options
-    (k's quant mask, as the loader builds them), and which tells the launcher so (mmv8_overrides)."""
+def mmv8_variant(k, overrides: dict[int, dict[str, str]]):
+    """A copy of the kernels k whose mmv8.cu modules are built with overrides (by kind: 1 mmv8, 2 ffn8)
+    over catalog.mmv8_options (k's quant mask, as the loader builds them), and which tells the
+    launcher so (mmv8_overrides)."""
     typed = () if modules._every_type(k.qtypes) else (catalog.qmask_option(k.qtypes),)
     opts = catalog.base_options(k.device.compute_capability) + typed
     fns = {}
     for kind, name in ((1, "mmv8"), (2, "ffn8")):
         with k.device:
-            mod = modules._module(k.device.id, "mmv8.cu", opts + catalog.mmv8_options(kind, overrides), k.prebuilt)
+            mod = modules._module(k.device.id, "mmv8.cu", opts + catalog.mmv8_options(kind, overrides[kind]),
+                                  k.prebuilt)
             fn = mod.get_function(f"{name}_nb1")
             fn.max_dynamic_shared_size_bytes = catalog.MMV8_SMEM_MAX
         fns[name] = fn
     alt = copy.copy(k)
     alt.mmv8 = fns
-    alt.mmv8_overrides = {1: overrides, 2: overrides}
+    alt.mmv8_overrides = overrides
     return alt
 
 
@@ -181,9 +186,16 @@ def main() -> int:
     ap.add_argument("--shapes", action="store_true", help="also the Qwen2.5-7B / 32B launches (SHAPES)")
     ap.add_argument("--mmv8-options", default=None,
                     help='defines over catalog.mmv8_options for a second mmv8 path ("mmv8 opt"), e.g. "-DMMV8_PIPE=0"')
+    ap.add_argument("--ffn8-options", default=None,
+                    help="the same for the fused gate/up's module (default: --mmv8-options)")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    overrides = parse_defines(args.mmv8_options) if args.mmv8_options else None
+    if args.ffn8_options is not None and args.mmv8_options is None:
+        raise SystemExit("--ffn8-options goes with --mmv8-options")
+    overrides = None
+    if args.mmv8_options is not None:
+        one = parse_defines(args.mmv8_options)
+        overrides = {1: one, 2: parse_defines(args.ffn8_options) if args.ffn8_options is not None else one}
     if overrides is not None:
         paths.append(OPT_PATH)
     dev = cupy.cuda.Device(0)
@@ -197,7 +209,7 @@ def main() -> int:
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"{name}: peak {peak / 1e9:,.0f} GB/s, L2 {l2 >> 20} MiB; {args.rows} x {args.cols}, one activation row")
     if overrides is not None:
-        print(f"{OPT_PATH}: mmv8.cu with {args.mmv8_options} over catalog.mmv8_options")
+        print(f"{OPT_PATH}: mmv8.cu with {overrides[1]} (ffn8: {overrides[2]}) over catalog.mmv8_options")
     print(f"{'type':8} {'path':8} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8}")
     rows = []
     for qt in types:
@@ -226,6 +238,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_gb_s": peak / 1e9, "rows": args.rows,
                                                "cols": args.cols, "mmv8_options": args.mmv8_options,
+                                               "ffn8_options": args.ffn8_options,
                                                "results": rows, "shapes": shapes}, indent=1))
     return 0
 

@@ -56,11 +56,14 @@ FFNF_R = {1: 1}
 # quantize it half as often as 4 blocks of 8 warps would
 MMV8_WARPS = 16
 MMV8_MINB = 2
-# rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane loads per loop trip
-# (-DMMV8_UNROLL): R x M x UNROLL decoded units (12 registers each) live at once, within the 64
-# registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
+# rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane of the plain path loads per
+# loop trip (-DMMV8_UNROLL): R x M x UNROLL decoded units (12 registers each) live at once, within the
+# 64 registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 1.
+# With the weight ring (MMV8_PIPE) the plain path is the fallback of the launches the ring cannot take
+# (K % 256 != 0, rows not 16-byte aligned, a ring past MMV8_SMEM_MAX), and both paths share the
+# kernel's 64 registers: ffn8's 2 trips at once (4 units) spill there, 1 does not
 MMV8_R = {1: 2, 2: 1}
-MMV8_UNROLL = {1: 1, 2: 2}
+MMV8_UNROLL = {1: 1, 2: 1}
 # float4 loads a thread has in flight while quantizing the input row (-DMMV8_STAGE_UNROLL), one memory
 # latency per trip of 512 x this many: 8 for mmv8 (a down projection's 18944-27648 values in 2-4
 # trips), 4 for ffn8 (its input, the hidden row, in one trip up to 8192 values; 8 spills there)
