@@ -9,10 +9,13 @@
 // + 32 PRMT per unit and row: few warps, each long in its arithmetic, cannot keep enough weight loads
 // in flight. Here a row takes 1.25 K bytes (8 bits a value + 8 bytes a unit), a unit's activations
 // 10 registers (two 16-byte and one 8-byte shared load) and 8 dp4a, so __launch_bounds__(MMV8_WARPS
-// * 32, MMV8_MINB) holds the registers to 64 and the blocks to half the SM's warps (50% occupancy),
-// every warp with MMV8_R x MMV8_UNROLL weight units (16-byte loads) in flight. The longest rows (the
-// 32B down projection, K = 27648: 35 KB) stage too, so K is never split across blocks (no partial
-// sums through global memory to add in a fixed order).
+// * 32, MMV8_MINB) holds the registers to 64 and the blocks to half the SM's warps (50% occupancy).
+// The weights stream through a per-warp ring in shared memory (MMV8_PIPE stages, cp.async, the
+// "weight ring" section below: the bytes in flight cost no registers and never wait for the decode);
+// launches it cannot take run the plain path, every warp with MMV8_R x MMV8_UNROLL weight units
+// (16-byte loads into registers) in flight. The longest rows (the 32B down projection, K = 27648:
+// 35 KB) stage too, so K is never split across blocks (no partial sums through global memory to add
+// in a fixed order).
 //
 // A warp owns MMV8_R consecutive rows (of every matrix of the launch: ffn8's gate and up) and its
 // lanes stride over 32-weight units; `wpr` warps share one row group for long rows, each a strided
@@ -23,7 +26,8 @@
 // RMSNorm folded in (nw != 0): x / rms(x) * nw before the quantization. Argmax folded in (amax != 0,
 // mmvf.cu's rule: an order-keeping 64-bit key per output, one atomicMax per block).
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, 1.25 K bytes of
-// dynamic shared memory (catalog.mmv8_smem). The defines' values: catalog.mmv8_options.
+// dynamic shared memory (catalog.mmv8_smem), and the ring's after them where the launch takes it
+// (catalog.mmv8_launch_smem). The defines' values: catalog.mmv8_options.
 #include "common.cuh"
 
 #ifndef MMV8_WARPS
@@ -36,7 +40,7 @@
 #define MMV8_MINB 2        // blocks per SM the registers must allow: 2 x 16 warps = 32 warps, 64 registers
 #endif
 #ifndef MMV8_UNROLL
-#define MMV8_UNROLL 1      // loop trips a lane's loads are issued for at once (one memory latency)
+#define MMV8_UNROLL 1      // the plain path: loop trips a lane's loads are issued for at once (one latency)
 #endif
 #ifndef MMV8_STAGE_UNROLL
 #define MMV8_STAGE_UNROLL 8   // float4 loads in flight per thread while quantizing the input (catalog.py)
@@ -210,8 +214,10 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
 // boundary); a stage holds a row's chunk in the device layout of a row of 32 units, so the decoders
 // read it as such a row (those with global-only loads, Q5_0 Q8_0 Q6_K, have their shared twins here).
 // Shared memory: MMV8_WARPS x MMV8_PIPE stages of M x MMV8_R chunks (catalog.mmv8_ring_bytes) after the
-// staged input. The host sizes it (catalog.mmv8_launch_smem) and the kernel takes the ring only when
-// the launch's dynamic shared memory holds it: one rule, read in one place.
+// staged input (mmv8 Q4_K at 2 stages: 16 x 2 x 2 x 576 = 36 KB a block, 37 KB always in flight an
+// SM; any launch within MMV8_SMEM_MAX keeps 2 blocks an SM). The host sizes it
+// (catalog.mmv8_launch_smem) and the kernel takes the ring only when the launch's dynamic shared
+// memory holds it: one rule, read in one place.
 #ifndef MMV8_PIPE
 #define MMV8_PIPE 0
 #endif
