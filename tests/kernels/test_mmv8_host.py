@@ -225,6 +225,27 @@ def test_weight_ring_gives_the_plain_paths_bits(emu1, tmp_path, segs):
             assert np.array_equal(outs[0][y].view(np.uint32), outs[1][y].view(np.uint32)), (wpr, y)
 
 
+def test_weight_ring_fits_the_7b_and_32b_launches_at_two_blocks_an_sm():
+    """The launcher's shared memory (catalog.mmv8_launch_smem) gives Qwen2.5-7B's and -32B's one-row
+    launches their weight ring (Q4_K_M: Q4_K and Q6_K; and a Q5_K_M's Q5_K) and every launch, ring
+    or not, leaves room for MMV8_MINB blocks an SM (228 KB, 1 KB reserved a block, the kernel's few
+    hundred static bytes): the ring adds bytes in flight, never takes occupancy away."""
+    sm, reserved, static = 228 * 1024, 1024, 512
+    for kind, Ks in ((1, (3584, 5120, 18944, 27648)), (2, (3584, 5120))):     # ffn8's input: the hidden row
+        for K in Ks:
+            for qts in ([Q.Q4_K], [Q.Q6_K], [Q.Q5_K], [Q.Q4_K, Q.Q6_K]):
+                smem = catalog.mmv8_launch_smem(kind, K, qts)
+                assert smem > catalog.mmv8_smem(K), (K, kind, qts)          # the ring is there
+                assert catalog.MMV8_MINB * (smem + reserved + static) <= sm, (K, kind, qts, smem)
+    for K in (896, 1312, 18944, 27648, 65536):                            # every type, ring or not
+        for kind in (1, 2):
+            for qt in TYPES:
+                smem = catalog.mmv8_launch_smem(kind, K, [qt])
+                assert catalog.MMV8_MINB * (smem + reserved + static) <= sm, (K, kind, qt, smem)
+                if K % 256:                   # a row's planes not in whole 16-byte pieces: the plain path
+                    assert smem == catalog.mmv8_smem(K)
+
+
 # changed copies of the kernel that must fail the checks: the second half of every unit's
 # activations read from the first half's place, the quantization's scale off by one step, and the
 # ring's chunk read from the stage being refilled (its copies not landed: stale bytes)
