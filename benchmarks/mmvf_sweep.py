@@ -59,7 +59,8 @@ VARIANTS = {
 }
 # defines over catalog.mmv8_options (--mmv8): blocks of 8 warps, 4 an SM (the same 50% occupancy, twice
 # the input quantizations), one of 32 (half of them); 3 blocks of 16 (75%: 42 registers); more units
-# in flight; the plain path without the weight ring (P0), a ring of 3 stages in both kinds (P3)
+# in flight; the plain path without the weight ring (P0: for ffn8 the kernel before the ring took
+# MMV8_UNROLL 2 there too), a ring of 3 stages in both kinds (P3)
 MMV8_VARIANTS = {
     "base": {},
     "P0": {"MMV8_PIPE": 0},

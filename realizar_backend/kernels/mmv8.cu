@@ -238,7 +238,7 @@ __host__ __device__ constexpr int mmv8_ring_chunk(int qt) {
 
 __device__ __forceinline__ unsigned mmv8_dyn_smem_bytes() {
 #ifdef REALIZAR_HOST_TEST
-    return (unsigned)(emu::st().dyn.size() - 4096);      // cuda_emu.h's launch adds 4096 guard bytes
+    return (unsigned)emu::dyn_smem_bytes();
 #else
     unsigned n;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
