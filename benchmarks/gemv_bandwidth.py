@@ -8,25 +8,15 @@ replays; the figure is the matrix's bytes over the time of one launch, against t
 --paths mmvf,mmv8 times each quantized type on both one-row GEMVs the dispatcher can pick (mmvf.cu,
 and mmv8.cu for the types it takes: dispatch.MMV8_KERNEL_TYPES) in the same process; --shapes adds the
 one-row launches of Qwen2.5-7B and -32B Q4_K_M (QKV with the folded norm, O, the fused gate/up, the
-down projections in Q4_K and Q6_K, the 7B LM head with its argmax) on each path. --mmv8-options
-"-DNAME=V ..." times mmv8.cu a second time in the same process, as path "mmv8 opt": its modules built
-(NVRTC) with those defines over catalog.mmv8_options, launched by the same launcher, whose shared
-memory follows them (the weight ring: catalog.mmv8_launch_smem); --ffn8-options gives the fused
-gate/up's module its own (default: --mmv8-options'). "-DMMV8_PIPE=0" is the plain path without the
-ring; with "-DMMV8_PIPE=0 -DMMV8_UNROLL=2" for ffn8 it is the kernel from before the ring, to set
-against the default. The defines that fix a launch's shape (MMV8_KIND, MMV8_WARPS, MMV8_R) are the
-launcher's and cannot be changed here.
+down projections in Q4_K and Q6_K, the 7B LM head with its argmax) on each path.
 
     python benchmarks/gemv_bandwidth.py [--rows 4096] [--cols 14336] [--types Q4_K,Q6_K] [--json out.json]
     python benchmarks/gemv_bandwidth.py --paths mmvf,mmv8 --shapes --json gemv.json   (old against new)
-    python benchmarks/gemv_bandwidth.py --paths mmv8 --types Q4_K,Q6_K --shapes --mmv8-options "-DMMV8_PIPE=0" \
-        --ffn8-options "-DMMV8_PIPE=0 -DMMV8_UNROLL=2"      (the ring against the kernel before it)
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
@@ -42,9 +32,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from realizar_backend.backends.cuda import ops  # noqa: E402
 from realizar_backend.backends.cuda.dispatch import MMV8_KERNEL_TYPES  # noqa: E402
 from realizar_backend.backends.cuda.matrices import QTYPES, WeightRef  # noqa: E402
-from realizar_backend.backends.cuda import modules  # noqa: E402
 from realizar_backend.backends.cuda.modules import get_kernels  # noqa: E402
-from realizar_backend.kernels import catalog  # noqa: E402
 
 from mmvf_sweep import graph_us  # noqa: E402
 
@@ -74,43 +62,6 @@ SHAPES = [
 ]
 
 
-OPT_PATH = "mmv8 opt"       # the path of --mmv8-options
-FIXED_DEFINES = ("MMV8_KIND", "MMV8_WARPS", "MMV8_R")    # the launcher's (ops._mmv8_launch)
-
-
-def parse_defines(text: str) -> dict[str, str]:
-    """'-DA=1 -DB=2' -> {'A': '1', 'B': '2'}; refuses what is not -DNAME=VALUE and the launcher's defines."""
-    out = {}
-    for tok in text.split():
-        if not tok.startswith("-D") or "=" not in tok:
-            raise SystemExit(f"--mmv8-options: {tok!r} is not -DNAME=VALUE")
-        name, value = tok[2:].split("=", 1)
-        if name in FIXED_DEFINES:
-            raise SystemExit(f"--mmv8-options: {name} fixes the launch's shape (the launcher's), it cannot change here")
-        out[name] = value
-    return out
-
-
-def mmv8_variant(k, overrides: dict[int, dict[str, str]]):
-    """A copy of the kernels k whose mmv8.cu modules are built with overrides (by kind: 1 mmv8, 2 ffn8)
-    over catalog.mmv8_options (k's quant mask, as the loader builds them), and which tells the
-    launcher so (mmv8_overrides)."""
-    typed = () if modules._every_type(k.qtypes) else (catalog.qmask_option(k.qtypes),)
-    opts = catalog.base_options(k.device.compute_capability) + typed
-    fns = {}
-    for kind, name in ((1, "mmv8"), (2, "ffn8")):
-        with k.device:
-            mod = modules._module(k.device.id, "mmv8.cu", opts + catalog.mmv8_options(kind, overrides[kind]),
-                                  k.prebuilt)
-            fn = mod.get_function(f"{name}_nb1")
-            fn.max_dynamic_shared_size_bytes = catalog.MMV8_SMEM_MAX
-        fns[name] = fn
-    alt = copy.copy(k)
-    alt.mmv8 = fns
-    alt.mmv8_overrides = overrides
-    return alt
-
-
 def _random_rows(qt, nbytes: int, rng) -> cupy.ndarray:
     if QTYPES[qt].blocks:         # random blocks: the speed does not depend on the values
         return rng.integers(0, 256, nbytes, dtype=cupy.uint8)
@@ -136,7 +87,7 @@ def time_type(k, qt, N: int, K: int, l2: int, reps: int, path: str = "mmvf") -> 
 
     def launch(w: WeightRef) -> None:
         if QTYPES[qt].blocks:
-            ops.mmvf(k, [(w, 0, y.data.ptr, N)], K, x.data.ptr, K, 1, q8=path != "mmvf")
+            ops.mmvf(k, [(w, 0, y.data.ptr, N)], K, x.data.ptr, K, 1, q8=path == "mmv8")
         else:
             ops.gemv(k, w, x.data.ptr, K, y.data.ptr, N, 1)
 
@@ -157,7 +108,7 @@ def time_shape(k, name: str, kind: str, segs, K: int, l2: int, reps: int, path: 
     nw = cupy.asarray((1.0 + 0.1 * np.random.default_rng(2).standard_normal(K)).astype(np.float32))
     y = cupy.zeros(sum(r for _, r in mats) + 4, cupy.float32)
     key = cupy.zeros(1, cupy.uint64)
-    q8 = path != "mmvf"
+    q8 = path == "mmv8"
     norm = (nw.data.ptr, 1e-6) if kind in ("qkv", "gate_up", "head") else None
 
     def launch(ws) -> None:
@@ -184,62 +135,40 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--paths", default="mmvf", help="one-row GEMVs of the quantized types: mmvf, mmv8 or both")
     ap.add_argument("--shapes", action="store_true", help="also the Qwen2.5-7B / 32B launches (SHAPES)")
-    ap.add_argument("--mmv8-options", default=None,
-                    help='defines over catalog.mmv8_options for a second mmv8 path ("mmv8 opt"), e.g. "-DMMV8_PIPE=0"')
-    ap.add_argument("--ffn8-options", default=None,
-                    help="the same for the fused gate/up's module (default: --mmv8-options)")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if args.ffn8_options is not None and args.mmv8_options is None:
-        raise SystemExit("--ffn8-options goes with --mmv8-options")
-    overrides = None
-    if args.mmv8_options is not None:
-        one = parse_defines(args.mmv8_options)
-        overrides = {1: one, 2: parse_defines(args.ffn8_options) if args.ffn8_options is not None else one}
-    if overrides is not None:
-        paths.append(OPT_PATH)
     dev = cupy.cuda.Device(0)
     peak = peak_bytes_per_s(dev)
     l2 = dev.attributes["L2CacheSize"]
     types = [Q[t] for t in args.types.split(",")] if args.types else list(QTYPES)
     k = get_kernels(0, types)
-    kk = {"mmvf": k, "mmv8": k}
-    if overrides is not None:
-        kk[OPT_PATH] = mmv8_variant(k, overrides)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"{name}: peak {peak / 1e9:,.0f} GB/s, L2 {l2 >> 20} MiB; {args.rows} x {args.cols}, one activation row")
-    if overrides is not None:
-        print(f"{OPT_PATH}: mmv8.cu with {overrides[1]} (ffn8: {overrides[2]}) over catalog.mmv8_options")
-    print(f"{'type':8} {'path':8} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8}")
+    print(f"{'type':8} {'path':5} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8}")
     rows = []
     for qt in types:
         for path in paths:
-            if path != "mmvf" and qt not in MMV8_KERNEL_TYPES:
+            if path == "mmv8" and qt not in MMV8_KERNEL_TYPES:
                 continue
-            r = time_type(kk[path], qt, args.rows, args.cols, l2, args.reps, path)
+            r = time_type(k, qt, args.rows, args.cols, l2, args.reps, path)
             r["of_peak"] = r["gb_s"] * 1e9 / peak
             rows.append(r)
-            print(f"{r['type']:8} {path:8} {r['bytes'] / 1e6:8.1f} {r['us']:9.1f} {r['gb_s']:8.0f} "
+            print(f"{r['type']:8} {path:5} {r['bytes'] / 1e6:8.1f} {r['us']:9.1f} {r['gb_s']:8.0f} "
                   f"{r['of_peak']:8.0%}")
     shapes = []
     if args.shapes:
-        print(f"{'shape':13} {'path':8} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8}")
+        print(f"{'shape':13} {'path':5} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8}")
         k4m = get_kernels(0, [Q.Q4_K, Q.Q6_K])        # a Q4_K_M model's modules (its quant mask, prebuilt)
-        k4 = {"mmvf": k4m, "mmv8": k4m}
-        if overrides is not None:
-            k4[OPT_PATH] = mmv8_variant(k4m, overrides)
         for sname, kind, segs, K in SHAPES:
             for path in paths:
-                r = time_shape(k4[path], sname, kind, segs, K, l2, args.reps, path)
+                r = time_shape(k4m, sname, kind, segs, K, l2, args.reps, path)
                 r["of_peak"] = r["gb_s"] * 1e9 / peak
                 shapes.append(r)
-                print(f"{sname:13} {path:8} {r['bytes'] / 1e6:8.1f} {r['us']:9.1f} {r['gb_s']:8.0f} "
+                print(f"{sname:13} {path:5} {r['bytes'] / 1e6:8.1f} {r['us']:9.1f} {r['gb_s']:8.0f} "
                       f"{r['of_peak']:8.0%}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "peak_gb_s": peak / 1e9, "rows": args.rows,
-                                               "cols": args.cols, "mmv8_options": args.mmv8_options,
-                                               "ffn8_options": args.ffn8_options,
-                                               "results": rows, "shapes": shapes}, indent=1))
+                                               "cols": args.cols, "results": rows, "shapes": shapes}, indent=1))
     return 0
 
 

@@ -59,12 +59,9 @@ VARIANTS = {
 }
 # defines over catalog.mmv8_options (--mmv8): blocks of 8 warps, 4 an SM (the same 50% occupancy, twice
 # the input quantizations), one of 32 (half of them); 3 blocks of 16 (75%: 42 registers); more units
-# in flight; the plain path without the weight ring (P0: for ffn8 the kernel before the ring took
-# MMV8_UNROLL 2 there too), a ring of 3 stages in both kinds (P3)
+# in flight
 MMV8_VARIANTS = {
     "base": {},
-    "P0": {"MMV8_PIPE": 0},
-    "P3": {"MMV8_PIPE": 3},
     "W8M4": {"MMV8_WARPS": 8, "MMV8_MINB": 4},
     "W32M1": {"MMV8_WARPS": 32, "MMV8_MINB": 1},
     "M3": {"MMV8_MINB": 3},
@@ -181,10 +178,9 @@ def sweep_mmv8(args, shapes_run, variants: dict) -> list[dict]:
                 for _ in range(layers)]
         nbytes = sum(m.nbytes for m in mats[0])
         rows_total = sum(r for _, r in segs)
+        smem = catalog.mmv8_smem(K)
         for vname in variants:
             mod, fn, defines = modules[(vname, 2 if kind == "ffnf" else 1)]
-            # the launcher's rule: the variant's weight ring where its types take one and it fits
-            smem = catalog.mmv8_launch_smem(2 if kind == "ffnf" else 1, K, [qt for qt, _ in segs], defines)
             W, R = defines["MMV8_WARPS"], defines["MMV8_R"]
             groups = sum(-(-r // R) for _, r in segs)
             resident = max(1, resident_blocks(fn, 32 * W, smem) or 1) * sms

@@ -56,58 +56,21 @@ FFNF_R = {1: 1}
 # quantize it half as often as 4 blocks of 8 warps would
 MMV8_WARPS = 16
 MMV8_MINB = 2
-# rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane of the plain path loads per
-# loop trip (-DMMV8_UNROLL): R x M x UNROLL decoded units (12 registers each) live at once, within the
-# 64 registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 1.
-# With the weight ring (MMV8_PIPE) the plain path is the fallback of the launches the ring cannot take
-# (K % 256 != 0, rows not 16-byte aligned, a ring past MMV8_SMEM_MAX), and both paths share the
-# kernel's 64 registers: ffn8's 2 trips at once (4 units) spill there, 1 does not
+# rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane loads per loop trip
+# (-DMMV8_UNROLL): R x M x UNROLL decoded units (12 registers each) live at once, within the 64
+# registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
 MMV8_R = {1: 2, 2: 1}
-MMV8_UNROLL = {1: 1, 2: 1}
+MMV8_UNROLL = {1: 1, 2: 2}
 # float4 loads a thread has in flight while quantizing the input row (-DMMV8_STAGE_UNROLL), one memory
 # latency per trip of 512 x this many: 8 for mmv8 (a down projection's 18944-27648 values in 2-4
 # trips), 4 for ffn8 (its input, the hidden row, in one trip up to 8192 values; 8 spills there)
 MMV8_STAGE_UNROLL = {1: 8, 2: 4}
 # dynamic shared memory of an mmv8.cu launch: the row's int8 values, then (d, d * sum q) per 32
 MMV8_SMEM_MAX = 100 * 1024
-# stages of mmv8.cu's per-warp weight ring by kind (-DMMV8_PIPE; 0: no ring, every launch on the plain
-# path): each warp keeps PIPE - 1 chunks of its rows (32 units each) in flight in shared memory while
-# it decodes one, so an SM of 2 x 16 warps holds (PIPE - 1) x 32 x chunk bytes in flight without a
-# register for them; Little's law asks ~36 KB an SM (~1 us x 4.8 TB/s over 132 SMs). mmv8 (2 rows of
-# 576-1088 bytes a chunk): 2 stages, 37-70 KB in flight, and the 32B down projection (K = 27648: a
-# 35 KB input) keeps its ring for Q4_K-Q6_K (3 stages of Q6_K would pass MMV8_SMEM_MAX); ffn8 (gate +
-# up, its input at most the hidden size): 3 stages, 74-109 KB in flight (Q8_0's 104 KB ring does not
-# fit: the plain path). Any launch within MMV8_SMEM_MAX keeps 2 blocks an SM (2 x 101 KB < 228 KB).
-MMV8_PIPE = {1: 2, 2: 3}
-# ring bytes of a row's chunk (32 units) by GGML type, as mmv8_ring_chunk in the kernel: its device
-# layout's bytes a unit x 32 (Q5_0: 16 + 4 + 2, Q8_0: 32 + 2), Q6_K's blocks and the 16-byte window of
-# its scale array. A launch takes the ring where K % 256 == 0 (every plane of a row then holds a
-# chunk in whole 16-byte pieces) and its rows start 16-byte aligned (the kernel checks the pointers).
-MMV8_RING_CHUNK = {2: 32 * 18, 3: 32 * 20, 6: 32 * 22, 7: 32 * 24, 8: 32 * 34, 12: 32 * 18, 13: 32 * 22,
-                   14: 32 * 26 + 16}
 
 
 def mmv8_smem(K: int) -> int:
     return K + 8 * (K // 32)
-
-
-def mmv8_ring_bytes(kind: int, K: int, qtypes: Iterable[int], overrides: dict | None = None) -> int:
-    """Shared memory of mmv8.cu's weight ring in a launch of kind 1 (mmv8) or 2 (ffn8) over matrices
-    of qtypes and K columns, in the module of mmv8_options(kind, overrides); 0 where it has no ring."""
-    d = overrides or {}
-    pipe, warps, r = (int(d.get(k, v)) for k, v in (("MMV8_PIPE", MMV8_PIPE[kind]), ("MMV8_WARPS", MMV8_WARPS),
-                                                     ("MMV8_R", MMV8_R[kind])))
-    qts = [int(q) for q in qtypes]
-    if pipe < 2 or K % 256 or not qts or any(q not in MMV8_RING_CHUNK for q in qts):
-        return 0
-    return warps * pipe * (2 if kind == 2 else 1) * r * max(MMV8_RING_CHUNK[q] for q in qts)
-
-
-def mmv8_launch_smem(kind: int, K: int, qtypes: Iterable[int], overrides: dict | None = None) -> int:
-    """Dynamic shared memory of an mmv8.cu launch: the staged input, and the weight ring where it fits
-    within MMV8_SMEM_MAX (the kernel takes the ring exactly when its launch holds it)."""
-    base, ring = mmv8_smem(K), mmv8_ring_bytes(kind, K, qtypes, overrides)
-    return base + ring if ring and base + ring <= MMV8_SMEM_MAX else base
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -165,13 +128,11 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
     return opts + (f"-DMMVF_R={FFNF_R[nb]}",) if kind == 2 and nb in FFNF_R else opts
 
 
-def mmv8_options(kind: int, overrides: dict[str, str] | None = None) -> tuple[str, ...]:
-    """The options of mmv8.cu's module of kind 1 (mmv8_nb1) or 2 (ffn8_nb1); overrides: defines
-    (name -> value) that replace or join these (benchmarks/gemv_bandwidth.py --mmv8-options)."""
-    d = {"MMV8_KIND": kind, "MMV8_WARPS": MMV8_WARPS, "MMV8_MINB": MMV8_MINB, "MMV8_R": MMV8_R[kind],
-         "MMV8_UNROLL": MMV8_UNROLL[kind], "MMV8_STAGE_UNROLL": MMV8_STAGE_UNROLL[kind], "MMV8_PIPE": MMV8_PIPE[kind]}
-    d.update(overrides or {})
-    return tuple(f"-D{k}={v}" for k, v in d.items())
+def mmv8_options(kind: int) -> tuple[str, ...]:
+    """The options of mmv8.cu's module of kind 1 (mmv8_nb1) or 2 (ffn8_nb1)."""
+    return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
+            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}",
+            f"-DMMV8_STAGE_UNROLL={MMV8_STAGE_UNROLL[kind]}")
 
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:

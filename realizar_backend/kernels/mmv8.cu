@@ -9,13 +9,10 @@
 // + 32 PRMT per unit and row: few warps, each long in its arithmetic, cannot keep enough weight loads
 // in flight. Here a row takes 1.25 K bytes (8 bits a value + 8 bytes a unit), a unit's activations
 // 10 registers (two 16-byte and one 8-byte shared load) and 8 dp4a, so __launch_bounds__(MMV8_WARPS
-// * 32, MMV8_MINB) holds the registers to 64 and the blocks to half the SM's warps (50% occupancy).
-// The weights stream through a per-warp ring in shared memory (MMV8_PIPE stages, cp.async, the
-// "weight ring" section below: the bytes in flight cost no registers and never wait for the decode);
-// launches it cannot take run the plain path, every warp with MMV8_R x MMV8_UNROLL weight units
-// (16-byte loads into registers) in flight. The longest rows (the 32B down projection, K = 27648:
-// 35 KB) stage too, so K is never split across blocks (no partial sums through global memory to add
-// in a fixed order).
+// * 32, MMV8_MINB) holds the registers to 64 and the blocks to half the SM's warps (50% occupancy),
+// every warp with MMV8_R x MMV8_UNROLL weight units (16-byte loads) in flight. The longest rows (the
+// 32B down projection, K = 27648: 35 KB) stage too, so K is never split across blocks (no partial
+// sums through global memory to add in a fixed order).
 //
 // A warp owns MMV8_R consecutive rows (of every matrix of the launch: ffn8's gate and up) and its
 // lanes stride over 32-weight units; `wpr` warps share one row group for long rows, each a strided
@@ -26,8 +23,7 @@
 // RMSNorm folded in (nw != 0): x / rms(x) * nw before the quantization. Argmax folded in (amax != 0,
 // mmvf.cu's rule: an order-keeping 64-bit key per output, one atomicMax per block).
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, 1.25 K bytes of
-// dynamic shared memory (catalog.mmv8_smem), and the ring's after them where the launch takes it
-// (catalog.mmv8_launch_smem). The defines' values: catalog.mmv8_options.
+// dynamic shared memory (catalog.mmv8_smem). The defines' values: catalog.mmv8_options.
 #include "common.cuh"
 
 #ifndef MMV8_WARPS
@@ -40,7 +36,7 @@
 #define MMV8_MINB 2        // blocks per SM the registers must allow: 2 x 16 warps = 32 warps, 64 registers
 #endif
 #ifndef MMV8_UNROLL
-#define MMV8_UNROLL 1      // the plain path: loop trips a lane's loads are issued for at once (one latency)
+#define MMV8_UNROLL 1      // loop trips a lane's loads are issued for at once (one memory latency)
 #endif
 #ifndef MMV8_STAGE_UNROLL
 #define MMV8_STAGE_UNROLL 8   // float4 loads in flight per thread while quantizing the input (catalog.py)
@@ -196,223 +192,6 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
 #undef MMV8_CASE
 }
 
-// ------------------------------------------------------------------ the weight ring (MMV8_PIPE >= 2)
-// Why: a lane of the plain path (mmv8_rows) issues its units' loads, then waits a full memory latency
-// before it can decode them, so each warp streams in bursts separated by its own arithmetic, and the
-// loads in flight live in registers (at the 64-register cap, MMV8_R x MMV8_UNROLL units a lane). By
-// Little's law an SM must keep ~latency x bandwidth / SMs = ~1 us x 4.8 TB/s / 132 = ~36 KB in
-// flight, continuously. The ring moves the bytes in flight into shared memory: each warp copies its
-// next chunks with cp.async (no registers held, 16 bytes a copy, .cg: read once, never kept in L1)
-// MMV8_PIPE - 1 chunks ahead of the one it decodes, so the weight stream never waits for the decode,
-// and the first chunks are issued before the block quantizes its input (the staging's latency runs
-// under the first weight loads: weights are read-only, so they may be read before pdl_wait).
-// A chunk is the 32 consecutive units a warp's lanes take in one trip (unit u of the plain path is
-// chunk u / 32, lane u % 32), for each of the warp's M x MMV8_R rows: the same units, rows and order
-// of sums as the plain path, so the results are bitwise those of the plain path.
-// Every type of the kernel, where K % 256 == 0 and the rows start 16-byte aligned (then each plane of
-// a row, formats/gpu_layout.py, holds a chunk as a whole number of 16-byte pieces at a 16-byte
-// boundary); a stage holds a row's chunk in the device layout of a row of 32 units, so the decoders
-// read it as such a row (those with global-only loads, Q5_0 Q8_0 Q6_K, have their shared twins here).
-// Shared memory: MMV8_WARPS x MMV8_PIPE stages of M x MMV8_R chunks (catalog.mmv8_ring_bytes) after the
-// staged input (mmv8 Q4_K at 2 stages: 16 x 2 x 2 x 576 = 36 KB a block, 37 KB always in flight an
-// SM; any launch within MMV8_SMEM_MAX keeps 2 blocks an SM). The host sizes it
-// (catalog.mmv8_launch_smem) and the kernel takes the ring only when the launch's dynamic shared
-// memory holds it: one rule, read in one place.
-#ifndef MMV8_PIPE
-#define MMV8_PIPE 0
-#endif
-constexpr int kMmv8Pipe = MMV8_PIPE >= 2 ? MMV8_PIPE : 2;   // the ring's code compiles at any MMV8_PIPE
-
-// bytes a unit of a type's first plane (the whole row but for Q5_0, Q8_0, Q6_K: formats/gpu_layout.py)
-__host__ __device__ constexpr int mmv8_unit_bytes(int qt) {
-    return qt == QT_Q4_0 ? 18 : qt == QT_Q4_1 ? 20 : qt == QT_Q5_0 ? 16 : qt == QT_Q5_1 ? 24 : qt == QT_Q8_0 ? 32
-         : qt == QT_Q4_K ? 18 : qt == QT_Q5_K ? 22 : qt == QT_Q6_K ? 26 : 0;
-}
-
-// ring bytes of one row's chunk by type (0: the type never takes the ring); catalog.MMV8_RING_CHUNK.
-// Q5_0: then 32 fifth-bit words and 32 scales; Q8_0: then 32 scales; Q6_K: then the 16-byte window
-// of the row's scale array holding the chunk's 4 block scales
-__host__ __device__ constexpr int mmv8_ring_chunk(int qt) {
-    return 32 * mmv8_unit_bytes(qt) + (qt == QT_Q5_0 ? 128 + 64 : qt == QT_Q8_0 ? 64 : qt == QT_Q6_K ? 16 : 0);
-}
-
-__device__ __forceinline__ unsigned mmv8_dyn_smem_bytes() {
-#ifdef REALIZAR_HOST_TEST
-    return (unsigned)emu::dyn_smem_bytes();
-#else
-    unsigned n;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-    return n;
-#endif
-}
-
-// 16 bytes global -> shared, asynchronous, through L2 only (a plain copy before sm_80)
-__device__ __forceinline__ void mmv8_cp16(u8* smem, const u8* gmem) {
-#if defined(REALIZAR_HOST_TEST)
-    emu::cp_async16(smem, gmem, true);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem)
-                 : "memory");
-#else
-    *(uint4*)smem = *(const uint4*)gmem;
-#endif
-}
-
-__device__ __forceinline__ void mmv8_commit() {
-#if defined(REALIZAR_HOST_TEST)
-    emu::cp_async_commit();
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// until at most N of this thread's committed copy groups are still in flight
-template <int N> __device__ __forceinline__ void mmv8_wait() {
-#if defined(REALIZAR_HOST_TEST)
-    emu::cp_async_wait(N);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
-// the launch's ring chunk bytes (the largest of its types'), or 0 where a matrix's type has none or
-// its rows do not start 16-byte aligned, or K % 256 != 0; block-uniform
-__device__ __forceinline__ int mmv8_launch_chunk(int K, const int (&qt)[3], const int (&n)[3],
-                                                 const u8* const (&W)[3], const long long (&rb)[3]) {
-    if (K & 255) return 0;
-    int cb = 0;
-#pragma unroll
-    for (int i = 0; i < 3; ++i) {
-        if (n[i] <= 0) continue;
-        int c = mmv8_ring_chunk(qt[i]);
-        if (c == 0 || (((unsigned long long)W[i] | (unsigned long long)rb[i]) & 15)) return 0;
-        cb = max(cb, c);
-    }
-    return cb;
-}
-
-// bytes [0, bytes) of src into dst by the warp's lanes, 16 a copy (bytes: a multiple of 16, at most 1024)
-__device__ __forceinline__ void mmv8_cp_span(u8* dst, const u8* src, int bytes, int lane) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        int p = lane + 32 * j;
-        if (16 * p < bytes) mmv8_cp16(dst + 16 * p, src + 16 * p);
-    }
-}
-
-// copy chunk c (its n units: 32, or a row's last n, a multiple of 8) of the rows (M x MMV8_R, each
-// row's chunk at st + cb (m R + i)) into a stage, each plane where a 32-unit row holds it
-template <int M>
-__device__ __forceinline__ void mmv8_ring_issue(const u8* const (&rows)[M][MMV8_R], int qt, int nu, int c, u8* st,
-                                                int cb, int lane) {
-    const int n = min(32, nu - 32 * c), bpu = mmv8_unit_bytes(qt);
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int i = 0; i < MMV8_R; ++i) {
-            const u8* row = rows[m][i];
-            u8* dst = st + cb * (m * MMV8_R + i);
-            mmv8_cp_span(dst, row + (long long)c * 32 * bpu, n * bpu, lane);
-            if (qt == QT_Q5_0) {
-                mmv8_cp_span(dst + 32 * 16, row + 16 * nu + 128 * c, 4 * n, lane);   // fifth bits
-                mmv8_cp_span(dst + 32 * 20, row + 20 * nu + 64 * c, 2 * n, lane);    // scales
-            } else if (qt == QT_Q8_0) {
-                mmv8_cp_span(dst + 32 * 32, row + 32 * nu + 64 * c, 2 * n, lane);
-            } else if (qt == QT_Q6_K && lane == 0) {
-                mmv8_cp16(dst + 32 * 26, row + 26 * nu + 16 * (c >> 1));
-            }
-        }
-}
-
-// unit l (0..31) of chunk c in a stage, decoded as load_qunit<QT> decodes it from its row
-template <int QT>
-__device__ __forceinline__ void mmv8_ring_unit(const u8* st, int l, int c, QUnit& w) {
-    if constexpr (QT == QT_Q6_K) {
-        const u8* b = st + (l >> 3) * 208;
-        int j = l & 7;
-        uint4 lo = *(const uint4*)(b + 16 * j);
-        uint2 hi = *(const uint2*)(b + 128 + 8 * j);
-        u32 sc = *(const u16*)(b + 192 + 2 * j);
-        w.A = h2f(*(const u16*)(st + 32 * 26 + 8 * (c & 1) + 2 * (l >> 3)));   // the window: 2 chunks' scales
-        u32 v[8];
-        q6k_bits(lo, hi, v);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w.v[i] = (int)__vsubss4(v[i], 0x20202020u);
-        w.s0 = (int)(i8)(sc & 255);
-        w.s1 = (int)(i8)(sc >> 8);
-        w.C = 0.0f;
-    } else if constexpr (QT == QT_Q8_0) {
-        uint4 a = *(const uint4*)(st + 32 * l), b = *(const uint4*)(st + 32 * l + 16);
-        w.v[0] = (int)a.x; w.v[1] = (int)a.y; w.v[2] = (int)a.z; w.v[3] = (int)a.w;
-        w.v[4] = (int)b.x; w.v[5] = (int)b.y; w.v[6] = (int)b.z; w.v[7] = (int)b.w;
-        w.A = h2f(*(const u16*)(st + 32 * 32 + 2 * l));
-        w.C = 0.0f; w.s0 = w.s1 = 1;
-    } else if constexpr (QT == QT_Q5_0) {
-        u32 v[8];
-        q5_0_bits<0>(*(const uint4*)(st + 16 * l), *(const u32*)(st + 32 * 16 + 4 * l), v);
-        float d = h2f(*(const u16*)(st + 32 * 20 + 2 * l));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w.v[i] = (int)v[i];
-        w.A = d; w.C = -16.0f * d; w.s0 = w.s1 = 1;
-    } else {
-        load_qunit<QT>(st, l, 32, w);        // plain loads: the stage read as a row of 32 units
-    }
-}
-
-// One round of a warp on the ring: its nk chunks (items t = rho nk + k of the warp's sequence, k =
-// 0..nk-1; chunk sub + k wpr of its group's rows), each first topped up with item t + MMV8_PIPE - 1
-// (loc(t, rows, qt, c): that item's rows, type and chunk; false: none), then waited for and decoded.
-// Warp-uniform; the __syncwarp pair: the lanes' copies land before any lane reads them, and a stage is
-// read by every lane before the next top-up refills it.
-template <int M, class Loc>
-__device__ __forceinline__ void mmv8_ring_round(Loc loc, int rho, int nk, int qt, int nu, int sub, int wpr,
-                                                int lane, const u8* sm, u8* ring, int cb, float (&acc)[M][MMV8_R]) {
-    const float2* ds = (const float2*)(sm + 32 * nu);
-    const int stage = cb * M * MMV8_R;
-    for (int k = 0; k < nk; ++k) {
-        const int t = rho * nk + k;
-        {
-            const u8* rows[M][MMV8_R];
-            int q, c;
-            if (loc(t + kMmv8Pipe - 1, rows, q, c))
-                mmv8_ring_issue<M>(rows, q, nu, c, ring + stage * ((t + kMmv8Pipe - 1) % kMmv8Pipe), cb, lane);
-            mmv8_commit();                                // one group an item, empty or not
-        }
-        mmv8_wait<kMmv8Pipe - 1>();
-        __syncwarp();
-        const int c = sub + k * wpr, u = 32 * c + lane;
-        const u8* st = ring + stage * (t % kMmv8Pipe);
-        if (u < nu) {
-            int4 a = *(const int4*)(sm + 32 * u + mmv8_half(u, 0));
-            int4 b = *(const int4*)(sm + 32 * u + mmv8_half(u, 1));
-            float2 d = ds[u];
-#define MMV8_RING_CASE(Q)                                                                                      \
-    case Q:                                                                                                    \
-        if constexpr (QT_ON(Q))                                                                                \
-            for (int m = 0; m < M; ++m)                                                                        \
-                for (int i = 0; i < MMV8_R; ++i) {                                                             \
-                    QUnit w;                                                                                   \
-                    mmv8_ring_unit<Q>(st + cb * (m * MMV8_R + i), lane, c, w);                                 \
-                    acc[m][i] += mmv8_dot(w, a, b, d);                                                         \
-                }                                                                                              \
-        break;
-            switch (qt) {
-                MMV8_RING_CASE(QT_Q4_0)
-                MMV8_RING_CASE(QT_Q4_1)
-                MMV8_RING_CASE(QT_Q5_0)
-                MMV8_RING_CASE(QT_Q5_1)
-                MMV8_RING_CASE(QT_Q8_0)
-                MMV8_RING_CASE(QT_Q4_K)
-                MMV8_RING_CASE(QT_Q5_K)
-                MMV8_RING_CASE(QT_Q6_K)
-                default: break;
-            }
-#undef MMV8_RING_CASE
-        }
-        __syncwarp();
-    }
-}
-
 // sums over the warp's lanes, then (wpr > 1) over the warps of a group in warp order; on return
 // every lane of the group's first warp (sub == 0) holds the totals. Block-uniform barrier.
 template <int M>
@@ -490,22 +269,9 @@ __device__ __forceinline__ void mmv8_stage(const float* __restrict__ x, int xs, 
     __syncthreads();
 }
 
-// the launch's ring chunk bytes (mmv8_launch_chunk) where its shared memory holds the ring of M
-// matrices a group, else 0 (the plain path); block-uniform
-template <int M>
-__device__ __forceinline__ int mmv8_ring_cb(int cb, int K) {
-    if constexpr (MMV8_PIPE < 2) return 0;
-    if (cb == 0) return 0;
-    return mmv8_dyn_smem_bytes() >= (unsigned)(K + 8 * (K >> 5) + MMV8_WARPS * MMV8_PIPE * M * MMV8_R * cb) ? cb : 0;
-}
-
-// RING: through the weight ring (chunks of cb bytes), else the plain path (cb unused). Two
-// instances rather than a run-time branch inside one: the ring's state is not live in the plain
-// path, whose registers stay as they were.
-template <bool RING>
 __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const float* __restrict__ x, int xs,
                                           int wpr, int accumulate, const float* nw, float eps,
-                                          unsigned long long* amax, int cb) {
+                                          unsigned long long* amax) {
     MMV8_DYN_SMEM(sm);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
@@ -521,30 +287,8 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
             l2_prefetch(s.W + (long long)g * MMV8_R * s.rb, (long long)min(MMV8_R, s.n - g * MMV8_R) * s.rb);
         }
     }
-    // the weight ring: the warp's items (chunks of its groups' rows, round after round) located
-    const int nu = K >> 5, nch = (nu + 31) >> 5, nk = sub < nch ? (nch - sub + wpr - 1) / wpr : 0;
-    u8* wring = sm + K + 8 * nu + wid * kMmv8Pipe * MMV8_R * cb;
-    auto loc = [&](int t, const u8* (&rows)[1][MMV8_R], int& q, int& c) -> bool {
-        if (nk == 0) return false;
-        int rho = t / nk, G = (blockIdx.x + rho * gridDim.x) * gpb + wid / wpr, g;
-        if (G >= groups) return false;
-        Mmv8Seg s = mmv8_seg(seg, G, g);
-#pragma unroll
-        for (int i = 0; i < MMV8_R; ++i) rows[0][i] = s.W + (long long)min(g * MMV8_R + i, s.n - 1) * s.rb;
-        q = s.qt;
-        c = sub + (t - rho * nk) * wpr;
-        return true;
-    };
-    if constexpr (RING)                   // the first items in flight while the block stages its input
-        for (int t = 0; t < kMmv8Pipe - 1; ++t) {
-            const u8* rows[1][MMV8_R];
-            int q, c;
-            if (loc(t, rows, q, c)) mmv8_ring_issue<1>(rows, q, nu, c, wring + MMV8_R * cb * t, cb, lane);
-            mmv8_commit();
-        }
     mmv8_stage(x, xs, K, nw, eps, sm);
-    int rho = 0;
-    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb, ++rho) {   // block-uniform trips
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // block-uniform trips
         int G = base + wid / wpr;
         bool live = G < groups;
         int g;
@@ -554,11 +298,7 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
 #pragma unroll
         for (int i = 0; i < MMV8_R; ++i) acc[0][i] = 0.0f;
         const u8* const Ws[1] = {s.W};
-        if constexpr (RING) {
-            if (live) mmv8_ring_round<1>(loc, rho, nk, s.qt, nu, sub, wpr, lane, sm, wring, cb, acc);
-        } else if (live) {
-            mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
-        }
+        if (live) mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmv8_reduce<1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -581,10 +321,9 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
     if (amax) mmv8_argmax(best, amax + b);
 }
 
-template <bool RING>
 __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
                                           const float* __restrict__ x, int xs, int act, float* a, int as, int wpr,
-                                          const float* nw, float eps, int cb) {
+                                          const float* nw, float eps) {
     MMV8_DYN_SMEM(sm);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
@@ -595,33 +334,8 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
         if (sub == 0 && lane < 2 && G < groups)
             l2_prefetch((lane ? Wu : Wg) + (long long)G * MMV8_R * rb, (long long)min(MMV8_R, N - G * MMV8_R) * rb);
     }
-    // as mmv8_body: the ring over the gate and up rows of the warp's groups
-    const int nu = K >> 5, nch = (nu + 31) >> 5, nk = sub < nch ? (nch - sub + wpr - 1) / wpr : 0;
-    u8* wring = sm + K + 8 * nu + wid * kMmv8Pipe * 2 * MMV8_R * cb;
-    auto loc = [&](int t, const u8* (&rows)[2][MMV8_R], int& q, int& c) -> bool {
-        if (nk == 0) return false;
-        int rho = t / nk, G = (blockIdx.x + rho * gridDim.x) * gpb + wid / wpr;
-        if (G >= groups) return false;
-#pragma unroll
-        for (int i = 0; i < MMV8_R; ++i) {
-            long long off = (long long)min(G * MMV8_R + i, N - 1) * rb;
-            rows[0][i] = Wg + off;
-            rows[1][i] = Wu + off;
-        }
-        q = qt;
-        c = sub + (t - rho * nk) * wpr;
-        return true;
-    };
-    if constexpr (RING)
-        for (int t = 0; t < kMmv8Pipe - 1; ++t) {
-            const u8* rows[2][MMV8_R];
-            int q, c;
-            if (loc(t, rows, q, c)) mmv8_ring_issue<2>(rows, q, nu, c, wring + 2 * MMV8_R * cb * t, cb, lane);
-            mmv8_commit();
-        }
     mmv8_stage(x, xs, K, nw, eps, sm);
-    int rho = 0;
-    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb, ++rho) {   // as mmv8_body
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmv8_body
         int G = base + wid / wpr;
         bool live = G < groups;
         int r0 = G * MMV8_R;
@@ -631,11 +345,7 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
 #pragma unroll
             for (int i = 0; i < MMV8_R; ++i) acc[m][i] = 0.0f;
         const u8* const Ws[2] = {Wg, Wu};
-        if constexpr (RING) {
-            if (live) mmv8_ring_round<2>(loc, rho, nk, qt, nu, sub, wpr, lane, sm, wring, cb, acc);
-        } else if (live) {
-            mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
-        }
+        if (live) mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();
         mmv8_reduce<2>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -659,23 +369,13 @@ extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) mmv8_nb
     float eps, unsigned long long* amax) {
     const Mmv8Seg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},
                             {W2, rb2, n2, qt2, b2, y2, ys2}};
-    const int qts[3] = {qt0, qt1, qt2}, ns[3] = {n0, n1, n2};
-    const u8* const Ws[3] = {W0, W1, W2};
-    const long long rbs[3] = {rb0, rb1, rb2};
-    const int cb = mmv8_ring_cb<1>(mmv8_launch_chunk(K, qts, ns, Ws, rbs), K);
-    if (cb) mmv8_body<true>(seg, K, x, xs, wpr, accumulate, nw, eps, amax, cb);
-    else mmv8_body<false>(seg, K, x, xs, wpr, accumulate, nw, eps, amax, 0);
+    mmv8_body(seg, K, x, xs, wpr, accumulate, nw, eps, amax);
 }
 #endif
 #if !defined(MMV8_KIND) || MMV8_KIND == 2
 extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) ffn8_nb1(
     const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,
     int act, float* a, int as, int wpr, int stage, const float* nw, float eps, int lpg) {
-    const int qts[3] = {qt, qt, 0}, ns[3] = {N, N, 0};
-    const u8* const Ws[3] = {Wg, Wu, nullptr};
-    const long long rbs[3] = {rb, rb, 0};
-    const int cb = mmv8_ring_cb<2>(mmv8_launch_chunk(K, qts, ns, Ws, rbs), K);
-    if (cb) ffn8_body<true>(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps, cb);
-    else ffn8_body<false>(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps, 0);
+    ffn8_body(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps);
 }
 #endif

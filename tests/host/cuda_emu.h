@@ -75,7 +75,6 @@ struct State {
     std::vector<Barrier> warp_bar;
     std::vector<WarpSlot> warp_slot;
     std::vector<unsigned char> dyn;
-    size_t dyn_bytes = 0;
     long events = 0;             // barrier arrivals and completions (deadlock detection)
     bool eager = false;
     std::function<void()> body;
@@ -84,8 +83,6 @@ struct State {
 
 static inline State& st() { static State s; return s; }
 static inline unsigned char* dyn_smem() { return st().dyn.data(); }
-// the launch's dynamic shared memory in bytes (a kernel's %dynamic_smem_size), the guard bytes not counted
-static inline size_t dyn_smem_bytes() { return st().dyn_bytes; }
 
 static inline void yield() { swapcontext(&st().cur->ctx, &st().sched); }
 
@@ -240,7 +237,6 @@ static inline void launch(dim3 grid, dim3 block, size_t dyn_bytes, std::function
     // stale shared memory (0xFF bytes: fp16 NaN), then guard bytes a launch must not write
     const size_t guard = 4096;
     s.dyn.assign(dyn_bytes + guard, 0xFF);
-    s.dyn_bytes = dyn_bytes;
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {

@@ -2,8 +2,7 @@
 // tests/kernels/test_mmv8_host.py: argv[1] is a directory (emu_io.h) whose params.txt names the
 // kernel (`mmv8` or `ffn8`), the launch's scalars and its grid (grid_x, nb: grid.y), and whose .bin
 // files hold the weights in their device layouts, the input, the norm weight (nw, absent: no norm)
-// and the outputs as the test poisoned them; `smem` is the launch's dynamic shared memory (the kernel
-// takes its weight ring where that holds it). Built once per kind with the loader's defines
+// and the outputs as the test poisoned them. Built once per kind with the loader's defines
 // (catalog.mmv8_options), which fix the block size.
 #include "cuda_emu.h"
 
@@ -28,7 +27,7 @@ int main(int argc, char** argv) {
     auto nw = load_opt<float>("nw");
     const int K = inum("K"), xs = inum("xs"), nb = inum("nb"), wpr = inum("wpr");
     const float eps = (float)num("eps");
-    const size_t smem = (size_t)inum("smem");        // the launch's: catalog.mmv8_launch_smem (the ring where it fits)
+    const size_t smem = (size_t)K + 8 * (size_t)(K / 32);        // ops.mmv8_smem
     dim3 grid{(unsigned)inum("grid_x"), (unsigned)nb, 1}, block{MMV8_WARPS * 32, 1, 1};
 #if !defined(MMV8_KIND) || MMV8_KIND == 1
     if (kernel == "mmv8") {

@@ -67,9 +67,8 @@ def err(got, ref, scale) -> float:
 
 
 def run_mmv8(exe, tmp_path, segs, K: int, nb: int, wpr: int, grid_x: int, rng, bias=False, accumulate=False,
-             norm=False, amax=False, xs=None, env=None, ring=True):
-    """One mmv8_nb1 launch over segs = [(qtype, rows)] with the launcher's shared memory (ring=False:
-    the staged input's only, which keeps the kernel off its weight ring); returns (max error, outputs)."""
+             norm=False, amax=False, xs=None, env=None):
+    """One mmv8_nb1 launch over segs = [(qtype, rows)]; returns (max error, outputs, amax)."""
     xs = xs or K
     x = (rng.standard_normal((nb, xs)) * rng.uniform(0.1, 30.0, (nb, 1))).astype(np.float32)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32) if norm else None
@@ -77,8 +76,7 @@ def run_mmv8(exe, tmp_path, segs, K: int, nb: int, wpr: int, grid_x: int, rng, b
     xin = [normed(x[b, :K], nw, eps) if norm else x[b, :K] for b in range(nb)]
     xq = np.stack([q8_twin(v) for v in xin])
     params = {"kernel": "mmv8", "K": K, "xs": xs, "nb": nb, "wpr": wpr, "eps": eps, "grid_x": grid_x,
-              "segments": len(segs), "accumulate": int(accumulate),
-              "smem": catalog.mmv8_launch_smem(1, K, [q for q, _ in segs]) if ring else catalog.mmv8_smem(K)}
+              "segments": len(segs), "accumulate": int(accumulate)}
     arrays = {"x": x}
     if norm:
         arrays["nw"] = nw
@@ -152,23 +150,19 @@ def test_mmv8_folded_norm_and_argmax(emu1, tmp_path, qt):
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("act", [0, 1], ids=["silu", "gelu"])
-@pytest.mark.parametrize("K", [1536, 1312], ids=["K1536", "K1312"])
-def test_ffn8_gate_up(emu2, tmp_path, qt, act, K):
+def test_ffn8_gate_up(emu2, tmp_path, qt, act):
     """act(gate . x) * (up . x) over rows no block divides, a row of 48 units (K = 1536: a pass
-    half-empty; the weight ring where it fits) or 41 (K = 1312, 32-weight types: K % 256 != 0, the
-    plain path) with the norm folded in, at two warps per row."""
+    half-empty) with the norm folded in, at two warps per row."""
     from realizar_backend.backends.cuda.matrices import QTYPES
-    if K % QTYPES[qt].block:
-        pytest.skip("K is not a whole number of the type's blocks")
     rng = np.random.default_rng(int(qt) * 3 + act)
-    N = 41
+    N, K = 41, (1536 if QTYPES[qt].block == 256 else 1312)
     (dg, rb, wg64), (du, _, wu64) = weight(qt, N, K, rng), weight(qt, N, K, rng)
     x = rng.standard_normal(K).astype(np.float32)
     nw = (1.0 + 0.5 * rng.standard_normal(K)).astype(np.float32)
     xq = q8_twin(normed(x, nw, 1e-6))
     a0 = np.full(N + 5, np.nan, np.float32)
     params = {"kernel": "ffn8", "K": K, "xs": K, "nb": 1, "wpr": 2, "eps": 1e-6, "grid_x": 3, "rb": rb, "N": N,
-              "qt": int(qt), "act": act, "as": N + 5, "smem": catalog.mmv8_launch_smem(2, K, [qt])}
+              "qt": int(qt), "act": act, "as": N + 5}
     res = host_emu.launch(emu2, tmp_path / "ffn", params, {"x": x, "nw": nw, "wg": dg, "wu": du, "a": a0},
                           {"a": np.float32}, label="ffn8")
     got = res["a"]
@@ -191,66 +185,20 @@ def test_outputs_bitwise_the_same_at_any_warp_speed(emu1, tmp_path):
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
-@pytest.mark.parametrize("segs", [[(Q.Q4_K, 61), (Q.Q6_K, 13)], [(Q.Q4_0, 37), (Q.Q5_0, 9), (Q.Q8_0, 5)],
-                                  [(Q.Q4_1, 21), (Q.Q5_1, 11), (Q.Q5_K, 7)]],
-                         ids=lambda segs: "+".join(q.name for q, _ in segs))
-def test_weight_ring_gives_the_plain_paths_bits(emu1, tmp_path, segs):
-    """The weight ring (catalog.MMV8_PIPE) changes where a chunk's bytes wait, not the sums: a launch
-    with the ring's shared memory and one without (the plain path) give the same bits, for every type,
-    rows ending in a part chunk (152 units: 4 chunks and 24 units), rounds that carry the ring over
-    (more row groups than the grid's warps), one and two warps a row."""
-    for wpr, seed in ((1, 21), (2, 22)):
-        outs = []
-        for ring in (True, False):
-            rng = np.random.default_rng(seed)
-            e, res = run_mmv8(emu1, tmp_path, segs, 4864, 1, wpr, 2, rng, bias=True, norm=True, ring=ring)
-            assert e <= TOL, (wpr, ring, e)
-            outs.append(res)
-        for s in range(len(segs)):
-            y = f"y{s}"
-            assert np.array_equal(outs[0][y].view(np.uint32), outs[1][y].view(np.uint32)), (wpr, y)
-
-
-def test_weight_ring_fits_the_7b_and_32b_launches_at_two_blocks_an_sm():
-    """The launcher's shared memory (catalog.mmv8_launch_smem) gives Qwen2.5-7B's and -32B's one-row
-    launches their weight ring (Q4_K_M: Q4_K and Q6_K; and a Q5_K_M's Q5_K) and every launch, ring
-    or not, leaves room for MMV8_MINB blocks an SM (228 KB, 1 KB reserved a block, the kernel's few
-    hundred static bytes): the ring adds bytes in flight, never takes occupancy away."""
-    sm, reserved, static = 228 * 1024, 1024, 512
-    for kind, Ks in ((1, (3584, 5120, 18944, 27648)), (2, (3584, 5120))):     # ffn8's input: the hidden row
-        for K in Ks:
-            for qts in ([Q.Q4_K], [Q.Q6_K], [Q.Q5_K], [Q.Q4_K, Q.Q6_K]):
-                smem = catalog.mmv8_launch_smem(kind, K, qts)
-                assert smem > catalog.mmv8_smem(K), (K, kind, qts)          # the ring is there
-                assert catalog.MMV8_MINB * (smem + reserved + static) <= sm, (K, kind, qts, smem)
-    for K in (896, 1312, 18944, 27648, 65536):                            # every type, ring or not
-        for kind in (1, 2):
-            for qt in TYPES:
-                smem = catalog.mmv8_launch_smem(kind, K, [qt])
-                assert catalog.MMV8_MINB * (smem + reserved + static) <= sm, (K, kind, qt, smem)
-                if K % 256:                   # a row's planes not in whole 16-byte pieces: the plain path
-                    assert smem == catalog.mmv8_smem(K)
-
-
 # changed copies of the kernel that must fail the checks: the second half of every unit's
-# activations read from the first half's place, the quantization's scale off by one step, and the
-# ring's chunk read from the stage being refilled (its copies not landed: stale bytes)
-BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)", (True, False)),
-          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;", (True, False)),
-          "ring_stage": ("ring + stage * (t % kMmv8Pipe)", "ring + stage * ((t + 1) % kMmv8Pipe)", (True,))}
+# activations read from the first half's place, and the quantization's scale off by one step
+BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)"),
+          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;")}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
-    """Each change fails the checks on the paths it touches (ring: the launcher's shared memory,
-    which takes the weight ring for Q4_K; else the plain path)."""
-    old, new, rings = BROKEN[name]
+    old, new = BROKEN[name]
     src = (KERNELS / "mmv8.cu").read_text()
-    assert src.count(old) >= 1, f"the mutation {name} no longer applies"
+    assert src.count(old) == 1, f"the mutation {name} no longer applies"
     d = tmp_path_factory.mktemp(f"broken_{name}")
     (d / "mmv8.cu").write_text(src.replace(old, new))
     exe = _exe(tmp_path_factory, 1, include_first=d, tag=name)
-    for ring in rings:
-        rng = np.random.default_rng(3)
-        e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 2048, 1, 1, 2, rng, ring=ring)
-        assert e > 10 * TOL, (ring, e)    # the checks above would fail it
+    rng = np.random.default_rng(3)
+    e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, rng)
+    assert e > 10 * TOL, e    # the checks above would fail it

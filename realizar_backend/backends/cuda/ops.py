@@ -12,8 +12,7 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import (FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R, MMVF_WARPS,
-                                mmv8_launch_smem, mmv8_smem)
+from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R, MMVF_WARPS, mmv8_smem
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
@@ -160,16 +159,13 @@ def mmv8_wpr(K: int, groups: int, blocks: int, warps: int = MMV8_WARPS) -> int:
     return best
 
 
-def _mmv8_launch(k: Kernels, fn, kind: int, rows, K: int, nb: int, qtypes) -> tuple[tuple, int, int]:
+def _mmv8_launch(k: Kernels, fn, kind: int, rows, K: int, nb: int) -> tuple[tuple, int, int]:
     """Grid, warps per row and dynamic shared memory of an mmv8.cu launch (kind 1 mmv8, 2 ffn8)
-    over the rows of each matrix (each its own row groups) of types qtypes: one resident wave, a
-    block column per activation row; the shared memory holds the module's weight ring where the
-    types take one and it fits (catalog.mmv8_launch_smem: the kernel follows what it is given).
-    k.mmv8_overrides (kind -> defines), where set: the defines k.mmv8's modules were built with
-    beyond catalog.mmv8_options (benchmarks that time other variants)."""
-    if mmv8_smem(K) > MMV8_SMEM_MAX:
+    over the rows of each matrix (each its own row groups): one resident wave, a block column per
+    activation row."""
+    smem = mmv8_smem(K)
+    if smem > MMV8_SMEM_MAX:
         raise ValueError(f"mmv8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
-    smem = mmv8_launch_smem(kind, K, qtypes, (getattr(k, "mmv8_overrides", None) or {}).get(kind))
     groups = sum(-(-r // MMV8_R[kind]) for r in rows)
     blocks = _max_grid(k, fn, smem, MMV8_WARPS)
     wpr = mmv8_wpr(K, groups, blocks)
@@ -192,7 +188,7 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
         for w, bias, y, ys in segs:
             args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)] * (3 - len(segs))
-        grid, wpr, smem = _mmv8_launch(k, fn, 1, [w.rows for w, *_ in segs], K, nb, [w.qtype for w, *_ in segs])
+        grid, wpr, smem = _mmv8_launch(k, fn, 1, [w.rows for w, *_ in segs], K, nb)
         nw, eps = norm if norm is not None else (0, 0.0)
         _launch(fn, grid, (MMV8_WARPS * 32,),
                 (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), _I32(1), _U64(nw),
@@ -240,7 +236,7 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     _check_x(x, xs, K)
     if q8:
         fn = k.mmv8["ffn8"]
-        grid, wpr, smem = _mmv8_launch(k, fn, 2, [wg.rows], K, nb, [wg.qtype])
+        grid, wpr, smem = _mmv8_launch(k, fn, 2, [wg.rows], K, nb)
         nw, eps = norm if norm is not None else (0, 0.0)
         _launch(fn, grid, (MMV8_WARPS * 32,),
                 (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
