@@ -199,8 +199,8 @@ def test_model_parity(hybrid_model, rng):
 
 
 def test_model_parity_chunked(hybrid_model, rng, monkeypatch):
-    """With the chunked rule on from 64 rows (dispatch.DN_CHUNK_MIN_TOKENS, None in the table until
-    measured): a 100-token prompt (whole chunks and a tail), a 150-token one in two prompt steps (the
+    """With the chunked rule on from 64 rows (dispatch.DN_CHUNK_MIN_TOKENS, held there whatever the
+    table says): a 100-token prompt (whole chunks and a tail), a 150-token one in two prompt steps (the
     second's 80 rows chunked from the state the first left), a batch of a long prompt, short ones and
     one of exactly 64 rows (whole chunks, no tail), then decode steps over them: every row's logits
     at cosine >= COS_MIN to the NumPy backend's, the greedy tokens the oracle's, and the prompt steps

@@ -111,11 +111,11 @@ MOE_GROUPED_BN = (8, 16, 32, 64)
 # live slot of at least DN_CHUNK_MIN_TOKENS rows runs its whole chunks of support.DN_CHUNK rows in the
 # chunked form first (dn_chunk_k<dk>: per chunk the decay-weighted k.k and q.k products, a triangular
 # solve per value column and one state update, its barriers a chunk's), the rows after them token
-# by token; decode steps never do (their graphs are unchanged). None: every segment token by token,
-# until a GPU measurement sets the threshold: the shortest segment on which the chunked pair beats
-# dn_delta at Qwen3.5/3.6's heads (benchmarks/deltanet_chunk_bench.py), confirmed by a long prompt
-# through a whole model. It must be at least support.DN_CHUNK (a chunked segment holds a whole chunk).
-DN_CHUNK_MIN_TOKENS: int | None = None
+# by token; decode steps never do (their graphs are unchanged). The rule: the shortest segment timed
+# on which the chunked pair beats dn_delta at Qwen3.5/3.6's heads (benchmarks/deltanet_chunk_bench.py:
+# from 64 rows, the shortest it times, on); at least support.DN_CHUNK (a chunked segment holds a whole
+# chunk). None would run every segment token by token.
+DN_CHUNK_MIN_TOKENS: int | None = 64
 
 # Dispatcher.linear's and gated's choices remembered at most (all dropped when full): a model's groups
 # times the step shapes a server runs at once
