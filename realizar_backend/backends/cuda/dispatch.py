@@ -51,6 +51,10 @@ MMQS_L2_BYTES = 64 << 20
 # Decode steps of this many rows or more run on the kept split16 weights: 4 bytes a weight read at
 # GEMM speed once per step, which beats re-reading the quantized blocks per 64-row tile from here.
 SPLIT16_MIN_ROWS = 64
+# mmq.cu's 8-bit-activation variant (mmq.MmqPrep(a8=True): each 32 activations quantized as mmv8.cu
+# does, one int8 mma a unit) takes no step yet: at a 7B step's shapes it beats mmq.cu's fp16 tiles
+# from 32 rows but not split16 where that runs, nor mmqs.cu at 16 rows (docs/performance.md). It
+# gets a row here where a step of it beats the family that step takes.
 # Prompt steps of up to this many tokens (short prompts, the tail after a cached prefix) run on the
 # tensor-core projections, padded to a bucket (PROMPT_MIN_BUCKET, then multiples of 16: mmqs.cu's
 # 8- and 16-row tiles) and replayed from one CUDA graph per bucket.
