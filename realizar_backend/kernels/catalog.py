@@ -52,8 +52,8 @@ MMVF_HEAD_R = 4
 FFNF_R = {1: 1}
 # mmv8.cu (one-row GEMVs on 8-bit activations, dp4a): warps a block and blocks an SM its registers
 # must allow (-DMMV8_WARPS, -DMMV8_MINB): 2 x 16 warps hold half the SM's 64 warps at 64 registers a
-# thread (65536 / (2 x 512)); each block quantizes the whole input row, so 2 larger blocks an SM
-# quantize it half as often as 4 blocks of 8 warps would
+# thread (65536 / (2 x 512)); each block copies the whole quantized input row, so 2 larger blocks an
+# SM copy it half as often as 4 blocks of 8 warps would
 MMV8_WARPS = 16
 MMV8_MINB = 2
 # rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane loads per loop trip
@@ -61,16 +61,23 @@ MMV8_MINB = 2
 # registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
 MMV8_R = {1: 2, 2: 1}
 MMV8_UNROLL = {1: 1, 2: 2}
-# float4 loads a thread has in flight while quantizing the input row (-DMMV8_STAGE_UNROLL), one memory
-# latency per trip of 512 x this many: 8 for mmv8 (a down projection's 18944-27648 values in 2-4
-# trips), 4 for ffn8 (its input, the hidden row, in one trip up to 8192 values; 8 spills there)
-MMV8_STAGE_UNROLL = {1: 8, 2: 4}
-# dynamic shared memory of an mmv8.cu launch: the row's int8 values, then (d, d * sum q) per 32
+# trips of Q4_K weights a lane holds (-DMMV8_LD; mmv8_q4k): 1 = each trip's loads issued just before
+# it is worked on; 2 (the next trip's in flight meanwhile) spills at 64 registers with 2 rows (or
+# gate + up) and was slower end to end
+MMV8_LD = {1: 1, 2: 1}
+# threads a block of mmv8_q8 (the input's quantization: a float4 piece a thread; its __launch_bounds__)
+MMV8_Q8_THREADS = 256
+# dynamic shared memory of an mmv8.cu launch: the row's int8 values (padded to whole 256-value
+# super-blocks: mmv8.cu mmv8_kpad), then (d, d * sum q) per 32, in whole 16-byte copies
 MMV8_SMEM_MAX = 100 * 1024
+# the device's scratch for mmv8_q8's rows (modules.Kernels.mmv8_xq): 4 rows of the longest input
+MMV8_XQ_BYTES = 4 * MMV8_SMEM_MAX
 
 
 def mmv8_smem(K: int) -> int:
-    return K + 8 * (K // 32)
+    return (K + 255) // 256 * 256 + (8 * (K // 32) + 15) // 16 * 16
+
+
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
@@ -129,10 +136,9 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
 
 
 def mmv8_options(kind: int) -> tuple[str, ...]:
-    """The options of mmv8.cu's module of kind 1 (mmv8_nb1) or 2 (ffn8_nb1)."""
+    """The options of mmv8.cu's module of kind 1 (mmv8_nb1, mmv8_q8) or 2 (ffn8_nb1)."""
     return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
-            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}",
-            f"-DMMV8_STAGE_UNROLL={MMV8_STAGE_UNROLL[kind]}")
+            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}", f"-DMMV8_LD={MMV8_LD[kind]}")
 
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:

@@ -1,33 +1,34 @@
 // One-row quantized GEMV on 8-bit activations (the q8_1 scheme of llama.cpp's mmvq): y[r] = W[r] . x
-// with x quantized per 32 values (q = rint(x / d), d = max|x| / 127) into shared memory by the block
-// itself, and each weight unit applied by 8 dp4a on its int8 values (common.cuh QUnit). For the
-// types with a QUnit decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the others stay on
-// mmvf.cu. Same arguments as mmvf.cu's mmvf_nb1 / ffnf_nb1 (the host swaps the function only).
+// with x quantized per 32 values (q = rint(x / d), d = max|x| / 127) once per input by mmv8_q8 (the
+// RMSNorm folded in there), and each weight unit applied by dp4a on its int8 values. For the types
+// with a QUnit decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the others stay on mmvf.cu.
 //
-// Why not mmvf.cu's layout at one row: its fp32 rows staged in shared memory take 4 K bytes (76 KB
-// at K = 18944), so 2 blocks fit an SM, and its 32 activations a unit take 32 registers and 32 FMA
-// + 32 PRMT per unit and row: few warps, each long in its arithmetic, cannot keep enough weight loads
-// in flight. Here a row takes 1.25 K bytes (8 bits a value + 8 bytes a unit), a unit's activations
-// 10 registers (two 16-byte and one 8-byte shared load) and 8 dp4a, so __launch_bounds__(MMV8_WARPS
-// * 32, MMV8_MINB) holds the registers to 64 and the blocks to half the SM's warps (50% occupancy),
-// every warp with MMV8_R x MMV8_UNROLL weight units (16-byte loads) in flight. The longest rows (the
-// 32B down projection, K = 27648: 35 KB) stage too, so K is never split across blocks (no partial
-// sums through global memory to add in a fixed order).
+// Why the input is quantized by its own launch: every block of a GEMV needs the whole row, and a
+// block that quantized it itself (a read of K floats and the arithmetic, before any weight is used)
+// spent a fifth of a down projection's time there; copying the 8-bit row (1.25 K bytes) costs one
+// 16-byte asynchronous copy per thread. mmv8_q8 is a few blocks (one per 1024 values); the GEMV that
+// follows waits for it with pdl_wait and has its first weights in flight by then.
 //
-// A warp owns MMV8_R consecutive rows (of every matrix of the launch: ffn8's gate and up) and its
-// lanes stride over 32-weight units; `wpr` warps share one row group for long rows, each a strided
-// share of the units, their sums added through shared memory in a fixed order (bitwise the same
-// result every run: no atomics on floats, the split of K stays inside a block). Blocks stride over
-// the row groups (one resident wave, one staging per block). grid.y: one block column per
-// activation row (rows past the first re-read the weights: the dispatcher sends one-row steps here).
-// RMSNorm folded in (nw != 0): x / rms(x) * nw before the quantization. Argmax folded in (amax != 0,
-// mmvf.cu's rule: an order-keeping 64-bit key per output, one atomicMax per block).
-// Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, 1.25 K bytes of
-// dynamic shared memory (catalog.mmv8_smem). The defines' values: catalog.mmv8_options.
+// A block stages the quantized row in shared memory (mmv8_smem bytes) and its warps stride over row
+// groups: a warp owns MMV8_R consecutive rows (of every matrix of the launch: ffn8's gate and up),
+// `wpr` warps share one group for long rows, each a strided share of it, their sums added through
+// shared memory in a fixed order (bitwise the same result every run: no atomics on floats, the split
+// of K stays inside a block). Blocks stride over the groups (one resident wave). grid.y: one block
+// column per activation row (rows past the first re-read the weights: the dispatcher sends one-row
+// steps here). Argmax folded in (amax != 0, mmvf.cu's rule: an order-keeping 64-bit key per output,
+// one atomicMax per block).
+//
+// Q4_K (most of a Q4_K_M model's bytes) has a loop of its own: a lane takes one 16-byte piece of a
+// super-block's 128 quant bytes (both nibbles: values l..l+15 of units 2p and 2p + 1), so the 8
+// lanes of a quarter-warp cover one super-block and a warp four, every quant byte loaded once, its
+// loads for the next trip in flight while it works on this one. The other types take one 32-value
+// unit a lane (QUnit, common.cuh).
+// Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, mmv8_smem(K)
+// bytes of dynamic shared memory. The defines' values: catalog.mmv8_options.
 #include "common.cuh"
 
 #ifndef MMV8_WARPS
-#define MMV8_WARPS 16      // blocks of 16 warps: each block quantizes the whole input, 2 blocks an SM
+#define MMV8_WARPS 16      // blocks of 16 warps, 2 blocks an SM
 #endif
 #ifndef MMV8_R
 #define MMV8_R 2
@@ -38,23 +39,33 @@
 #ifndef MMV8_UNROLL
 #define MMV8_UNROLL 1      // loop trips a lane's loads are issued for at once (one memory latency)
 #endif
-#ifndef MMV8_STAGE_UNROLL
-#define MMV8_STAGE_UNROLL 8   // float4 loads in flight per thread while quantizing the input (catalog.py)
+#ifndef MMV8_LD
+#define MMV8_LD 2          // trips of Q4_K weights a lane holds in registers (the one it works on included)
 #endif
 constexpr int kMmv8Unroll = MMV8_UNROLL;
 
 #ifdef REALIZAR_HOST_TEST
 #define MMV8_DYN_SMEM(name) u8* name = emu::dyn_smem()
+#define MMV8_PIN(x) (void)0
 #else
 #define MMV8_DYN_SMEM(name) extern __shared__ __align__(16) u8 name[]
+// keeps a lane constant in its register: the compiler would recompute it in every loop trip
+#define MMV8_PIN(x) asm volatile("" : "+r"(x))
 #endif
 
-// Staged row: unit u's 32 int8 values at bytes 32u.., its 16-byte halves swapped when bit 2 of u is
-// set (the 8 lanes of a quarter-warp read units u..u+7: without the swap 4 of them share banks),
-// then one float2 (d, d * sum q) per unit at byte K.
-__device__ __forceinline__ int mmv8_half(int u, int h) { return 16 * (h ^ ((u >> 2) & 1)); }
+// ------------------------------------------------------------------ the 8-bit row
+// Unit u's 32 int8 values (half h: values 16h..16h+15) at byte mmv8_off(u, h): super-block s = u >> 3
+// takes bytes 256 s .. 256 s + 255, its even units the first 128, its odd units the second. The 8
+// lanes of a quarter-warp then read 128 distinct contiguous bytes in both loops: Q4_K's lanes read
+// half (c & 1) of units 2p and 2p + 1 (c = 2p + (c & 1)); a unit-per-lane loop reads half (u & 1)
+// of unit u first, then the other. The int8 part is padded to mmv8_kpad(K) bytes; (d, d * sum q) as a
+// float2 per unit follows it. The row takes catalog.mmv8_smem(K) bytes (whole 16-byte pieces).
+__host__ __device__ constexpr int mmv8_kpad(int K) { return (K + 255) & ~255; }
+__device__ __forceinline__ int mmv8_off(int u, int h) {
+    return 256 * (u >> 3) + 128 * (u & 1) + 32 * ((u >> 1) & 3) + 16 * h;
+}
 
-// sum over the 8 lanes of an aligned lane group (the 8 float4 pieces of one unit)
+// sum and max over the 8 lanes of an aligned lane group (the 8 float4 pieces of one unit)
 __device__ __forceinline__ float mmv8_sum8(float v) {
 #pragma unroll
     for (int o = 4; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -66,70 +77,78 @@ __device__ __forceinline__ float mmv8_max8(float v) {
     return v;
 }
 
-// Quantize one activation row x[0..K) (times inv * nw[k] when nw) into the staged layout at sm. A
-// thread takes float4 pieces g = tid + i * blockDim (piece g & 7 of unit g >> 3: the 8 pieces of a
-// unit are 8 neighbouring lanes), MMV8_STAGE_UNROLL loads issued before any is used. Block-uniform
-// trip counts (the shuffles need every lane); a lane group is wholly inside or past the row.
-__device__ __forceinline__ void mmv8_quant(const float* __restrict__ x, int K, const float* __restrict__ nw, float inv,
-                                           u8* sm) {
-    const int n4 = K >> 2, step = blockDim.x * MMV8_STAGE_UNROLL;
-    float2* ds = (float2*)(sm + K);
-    for (int base = 0; base < n4; base += step) {
-        float4 v[MMV8_STAGE_UNROLL];
-#pragma unroll
-        for (int i = 0; i < MMV8_STAGE_UNROLL; ++i) {
-            int g = base + threadIdx.x + i * blockDim.x;
-            v[i] = g < n4 ? __ldg((const float4*)x + g) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (nw && g < n4) {
-                float4 w = __ldg((const float4*)nw + g);
-                v[i] = make_float4(v[i].x * inv * w.x, v[i].y * inv * w.y, v[i].z * inv * w.z, v[i].w * inv * w.w);
-            }
+#if !defined(MMV8_KIND) || MMV8_KIND == 1 || defined(REALIZAR_HOST_TEST)
+// xq[b] = the 8-bit form of x[b] (times 1 / rms(x[b]) * nw when nw): a thread per float4 piece g
+// (piece g & 7 of unit g >> 3: the 8 pieces of a unit are 8 neighbouring lanes), grid.y rows.
+// Every block computes the row's sum of squares itself (a read of K floats from L2), so the blocks
+// never wait on each other. Rounding as quant_q8_lane (common.cuh), the norm as mmvf.cu folds it.
+// 256 threads (catalog.MMV8_Q8_THREADS): part[] holds their 8 warps' sums
+extern "C" __global__ void __launch_bounds__(256) mmv8_q8(const float* __restrict__ x, int xs, int K,
+                                                          const float* __restrict__ nw, float eps, u8* xq,
+                                                          long long xqs) {
+    pdl_wait();
+    pdl_trigger();     // a few blocks, all placed at once: the GEMV's blocks may take the SMs' rest
+    const float* xr = x + (long long)blockIdx.y * xs;
+    u8* out = xq + blockIdx.y * xqs;
+    const int n4 = K >> 2, g = blockIdx.x * blockDim.x + threadIdx.x;
+    float inv = 1.0f;
+    if (nw) {
+        __shared__ float part[8];
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+            float4 v = __ldg((const float4*)xr + i);
+            ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
         }
-#pragma unroll
-        for (int i = 0; i < MMV8_STAGE_UNROLL; ++i) {
-            int g = base + threadIdx.x + i * blockDim.x, u = g >> 3, c = g & 7;
-            float m = mmv8_max8(fmaxf(fmaxf(fabsf(v[i].x), fabsf(v[i].y)), fmaxf(fabsf(v[i].z), fabsf(v[i].w))));
-            float d = m / 127.0f;                              // as quant_q8_lane (common.cuh)
-            float id = d > 0.0f ? 1.0f / d : 0.0f;
-            int q0 = (int)rintf(v[i].x * id), q1 = (int)rintf(v[i].y * id);
-            int q2 = (int)rintf(v[i].z * id), q3 = (int)rintf(v[i].w * id);
-            float s = mmv8_sum8((float)((q0 + q1) + (q2 + q3)));    // |sum| <= 32 * 127: exact
-            if (g < n4) {
-                *(u32*)(sm + 32 * u + mmv8_half(u, c >> 2) + 4 * (c & 3)) =
-                    (u32)(q0 & 255) | ((u32)(q1 & 255) << 8) | ((u32)(q2 & 255) << 16) | ((u32)(q3 & 255) << 24);
-                if (c == 0) ds[u] = make_float2(d, d * s);
-            }
-        }
-    }
-}
-
-// 1 / rms(x) over the block (the folded norm's scale); block-uniform barriers
-__device__ __forceinline__ float mmv8_inv_rms(const float* __restrict__ x, int K, float eps) {
-    __shared__ float part[MMV8_WARPS];
-    __shared__ float inv_s;
-    float ss = 0.0f;
-#pragma unroll 4
-    for (int g = threadIdx.x; g < (K >> 2); g += blockDim.x) {
-        float4 v = __ldg((const float4*)x + g);
-        ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
-    }
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
+        ss = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+        __syncthreads();
         float t = 0.0f;
-        for (int w = 0; w < MMV8_WARPS; ++w) t += part[w];
-        inv_s = rsqrtf(t / K + eps);
+        for (int w = 0; w < 8; ++w) t += part[w];
+        inv = rsqrtf(t / K + eps);
     }
+    float4 v = g < n4 ? __ldg((const float4*)xr + g) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (nw && g < n4) {
+        float4 w = __ldg((const float4*)nw + g);
+        v = make_float4(v.x * inv * w.x, v.y * inv * w.y, v.z * inv * w.z, v.w * inv * w.w);
+    }
+    int u = g >> 3, c = g & 7;
+    float m = mmv8_max8(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    float d = m / 127.0f;                                  // as quant_q8_lane (common.cuh)
+    float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int q0 = (int)rintf(v.x * id), q1 = (int)rintf(v.y * id);
+    int q2 = (int)rintf(v.z * id), q3 = (int)rintf(v.w * id);
+    float s = mmv8_sum8((float)((q0 + q1) + (q2 + q3)));      // |sum| <= 32 * 127: exact
+    if (g < n4) {
+        *(u32*)(out + mmv8_off(u, c >> 2) + 4 * (c & 3)) =
+            (u32)(q0 & 255) | ((u32)(q1 & 255) << 8) | ((u32)(q2 & 255) << 16) | ((u32)(q3 & 255) << 24);
+        if (c == 0) ((float2*)(out + mmv8_kpad(K)))[u] = make_float2(d, d * s);
+    }
+}
+#endif
+
+// the block's activation row (blockIdx.y) copied into sm once the launch before (mmv8_q8) finished;
+// block-uniform barrier. No weights go towards L2 before it (as mmvf.cu's rows do): one resident wave
+// reads every row in its first round, and a bulk prefetch of them all ran ahead of the loads and
+// was evicted before use (a down projection took 30% longer with it)
+__device__ __forceinline__ void mmv8_stage(const u8* __restrict__ xq, long long xqs, int K, u8* sm) {
+    pdl_wait();
+    const u8* src = xq + blockIdx.y * xqs;
+    const int n16 = (mmv8_kpad(K) + 8 * (K >> 5) + 15) >> 4;      // catalog.mmv8_smem
+    for (int i = threadIdx.x; i < n16; i += blockDim.x) cp_async16(sm + 16 * i, src + 16 * i);
+    cp_async_wait_all();
     __syncthreads();
-    return inv_s;
 }
 
-// the dot of a decoded unit with staged unit u (halves a, c; (d, d * sum q) ds), as qunit_dot
+// ------------------------------------------------------------------ one unit a lane (QUnit types)
+// the dot of a decoded unit with activation halves a (values 0..15), c (16..31) and (d, d * sum q)
 __device__ __forceinline__ float mmv8_dot(const QUnit& w, int4 a, int4 c, float2 ds) {
     int lo = __dp4a(w.v[0], a.x, __dp4a(w.v[1], a.y, __dp4a(w.v[2], a.z, __dp4a(w.v[3], a.w, 0))));
     int hi = __dp4a(w.v[4], c.x, __dp4a(w.v[5], c.y, __dp4a(w.v[6], c.z, __dp4a(w.v[7], c.w, 0))));
     return w.A * ds.x * (float)(w.s0 * lo + w.s1 * hi) + w.C * ds.y;
+}
+
+__device__ __forceinline__ int4 mmv8_sel(bool s, int4 a, int4 b) {
+    return make_int4(s ? a.x : b.x, s ? a.y : b.y, s ? a.z : b.z, s ? a.w : b.w);
 }
 
 // rows of a group whose units a lane loads together: all MMV8_R, but Q5_K's unit (four 16-byte loads
@@ -148,7 +167,7 @@ __device__ __forceinline__ void mmv8_rows(const u8* const (&W)[M], long long rb,
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int i = 0; i < MMV8_R; ++i) rows[m][i] = W[m] + (long long)min(r0 + i, rlast) * rb;
-    const float2* ds = (const float2*)(sm + 32 * nu);
+    const float2* ds = (const float2*)(sm + mmv8_kpad(32 * nu));
 #pragma unroll kMmv8Unroll
     for (int u = u0; u < nu; u += ustep) {
         constexpr int F = mmv8_flight(QT);
@@ -161,9 +180,11 @@ __device__ __forceinline__ void mmv8_rows(const u8* const (&W)[M], long long rb,
             for (int m = 0; m < M; ++m)
 #pragma unroll
                 for (int i = 0; i < F; ++i) load_qunit<QT>(rows[m][i0 + i], u, nu, w[m][i]);
-            if (i0 == 0) {
-                a = *(const int4*)(sm + 32 * u + mmv8_half(u, 0));
-                c = *(const int4*)(sm + 32 * u + mmv8_half(u, 1));
+            if (i0 == 0) {     // half (u & 1) first: the quarter-warp's 8 units fill 8 distinct 16-byte slots
+                const bool odd = u & 1;
+                int4 f = *(const int4*)(sm + mmv8_off(u, odd)), s = *(const int4*)(sm + mmv8_off(u, !odd));
+                a = mmv8_sel(odd, s, f);
+                c = mmv8_sel(odd, f, s);
                 d = ds[u];
             }
 #pragma unroll
@@ -174,9 +195,109 @@ __device__ __forceinline__ void mmv8_rows(const u8* const (&W)[M], long long rb,
     }
 }
 
+// ------------------------------------------------------------------ Q4_K: a 16-byte piece a lane
+// 16-byte weight load, not kept in L1 (read once); a plain load on the host
+__device__ __forceinline__ uint4 mmv8_ldw(const u8* p) {
+#if defined(__CUDA_ARCH__)
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+#else
+    return *(const uint4*)p;
+#endif
+}
+
+// dp4a with unsigned bytes in a (Q4_K's high nibbles in place: 16 x their value, up to 240)
+__device__ __forceinline__ int dp4a_u8s8(u32 a, int b, int c) {
+#if defined(__CUDA_ARCH__)
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+#else
+    for (int k = 0; k < 4; ++k) c += (int)((a >> (8 * k)) & 255u) * (int)(signed char)((u32)b >> (8 * k));
+    return c;
+#endif
+}
+
+// Partial sums of rows r0 .. r0+R-1 (clamped to rlast) of M Q4_K matrices over super-block trips
+// t0, t0 + tstep, ... (a trip: 4 super-blocks, 576 bytes of a row). Lane: super-block 4t + (lane >> 3)
+// of the trip, piece c = lane & 7 of its 128 quant bytes (c = 2p + h: values 16h..16h+15 of units 2p
+// (low nibbles) and 2p + 1 (high nibbles)), and the block's 16-byte head (d, dmin, 12 scale bytes),
+// which the 8 lanes of the super-block load alike (one L1 line). Loads of trip k + MMV8_LD - 1 are
+// issued before trip k is worked on.
+template <int M>
+__device__ __forceinline__ void mmv8_q4k(const u8* const (&W)[M], long long rb, int r0, int rlast, int nu, int t0,
+                                         int tstep, const u8* sm, float (&acc)[M][MMV8_R]) {
+    constexpr int S = M * MMV8_R, D = MMV8_LD;
+    const int lane = threadIdx.x & 31, c = lane & 7, q = lane >> 3, p = c >> 1;
+    const int nsb = nu >> 3, trips = (nsb + 3) >> 2;
+    // scale and min of units 2p, 2p + 1 are bytes of 16-bit half (p & 1) of the scale words; pairs
+    // 2, 3 take their low 4 bits from word 2 and their high 2 from bits 6-7 of words 0 / 1
+    u32 sh = 16 * (p & 1), shA = sh + (p >= 2 ? 2 : 0), sh4 = sh + 4;
+    u32 mA = p >= 2 ? 0x3030u : 0x3F3Fu, mC = p >= 2 ? 0x0F0Fu : 0u;
+    u32 hm = (c & 1) ? 0u : 0x3F800000u;                  // 1.0f: the min term once a unit (first half)
+    int ql = (nsb - q + 3) >> 2;                          // trips in which this lane has a super-block
+    MMV8_PIN(sh); MMV8_PIN(shA); MMV8_PIN(sh4); MMV8_PIN(mA); MMV8_PIN(mC); MMV8_PIN(hm); MMV8_PIN(ql);
+    const u8* rows[S];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int i = 0; i < MMV8_R; ++i)
+            rows[m * MMV8_R + i] = W[m] + (long long)min(r0 + i, rlast) * rb + 144 * q + 16 + 16 * c;
+    // the halves of units 2p, 2p + 1 of the lane's super-block at act + 1024 t, their (d, d sum q)
+    // pairs at dsp + 256 t; a lane past the row's end reads super-block 0's instead (discarded)
+    int aoff = 16 * c + 256 * q, doff = mmv8_kpad(32 * nu) + 16 * p + 64 * q;
+    const int a0off = 16 * c, d0off = mmv8_kpad(32 * nu) + 16 * p;
+    MMV8_PIN(aoff); MMV8_PIN(doff);
+    uint4 wq[D][S], wh[D][S];
+    auto load = [&](int k, int t) {
+        if (t < trips && t < ql)
+#pragma unroll
+            for (int s = 0; s < S; ++s) {
+                wq[k][s] = mmv8_ldw(rows[s] + 576 * t);
+                wh[k][s] = mmv8_ldw(rows[s] + 576 * t - 16 - 16 * c);
+            }
+    };
+#pragma unroll
+    for (int k = 0; k < D - 1; ++k) load(k, t0 + k * tstep);
+    const u32 L = 0x0F0F0F0Fu;
+    for (int t = t0; t < trips; t += D * tstep) {
+#pragma unroll
+        for (int k = 0; k < D; ++k) {
+            const int tk = t + k * tstep;
+            if (tk >= trips) break;
+            load((k + D - 1) % D, tk + (D - 1) * tstep);
+            const bool ok = tk < ql;
+            const u8* ap = sm + (ok ? aoff + 1024 * tk : a0off);
+            const int4 a0 = *(const int4*)ap, a1 = *(const int4*)(ap + 128);
+            const float4 dd = *(const float4*)(sm + (ok ? doff + 256 * tk : d0off));
+            const float dz = dd.z * 0.0625f, my = dd.y * __uint_as_float(hm), mw = dd.w * __uint_as_float(hm);
+#pragma unroll
+            for (int s = 0; s < S; ++s) {
+                const uint4 w = wq[k][s], h = wh[k][s];
+                int s0 = __dp4a((int)(w.x & L), a0.x, __dp4a((int)(w.y & L), a0.y,
+                         __dp4a((int)(w.z & L), a0.z, __dp4a((int)(w.w & L), a0.w, 0))));
+                int s1 = dp4a_u8s8(w.x & ~L, a1.x, dp4a_u8s8(w.y & ~L, a1.y,
+                         dp4a_u8s8(w.z & ~L, a1.z, dp4a_u8s8(w.w & ~L, a1.w, 0))));
+                u32 sc = ((h.w >> sh) & mC) | ((h.y >> shA) & mA);       // scales of units 2p, 2p + 1
+                u32 mn = ((h.w >> sh4) & mC) | ((h.z >> shA) & mA);      // their mins
+                float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+                float v = (float)((int)(sc & 255) * s0) * dd.x + (float)((int)(sc >> 8) * s1) * dz;
+                float mt = (float)(mn & 255) * my + (float)(mn >> 8) * mw;
+                float n = fmaf(d, v, fmaf(-dmin, mt, acc[s / MMV8_R][s % MMV8_R]));
+                acc[s / MMV8_R][s % MMV8_R] = ok ? n : acc[s / MMV8_R][s % MMV8_R];
+            }
+        }
+    }
+}
+
+// the partial sums of one row group: Q4_K by trips of 4 super-blocks (a warp group's `wpr` warps
+// take every wpr-th trip), the other types by units (every 32 wpr-th unit a lane)
 template <int M>
 __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], long long rb, int r0, int rlast, int nu,
-                                              int u0, int ustep, const u8* sm, float (&acc)[M][MMV8_R]) {
+                                              int sub, int wpr, const u8* sm, float (&acc)[M][MMV8_R]) {
+    const int u0 = sub * 32 + (threadIdx.x & 31), ustep = 32 * wpr;
 #define MMV8_CASE(Q) case Q: if constexpr (QT_ON(Q)) mmv8_rows<Q, M>(W, rb, r0, rlast, nu, u0, ustep, sm, acc); break;
     switch (qt) {
         MMV8_CASE(QT_Q4_0)
@@ -184,7 +305,9 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
         MMV8_CASE(QT_Q5_0)
         MMV8_CASE(QT_Q5_1)
         MMV8_CASE(QT_Q8_0)
-        MMV8_CASE(QT_Q4_K)
+        case QT_Q4_K:
+            if constexpr (QT_ON(QT_Q4_K)) mmv8_q4k<M>(W, rb, r0, rlast, nu, sub, wpr, sm, acc);
+            break;
         MMV8_CASE(QT_Q5_K)
         MMV8_CASE(QT_Q6_K)
         default: break;
@@ -258,20 +381,8 @@ __device__ __forceinline__ Mmv8Seg mmv8_seg(const Mmv8Seg (&s)[3], int G, int& g
     return s[2];
 }
 
-// the block's activation row (blockIdx.y) quantized into sm, after the first round's rows went
-// towards L2 (prefetch(G) names them) and the kernel before finished; block-uniform barriers
-__device__ __forceinline__ void mmv8_stage(const float* __restrict__ x, int xs, int K, const float* nw, float eps,
-                                           u8* sm) {
-    pdl_wait();
-    const float* xr = x + (long long)blockIdx.y * xs;
-    float inv = nw ? mmv8_inv_rms(xr, K, eps) : 1.0f;
-    mmv8_quant(xr, K, nw, inv, sm);
-    __syncthreads();
-}
-
-__device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const float* __restrict__ x, int xs,
-                                          int wpr, int accumulate, const float* nw, float eps,
-                                          unsigned long long* amax) {
+__device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const u8* __restrict__ xq, long long xqs,
+                                          int wpr, int accumulate, unsigned long long* amax) {
     MMV8_DYN_SMEM(sm);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
@@ -280,14 +391,7 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
     for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMV8_R - 1) / MMV8_R;
     int b = blockIdx.y;
     unsigned long long best = 0ull;       // this thread's largest argmax key (amax)
-    {   // the first round's rows towards L2 while the kernel before may still run
-        int G = blockIdx.x * gpb + wid / wpr, g;
-        if (sub == 0 && lane == 0 && G < groups) {
-            Mmv8Seg s = mmv8_seg(seg, G, g);
-            l2_prefetch(s.W + (long long)g * MMV8_R * s.rb, (long long)min(MMV8_R, s.n - g * MMV8_R) * s.rb);
-        }
-    }
-    mmv8_stage(x, xs, K, nw, eps, sm);
+    mmv8_stage(xq, xqs, K, sm);
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // block-uniform trips
         int G = base + wid / wpr;
         bool live = G < groups;
@@ -298,7 +402,7 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
 #pragma unroll
         for (int i = 0; i < MMV8_R; ++i) acc[0][i] = 0.0f;
         const u8* const Ws[1] = {s.W};
-        if (live) mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
+        if (live) mmv8_dispatch<1>(s.qt, Ws, s.rb, r0, s.n - 1, K >> 5, sub, wpr, sm, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();     // the block's last round: loads issued
         mmv8_reduce<1>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -322,19 +426,14 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
 }
 
 __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt,
-                                          const float* __restrict__ x, int xs, int act, float* a, int as, int wpr,
-                                          const float* nw, float eps) {
+                                          const u8* __restrict__ xq, long long xqs, int act, float* a, int as,
+                                          int wpr) {
     MMV8_DYN_SMEM(sm);
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
     int groups = (N + MMV8_R - 1) / MMV8_R;
     int b = blockIdx.y;
-    {   // as mmv8_body: the first round's gate and up rows towards L2
-        int G = blockIdx.x * gpb + wid / wpr;
-        if (sub == 0 && lane < 2 && G < groups)
-            l2_prefetch((lane ? Wu : Wg) + (long long)G * MMV8_R * rb, (long long)min(MMV8_R, N - G * MMV8_R) * rb);
-    }
-    mmv8_stage(x, xs, K, nw, eps, sm);
+    mmv8_stage(xq, xqs, K, sm);
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmv8_body
         int G = base + wid / wpr;
         bool live = G < groups;
@@ -345,7 +444,7 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
 #pragma unroll
             for (int i = 0; i < MMV8_R; ++i) acc[m][i] = 0.0f;
         const u8* const Ws[2] = {Wg, Wu};
-        if (live) mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub * 32 + lane, 32 * wpr, sm, acc);
+        if (live) mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, sub, wpr, sm, acc);
         if (base + gridDim.x * gpb >= groups) pdl_trigger();
         mmv8_reduce<2>(acc, wpr, wid, sub, lane);
         if (live && sub == 0) {
@@ -357,25 +456,23 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
     }
 }
 
-// MMV8_KIND: 1 = mmv8_nb1 only, 2 = ffn8_nb1 only, unset = both (separate modules, as mmvf.cu's).
-// The arguments are mmvf.cu's (nb, stage and lpg unused: one activation row a block column, always
-// staged, a warp a group).
+// MMV8_KIND: 1 = mmv8_nb1 and mmv8_q8, 2 = ffn8_nb1 only, unset = all (separate modules, as mmvf.cu's).
+// xq: mmv8_q8's output, xqs bytes a row (grid.y rows).
 #if !defined(MMV8_KIND) || MMV8_KIND == 1
 extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) mmv8_nb1(
     const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,
     const u8* W1, long long rb1, int n1, int qt1, const float* b1, float* y1, int ys1,
     const u8* W2, long long rb2, int n2, int qt2, const float* b2, float* y2, int ys2,
-    int K, const float* x, int xs, int nb, int wpr, int accumulate, int stage, const float* nw,
-    float eps, unsigned long long* amax) {
+    int K, const u8* xq, long long xqs, int wpr, int accumulate, unsigned long long* amax) {
     const Mmv8Seg seg[3] = {{W0, rb0, n0, qt0, b0, y0, ys0}, {W1, rb1, n1, qt1, b1, y1, ys1},
                             {W2, rb2, n2, qt2, b2, y2, ys2}};
-    mmv8_body(seg, K, x, xs, wpr, accumulate, nw, eps, amax);
+    mmv8_body(seg, K, xq, xqs, wpr, accumulate, amax);
 }
 #endif
 #if !defined(MMV8_KIND) || MMV8_KIND == 2
 extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) ffn8_nb1(
-    const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const float* x, int xs, int nb,
-    int act, float* a, int as, int wpr, int stage, const float* nw, float eps, int lpg) {
-    ffn8_body(Wg, Wu, rb, N, K, qt, x, xs, act, a, as, wpr, nw, eps);
+    const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const u8* xq, long long xqs,
+    int act, float* a, int as, int wpr) {
+    ffn8_body(Wg, Wu, rb, N, K, qt, xq, xqs, act, a, as, wpr);
 }
 #endif

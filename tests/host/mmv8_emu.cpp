@@ -1,9 +1,9 @@
-// Runs one launch of kernels/mmv8.cu (mmv8_nb1 or ffn8_nb1) on the CPU through cuda_emu.h, for
-// tests/kernels/test_mmv8_host.py: argv[1] is a directory (emu_io.h) whose params.txt names the
-// kernel (`mmv8` or `ffn8`), the launch's scalars and its grid (grid_x, nb: grid.y), and whose .bin
-// files hold the weights in their device layouts, the input, the norm weight (nw, absent: no norm)
-// and the outputs as the test poisoned them. Built once per kind with the loader's defines
-// (catalog.mmv8_options), which fix the block size.
+// Runs one launch of kernels/mmv8.cu (mmv8_nb1 or ffn8_nb1, after mmv8_q8 quantized its input) on the
+// CPU through cuda_emu.h, for tests/kernels/test_mmv8_host.py: argv[1] is a directory (emu_io.h)
+// whose params.txt names the kernel (`mmv8` or `ffn8`), the launch's scalars and its grid (grid_x,
+// nb: grid.y), and whose .bin files hold the weights in their device layouts, the input, the norm
+// weight (nw, absent: no norm) and the outputs as the test poisoned them. Built once per kind with
+// the loader's defines (catalog.mmv8_options), which fix the block size.
 #include "cuda_emu.h"
 
 static inline unsigned long long __shfl_xor_sync(unsigned, unsigned long long v, int m) {
@@ -27,7 +27,11 @@ int main(int argc, char** argv) {
     auto nw = load_opt<float>("nw");
     const int K = inum("K"), xs = inum("xs"), nb = inum("nb"), wpr = inum("wpr");
     const float eps = (float)num("eps");
-    const size_t smem = (size_t)K + 8 * (size_t)(K / 32);        // ops.mmv8_smem
+    const size_t smem = (size_t)mmv8_kpad(K) + (8 * (size_t)(K / 32) + 15) / 16 * 16;   // catalog.mmv8_smem
+    const long long xqs = (long long)smem;                                            // ops._mmv8_quantize
+    std::vector<u8> xq((size_t)nb * xqs, 0xA5);      // poisoned: what the GEMV reads must be written
+    emu::launch(dim3{(unsigned)((K / 4 + 255) / 256), (unsigned)nb, 1}, dim3{256, 1, 1}, 0,
+                [&] { mmv8_q8(x.data(), xs, K, ptr(nw), eps, xq.data(), xqs); });
     dim3 grid{(unsigned)inum("grid_x"), (unsigned)nb, 1}, block{MMV8_WARPS * 32, 1, 1};
 #if !defined(MMV8_KIND) || MMV8_KIND == 1
     if (kernel == "mmv8") {
@@ -51,7 +55,7 @@ int main(int argc, char** argv) {
             mmv8_nb1(ptr(w[0]), rb[0], n[0], qt[0], ptr(b[0]), ptr(y[0]), ys[0],
                      ptr(w[1]), rb[1], n[1], qt[1], ptr(b[1]), ptr(y[1]), ys[1],
                      ptr(w[2]), rb[2], n[2], qt[2], ptr(b[2]), ptr(y[2]), ys[2],
-                     K, x.data(), xs, nb, wpr, acc, 1, ptr(nw), eps, ptr(amax));
+                     K, xq.data(), xqs, wpr, acc, ptr(amax));
         });
         for (int s = 0; s < S; ++s) save(("y" + std::to_string(s)).c_str(), y[s]);
         if (!amax.empty()) save("amax", amax);
@@ -66,8 +70,7 @@ int main(int argc, char** argv) {
         const long long rb = inum("rb");
         const int N = inum("N"), qt = inum("qt"), act = inum("act"), as = inum("as");
         emu::launch(grid, block, smem, [&] {
-            ffn8_nb1(wg.data(), wu.data(), rb, N, K, qt, x.data(), xs, nb, act, a.data(), as, wpr, 1, ptr(nw), eps,
-                     32);
+            ffn8_nb1(wg.data(), wu.data(), rb, N, K, qt, xq.data(), xqs, act, a.data(), as, wpr);
         });
         save("a", a);
         return 0;

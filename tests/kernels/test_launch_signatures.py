@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 DEFAULT_SMEM = 48 * 1024
 # kernel name -> (file, options beyond base_options) as backends/cuda/modules.py builds its module
 MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
+           "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
@@ -38,7 +39,7 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
-EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "moe_bucket_count", "moe_bucket_fill", "mmq_prep",
+EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe_bucket_count", "moe_bucket_fill", "mmq_prep",
                *(f"mmq_moe_bn{bn}" for bn in catalog.MMQ_BN)}
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
 
@@ -129,10 +130,20 @@ def test_grids_cover_the_kernels_indexing(launches):
     by = {}
     for L in launches:
         by.setdefault(L["kernel"].rstrip("0123456789").removesuffix("_bn").removesuffix("_k"), []).append(L)
+    # each GEMV follows the mmv8_q8 that quantized its input into the rows it reads (pointer and stride),
+    # one block column a row in both, mmv8_q8 a thread per 4 values
+    for i, L in enumerate(launches):
+        if L["kernel"] not in ("mmv8_nb1", "ffn8_nb1"):
+            continue
+        Q8, a = launches[i - 1], _args(L)
+        q = _args(Q8)
+        assert Q8["kernel"] == "mmv8_q8"
+        K, xq, xqs = (a[21], a[22], a[23]) if L["kernel"] == "mmv8_nb1" else (a[4], a[6], a[7])
+        assert (q[2], q[5], q[6]) == (K, xq, xqs) and xqs == catalog.mmv8_smem(K)
+        assert Q8["grid"] == [-(-(K // 4) // catalog.MMV8_Q8_THREADS), L["grid"][1]]
     for L in by["mmv8_nb"] + by["ffn8_nb"]:
-        nb = _args(L)[24] if L["kernel"] == "mmv8_nb1" else _args(L)[8]
-        assert L["grid"][1] == nb and L["block"] == [catalog.MMV8_WARPS * 32]
-        wpr = _args(L)[25] if L["kernel"] == "mmv8_nb1" else _args(L)[12]
+        assert L["block"] == [catalog.MMV8_WARPS * 32]
+        wpr = _args(L)[24] if L["kernel"] == "mmv8_nb1" else _args(L)[11]
         assert catalog.MMV8_WARPS % wpr == 0
         # every row group has a warp group in the first round (mmv8_body counts each segment's groups),
         # unless the grid is the resident wave (launch_record's Rec: 64 registers, 2 blocks on each of 132 SMs)

@@ -1,7 +1,7 @@
 """kernels/mmv8.cu (the one-row GEMVs on 8-bit activations) run on the CPU (tests/host/mmv8_emu.cpp
 over cuda_emu.h: every thread a fiber, the warp shuffles rendezvous of the real 32 lanes, warps at
 random speeds) against NumPy in float64, for every type the kernel takes, in the device layouts
-(formats/gpu_layout.py): the activations quantized as the kernel's twin (`q8_twin`: per 32 values,
+(formats/gpu_layout.py): the activations quantized by mmv8_q8, whose twin is `q8_twin` (per 32 values,
 d = max|x| / 127, q = rint(x / d)), then W @ (q d) in float64; the error is measured against sum |w x|
 as the GPU self-check does. Shapes whose units leave a lane pass part-empty, rows no row group or
 block divides, grids smaller than the row groups (blocks stride over them), every warps-per-row
@@ -185,20 +185,22 @@ def test_outputs_bitwise_the_same_at_any_warp_speed(emu1, tmp_path):
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
-# changed copies of the kernel that must fail the checks: the second half of every unit's
-# activations read from the first half's place, and the quantization's scale off by one step
-BROKEN = {"half": ("sm + 32 * u + mmv8_half(u, 1)", "sm + 32 * u + mmv8_half(u, 0)"),
-          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;")}
+# changed copies of the kernel that must fail the checks (and the type each is seen with): Q4_K's
+# high nibbles against the low nibbles' activations, a unit's second half read from its first
+# half's place, and the quantization's scale off by one step
+BROKEN = {"q4k_half": ("a1 = *(const int4*)(ap + 128);", "a1 = *(const int4*)ap;", Q.Q4_K),
+          "unit_half": ("c = mmv8_sel(odd, f, s);", "c = mmv8_sel(odd, s, f);", Q.Q6_K),
+          "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;", Q.Q4_K)}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
-    old, new = BROKEN[name]
+    old, new, qt = BROKEN[name]
     src = (KERNELS / "mmv8.cu").read_text()
     assert src.count(old) == 1, f"the mutation {name} no longer applies"
     d = tmp_path_factory.mktemp(f"broken_{name}")
     (d / "mmv8.cu").write_text(src.replace(old, new))
     exe = _exe(tmp_path_factory, 1, include_first=d, tag=name)
     rng = np.random.default_rng(3)
-    e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, rng)
+    e, _ = run_mmv8(exe, tmp_path, [(qt, 9)], 512, 1, 1, 2, rng)
     assert e > 10 * TOL, e    # the checks above would fail it

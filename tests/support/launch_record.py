@@ -43,7 +43,8 @@ def main() -> None:
     log: list = []
     # the Kernels mappings of modules.py, each name the function modules.py loads for that key
     k = NS(sm_count=132,
-           mmv8={n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8")},
+           mmv8={**{n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8")}, "q8": Rec("mmv8_q8", log)},
+           mmv8_xq=lambda nbytes: 0x7000000,          # Kernels.mmv8_xq: the device's scratch rows
            moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log)},
            mmq={"prep": Rec("mmq_prep", log),
                 **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},

@@ -217,9 +217,12 @@ class Kernels:
         # the one-row GEMVs on 8-bit activations (mmv8.cu): loaded with the core where the dispatcher
         # sends a type of the model to them (dispatch.MMV8_TYPES), else on first use (tests, benchmarks)
         eager8 = bool(types & dispatch.MMV8_TYPES)
-        mmv8 = {name: build("mmv8.cu", [f"{name}_nb1"], typed + catalog.mmv8_options(i), 100 * 1024, lazy=not eager8)
+        mmv8 = {name: build("mmv8.cu", [f"{name}_nb1"] + (["mmv8_q8"] if i == 1 else []),
+                            typed + catalog.mmv8_options(i), 100 * 1024, lazy=not eager8)
                 for i, name in ((1, "mmv8"), (2, "ffn8"))}
-        self.mmv8 = _Family({name: (fut, f"{name}_nb1") for name, fut in mmv8.items()})
+        self.mmv8 = _Family({**{name: (fut, f"{name}_nb1") for name, fut in mmv8.items()},
+                             "q8": (mmv8["mmv8"], "mmv8_q8")})
+        self._mmv8_xq = None
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant", "embed")],
                           typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
@@ -279,6 +282,18 @@ class Kernels:
                             "shared_add": (moe, "moe_shared_add"), "bucket_count": (moe, "moe_bucket_count"),
                             "bucket_fill": (moe, "moe_bucket_fill"),
                             **{(p, q): (moe, f"moe_{p}_{sfx[q]}") for q in types for p in ("gate_up", "gemv")}})
+
+    def mmv8_xq(self, nbytes: int) -> int:
+        """Device pointer of the scratch rows mmv8_q8 writes and the mmv8.cu GEMV after it reads. One
+        buffer a device serves every such pair: the launches of a stream take it in turn (mmv8_q8
+        waits for the GEMV before it, the GEMV for its mmv8_q8). Allocated once, at the first launch
+        (a step's eager run, before any capture), never moved: captured graphs keep its address."""
+        if self._mmv8_xq is None:
+            with self.device:
+                self._mmv8_xq = cupy.empty(catalog.MMV8_XQ_BYTES, cupy.uint8)
+        if nbytes > self._mmv8_xq.nbytes:
+            raise ValueError(f"mmv8: {nbytes} bytes of quantized rows exceed its scratch ({catalog.MMV8_XQ_BYTES})")
+        return self._mmv8_xq.data.ptr
 
     def ready(self, max_batch: int | None = None) -> "Kernels":
         """Wait for the modules a batch-1 start needs, then start the GEMVs for batches of up to

@@ -12,7 +12,8 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import FFNF_R, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R, MMVF_WARPS, mmv8_smem
+from ...kernels.catalog import (FFNF_R, MMV8_Q8_THREADS, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R,
+                                MMVF_WARPS, mmv8_smem)
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
@@ -159,6 +160,17 @@ def mmv8_wpr(K: int, groups: int, blocks: int, warps: int = MMV8_WARPS) -> int:
     return best
 
 
+def _mmv8_quantize(k: Kernels, x: int, xs: int, K: int, nb: int, norm, pdl: bool) -> tuple[int, int]:
+    """mmv8_q8: the nb input rows x (RMSNorm(x) with norm = (weight pointer, eps)) in mmv8.cu's 8-bit
+    form, into the device's scratch (Kernels.mmv8_xq); returns its pointer and bytes a row."""
+    xqs = mmv8_smem(K)                      # whole 16-byte pieces
+    xq = k.mmv8_xq(nb * xqs)
+    nw, eps = norm if norm is not None else (0, 0.0)
+    _launch(k.mmv8["q8"], (-(-(K // 4) // MMV8_Q8_THREADS), nb), (MMV8_Q8_THREADS,),
+            (_U64(x), _I32(xs), _I32(K), _U64(nw), _F32(eps), _U64(xq), _I64(xqs)), 0, pdl)
+    return xq, xqs
+
+
 def _mmv8_launch(k: Kernels, fn, kind: int, rows, K: int, nb: int) -> tuple[tuple, int, int]:
     """Grid, warps per row and dynamic shared memory of an mmv8.cu launch (kind 1 mmv8, 2 ffn8)
     over the rows of each matrix (each its own row groups): one resident wave, a block column per
@@ -180,7 +192,7 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
     pointer, eps) h = RMSNorm(x) computed in the launch. amax: a zeroed uint64 [nb] buffer that
     receives the packed argmax of each output row (one segment; argmax_unpack reads it). head: the
     LM head; at one row it takes the module of MMVF_HEAD_R rows a group. q8: mmv8.cu's kernel (8-bit
-    activations; the dispatcher's Kernel.MMV8), the input always quantized in the launch."""
+    activations; the dispatcher's Kernel.MMV8), the input quantized by mmv8_q8 just before."""
     _check_x(x, xs, K)
     if q8:
         fn = k.mmv8["mmv8"]
@@ -189,10 +201,9 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
             args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(bias), _U64(y), _I32(ys)]
         args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)] * (3 - len(segs))
         grid, wpr, smem = _mmv8_launch(k, fn, 1, [w.rows for w, *_ in segs], K, nb)
-        nw, eps = norm if norm is not None else (0, 0.0)
+        xq, xqs = _mmv8_quantize(k, x, xs, K, nb, norm, pdl)
         _launch(fn, grid, (MMV8_WARPS * 32,),
-                (*args, _I32(K), _U64(x), _I32(xs), _I32(nb), _I32(wpr), _I32(int(accumulate)), _I32(1), _U64(nw),
-                 _F32(eps), _U64(amax)), smem, pdl)
+                (*args, _I32(K), _U64(xq), _I64(xqs), _I32(wpr), _I32(int(accumulate)), _U64(amax)), smem, pdl)
         return
     v = _nb_variant(nb)
     stage, nw, eps, smem = _stage_args(norm, K, nb)
@@ -237,11 +248,10 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
     if q8:
         fn = k.mmv8["ffn8"]
         grid, wpr, smem = _mmv8_launch(k, fn, 2, [wg.rows], K, nb)
-        nw, eps = norm if norm is not None else (0, 0.0)
+        xq, xqs = _mmv8_quantize(k, x, xs, K, nb, norm, pdl)
         _launch(fn, grid, (MMV8_WARPS * 32,),
                 (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
-                 _U64(x), _I32(xs), _I32(nb), _I32(act), _U64(a), _I32(as_), _I32(wpr), _I32(1), _U64(nw),
-                 _F32(eps), _I32(32)), smem, pdl)
+                 _U64(xq), _I64(xqs), _I32(act), _U64(a), _I32(as_), _I32(wpr)), smem, pdl)
         return
     stage, nw, eps, smem = _stage_args(norm, K, nb)
     v = _nb_variant(nb)
