@@ -42,6 +42,9 @@
 #ifndef MMV8_LD
 #define MMV8_LD 2          // trips of Q4_K weights a lane holds in registers (the one it works on included)
 #endif
+#ifndef MMV8_PF_BYTES
+#define MMV8_PF_BYTES 2048 // the head of each first-round row sent towards L2 while mmv8_q8 runs (~3 trips)
+#endif
 constexpr int kMmv8Unroll = MMV8_UNROLL;
 
 #ifdef REALIZAR_HOST_TEST
@@ -127,9 +130,9 @@ extern "C" __global__ void __launch_bounds__(256) mmv8_q8(const float* __restric
 #endif
 
 // the block's activation row (blockIdx.y) copied into sm once the launch before (mmv8_q8) finished;
-// block-uniform barrier. No weights go towards L2 before it (as mmvf.cu's rows do): one resident wave
-// reads every row in its first round, and a bulk prefetch of them all ran ahead of the loads and
-// was evicted before use (a down projection took 30% longer with it)
+// block-uniform barrier. Only the head of each first-round row goes towards L2 before it
+// (MMV8_PF_BYTES): one resident wave reads every row in its first round, and a bulk prefetch of
+// whole rows ran ahead of the loads and was evicted before use (a down projection took 30% longer)
 __device__ __forceinline__ void mmv8_stage(const u8* __restrict__ xq, long long xqs, int K, u8* sm) {
     pdl_wait();
     const u8* src = xq + blockIdx.y * xqs;
@@ -391,6 +394,14 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
     for (int i = 0; i < 3; ++i) groups += (seg[i].n + MMV8_R - 1) / MMV8_R;
     int b = blockIdx.y;
     unsigned long long best = 0ull;       // this thread's largest argmax key (amax)
+    {   // the head of the first round's rows towards L2 while mmv8_q8 may still run
+        int G = blockIdx.x * gpb + wid / wpr, g;
+        if (MMV8_PF_BYTES && sub == 0 && lane < MMV8_R && G < groups) {
+            Mmv8Seg s = mmv8_seg(seg, G, g);
+            int r = g * MMV8_R + lane;
+            if (r < s.n) l2_prefetch(s.W + (long long)r * s.rb, min(s.rb, (long long)MMV8_PF_BYTES * wpr));
+        }
+    }
     mmv8_stage(xq, xqs, K, sm);
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // block-uniform trips
         int G = base + wid / wpr;
@@ -433,6 +444,12 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
     int gpb = MMV8_WARPS / wpr, sub = wid % wpr;
     int groups = (N + MMV8_R - 1) / MMV8_R;
     int b = blockIdx.y;
+    {   // as mmv8_body: the head of the first round's gate and up rows towards L2
+        int G = blockIdx.x * gpb + wid / wpr;
+        if (MMV8_PF_BYTES && sub == 0 && lane < 2 * MMV8_R && G * MMV8_R + (lane >> 1) < N)
+            l2_prefetch((lane & 1 ? Wu : Wg) + (long long)(G * MMV8_R + (lane >> 1)) * rb,
+                        min(rb, (long long)MMV8_PF_BYTES * wpr));
+    }
     mmv8_stage(xq, xqs, K, sm);
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmv8_body
         int G = base + wid / wpr;
