@@ -79,12 +79,13 @@ SPLIT16_PAIRED_MAX_ROWS = 128
 SPLIT16_KEEP_FREE_SHARE = 0.5
 
 # One-row GEMV steps multiply a group of matrices sharing an input (q/k/v, gate/up, one projection)
-# on mmv8.cu (the input quantized to 8 bits per 32 values in the launch, dp4a, 2 blocks of 16 warps
-# an SM: half the SM's warps where mmvf.cu's staged fp32 rows leave a quarter) instead of mmvf.cu
-# when every type of the group is in MMV8_TYPES and the group holds at least MMV8_MIN_BYTES of
-# weights: each block quantizes the whole input row before its first weight load, a fixed cost that
-# only a long stream of weights hides (1.5B: gate/up, the Q6_K down projections and the LM head take
-# it; 7-8B: every group but the output projection; 32B: every group). The LM head's argmax folds into
+# on mmv8.cu (the input quantized to 8 bits per 32 values by its own launch, mmv8_q8, then dp4a, 2
+# blocks of 16 warps an SM: half the SM's warps where mmvf.cu's staged fp32 rows leave a quarter)
+# instead of mmvf.cu when every type of the group is in MMV8_TYPES and the group holds at least
+# MMV8_MIN_BYTES of weights: the second launch and each block's copy of the 8-bit row are a fixed
+# cost that only a long stream of weights hides (1.5B: gate/up, the Q6_K down projections and the LM
+# head take it; 7-8B: every group but the output projection; 32B: every group; every group on
+# mmv8 made the 1.5B's decode 6% slower and the 7B's 1% faster). The LM head's argmax folds into
 # either kernel. The types are those timed end to end; mmv8.cu can take MMV8_KERNEL_TYPES. The 8-bit
 # input costs accuracy as llama.cpp's mmvq does (a relative error of ~1/254 per activation).
 MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
