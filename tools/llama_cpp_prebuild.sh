@@ -17,6 +17,9 @@
 #  - GGML_NATIVE=OFF with x86-64-v3 (AVX2, FMA, F16C, BMI2): the GPU machine's CPU is not this one, and the
 #    CPU code does not enter the GPU figures
 #  - GGML_CUDA_NCCL=OFF (one GPU; the GPU machine's build finds no NCCL either)
+#  - CMAKE_CUDA_ARCHITECTURES=90-real instead of 90, GGML_CUDA_COMPRESSION_MODE=none instead of size: the same
+#    sm_90 code, without the compute_90 PTX (only a GPU newer than sm_90 would JIT it) and with the cubins
+#    left raw for xz, which packs them far tighter than nvcc's compression (the pack: ~41 MB -> under 25 MB)
 #  - cuBLAS: the toolkit's, else the nvidia-cublas wheel for CUDA 13 (pip download, unpacked in the work
 #    dir); libcuda for the link: the toolkit's stub, else one generated here from the driver calls ggml-cuda
 #    makes (SONAME libcuda.so.1, not packed), so the virtual-memory pool stays on as on the GPU machine
@@ -33,7 +36,12 @@ CUBLAS_SPEC=${LLAMACPP_CUBLAS_SPEC:-nvidia-cublas>=13,<14}
 TARGETS="llama-bench llama-batched-bench llama-server"
 [ -f "$KIT" ] || { echo "no $KIT: run tools/llama_cpp_kit.sh first"; exit 1; }
 nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null) || { echo "no nvcc"; exit 1; }
-cuda=$(dirname "$(dirname "$(readlink -f "$nvcc")")")
+# the toolkit's root (nvcc may be a wrapper outside it)
+cuda=
+for c in "$(dirname "$(dirname "$(readlink -f "$nvcc")")")" "${CUDA_HOME:-}" /usr/local/cuda; do
+  [ -f "$c/include/cuda.h" ] && { cuda=$c; break; }
+done
+[ -n "$cuda" ] || { echo "no CUDA toolkit (include/cuda.h) beside $nvcc, in \$CUDA_HOME or /usr/local/cuda"; exit 1; }
 nvver=$("$nvcc" --version | grep -o 'release [0-9.]*, V[0-9.]*' | sed 's/.*V//')
 sha=$(sha256sum "$KIT" | cut -c1-16)
 mkdir -p "$W"
@@ -49,7 +57,7 @@ if [ "$(cat "$W/kit.sha" 2>/dev/null)" != "$sha" ]; then   # a new kit: start ov
 fi
 
 if [ ! -f "$W/build/CMakeCache.txt" ]; then
-  extra=()
+  extra=() rpl=""
   # cuBLAS: the toolkit's, else the CUDA 13 wheel's (only cuBLAS's own headers on the include path)
   if ! ls "$cuda"/{include,targets/*/include}/cublas_v2.h >/dev/null 2>&1; then
     if ! ls "$W"/cublas/nvidia/*/lib/libcublas.so.13 >/dev/null 2>&1; then
@@ -63,6 +71,7 @@ if [ ! -f "$W/build/CMakeCache.txt" ]; then
     ln -sf "$cb"/include/cublas*.h "$cb"/include/nvblas.h "$W/cublas_include/" 2>/dev/null || true
     extra+=(-DCUDA_cublas_LIBRARY="$cb/lib/libcublas.so.13" -DCUDA_cublasLt_LIBRARY="$cb/lib/libcublasLt.so.13"
             -DCMAKE_CUDA_FLAGS="-I$W/cublas_include" -DCMAKE_CXX_FLAGS="-I$W/cublas_include")
+    rpl+=" -Wl,-rpath-link,$cb/lib"
     echo "cuBLAS from $cb ($(ls -d "$W"/cublas/*.dist-info 2>/dev/null | head -1 | xargs -r basename))"
   fi
   # libcuda for the link only: the toolkit's stub, else a stub of the driver calls ggml-cuda makes
@@ -75,13 +84,18 @@ if [ ! -f "$W/build/CMakeCache.txt" ]; then
     gcc -E -I"$cuda/include" "$W/stub/names.c" | sed -n 's/^STUBSYM \([A-Za-z0-9_]*\)$/\1/p' \
       | sed 's/.*/int &(void) { return 999; }/' > "$W/stub/stub.c"
     gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$W/stub/libcuda.so" "$W/stub/stub.c"
+    ln -sf libcuda.so "$W/stub/libcuda.so.1"     # the name the programs' link looks for (-rpath-link)
     extra+=(-DCUDA_cuda_driver_LIBRARY="$W/stub/libcuda.so")
+    rpl+=" -Wl,-rpath-link,$W/stub"
     echo "libcuda: a stub of $(wc -l < "$W/stub/stub.c") driver calls (link only)"
   fi
+  # the programs link against libggml-cuda.so, whose libcublas/libcuda the linker must find too (the
+  # install RPATH $ORIGIN names neither)
+  [ -z "$rpl" ] || extra+=(-DCMAKE_EXE_LINKER_FLAGS="$rpl" -DCMAKE_SHARED_LINKER_FLAGS="$rpl")
   extra+=(-DLLAMA_BUILD_COMMIT="$(awk '$1 == "llama.cpp" {print $2}' "$REPO/.llamacpp/VERSION" 2>/dev/null)")
   gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-  opts=(-DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
-        -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  opts=(-DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real
+        -DGGML_CUDA_COMPRESSION_MODE=none -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON
         -DGGML_CUDA_NCCL=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
         -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
