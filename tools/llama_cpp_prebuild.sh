@@ -5,8 +5,10 @@
 # lease on the build. The pack records the kit's sha256; the bench script uses it only while that matches
 # the kit it is given (otherwise it builds there as before): run this again after a new kit.
 #   nohup nice -n 10 bash tools/llama_cpp_prebuild.sh > /tmp/llamacpp_prebuild.log 2>&1 &
-# It takes long on few cores (the CUDA template instances are throughput-bound: ~4,400 CPU-seconds on the
-# H100 machine's CPU) and resumes where it stopped when called again.
+# It takes long on few cores (27 min with -j2 on a 2-core machine; the CUDA template instances are
+# throughput-bound: ~4,400 CPU-seconds on the H100 machine's CPU) and resumes where it stopped when called again.
+# The programs need glibc >= 2.34 and libstdc++ with GLIBCXX_3.4.30 (gcc 12) on the GPU machine; where they do
+# not start there, the bench script builds as before.
 # Needs nvcc (CUDA 13), cmake, gcc, ninja or make, xz, strip; pip when the toolkit has no cuBLAS.
 # The cmake options are tools/llama_cpp_bench.sh's, with these differences, none of which changes a kernel:
 #  - BUILD_SHARED_LIBS=ON: the programs share libggml*/libllama/libmtmd .so files beside them (RPATH $ORIGIN,
@@ -19,7 +21,7 @@
 #  - GGML_CUDA_NCCL=OFF (one GPU; the GPU machine's build finds no NCCL either)
 #  - CMAKE_CUDA_ARCHITECTURES=90-real instead of 90, GGML_CUDA_COMPRESSION_MODE=none instead of size: the same
 #    sm_90 code, without the compute_90 PTX (only a GPU newer than sm_90 would JIT it) and with the cubins
-#    left raw for xz, which packs them far tighter than nvcc's compression (the pack: ~41 MB -> under 25 MB)
+#    left raw for xz, which packs them far tighter than nvcc's compression (the pack: 41 MB -> 16 MB)
 #  - cuBLAS: the toolkit's, else the nvidia-cublas wheel for CUDA 13 (pip download, unpacked in the work
 #    dir); libcuda for the link: the toolkit's stub, else one generated here from the driver calls ggml-cuda
 #    makes (SONAME libcuda.so.1, not packed), so the virtual-memory pool stays on as on the GPU machine
