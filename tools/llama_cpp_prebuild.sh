@@ -131,7 +131,9 @@ tar -C "$P" --sort=name --owner=0 --group=0 --mtime='2020-01-01' -cf - . | xz -T
   echo "kit_version $(tr '\n' ' ' < "$REPO/.llamacpp/VERSION" 2>/dev/null)"
   echo "nvcc $nvver"
   echo "compilers $(gcc --version | head -1), $(cmake --version | head -1)"
-  echo "glibc $(ldd --version | head -1 | grep -o '[0-9.]*$') (the GPU machine needs at least this)"
+  echo "glibc $(ldd --version | head -1 | grep -o '[0-9.]*$') here; the programs need" \
+       "$(objdump -T "$P"/* 2>/dev/null | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)" \
+       "$(objdump -T "$P"/* 2>/dev/null | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)"
   echo "built $(date -u +%Y-%m-%dT%H:%MZ) in $(cat "$W/build_s") s with -j$JOBS"
   echo "targets $TARGETS"
   echo "options $(cat "$W/options")"
