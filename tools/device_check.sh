@@ -29,7 +29,9 @@
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
 #   llamacpp llama.cpp beside us on the qwen15 twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
 #            tools/llama_cpp_kit.sh): builds it for sm_90 in /tmp/llamacpp (skipped on a warm machine that has
-#            it; a build cut off by the call's limit resumes on the next call; ~270 s), then llama-bench (pp512, tg128,
+#            it; a build cut off by the call's limit resumes on the next call; ~270 s), or unpacks the programs
+#            that tools/llama_cpp_prebuild.sh built from the same kit elsewhere (.llamacpp/bin.tar.xz, carried
+#            with the kit), then llama-bench (pp512, tg128,
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
 #   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,

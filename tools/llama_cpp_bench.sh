@@ -9,11 +9,17 @@
 # Settings (environment): LLAMACPP_MODEL (/tmp/twins/qwen15.gguf), LLAMACPP_WORK (/tmp/llamacpp),
 #   LLAMACPP_TARGETS ("llama-bench llama-batched-bench"; add llama-server for the HTTP figures), LLAMACPP_JOBS (16),
 #   LLAMACPP_BUILD_TIMEOUT (seconds, 480), LLAMACPP_DEPTHS ("4096 16384"), LLAMACPP_REPS (llama-bench -r, 5),
-#   LLAMACPP_NPL ("1,4,16,64"), LLAMACPP_DEPTH_NPL (16)
-# Output: the tables on stdout; $OUT/llamacpp.json (the build, llama-bench's JSON rows, batched-bench's rows,
+#   LLAMACPP_NPL ("1,4,16,64"), LLAMACPP_DEPTH_NPL (16), LLAMACPP_PREBUILT (1: use .llamacpp/bin.tar.xz if it fits)
+# Output: the tables on stdout; $OUT/llamacpp.json (the build, "prebuilt": the pack's bin.VERSION or null,
+#   llama-bench's JSON rows, batched-bench's rows,
 #   and "summary": llama-bench's median tok/s per test, batched-bench's aggregate decode tok/s S_TG per row)
 # Time on the H100 machine (2026-11-24): the build 269 s with -j16 (4,400 CPU-seconds: throughput-bound),
 #   llama-server 23 s more, the benchmarks 21 s.
+# Prebuilt: where .llamacpp/bin.tar.xz (tools/llama_cpp_prebuild.sh, run on a machine without a GPU) was made
+#   from this very kit (bin.VERSION's kit sha256), build unpacks its three programs into $LLAMACPP_WORK/build/bin
+#   instead of compiling (a few seconds); they load libcublas.so.13 from the Python nvidia wheels ($WORK/ldpath)
+#   and need a driver for CUDA 13. LLAMACPP_PREBUILT=0, a pack of another kit, or programs that do not start
+#   here: the cmake build as before.
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MODE=${1:-all}
@@ -28,18 +34,70 @@ DEPTHS=${LLAMACPP_DEPTHS:-4096 16384}
 REPS=${LLAMACPP_REPS:-5}
 NPL=${LLAMACPP_NPL:-1,4,16,64}
 DEPTH_NPL=${LLAMACPP_DEPTH_NPL:-16}
+PREBUILT=${LLAMACPP_PREBUILT:-1}
+PACK=$REPO/.llamacpp/bin.tar.xz
 BIN=$WORK/build/bin
 RES=$WORK/results
 mkdir -p "$OUT" "$WORK" "$RES"
 
 # ---------------------------------------------------------------- build
+# the cuBLAS that the Python wheels bring (nvidia/cu13 or nvidia/cublas): the directory holding include/ and
+# lib/ with a library named like $1 (default any libcublas.so*); nothing if none
+wheel_cublas() {
+  python3 - "${1:-libcublas.so*}" <<'PY'
+import glob, os, sys
+try:
+    import nvidia
+except ImportError:
+    raise SystemExit
+for p in nvidia.__path__:
+    for h in sorted(glob.glob(os.path.join(p, "*", "include", "cublas_v2.h")), reverse=True):
+        d = os.path.dirname(os.path.dirname(h))
+        if glob.glob(os.path.join(d, "lib", sys.argv[1])):
+            print(d)
+            raise SystemExit
+PY
+}
+
+# the programs of .llamacpp/bin.tar.xz, when it was made from this kit and they start here
+prebuilt() {
+  local sha=$1 cublas ldpath msg
+  [ "$PREBUILT" != 0 ] && [ -f "$PACK" ] || return 1
+  if [ "$(awk '$1 == "kit" {print $2}' "$REPO/.llamacpp/bin.VERSION" 2>/dev/null)" != "$sha" ]; then
+    echo "llamacpp: $PACK is of another kit (bin.VERSION): building"; return 1
+  fi
+  cublas=$(wheel_cublas 'libcublas.so.13')
+  if [ -n "$cublas" ]; then ldpath=$cublas/lib
+  elif ldconfig -p 2>/dev/null | grep -q 'libcublas\.so\.13 '; then ldpath=
+  else echo "llamacpp: no libcublas.so.13 (nvidia wheels, ldconfig) for the prebuilt programs: building"; return 1
+  fi
+  local psha
+  psha=$(sha256sum "$PACK" | cut -c1-16)
+  if [ "$(cat "$WORK/prebuilt.sha" 2>/dev/null)" != "$psha" ] || [ ! -x "$BIN/llama-bench" ]; then
+    rm -rf "$WORK/build" "$WORK/prebuilt.sha" "$WORK/prebuilt.version" && mkdir -p "$BIN" && tar -xJf "$PACK" -C "$BIN" || return 1
+    echo "$psha" > "$WORK/prebuilt.sha"
+  fi
+  if ! msg=$(LD_LIBRARY_PATH=$ldpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$BIN/llama-bench" --help 2>&1 >/dev/null); then
+    echo "llamacpp: the prebuilt llama-bench does not start here: building"; echo "$msg" | tail -5
+    rm -rf "$WORK/build" "$WORK/prebuilt.sha" "$WORK/prebuilt.version"; return 1
+  fi
+  if [ -n "$ldpath" ]; then echo "$ldpath" > "$WORK/ldpath"; else rm -f "$WORK/ldpath"; fi
+  echo 0 > "$WORK/build_s"
+  cp "$REPO/.llamacpp/bin.VERSION" "$WORK/prebuilt.version"
+  echo "llamacpp: prebuilt binaries (built here $(awk '$1 == "built" {print $2}' "$REPO/.llamacpp/bin.VERSION"))," \
+       "nvcc $(awk '$1 == "nvcc" {print $2}' "$REPO/.llamacpp/bin.VERSION"), cuBLAS from ${ldpath:-the system}"
+}
+
 build() {
   [ -f "$KIT" ] || { echo "llamacpp: no $KIT (run tools/llama_cpp_kit.sh here and carry .llamacpp)"; return 1; }
   local nvcc cmake gen sha t0
+  sha=$(sha256sum "$KIT" | cut -c1-16)
+  prebuilt "$sha" && return 0
+  # the pack's programs are no cmake build
+  if [ -f "$WORK/prebuilt.sha" ]; then rm -rf "$WORK/build" "$WORK/prebuilt.sha" "$WORK/prebuilt.version" "$WORK/build_s" "$WORK/ldpath"; fi
   nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null) || { echo "llamacpp: no nvcc"; return 1; }
   cmake=$(command -v cmake) || { echo "llamacpp: no cmake"; return 1; }
   echo "llamacpp: $("$cmake" --version | head -1), nvcc $("$nvcc" --version | grep -o 'release [0-9.]*'), $(tr '\n' ' ' < "$REPO/.llamacpp/VERSION" 2>/dev/null)"
-  sha=$(sha256sum "$KIT" | cut -c1-16)
   if [ "$(cat "$WORK/kit.sha" 2>/dev/null)" != "$sha" ]; then   # a new kit: start over
     rm -rf "$WORK/src" "$WORK/build" "$WORK/build_s" "$WORK/ldpath"
     mkdir -p "$WORK/src" && tar -xJf "$KIT" -C "$WORK/src" || return 1
@@ -49,20 +107,7 @@ build() {
     local extra=() cublas
     # cuBLAS: the toolkit's, else the one the Python wheels bring (nvidia/cu13 or nvidia/cublas)
     if ! ls "$(dirname "$(dirname "$(readlink -f "$nvcc")")")"/{include,targets/*/include}/cublas_v2.h >/dev/null 2>&1; then
-      cublas=$(python3 - <<'PY'
-import glob, os
-try:
-    import nvidia
-except ImportError:
-    raise SystemExit
-for p in nvidia.__path__:
-    for h in sorted(glob.glob(os.path.join(p, "*", "include", "cublas_v2.h")), reverse=True):
-        d = os.path.dirname(os.path.dirname(h))
-        if glob.glob(os.path.join(d, "lib", "libcublas.so*")):
-            print(d)
-            raise SystemExit
-PY
-)
+      cublas=$(wheel_cublas)
       [ -n "$cublas" ] || { echo "llamacpp: no cuBLAS (neither in the toolkit nor in the nvidia wheels)"; return 1; }
       # only cuBLAS's own headers: the wheel's include dir may hold other CUDA headers of another version
       mkdir -p "$WORK/cublas/include"
@@ -167,6 +212,7 @@ def read(p, default=""):
     except OSError:
         return default
 r = {"version": read(ver), "model": model, "build_s": int(read(f"{work}/build_s", "0") or 0),
+     "prebuilt": read(f"{work}/prebuilt.version") or None,
      "llama_bench": [], "batched_bench": [], "summary": {}}
 for f in sorted(glob.glob(f"{res}/lb_*.json")):
     try:
