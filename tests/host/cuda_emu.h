@@ -11,7 +11,10 @@
 // The fragment layouts are those of the PTX ISA (mma.m16n8k16 .f16 A/B/C, ldmatrix .x4 [.trans]).
 #pragma once
 #include "host_intrinsics.h"
+#include <signal.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -74,7 +77,9 @@ struct State {
     Barrier block_bar;
     std::vector<Barrier> warp_bar;
     std::vector<WarpSlot> warp_slot;
-    std::vector<unsigned char> dyn;
+    unsigned char* dyn = nullptr;    // dynamic shared memory, ending at an inaccessible page
+    unsigned char* dyn_map = nullptr;
+    size_t dyn_map_bytes = 0;
     long events = 0;             // barrier arrivals and completions (deadlock detection)
     bool eager = false;
     std::function<void()> body;
@@ -82,7 +87,43 @@ struct State {
 };
 
 static inline State& st() { static State s; return s; }
-static inline unsigned char* dyn_smem() { return st().dyn.data(); }
+static inline unsigned char* dyn_smem() { return st().dyn; }
+
+// A read or write past the dynamic shared memory lands on the page after it, which no access may
+// touch: the fault stops the emulator with a message (on the GPU it reads another variable's bytes
+// or faults later: compute-sanitizer's "Invalid __shared__ read").
+static inline void on_fault(int, siginfo_t* si, void*) {
+    const State& s = st();
+    const unsigned char* a = (const unsigned char*)si->si_addr;
+    const char* msg = (s.dyn_map && a >= s.dyn_map + s.dyn_map_bytes - 4096 && a < s.dyn_map + s.dyn_map_bytes)
+                          ? "cuda_emu: a thread read or wrote past its block's dynamic shared memory\n"
+                          : "cuda_emu: segmentation fault (a bad address)\n";
+    ssize_t r = write(2, msg, std::strlen(msg));
+    (void)r;
+    _exit(134);
+}
+
+// dyn_bytes of stale shared memory (0xFF bytes: fp16 NaN), 16-byte aligned, its end within 15 bytes
+// of an inaccessible page
+static inline void map_dyn(State& s, size_t dyn_bytes) {
+    static bool handler = false;
+    if (!handler) {
+        struct sigaction sa {};
+        sa.sa_sigaction = on_fault;
+        sa.sa_flags = SA_SIGINFO;
+        sigaction(SIGSEGV, &sa, nullptr);
+        handler = true;
+    }
+    if (s.dyn_map) munmap(s.dyn_map, s.dyn_map_bytes);
+    const size_t used = (dyn_bytes + 15) & ~(size_t)15, span = (used + 4095) & ~(size_t)4095;
+    s.dyn_map_bytes = span + 4096;
+    void* m = mmap(nullptr, s.dyn_map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) fail("mmap of the dynamic shared memory");
+    s.dyn_map = (unsigned char*)m;
+    if (mprotect(s.dyn_map + span, 4096, PROT_NONE) != 0) fail("mprotect of the shared memory's guard page");
+    s.dyn = s.dyn_map + span - used;
+    std::memset(s.dyn, 0xFF, used);
+}
 
 static inline void yield() { swapcontext(&st().cur->ctx, &st().sched); }
 
@@ -234,9 +275,8 @@ static inline void launch(dim3 grid, dim3 block, size_t dyn_bytes, std::function
     s.body = fn;
     int nt = block.x * block.y * block.z;
     if (nt % 32) fail("block size must be a multiple of 32");
-    // stale shared memory (0xFF bytes: fp16 NaN), then guard bytes a launch must not write
-    const size_t guard = 4096;
-    s.dyn.assign(dyn_bytes + guard, 0xFF);
+    map_dyn(s, dyn_bytes);
+    const size_t slack = ((dyn_bytes + 15) & ~(size_t)15) - dyn_bytes;   // before the guard page: checked below
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -280,7 +320,7 @@ static inline void launch(dim3 grid, dim3 block, size_t dyn_bytes, std::function
                     if (idle > 2000) fail("deadlock: every live thread waits at a barrier nobody else reaches");
                 }
                 s.cur = nullptr;
-                for (size_t i = dyn_bytes; i < dyn_bytes + guard; ++i)
+                for (size_t i = dyn_bytes; i < dyn_bytes + slack; ++i)
                     if (s.dyn[i] != 0xFF) fail("a block wrote past its dynamic shared memory");
             }
 }

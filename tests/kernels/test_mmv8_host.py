@@ -204,3 +204,17 @@ def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
     rng = np.random.default_rng(3)
     e, _ = run_mmv8(exe, tmp_path, [(qt, 9)], 512, 1, 1, 2, rng)
     assert e > 10 * TOL, e    # the checks above would fail it
+
+
+def test_a_read_past_shared_memory_stops_the_emulator(tmp_path_factory, tmp_path):
+    """Lanes past a short row's end (K = 512: two super-blocks, four a warp's trip) must read trip 0's
+    activations, not bytes past the staged row: the emulator's shared memory ends at a page no
+    access may touch, so the unclamped read stops it (on the GPU: an illegal address)."""
+    old = "const u8* ap = sm + (ok ? aoff + 1024 * tk : a0off);"
+    src = (KERNELS / "mmv8.cu").read_text()
+    assert src.count(old) == 1, "the mutation no longer applies"
+    d = tmp_path_factory.mktemp("broken_oob")
+    (d / "mmv8.cu").write_text(src.replace(old, "const u8* ap = sm + aoff + 1024 * tk;"))
+    exe = _exe(tmp_path_factory, 1, include_first=d, tag="oob")
+    with pytest.raises(AssertionError, match="past its block's dynamic shared memory"):
+        run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, np.random.default_rng(4))
