@@ -7,7 +7,7 @@
 // block that quantized it itself (a read of K floats and the arithmetic, before any weight is used)
 // spent a fifth of a down projection's time there; copying the 8-bit row (1.25 K bytes) costs one
 // 16-byte asynchronous copy per thread. mmv8_q8 is a few blocks (one per 1024 values); the GEMV that
-// follows waits for it with pdl_wait and has its first weights in flight by then.
+// follows waits for it with pdl_wait, the head of its first rows on the way to L2 by then.
 //
 // A block stages the quantized row in shared memory (mmv8_smem bytes) and its warps stride over row
 // groups: a warp owns MMV8_R consecutive rows (of every matrix of the launch: ffn8's gate and up),
@@ -20,9 +20,9 @@
 //
 // Q4_K (most of a Q4_K_M model's bytes) has a loop of its own: a lane takes one 16-byte piece of a
 // super-block's 128 quant bytes (both nibbles: values l..l+15 of units 2p and 2p + 1), so the 8
-// lanes of a quarter-warp cover one super-block and a warp four, every quant byte loaded once, its
-// loads for the next trip in flight while it works on this one. The other types take one 32-value
-// unit a lane (QUnit, common.cuh).
+// lanes of a quarter-warp cover one super-block and a warp four, every quant byte loaded once
+// (MMV8_LD trips of them held in registers). The other types take one 32-value unit a lane (QUnit,
+// common.cuh).
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, mmv8_smem(K)
 // bytes of dynamic shared memory. The defines' values: catalog.mmv8_options.
 #include "common.cuh"
@@ -40,7 +40,7 @@
 #define MMV8_UNROLL 1      // loop trips a lane's loads are issued for at once (one memory latency)
 #endif
 #ifndef MMV8_LD
-#define MMV8_LD 2          // trips of Q4_K weights a lane holds in registers (the one it works on included)
+#define MMV8_LD 1          // trips of Q4_K weights a lane holds in registers (the one it works on included)
 #endif
 #ifndef MMV8_PF_BYTES
 #define MMV8_PF_BYTES 2048 // the head of each first-round row sent towards L2 while mmv8_q8 runs (~3 trips)
