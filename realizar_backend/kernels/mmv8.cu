@@ -85,7 +85,7 @@ __device__ __forceinline__ float mmv8_max8(float v) {
 // (piece g & 7 of unit g >> 3: the 8 pieces of a unit are 8 neighbouring lanes), grid.y rows.
 // Every block computes the row's sum of squares itself (a read of K floats from L2), so the blocks
 // never wait on each other. Rounding as quant_q8_lane (common.cuh), the norm as mmvf.cu folds it.
-// 256 threads (catalog.MMV8_Q8_THREADS): part[] holds their 8 warps' sums
+// 256 threads (catalog.MMV8_Q8_THREADS)
 extern "C" __global__ void __launch_bounds__(256) mmv8_q8(const float* __restrict__ x, int xs, int K,
                                                           const float* __restrict__ nw, float eps, u8* xq,
                                                           long long xqs) {
@@ -96,18 +96,13 @@ extern "C" __global__ void __launch_bounds__(256) mmv8_q8(const float* __restric
     const int n4 = K >> 2, g = blockIdx.x * blockDim.x + threadIdx.x;
     float inv = 1.0f;
     if (nw) {
-        __shared__ float part[8];
+        __shared__ float red[32];
         float ss = 0.0f;
         for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             float4 v = __ldg((const float4*)xr + i);
             ss += (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
         }
-        ss = warp_sum(ss);
-        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-        __syncthreads();
-        float t = 0.0f;
-        for (int w = 0; w < 8; ++w) t += part[w];
-        inv = rsqrtf(t / K + eps);
+        inv = rsqrtf(block_reduce(ss, 0, red) / K + eps);
     }
     float4 v = g < n4 ? __ldg((const float4*)xr + g) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (nw && g < n4) {
