@@ -70,8 +70,9 @@ def _label_bytes(fn: str, args: tuple, kw: dict, cfg, keys: int) -> tuple[str, i
     label = f"{fn} {roles}" if roles else fn
     if fn == "ops.embed":
         return label, 0                        # reads only the tokens' rows
-    if fn == "split16.split_gemm":             # (w, x, N, K, ...): the split weights, 4 bytes a weight
-        return label, 4 * int(args[2]) * int(args[3])
+    if fn == "split16.split_gemm":             # (w, x, N, K, T, y, ldy, calls, layout): the weights, 2 or 4 bytes each
+        layout = kw.get("layout", args[8] if len(args) > 8 else 0)
+        return label, (2 if layout == 2 else 4) * int(args[2]) * int(args[3])
     if fn in ("ops.attention", "flash.decode") and keys:
         # K and V (fp16) of every key of every row (ops.attention's and flash.decode's 12th argument),
         # each KV head once

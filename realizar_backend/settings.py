@@ -114,11 +114,16 @@ class Settings:
     # and sequences, decode rows, wall ms, the idle ms before it, waiting and running after it):
     # where a server's time goes, step by step. None: no trace
     step_trace: str | None = None
-    # the CUDA backend's prompt steps (and decode steps of 64+ rows) multiply fp16 halves of the
-    # dequantized weights; it keeps them on the device from start-up (4 bytes a weight) instead of
-    # dequantizing and splitting them in every such step: "on", "off", or "auto" (on when they take
-    # at most half the device memory free at start; the KV pool keeps the other half)
+    # the CUDA backend's prompt steps (and decode steps of 64+ rows) multiply the dequantized weights
+    # on the tensor cores; it keeps them on the device from start-up (gemm_precision says how many
+    # bytes a weight) instead of dequantizing them in every such step: "on", "off", or "auto" (on
+    # when they take at most half the device memory free at start; the KV pool keeps the other half)
     prefill_weight_cache: str = "auto"
+    # the arithmetic of those GEMMs: "fp16": the dequantized weights (kept at 2 bytes each) and the
+    # activations rounded to fp16 once, products summed in fp32, as llama.cpp's and vLLM's fp16 GEMMs;
+    # "split": each a pair of fp16 halves, about fp32's accuracy for three times a long prompt's
+    # tensor-core work and twice the weight bytes (kept at 4 bytes each)
+    gemm_precision: str = "fp16"
     self_check: bool = True            # run kernel self-check at CUDA start-up
     # load the kernel modules shipped compiled for this GPU (kernels/cubin, tools/build_kernels.py)
     # where they match the sources; off: compile every module with NVRTC at start-up
@@ -251,6 +256,7 @@ class Settings:
         at_least("chat_template_workers", 1, 64)
         at_least("shutdown_grace_s", 0)
         one_of("prefill_weight_cache", "auto", "on", "off")
+        one_of("gemm_precision", "fp16", "split")
         at_least("workers", 0, 256)
         at_least("front_ends", 0, 64)
         for name in ("engine_stall_timeout_s", "read_timeout_s"):

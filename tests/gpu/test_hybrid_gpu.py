@@ -216,7 +216,10 @@ def test_model_parity_chunked(hybrid_model, rng, monkeypatch):
         rules.append(chunk_min)
         return real(*a, chunk_min=chunk_min, **kw)
     monkeypatch.setattr(ops, "dn_delta", dn_delta)
-    cpu, gpu = _backends(model, slots=6, ctx=256)
+    # the projections at split precision: the chunked rule's triangular solve amplifies its inputs'
+    # rounding, and at fp16 GEMM inputs the f32 model's worst row fell to 0.9984; held here to the
+    # fp32-class inputs it is checked against (the fp16 prompts of the hybrids: the tests above)
+    cpu, gpu = _backends(model, slots=6, ctx=256, gemm_precision="split")
     V = model.config.vocab_size
     run = ParityRun(cpu, gpu, rng, V, slots=6)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.paging import contiguous_tables
+from support.parity import CHAOTIC_MEDIAN_FP16
 from test_model_parity import COS_MIN, TWINS, _assert_parity, _cos, _open, _real_smol
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +52,8 @@ def test_long_prompt_and_deep_decode_match_the_oracle(name, rng):
     print(f"{name}: {n}-token prompt cos {rows[0].min():.6f}; deep decode cos {cos[1:].min():.6f}; "
           f"graphs {st['graph_status']}")
     assert "1-long" in st["graph_status"]
-    _assert_parity(name, cos, COS_MIN)
+    # the prompt runs on the split16 GEMMs, which round their inputs to fp16 (Settings.gemm_precision's default)
+    _assert_parity(name, cos, COS_MIN, chaotic_median=CHAOTIC_MEDIAN_FP16)
 
 
 @pytest.mark.parametrize("name", ["qwen05", "gemma270"])

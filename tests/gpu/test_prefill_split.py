@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.backends.cuda.matrices import QTYPES
+from realizar_backend.backends.cuda.split16 import LAYOUT_FP16, LAYOUT_PAIRED
 from support.paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
@@ -232,7 +233,7 @@ def test_paired_rows(kx, rng):
     plain, paired = cupy.empty((T, 3 * K), cupy.uint16), cupy.full((T, 4 * K), POISON16, cupy.uint16)
     inv1, inv2 = cupy.empty(T, F32), cupy.empty(T, F32)
     split_rows(kx, xd.data.ptr, K, wd.data.ptr, T, K, 1e-6, plain.data.ptr, inv1.data.ptr)
-    split_rows(kx, xd.data.ptr, K, wd.data.ptr, T, K, 1e-6, paired.data.ptr, inv2.data.ptr, paired=True)
+    split_rows(kx, xd.data.ptr, K, wd.data.ptr, T, K, 1e-6, paired.data.ptr, inv2.data.ptr, layout=LAYOUT_PAIRED)
     a, b = plain.get(), paired.get()
     assert np.array_equal(inv1.get(), inv2.get())
     assert np.array_equal(b[:, :2 * K], a[:, :2 * K]) and np.all(b[:, 2 * K:3 * K] == 0)
@@ -245,7 +246,7 @@ def test_paired_rows(kx, rng):
     yd, pd, ivd = cupy.asarray(y), cupy.asarray(pairs), cupy.asarray(inv_in)
     a1, a2 = cupy.empty((T, 3 * F), cupy.uint16), cupy.full((T, 4 * F), POISON16, cupy.uint16)
     act_split(kx, yd.data.ptr, F, ivd.data.ptr, 0, T, a1.data.ptr, inv1.data.ptr)
-    act_split(kx, pd.data.ptr, F, ivd.data.ptr, 0, T, a2.data.ptr, inv2.data.ptr, paired=True)
+    act_split(kx, pd.data.ptr, F, ivd.data.ptr, 0, T, a2.data.ptr, inv2.data.ptr, layout=LAYOUT_PAIRED)
     a, b = a1.get(), a2.get()
     assert np.array_equal(inv1.get(), inv2.get()) and np.array_equal(b[:, :2 * F], a[:, :2 * F])
     assert np.all(b[:, 2 * F:3 * F] == 0) and np.array_equal(b[:, 3 * F:], a[:, 2 * F:])
@@ -257,14 +258,66 @@ def test_paired_rows(kx, rng):
     pairs = np.stack([y, lo], 1).reshape(2 * T, ys)
     pd = cupy.asarray(pairs)
     dst = [cupy.full((T, m), np.nan, F32) for m in n]
-    unscale_scatter(kx, pd.data.ptr, ys, ivd.data.ptr, T, [(d.data.ptr, m, m, 0) for d, m in zip(dst, n)], paired=True)
+    unscale_scatter(kx, pd.data.ptr, ys, ivd.data.ptr, T, [(d.data.ptr, m, m, 0) for d, m in zip(dst, n)], layout=LAYOUT_PAIRED)
     want = (y + lo) * inv_in[:, None]
     assert np.array_equal(np.concatenate([d.get() for d in dst], 1), want)
     x0 = rng.standard_normal((T, H)).astype(F32)
     t = np.stack([y[:, :H], lo[:, :H]], 1).reshape(2 * T, H)
     xd2, td = cupy.asarray(x0), cupy.asarray(t)
-    unscale_add(kx, xd2.data.ptr, H, td.data.ptr, H, ivd.data.ptr, 0, T, H, 1e-6, paired=True)
+    unscale_add(kx, xd2.data.ptr, H, td.data.ptr, H, ivd.data.ptr, 0, T, H, 1e-6, layout=LAYOUT_PAIRED)
     assert np.array_equal(xd2.get(), x0 + (y[:, :H] + lo[:, :H]) * inv_in[:, None])
+
+
+def test_fp16_rows(kx, kernels, rng):
+    """The fp16 precision's rows (prefill.cu LAYOUT_FP16): split_weights with lo off writes each
+    weight's high half alone (bit-equal to the split row's, row stride K, nothing past the last
+    row); norm_split and act_split write the split row's xh alone with the same 1/s; the unscale
+    kernels read the GEMM rows as the split layout's."""
+    import cupy
+
+    from realizar_backend.backends.cuda.split16 import act_split, split_rows, split_weights, unscale_add, unscale_scatter
+    N, K, F, T = 37, 1536, 1024, 5
+    w, keep, _ = _quant(Q.Q4_K, N, K, rng)
+    split, f16 = cupy.empty((N, 2 * K), cupy.uint16), cupy.full((N + 1, K), POISON16, cupy.uint16)
+    split_weights(kx, (w,), split.data.ptr)
+    split_weights(kx, (w,), f16.data.ptr, lo=False)
+    a, b = split.get(), f16.get()
+    assert np.array_equal(b[:N], a[:, K:]) and np.all(b[N:] == POISON16)
+
+    X = (rng.standard_normal((T, K)) * 3).astype(F32)
+    g = (1 + 0.5 * rng.standard_normal(K)).astype(F32)
+    xd, gd = cupy.asarray(X), cupy.asarray(g)
+    plain, one = cupy.empty((T, 3 * K), cupy.uint16), cupy.full((T + 1, K), POISON16, cupy.uint16)
+    inv1, inv2 = cupy.empty(T, F32), cupy.full(T, np.nan, F32)
+    split_rows(kx, xd.data.ptr, K, gd.data.ptr, T, K, 1e-6, plain.data.ptr, inv1.data.ptr)
+    split_rows(kx, xd.data.ptr, K, gd.data.ptr, T, K, 1e-6, one.data.ptr, inv2.data.ptr, layout=LAYOUT_FP16)
+    a, b = plain.get(), one.get()
+    assert np.array_equal(inv1.get(), inv2.get())
+    assert np.array_equal(b[:T], a[:, K:2 * K]) and np.all(b[T:] == POISON16)
+
+    y = (rng.standard_normal((T, 2 * F)) * 3e4).astype(F32)
+    inv_in = np.ldexp(F32(1), rng.integers(-15, -12, T)).astype(F32)
+    yd, ivd = cupy.asarray(y), cupy.asarray(inv_in)
+    a1, a2 = cupy.empty((T, 3 * F), cupy.uint16), cupy.full((T + 1, F), POISON16, cupy.uint16)
+    act_split(kx, yd.data.ptr, F, ivd.data.ptr, 1, T, a1.data.ptr, inv1.data.ptr)
+    act_split(kx, yd.data.ptr, F, ivd.data.ptr, 1, T, a2.data.ptr, inv2.data.ptr, layout=LAYOUT_FP16)
+    a, b = a1.get(), a2.get()
+    assert np.array_equal(inv1.get(), inv2.get())
+    assert np.array_equal(b[:T], a[:, F:2 * F]) and np.all(b[T:] == POISON16)
+
+    n = (512, 128, 128)
+    ys = sum(n)
+    y = (rng.standard_normal((T, ys)) * 1e4).astype(F32)
+    yd = cupy.asarray(y)
+    dst = [cupy.full((T, m), np.nan, F32) for m in n]
+    unscale_scatter(kx, yd.data.ptr, ys, ivd.data.ptr, T, [(d.data.ptr, m, m, 0) for d, m in zip(dst, n)],
+                    layout=LAYOUT_FP16)
+    assert np.array_equal(np.concatenate([d.get() for d in dst], 1), y * inv_in[:, None])
+    H = 640
+    x0 = rng.standard_normal((T, H)).astype(F32)
+    xd2 = cupy.asarray(x0)
+    unscale_add(kx, xd2.data.ptr, H, yd.data.ptr, ys, ivd.data.ptr, 0, T, H, 1e-6, layout=LAYOUT_FP16)
+    assert np.array_equal(xd2.get(), x0 + y[:, :H] * inv_in[:, None])
 
 
 def test_split_calls_match_the_twin():
@@ -309,8 +362,8 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     # paired rows (steps of few tokens): one pass over the split weights, the pairs summed after
     xp = cupy.full((T, 4 * K), POISON16, cupy.uint16)
     yp = cupy.full((2 * T, N), np.nan, F32)
-    split_rows(kx, xd.data.ptr, K, 0, T, K, 1e-6, xp.data.ptr, inv.data.ptr, paired=True)
-    split_gemm(ws.data.ptr, xp.data.ptr, N, K, T, yp.data.ptr, N, paired=True)
+    split_rows(kx, xd.data.ptr, K, 0, T, K, 1e-6, xp.data.ptr, inv.data.ptr, layout=LAYOUT_PAIRED)
+    split_gemm(ws.data.ptr, xp.data.ptr, N, K, T, yp.data.ptr, N, layout=LAYOUT_PAIRED)
     ypair = yp.get()
     e_paired = rel((ypair[0::2] + ypair[1::2]) * inv.get()[:, None], ref)
     deq = cupy.empty((N, K), F32)
@@ -319,10 +372,20 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     # single fp16 inputs (the scaled activations' hi half, the weights rounded), fp32 out
     xh = x16[:, K:2 * K].view(F16).astype(F32)
     e_fp16 = rel(cupy.matmul(xh, deq.astype(F16).astype(F32).T).get() * inv.get()[:, None], ref)
+    # fp16 precision (Settings.gemm_precision): fp16 weight rows, fp16 activation rows, one call
+    wf = cupy.full((N + 1, K), POISON16, cupy.uint16)
+    xf = cupy.full((T, K), POISON16, cupy.uint16)
+    yf = cupy.full((T, N), np.nan, F32)
+    split_weights(kx, (w,), wf.data.ptr, lo=False)
+    assert np.all(wf[N:].get() == POISON16)
+    split_rows(kx, xd.data.ptr, K, 0, T, K, 1e-6, xf.data.ptr, inv.data.ptr, layout=LAYOUT_FP16)
+    split_gemm(wf.data.ptr, xf.data.ptr, N, K, T, yf.data.ptr, N, layout=LAYOUT_FP16)
+    e_f16 = rel(yf.get() * inv.get()[:, None], ref)
     rows = rng.choice(N, min(N, 64), replace=False)
     e_twin = rel(split16_matmul(X[:4], W[rows]), ref[:4, rows]) if K * 3 * 64 <= 2e6 else float("nan")
     sgemm_twin = rel(fma_gemm(X[:4], W[rows]), ref[:4, rows]) if K * 64 <= 2e6 else float("nan")
-    print(f"{qtype.name} N={N} K={K} T={T}: split16 {e_split:.2e} (paired {e_paired:.2e})  cuBLAS sgemm {e_sgemm:.2e}  fp16 {e_fp16:.2e}"
+    print(f"{qtype.name} N={N} K={K} T={T}: split16 {e_split:.2e} (paired {e_paired:.2e})  cuBLAS sgemm {e_sgemm:.2e}  "
+          f"fp16 {e_fp16:.2e} (the fp16 precision's launches {e_f16:.2e})"
           f"  (twin, fp32 accumulation, 4 rows: split16 {e_twin:.2e} sgemm {sgemm_twin:.2e})"
           f"  bound {split16_error_bound(K):.2e}")
     # fp32-class: the tensor cores' truncating accumulation grows like sqrt(K); the bound is
@@ -331,6 +394,9 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     bound = split16_error_bound(K)
     assert e_split <= bound and e_paired <= bound
     assert e_fp16 > bound and e_split <= e_fp16 / 20
+    # the fp16 precision rounds each input once, as the fp16 reference does (within the tensor
+    # cores' accumulation on top), and stays at fp16's error: a relative 2^-11 per value
+    assert e_f16 <= 1.25 * e_fp16 + bound and e_f16 <= 2.0 ** -9
 
 
 def test_split_gemm_in_a_cuda_graph(kx, rng):
@@ -368,11 +434,14 @@ def test_split_gemm_in_a_cuda_graph(kx, rng):
 PROMPTS = [[64, 17], [100], [33, 48, 20], [129], [300]]
 
 
+@pytest.mark.parametrize("precision", ["split", "fp16"])
 @pytest.mark.parametrize("name", ["smol135", "qwen05", "gemma270", "qwen15", "real"])
-def test_split16_model_parity(name, rng):
+def test_split16_model_parity(name, precision, rng):
     """Every prompt set, prefill (GEMM path: > 64 tokens per call) and 8 decode steps after it:
-    logits cosine >= 0.9999 against the oracle on every row; on the chaotic twins (gemma270, qwen05), the
-    median row as close as fp32 gets (test_model_parity._assert_parity)."""
+    logits cosine against the oracle on every row >= 0.9999 at split precision, >= COS_MIN (the
+    bar of every GPU step) at fp16; on the chaotic twins (gemma270, qwen05), the median row as
+    close as fp32 gets, or fp16 at that precision (support/parity.py)."""
+    from support.parity import CHAOTIC_MEDIAN_FP16, COS_MIN
     from test_model_parity import TWINS, _assert_parity, _backends, _cos, _open, _real_smol
 
     from realizar_backend.backends.base import PrefillItem
@@ -380,7 +449,7 @@ def test_split16_model_parity(name, rng):
     if path is None or not path.exists():
         pytest.skip(f"{name} not on this machine")
     model = _open(path)
-    cpu, gpu = _backends(model, slots=3, ctx=320)
+    cpu, gpu = _backends(model, slots=3, ctx=320, gemm_precision=precision)
     V = model.config.vocab_size
     rows = []
     for lens in PROMPTS:
@@ -401,17 +470,22 @@ def test_split16_model_parity(name, rng):
             contiguous_table(cpu, s)
             contiguous_table(gpu, s)
         dec_min = min(r.min() for r in dec_rows)
-        print(f"{name} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; decode min {dec_min:.7f}")
+        print(f"{name} {precision} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; decode min {dec_min:.7f}")
         rows += [pre, *dec_rows]
     gpu.close()
-    _assert_parity(name, np.concatenate(rows), 0.9999)
+    if precision == "split":
+        _assert_parity(name, np.concatenate(rows), 0.9999)
+    else:
+        _assert_parity(name, np.concatenate(rows), COS_MIN, chaotic_median=CHAOTIC_MEDIAN_FP16)
 
 
+@pytest.mark.parametrize("precision", ["split", "fp16"])
 @pytest.mark.parametrize("name", ["qwen05", "gemma270"])
-def test_split_weight_cache_gives_the_same_logits(name, rng):
-    """Split weights kept from start-up (prefill_weight_cache "on") give the prompt logits of
-    splitting them in every prefill ("off") bit for bit; "off" keeps none. (64 tokens: the GEMMs
-    only with the tensor-core prompt steps off: the dispatcher's buckets emptied.)"""
+def test_split_weight_cache_gives_the_same_logits(name, precision, rng):
+    """Weights kept from start-up (prefill_weight_cache "on") give the prompt logits of
+    dequantizing them in every prefill ("off") bit for bit, at either precision; "off" keeps none.
+    (64 tokens: the GEMMs only with the tensor-core prompt steps off: the dispatcher's buckets
+    emptied.)"""
     from test_model_parity import TWINS, _open
 
     from realizar_backend.backends.base import PrefillItem
@@ -427,10 +501,13 @@ def test_split_weight_cache_gives_the_same_logits(name, rng):
     out = {}
     for cache in ("on", "off"):
         be = contiguous_tables(CUDABackend(model, max_slots=2, max_context=64,
-                                           settings=Settings(self_check=False, prefill_weight_cache=cache)))
+                                           settings=Settings(self_check=False, prefill_weight_cache=cache,
+                                                             gemm_precision=precision)))
         be.fwd.dispatcher.buckets = ()
         assert be.fwd.prompt_step(64).family == "split16"
         assert len(be.fwd.split16.kept) == (4 * model.config.n_layers if cache == "on" else 0)
+        # a kept weight takes 4 bytes (two fp16 halves, one float32 element) or 2 (one fp16)
+        assert all(k.dtype == (np.float32 if precision == "split" else np.float16) for k in be.fwd.split16.kept.values())
         out[cache] = be.prefill(items)
         be.close()
     assert np.isfinite(out["on"]).all()

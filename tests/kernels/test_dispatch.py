@@ -49,8 +49,12 @@ def test_decode_families_by_rows_for_a_q4_k_m_model():
     groups, head = dense(Q4_K_M)
     disp = Dispatcher(groups, head, split16_kept=True)
     assert disp.mmqs_all and disp.mmq_min_rows == d.MMQS_MIN_ROWS
-    assert [disp.decode_step(b).family for b in (1, 2, 4, 8, 32, 64, 256)] == \
-        ["gemv", "gemv", "mmq", "mmq", "mmq", "split16", "split16"]
+    assert [disp.decode_step(b).family for b in (1, 2, 4, 8, 16, 17, 32, 64, 256)] == \
+        ["gemv", "gemv", "mmq", "mmq", "mmq", "split16", "split16", "split16", "split16"]
+    # the split halves (4 bytes a weight) take the wide steps only
+    split = Dispatcher(groups, head, split16_kept=True, precision="split")
+    assert [split.decode_step(b).family for b in (1, 4, 17, 32, 63, 64, 256)] == \
+        ["gemv", "mmq", "mmq", "mmq", "mmq", "split16", "split16"]
     # without the kept split weights, wide steps stay on the tensor cores
     assert Dispatcher(groups, head, split16_kept=False).decode_step(256).family == "mmq"
 

@@ -1,5 +1,5 @@
-"""The Python launchers of mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN)
-and deltanet.cu against the kernels' `extern "C"` signatures: each launch's argument count and each
+"""The Python launchers of mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN),
+deltanet.cu and prefill.cu (split16.py) against the kernels' `extern "C"` signatures: each launch's argument count and each
 argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
 float32), its block against __launch_bounds__, its grid against what the kernel indexes, its dynamic
 shared memory against the limit the loader sets (48 KB where it sets none). The launches are
@@ -27,6 +27,9 @@ from support.host_emu import GXX, ROOT
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 DEFAULT_SMEM = 48 * 1024
+# split16.ROW_WIDTH (split16 imports CuPy): prefill.cu's activation layouts split, paired, fp16 ->
+# a row's width in K
+ROW_WIDTH = {0: 3, 1: 4, 2: 1}
 # kernel name -> (file, options beyond base_options) as backends/cuda/modules.py builds its module
 MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
            "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
@@ -34,7 +37,8 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
            **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
-                                                                          for d in DN_DELTA_K))}}
+                                                                          for d in DN_DELTA_K))},
+           **{n: ("prefill.cu", ()) for n in ("split_weights", "norm_split", "act_split", "unscale_scatter", "unscale_add")}}
 # dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
@@ -98,6 +102,8 @@ def test_host_constants_match_kernels():
     assert (define(dn, "DN_CHUNK"), define(dn, "DN_CHUNK_MAX_V")) == (DN_CHUNK, DN_CHUNK_MAX_V)
     assert define(dn, "DN_CONV_THREADS") == 128        # ops.DN_CONV_THREADS (ops imports CuPy)
     assert define(moe, "MOE_BUCKET_THREADS") == 256    # ops.MOE_BUCKET_THREADS
+    pre = catalog.source("prefill.cu")
+    assert [define(pre, f"LAYOUT_{n}") for n in ("SPLIT", "PAIRED", "FP16")] == list(ROW_WIDTH)
 
 
 def test_launches_match_signatures(launches):
@@ -164,6 +170,21 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert mode == 1 - i % 2
         assert L["grid"] == [-(-n // (64 if mode else 128)) * TB]
         assert L["smem"] == L["smem_limit"]
+    # prefill.cu: split_weights a thread per 32-weight unit of up to three matrices, its last
+    # argument whether the low halves are written; the activation kernels a block per row, their
+    # row stride the layout's width, their last argument the layout
+    sw = by["split_weights"]
+    assert [_args(L)[-1] for L in sw] == [1, 1, 0, 0]
+    for L in sw:
+        a = _args(L)
+        assert L["grid"] == [-(-(a[2] + a[6] + a[10]) * (-(-a[12] // 32)) // L["block"][0])]
+    for L in by["norm_split"]:
+        a = _args(L)
+        assert L["grid"] == [a[3]] and a[7] == ROW_WIDTH[a[-1]] * a[4]
+    for L in by["act_split"]:
+        a = _args(L)
+        assert L["grid"] == [a[5]] and a[7] == ROW_WIDTH[a[-1]] * a[2]
+    assert sorted(_args(L)[-1] for L in by["norm_split"]) == sorted(ROW_WIDTH)
     for L in by["dn_conv"]:
         a = _args(L)
         assert L["grid"] == [-(-a[9] // 128), a[8]] and L["block"] == [128]

@@ -30,7 +30,7 @@ BAD = {
     "max_request_tokens": ["-1", "lots"], "grammar_timeout_s": ["0", "-2", "nan"], "grammar_workers": ["0", "65"],
     "chat_template_max_chars": ["5"], "chat_template_memory_mb": ["16"], "chat_template_workers": ["0", "1000"],
     "shutdown_grace_s": ["-1", "nan"], "cuda_graphs": ["perhaps"], "step_trace": [" x", "/no/such/dir/steps.jsonl"],
-    "prefill_weight_cache": ["always"], "self_check": ["si"], "log_level": ["LOUD"], "model_cache": ["", " ~/models"],
+    "prefill_weight_cache": ["always"], "gemm_precision": ["fp32", "FP16"], "self_check": ["si"], "log_level": ["LOUD"], "model_cache": ["", " ~/models"],
     "prebuilt_kernels": ["sometimes"], "workers": ["-1", "257", "all"], "front_ends": ["-1", "65", "two"],
     "engine_stall_timeout_s": ["0", "-1", "inf"], "read_timeout_s": ["0", "nan"],
     "max_header_bytes": ["100", "huge"], "max_connections": ["-1"], "cpu_threads": ["-2", "many"],

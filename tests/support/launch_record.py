@@ -86,6 +86,18 @@ def main() -> None:
     for dk, dv in ((128, 128), (64, 96), (32, 64)):
         ops.dn_delta(k, 0x12000, 8192, 0x13000, 0x14000, 32, 0x15000, 4096, 0x16000, 0x17000, 0x18000, 0x19000,
                      rows, 16, dk, 32, dv, 1e-6, 0x1a000, 4096, chunk_min=64)
+    # prefill.cu (split16.py): the weights split or in fp16, activation rows in each layout, the epilogues
+    from realizar_backend.backends.cuda import split16
+    kx = {n: Rec(n, log) for n in split16.KERNELS}
+    mats = (w("q", Q.Q4_K, 40, 1536, 9), w("k", Q.Q6_K, 8, 1536, 10), w("v", Q.Q8_0, 8, 1536, 11), w("x", Q.Q4_K, 8, 1536, 12))
+    for lo in (True, False):
+        split16.split_weights(kx, mats, 0x20000, lo)
+    for layout in split16.ROW_WIDTH:
+        split16.split_rows(kx, 0x21000, 1536, 0x22000, 5, 1536, 1e-6, 0x23000, 0x24000, layout)
+        split16.act_split(kx, 0x25000, 8960, 0x24000, 1, 5, 0x23000, 0x26000, layout)
+        split16.unscale_scatter(kx, 0x27000, 2048, 0x24000, 5, [(0x28000, 1536, 1536, 0x29000), (0x2a000, 256, 256, 0)],
+                                layout)
+        split16.unscale_add(kx, 0x2b000, 1536, 0x27000, 2048, 0x24000, 0x2c000, 5, 1536, 1e-6, layout)
     json.dump(log, sys.stdout)
 
 

@@ -10,9 +10,10 @@ A step runs its projections in one of three families, chosen from its rows (`dec
 - "mmq": tensor-core matrix multiplies on the quantized blocks (a prep launch turns the input rows
   into row-scaled fp16 halves): MMQS (mmqs.cu, 16-row weight tiles, weights straight into the mma
   fragments) or MMQ (mmq.cu, 128-row tiles, each weight read once per 64 rows);
-- "split16": the weights dequantized into fp16 hi/lo halves (kept from start-up where memory
-  allows, `Settings.prefill_weight_cache`), multiplied by cuBLAS on the tensor cores at fp32-class
-  accuracy (split16.py): a cost that hardly grows with the rows.
+- "split16": the weights dequantized to fp16 (kept from start-up where memory allows,
+  `Settings.prefill_weight_cache`), multiplied by cuBLAS on the tensor cores, one fp16 copy of each
+  input or fp16 hi/lo halves at fp32-class accuracy (`Settings.gemm_precision`, split16.py): a cost
+  that hardly grows with the rows.
 Within a family a group of matrices that share an input (Q, K and V; gate and up) takes one
 launch when every matrix of it has the family's kernel, and otherwise the GEMVs (`linear`,
 `gated`). The LM head has its own rule (`head`), and so do a mixture of experts' router and routed
@@ -48,9 +49,11 @@ MMQS_HEAD_MIN_ROWS = 2
 # ones (an LM head) take mmq.cu's 64-row tiles.
 MMQS_MAX_ROWS = 16
 MMQS_L2_BYTES = 64 << 20
-# Decode steps of this many rows or more run on the kept split16 weights: 4 bytes a weight read at
-# GEMM speed once per step, which beats re-reading the quantized blocks per 64-row tile from here.
-SPLIT16_MIN_ROWS = 64
+# Decode steps of this many rows or more run on the kept split16 weights, read at GEMM speed once per
+# step, by gemm_precision: fp16 (2 bytes a weight) past one mmqs.cu group of 16 rows (at 16 the two
+# tie; beyond, mmqs.cu re-reads the weights per group and mmq.cu's tiles run far below both roofs);
+# split (4 bytes a weight) from where that beats re-reading the quantized blocks per 64-row tile.
+SPLIT16_MIN_ROWS = {"fp16": 17, "split": 64}
 # mmq.cu's 8-bit-activation variant (mmq.MmqPrep(a8=True): each 32 activations quantized as mmv8.cu
 # does, one int8 mma a unit) takes no step yet: at a 7B step's shapes it beats mmq.cu's fp16 tiles
 # from 32 rows but not split16 where that runs, nor mmqs.cu at 16 rows (docs/performance.md). It
@@ -67,15 +70,17 @@ GEMM_MIN_TOKENS_KEPT = 12
 # GEMM prompt steps run on their token count rounded up to this multiple (padding rows on the
 # scratch slot), so that their launches recur as a few graph keys.
 GEMM_ROW_STEP = 64
-# split16 steps of up to this many rows pair each activation row's hi and lo halves into one GEMM
-# row: the GEMMs of so few rows are bound by reading the split weights, which the pairs read once
-# instead of 1.5 times; past it the GEMMs turn compute-bound and the pairs' extra products cost more.
+# split16 steps of split precision of up to this many rows pair each activation row's hi and lo
+# halves into one GEMM row: the GEMMs of so few rows are bound by reading the split weights, which
+# the pairs read once instead of 1.5 times; past it the GEMMs turn compute-bound and the pairs'
+# extra products cost more.
 SPLIT16_PAIRED_MAX_ROWS = 128
-# The split16 weights (4 bytes a weight) are kept from start-up (`prefill_weight_cache=auto`) when they
-# take at most this share of the device memory free before the KV pool is sized: the KV pool keeps
-# the other half. Kept, a 64-row decode step reads them once at GEMM speed instead of re-reading the
-# quantized blocks per mmq tile, and prompts skip a dequantize per GEMM; a 7-8B model's (28-32 GB)
-# fit beside its KV pool on an 80 GB GPU, a 32B model's do not.
+# The split16 weights (2 bytes a weight, 4 at split precision) are kept from start-up
+# (`prefill_weight_cache=auto`) when they take at most this share of the device memory free before
+# the KV pool is sized: the KV pool keeps the other half. Kept, a 64-row decode step reads them once
+# at GEMM speed instead of re-reading the quantized blocks per mmq tile, and prompts skip a
+# dequantize per GEMM; a 7-8B model's (14-16 GB) fit beside its KV pool on an 80 GB GPU, a 32B
+# model's (64 GB) do not.
 SPLIT16_KEEP_FREE_SHARE = 0.5
 
 # One-row GEMV steps multiply a group of matrices sharing an input (q/k/v, gate/up, one projection)
@@ -238,13 +243,16 @@ def prompt_buckets(max_tokens: int = PROMPT_MMQ_TOKENS) -> tuple[int, ...]:
 
 
 class Dispatcher:
-    def __init__(self, groups: Sequence[tuple[str, tuple[WeightRef, ...]]], head: WeightRef, split16_kept: bool):
+    def __init__(self, groups: Sequence[tuple[str, tuple[WeightRef, ...]]], head: WeightRef, split16_kept: bool,
+                 precision: str = "fp16"):
         """groups: every group of matrices the model's steps multiply (the model's `projections()`:
         ("linear" | "gated" | "router" | "experts", mats)); head: the LM head; split16_kept: the
-        split16 weights are kept on the device. The families of steps are chosen from the dense
-        groups (DENSE_KINDS): the router and experts run on their own kernels in every family."""
+        split16 weights are kept on the device, at `precision` (Settings.gemm_precision). The
+        families of steps are chosen from the dense groups (DENSE_KINDS): the router and experts
+        run on their own kernels in every family."""
         self.head_matrix = head
         self.split16_kept = split16_kept
+        self.split16_min_rows = SPLIT16_MIN_ROWS[precision]
         # linear's and gated's choices by (family, rows, the matrices' identities): a step asks for
         # the same few hundred on every step of its shape (each entry keeps its matrices, so that
         # their identities stay theirs; a WeightRef's type and shape never change)
@@ -267,7 +275,7 @@ class Dispatcher:
     # ------------------------------------------------------------ steps
     def decode_step(self, b: int) -> Step:
         """The family of a decode step of b rows (a bucket: fixed per bucket, captured once)."""
-        if self.split16_kept and b >= SPLIT16_MIN_ROWS:
+        if self.split16_kept and b >= self.split16_min_rows:
             return Step("split16", b)
         if b >= self.mmq_min_rows:
             return Step("mmq", b)

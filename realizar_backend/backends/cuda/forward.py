@@ -58,7 +58,8 @@ def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool
 class Forward:
     def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, settings: Settings, max_context: int,
                  rope_host: Future | None = None):
-        """settings.prefill_weight_cache: whether the split16 weights are kept (linear.py). The KV
+        """settings.prefill_weight_cache: whether the split16 weights are kept, gemm_precision: their
+        precision (linear.py). The KV
         cache (`kv`) is set by the backend once it has sized the pool from what is left.
         rope_host: rope_host_tables(config, max_context) made ahead (None: made here)."""
         self.k, self.w, self.ws = k, w, ws
@@ -74,9 +75,11 @@ class Forward:
         head = self.model.output
         self.ctx = Context(k, ws, c)
         self.gemv = GemvLinear(self.ctx)
-        self.split16 = Split16Linear(self.ctx, [g for _, g in dense], settings.prefill_weight_cache)
+        self.split16 = Split16Linear(self.ctx, [g for _, g in dense], settings.prefill_weight_cache,
+                                     settings.gemm_precision)
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
-        self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept))
+        self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept),
+                                     precision=settings.gemm_precision)
         # (a group of more projections than one launch writes: each launch's, linear.launches)
         shapes = {(g[0].cols, tuple(m.rows for m in part), kind == "gated")
                   for kind, g in dense for part in launches(g)}

@@ -206,11 +206,17 @@ class MmqLinear(Family):
 
 
 class Split16Linear(Family):
-    """The split16 GEMMs (split16.py) on weights split at start-up (kept, `weight_cache`) or before
-    each GEMM into ws.deq; each group of matrices sharing an input is one split matrix."""
+    """The split16 GEMMs (split16.py) on weights dequantized at start-up (kept, `weight_cache`) or
+    before each GEMM into ws.deq, as split halves or fp16 rows (`precision`, split16.PRECISIONS);
+    each group of matrices sharing an input is one matrix."""
 
-    def __init__(self, ctx: Context, groups: Sequence[tuple[WeightRef, ...]], weight_cache: str):
+    def __init__(self, ctx: Context, groups: Sequence[tuple[WeightRef, ...]], weight_cache: str,
+                 precision: str = "fp16"):
         super().__init__(ctx)
+        if precision not in split16.PRECISIONS:
+            raise BackendError(f"gemm precision {precision!r}: one of {', '.join(split16.PRECISIONS)}")
+        self.precision = precision
+        self.lo = precision == "split"     # the weights' low halves are made and multiplied
         c, ws = ctx.c, ctx.ws
         # the workspace's split16 scratch (y32, x16) is sized from the config's widths (a DeltaNet's
         # output projection reads its value heads: v_heads * v_dim)
@@ -224,72 +230,77 @@ class Split16Linear(Family):
         # group (its first matrix's address) -> its split weight rows, kept from start-up
         self.kept: dict[int, cupy.ndarray] = {}
         sizes = [sum(w.rows for w in g) * g[0].cols for g in groups]
-        total = 4 * sum(sizes)                   # two fp16 halves per weight: one float32's bytes
+        total = split16.weight_bytes(precision) * sum(sizes)
         free = cupy.cuda.runtime.memGetInfo()[0]
         if weight_cache == "on" or (weight_cache == "auto" and total <= free * SPLIT16_KEEP_FREE_SHARE):
             try:
                 for g in groups:
-                    buf = cupy.empty(sum(w.rows for w in g) * g[0].cols, cupy.float32)
-                    split16.split_weights(self.kx, g, buf.data.ptr)
+                    buf = cupy.empty(sum(w.rows for w in g) * g[0].cols, cupy.float32 if self.lo else cupy.float16)
+                    split16.split_weights(self.kx, g, buf.data.ptr, self.lo)
                     self.kept[g[0].ptr] = buf
                 cupy.cuda.get_current_stream().synchronize()    # steps run on the backend's own stream
-                log.info("split16: split weights kept on the device (%.2f GB)", total / 1e9)
+                log.info("split16: %s weights kept on the device (%.2f GB)", precision, total / 1e9)
                 return
             except cupy.cuda.memory.OutOfMemoryError:
                 if weight_cache == "on":
                     raise
                 self.kept.clear()
-                log.warning("split16: no room for the split weights (%.2f GB); split before each GEMM", total / 1e9)
-        ws.ensure_dequant(max(sizes))    # room for the largest group, split before each GEMM
+                log.warning("split16: no room for the %s weights (%.2f GB); dequantized before each GEMM", precision,
+                            total / 1e9)
+        # room for the largest group, dequantized before each GEMM (float32 elements)
+        ws.ensure_dequant(-(-split16.weight_bytes(precision) * max(sizes) // 4))
 
-    def paired(self, T: int) -> bool:
-        return Dispatcher.split16_paired(T, self.ctx.ws.capacity)
+    def layout(self, T: int) -> int:
+        """The activation rows of a step of T rows (split16.LAYOUT_*)."""
+        if not self.lo:
+            return split16.LAYOUT_FP16
+        return split16.LAYOUT_PAIRED if Dispatcher.split16_paired(T, self.ctx.ws.capacity) else split16.LAYOUT_SPLIT
 
-    def _proj(self, mats: Sequence[WeightRef], T: int, y: int, ldy: int, paired: bool) -> None:
-        """y[:T] = s x[:T] @ [mats].T: the split weights kept since start-up, or dequantize and split
-        them now; then the GEMM calls."""
+    def _proj(self, mats: Sequence[WeightRef], T: int, y: int, ldy: int, layout: int) -> None:
+        """y[:T] = s x[:T] @ [mats].T: the weights kept since start-up, or dequantize them now; then
+        the GEMM calls."""
         ws = self.ctx.ws
         K = mats[0].cols
         w = self.kept.get(mats[0].ptr)
         if w is None:
-            split16.split_weights(self.kx, tuple(mats), ws.deq.data.ptr)
+            split16.split_weights(self.kx, tuple(mats), ws.deq.data.ptr, self.lo)
             w = ws.deq
         split16.split_gemm(w.data.ptr, ws.x16.data.ptr, sum(m.rows for m in mats), K, T, y, ldy, self._calls.get(K),
-                           paired)
+                           layout)
 
     def norm_linear(self, x: cupy.ndarray, norm: int, segs: Sequence[Segment], choice: Choice, T: int) -> None:
         # the group as one GEMM, then 1/s and the biases on the way out
         ws, c = self.ctx.ws, self.ctx.c
         mats = [w for w, _, _, _ in segs]
-        inv, pr = ws.split_inv_ptrs[0], self.paired(T)
-        split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, mats[0].cols, c.rms_eps, ws.x16.data.ptr, inv, pr)
+        inv, lay = ws.split_inv_ptrs[0], self.layout(T)
+        split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, mats[0].cols, c.rms_eps, ws.x16.data.ptr, inv, lay)
         n = sum(w.rows for w in mats)
-        self._proj(mats, T, ws.y32.data.ptr, n, pr)
+        self._proj(mats, T, ws.y32.data.ptr, n, lay)
         col = 0
         for part in launches(segs):     # each piece's columns of the GEMM's rows
             split16.unscale_scatter(self.kx, ws.y32.data.ptr + 4 * col, n, inv, T,
-                                    [(y, ys, w.rows, b) for w, b, y, ys in part], pr)
+                                    [(y, ys, w.rows, b) for w, b, y, ys in part], lay)
             col += sum(w.rows for w, _, _, _ in part)
 
     def linear_residual(self, a, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
         ws, c = self.ctx.ws, self.ctx.c
-        pr = self.paired(T)
+        lay = self.layout(T)
         if isinstance(a, SplitRows):          # the gated MLP left its output split for this projection
             inv = a.inv
         else:
             inv = ws.split_inv_ptrs[1]
-            split16.split_rows(self.kx, a.data.ptr, a.shape[1], 0, T, w.cols, c.rms_eps, ws.x16.data.ptr, inv, pr)
-        self._proj((w,), T, ws.tmp.data.ptr, ws.tmp.shape[1], pr)
+            split16.split_rows(self.kx, a.data.ptr, a.shape[1], 0, T, w.cols, c.rms_eps, ws.x16.data.ptr, inv, lay)
+        self._proj((w,), T, ws.tmp.data.ptr, ws.tmp.shape[1], lay)
         split16.unscale_add(self.kx, ws.x.data.ptr, ws.x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], inv, post_norm,
-                            T, c.hidden, c.rms_eps, pr)
+                            T, c.hidden, c.rms_eps, lay)
 
     def gated(self, x: cupy.ndarray, norm: int, gate: WeightRef, up: WeightRef, choice: Choice, act: int,
               T: int) -> SplitRows:
         # gate and up as one GEMM; act(g) * u is split for the down projection in one pass
         ws, c = self.ctx.ws, self.ctx.c
-        (inv_a, inv_b), pr = ws.split_inv_ptrs, self.paired(T)
-        split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, c.hidden, c.rms_eps, ws.x16.data.ptr, inv_a, pr)
+        (inv_a, inv_b), lay = ws.split_inv_ptrs, self.layout(T)
+        split16.split_rows(self.kx, x.data.ptr, x.shape[1], norm, T, c.hidden, c.rms_eps, ws.x16.data.ptr, inv_a, lay)
         F = gate.rows
-        self._proj((gate, up), T, ws.y32.data.ptr, 2 * F, pr)
-        split16.act_split(self.kx, ws.y32.data.ptr, F, inv_a, act, T, ws.x16.data.ptr, inv_b, pr)
+        self._proj((gate, up), T, ws.y32.data.ptr, 2 * F, lay)
+        split16.act_split(self.kx, ws.y32.data.ptr, F, inv_a, act, T, ws.x16.data.ptr, inv_b, lay)
         return SplitRows(inv_b)

@@ -1,10 +1,13 @@
-"""split16 GEMMs (kernels/prefill.cu and cuBLAS): fp16 tensor cores at about fp32 accuracy, for
-prompt steps and wide decode steps (the dispatcher's "split16" family).
-
-Weights and activations are each split into two fp16 halves (hi + lo, kernels/prefill.cu says
-how), and a projection is two or more cuBLAS calls over the halves:
-s y = [xh*2^-12 | xh] . [Wl*2^12 | Wh] + xl . Wh, with s a per-row power of two (exact) that the
-epilogue kernels undo together with the biases, the residual add and the gemma post-norms. Q, K
+"""split16 GEMMs (kernels/prefill.cu and cuBLAS): the dequantized weights on the fp16 tensor cores,
+for prompt steps and wide decode steps (the dispatcher's "split16" family), in one of two
+precisions (`Settings.gemm_precision`):
+- "fp16": weights and activations each rounded to fp16 once, one cuBLAS call a projection,
+  s y = xh . Wh (2 bytes a weight);
+- "split": each split into two fp16 halves (hi + lo, kernels/prefill.cu says how), at about fp32's
+  accuracy, two or more cuBLAS calls over the halves, s y = [xh*2^-12 | xh] . [Wl*2^12 | Wh] + xl . Wh
+  (4 bytes a weight, three times the tensor-core work of a long prompt).
+s is a per-row power of two (exact) that the epilogue kernels undo together with the biases, the
+residual add and the gemma post-norms. Q, K
 and V are dequantized and multiplied as one matrix, and so are gate and up. The launch helpers
 here are shared by the linear family (linear.py) and the GPU tests, so the tests run the model's
 launches."""
@@ -35,6 +38,16 @@ OP_N, OP_T = 0, 1
 MAIN_K_PER_CALL = 4096
 SPLIT_GROUP_ALIGN = 64   # call boundaries along K (elements): keeps the 16-byte operand alignment
 KERNELS = ("split_weights", "norm_split", "act_split", "unscale_scatter", "unscale_add")
+PRECISIONS = ("fp16", "split")
+# activation row layouts (prefill.cu LAYOUT_*): split [xh*2^-12 | xh | xl] (3K), paired
+# [xh*2^-12 | xh | 0 | xl] (4K: two GEMM rows of 2K, summed on the way out), fp16 [xh] (K)
+LAYOUT_SPLIT, LAYOUT_PAIRED, LAYOUT_FP16 = 0, 1, 2
+ROW_WIDTH = {LAYOUT_SPLIT: 3, LAYOUT_PAIRED: 4, LAYOUT_FP16: 1}     # fp16 values a row, in K
+
+
+def weight_bytes(precision: str) -> int:
+    """Bytes a weight takes in the split workspace: two fp16 halves, or one."""
+    return 4 if precision == "split" else 2
 
 
 def split_calls(K: int, main_k: int = MAIN_K_PER_CALL) -> list[tuple[int, int, int, int]]:
@@ -66,9 +79,10 @@ def load_kernels(device_id: int, qtypes=None) -> dict:
     return kx
 
 
-def split_weights(kx: dict, mats: tuple[WeightRef, ...], out: int) -> None:
-    """Matrices sharing K, dequantized into consecutive split rows [Wl*2^12 | Wh] of out (2K fp16 a
-    row), up to three a launch (a DeltaNet's four projections take two)."""
+def split_weights(kx: dict, mats: tuple[WeightRef, ...], out: int, lo: bool = True) -> None:
+    """Matrices sharing K, dequantized into consecutive rows of out: split rows [Wl*2^12 | Wh] (2K
+    fp16 a row), or with lo False fp16 rows [Wh] (K); up to three matrices a launch (a DeltaNet's
+    four projections take two)."""
     K = mats[0].cols
     for i in range(0, len(mats), 3):
         part = mats[i:i + 3]
@@ -78,30 +92,29 @@ def split_weights(kx: dict, mats: tuple[WeightRef, ...], out: int) -> None:
         for _ in range(3 - len(part)):
             args += [_U64(0), _I64(0), _I32(0), _I32(0)]
         units = sum(m.rows for m in part) * ((K + 31) // 32)
-        kx["split_weights"](((units + 255) // 256,), (256,), (*args, _I32(K), _U64(out)))
-        out += sum(m.rows for m in part) * 4 * K
+        kx["split_weights"](((units + 255) // 256,), (256,), (*args, _I32(K), _U64(out), _I32(int(lo))))
+        out += sum(m.rows for m in part) * (4 if lo else 2) * K
 
 
 def split_rows(kx: dict, x: int, xs: int, w: int, T: int, K: int, eps: float, out: int, inv: int,
-               paired: bool = False) -> None:
-    """Rows of x (RMSNorm'ed with weight w, or as they are for w == 0) -> split rows
-    [xh*2^-12 | xh | xl] of out (row stride 3K), or paired, [xh*2^-12 | xh | 0 | xl] (4K: two GEMM
-    rows of 2K, prefill.cu); inv[:T] = 1/s."""
+               layout: int = LAYOUT_SPLIT) -> None:
+    """Rows of x (RMSNorm'ed with weight w, or as they are for w == 0) -> activation rows of out
+    in `layout` (row stride ROW_WIDTH[layout] K); inv[:T] = 1/s."""
     kx["norm_split"]((T,), (_threads(K),), (_U64(x), _I32(xs), _U64(w), _I32(T), _I32(K), _F32(eps),
-                                            _U64(out), _I32((4 if paired else 3) * K), _U64(inv), _I32(int(paired))))
+                                            _U64(out), _I32(ROW_WIDTH[layout] * K), _U64(inv), _I32(layout)))
 
 
 def act_split(kx: dict, y: int, F: int, inv_in: int, act: int, T: int, out: int, inv: int,
-              paired: bool = False) -> None:
-    """act(g) * u from the scaled gate|up rows y (stride 2F; inv_in = their 1/s) -> split rows of
-    out; paired: y holds row pairs and out gets paired rows."""
+              layout: int = LAYOUT_SPLIT) -> None:
+    """act(g) * u from the scaled gate|up rows y (stride 2F; inv_in = their 1/s) -> activation rows
+    of out in `layout`; the paired layout: y holds row pairs and out gets paired rows."""
     kx["act_split"]((T,), (_threads(F),), (_U64(y), _I32(2 * F), _I32(F), _U64(inv_in), _I32(act), _I32(T),
-                                           _U64(out), _I32((4 if paired else 3) * F), _U64(inv), _I32(int(paired))))
+                                           _U64(out), _I32(ROW_WIDTH[layout] * F), _U64(inv), _I32(layout)))
 
 
-def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs, paired: bool = False) -> None:
-    """Scaled GEMM rows y (paired: row pairs) -> up to three destinations, segs = [(dst, dst stride,
-    columns, bias)]."""
+def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs, layout: int = LAYOUT_SPLIT) -> None:
+    """Scaled GEMM rows y (the paired layout: row pairs) -> up to three destinations, segs = [(dst,
+    dst stride, columns, bias)]."""
     args: list = []
     n = 0
     for d, ds, nc, b in segs:
@@ -110,24 +123,30 @@ def unscale_scatter(kx: dict, y: int, ys: int, inv: int, T: int, segs, paired: b
     for _ in range(3 - len(segs)):
         args += [_U64(0), _I32(0), _I32(0), _U64(0)]
     kx["unscale_scatter"]((((n + 255) // 256), T), (256,), (_U64(y), _I32(ys), _U64(inv), _I32(T), *args,
-                                                           _I32(int(paired))))
+                                                           _I32(layout)))
 
 
 def unscale_add(kx: dict, x: int, xs: int, t: int, ts: int, inv: int, w: int, T: int, H: int, eps: float,
-                paired: bool = False) -> None:
-    """x[:T] += t[:T] * inv (through an RMSNorm with weight w first, for w != 0); paired: t holds
-    row pairs."""
+                layout: int = LAYOUT_SPLIT) -> None:
+    """x[:T] += t[:T] * inv (through an RMSNorm with weight w first, for w != 0); the paired layout:
+    t holds row pairs."""
     kx["unscale_add"]((T,), (_threads(H),), (_U64(x), _I32(xs), _U64(t), _I32(ts), _U64(inv), _U64(w),
-                                             _I32(T), _I32(H), _F32(eps), _I32(int(paired))))
+                                             _I32(T), _I32(H), _F32(eps), _I32(layout)))
 
 
 def split_gemm(w: int, x: int, N: int, K: int, T: int, y: int, ldy: int,
-               calls: list[tuple[int, int, int, int]] | None = None, paired: bool = False) -> None:
-    """y[:T, :N] = s x[:T] @ W.T from split weight rows w (N x 2K fp16) and split activation rows x
-    (T x 3K fp16): the cuBLAS calls of split_calls(K) on the current stream, fp32 out (blas.py: a
-    step made of them can be captured in a CUDA graph). paired: x holds paired rows (T x 4K) and
-    y gets 2T rows, xh's products in row 2t and xl's in 2t + 1, from the main calls alone."""
+               calls: list[tuple[int, int, int, int]] | None = None, layout: int = LAYOUT_SPLIT) -> None:
+    """y[:T, :N] = s x[:T] @ W.T on the current stream, fp32 out (blas.py: a step made of these
+    calls can be captured in a CUDA graph). Split layout: split weight rows w (N x 2K fp16) and
+    split activation rows x (T x 3K), the cuBLAS calls of split_calls(K); paired: x holds paired
+    rows (T x 4K) and y gets 2T rows, xh's products in row 2t and xl's in 2t + 1, from the main
+    calls alone; fp16: fp16 weight rows (N x K) and activation rows (T x K), one call."""
     b = blas()
+    if layout == LAYOUT_FP16:
+        b.gemm_ex(OP_T, OP_N, N, T, K, _ONE_P, w, CUDA_R_16F, K, x, CUDA_R_16F, K, _ZERO_P, y, CUDA_R_32F, ldy,
+                  CUBLAS_COMPUTE_32F)
+        return
+    paired = layout == LAYOUT_PAIRED
     calls = calls or split_calls(K)
     cols, ldx = (2 * T, 2 * K) if paired else (T, 3 * K)
     for wc, xc, kk, beta in (calls[:-1] if paired else calls):

@@ -145,8 +145,8 @@ class Workspace:
         return self._outputs[rows]
 
     def ensure_dequant(self, elems: int) -> None:
-        """Make the dequantize buffer hold `elems` float32 (split16 steps split a group of matrices
-        there, q+k+v or gate+up, at two fp16 halves per weight). Called at
+        """Make the dequantize buffer hold `elems` float32 (split16 steps dequantize a group of
+        matrices there, q+k+v or gate+up, at one or two fp16 values a weight). Called at
         load; no captured graph reads this buffer, but growing it is treated as any pool growth
         (graphs dropped) so that one rule covers every buffer."""
         if elems <= self.deq.size:
