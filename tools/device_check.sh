@@ -27,13 +27,14 @@
 #            $LT_CLIENTS clients (LT_WARMUP=1: after two unmeasured runs of the same size), a soak with random cancels
 #            ($SOAK_REQUESTS completions), and $LT_VARIANTS (server settings, one fresh server each)
 #   cold     tools/cold_start.sh: launch-to-exit of `realizar generate`, launch-to-/readyz of `bentoml serve`
-#   llamacpp llama.cpp beside us on the qwen15 twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
+#   llamacpp llama.cpp beside us on a twin (tools/llama_cpp_bench.sh; carry .llamacpp, made by
 #            tools/llama_cpp_kit.sh): builds it for sm_90 in /tmp/llamacpp (skipped on a warm machine that has
 #            it; a build cut off by the call's limit resumes on the next call; ~270 s), or unpacks the programs
 #            that tools/llama_cpp_prebuild.sh built from the same kit elsewhere (.llamacpp/bin.tar.xz, carried
 #            with the kit), then llama-bench (pp512, tg128,
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
-#            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts
+#            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts; all
+#            of it on $LLAMACPP_MODEL (default /tmp/twins/qwen15.gguf)
 #   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,
 #            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the $LT_TWIN twin with
 #            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); an entry
@@ -346,7 +347,7 @@ if has llamacpp; then
   if [ -n "${LLAMACPP_LT_CLIENTS:-}" ] && [ -x /tmp/llamacpp/build/bin/llama-server ]; then
     np=$(echo $LLAMACPP_LT_CLIENTS | tr ' ' '\n' | sort -n | tail -1)
     LD_LIBRARY_PATH=$(cat /tmp/llamacpp/ldpath 2>/dev/null)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-      setsid /tmp/llamacpp/build/bin/llama-server -m /tmp/twins/qwen15.gguf -ngl 99 -fa on -np $np -c $(( np * 512 )) \
+      setsid /tmp/llamacpp/build/bin/llama-server -m ${LLAMACPP_MODEL:-/tmp/twins/qwen15.gguf} -ngl 99 -fa on -np $np -c $(( np * 512 )) \
       --host 127.0.0.1 --port 3910 > /tmp/llama_server.log 2>&1 &
     lpid=$!
     for i in $(seq 1 120); do curl -sf 127.0.0.1:3910/health >/dev/null && break; sleep 0.5; done
