@@ -10,7 +10,6 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from realizar_backend.backends.cuda.matrices import QTYPES
-from realizar_backend.backends.cuda.split16 import LAYOUT_FP16, LAYOUT_PAIRED
 from support.paging import contiguous_table, contiguous_tables
 
 pytestmark = pytest.mark.gpu
@@ -225,7 +224,8 @@ def test_paired_rows(kx, rng):
     second row is 0)."""
     import cupy
 
-    from realizar_backend.backends.cuda.split16 import act_split, split_rows, unscale_add, unscale_scatter
+    from realizar_backend.backends.cuda.split16 import (LAYOUT_PAIRED, act_split, split_rows, unscale_add,
+                                                        unscale_scatter)
     T, K, F, H = 5, 1536, 1024, 640
     X = (rng.standard_normal((T, K)) * 3).astype(F32)
     w = (1 + 0.5 * rng.standard_normal(K)).astype(F32)
@@ -258,7 +258,8 @@ def test_paired_rows(kx, rng):
     pairs = np.stack([y, lo], 1).reshape(2 * T, ys)
     pd = cupy.asarray(pairs)
     dst = [cupy.full((T, m), np.nan, F32) for m in n]
-    unscale_scatter(kx, pd.data.ptr, ys, ivd.data.ptr, T, [(d.data.ptr, m, m, 0) for d, m in zip(dst, n)], layout=LAYOUT_PAIRED)
+    unscale_scatter(kx, pd.data.ptr, ys, ivd.data.ptr, T, [(d.data.ptr, m, m, 0) for d, m in zip(dst, n)],
+                    layout=LAYOUT_PAIRED)
     want = (y + lo) * inv_in[:, None]
     assert np.array_equal(np.concatenate([d.get() for d in dst], 1), want)
     x0 = rng.standard_normal((T, H)).astype(F32)
@@ -275,7 +276,8 @@ def test_fp16_rows(kx, kernels, rng):
     kernels read the GEMM rows as the split layout's."""
     import cupy
 
-    from realizar_backend.backends.cuda.split16 import act_split, split_rows, split_weights, unscale_add, unscale_scatter
+    from realizar_backend.backends.cuda.split16 import (LAYOUT_FP16, act_split, split_rows, split_weights, unscale_add,
+                                                        unscale_scatter)
     N, K, F, T = 37, 1536, 1024, 5
     w, keep, _ = _quant(Q.Q4_K, N, K, rng)
     split, f16 = cupy.empty((N, 2 * K), cupy.uint16), cupy.full((N + 1, K), POISON16, cupy.uint16)
@@ -346,7 +348,7 @@ def test_split_gemm_against_float64(kernels, kx, rng, qtype, N, K, T):
     from support.split16_twin import fma_gemm, outlier_rows, rel, split16_error_bound, split16_matmul
 
     from realizar_backend.backends.cuda import ops
-    from realizar_backend.backends.cuda.split16 import split_gemm, split_rows, split_weights
+    from realizar_backend.backends.cuda.split16 import LAYOUT_FP16, LAYOUT_PAIRED, split_gemm, split_rows, split_weights
     w, keep, W = _quant(qtype, N, K, rng)
     X = outlier_rows(T, K, rng)
     ref = X.astype(F64) @ W.astype(F64).T
@@ -470,7 +472,8 @@ def test_split16_model_parity(name, precision, rng):
             contiguous_table(cpu, s)
             contiguous_table(gpu, s)
         dec_min = min(r.min() for r in dec_rows)
-        print(f"{name} {precision} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; decode min {dec_min:.7f}")
+        print(f"{name} {precision} prompts {lens}: prefill cos {' '.join(f'{c:.7f}' for c in pre)}; "
+              f"decode min {dec_min:.7f}")
         rows += [pre, *dec_rows]
     gpu.close()
     if precision == "split":
@@ -507,7 +510,8 @@ def test_split_weight_cache_gives_the_same_logits(name, precision, rng):
         assert be.fwd.prompt_step(64).family == "split16"
         assert len(be.fwd.split16.kept) == (4 * model.config.n_layers if cache == "on" else 0)
         # a kept weight takes 4 bytes (two fp16 halves, one float32 element) or 2 (one fp16)
-        assert all(k.dtype == (np.float32 if precision == "split" else np.float16) for k in be.fwd.split16.kept.values())
+        kept = np.float32 if precision == "split" else np.float16
+        assert all(k.dtype == kept for k in be.fwd.split16.kept.values())
         out[cache] = be.prefill(items)
         be.close()
     assert np.isfinite(out["on"]).all()
