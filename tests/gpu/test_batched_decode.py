@@ -146,5 +146,6 @@ def test_the_split16_gemms_take_the_wide_steps(precision, rng):
     gpu.close()
     cos = np.concatenate(rows)
     print(f"qwen05 {precision}, {n} rows: decode cos min {cos.min():.6f}; graphs {st}")
-    _assert_parity("qwen05", cos, COS_MIN, chaotic_median=CHAOTIC_MEDIAN_FP16 if precision == "fp16" else CHAOTIC_MEDIAN)
+    _assert_parity("qwen05", cos, COS_MIN,
+                   chaotic_median=CHAOTIC_MEDIAN_FP16 if precision == "fp16" else CHAOTIC_MEDIAN)
     assert any(k.startswith("256") and v == "captured" for k, v in st.items()), st

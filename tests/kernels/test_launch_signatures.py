@@ -1,6 +1,6 @@
 """The Python launchers of mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN),
-deltanet.cu and prefill.cu (split16.py) against the kernels' `extern "C"` signatures: each launch's argument count and each
-argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
+deltanet.cu and prefill.cu (split16.py) against the kernels' `extern "C"` signatures: each launch's
+argument count and each argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
 float32), its block against __launch_bounds__, its grid against what the kernel indexes, its dynamic
 shared memory against the limit the loader sets (48 KB where it sets none). The launches are
 recorded on the CPU (tests/support/launch_record.py, in a process of its own: it stands in a bare
@@ -38,7 +38,8 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
            **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                           for d in DN_DELTA_K))},
-           **{n: ("prefill.cu", ()) for n in ("split_weights", "norm_split", "act_split", "unscale_scatter", "unscale_add")}}
+           **{n: ("prefill.cu", ()) for n in ("split_weights", "norm_split", "act_split", "unscale_scatter",
+                                              "unscale_add")}}
 # dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,

@@ -89,7 +89,8 @@ def main() -> None:
     # prefill.cu (split16.py): the weights split or in fp16, activation rows in each layout, the epilogues
     from realizar_backend.backends.cuda import split16
     kx = {n: Rec(n, log) for n in split16.KERNELS}
-    mats = (w("q", Q.Q4_K, 40, 1536, 9), w("k", Q.Q6_K, 8, 1536, 10), w("v", Q.Q8_0, 8, 1536, 11), w("x", Q.Q4_K, 8, 1536, 12))
+    mats = (w("q", Q.Q4_K, 40, 1536, 9), w("k", Q.Q6_K, 8, 1536, 10), w("v", Q.Q8_0, 8, 1536, 11),
+            w("x", Q.Q4_K, 8, 1536, 12))
     for lo in (True, False):
         split16.split_weights(kx, mats, 0x20000, lo)
     for layout in split16.ROW_WIDTH:
