@@ -35,6 +35,9 @@
 #            prefill and decode at $LLAMACPP_DEPTHS) and llama-batched-bench (1..64 streams; 16 at depth 4,096);
 #            with $LLAMACPP_LT_CLIENTS, `realizar loadtest` through llama-server at those client counts; all
 #            of it on $LLAMACPP_MODEL (default /tmp/twins/qwen15.gguf)
+#   peers    each twin of $PEER_TWINS beside llama.cpp, one queue of twins a GPU (tools/peers.sh: expanded,
+#            `realizar bench` pp512 + tg128 and 16 and 64 streams, llama-bench and llama-batched-bench, deleted;
+#            carry .llamacpp and the twins' heads): a line per twin, $OUT/peers.json
 #   workers  one engine per GPU: `realizar loadtest` at $LT_CLIENTS clients per GPU (8 requests each, seed 3,
 #            after two warm-up runs of seeds 1 and 2) through `bentoml serve` on the $LT_TWIN twin with
 #            REALIZAR_WORKERS=N for each N of $WORKER_COUNTS (default "1 2"; "1 2 4" on four GPUs); an entry
@@ -43,9 +46,9 @@
 #            tok/s (N vs 1), the front ends' count and CPU (all of them, in cores), the errors and each
 #            engine's requests in serve.json ("workers", keys workersN or workersN_feF) and the log
 # `device_check.sh stage` only stages (for the calls that carry the SmolLM2 parts before the last).
-# Output (8 files at most): $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json,
-#         $OUT/kbench.json, $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json
-#         (llama.cpp's figures are also in summary.json, under "llamacpp")
+# Output: $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json, $OUT/kbench.json,
+#         $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json (llama.cpp's figures are
+#         also in summary.json, under "llamacpp"), $OUT/peers.json
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
@@ -249,6 +252,11 @@ print(f'LT GPU utilization: mean {sum(v) / max(1, len(v)):.1f}% over {len(v)} sa
     lt_line /tmp/bench/lt_v$i.json "LT_V$i ${venv[*]}"
     serve_down 3902
   done
+fi
+
+# ---------------------------------------------------------------- ours beside llama.cpp, twin by twin
+if has peers; then
+  PEER_DEADLINE=${PEER_DEADLINE:-$(( ${CALL_LIMIT_S:-590} - SECONDS - 150 ))} bash tools/peers.sh ${PEER_TWINS:-qwen7}
 fi
 
 # ---------------------------------------------------------------- one engine per GPU

@@ -8,7 +8,7 @@
 # skips it; a build cut off by $LLAMACPP_BUILD_TIMEOUT resumes where it stopped on the next call.
 # Settings (environment): LLAMACPP_MODEL (/tmp/twins/qwen15.gguf), LLAMACPP_WORK (/tmp/llamacpp),
 #   LLAMACPP_TARGETS ("llama-bench llama-batched-bench"; add llama-server for the HTTP figures), LLAMACPP_JOBS (16),
-#   LLAMACPP_BUILD_TIMEOUT (seconds, 480), LLAMACPP_DEPTHS ("4096 16384"), LLAMACPP_REPS (llama-bench -r, 5),
+#   LLAMACPP_BUILD_TIMEOUT (seconds, 480), LLAMACPP_DEPTHS ("4096 16384"; empty: none), LLAMACPP_REPS (llama-bench -r, 5),
 #   LLAMACPP_NPL ("1,4,16,64"), LLAMACPP_DEPTH_NPL (16), LLAMACPP_PREBUILT (1: use .llamacpp/bin.tar.xz if it fits)
 # Output: the tables on stdout; $OUT/llamacpp.json (the build, "prebuilt": the pack's bin.VERSION or null,
 #   llama-bench's JSON rows, batched-bench's rows,
@@ -30,7 +30,7 @@ MODEL=${LLAMACPP_MODEL:-/tmp/twins/qwen15.gguf}
 TARGETS=${LLAMACPP_TARGETS:-llama-bench llama-batched-bench}
 JOBS=${LLAMACPP_JOBS:-16}
 BUILD_TIMEOUT=${LLAMACPP_BUILD_TIMEOUT:-480}
-DEPTHS=${LLAMACPP_DEPTHS:-4096 16384}
+DEPTHS=${LLAMACPP_DEPTHS-4096 16384}     # set but empty: none
 REPS=${LLAMACPP_REPS:-5}
 NPL=${LLAMACPP_NPL:-1,4,16,64}
 DEPTH_NPL=${LLAMACPP_DEPTH_NPL:-16}
