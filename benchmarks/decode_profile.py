@@ -71,8 +71,9 @@ def _label_bytes(fn: str, args: tuple, kw: dict, cfg, keys: int) -> tuple[str, i
     if fn == "ops.embed":
         return label, 0                        # reads only the tokens' rows
     if fn == "split16.split_gemm":             # (w, x, N, K, T, y, ldy, calls, layout): the weights, 2 or 4 bytes each
-        layout = kw.get("layout", args[8] if len(args) > 8 else 0)
-        return label, (2 if layout == 2 else 4) * int(args[2]) * int(args[3])
+        from realizar_backend.backends.cuda.split16 import LAYOUT_FP16, LAYOUT_SPLIT
+        layout = kw.get("layout", args[8] if len(args) > 8 else LAYOUT_SPLIT)
+        return label, (2 if layout == LAYOUT_FP16 else 4) * int(args[2]) * int(args[3])
     if fn in ("ops.attention", "flash.decode") and keys:
         # K and V (fp16) of every key of every row (ops.attention's and flash.decode's 12th argument),
         # each KV head once
