@@ -5,8 +5,8 @@
 #   STAGES= bash tools/device_check.sh                setup only (wheels, twins, kernels), e.g. before a benchmark
 # Stages:
 #   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; the shape twins
-#            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json +
-#            twin_expand.py) into /tmp/twins; the real SmolLM2 from its
+#            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json,
+#            expanded by tools/make_quant_twins.py: every block type) into /tmp/twins; the real SmolLM2 from its
 #            parts (.device/smol.part*, one call each, staged in /tmp/stage while the machine stays warm); the prebuilt
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
@@ -89,7 +89,7 @@ export PYTHONPATH=/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}
 for n in ${TWINS:-smol135 qwen05 gemma270 qwen15}; do
   if [ -f .twins/$n.head.gz ] && [ ! -f /tmp/twins/$n.gguf ]; then
     gunzip -c .twins/$n.head.gz > /tmp/twins/$n.head && cp .twins/$n.json /tmp/twins/
-    python3 .twins/twin_expand.py /tmp/twins/$n /tmp/twins/$n.gguf || echo "twin $n failed"
+    python3 tools/make_quant_twins.py expand /tmp/twins/$n /tmp/twins/$n.gguf || echo "twin $n failed"
   fi
 done
 [ "${1:-}" = stage ] && { ls -la /tmp/stage /tmp/twins; exit 0; }

@@ -34,7 +34,7 @@ one() {  # gpu twin: every measure of one twin into $WORK/TWIN/
   if [ ! -f "$M/$n.gguf" ]; then
     [ -f "$TW/$n.head.gz" ] || { echo "peers: no $n.head.gz in $TW" > "$d/error"; return; }
     gunzip -c "$TW/$n.head.gz" > "$M/$n.head" && cp "$TW/$n.json" "$M/" \
-      && python3 "$TW/twin_expand.py" "$M/$n" "$M/$n.gguf" > "$d/expand.log" 2>&1 \
+      && python3 tools/make_quant_twins.py expand "$M/$n" "$M/$n.gguf" > "$d/expand.log" 2>&1 \
       || { echo "peers: twin $n not expanded" > "$d/error"; return; }
     made=1
   fi

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.paging import contiguous_tables
-from support.parity import CHAOTIC, COS_MIN
+from support.parity import CHAOTIC, CHAOTIC_MEDIAN_FP16, COS_MIN
 from support.parity import assert_parity as _assert_parity
 from support.parity import cosines as _cos
 
@@ -93,7 +93,8 @@ def test_twin_parity(name, rng):
     pre, dec, st, own = _parity(_open(path), rng, sensitivity=name in CHAOTIC)
     print(f"{name}: prefill cos {pre.min():.6f}; decode cos min {dec.min():.6f} "
           f"(one-row steps: {dec[-ONE_ROW_STEPS:].min():.6f}); graphs {st['graph_status']}")
-    _assert_parity(name, np.concatenate([pre.ravel(), dec.ravel()]), COS_MIN, own)
+    # both prompts (64 and 17 tokens) run on the kept fp16 weights' GEMMs (Settings.gemm_precision)
+    _assert_parity(name, np.concatenate([pre.ravel(), dec.ravel()]), COS_MIN, own, CHAOTIC_MEDIAN_FP16)
     assert st["graph_status"]
 
 

@@ -1,7 +1,9 @@
 """Short prompt steps on the tensor-core projections (up to dispatch.PROMPT_MMQ_TOKENS: the tail after a
 cached prefix, short prompts, a burst of them in one step), padded to a token bucket and replayed
 from a CUDA graph, against the same steps on the prefill GEMMs: the same logits and the same K/V
-(the next decode step) within fp32-class rounding, and nothing written into the other sequences."""
+(the next decode step) within fp32-class rounding, and nothing written into the other sequences.
+The GEMMs run at split precision (fp32-class) and so keep the buckets to PROMPT_MMQ_TOKENS: with
+the fp16 weights kept the buckets stop at PROMPT_MMQ_TOKENS_FP16_KEPT."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def test_short_prompt_step_on_the_tensor_cores_equals_the_gemms(name, tails, rng
         pytest.skip(f"twin {path} not expanded")
     model = _open(path)
     gpu = contiguous_tables(CUDABackend(model, max_slots=4, max_context=PREFIX + 96,
-                                        settings=Settings(self_check=False)))
+                                        settings=Settings(self_check=False, gemm_precision="split")))
     fwd = gpu.fwd
     k = len(tails)
     disp = fwd.dispatcher

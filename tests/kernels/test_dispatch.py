@@ -143,15 +143,23 @@ def test_every_bucket_holds_its_steps_with_under_a_block_of_padding(limit):
 
 
 def test_prompt_steps_by_tokens():
+    """GEMVs below MMQS_MIN_ROWS, the tensor-core buckets up to PROMPT_MMQ_TOKENS (up to one mmqs.cu
+    group of 16 where the fp16 weights are kept), then the GEMMs on multiples of GEMM_ROW_STEP."""
     groups, head = dense(Q4_K_M)
-    disp = Dispatcher(groups, head, split16_kept=True)
-    for T in range(1, d.MMQS_MIN_ROWS):
-        assert disp.prompt_step(T) == Step("gemv", T)
-    assert disp.prompt_step(16) == Step("mmq", 16)
-    assert disp.prompt_step(17) == Step("mmq", 32)
-    assert disp.prompt_step(64) == Step("mmq", 64)
-    for T, rows in ((65, 128), (100, 128), (512, 512), (513, 576), (4096, 4096)):
-        assert disp.prompt_step(T) == Step("split16", rows)
+    for kept, precision, last in ((True, "split", 64), (False, "fp16", 64), (True, "fp16", 16)):
+        disp = Dispatcher(groups, head, split16_kept=kept, precision=precision)
+        for T in range(1, d.MMQS_MIN_ROWS):
+            assert disp.prompt_step(T) == Step("gemv", T)
+        assert disp.prompt_step(16) == Step("mmq", 16)
+        if last == 64:
+            assert disp.prompt_step(17) == Step("mmq", 32)
+            assert disp.prompt_step(64) == Step("mmq", 64)
+        else:
+            assert disp.buckets == (8, 16) == d.prompt_buckets(d.PROMPT_MMQ_TOKENS_FP16_KEPT)
+            assert disp.prompt_step(17) == Step("split16", 64)
+            assert disp.prompt_step(64) == Step("split16", 64)
+        for T, rows in ((65, 128), (100, 128), (512, 512), (513, 576), (4096, 4096)):
+            assert disp.prompt_step(T) == Step("split16", rows)
 
 
 def test_without_tensor_core_prompt_steps_gemvs_then_gemms_on_recurring_row_counts():

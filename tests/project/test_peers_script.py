@@ -1,5 +1,5 @@
 """tools/peers.sh (device_check.sh's peers stage), run here with stand-ins for the GPU machine's parts:
-nvidia-smi lists the GPUs, `python3 -m realizar_backend.cli bench` and twin_expand.py write what the
+nvidia-smi lists the GPUs, `python3 -m realizar_backend.cli bench` and make_quant_twins.py's expand write what the
 real ones would, and PEER_LLAMACPP stands for llama.cpp's benchmarks. The twins spread over the GPUs'
 queues, each twin's figures reach peers.json and its line, a twin the script expanded is deleted,
 one it found is kept, and no twin starts past the deadline."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# python3 on the PATH: bench and twin_expand.py stand-ins, anything else the real interpreter
+# python3 on the PATH: bench and twin expansion stand-ins, anything else the real interpreter
 PYTHON = '''#!/bin/sh
 case "$*" in
   "-m realizar_backend.cli bench"*)
@@ -31,7 +31,7 @@ with open(log, "a") as f:
 json.dump({{"tg_tok_s": {{"median": 100.0 * b}}, "pp_tok_s": {{"median": 5000.0}}}}, open(out, "w"))
 EOF
     ;;
-  *twin_expand.py*) echo twin > "$3"; exit 0 ;;
+  *make_quant_twins.py\ expand*) echo twin > "$4"; exit 0 ;;
   *) exec {py} "$@" ;;
 esac
 '''
@@ -57,7 +57,6 @@ def _run(tmp_path: Path, twins: list[str], gpus: int, heads=(), keep=(), **env):
     tw, models = tmp_path / "twins", tmp_path / "models"
     tw.mkdir()
     models.mkdir()
-    (tw / "twin_expand.py").write_text("")
     for n in heads:
         with gzip.open(tw / f"{n}.head.gz", "wb") as f:
             f.write(b"head")

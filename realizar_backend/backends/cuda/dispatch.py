@@ -63,6 +63,10 @@ SPLIT16_MIN_ROWS = {"fp16": 17, "split": 64}
 # 8- and 16-row tiles) and replayed from one CUDA graph per bucket.
 PROMPT_MMQ_TOKENS = 64
 PROMPT_MIN_BUCKET = 8
+# ... and up to this many where the fp16 weights are kept: past one mmqs.cu group of 16 rows a prompt
+# step reads the quantized blocks once per group, the kept fp16 weights once at GEMM speed (the decode
+# steps' rule, SPLIT16_MIN_ROWS["fp16"]).
+PROMPT_MMQ_TOKENS_FP16_KEPT = 16
 # Longer prompt steps run on the split16 GEMMs from this many tokens (fewer: the GEMVs, whose time
 # grows with every row), sooner when the split weights are kept (no dequantize per step).
 GEMM_MIN_TOKENS = 17
@@ -264,7 +268,9 @@ class Dispatcher:
         self.mmq_all = all(self._mmq_group(kind, g) for kind, g in groups)
         self.mmqs_all = self.mmq_all and mmq_ok(head) and all(mmqs_ok(w) for w in mats + [head])
         self.mmq_min_rows = MMQS_MIN_ROWS if self.mmqs_all else MMQ_MIN_ROWS
-        self.buckets = prompt_buckets() if self.mmq_all else ()
+        fp16_kept = split16_kept and precision == "fp16"
+        self.buckets = (prompt_buckets(PROMPT_MMQ_TOKENS_FP16_KEPT if fp16_kept else PROMPT_MMQ_TOKENS)
+                        if self.mmq_all else ())
         self.gemm_min_tokens = GEMM_MIN_TOKENS_KEPT if split16_kept else GEMM_MIN_TOKENS
 
     @staticmethod
