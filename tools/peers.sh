@@ -8,7 +8,8 @@
 # machine's disk holds a few large twins, not all of them).
 # Settings (environment): PEER_TWINS_DIR (the heads, .twins), PEER_MODELS (where twins expand, /tmp/twins),
 #   PEER_DEADLINE (seconds from the start after which no twin starts, 480),
-#   PEER_QUEUES (default: every GPU nvidia-smi lists), PEER_BATCHES ("16 64"),
+#   PEER_GPUS (the GPUs, a queue each; default every GPU nvidia-smi lists, 0..PEER_QUEUES-1 with PEER_QUEUES),
+#   PEER_BATCHES ("16 64"),
 #   PEER_LLAMACPP (the llama.cpp command, default `bash tools/llama_cpp_bench.sh all`: run with
 #   LLAMACPP_MODEL, LLAMACPP_WORK and OUT set per twin; it leaves OUT/llamacpp.json).
 # Output: a line per twin, ours / llama.cpp (tok/s), and $OUT/peers.json: {twin: {"ours": {measure:
@@ -27,6 +28,7 @@ mkdir -p "$OUT" "$WORK" "$M"
 rm -rf "${WORK:?}"/*
 t0=$(date +%s)
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU"); queues=${PEER_QUEUES:-$ngpu}; [ "${queues:-0}" -ge 1 ] || queues=1
+read -ra gpus <<< "${PEER_GPUS:-$(seq -s " " 0 $((queues - 1)))}"; queues=${#gpus[@]}
 
 one() {  # gpu twin: every measure of one twin into $WORK/TWIN/
   local g=$1 n=$2 d=$WORK/$2 made=0 b
@@ -65,7 +67,7 @@ for ((q = 0; q < queues; q++)); do
   mine=()
   for ((i = q; i < ${#twins[@]}; i += queues)); do mine+=("${twins[$i]}"); done
   [ ${#mine[@]} -gt 0 ] || continue
-  queue "$q" "${mine[@]}" &
+  queue "${gpus[$q]}" "${mine[@]}" &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done

@@ -105,3 +105,13 @@ def test_no_twin_starts_past_the_deadline_and_a_missing_head_is_reported(tmp_pat
     r, report, _ = _run(tmp_path / "none", ["no_such_twin"], gpus=1)
     assert r.returncode == 0, r.stderr
     assert report["no_such_twin"]["error"].startswith("peers: no no_such_twin.head.gz in ")
+
+
+def test_peer_gpus_names_the_queues_gpus(tmp_path):
+    """PEER_GPUS: the twins go only to the GPUs named (a queue each), the others stay free."""
+    twins = ["a", "b", "c"]
+    r, report, _ = _run(tmp_path, twins, gpus=4, heads=twins, PEER_GPUS="3 1")
+    assert r.returncode == 0, r.stderr
+    assert {n: {x["gpu"] for x in _runs(tmp_path) if x["model"] == f"{n}.gguf"} for n in twins} == \
+        {"a": {"3"}, "b": {"1"}, "c": {"3"}}
+    assert all(report[n]["ours"]["tg128"] == 100.0 for n in twins)
