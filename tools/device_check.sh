@@ -22,6 +22,10 @@
 #            ($DEPTHS: prefill and decode at that depth) and batches at depth ($DEPTH_BATCHES, BATCH:DEPTH)
 #            and, with $CONSTRAINED_BATCHES, held to a JSON schema on every row and on every other
 #            row (`--constrained all|half`: plain, sampled-path and constrained tok/s)
+#   vllm     vLLM beside us (tools/vllm_serve_bench.sh: the shared vLLM kit's parts carried into /tmp/vllm_chunks
+#            by calls of their own): `vllm serve` on /tmp/vllm_models/$LT_TWIN (bf16 random weights) and `vllm bench
+#            serve` at $VLLM_CONCURRENCY (default 64) on the serve stage's loadtest shape; $OUT/vllm.json.
+#            Before the serve stage in the same call: one GPU at a time
 #   serve    the real SmolLM2: `realizar generate` and `bentoml serve` on the GPU give the CPU backend's
 #            greedy text; then `realizar loadtest` through `bentoml serve` on the $LT_TWIN twin (default qwen15) at
 #            $LT_CLIENTS clients (LT_WARMUP=1: after two unmeasured runs of the same size), a soak with random cancels
@@ -48,7 +52,7 @@
 # `device_check.sh stage` only stages (for the calls that carry the SmolLM2 parts before the last).
 # Output: $OUT/log (everything), $OUT/junit.xml, $OUT/pytest.log, $OUT/bench.json, $OUT/kbench.json,
 #         $OUT/serve.json, $OUT/summary.json, $OUT/cubin.tar.xz, $OUT/llamacpp.json (llama.cpp's figures are
-#         also in summary.json, under "llamacpp"), $OUT/peers.json
+#         also in summary.json, under "llamacpp"), $OUT/peers.json, $OUT/vllm.json
 set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/.device/out}
@@ -167,6 +171,11 @@ if has bench; then
       done
     done
   done
+fi
+
+# ---------------------------------------------------------------- vLLM beside us
+if has vllm; then
+  LT_TWIN=${LT_TWIN:-qwen15} bash tools/vllm_serve_bench.sh
 fi
 
 # ---------------------------------------------------------------- serving
