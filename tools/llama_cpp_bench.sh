@@ -10,6 +10,8 @@
 #   LLAMACPP_TARGETS ("llama-bench llama-batched-bench"; add llama-server for the HTTP figures), LLAMACPP_JOBS (16),
 #   LLAMACPP_BUILD_TIMEOUT (seconds, 480), LLAMACPP_DEPTHS ("4096 16384"; empty: none), LLAMACPP_REPS (llama-bench -r, 5),
 #   LLAMACPP_NPL ("1,4,16,64"), LLAMACPP_DEPTH_NPL (16), LLAMACPP_PREBUILT (1: use .llamacpp/bin.tar.xz if it fits)
+#   LLAMACPP_RESULTS (the benchmarks' raw output, $LLAMACPP_WORK/results: one per run where several share a build)
+#   LLAMACPP_KIT (the source kit, .llamacpp/llama.cpp.tar.xz)
 # Output: the tables on stdout; $OUT/llamacpp.json (the build, "prebuilt": the pack's bin.VERSION or null,
 #   llama-bench's JSON rows, batched-bench's rows,
 #   and "summary": llama-bench's median tok/s per test, batched-bench's aggregate decode tok/s S_TG per row)
@@ -24,7 +26,7 @@ set -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MODE=${1:-all}
 OUT=${OUT:-$REPO/.device/out}
-KIT=$REPO/.llamacpp/llama.cpp.tar.xz
+KIT=${LLAMACPP_KIT:-$REPO/.llamacpp/llama.cpp.tar.xz}
 WORK=${LLAMACPP_WORK:-/tmp/llamacpp}
 MODEL=${LLAMACPP_MODEL:-/tmp/twins/qwen15.gguf}
 TARGETS=${LLAMACPP_TARGETS:-llama-bench llama-batched-bench}
@@ -37,7 +39,7 @@ DEPTH_NPL=${LLAMACPP_DEPTH_NPL:-16}
 PREBUILT=${LLAMACPP_PREBUILT:-1}
 PACK=$REPO/.llamacpp/bin.tar.xz
 BIN=$WORK/build/bin
-RES=$WORK/results
+RES=${LLAMACPP_RESULTS:-$WORK/results}
 mkdir -p "$OUT" "$WORK" "$RES"
 
 # ---------------------------------------------------------------- build

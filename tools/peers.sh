@@ -10,8 +10,10 @@
 #   PEER_DEADLINE (seconds from the start after which no twin starts, 480),
 #   PEER_GPUS (the GPUs, a queue each; default every GPU nvidia-smi lists, 0..PEER_QUEUES-1 with PEER_QUEUES),
 #   PEER_BATCHES ("16 64"),
-#   PEER_LLAMACPP (the llama.cpp command, default `bash tools/llama_cpp_bench.sh all`: run with
-#   LLAMACPP_MODEL, LLAMACPP_WORK and OUT set per twin; it leaves OUT/llamacpp.json).
+#   PEER_LLAMACPP_WORK (llama.cpp's build, shared by the queues: /tmp/llamacpp, the llamacpp stage's, so a
+#   warm machine's is reused; built or unpacked once before the queues start, LLAMACPP_JOBS as there),
+#   PEER_LLAMACPP (instead, a llama.cpp command run per twin with LLAMACPP_MODEL, LLAMACPP_WORK and OUT set;
+#   it leaves OUT/llamacpp.json).
 # Output: a line per twin, ours / llama.cpp (tok/s), and $OUT/peers.json: {twin: {"ours": {measure:
 #   tok/s}, "llamacpp": {measure: tok/s}, "gpu": N}}; measures tg128, pp512, b16, b64 (S_TG for llama.cpp).
 set -o pipefail
@@ -21,7 +23,8 @@ OUT=${OUT:-$REPO/.device/out}
 WORK=${PEER_WORK:-/tmp/peers}
 DEADLINE=${PEER_DEADLINE:-480}
 BATCHES=${PEER_BATCHES:-16 64}
-LLAMACPP_CMD=${PEER_LLAMACPP:-bash tools/llama_cpp_bench.sh all}
+LLAMACPP_CMD=${PEER_LLAMACPP:-}
+LLAMACPP_SHARED=${PEER_LLAMACPP_WORK:-/tmp/llamacpp}
 TW=${PEER_TWINS_DIR:-$REPO/.twins}
 M=${PEER_MODELS:-/tmp/twins}
 mkdir -p "$OUT" "$WORK" "$M"
@@ -47,8 +50,14 @@ one() {  # gpu twin: every measure of one twin into $WORK/TWIN/
     python3 -m realizar_backend.cli bench --model "$M/$n.gguf" --backend cuda --batch "$b" \
       --prompt-tokens 128 --gen-tokens 128 --repetitions 3 --json "$d/ours_b$b.json" >> "$d/ours.log" 2>&1
   done
-  LLAMACPP_MODEL=$M/$n.gguf LLAMACPP_WORK=$WORK/llamacpp$g LLAMACPP_DEPTHS="" \
-    LLAMACPP_NPL="1,$(echo $BATCHES | tr ' ' ',')" LLAMACPP_REPS=3 OUT=$d $LLAMACPP_CMD > "$d/llamacpp.log" 2>&1
+  if [ -n "$LLAMACPP_CMD" ]; then
+    LLAMACPP_MODEL=$M/$n.gguf LLAMACPP_WORK=$WORK/llamacpp$g LLAMACPP_DEPTHS="" \
+      LLAMACPP_NPL="1,$(echo $BATCHES | tr ' ' ',')" LLAMACPP_REPS=3 OUT=$d $LLAMACPP_CMD > "$d/llamacpp.log" 2>&1
+  else
+    LLAMACPP_MODEL=$M/$n.gguf LLAMACPP_WORK=$LLAMACPP_SHARED LLAMACPP_RESULTS=$d/llamacpp_results LLAMACPP_DEPTHS="" \
+      LLAMACPP_NPL="1,$(echo $BATCHES | tr ' ' ',')" LLAMACPP_REPS=3 OUT=$d bash tools/llama_cpp_bench.sh bench \
+      > "$d/llamacpp.log" 2>&1
+  fi
   [ "$made" = 1 ] && rm -f "$M/$n.gguf" "$M/$n.head"
   unset CUDA_VISIBLE_DEVICES
 }
@@ -62,6 +71,11 @@ queue() {  # gpu twins...: one after another, none started past the deadline
 }
 
 twins=("$@")
+# llama.cpp built (or its prebuilt programs unpacked) once, for every queue
+if [ -z "$LLAMACPP_CMD" ]; then
+  LLAMACPP_WORK=$LLAMACPP_SHARED OUT=$WORK bash tools/llama_cpp_bench.sh build > "$WORK/llamacpp_build.log" 2>&1 \
+    || echo "peers: llama.cpp not built ($WORK/llamacpp_build.log): $(tail -3 "$WORK/llamacpp_build.log")"
+fi
 pids=()
 for ((q = 0; q < queues; q++)); do
   mine=()

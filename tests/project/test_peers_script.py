@@ -67,6 +67,8 @@ def _run(tmp_path: Path, twins: list[str], gpus: int, heads=(), keep=(), **env):
          "PEER_WORK": str(tmp_path / "work"), "PEER_TWINS_DIR": str(tw), "PEER_MODELS": str(models),
          "PEER_TEST_LOG": str(tmp_path / "bench.log"), "PEER_LLAMACPP": f"sh {tmp_path / 'llama.sh'}", **env}
     e.pop("CUDA_VISIBLE_DEVICES", None)
+    if e["PEER_LLAMACPP"] == "":
+        del e["PEER_LLAMACPP"]
     r = subprocess.run(["bash", "tools/peers.sh", *twins], cwd=ROOT, env=e, capture_output=True, text=True,
                        timeout=120)
     out = tmp_path / "out" / "peers.json"
@@ -115,3 +117,38 @@ def test_peer_gpus_names_the_queues_gpus(tmp_path):
     assert {n: {x["gpu"] for x in _runs(tmp_path) if x["model"] == f"{n}.gguf"} for n in twins} == \
         {"a": {"3"}, "b": {"1"}, "c": {"3"}}
     assert all(report[n]["ours"]["tg128"] == 100.0 for n in twins)
+
+
+LLAMA_BENCH = """#!/bin/sh
+echo "$CUDA_VISIBLE_DEVICES $*" >> "$LLAMA_TEST_LOG"
+echo '| stand-in |' >&2
+echo '[{"n_prompt": 512, "n_gen": 0, "avg_ts": 2500.0, "samples_ts": [2400.0, 2500.0, 2600.0]},
+      {"n_prompt": 0, "n_gen": 128, "avg_ts": 50.0, "samples_ts": [50.0, 50.0, 50.0]}]'
+"""
+BATCHED_BENCH = """#!/bin/sh
+echo "$CUDA_VISIBLE_DEVICES $*" >> "$LLAMA_TEST_LOG"
+for b in 1 16 64; do
+  echo "{\\"n_kv_max\\": 1, \\"pp\\": 128, \\"tg\\": 128, \\"pl\\": $b, \\"n_kv\\": 1, \\"speed_pp\\": 1.0, \\"speed_tg\\": $((b * 50)).0, \\"speed\\": 1.0}"
+done
+"""
+
+
+def test_the_queues_share_one_llama_cpp_build(tmp_path):
+    """Without PEER_LLAMACPP: llama.cpp is built (here: no kit, so it is not) once in PEER_LLAMACPP_WORK,
+    and every queue's twins run its programs from there (tools/llama_cpp_bench.sh bench), each twin's
+    raw results apart: both GPUs' figures reach peers.json."""
+    bin_ = tmp_path / "llamacpp" / "build" / "bin"
+    bin_.mkdir(parents=True)
+    for name, text in (("llama-bench", LLAMA_BENCH), ("llama-batched-bench", BATCHED_BENCH)):
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    twins = ["a", "b"]
+    r, report, _ = _run(tmp_path / "run", twins, gpus=2, heads=twins, PEER_LLAMACPP="",
+                        PEER_LLAMACPP_WORK=str(tmp_path / "llamacpp"), LLAMACPP_KIT=str(tmp_path / "no-kit"),
+                        LLAMA_TEST_LOG=str(tmp_path / "llama.log"))
+    assert r.returncode == 0, r.stderr
+    assert "peers: llama.cpp not built" in r.stdout
+    for n in twins:
+        assert report[n]["llamacpp"] == {"tg128": 50.0, "pp512": 2500.0, "b16": 800.0, "b64": 3200.0}, report[n]
+    calls = (tmp_path / "llama.log").read_text().splitlines()
+    assert sorted(c.split()[0] for c in calls) == ["0", "0", "1", "1"]
