@@ -338,14 +338,15 @@ def test_one_row_steps_take_mmv8_for_large_groups_of_its_types():
 
 
 def test_mmv8_takes_a_group_only_when_it_takes_every_matrix():
-    """A group with a type mmv8.cu does not take (an I-quant), or a row too long for its shared
-    memory, stays on mmvf.cu whole: one launch a group."""
+    """A group with a type mmv8.cu does not take (an I-quant below 4 bits), or a row too long for its
+    shared memory, stays on mmvf.cu whole: one launch a group; IQ4_XS beside Q4_K takes it."""
     disp = Dispatcher(*dense(Q4_K_M), split16_kept=False)
     one = disp.decode_step(1)
     big = 8192                                           # rows enough for MMV8_MIN_BYTES at this width
-    iq = mat(Q.IQ4_XS, big, 3584)
+    iq = mat(Q.IQ3_S, big, 3584)
     assert disp.linear(one, (mat(Q.Q4_K, big, 3584),)).kernels == (Kernel.MMV8,)
     assert disp.linear(one, (mat(Q.Q4_K, big, 3584), iq)).kernels == (Kernel.MMVF, Kernel.MMVF)
+    assert disp.linear(one, (mat(Q.Q4_K, big, 3584), mat(Q.IQ4_XS, big, 3584))).kernels == (Kernel.MMV8,) * 2
     longest = 100 * 1024 * 4 // 5                      # K + K / 4 bytes of shared memory: 100 KB
     assert disp.linear(one, (mat(Q.Q4_K, 512, longest),)).kernels == (Kernel.MMV8,)
     assert disp.linear(one, (mat(Q.Q4_K, 512, longest + 256),)).kernels == (Kernel.MMVF,)

@@ -97,7 +97,7 @@ SPLIT16_KEEP_FREE_SHARE = 0.5
 # mmv8 made the 1.5B's decode 6% slower and the 7B's 1% faster). The LM head's argmax folds into
 # either kernel. The types are those timed end to end; mmv8.cu can take MMV8_KERNEL_TYPES. The 8-bit
 # input costs accuracy as llama.cpp's mmvq does (a relative error of ~1/254 per activation).
-MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
+MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL})
 MMV8_MIN_BYTES = 8 << 20
 
 # The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
@@ -145,7 +145,8 @@ DENSE_KINDS = ("linear", "gated")
 _LOWBIT = {Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S}
 MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, *_LOWBIT})     # mmq.cu
 MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, *_LOWBIT})                    # mmqs.cu
-MMV8_KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})   # mmv8.cu
+MMV8_KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                               Q.IQ4_NL, Q.IQ4_XS})                                        # mmv8.cu
 
 
 class Kernel(enum.Enum):

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 
 import cupy
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
-from .dispatch import MMQS_TYPES, MMV8_KERNEL_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
+from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
 from .modules import MMQ_BN, mmq_smem_bytes
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MMQ_BM, MMQ_KC, MMQ_REC
 REC8 = 160                                       # MMQ_REC of the 8-bit variant (-DMMQ_A8=1)
-A8_TYPES = MMV8_KERNEL_TYPES                     # mmq.cu mmq_takes under MMQ_A8: mmv8.cu's (QUnit) types
+# mmq.cu mmq_takes under MMQ_A8: the QUnit types of common.cuh (mmv8.cu's, but the 4-bit level types)
+A8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
