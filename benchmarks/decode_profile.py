@@ -34,7 +34,11 @@ sys.path.insert(0, str(ROOT))
 # attribute (ops.mmvf, flash.decode, split16.split_gemm; linear.py's own names for mmq.py's)
 LAUNCHERS = {
     "ops": ("embed", "rms_norm", "rope_kv", "attention", "gemv", "mmvf", "ffn_f", "ffn_gate_up", "act_mul",
-            "gather_rows", "argmax_unpack", "argmax_rows"),
+            "gather_rows", "argmax_unpack", "argmax_rows",
+            # a mixture of experts' router top-k, per-pair GEMVs, grouped buckets and combine; a hybrid's
+            # Gated DeltaNet
+            "moe_topk", "moe_gate_up", "moe_gemv", "moe_combine", "moe_bucket", "moe_shared_add",
+            "sigmoid_mul", "dn_conv", "dn_delta", "add_rows"),
     "linear": ("prep", "mmq", "mmq_ffn"),
     "flash": ("prefill", "decode"),
     "split16": ("split_weights", "split_rows", "act_split", "unscale_scatter", "unscale_add", "split_gemm"),
