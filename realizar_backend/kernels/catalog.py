@@ -56,15 +56,16 @@ FFNF_R = {1: 1}
 # SM copy it half as often as 4 blocks of 8 warps would
 MMV8_WARPS = 16
 MMV8_MINB = 2
-# rows a warp group by kind (1 mmv8, 2 ffn8; -DMMV8_R) and units a lane loads per loop trip
+# rows a warp group by kind (1 mmv8, 2 ffn8, 3 moe8; -DMMV8_R) and units a lane loads per loop trip
 # (-DMMV8_UNROLL): R x M x UNROLL decoded units (12 registers each) live at once, within the 64
-# registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2
-MMV8_R = {1: 2, 2: 1}
-MMV8_UNROLL = {1: 1, 2: 2}
+# registers: mmv8 2 rows x 1 (the rows share each unit's activations), ffn8 gate + up x 1 row x 2,
+# moe8 as ffn8 (its gate and up)
+MMV8_R = {1: 2, 2: 1, 3: 1}
+MMV8_UNROLL = {1: 1, 2: 2, 3: 2}
 # trips of Q4_K weights a lane holds (-DMMV8_LD; mmv8_q4k): 1 = each trip's loads issued just before
 # it is worked on; 2 (the next trip's in flight meanwhile) spills at 64 registers with 2 rows (or
 # gate + up) and was slower end to end
-MMV8_LD = {1: 1, 2: 1}
+MMV8_LD = {1: 1, 2: 1, 3: 1}
 # threads a block of mmv8_q8 (the input's quantization: a float4 piece a thread; its __launch_bounds__)
 MMV8_Q8_THREADS = 256
 # dynamic shared memory of an mmv8.cu launch: the row's int8 values (padded to whole 256-value
@@ -136,7 +137,8 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
 
 
 def mmv8_options(kind: int) -> tuple[str, ...]:
-    """The options of mmv8.cu's module of kind 1 (mmv8_nb1, mmv8_q8) or 2 (ffn8_nb1)."""
+    """The options of mmv8.cu's module of kind 1 (mmv8_nb1, mmv8_q8), 2 (ffn8_nb1) or 3 (the experts'
+    moe8_gate_up_nb1 and moe8_gemv_nb1)."""
     return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
             f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}", f"-DMMV8_LD={MMV8_LD[kind]}")
 
@@ -149,7 +151,7 @@ def variants() -> list[tuple[str, tuple[str, ...]]]:
     out += [("mmvf.cu", mask + mmvf_options(1, 1, head=True))
             for mask in [()] + [(qmask_option(m),) for m in PREBUILT_QMASKS]]
     out += [("mmv8.cu", mask + mmv8_options(kind))
-            for mask in [()] + [(qmask_option(m),) for m in PREBUILT_QMASKS] for kind in (1, 2)]
+            for mask in [()] + [(qmask_option(m),) for m in PREBUILT_QMASKS] for kind in (1, 2, 3)]
     out += [("attention.cu", (f"-DATT_KIND={i}",)) for i in range(1, len(ATT_KINDS) + 1)]
     out += [("attention.cu", ("-DATT_KIND=1", f"-DATT_HEAD_DIM={d}")) for d in PREBUILT_HEAD_DIMS]
     out += [(name, ()) for name in ("dequant.cu", "repack.cu", "elementwise.cu", "norm.cu", "rope.cu",

@@ -125,13 +125,13 @@ extern "C" __global__ void __launch_bounds__(256) mmv8_q8(const float* __restric
 }
 #endif
 
-// the block's activation row (blockIdx.y) copied into sm once the launch before (mmv8_q8) finished;
-// block-uniform barrier. Only the head of each first-round row goes towards L2 before it
+// the block's activation row (row: blockIdx.y, moe8's a pair's token) copied into sm once the launch
+// before (mmv8_q8) finished; block-uniform barrier. Only the head of each first-round row goes towards L2 before it
 // (MMV8_PF_BYTES): one resident wave reads every row in its first round, and a bulk prefetch of
 // whole rows ran ahead of the loads and was evicted before use (a down projection took 30% longer)
-__device__ __forceinline__ void mmv8_stage(const u8* __restrict__ xq, long long xqs, int K, u8* sm) {
+__device__ __forceinline__ void mmv8_stage(const u8* __restrict__ xq, long long xqs, int K, u8* sm, int row) {
     pdl_wait();
-    const u8* src = xq + blockIdx.y * xqs;
+    const u8* src = xq + row * xqs;
     const int n16 = (mmv8_kpad(K) + 8 * (K >> 5) + 15) >> 4;      // catalog.mmv8_smem
     for (int i = threadIdx.x; i < n16; i += blockDim.x) cp_async16(sm + 16 * i, src + 16 * i);
     cp_async_wait_all();
@@ -417,7 +417,7 @@ __device__ __forceinline__ void mmv8_body(const Mmv8Seg (&seg)[3], int K, const 
             if (r < s.n) l2_prefetch(s.W + (long long)r * s.rb, min(s.rb, (long long)MMV8_PF_BYTES * wpr));
         }
     }
-    mmv8_stage(xq, xqs, K, sm);
+    mmv8_stage(xq, xqs, K, sm, blockIdx.y);
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // block-uniform trips
         int G = base + wid / wpr;
         bool live = G < groups;
@@ -465,7 +465,7 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
             l2_prefetch((lane & 1 ? Wu : Wg) + (long long)(G * MMV8_R + (lane >> 1)) * rb,
                         min(rb, (long long)MMV8_PF_BYTES * wpr));
     }
-    mmv8_stage(xq, xqs, K, sm);
+    mmv8_stage(xq, xqs, K, sm, blockIdx.y);
     for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // as mmv8_body
         int G = base + wid / wpr;
         bool live = G < groups;
@@ -488,7 +488,62 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
     }
 }
 
-// MMV8_KIND: 1 = mmv8_nb1 and mmv8_q8, 2 = ffn8_nb1 only, unset = all (separate modules, as mmvf.cu's).
+// A mixture of experts' (row, expert) pairs at one-row steps (moe.cu's per-pair GEMVs on 8-bit
+// activations): block column p = blockIdx.y is pair p, expert e = ids[p] (its matrices at W + e eb),
+// input row p / xdiv of xq (the token's row for gate and up, the pair's own for the down projection);
+// the block's warps stride over its output rows, one row group (MMV8_R rows) a warp, every lane over
+// the row's units (mmv8_dispatch with one warp a row). moe8_gate_up: y[p] = act(gate_e . x + bg_e,
+// up_e . x + bu_e); moe8_gemv: y[p] = W_e . x + b_e. A pair whose id is out of range writes NaN
+// (moe.cu's rule: visible, never a read outside the weights).
+template <int M>
+__device__ __forceinline__ void moe8_body(const u8* Wg, const u8* Wu, long long rb, long long eb, int E, int N, int K,
+                                          int qt, const int* __restrict__ ids, int xdiv, const u8* __restrict__ xq,
+                                          long long xqs, int act, const float* bg, const float* bu, float* y,
+                                          int ys) {
+    MMV8_DYN_SMEM(sm);
+    const int p = blockIdx.y, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    mmv8_stage(xq, xqs, K, sm, p / xdiv);
+    pdl_trigger();
+    const int e = ids[p];
+    const bool ok = e >= 0 && e < E;
+    const int groups = (N + MMV8_R - 1) / MMV8_R;
+    for (int G = blockIdx.x * MMV8_WARPS + wid; G < groups; G += gridDim.x * MMV8_WARPS) {    // warp-uniform
+        const int r0 = G * MMV8_R;
+        float acc[M][MMV8_R];
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int i = 0; i < MMV8_R; ++i) acc[m][i] = 0.0f;
+        if (ok) {
+            const long long off = (long long)e * eb;
+            if constexpr (M == 2) {
+                const u8* const Ws[2] = {Wg + off, Wu + off};
+                mmv8_dispatch<2>(qt, Ws, rb, r0, N - 1, K >> 5, 0, 1, sm, acc);
+            } else {
+                const u8* const Ws[1] = {Wg + off};
+                mmv8_dispatch<1>(qt, Ws, rb, r0, N - 1, K >> 5, 0, 1, sm, acc);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int i = 0; i < MMV8_R; ++i) acc[m][i] = warp_sum(acc[m][i]);
+#pragma unroll
+        for (int i = 0; i < MMV8_R; ++i) {
+            const int r = r0 + i;
+            if (lane == i && r < N) {
+                const long long b = (long long)e * N + r;
+                float v = __int_as_float(0x7fc00000);
+                const float g = bg ? acc[0][i] + bg[b] : acc[0][i];
+                if (ok) v = M == 2 ? gated_f(g, bu ? acc[M - 1][i] + bu[b] : acc[M - 1][i], act) : g;
+                y[(long long)p * ys + r] = v;
+            }
+        }
+    }
+}
+
+// MMV8_KIND: 1 = mmv8_nb1 and mmv8_q8, 2 = ffn8_nb1 only, 3 = moe8_gate_up_nb1 and moe8_gemv_nb1,
+// unset = all (separate modules, as mmvf.cu's).
 // xq: mmv8_q8's output, xqs bytes a row (grid.y rows).
 #if !defined(MMV8_KIND) || MMV8_KIND == 1
 extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) mmv8_nb1(
@@ -506,5 +561,17 @@ extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) ffn8_nb
     const u8* Wg, const u8* Wu, long long rb, int N, int K, int qt, const u8* xq, long long xqs,
     int act, float* a, int as, int wpr) {
     ffn8_body(Wg, Wu, rb, N, K, qt, xq, xqs, act, a, as, wpr);
+}
+#endif
+#if !defined(MMV8_KIND) || MMV8_KIND == 3
+extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) moe8_gate_up_nb1(
+    const u8* Wg, const u8* Wu, long long rb, long long eb, int E, int N, int K, int qt, const int* ids, int xdiv,
+    const u8* xq, long long xqs, int act, const float* bg, const float* bu, float* y, int ys) {
+    moe8_body<2>(Wg, Wu, rb, eb, E, N, K, qt, ids, xdiv, xq, xqs, act, bg, bu, y, ys);
+}
+extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) moe8_gemv_nb1(
+    const u8* W, long long rb, long long eb, int E, int N, int K, int qt, const int* ids, int xdiv,
+    const u8* xq, long long xqs, const float* b, float* y, int ys) {
+    moe8_body<1>(W, nullptr, rb, eb, E, N, K, qt, ids, xdiv, xq, xqs, 0, b, nullptr, y, ys);
 }
 #endif

@@ -75,6 +75,27 @@ def test_experts_gptoss(kernels, rng, types, T):
     assert err <= TOL
 
 
+# the one-row pairs on mmv8.cu (experts.py expert_pairs8, dispatch.py MOE_PAIRS8): its types
+# throughout, and Q4_K_M's and an IQ4_XS file's mixes (a down of another type)
+PAIRS8_TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.Q8_0, Q.Q4_0, Q.Q5_1)]
+PAIRS8_TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.IQ4_XS, Q.IQ4_XS, Q.Q5_K)]
+
+
+@pytest.mark.parametrize("types", PAIRS8_TYPES, ids=lambda t: "-".join(q.name for q in t))
+@pytest.mark.parametrize("T", [1, 4])
+def test_experts_pairs8(kernels, rng, types, T):
+    """mmv8.cu's pairs (8-bit activations) against float64 over the 8-bit activations they multiply:
+    gate and up (and gpt-oss's clamped SwiGLU with every bias), then the down projection of each pair's
+    own row; T x 3 pairs over 7 experts."""
+    from realizar_backend.backends.cuda.selfcheck import check_moe_experts
+    kq = any(QTYPES[q].block == 256 for q in types)
+    F, H = (256, 512) if kq else (96, 160)
+    for act in (0, 1, 2):
+        err = check_moe_experts(kernels, types, 7, F, H, T, 3, act, rng, biases=act == 2, pairs8=True)
+        print(f"pairs8 experts {[q.name for q in types]} T={T} act={act}: rel.err {err:.2e}")
+        assert err <= TOL
+
+
 # the grouped path's stacks (mmq.cu types; gate and up of one type): one type throughout, a down of
 # another, gpt-oss's MXFP4
 GROUPED_TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS, Q.MXFP4)]

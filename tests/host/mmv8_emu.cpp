@@ -76,5 +76,28 @@ int main(int argc, char** argv) {
         return 0;
     }
 #endif
+#if !defined(MMV8_KIND) || MMV8_KIND == 3
+    if (kernel == "moe8_gate_up" || kernel == "moe8_gemv") {     // nb: the input rows; grid.y: the pairs
+        auto wg = load<u8>("wg");
+        auto wu = load_opt<u8>("wu");
+        auto ids = load<int>("ids");
+        auto bg = load_opt<float>("bg");
+        auto bu = load_opt<float>("bu");
+        auto y = load<float>("y");
+        const long long rb = inum("rb"), eb = inum("eb");
+        const int E = inum("E"), N = inum("N"), qt = inum("qt"), xdiv = inum("xdiv"), act = inum("act"),
+                  ys = inum("ys"), pairs = inum("pairs");
+        emu::launch(dim3{(unsigned)inum("grid_x"), (unsigned)pairs, 1}, block, smem, [&] {
+            if (kernel == "moe8_gate_up")
+                moe8_gate_up_nb1(wg.data(), ptr(wu), rb, eb, E, N, K, qt, ids.data(), xdiv, xq.data(), xqs, act,
+                                 ptr(bg), ptr(bu), y.data(), ys);
+            else
+                moe8_gemv_nb1(wg.data(), rb, eb, E, N, K, qt, ids.data(), xdiv, xq.data(), xqs, ptr(bg), y.data(),
+                              ys);
+        });
+        save("y", y);
+        return 0;
+    }
+#endif
     fail("unknown kernel", kernel);
 }

@@ -201,14 +201,15 @@ def moe(layers: int = 2, hidden: int = 2048, q_dim: int = 4096, kv_dim: int = 51
 def test_a_mixture_of_experts_groups_its_experts_from_two_rows_and_keeps_the_tensor_cores():
     """The router (F32) and the stacks of experts do not take the dense families' kernels, so they
     do not decide the step's family: the attention keeps the tensor-core buckets. One-row steps run
-    the experts on the per-pair GEMVs, steps of MOE_GROUPED_MIN_ROWS (2) rows or more on the grouped
-    tiles; the router on gemv.cu's GEMV, gate and up in one launch where they share type and shape."""
+    the experts on the per-pair GEMVs (mmv8.cu's where every stack is of its types), steps of
+    MOE_GROUPED_MIN_ROWS (2) rows or more on the grouped tiles; the router on gemv.cu's GEMV, gate
+    and up in one launch where they share type and shape."""
     groups, head = moe()
     disp = Dispatcher(groups, head, split16_kept=True)
     assert disp.mmq_all and disp.mmqs_all and disp.buckets
     router, (gate, up, down) = groups[2][1][0], groups[3][1]
     assert disp.experts(disp.decode_step(1), router, gate, up, down=down) == \
-        d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS, True)
+        d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS8 if d.MOE_PAIRS8 else Kernel.MOE_PAIRS, True)
     for step in [disp.decode_step(b) for b in (2, 4, 16, 64, 256)] + [disp.prompt_step(T) for T in (3, 40, 2048)]:
         assert disp.experts(step, router, gate, up, down=down) == \
             d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_GROUPED, True), step
@@ -355,12 +356,14 @@ def test_mmv8_takes_a_group_only_when_it_takes_every_matrix():
 def test_grouped_experts_take_the_steps_from_their_row_count_where_every_stack_has_mmq(monkeypatch):
     """With MOE_GROUPED_MIN_ROWS at 16 (the table has 2), steps of that many rows or more run the
     experts on the grouped tiles where gate and up share type and shape and every stack has an mmq.cu
-    kernel (the down projection's stack is needed to say so); others stay on the pairs."""
+    kernel (the down projection's stack is needed to say so); others stay on the pairs (one row of
+    mmv8.cu's types: its 8-bit pairs)."""
     monkeypatch.setattr(d, "MOE_GROUPED_MIN_ROWS", 16)
     groups, head = moe()
     disp = Dispatcher(groups, head, split16_kept=True)
     router, (gate, up, down) = groups[2][1][0], groups[3][1]
-    for rows, want in ((1, Kernel.MOE_PAIRS), (15, Kernel.MOE_PAIRS), (16, Kernel.MOE_GROUPED),
+    one = Kernel.MOE_PAIRS8 if d.MOE_PAIRS8 else Kernel.MOE_PAIRS
+    for rows, want in ((1, one), (15, Kernel.MOE_PAIRS), (16, Kernel.MOE_GROUPED),
                        (512, Kernel.MOE_GROUPED)):
         assert disp.experts(Step("mmq", rows), router, gate, up, down=down).experts == want, rows
     assert disp.experts(Step("mmq", 64), router, gate, up).experts == Kernel.MOE_PAIRS        # no down given
@@ -390,3 +393,19 @@ def test_the_chunked_delta_rule_threshold_holds_a_chunk():
     refuses less in the middle of a prompt step."""
     from realizar_backend.backends.cuda.support import DN_CHUNK
     assert d.DN_CHUNK_MIN_TOKENS is None or d.DN_CHUNK_MIN_TOKENS >= DN_CHUNK
+
+
+def test_one_row_experts_take_mmv8_where_every_stack_is_of_its_types(monkeypatch):
+    """With the rule on (dispatch.MOE_PAIRS8): MOE_PAIRS8 at one-row steps only, where gate, up and down
+    are all MMV8_TYPES and gate and up share type and shape; a stack of another type (Q8_0, MXFP4),
+    gate and up apart, or wider steps keep the pairs (or the grouped tiles)."""
+    monkeypatch.setattr(d, "MOE_PAIRS8", True)
+    for kw, want in (({}, Kernel.MOE_PAIRS8), ({"down": Q.Q4_K}, Kernel.MOE_PAIRS8),
+                     ({"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.Q5_K}, Kernel.MOE_PAIRS8),
+                     ({"down": Q.Q8_0}, Kernel.MOE_PAIRS), ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, Kernel.MOE_PAIRS),
+                     ({"up": Q.Q6_K}, Kernel.MOE_PAIRS)):
+        groups, head = moe(**kw)
+        disp = Dispatcher(groups, head, split16_kept=False)
+        router, (gate, up, down) = groups[2][1][0], groups[3][1]
+        assert disp.experts(disp.decode_step(1), router, gate, up, down=down).experts is want, kw
+        assert disp.experts(Step("gemv", 2), router, gate, up, down=down).experts is not Kernel.MOE_PAIRS8

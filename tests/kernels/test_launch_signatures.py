@@ -33,6 +33,7 @@ ROW_WIDTH = {0: 3, 1: 4, 2: 1}
 # kernel name -> (file, options beyond base_options) as backends/cuda/modules.py builds its module
 MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
            "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
+           **{n: ("mmv8.cu", catalog.mmv8_options(3)) for n in ("moe8_gate_up_nb1", "moe8_gemv_nb1")},
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
@@ -44,7 +45,7 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
-EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe_bucket_count", "moe_bucket_fill", "mmq_prep",
+EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe_bucket_count", "moe_bucket_fill", "mmq_prep",
                *(f"mmq_moe_bn{bn}" for bn in catalog.MMQ_BN)}
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
 
@@ -158,6 +159,19 @@ def test_grids_cover_the_kernels_indexing(launches):
         rows = (a[2], a[9], a[16]) if L["kernel"] == "mmv8_nb1" else (a[3],)
         groups = sum(-(-n // R) for n in rows)
         assert L["grid"][0] == min(-(-groups // (catalog.MMV8_WARPS // wpr)), 2 * 132), (L["kernel"], groups, wpr)
+    # the one-row pairs: each follows the mmv8_q8 of its input rows (the token's for gate and up: xdiv =
+    # top_k; each pair's own for the down projection), a block column per pair
+    for i, L in enumerate(launches):
+        if not L["kernel"].startswith("moe8_"):
+            continue
+        q, a = _args(launches[i - 1]), _args(L)
+        gu = L["kernel"] == "moe8_gate_up_nb1"
+        N, K, xdiv, xq, xqs = a[4 + gu], a[5 + gu], a[8 + gu], a[9 + gu], a[10 + gu]
+        pairs = L["grid"][1]
+        assert launches[i - 1]["kernel"] == "mmv8_q8" and (q[2], q[5], q[6]) == (K, xq, xqs)
+        assert launches[i - 1]["grid"][1] == -(-pairs // xdiv) and xqs == catalog.mmv8_smem(K)
+        groups = -(-N // catalog.MMV8_R[3])
+        assert 1 <= L["grid"][0] <= -(-groups // catalog.MMV8_WARPS) and L["block"] == [catalog.MMV8_WARPS * 32]
     fills = by["moe_bucket_fill"]
     for L, F in zip(by["moe_bucket_count"], fills):
         E = _args(F)[2]

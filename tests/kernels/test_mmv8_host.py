@@ -218,3 +218,49 @@ def test_a_read_past_shared_memory_stops_the_emulator(tmp_path_factory, tmp_path
     exe = _exe(tmp_path_factory, 1, include_first=d, tag="oob")
     with pytest.raises(AssertionError, match="past its block's dynamic shared memory"):
         run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, np.random.default_rng(4))
+
+
+@pytest.fixture(scope="module")
+def emu3(tmp_path_factory):
+    return _exe(tmp_path_factory, 3)
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.Q8_0, Q.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gate_up", "gemv"])
+@pytest.mark.parametrize("units", [5, 8, 16])
+def test_moe8_pairs(emu3, tmp_path, qt, gated, units):
+    """A mixture of experts' pairs (moe8_gate_up_nb1 / moe8_gemv_nb1): block column p is pair p, whose
+    expert ids[p] picks the matrices of a stack of 5 and whose input is row p / xdiv (gate and up: the
+    token's of 2 pairs; the down projection: its own); an out-of-range id writes NaN; rows past N and
+    a grid smaller than the row groups (blocks stride over them); biases; outputs poisoned."""
+    from realizar_backend.backends.cuda.matrices import QTYPES
+    rng = np.random.default_rng(int(qt) * 7 + gated + units)
+    blk = QTYPES[qt].block
+    E, N, K, xdiv = 5, 37, -(-32 * units // blk) * blk, (2 if gated else 1)
+    ids = np.array([3, 0, 4, 3, 1, 7], np.int32)               # pair 5's expert is out of range
+    pairs, rows = len(ids), -(-len(ids) // xdiv)
+    mats = [weight(qt, E * N, K, rng) for _ in range(2 if gated else 1)]
+    rb, eb = mats[0][1], mats[0][1] * N
+    x = (rng.standard_normal((rows, K)) * rng.uniform(0.1, 30.0, (rows, 1))).astype(np.float32)
+    xq = np.stack([q8_twin(v) for v in x])
+    bias = [rng.standard_normal(E * N).astype(np.float32) for _ in mats]
+    ys = N + 3
+    y0 = np.full((pairs, ys), np.nan, np.float32)
+    params = {"kernel": "moe8_gate_up" if gated else "moe8_gemv", "K": K, "xs": K, "nb": rows, "wpr": 1,
+              "eps": 1e-6, "grid_x": 1, "rb": rb, "eb": eb, "E": E, "N": N, "qt": int(qt), "xdiv": xdiv,
+              "act": 0, "ys": ys, "pairs": pairs}
+    arrays = {"x": x, "ids": ids, "wg": mats[0][0], "bg": bias[0], "y": y0}
+    if gated:
+        arrays.update(wu=mats[1][0], bu=bias[1])
+    res = host_emu.launch(emu3, tmp_path / "moe8", params, arrays, {"y": (np.float32, (pairs, ys))}, label="moe8")
+    got = res["y"]
+    assert np.all(np.isnan(got[:, N:])) and np.all(np.isnan(got[5, :N]))
+    for p, e in enumerate(ids[:5]):
+        xp = xq[p // xdiv]
+        lin = [m[2][e * N:(e + 1) * N] @ xp + b[e * N:(e + 1) * N] for m, b in zip(mats, bias)]
+        sc = [np.abs(m[2][e * N:(e + 1) * N]) @ np.abs(xp) + np.abs(b[e * N:(e + 1) * N]) for m, b in zip(mats, bias)]
+        if gated:
+            ref, scale = silu(lin[0]) * lin[1], 1.2 * sc[0] * np.abs(lin[1]) + np.abs(silu(lin[0])) * sc[1]
+        else:
+            ref, scale = lin[0], sc[0]
+        assert err(got[p, :N], ref, scale) <= TOL, (p, err(got[p, :N], ref, scale))

@@ -43,7 +43,8 @@ def main() -> None:
     log: list = []
     # the Kernels mappings of modules.py, each name the function modules.py loads for that key
     k = NS(sm_count=132,
-           mmv8={**{n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8")}, "q8": Rec("mmv8_q8", log)},
+           mmv8={**{n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8", "moe8_gate_up", "moe8_gemv")},
+                 "q8": Rec("mmv8_q8", log)},
            mmv8_xq=lambda nbytes: 0x7000000,          # Kernels.mmv8_xq: the device's scratch rows
            moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log)},
            mmq={"prep": Rec("mmq_prep", log),
@@ -76,6 +77,9 @@ def main() -> None:
                  pa=NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0), a8=False))
         experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
                               (0x1100, 0x1200, 0x1300))
+    # the one-row pairs on mmv8.cu (gate and up fused, then the down projection of each pair's row)
+    experts.expert_pairs8(k, gate, up, down, 0x9000, top, 1, 0xa000, H, 0xb000, 0xc000, 2 * F, 0,
+                          (0x1100, 0x1200, 0x1300))
     # the Gated DeltaNet: conv, the delta rule for each kernel
     rows = ops.StepRows(0xc000, 0xd000, 7, 9)
     ops.dn_conv(k, 0xe000, 8192, 0xf000, 3, 0x11000, rows, 8192, 0x12000, 8192)

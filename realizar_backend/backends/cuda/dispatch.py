@@ -31,8 +31,9 @@ from typing import Sequence
 
 from gguf import GGMLQuantizationType as Q
 
-from ...kernels.catalog import MMV8_SMEM_MAX, mmv8_smem
+from ...kernels.catalog import MMV8_SMEM_MAX, MMV8_XQ_BYTES, mmv8_smem
 from .matrices import QTYPES, WeightRef
+from .support import MOE_MAX_K
 
 # ---------------------------------------------------------------- the table
 # Decode steps of this many rows or more run on the tensor cores: mmq.cu reads each weight block once
@@ -112,6 +113,15 @@ MMV8_MIN_BYTES = 8 << 20
 # and the pairs skip the bucketing (benchmarks/moe_grouped_bench.py times both at Qwen3-30B-A3B's
 # shapes). None would keep the pairs at every row count (the GPU tests run both paths).
 MOE_GROUPED_MIN_ROWS: int | None = 2
+# The pairs of a one-row step take mmv8.cu's GEMVs instead (MOE_PAIRS8: moe8_gate_up_nb1 and
+# moe8_gemv_nb1, the input rows quantized to 8 bits first) where gate, up and down are one-row
+# GEMV types (MMV8_TYPES, mmv8_ok) and gate and up share type and shape: moe.cu's pairs decode each
+# unit to 32 floats and read 4 bytes of activation per weight, the 8-bit rows staged in shared
+# memory once per block; and the down projection's inputs, a row per pair (up to MOE_MAX_K of them),
+# fit mmv8_q8's scratch. Off until a whole model agrees with it: its kernels match their float64
+# twins on the GPU (tests/gpu/test_moe.py test_experts_pairs8), but with the rule on, the tiny Q4_K
+# qwen3moe's whole-model parity in the same file fails (a row far off), cause not yet found.
+MOE_PAIRS8 = False
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
 # per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
 MOE_GROUPED_BN = (8, 16, 32, 64)
@@ -157,6 +167,7 @@ class Kernel(enum.Enum):
     MMQ = "mmq"
     SPLIT16 = "split16"
     MOE_PAIRS = "moe_pairs"
+    MOE_PAIRS8 = "moe_pairs8"
     MOE_GROUPED = "moe_grouped"
 
 
@@ -356,8 +367,11 @@ class Dispatcher:
         expert's matrices where it has one."""
         grouped = (MOE_GROUPED_MIN_ROWS is not None and step.rows >= MOE_GROUPED_MIN_ROWS
                    and down is not None and moe_grouped_ok(gate, up, down))
-        return ExpertsChoice(self._gemv((router,))[0], Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS,
-                             same_shape(gate, up), self._gemv(shared))
+        pairs8 = (MOE_PAIRS8 and step.rows == 1 and down is not None and same_shape(gate, up)
+                  and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in (gate, up, down))
+                  and MOE_MAX_K * mmv8_smem(down.cols) <= MMV8_XQ_BYTES)
+        kind = Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS8 if pairs8 else Kernel.MOE_PAIRS
+        return ExpertsChoice(self._gemv((router,))[0], kind, same_shape(gate, up), self._gemv(shared))
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

@@ -16,7 +16,7 @@ import cupy
 
 from . import mmq as mmq_ops
 from . import ops
-from .dispatch import ExpertsChoice, moe_grouped_plan
+from .dispatch import ExpertsChoice, Kernel, moe_grouped_plan
 from .linear import ACT, Context, Family, GemvLinear
 from .mmq import MmqPrep
 from .ops import WeightRef
@@ -46,9 +46,21 @@ def expert_pairs(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, t
     ops.moe_gemv(k, down, ids, pairs, a, F, 1, y, ys, bd)
 
 
+def expert_pairs8(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
+                  a: int, y: int, ys: int, act: int, biases: tuple[int, int, int] = (0, 0, 0)) -> None:
+    """What expert_pairs computes (gate and up of one type and shape), on mmv8.cu's GEMVs (dispatch.py
+    MOE_PAIRS8: 8-bit activations, as the dense one-row steps'): gate and up of each pair from its
+    token's row, then the down projection from the pair's own row of a."""
+    pairs, F = T * top, gate.rows
+    bg, bu, bd = biases
+    ops.moe8(k, gate, up, ids, pairs, h, hs, top, a, F, act, bg, bu)
+    ops.moe8(k, down, None, ids, pairs, a, F, 1, y, ys, bg=bd)
+
+
 class PairExperts(Family):
     """moe.cu's per-pair GEMVs (dispatch.py MOE_PAIRS): every pair reads its expert's rows through
-    its id (expert_pairs)."""
+    its id (expert_pairs); at one-row steps of mmv8.cu's types its 8-bit GEMVs (MOE_PAIRS8,
+    expert_pairs8)."""
 
     def __init__(self, ctx: Context, gemv: GemvLinear):
         super().__init__(ctx)
@@ -71,9 +83,13 @@ class PairExperts(Family):
     def experts(self, e, ids: int, T: int, h: cupy.ndarray, a: cupy.ndarray, y: cupy.ndarray,
                 choice: ExpertsChoice) -> None:
         """y[p] = the expert ids[p]'s MLP of row h[p // top_k], for the T rows' pairs (expert_pairs)."""
+        biases = (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0)
+        if choice.experts is Kernel.MOE_PAIRS8:
+            expert_pairs8(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
+                          y.data.ptr, y.shape[1], MOE_ACT[e.act], biases)
+            return
         expert_pairs(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
-                     y.data.ptr, y.shape[1], MOE_ACT[e.act], choice.fused,
-                     (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0))
+                     y.data.ptr, y.shape[1], MOE_ACT[e.act], choice.fused, biases)
 
     def shared(self, x: cupy.ndarray, h: cupy.ndarray, e, choice: ExpertsChoice, T: int) -> None:
         """x[:T] += sigmoid(h @ shared_router.T) * down(act(h @ gate.T) * (h @ up.T)), the shared

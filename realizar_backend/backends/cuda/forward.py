@@ -89,6 +89,7 @@ class Forward:
                         Kernel.MMQS: self.mmq, Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16,
                         Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv),
                         Kernel.MOE_GROUPED: GroupedExperts(self.ctx, self.gemv)}
+        self._family[Kernel.MOE_PAIRS8] = self._family[Kernel.MOE_PAIRS]
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)
         # RoPE cos/sin per position (rope.cu, attention.cu), one table per distinct (theta, scaling) of

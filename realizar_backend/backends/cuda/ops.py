@@ -312,6 +312,30 @@ def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xd
                               _I32(w.cols), _U64(ids), _U64(x), _I32(xs), _I32(xdiv), _U64(y), _I32(ys), _U64(bias)))
 
 
+def moe8(k: Kernels, gate: WeightRef, up: WeightRef | None, ids: int, pairs: int, x: int, xs: int, xdiv: int,
+         y: int, ys: int, act: int = 0, bg: int = 0, bu: int = 0) -> None:
+    """moe_gate_up (up given: its fused form) or moe_gemv (up None: y[p] = gate_e @ x[p // xdiv] + bg_e)
+    on mmv8.cu's GEMVs (moe8_gate_up_nb1, moe8_gemv_nb1: 8-bit activations, the dispatcher's
+    Kernel.MOE_PAIRS8): the pairs' ceil(pairs / xdiv) input rows quantized by mmv8_q8 first, then a
+    block column per pair, its blocks spread so that the launch is one resident wave."""
+    K, N = gate.cols, gate.rows
+    _check_x(x, xs, K)
+    if up is not None and not same_shape(gate, up):
+        raise ValueError(f"moe8: {gate.name} and {up.name} differ in type or shape")
+    fn = k.mmv8["moe8_gate_up" if up is not None else "moe8_gemv"]
+    smem = mmv8_smem(K)
+    if smem > MMV8_SMEM_MAX:
+        raise ValueError(f"moe8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
+    xq, xqs = _mmv8_quantize(k, x, xs, K, -(-pairs // xdiv), None, False)
+    groups = -(-N // MMV8_R[3])
+    per_pair = max(1, min(-(-groups // MMV8_WARPS), _max_grid(k, fn, smem, MMV8_WARPS) // max(pairs, 1)))
+    head = (_U64(gate.ptr),) + ((_U64(up.ptr),) if up is not None else ())
+    args = head + (_I64(gate.row_bytes), _I64(gate.expert_bytes), _I32(gate.experts), _I32(N), _I32(K),
+                   _I32(int(gate.qtype)), _U64(ids), _I32(xdiv), _U64(xq), _I64(xqs))
+    args += (_I32(act), _U64(bg), _U64(bu)) if up is not None else (_U64(bg),)
+    _launch(fn, (per_pair, pairs), (MMV8_WARPS * 32,), args + (_U64(y), _I32(ys)), smem)
+
+
 def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int, T: int, H: int) -> None:
     """x[t] += sum_j w[t, j] * y[t * top_k + j] over the first H columns, j in order."""
     k.moe["combine"]((T, (H + MOE_COMBINE_THREADS - 1) // MOE_COMBINE_THREADS), (MOE_COMBINE_THREADS,),

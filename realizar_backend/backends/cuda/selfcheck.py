@@ -536,15 +536,17 @@ def check_moe_shared_add(k: Kernels, T: int, H: int, rng) -> float:
 
 
 def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng,
-                      biases: bool = False, grouped: bool = False, ids: np.ndarray | None = None) -> float:
+                      biases: bool = False, grouped: bool = False, ids: np.ndarray | None = None,
+                      pairs8: bool = False) -> float:
     """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
-    where gate and up differ; grouped: expert_groups, the bucketing and mmq.cu's grouped tiles) and
+    where gate and up differ; grouped: expert_groups, the bucketing and mmq.cu's grouped tiles; pairs8:
+    expert_pairs8, mmv8.cu's GEMVs, against the 8-bit activations they multiply) and
     moe_combine into residual rows, against float64: each of T rows takes top distinct experts of E
     (some shared between rows; ids: this routing instead) at random weights. types: (gate, up, down)
     storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the activation code (2: gpt-oss's
     clamped SwiGLU); biases: each expert's gate, up and down biases (gpt-oss). Relative error of
     the rows after."""
-    from .experts import GroupedBuffers, expert_groups, expert_pairs
+    from .experts import GroupedBuffers, expert_groups, expert_pairs, expert_pairs8
     shapes = ((F, H), (F, H), (H, F))
     hosts = [random_weight(qt, E * r, c, rng) for qt, (r, c) in zip(types, shapes)]
     mats, keep = [], []
@@ -570,17 +572,25 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     if grouped:
         buf = GroupedBuffers(T, top, E, H, F)      # held until the result is read below
         expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act, buf, bias_ptrs)
+    elif pairs8:
+        expert_pairs8(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
+                      bias_ptrs)
     else:
         expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
                      same_shape(mats[0], mats[1]), bias_ptrs)
     ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
     ref = x0.astype(np.float64)
+    a_gpu, a_ref = (a.get(), np.zeros((pairs, F))) if pairs8 else (None, None)
     for t in range(T):
-        h64 = h[t].astype(np.float64)
+        h64 = q8_rows(h[t:t + 1])[0] if pairs8 else h[t].astype(np.float64)
         for j, e in enumerate(ids[t]):
             a_ = _gated(wg[e] @ h64 + bs[0][e], wu[e] @ h64 + bs[1][e], act)
+            if pairs8:     # gate and up checked apart; the down projection multiplies the 8-bit form of
+                p = t * top + j        # the kernel's own row (its rounding boundaries are the kernel's)
+                a_ref[p], a_ = a_, q8_rows(a_gpu[p:p + 1])[0]
             ref[t] += float(wts[t, j]) * (wd[e] @ a_ + bs[2][e])
-    return rel_err(xd.get(), ref)
+    err = rel_err(xd.get(), ref)
+    return max(err, rel_err(a_gpu, a_ref)) if pairs8 else err
 
 
 # ------------------------------------------------------------------ start-up self-check
@@ -626,6 +636,9 @@ def run_self_check(k: Kernels, qtypes, cfg: ModelConfig, seed: int | None = None
             K = 2 * max(QTYPES[qt].block, 32) + (3 if QTYPES[qt].block == 1 else 0)
             errs[f"moe_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 2, 2, MOE_ACT[cfg.activation], rng,
                                                        biases="ffn_gate_exps.bias" in tensors)
+            if rows == 1 and dispatch.MOE_PAIRS8 and qt in dispatch.MMV8_TYPES:    # its one-row experts
+                errs[f"moe8_{qt.name}"] = check_moe_experts(k, (qt, qt, qt), 3, K, K, 1, 2, MOE_ACT[cfg.activation],
+                                                            rng, biases="ffn_gate_exps.bias" in tensors, pairs8=True)
         if cfg.shared_expert_ffn_dim:
             errs["moe_shared_add"] = check_moe_shared_add(k, 3, cfg.hidden, rng)
     if cfg.has_recurrent_state:            # a hybrid's Gated DeltaNet at the model's own head sizes
