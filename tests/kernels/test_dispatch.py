@@ -402,7 +402,8 @@ def test_one_row_experts_take_mmv8_where_every_stack_is_of_its_types(monkeypatch
     monkeypatch.setattr(d, "MOE_PAIRS8", True)
     for kw, want in (({}, Kernel.MOE_PAIRS8), ({"down": Q.Q4_K}, Kernel.MOE_PAIRS8),
                      ({"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.Q5_K}, Kernel.MOE_PAIRS8),
-                     ({"down": Q.Q8_0}, Kernel.MOE_PAIRS), ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, Kernel.MOE_PAIRS),
+                     ({"down": Q.Q8_0}, Kernel.MOE_PAIRS),
+                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, Kernel.MOE_PAIRS),
                      ({"up": Q.Q6_K}, Kernel.MOE_PAIRS)):
         groups, head = moe(**kw)
         disp = Dispatcher(groups, head, split16_kept=False)

@@ -45,8 +45,8 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
-EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe_bucket_count", "moe_bucket_fill", "mmq_prep",
-               *(f"mmq_moe_bn{bn}" for bn in catalog.MMQ_BN)}
+EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe_bucket_count",
+               "moe_bucket_fill", "mmq_prep", *(f"mmq_moe_bn{bn}" for bn in catalog.MMQ_BN)}
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
 
 
