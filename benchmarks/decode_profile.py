@@ -40,6 +40,8 @@ LAUNCHERS = {
             "moe_topk", "moe_gate_up", "moe_gemv", "moe_combine", "moe_bucket", "moe_shared_add",
             "sigmoid_mul", "dn_conv", "dn_delta", "add_rows"),
     "linear": ("prep", "mmq", "mmq_ffn"),
+    # the grouped experts' own calls (experts.py reaches them through the mmq module)
+    "mmq": ("prep", "mmq_moe"),
     "flash": ("prefill", "decode"),
     "split16": ("split_weights", "split_rows", "act_split", "unscale_scatter", "unscale_add", "split_gemm"),
 }
