@@ -53,21 +53,75 @@ def assert_parity(name: str, cos: np.ndarray, floor: float, sensitivity: np.ndar
     assert cos.min() >= CHAOTIC_FLOOR, f"{name}: worst row cosine {cos.min():.6f} < {CHAOTIC_FLOOR}"
 
 
+# A mixture of experts' router picks its top_k experts by rank. Where the oracle's k-th and
+# (k+1)-th probabilities of a row lie within ROUTE_TIE of each other (relative to the k-th), the
+# GPU's rounding (8-bit activations in one-row steps, fp16 GEMM inputs in prompts) may pick the other
+# expert: that token's output changes by a whole expert's share (the tiny qwen3moe's logits fell to
+# cosine 0.84 at a relative gap of 2.3e-3, on every expert path alike), and through its K/V so do
+# its sequence's later rows. A row below COS_MIN is excused where its sequence met such a tie at or
+# before that step, as the greedy check excuses the top-two ties of the logits; a row below it with
+# no tie before it fails, and excused rows stay a minority (MAX_EXCUSED) so that a broken kernel
+# cannot hide behind ties.
+ROUTE_TIE = 1e-2
+MAX_EXCUSED = 0.25
+
+
+def route_gaps(logits: np.ndarray, top_k: int) -> np.ndarray:
+    """Each row's relative gap between its k-th and (k+1)-th router probabilities (float64)."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    s = -np.sort(-p, axis=1)
+    return (s[:, top_k - 1] - s[:, top_k]) / s[:, top_k - 1]
+
+
 class ParityRun:
     """Steps run on the oracle `cpu` and the `gpu` backend alike (test_model_parity's _backends over
     one model, `slots` slots; random tokens from rng below `vocab`): every step's rows' cosines
-    (`cos`), each prompt step's family on the GPU (`families`), each slot's next position (`pos`)."""
+    (`cos`) and whether each row's sequence had met a routing tie by then (`after_tie`, ROUTE_TIE),
+    each prompt step's family on the GPU (`families`), each slot's next position (`pos`) and the
+    slots whose sequences met a tie (`tied`)."""
 
     def __init__(self, cpu, gpu, rng, vocab: int, slots: int):
         self.cpu, self.gpu, self.rng, self.vocab = cpu, gpu, rng, vocab
         self.cos: list[np.ndarray] = []
+        self.after_tie: list[np.ndarray] = []
         self.families: list = []
         self.pos = [0] * slots
+        self.tied: set[int] = set()
+
+    def _oracle(self, fn, slots: list[int], lens: list[int], *args) -> np.ndarray:
+        """fn(*args) on the oracle, its routers' gaps watched (route_gaps): each slot whose tokens
+        in this step met a tie is marked from this step on."""
+        from realizar_backend.backends import cpu as cpu_module
+        real, gaps = cpu_module.route, []
+
+        def route(logits, top_k, renormalize):
+            gaps.append(route_gaps(logits, top_k))
+            return real(logits, top_k, renormalize)
+        cpu_module.route = route
+        try:
+            out = fn(*args)
+        finally:
+            cpu_module.route = real
+        if gaps:
+            worst = np.min(gaps, axis=0)        # each token's smallest gap over the layers
+            bounds = np.cumsum([0] + lens)
+            for s, a, b in zip(slots, bounds, bounds[1:]):
+                if worst[a:b].min() < ROUTE_TIE:
+                    self.tied.add(s)
+        return out
 
     def prompt(self, items) -> None:
-        """One prompt step of these PrefillItems."""
+        """One prompt step of these PrefillItems (one starting at position 0 begins its slot's
+        sequence anew)."""
         self.families.append(self.gpu.fwd.prompt_step(sum(len(it.tokens) for it in items)).family)
-        self.cos.append(cosines(self.cpu.prefill(items), self.gpu.prefill(items)))
+        slots = [it.slot for it in items]
+        for it in items:
+            if it.start_pos == 0:
+                self.tied.discard(it.slot)
+        ref = self._oracle(self.cpu.prefill, slots, [len(it.tokens) for it in items], items)
+        self.cos.append(cosines(ref, self.gpu.prefill(items)))
+        self.after_tie.append(np.array([s in self.tied for s in slots]))
         for it in items:
             self.pos[it.slot] = it.start_pos + len(it.tokens)
 
@@ -76,9 +130,10 @@ class ParityRun:
         pos = self.pos
         for _ in range(n_steps):
             tok = [int(t) for t in self.rng.integers(0, self.vocab, len(slots))]
-            lc = self.cpu.decode(slots, tok, [pos[s] for s in slots])
+            lc = self._oracle(self.cpu.decode, slots, [1] * len(slots), slots, tok, [pos[s] for s in slots])
             lg = self.gpu.decode(slots, tok, [pos[s] for s in slots])
             self.cos.append(cosines(lc, lg))
+            self.after_tie.append(np.array([s in self.tied for s in slots]))
             for s in slots:
                 pos[s] += 1
 
@@ -87,26 +142,30 @@ class ParityRun:
         return np.concatenate([np.ravel(c) for c in self.cos])
 
     def report(self, label: str, st: dict) -> np.ndarray:
-        """Prints the run (the prompt families, the rows, the worst cosine, the graphs in the GPU's
-        stats `st`) and returns rows()."""
+        """Prints the run (the prompt families, the rows, the worst cosine, the routing ties, the
+        graphs in the GPU's stats `st`) and returns rows()."""
         cos = self.rows()
         print(f"{label}: prompt families {self.families}, {cos.size} rows, cos min {cos.min():.7f}; "
-              f"graphs {st['graph_status']}")
+              f"{int(np.concatenate(self.after_tie).sum())} after a routing tie; graphs {st['graph_status']}")
         return cos
 
     def finish_greedy(self, arch: str, name: str) -> None:
         """A greedy step of every slot (argmax on the device), the GPU backend closed, then: every row's
-        cosine >= COS_MIN (assert_parity, as ARCH-NAME), a decode step captured in a graph, and the
-        greedy step's tokens the oracle's, save at its near-ties (top two within 1e-3)."""
+        cosine >= COS_MIN (assert_parity, as ARCH-NAME) save rows after a routing tie (a minority,
+        MAX_EXCUSED), a decode step captured in a graph, and the greedy step's tokens the oracle's,
+        save at its near-ties (top two within 1e-3) and in sequences past a routing tie."""
         n = len(self.pos)
         greedy = self.gpu.decode_argmax(list(range(n)), [1] * n, self.pos[:n])
-        ref = self.cpu.decode(list(range(n)), [1] * n, self.pos[:n])
+        ref = self._oracle(self.cpu.decode, list(range(n)), [1] * n, list(range(n)), [1] * n, self.pos[:n])
         st = self.gpu.stats()
         self.gpu.close()
         cos = self.report(f"{arch} {name}", st)
-        assert_parity(f"{arch}-{name}", cos, COS_MIN)
+        low = (cos < COS_MIN) & np.concatenate(self.after_tie)
+        assert low.sum() <= MAX_EXCUSED * cos.size, f"{arch}-{name}: {low.sum()} of {cos.size} rows excused"
+        assert_parity(f"{arch}-{name}", cos[~low], COS_MIN)
         assert st["graph_status"], "no decode step was captured"
         # the greedy step's tokens (argmax on the device) are the oracle's, save at its near-ties
         top2 = np.sort(ref, axis=1)[:, -2:]
         same = greedy == np.argmax(ref, axis=1)
-        assert np.all(same | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))
+        tied = np.array([s in self.tied for s in range(n)])
+        assert np.all(same | tied | (top2[:, 1] - top2[:, 0] < 1e-3)), (greedy, np.argmax(ref, axis=1))

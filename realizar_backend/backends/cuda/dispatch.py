@@ -118,10 +118,8 @@ MOE_GROUPED_MIN_ROWS: int | None = 2
 # GEMV types (MMV8_TYPES, mmv8_ok) and gate and up share type and shape: moe.cu's pairs decode each
 # unit to 32 floats and read 4 bytes of activation per weight, the 8-bit rows staged in shared
 # memory once per block; and the down projection's inputs, a row per pair (up to MOE_MAX_K of them),
-# fit mmv8_q8's scratch. Off until a whole model agrees with it: its kernels match their float64
-# twins on the GPU (tests/gpu/test_moe.py test_experts_pairs8), but with the rule on, the tiny Q4_K
-# qwen3moe's whole-model parity in the same file fails (a row far off), cause not yet found.
-MOE_PAIRS8 = False
+# fit mmv8_q8's scratch.
+MOE_PAIRS8 = True
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
 # per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
 MOE_GROUPED_BN = (8, 16, 32, 64)
