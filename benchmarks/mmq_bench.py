@@ -193,7 +193,7 @@ def main() -> int:
                 for c in clusters:
                     row[f"small_c{c}_us"] = median_call_us(lambda i, c=c: run_mmq(i, cluster=c), copies, args.reps)
             row["prep_us"] = median_call_us(run_prep, min(copies, 16), args.reps)
-            a8 = args.a8 and all(w.qtype in mmq.A8_TYPES for w in copy_sets[0])
+            a8 = args.a8 and all(w.qtype in dispatch.MMQ8_TYPES for w in copy_sets[0])
             if a8:             # the 8-bit variant (always mmq.cu's tiles), beside the fp16 tiles
                 row["mmq8_us"] = median_call_us(lambda i: run_mmq(i, p=prep8), copies, args.reps)
             if not args.no_mmvf:

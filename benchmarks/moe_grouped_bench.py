@@ -1,14 +1,16 @@
 """Times the routed experts of one MoE layer on the per-pair GEMVs (experts.py expert_pairs, moe.cu)
-against the grouped path (experts.py expert_groups: bucketing, mmq.cu's grouped tiles) on
+against the grouped path (experts.py expert_groups: bucketing, mmq.cu's grouped tiles, on fp16 records
+and, where the stacks are of dispatch.MMQ8_TYPES, on 8-bit ones: dispatch.MOE_GROUPED_A8) on
 Qwen3-30B-A3B's shapes (hidden 2048, expert FFN 768, 128 experts, top 8; Q4_K gate and up, Q6_K
 down as in its Q4_K_M file; random blocks and a uniform random routing), at 16, 64 and 512 rows: the
-figures that MOE_GROUPED_MIN_ROWS (backends/cuda/dispatch.py) is to be set from.
+figures that MOE_GROUPED_MIN_ROWS and MOE_GROUPED_A8 (backends/cuda/dispatch.py) are set from.
 
 Each figure is one call's time as a CUDA-graph replay of R calls (the 128 experts' weights, ~340 MB,
 pass the L2 cache, so they come from DRAM as in a real step), timed with CUDA events, median over
 the replays; the call is the experts alone (the router, top-k and combine are the same launches on
 both paths). It also prints both paths' largest difference on the call's output rows, relative to
-the largest value (a sanity check, not a parity test: tests/gpu/test_moe.py is).
+the largest value (a sanity check, not a parity test: tests/gpu/test_moe.py is), and the 8-bit
+records' against the fp16 ones'.
 
     python benchmarks/moe_grouped_bench.py [--rows 16,64,512] [--types Q4_K,Q4_K,Q6_K] [--json out.json]
 """
@@ -69,7 +71,8 @@ def main() -> int:
         h = cupy.asarray(rng.standard_normal((T, H)).astype(np.float32))
         a = cupy.empty((P, F), cupy.float32)
         y_p = cupy.zeros((P, max(H, 2 * F)), cupy.float32)
-        y_g = cupy.zeros_like(y_p)
+        y_g, y_8 = cupy.zeros_like(y_p), cupy.zeros_like(y_p)
+        a8 = all(dispatch.mmq8_ok(w) for w in mats)
         buf = GroupedBuffers(T, TOP, E, H, F)
         bn, TB = dispatch.moe_grouped_plan(T, TOP, E)
 
@@ -80,14 +83,23 @@ def main() -> int:
         def grouped(_):
             expert_groups(k, gate, up, down, ids.data.ptr, TOP, T, h.data.ptr, H, y_g.data.ptr, y_g.shape[1], 0, buf)
 
+        def grouped8(_):
+            expert_groups(k, gate, up, down, ids.data.ptr, TOP, T, h.data.ptr, H, y_8.data.ptr, y_8.shape[1], 0, buf,
+                          a8=True)
+
         us_p = median_call_us(pairs, CALLS, args.reps)
         us_g = median_call_us(grouped, CALLS, args.reps)
+        us_8 = median_call_us(grouped8, CALLS, args.reps) if a8 else None
         cupy.cuda.Device().synchronize()
-        yp, yg = y_p[:, :H].get(), y_g[:, :H].get()
-        diff = float(np.max(np.abs(yp - yg)) / max(np.max(np.abs(yp)), 1e-30))
+        yp, yg, y8 = y_p[:, :H].get(), y_g[:, :H].get(), y_8[:, :H].get()
+        top = max(np.max(np.abs(yp)), 1e-30)
+        diff = float(np.max(np.abs(yp - yg)) / top)
+        diff8 = float(np.max(np.abs(y8 - yg)) / top) if a8 else None
         print(f"rows {T:4d} ({P} pairs, tiles of {bn}, {TB} token tiles): pairs {us_p:9.1f} us  grouped {us_g:9.1f} us"
-              f"  ({us_p / us_g:5.2f}x)  max diff {diff:.1e}")
-        results.append({"rows": T, "pairs_us": us_p, "grouped_us": us_g, "bn": bn, "token_tiles": TB, "max_diff": diff})
+              f"  ({us_p / us_g:5.2f}x)  max diff {diff:.1e}"
+              + (f"  8-bit records {us_8:9.1f} us ({us_g / us_8:5.2f}x fp16's), diff {diff8:.1e}" if a8 else ""))
+        results.append({"rows": T, "pairs_us": us_p, "grouped_us": us_g, "grouped_a8_us": us_8, "bn": bn,
+                        "token_tiles": TB, "max_diff": diff, "a8_diff": diff8})
     if args.json:
         Path(args.json).write_text(json.dumps({"types": [q.name for q in types], "shape": [H, F, E, TOP],
                                                "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),

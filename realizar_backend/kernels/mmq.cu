@@ -1114,8 +1114,8 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
 }
 
 // MMQ_BN: one token-tile width per compilation (the loader compiles them as separate modules, on
-// first use); 0: mmq_prep only; unset: everything. The 8-bit variant has no grouped-experts kernel
-// (the experts' launches stay on fp16 activations).
+// first use); 0: mmq_prep only; unset: everything. The grouped experts' kernels come in both variants
+// (mmq_moe_bnBN, mmq8_moe_bnBN: the prep records say which).
 #define DEFINE_MMQ(BN)                                                                                    \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) MMQ_NAME(bn##BN)(                        \
         const u8* W0, long long rb0, int n0, int qt0, const float* b0, float* y0, int ys0,                \
@@ -1128,17 +1128,13 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
         mmq_body<BN>(seg, K, xp, xps, inv, M, mode, act, accumulate, splits, cps, part, cnt, amax);       \
     }                                                                                                     \
     MMQ_MOE(BN)
-#if MMQ_A8
-#define MMQ_MOE(BN)
-#else
 #define MMQ_MOE(BN)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) mmq_moe_bn##BN(                          \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) MMQ_NAME(moe_bn##BN)(                    \
         const u8* W0, const u8* W1, long long rb, long long eb, int n, int qt, const float* b0,           \
         const float* b1, float* y, int ys, int K, const u8* xp, long long xps, const float* inv,          \
         const int* tiles, const int* list, int k, int TB, int mode, int act) {                            \
         mmq_moe_body<BN>(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act); \
     }
-#endif
 #if !defined(MMQ_BN) || MMQ_BN == 8
 DEFINE_MMQ(8)
 #endif

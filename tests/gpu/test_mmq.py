@@ -34,7 +34,7 @@ TYPES = sorted(MMQ_TYPES)
 SMALL = sorted(MMQS_TYPES)
 KQUANT = tuple(q for q in TYPES if QTYPES[q].block == 256)
 MS = [1, 2, 3, 8, 13, 16, 17, 64, 100, 256]
-A8 = sorted(MMV8_KERNEL_TYPES)      # the 8-bit variant's types (mmq.py A8_TYPES)
+A8 = sorted(MMV8_KERNEL_TYPES)      # the 8-bit variant's types (dispatch.py MMQ8_TYPES)
 # the 8-bit variant with the folded norm: its float32 rounding may put an activation on the other side
 # of a half step from the twin's, an error of d |w| (d ~ 3 sigma / 127) against sum |w x| ~ 0.8 K sigma
 # |w| (test_kernels_f32.py Q8_NORM_TOL, the same bound for mmv8.cu)

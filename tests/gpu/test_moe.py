@@ -115,24 +115,32 @@ def grouped_routing(kind: str, T: int, E: int, k: int, rng) -> np.ndarray | None
 @pytest.mark.parametrize("types", GROUPED_TYPES, ids=lambda t: "-".join(q.name for q in t))
 @pytest.mark.parametrize("T", [1, 8, 37, 200])
 @pytest.mark.parametrize("routing", ["random", "one-expert", "unused-experts"])
-def test_experts_grouped(kernels, rng, types, T, routing):
+@pytest.mark.parametrize("records", ["fp16", "a8"])
+def test_experts_grouped(kernels, rng, types, T, routing, records):
     """The grouped path (experts.py expert_groups: bucketing, mmq.cu's grouped tiles, combine) at the
-    per-pair path's bound, tile heights 8 to 64 (T x 3 pairs over 7 experts)."""
+    per-pair path's bound, tile heights 8 to 64 (T x 3 pairs over 7 experts), on fp16 records and on
+    8-bit ones (mmq8_moe_bnBN, where every stack is of dispatch.MMQ8_TYPES: against the activations
+    as quantized)."""
+    from realizar_backend.backends.cuda.dispatch import MMQ8_TYPES
     from realizar_backend.backends.cuda.selfcheck import check_moe_experts
+    a8 = records == "a8"
+    if a8 and not all(q in MMQ8_TYPES for q in types):
+        pytest.skip("a stack of a type the 8-bit variant does not take")
     kq = any(QTYPES[q].block == 256 for q in types)
     F, H = (256, 512) if kq else (96, 160)
     for act in (0, 1, 2):
         err = check_moe_experts(kernels, types, 7, F, H, T, 3, act, rng, biases=act == 2, grouped=True,
-                                ids=grouped_routing(routing, T, 7, 3, rng))
-        print(f"grouped experts {[q.name for q in types]} T={T} {routing} act={act}: rel.err {err:.2e}")
+                                ids=grouped_routing(routing, T, 7, 3, rng), a8=a8)
+        print(f"grouped experts {[q.name for q in types]} T={T} {routing} act={act} {records}: rel.err {err:.2e}")
         assert err <= TOL
 
 
 @pytest.mark.parametrize("T", [37, 512])
-def test_experts_grouped_bitwise_repeat(kernels, rng, T):
+@pytest.mark.parametrize("a8", [False, True], ids=["fp16", "a8"])
+def test_experts_grouped_bitwise_repeat(kernels, rng, T, a8):
     """The grouped path twice on the same inputs gives the same bits (no order-dependent float
     atomics: integer counts, one CTA an output, the combine's fixed order), on Qwen3-30B-A3B's
-    expert count and top k at a narrow width."""
+    expert count and top k at a narrow width, on either kind of records."""
     import cupy
     from realizar_backend.backends.cuda.experts import GroupedBuffers, expert_groups
     from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
@@ -147,7 +155,7 @@ def test_experts_grouped_bitwise_repeat(kernels, rng, T):
     buf = GroupedBuffers(T, top, E, H, F)
     ys = [cupy.full((T * top, H), np.nan, cupy.float32) for _ in range(2)]
     for y in ys:
-        expert_groups(kernels, *mats, ids.data.ptr, top, T, h.data.ptr, H, y.data.ptr, H, 0, buf)
+        expert_groups(kernels, *mats, ids.data.ptr, top, T, h.data.ptr, H, y.data.ptr, H, 0, buf, a8=a8)
     a, b = (y.get() for y in ys)
     assert np.all(np.isfinite(a))
     assert a.tobytes() == b.tobytes()

@@ -5,6 +5,7 @@
 // tensor-core instructions are mmq_emu.cpp's (the exact-sum accumulation model). argv[1]: a
 // directory (tests/host/emu_io.h) with params T k E H F bn TB qt_gu qt_d act rb_gu rb_d and the arrays
 // h, x, ids, w, wg, wu, wd (bg, bu, bd: optional biases); written back: cnt, list, tiles, a, y, x.
+// Built with -DMMQ_A8=1: the 8-bit variant's prep and tiles (mmq8_prep, mmq8_moe_bnBN).
 #define MMQ_EMU_NO_MAIN
 #include "mmq_emu.cpp"
 
@@ -27,10 +28,10 @@ template <int BN> static void grouped(const u8* W0, const u8* W1, long long rb, 
                                       int TB, int mode, int act) {
     const int rows = mode ? MMQ_BM / 2 : MMQ_BM;
     launch((unsigned)(((n + rows - 1) / rows) * TB), MMQ_THREADS, mmq_smem_bytes<BN>(), [&] {
-        if constexpr (BN == 8) mmq_moe_bn8(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
-        if constexpr (BN == 16) mmq_moe_bn16(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
-        if constexpr (BN == 32) mmq_moe_bn32(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
-        if constexpr (BN == 64) mmq_moe_bn64(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
+        if constexpr (BN == 8) MMQ_NAME(moe_bn8)(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
+        if constexpr (BN == 16) MMQ_NAME(moe_bn16)(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
+        if constexpr (BN == 32) MMQ_NAME(moe_bn32)(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
+        if constexpr (BN == 64) MMQ_NAME(moe_bn64)(W0, W1, rb, eb, n, qt, b0, b1, y, ys, K, xp, xps, inv, tiles, list, k, TB, mode, act);
     });
 }
 
@@ -61,7 +62,7 @@ int main(int argc, char** argv) {
     const long long xps_h = (long long)((H + MMQ_KC - 1) / MMQ_KC) * MMQ_REC, xps_a = (long long)((F + MMQ_KC - 1) / MMQ_KC) * MMQ_REC;
     std::vector<u8> rec_h((size_t)T * xps_h, 0xFF), rec_a((size_t)S * xps_a, 0xFF);
     std::vector<float> inv_h(T, NAN), inv_a(S, NAN), a((size_t)S * F, NAN), y((size_t)P * H, NAN);
-    launch(T, MMQ_PREP_THREADS, 0, [&] { mmq_prep(h.data(), H, T, H, nullptr, 0.0f, rec_h.data(), xps_h, inv_h.data()); });
+    launch(T, MMQ_PREP_THREADS, 0, [&] { MMQ_NAME(prep)(h.data(), H, T, H, nullptr, 0.0f, rec_h.data(), xps_h, inv_h.data()); });
     auto run = [&](const u8* W0, const u8* W1, long long rb, int n, int qt, const float* b0, const float* b1, float* out,
                    int ys, int K, const u8* xp, long long xps, const float* inv, int mode) {
         const long long eb = (long long)n * rb;
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
     };
     run(wg.data(), wu.data(), rb_gu, F, qt_gu, ptr(bg), ptr(bu), a.data(), F, H, rec_h.data(), xps_h, inv_h.data(), 1);
     // down: the slots' gated rows (padding and unused slots hold the poison: their records are never read)
-    launch(S, MMQ_PREP_THREADS, 0, [&] { mmq_prep(a.data(), F, S, F, nullptr, 0.0f, rec_a.data(), xps_a, inv_a.data()); });
+    launch(S, MMQ_PREP_THREADS, 0, [&] { MMQ_NAME(prep)(a.data(), F, S, F, nullptr, 0.0f, rec_a.data(), xps_a, inv_a.data()); });
     run(wd.data(), nullptr, rb_d, H, qt_d, ptr(bd), nullptr, y.data(), H, F, rec_a.data(), xps_a, inv_a.data(), 0);
     launch(T, MOE_COMBINE_THREADS, 0, [&] { moe_combine(x.data(), H, y.data(), H, w.data(), k, H); },
            (unsigned)((H + MOE_COMBINE_THREADS - 1) / MOE_COMBINE_THREADS));

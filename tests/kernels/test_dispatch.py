@@ -212,7 +212,7 @@ def test_a_mixture_of_experts_groups_its_experts_from_two_rows_and_keeps_the_ten
         d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_PAIRS8 if d.MOE_PAIRS8 else Kernel.MOE_PAIRS, True)
     for step in [disp.decode_step(b) for b in (2, 4, 16, 64, 256)] + [disp.prompt_step(T) for T in (3, 40, 2048)]:
         assert disp.experts(step, router, gate, up, down=down) == \
-            d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_GROUPED, True), step
+            d.ExpertsChoice(Kernel.GEMV, Kernel.MOE_GROUPED, True, a8=d.MOE_GROUPED_A8), step
     groups, head = moe(up=Q.Q6_K)
     gate, up = groups[3][1][:2]
     assert not Dispatcher(groups, head, split16_kept=False).experts(Step("gemv", 1), router, gate, up).fused
@@ -371,6 +371,27 @@ def test_grouped_experts_take_the_steps_from_their_row_count_where_every_stack_h
         g2, _ = moe(**kw)
         gate2, up2, down2 = g2[3][1]
         assert disp.experts(Step("mmq", 64), router, gate2, up2, down=down2).experts == Kernel.MOE_PAIRS, kw
+
+
+def test_grouped_experts_take_8bit_records_where_every_stack_is_of_the_8bit_types(monkeypatch):
+    """With the rule on (dispatch.MOE_GROUPED_A8): the grouped tiles read 8-bit records where gate,
+    up and down are all MMQ8_TYPES; a stack of MXFP4, an I-quant or Q3_K keeps the fp16 records, and
+    steps on the pairs never ask for them."""
+    monkeypatch.setattr(d, "MOE_GROUPED_A8", True)
+    for kw, want in (({}, True), ({"gate": Q.Q8_0, "up": Q.Q8_0, "down": Q.Q5_K}, True),
+                     ({"gate": Q.Q5_0, "up": Q.Q5_0, "down": Q.Q4_1}, True), ({"down": Q.IQ4_XS}, False),
+                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, False),
+                     ({"gate": Q.Q3_K, "up": Q.Q3_K}, False)):
+        groups, head = moe(**kw)
+        disp = Dispatcher(groups, head, split16_kept=False)
+        router, (gate, up, down) = groups[2][1][0], groups[3][1]
+        choice = disp.experts(Step("mmq", 64), router, gate, up, down=down)
+        assert choice.experts is Kernel.MOE_GROUPED and choice.a8 is want, kw
+        assert not disp.experts(disp.decode_step(1), router, gate, up, down=down).a8
+    monkeypatch.setattr(d, "MOE_GROUPED_A8", False)
+    groups, head = moe()
+    router, (gate, up, down) = groups[2][1][0], groups[3][1]
+    assert not Dispatcher(groups, head, split16_kept=False).experts(Step("mmq", 64), router, gate, up, down=down).a8
 
 
 @pytest.mark.parametrize("T,k,E,bn", [(1, 8, 128, 8), (16, 8, 128, 8), (64, 8, 128, 8), (512, 8, 128, 32),

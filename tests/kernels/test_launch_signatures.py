@@ -35,7 +35,8 @@ MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.
            "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
            **{n: ("mmv8.cu", catalog.mmv8_options(3)) for n in ("moe8_gate_up_nb1", "moe8_gemv_nb1")},
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
-           "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)),
+           **{f"mmq8_moe_bn{bn}": ("mmq.cu", ("-DMMQ_A8=1", f"-DMMQ_BN={bn}")) for bn in catalog.MMQ_BN},
+           "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)), "mmq8_prep": ("mmq.cu", ("-DMMQ_A8=1", "-DMMQ_BN=0")),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
            **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                           for d in DN_DELTA_K))},
@@ -46,7 +47,8 @@ SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_sme
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
 EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe_bucket_count",
-               "moe_bucket_fill", "mmq_prep", *(f"mmq_moe_bn{bn}" for bn in catalog.MMQ_BN)}
+               "moe_bucket_fill", "mmq_prep", "mmq8_prep",
+               *(f"mmq{v}_moe_bn{bn}" for v in ("", "8") for bn in catalog.MMQ_BN)}
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
 
 
@@ -176,7 +178,7 @@ def test_grids_cover_the_kernels_indexing(launches):
     for L, F in zip(by["moe_bucket_count"], fills):
         E = _args(F)[2]
         assert L["grid"] == [E] and F["grid"] == [E]
-    moes = by["mmq_moe"]
+    moes = [L for L in launches if L["kernel"].startswith(("mmq_moe_bn", "mmq8_moe_bn"))]
     assert len(moes) == 2 * len(fills)
     for i, L in enumerate(moes):
         a = _args(L)

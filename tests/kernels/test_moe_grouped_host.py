@@ -6,8 +6,10 @@ expert's gate and up (rows gathered through the list) and down (outputs scattere
 rows), and moe_combine into the residual, each stage against NumPy on the stage before it: the
 lists exactly, the projections in float64 at the tensor-core path's bound. Routings with experts of
 no rows, an expert of every row, top_k > 1, odd row counts; Q4_K and Q8_0 stacks (and a mix, with
-gpt-oss's biases and clamped SwiGLU). A broken bucketing (a copy of moe.cu whose lists skip the
-scan) and a broken gather (mmq.cu) must fail the same checks. Skipped where g++ is absent."""
+gpt-oss's biases and clamped SwiGLU). The 8-bit variant (mmq8_prep, mmq8_moe_bnBN) the same way,
+against the activations as it quantizes them (support.q8: the rows h, and the gated rows it wrote
+itself). A broken bucketing (a copy of moe.cu whose lists skip the scan) and a broken gather
+(mmq.cu) must fail the same checks. Skipped where g++ is absent."""
 
 from __future__ import annotations
 
@@ -19,17 +21,27 @@ from realizar_backend.backends.cuda.dispatch import moe_grouped_plan
 from realizar_backend.model.math import gelu_tanh, silu, swiglu_oai
 from support import host_emu
 from support.host_emu import GXX, KERNELS
+from support.q8 import q8_twin
 from test_moe_host import F64, err, stack
 
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 EXACT_TOL = 2e-6          # tests/kernels/test_mmq_emu.py: with exact tensor-core sums only fp32 roundings
 COMBINE_TOL = 1e-6        # fp32 sums of top_k weighted rows
+# the 8-bit variant against its own quantized activations: the per-unit scales' fp32 products
+# (float(q.q) dx d) round where the fp16 records' exact sums do not
+A8_TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     return host_emu.build("moe_grouped_emu.cpp", tmp_path_factory.mktemp("moe_grouped") / "moe_grouped_emu")
+
+
+@pytest.fixture(scope="module")
+def emu8(tmp_path_factory):
+    return host_emu.build("moe_grouped_emu.cpp", tmp_path_factory.mktemp("moe_grouped8") / "moe_grouped_emu8",
+                          flags=("-std=c++17", "-O1", "-DMMQ_A8=1"))
 
 
 def expected_lists(ids: np.ndarray, E: int, bn: int, TB: int):
@@ -55,8 +67,9 @@ def gated(g, u, act):
     return swiglu_oai(g, u) if act == 2 else (gelu_tanh(g) if act else silu(g)) * u
 
 
-def run_chain(emu, tmp_path, rng, types, E, T, k, H, F, ids, act=0, biases=False, label=""):
-    """The chain on a routing ids [T, k]; returns the emulator's outputs and the plan."""
+def run_chain(emu, tmp_path, rng, types, E, T, k, H, F, ids, act=0, biases=False, label="", a8=False):
+    """The chain on a routing ids [T, k] (a8: emu is the 8-bit variant's); returns the emulator's
+    outputs and the plan."""
     qg, qd = types
     bn, TB = moe_grouped_plan(T, k, E)
     wg, g64, rb_gu = stack(qg, E, F, H, rng)
@@ -74,7 +87,13 @@ def run_chain(emu, tmp_path, rng, types, E, T, k, H, F, ids, act=0, biases=False
     out = host_emu.launch(emu, tmp_path / f"chain{len(list(tmp_path.iterdir()))}", params, arrays,
                           {"cnt": np.int32, "list": np.int32, "tiles": np.int32, "a": (np.float32, (TB * bn, F)),
                            "y": (np.float32, (T * k, H)), "x": (np.float32, (T, H))}, label=label)
-    return out, dict(bn=bn, TB=TB, ids=ids, h=h, x0=x0, w=w, g64=g64, u64=u64, d64=d64, bs=bs, act=act, E=E, k=k)
+    return out, dict(bn=bn, TB=TB, ids=ids, h=h, x0=x0, w=w, g64=g64, u64=u64, d64=d64, bs=bs, act=act, E=E, k=k,
+                     a8=a8)
+
+
+def q8_rows(x: np.ndarray) -> np.ndarray:
+    """Rows of float32 x as the 8-bit variant's prep quantizes them (float64 values)."""
+    return np.stack([q8_twin(r) for r in x]) if len(x) else np.zeros(x.shape)
 
 
 def check_chain(out, c) -> list[str]:
@@ -89,8 +108,9 @@ def check_chain(out, c) -> list[str]:
         bad.append(f"tiles {out['tiles']} != {tiles}")
     if bad:
         return bad
-    k, flat, act = c["k"], c["ids"].reshape(-1), c["act"]
-    h64 = c["h"].astype(F64)
+    k, flat, act, a8 = c["k"], c["ids"].reshape(-1), c["act"], c["a8"]
+    tol = A8_TOL if a8 else EXACT_TOL
+    h64 = q8_rows(c["h"]) if a8 else c["h"].astype(F64)
     bg, bu, bd = (b.astype(F64) for b in c["bs"])
     a, y = out["a"], out["y"]
     used = lst >= 0
@@ -106,16 +126,16 @@ def check_chain(out, c) -> list[str]:
     ga = np.abs(gated(g, np.ones_like(u) * (0 if act == 2 else 1), act))
     scale = 1.2 * sg * (np.abs(u) + (1 if act == 2 else 0)) + (ga + np.abs(g)) * su
     ea = err(a[used], gated(g, u, act), scale)
-    if ea > EXACT_TOL:
+    if ea > tol:
         bad.append(f"gate/up error {ea:.2e}")
     if not np.all(np.isnan(a[~used])):
         bad.append("gate/up wrote a padding or unused slot")
     # down: each pair's row from its slot's gated row
-    a64 = a[used].astype(F64)
+    a64 = q8_rows(a[used]) if a8 else a[used].astype(F64)
     ref = np.einsum("shf,sf->sh", c["d64"][e], a64) + bd[e]
     sc = np.einsum("shf,sf->sh", np.abs(c["d64"][e]), np.abs(a64)) + np.abs(bd[e])
     ed = err(y[p], ref, sc)
-    if ed > EXACT_TOL:
+    if ed > tol:
         bad.append(f"down error {ed:.2e}")
     if len(p) != len(flat) or len(set(p.tolist())) != len(flat):
         bad.append("not every pair has one slot")
@@ -163,6 +183,17 @@ def test_grouped_chain(emu, tmp_path, case):
     ids = route_fn(rng, T, k)
     out, c = run_chain(emu, tmp_path, rng, types, E, T, k, H, F, ids, act, biases, label=case)
     print(f"{case}: tiles of {c['bn']}, {c['TB']} token tiles, counts {out['cnt']}")
+    assert check_chain(out, c) == []
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_chain_8bit(emu8, tmp_path, case):
+    """The same chains on the 8-bit records (every case's stacks are of dispatch.MMQ8_TYPES)."""
+    types, E, T, k, H, F, route_fn, act, biases = CASES[case]
+    rng = np.random.default_rng(len(case) + 1)
+    ids = route_fn(rng, T, k)
+    out, c = run_chain(emu8, tmp_path, rng, types, E, T, k, H, F, ids, act, biases, label=case, a8=True)
+    print(f"{case} (8-bit): tiles of {c['bn']}, {c['TB']} token tiles, counts {out['cnt']}")
     assert check_chain(out, c) == []
 
 

@@ -74,8 +74,9 @@ def test_cubins_hold_the_kernels_the_loader_asks_for():
             assert names == {f"{k}_{sfx}" for k in ("gemv", "ffn_gate_up") for sfx in ("f32", "f16", "bf16")}
         elif m["file"] == "norm.cu":
             assert names == {"rms_norm"}
-        elif m["file"] == "mmq.cu" and opts.get("MMQ_A8") == "1":   # the 8-bit variant: no grouped experts
-            assert names == ({"mmq8_prep"} if opts["MMQ_BN"] == "0" else {f"mmq8_bn{opts['MMQ_BN']}"}), m["cubin"]
+        elif m["file"] == "mmq.cu" and opts.get("MMQ_A8") == "1":   # the 8-bit variant, its grouped experts too
+            bn = opts["MMQ_BN"]
+            assert names == ({"mmq8_prep"} if bn == "0" else {f"mmq8_bn{bn}", f"mmq8_moe_bn{bn}"}), m["cubin"]
     total = sum(m["xz_bytes"] for m in mods)
     print(f"{len(mods)} prebuilt modules, {total / 1e6:.2f} MB compressed, "
           f"{sum(m['cubin_bytes'] for m in mods) / 1e6:.1f} MB of cubins")
@@ -118,7 +119,7 @@ def test_a_model_specific_request_finds_the_general_module():
     m, used = found("prefill.cu", mask)
     assert used == base
     m, used = found("mmq.cu", mask, "-DMMQ_A8=1", "-DMMQ_BN=64")           # the loader's 8-bit tiles
-    assert used == base + ("-DMMQ_A8=1", "-DMMQ_BN=64") and m["kernels"] == ["mmq8_bn64"]
+    assert used == base + ("-DMMQ_A8=1", "-DMMQ_BN=64") and set(m["kernels"]) == {"mmq8_bn64", "mmq8_moe_bn64"}
     # the arch is part of the key: no module of another GPU is taken, except one of the same major
     # and a lower minor, whose machine code the GPU runs (sm_80 on 8.6 and 8.9)
     norm = catalog.source("norm.cu")

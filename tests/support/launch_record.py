@@ -49,6 +49,8 @@ def main() -> None:
            moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log)},
            mmq={"prep": Rec("mmq_prep", log),
                 **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
+           mmq8={"prep": Rec("mmq8_prep", log),
+                 **{("moe", bn): Rec(f"mmq8_moe_bn{bn}", log, mmq_smem_bytes(bn, True)) for bn in MMQ_BN}},
            deltanet={"conv": Rec("dn_conv", log),
                      **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                 for d in DN_DELTA_K]}})
@@ -65,18 +67,20 @@ def main() -> None:
     ops.mmvf(k, segs3, K, 0x4000, K + 4, 1, accumulate=True, q8=True)
     ops.ffn_f(k, w("g", Q.Q4_K, 11008, K, 4), w("u", Q.Q4_K, 11008, K, 5), 0x4000, K, 0x7000, 11008, 1, 0,
               norm=(0x5000, 1e-6), q8=True)
-    # the grouped experts: bucketing, prep, the gate/up and down tiles (widths 8, 16, 32, 64)
+    # the grouped experts: bucketing, prep, the gate/up and down tiles (widths 8, 16, 32, 64), on fp16
+    # and on 8-bit records
     E, F, H, top = 64, 768, 2048, 8
     gate, up = w("g", Q.Q4_K, F, H, 6, E), w("u", Q.Q4_K, F, H, 7, E)
     down = w("d", Q.Q6_K, H, F, 8, E)
-    for T in (3, 100, 200, 300):
-        bn, TB = experts.moe_grouped_plan(T, top, E)
-        slots = bn * TB
-        buf = NS(cnt=_ptr(1), lst=_ptr(2), tiles=_ptr(3), a=_ptr(4),
-                 ph=NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0), a8=False),
-                 pa=NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0), a8=False))
-        experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
-                              (0x1100, 0x1200, 0x1300))
+    for a8 in (False, True):
+        for T in (3, 100, 200, 300):
+            bn, TB = experts.moe_grouped_plan(T, top, E)
+            slots = bn * TB
+            recs = (NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0), a8=a8),
+                    NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0), a8=a8))
+            buf = NS(cnt=_ptr(1), lst=_ptr(2), tiles=_ptr(3), a=_ptr(4), records=lambda _a8, r=recs: r)
+            experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
+                                  (0x1100, 0x1200, 0x1300), a8)
     # the one-row pairs on mmv8.cu (gate and up fused, then the down projection of each pair's row)
     experts.expert_pairs8(k, gate, up, down, 0x9000, top, 1, 0xa000, H, 0xb000, 0xc000, 2 * F, 0,
                           (0x1100, 0x1200, 0x1300))

@@ -120,6 +120,12 @@ MOE_GROUPED_MIN_ROWS: int | None = 2
 # memory once per block; and the down projection's inputs, a row per pair (up to MOE_MAX_K of them),
 # fit mmv8_q8's scratch.
 MOE_PAIRS8 = True
+# The grouped tiles take mmq.cu's 8-bit records (mmq8_moe_bnBN, each 32 activations quantized as
+# mmv8.cu's, as llama.cpp's MoE tiles take q8_1) where gate, up and down are all of the 8-bit
+# variant's types (MMQ8_TYPES): one int8 mma a 32-column unit where the fp16 records take four, and
+# under a third of the activation bytes staged a token tile; the others (MXFP4, the I-quants, Q2_K,
+# Q3_K) keep the fp16 records.
+MOE_GROUPED_A8 = True
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
 # per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
 MOE_GROUPED_BN = (8, 16, 32, 64)
@@ -155,6 +161,9 @@ MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q
 MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, *_LOWBIT})                    # mmqs.cu
 MMV8_KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,
                                Q.IQ4_NL, Q.IQ4_XS})                                        # mmv8.cu
+# mmq.cu's 8-bit variant (mmq_takes under MMQ_A8): the QUnit types of common.cuh, mmv8.cu's but the
+# 4-bit level types
+MMQ8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 
 class Kernel(enum.Enum):
@@ -197,6 +206,7 @@ class ExpertsChoice:
     experts: Kernel
     fused: bool
     shared: tuple[Kernel, ...] = ()      # a shared expert's gate, up, down and gate logit
+    a8: bool = False                     # the grouped experts on 8-bit records (moe_grouped_a8)
 
 
 # ---------------------------------------------------------------- what each kernel takes
@@ -213,6 +223,11 @@ def mmv8_ok(w: WeightRef) -> bool:
 def mmq_ok(w: WeightRef) -> bool:
     """mmq.cu: its types, whole blocks per row."""
     return w.qtype in MMQ_TYPES and w.cols % QTYPES[w.qtype].block == 0
+
+
+def mmq8_ok(w: WeightRef) -> bool:
+    """mmq.cu's 8-bit variant (-DMMQ_A8): the types whose integers fit int8 (mmq_takes)."""
+    return w.qtype in MMQ8_TYPES and mmq_ok(w)
 
 
 def mmqs_ok(w: WeightRef) -> bool:
@@ -236,6 +251,11 @@ def moe_grouped_ok(gate: WeightRef, up: WeightRef, down: WeightRef) -> bool:
     """The grouped experts take the stacks: gate and up of one type and shape (one fused launch),
     every matrix on mmq.cu."""
     return same_shape(gate, up) and all(mmq_ok(w) for w in (gate, up, down))
+
+
+def moe_grouped_a8(gate: WeightRef, up: WeightRef, down: WeightRef) -> bool:
+    """The grouped experts' launches read 8-bit records (MOE_GROUPED_A8's rule)."""
+    return MOE_GROUPED_A8 and all(mmq8_ok(w) for w in (gate, up, down))
 
 
 def moe_grouped_plan(rows: int, top_k: int, experts: int) -> tuple[int, int]:
@@ -369,7 +389,8 @@ class Dispatcher:
                   and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in (gate, up, down))
                   and MOE_MAX_K * mmv8_smem(down.cols) <= MMV8_XQ_BYTES)
         kind = Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS8 if pairs8 else Kernel.MOE_PAIRS
-        return ExpertsChoice(self._gemv((router,))[0], kind, same_shape(gate, up), self._gemv(shared))
+        return ExpertsChoice(self._gemv((router,))[0], kind, same_shape(gate, up), self._gemv(shared),
+                             grouped and moe_grouped_a8(gate, up, down))
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

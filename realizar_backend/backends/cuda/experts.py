@@ -109,7 +109,9 @@ class GroupedBuffers:
     """The grouped path's device buffers for steps of up to `rows` rows of top_k of E experts (gate
     and up [E, F, H], down [E, H, F]): per-expert counts, the slot list and the token-tile table
     (ops.moe_bucket), the slots' gated rows, and the prep records of the step's rows and of the
-    slots. Sized once for the largest plan of up to `rows` rows (dispatch.moe_grouped_plan)."""
+    slots, of each kind the launches ask for (records(a8): fp16 or 8-bit; a model whose layers mix
+    both kinds holds both, made on a layer's first step). Sized once for the largest plan of up to
+    `rows` rows (dispatch.moe_grouped_plan)."""
 
     def __init__(self, rows: int, top_k: int, E: int, H: int, F: int):
         plans = [moe_grouped_plan(r, top_k, E) for r in range(1, rows + 1)]
@@ -119,29 +121,38 @@ class GroupedBuffers:
         self.lst = cupy.empty(slots, cupy.int32)
         self.tiles = cupy.empty((tiles, 3), cupy.int32)
         self.a = cupy.empty((slots, F), cupy.float32)
-        self.ph, self.pa = MmqPrep(rows, H), MmqPrep(slots, F)
+        self._records: dict[bool, tuple[MmqPrep, MmqPrep]] = {}
+
+    def records(self, a8: bool) -> tuple[MmqPrep, MmqPrep]:
+        """The prep buffers (the step's rows, the slots' rows) of fp16 or 8-bit (a8) records."""
+        if a8 not in self._records:
+            self._records[a8] = (MmqPrep(self.rows, self.H, a8), MmqPrep(self.lst.size, self.F, a8))
+        return self._records[a8]
 
     def fits(self, rows: int, top_k: int, E: int, H: int, F: int) -> bool:
         return rows <= self.rows and (top_k, E, H, F) == (self.top_k, self.E, self.H, self.F)
 
 
 def expert_groups(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
-                  y: int, ys: int, act: int, buf: GroupedBuffers, biases: tuple[int, int, int] = (0, 0, 0)) -> None:
+                  y: int, ys: int, act: int, buf: GroupedBuffers, biases: tuple[int, int, int] = (0, 0, 0),
+                  a8: bool = False) -> None:
     """What expert_pairs computes (y[p] = down_e(act(gate_e h[t], up_e h[t])) for p = t * top + j,
     e = ids[p]; y row stride ys), on the grouped path: the pairs bucketed per expert (ops.moe_bucket),
     the step's rows prepped once, each expert's gate and up (one fused launch: same type and shape)
     over its pairs' rows into the slots' rows buf.a, those prepped, and each expert's down
-    projection into the pairs' rows of y (mmq.mmq_moe). Every launch's size is fixed by T."""
+    projection into the pairs' rows of y (mmq.mmq_moe); a8: on 8-bit records (dispatch.moe_grouped_a8).
+    Every launch's size is fixed by T."""
     E, F, H = gate.experts, gate.rows, gate.cols
     bn, TB = moe_grouped_plan(T, top, E)
     bg, bu, bd = biases
     ops.moe_bucket(k, ids, T * top, E, bn, buf.cnt.data.ptr, buf.lst.data.ptr, buf.tiles.data.ptr, TB)
     tiles, lst = buf.tiles.data.ptr, buf.lst.data.ptr
-    mmq_ops.prep(k, h, hs, T, H, buf.ph)
-    mmq_ops.mmq_moe(k, gate, up, bn, TB, tiles, lst, top, buf.ph, buf.a.data.ptr, F, 1, act, bg, bu)
+    ph, pa = buf.records(a8)
+    mmq_ops.prep(k, h, hs, T, H, ph)
+    mmq_ops.mmq_moe(k, gate, up, bn, TB, tiles, lst, top, ph, buf.a.data.ptr, F, 1, act, bg, bu)
     # every slot a tile covers (padding too: rows never read) into prep records
-    mmq_ops.prep(k, buf.a.data.ptr, F, TB * bn, F, buf.pa)
-    mmq_ops.mmq_moe(k, down, None, bn, TB, tiles, lst, top, buf.pa, y, ys, 0, 0, bd)
+    mmq_ops.prep(k, buf.a.data.ptr, F, TB * bn, F, pa)
+    mmq_ops.mmq_moe(k, down, None, bn, TB, tiles, lst, top, pa, y, ys, 0, 0, bd)
 
 
 class GroupedExperts(PairExperts):
@@ -159,4 +170,5 @@ class GroupedExperts(PairExperts):
         if self.buf is None or not self.buf.fits(*shape):
             self.buf = GroupedBuffers(*shape)
         expert_groups(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], y.data.ptr,
-                      y.shape[1], MOE_ACT[e.act], self.buf, (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0))
+                      y.shape[1], MOE_ACT[e.act], self.buf, (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0),
+                      choice.a8)

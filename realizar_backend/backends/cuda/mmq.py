@@ -12,8 +12,9 @@ sized once for the largest batch, so the sequence can be captured in a CUDA grap
 8-bit activations (`MmqPrep(..., a8=True)`): the prep quantizes each 32 values of a row to int8 with
 their own scale (the q8_1 scheme of mmv8.cu) and mmq / mmq_ffn run mmq.cu's -DMMQ_A8 modules (one
 int8 mma per 32-column unit and 16 x 8 piece, a quarter of the fp16 variant's mma instructions and
-under a third of its activation bytes), for the types of A8_TYPES; results are those of W @ the
-quantized activations, within fp32 roundings. mmqs.cu and the grouped experts take fp16 records only.
+under a third of its activation bytes), for the types of dispatch.MMQ8_TYPES; results are those of W @ the
+quantized activations, within fp32 roundings; mmq_moe (the grouped experts) as well. mmqs.cu takes
+fp16 records only.
 
 The dispatcher (dispatch.py) sends launches to kernels/mmqs.cu instead (`small`: same prep, same
 numerics): one block per 16 weight rows and token group of up to 16 rows, its warps splitting K,
@@ -36,7 +37,7 @@ import cupy
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .dispatch import MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
+from .dispatch import MMQ8_TYPES, MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
 from .modules import MMQ_BN, mmq_smem_bytes
 from .pdl import clusters_ok
 from .ops import WeightRef, _launch
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 THREADS, BM, KC, REC = 256, 128, 128, 528       # kernels/mmq.cu MMQ_THREADS, MMQ_BM, MMQ_KC, MMQ_REC
 REC8 = 160                                       # MMQ_REC of the 8-bit variant (-DMMQ_A8=1)
-# mmq.cu mmq_takes under MMQ_A8: the QUnit types of common.cuh (mmv8.cu's, but the 4-bit level types)
-A8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 PREP_THREADS = 1024                              # MMQ_PREP_THREADS
 ACC = {8: 4, 16: 8, 32: 16, 64: 32}             # accumulators per thread of mmq_bnBN (MT * NT * 4)
 SMALL_MAX_WARPS = 8                              # MMQS_MAXW
@@ -223,7 +222,7 @@ def _check(kind: str, mats, K: int, p: MmqPrep, M: int, a8: bool | None = None) 
         raise ValueError(f"{kind}: the prep buffer holds {'int8' if p.a8 else 'fp16'} records; "
                          f"the {'8-bit' if a8 else 'fp16'} variant reads the other kind (MmqPrep(..., a8=))")
     for w in mats:
-        if not mmq_ok(w) or w.cols != K or (a8 and w.qtype not in A8_TYPES):
+        if not mmq_ok(w) or w.cols != K or (a8 and w.qtype not in MMQ8_TYPES):
             raise ValueError(f"{kind}: {w.name} ({getattr(w.qtype, 'name', w.qtype)}, {w.rows} x {w.cols}) "
                              f"has no {'8-bit ' if a8 else ''}tensor-core kernel for K = {K}")
     if M < 1:
@@ -331,13 +330,13 @@ def mmq_moe(k: "Kernels", w0: WeightRef, w1: WeightRef | None, bn: int, TB: int,
     bn, TB token tiles): mode 1, y[slot] = act(w0_e @ h + b0_e, w1_e @ h + b1_e) with gate w0 and up w1
     (stacks of one type and shape) over p's records of the step's rows (row lst[slot] // top_k);
     mode 0, y[lst[slot]] = w0_e @ a[slot] + b0_e over p's records of the slots. b0, b1: float
-    [experts, rows] biases (0: none)."""
+    [experts, rows] biases (0: none). The records of p (fp16 or 8-bit) choose the variant."""
     if mode and (w1 is None or not same_shape(w0, w1)):
         raise ValueError(f"mmq_moe: gate {w0.name} and up {getattr(w1, 'name', None)} differ in type or shape")
-    _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1, a8=False)
+    a8 = _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1)
     rows = BM // 2 if mode else BM
-    _launch(k.mmq[("moe", bn)], (-(-w0.rows // rows) * TB,), (THREADS,),
+    _launch((k.mmq8 if a8 else k.mmq)[("moe", bn)], (-(-w0.rows // rows) * TB,), (THREADS,),
             (_U64(w0.ptr), _U64(w1.ptr if mode else 0), _I64(w0.row_bytes), _I64(w0.expert_bytes), _I32(w0.rows),
              _I32(int(w0.qtype)), _U64(b0), _U64(b1), _U64(y), _I32(ys), _I32(w0.cols), _U64(p.rec.data.ptr),
-             _I64(prep_row_bytes(w0.cols)), _U64(p.inv.data.ptr), _U64(tiles), _U64(lst), _I32(top_k), _I32(TB),
-             _I32(mode), _I32(act)), mmq_smem_bytes(bn))
+             _I64(prep_row_bytes(w0.cols, a8)), _U64(p.inv.data.ptr), _U64(tiles), _U64(lst), _I32(top_k), _I32(TB),
+             _I32(mode), _I32(act)), mmq_smem_bytes(bn, a8))

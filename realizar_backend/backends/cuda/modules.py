@@ -252,7 +252,7 @@ class Kernels:
                for bn in MMQ_BN}
         mmq_prep = build("mmq.cu", ["mmq_prep"], ("-DMMQ_BN=0",), lazy=True)
         # its 8-bit-activation variant (-DMMQ_A8=1: int8 records, int8 mma), the same on first use
-        mmq8 = {bn: build("mmq.cu", [f"mmq8_bn{bn}"], typed + ("-DMMQ_A8=1", f"-DMMQ_BN={bn}"),
+        mmq8 = {bn: build("mmq.cu", [f"mmq8_bn{bn}", f"mmq8_moe_bn{bn}"], typed + ("-DMMQ_A8=1", f"-DMMQ_BN={bn}"),
                           smem=mmq_smem_bytes(bn, a8=True), lazy=True)
                 for bn in MMQ_BN}
         mmq8_prep = build("mmq.cu", ["mmq8_prep"], ("-DMMQ_A8=1", "-DMMQ_BN=0"), lazy=True)
@@ -275,7 +275,8 @@ class Kernels:
         self.ffn_gate_up = _Family({q: (gemv, "ffn_gate_up_" + sfx[q]) for q in floats})
         self.mmq = _Family({**{bn: (mmq[bn], f"mmq_bn{bn}") for bn in MMQ_BN}, "prep": (mmq_prep, "mmq_prep"),
                             **{("moe", bn): (mmq[bn], f"mmq_moe_bn{bn}") for bn in MMQ_BN}})
-        self.mmq8 = _Family({**{bn: (mmq8[bn], f"mmq8_bn{bn}") for bn in MMQ_BN}, "prep": (mmq8_prep, "mmq8_prep")})
+        self.mmq8 = _Family({**{bn: (mmq8[bn], f"mmq8_bn{bn}") for bn in MMQ_BN}, "prep": (mmq8_prep, "mmq8_prep"),
+                             **{("moe", bn): (mmq8[bn], f"mmq8_moe_bn{bn}") for bn in MMQ_BN}})
         self.mmqs = _Family({t: (mmqs, f"mmqs_t{t}") for t in (8, 16)})
         # keys: "conv", and the delta rule's kernels by name (support.dn_delta_kernel, dn_chunk_kernel)
         self.deltanet = _Family({"conv": (deltanet, "dn_conv"), **{name: (deltanet, name) for name in dn_deltas}})

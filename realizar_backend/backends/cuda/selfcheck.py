@@ -21,7 +21,7 @@ from ...model.config import ModelConfig
 from ...model.arch import ARCHITECTURES
 from ...model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu, swiglu_oai
 from . import deltanet_twin, dispatch, ops
-from .dispatch import same_shape
+from .dispatch import moe_grouped_plan, same_shape
 from .modules import QTYPES, Kernels
 from .ops import WeightRef
 from .support import dn_chunk_kernel
@@ -537,10 +537,11 @@ def check_moe_shared_add(k: Kernels, T: int, H: int, rng) -> float:
 
 def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: int, act: int, rng,
                       biases: bool = False, grouped: bool = False, ids: np.ndarray | None = None,
-                      pairs8: bool = False) -> float:
+                      pairs8: bool = False, a8: bool = False) -> float:
     """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
-    where gate and up differ; grouped: expert_groups, the bucketing and mmq.cu's grouped tiles; pairs8:
-    expert_pairs8, mmv8.cu's GEMVs, against the 8-bit activations they multiply) and
+    where gate and up differ; grouped: expert_groups, the bucketing and mmq.cu's grouped tiles, with
+    a8 on its 8-bit records; pairs8: expert_pairs8, mmv8.cu's GEMVs; both 8-bit forms against the
+    8-bit activations they multiply) and
     moe_combine into residual rows, against float64: each of T rows takes top distinct experts of E
     (some shared between rows; ids: this routing instead) at random weights. types: (gate, up, down)
     storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the activation code (2: gpt-oss's
@@ -571,7 +572,15 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     bias_ptrs = tuple(b.data.ptr for b in bds) if biases else (0, 0, 0)
     if grouped:
         buf = GroupedBuffers(T, top, E, H, F)      # held until the result is read below
-        expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act, buf, bias_ptrs)
+        expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act, buf, bias_ptrs,
+                      a8)
+        if a8:             # the gated rows in pair order: slot s of a tile (e, s0, end) holds pair lst[s]
+            lst, rows, bn = buf.lst.get(), buf.a.get(), moe_grouped_plan(T, top, E)[0]
+            got = np.full((pairs, F), np.nan, np.float32)
+            for e, s0, end in buf.tiles.get():
+                if e >= 0:
+                    got[lst[s0:min(s0 + bn, end)]] = rows[s0:min(s0 + bn, end)]
+            a = cupy.asarray(got)
     elif pairs8:
         expert_pairs8(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
                       bias_ptrs)
@@ -580,17 +589,18 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
                      same_shape(mats[0], mats[1]), bias_ptrs)
     ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
     ref = x0.astype(np.float64)
-    a_gpu, a_ref = (a.get(), np.zeros((pairs, F))) if pairs8 else (None, None)
+    q8 = pairs8 or (grouped and a8)
+    a_gpu, a_ref = (a.get(), np.zeros((pairs, F))) if q8 else (None, None)
     for t in range(T):
-        h64 = q8_rows(h[t:t + 1])[0] if pairs8 else h[t].astype(np.float64)
+        h64 = q8_rows(h[t:t + 1])[0] if q8 else h[t].astype(np.float64)
         for j, e in enumerate(ids[t]):
             a_ = _gated(wg[e] @ h64 + bs[0][e], wu[e] @ h64 + bs[1][e], act)
-            if pairs8:     # gate and up checked apart; the down projection multiplies the 8-bit form of
+            if q8:         # gate and up checked apart; the down projection multiplies the 8-bit form of
                 p = t * top + j        # the kernel's own row (its rounding boundaries are the kernel's)
                 a_ref[p], a_ = a_, q8_rows(a_gpu[p:p + 1])[0]
             ref[t] += float(wts[t, j]) * (wd[e] @ a_ + bs[2][e])
     err = rel_err(xd.get(), ref)
-    return max(err, rel_err(a_gpu, a_ref)) if pairs8 else err
+    return max(err, rel_err(a_gpu, a_ref)) if q8 else err
 
 
 # ------------------------------------------------------------------ start-up self-check
