@@ -767,6 +767,13 @@ __device__ __forceinline__ void mmq_wait_x(int pending) {
     else mmq_cp_wait<0>();
 }
 
+// The A-tile row and first piece a thread loads and decodes: two lanes a row, so that a warp's load
+// of pieces p0 (then p0 + 2) reads 16 rows' adjacent pieces p0 = 0, 1 (adjacent bytes in every
+// type's layout: 32 bytes of a row per lane pair), where one lane a row read 32 rows' 16-byte pieces
+// from 32 lines; the weight loads were most of the tiles' L1 wavefronts.
+__device__ __forceinline__ int mmq_lrow(int tid) { return tid >> 1; }
+__device__ __forceinline__ int mmq_piece0(int tid) { return tid & 1; }
+
 // One chunk of the pipeline: compute chunk c, then (block-uniform) decode chunk c + 1 from register
 // slot SLOT into the A tile and refill the slot with chunk c + 1 + D (D chunks of weights in flight
 // in registers, their prep records in D + 1 shared buffers). Chunk j >= c0 + 1 lives in slot
@@ -777,7 +784,7 @@ __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqC
                                          u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
                                          const int* __restrict__ gi, int gdiv) {
     constexpr int D = MmqCfg<BN>::D;
-    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), xb = (c - c0) % (D + 1);
+    const int tid = threadIdx.x, lr = mmq_lrow(tid), xb = (c - c0) % (D + 1);
     u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
     float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * MMQ_SW;
     mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), X, S, min(4, nu - 4 * c), wm, wn, tid & 31, acc);
@@ -797,15 +804,16 @@ __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqC
     }
 }
 
-// chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row tid % 128);
-// it loads and decodes pieces p0 and p0 + 2 of every chunk. gi, gdiv: mmq_stage_x's gather (null: none).
+// chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row
+// mmq_lrow(tid)); it loads and decodes pieces p0 = mmq_piece0(tid) and p0 + 2 of every chunk. gi, gdiv:
+// mmq_stage_x's gather (null: none).
 template <int QT, int BN>
 __device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, int c0, int c1,
                                          const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm,
                                          int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
                                          const int* __restrict__ gi = nullptr, int gdiv = 1) {
     constexpr int D = MmqCfg<BN>::D;
-    const int tid = threadIdx.x, lr = tid & (MMQ_BM - 1), p0 = tid >> 7;
+    const int tid = threadIdx.x, lr = mmq_lrow(tid), p0 = mmq_piece0(tid);
     u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
     float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * MMQ_SW
     MmqRaw r[D][2] = {};
@@ -900,7 +908,7 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
     const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
     const int c0 = split * cps, c1 = min(nch, c0 + cps);
     // this thread's weight row for the tile decode (rows past the end repeat the last one, never stored)
-    const int lr = tid & (MMQ_BM - 1);
+    const int lr = mmq_lrow(tid);
     const u8* wrow = mode ? (lr < MMQ_BM / 2 ? seg[0].W : seg[1].W) + (long long)min(r0 + (lr & 63), S.n - 1) * S.rb
                           : S.W + (long long)min(r0 + lr, S.n - 1) * S.rb;
 
@@ -1058,7 +1066,7 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
     if (e < 0) return;                       // block-uniform: no tile here this step
     const int tile_rows = mode ? MMQ_BM / 2 : MMQ_BM, r0 = tile * tile_rows;
     const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
-    const int lr = tid & (MMQ_BM - 1);
+    const int lr = mmq_lrow(tid);
     const long long eo = (long long)e * eb;
     const u8* wrow = mode ? (lr < MMQ_BM / 2 ? W0 : W1) + eo + (long long)min(r0 + (lr & 63), n - 1) * rb
                           : W0 + eo + (long long)min(r0 + lr, n - 1) * rb;
