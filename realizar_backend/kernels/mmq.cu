@@ -767,36 +767,39 @@ __device__ __forceinline__ void mmq_wait_x(int pending) {
     else mmq_cp_wait<0>();
 }
 
-// The A-tile row and first piece a thread loads and decodes: two lanes a row, so that a warp's load
-// of pieces p0 (then p0 + 2) reads 16 rows' adjacent pieces p0 = 0, 1 (adjacent bytes in every
-// type's layout: 32 bytes of a row per lane pair), where one lane a row read 32 rows' 16-byte pieces
-// from 32 lines; the weight loads were most of the tiles' L1 wavefronts.
-__device__ __forceinline__ int mmq_lrow(int tid) { return tid >> 1; }
-__device__ __forceinline__ int mmq_piece0(int tid) { return tid & 1; }
+// The weight pieces a thread loads and decodes each chunk: item j (0, 1) is piece mmq_piece(tid) of
+// A-tile row mmq_lrow(tid, j). Four lanes a row, so that a warp's load of an item reads 8 rows'
+// pieces 0..3, adjacent bytes in every type's layout (a row's 64 quant bytes of a K-quant chunk in
+// one run), where one lane a row read 32 rows' 16-byte pieces from 32 lines: the weight loads were
+// most of the tiles' L1 wavefronts. Item 0 takes rows 0..63, item 1 rows 64..127 (a fused FFN
+// tile: the gate's rows, then the up's).
+__device__ __forceinline__ int mmq_lrow(int tid, int j) { return (tid >> 2) + (MMQ_BM / 2) * j; }
+__device__ __forceinline__ int mmq_piece(int tid) { return tid & 3; }
 
 // One chunk of the pipeline: compute chunk c, then (block-uniform) decode chunk c + 1 from register
 // slot SLOT into the A tile and refill the slot with chunk c + 1 + D (D chunks of weights in flight
 // in registers, their prep records in D + 1 shared buffers). Chunk j >= c0 + 1 lives in slot
 // (j - c0 - 1) % D and in activation buffer (j - c0) % (D + 1).
 template <int QT, int BN, int SLOT>
-__device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqCfg<BN>::D][2], const u8* __restrict__ wrow,
-                                         int nu, int p0, const u8* __restrict__ xp, long long xps, int tok0, int M,
+__device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqCfg<BN>::D][2], const u8* const (&wr)[2],
+                                         int nu, const u8* __restrict__ xp, long long xps, int tok0, int M,
                                          u8* sm, int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
                                          const int* __restrict__ gi, int gdiv) {
     constexpr int D = MmqCfg<BN>::D;
-    const int tid = threadIdx.x, lr = mmq_lrow(tid), xb = (c - c0) % (D + 1);
+    const int tid = threadIdx.x, p = mmq_piece(tid), xb = (c - c0) % (D + 1);
     u8* X = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + xb * BN * MMQ_XROW;
     float* S = (float*)(sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (D + 1) * BN * MMQ_XROW) + xb * BN * MMQ_SW;
     mmq_chunk<QT, BN>(sm, (const float4*)(sm + MMQ_BM * MMQ_AROW), X, S, min(4, nu - 4 * c), wm, wn, tid & 31, acc);
     if (c + 1 < c1) {
         __syncthreads();                         // every warp is done with the A tile and X[xb]
-        u8* ar = sm + lr * MMQ_AROW;
-        float4* mr = (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr;
-        mmq_store<QT>(r[SLOT][0], c + 1, p0, ar, mr);
-        mmq_store<QT>(r[SLOT][1], c + 1, p0 + 2, ar, mr);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int lr = mmq_lrow(tid, j);
+            mmq_store<QT>(r[SLOT][j], c + 1, p, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+        }
         if (c + 1 + D < c1) {
-            mmq_load<QT>(wrow, nu, c + 1 + D, p0, r[SLOT][0]);
-            mmq_load<QT>(wrow, nu, c + 1 + D, p0 + 2, r[SLOT][1]);
+            mmq_load<QT>(wr[0], nu, c + 1 + D, p, r[SLOT][0]);
+            mmq_load<QT>(wr[1], nu, c + 1 + D, p, r[SLOT][1]);
             mmq_stage_x<BN>(xp, xps, c + 1 + D, tok0, M, X, S, gi, gdiv);
         }
         mmq_wait_x(min(D, c1 - c - 2));
@@ -804,49 +807,52 @@ __device__ __forceinline__ void mmq_iter(int c, int c0, int c1, MmqRaw (&r)[MmqC
     }
 }
 
-// chunks c0 .. c1 - 1 of the CTA's rows into acc. wrow: this thread's weight row (tile row
-// mmq_lrow(tid)); it loads and decodes pieces p0 = mmq_piece0(tid) and p0 + 2 of every chunk. gi, gdiv:
-// mmq_stage_x's gather (null: none).
+// chunks c0 .. c1 - 1 of the CTA's rows into acc. wr: this thread's weight rows (of its items' tile
+// rows mmq_lrow(tid, 0) and mmq_lrow(tid, 1)); it loads and decodes piece mmq_piece(tid) of both in
+// every chunk. gi, gdiv: mmq_stage_x's gather (null: none).
 template <int QT, int BN>
-__device__ __forceinline__ void mmq_main(const u8* __restrict__ wrow, int nu, int c0, int c1,
+__device__ __forceinline__ void mmq_main(const u8* const (&wr)[2], int nu, int c0, int c1,
                                          const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm,
                                          int wm, int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
                                          const int* __restrict__ gi = nullptr, int gdiv = 1) {
     constexpr int D = MmqCfg<BN>::D;
-    const int tid = threadIdx.x, lr = mmq_lrow(tid), p0 = mmq_piece0(tid);
+    const int tid = threadIdx.x, p = mmq_piece(tid);
     u8* X0 = sm + MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW;       // activation buffer b: X0 + b * BN * MMQ_XROW
     float* S0 = (float*)(X0 + (D + 1) * BN * MMQ_XROW);              // its unit sums: S0 + b * BN * MMQ_SW
     MmqRaw r[D][2] = {};
-    mmq_load<QT>(wrow, nu, c0, p0, r[0][0]);     // weights only: may run before the kernel before ends
-    mmq_load<QT>(wrow, nu, c0, p0 + 2, r[0][1]);
+    mmq_load<QT>(wr[0], nu, c0, p, r[0][0]);     // weights only: may run before the kernel before ends
+    mmq_load<QT>(wr[1], nu, c0, p, r[0][1]);
     pdl_wait();
     mmq_stage_x<BN>(xp, xps, c0, tok0, M, X0, S0, gi, gdiv);
-    mmq_store<QT>(r[0][0], c0, p0, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
-    mmq_store<QT>(r[0][1], c0, p0 + 2, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int lr = mmq_lrow(tid, j);
+        mmq_store<QT>(r[0][j], c0, p, sm + lr * MMQ_AROW, (float4*)(sm + MMQ_BM * MMQ_AROW) + MMQ_MROW * lr);
+    }
 #pragma unroll
     for (int j = 1; j <= D; ++j)
         if (c0 + j < c1) {
-            mmq_load<QT>(wrow, nu, c0 + j, p0, r[j - 1][0]);
-            mmq_load<QT>(wrow, nu, c0 + j, p0 + 2, r[j - 1][1]);
+            mmq_load<QT>(wr[0], nu, c0 + j, p, r[j - 1][0]);
+            mmq_load<QT>(wr[1], nu, c0 + j, p, r[j - 1][1]);
             mmq_stage_x<BN>(xp, xps, c0 + j, tok0, M, X0 + j * BN * MMQ_XROW, S0 + j * BN * MMQ_SW, gi, gdiv);
         }
     mmq_wait_x(min(D, c1 - 1 - c0));
     __syncthreads();
     for (int c = c0; c < c1; c += D) {
-        mmq_iter<QT, BN, 0>(c, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv);
+        mmq_iter<QT, BN, 0>(c, c0, c1, r, wr, nu, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv);
         if (D > 1 && c + 1 < c1)
-            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wrow, nu, p0, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv);
+            mmq_iter<QT, BN, D - 1>(c + 1, c0, c1, r, wr, nu, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv);
     }
 }
 
 // ------------------------------------------------------------------ the kernel
 // mmq_main for the weight type qt (false: a type not compiled in or not taken, acc untouched)
 template <int BN>
-__device__ __forceinline__ bool mmq_run(int qt, const u8* __restrict__ wrow, int nu, int c0, int c1,
+__device__ __forceinline__ bool mmq_run(int qt, const u8* const (&wr)[2], int nu, int c0, int c1,
                                         const u8* __restrict__ xp, long long xps, int tok0, int M, u8* sm, int wm,
                                         int wn, float (&acc)[MmqCfg<BN>::MT][MmqCfg<BN>::NT][4],
                                         const int* __restrict__ gi, int gdiv) {
-#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q) && mmq_takes(Q)) { mmq_main<Q, BN>(wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv); return true; } break;
+#define MMQ_CASE(Q) case Q: if constexpr (QT_ON(Q) && mmq_takes(Q)) { mmq_main<Q, BN>(wr, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, gi, gdiv); return true; } break;
     switch (qt) {
         MMQ_CASE(QT_Q4_0)
         MMQ_CASE(QT_Q4_1)
@@ -907,10 +913,14 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
     const int r0 = lt * tile_rows, tok0 = tb * BN;
     const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
     const int c0 = split * cps, c1 = min(nch, c0 + cps);
-    // this thread's weight row for the tile decode (rows past the end repeat the last one, never stored)
-    const int lr = mmq_lrow(tid);
-    const u8* wrow = mode ? (lr < MMQ_BM / 2 ? seg[0].W : seg[1].W) + (long long)min(r0 + (lr & 63), S.n - 1) * S.rb
-                          : S.W + (long long)min(r0 + lr, S.n - 1) * S.rb;
+    // this thread's weight rows for the tile decode (rows past the end repeat the last one, never stored)
+    const u8* wr[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int lr = mmq_lrow(tid, j);
+        wr[j] = mode ? (lr < MMQ_BM / 2 ? seg[0].W : seg[1].W) + (long long)min(r0 + (lr & 63), S.n - 1) * S.rb
+                     : S.W + (long long)min(r0 + lr, S.n - 1) * S.rb;
+    }
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -919,7 +929,7 @@ __device__ __forceinline__ void mmq_body(const MmqSeg (&seg)[3], int K, const u8
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.0f;
-    const bool known = mmq_run<BN>(S.qt, wrow, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, nullptr, 1);
+    const bool known = mmq_run<BN>(S.qt, wr, nu, c0, c1, xp, xps, tok0, M, sm, wm, wn, acc, nullptr, 1);
     if (!known) mmq_fill_nan(acc);
     pdl_trigger();
 
@@ -1066,10 +1076,14 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
     if (e < 0) return;                       // block-uniform: no tile here this step
     const int tile_rows = mode ? MMQ_BM / 2 : MMQ_BM, r0 = tile * tile_rows;
     const int nu = K >> 5, nch = (K + MMQ_KC - 1) / MMQ_KC;
-    const int lr = mmq_lrow(tid);
     const long long eo = (long long)e * eb;
-    const u8* wrow = mode ? (lr < MMQ_BM / 2 ? W0 : W1) + eo + (long long)min(r0 + (lr & 63), n - 1) * rb
-                          : W0 + eo + (long long)min(r0 + lr, n - 1) * rb;
+    const u8* wr[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int lr = mmq_lrow(tid, j);
+        wr[j] = mode ? (lr < MMQ_BM / 2 ? W0 : W1) + eo + (long long)min(r0 + (lr & 63), n - 1) * rb
+                     : W0 + eo + (long long)min(r0 + lr, n - 1) * rb;
+    }
     float acc[MT][NT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -1077,7 +1091,7 @@ __device__ __forceinline__ void mmq_moe_body(const u8* __restrict__ W0, const u8
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.0f;
-    if (!mmq_run<BN>(qt, wrow, nu, 0, nch, xp, xps, tok0, M, sm, wm, wn, acc, mode ? list : nullptr, k))
+    if (!mmq_run<BN>(qt, wr, nu, 0, nch, xp, xps, tok0, M, sm, wm, wn, acc, mode ? list : nullptr, k))
         mmq_fill_nan(acc);
     pdl_trigger();
     __syncthreads();                         // the A tile is free: the up values' exchange below

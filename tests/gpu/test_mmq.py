@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from realizar_backend.backends.cuda.dispatch import MMQ_TYPES, MMQS_TYPES, MMV8_KERNEL_TYPES
+from realizar_backend.backends.cuda.dispatch import MMQ8_TYPES, MMQ_TYPES, MMQS_TYPES
 from realizar_backend.backends.cuda.matrices import QTYPES
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ TYPES = sorted(MMQ_TYPES)
 SMALL = sorted(MMQS_TYPES)
 KQUANT = tuple(q for q in TYPES if QTYPES[q].block == 256)
 MS = [1, 2, 3, 8, 13, 16, 17, 64, 100, 256]
-A8 = sorted(MMV8_KERNEL_TYPES)      # the 8-bit variant's types (dispatch.py MMQ8_TYPES)
+A8 = sorted(MMQ8_TYPES)             # the 8-bit variant's types
 # the 8-bit variant with the folded norm: its float32 rounding may put an activation on the other side
 # of a half step from the twin's, an error of d |w| (d ~ 3 sigma / 127) against sum |w x| ~ 0.8 K sigma
 # |w| (test_kernels_f32.py Q8_NORM_TOL, the same bound for mmv8.cu)
@@ -135,7 +135,7 @@ def _tol(a8: bool, norm: bool) -> float:
 def _variants(types):
     """pytest params (qtype, a8): every type on the fp16 variant, the 8-bit variant's on it too."""
     return ([pytest.param(q, False, id=q.name) for q in types]
-            + [pytest.param(q, True, id=f"{q.name}-8bit") for q in types if q in MMV8_KERNEL_TYPES])
+            + [pytest.param(q, True, id=f"{q.name}-8bit") for q in types if q in MMQ8_TYPES])
 
 
 def _err(got, ref, scale):
@@ -421,7 +421,7 @@ def test_mmq_every_type_m_and_k(request, rng, qt, a8):
 @pytest.mark.parametrize("M", [1, 13, 64, 100, 256])
 @pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
 def test_mmq_segments_bias_residual_norm(request, rng, segs, K, M, a8):
-    if a8 and not {qt for qt, _ in segs} <= MMV8_KERNEL_TYPES:
+    if a8 and not {qt for qt, _ in segs} <= MMQ8_TYPES:
         pytest.skip("types the 8-bit variant does not take")
     k, bufs = _on(request, a8)
     mats = [_weight(qt, n, K, rng) for qt, n in segs]
@@ -456,7 +456,7 @@ def _ffn_ref(h64, G, U, act):
 @pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
 def test_mmq_ffn(request, rng, qt, F, K, act, M, a8):
     from realizar_backend.backends.cuda import mmq
-    if a8 and qt not in MMV8_KERNEL_TYPES:
+    if a8 and qt not in MMQ8_TYPES:
         pytest.skip("a type the 8-bit variant does not take")
     k, (prep, scratch) = _on(request, a8)
     mats = [_weight(qt, F, K, rng) for _ in range(2)]        # (WeightRef, device bytes, float64)
@@ -512,7 +512,7 @@ def test_mmq_activation_range_stress(request, rng, qt, N, K, M, a8):
     """Down-projection-like inputs: outlier channels, rows from 1e-6 to 1e4 (the row scaling keeps
     fp16 in range; the hi/lo split keeps fp32-class accuracy; 8-bit: each 32 values their own
     scale, W @ the quantized rows within fp32 roundings), with the residual add."""
-    if a8 and qt not in MMV8_KERNEL_TYPES:
+    if a8 and qt not in MMQ8_TYPES:
         pytest.skip("a type the 8-bit variant does not take")
     k, bufs = _on(request, a8)
     w, keep, W64 = _weight(qt, N, K, rng)
