@@ -48,9 +48,13 @@ def main() -> int:
     ap.add_argument("--rows", default="16,64,512")
     ap.add_argument("--types", default="Q4_K,Q4_K,Q6_K", help="gate, up, down storage types")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--bn", type=int, default=None, help="one token-tile height for every row count "
+                    "(dispatch.MOE_GROUPED_BN; default: its table)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
+    if args.bn is not None:
+        dispatch.MOE_GROUPED_BN = (args.bn,)
     types = [Q[t] for t in args.types.split(",")]
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
