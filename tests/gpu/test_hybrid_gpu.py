@@ -165,13 +165,20 @@ def hybrid_model(request):
     return request.param, open_model(path)
 
 
-def test_model_parity(hybrid_model, rng):
+@pytest.mark.parametrize("shared", ["gemv", "dense"])
+def test_model_parity(hybrid_model, rng, monkeypatch, shared):
     """Prompt steps on every family (a few tokens on the GEMVs, a batch of short prompts, 100 tokens on
     the split16 GEMMs), a prompt split across three chunks, decode steps of one row and of eight rows
     (captured graphs, replayed), then a slot taken by a new sequence: every row's logits at cosine >=
-    COS_MIN to the NumPy backend's, and the greedy step's tokens the oracle's."""
+    COS_MIN to the NumPy backend's, and the greedy step's tokens the oracle's. shared: the moe
+    model's shared expert on the GEMVs at every step, or on each step's dense families
+    (dispatch.SHARED_EXPERT_DENSE)."""
     from realizar_backend.backends.base import PrefillItem
+    from realizar_backend.backends.cuda import dispatch
     name, model = hybrid_model
+    if shared == "dense" and not model.config.shared_expert_ffn_dim:
+        pytest.skip("no shared expert")
+    monkeypatch.setattr(dispatch, "SHARED_EXPERT_DENSE", shared == "dense")
     c = model.config
     cpu, gpu = _backends(model, slots=8, ctx=256)
     st = gpu.stats()

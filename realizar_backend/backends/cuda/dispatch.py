@@ -130,9 +130,12 @@ MOE_GROUPED_A8 = True
 # per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
 MOE_GROUPED_BN = (8, 16, 32, 64)
 # The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
-# are too few for a tensor-core tile to pay its prep. So does a shared expert (qwen35moe: a small
-# MLP and its one-output gate beside the routed experts), for now: correct at every row count, its
-# tensor-core path (the dense MLP's kernels) not yet wired.
+# are too few for a tensor-core tile to pay its prep. So does a shared expert's one-output gate. The
+# shared expert itself (qwen35moe: a small gated MLP every token takes beside the routed experts)
+# takes the dense projections' rule where SHARED_EXPERT_DENSE is on (linear(): its gate and up as one
+# group, its down projection alone: the step's family), else the GEMVs at every row count. Off until
+# a GPU run of tests/gpu/test_hybrid_gpu.py has checked it.
+SHARED_EXPERT_DENSE = False
 
 # A linear-attention hybrid's Gated DeltaNet (kernels/deltanet.cu) runs a prompt step's segments token
 # by token (dn_delta: a block per value head walks the segment, a few barriers a row). A segment of a
@@ -207,6 +210,7 @@ class ExpertsChoice:
     fused: bool
     shared: tuple[Kernel, ...] = ()      # a shared expert's gate, up, down and gate logit
     a8: bool = False                     # the grouped experts on 8-bit records (moe_grouped_a8)
+    shared_dense: bool = False           # the shared expert on the step's dense rule (SHARED_EXPERT_DENSE)
 
 
 # ---------------------------------------------------------------- what each kernel takes
@@ -389,8 +393,15 @@ class Dispatcher:
                   and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in (gate, up, down))
                   and MOE_MAX_K * mmv8_smem(down.cols) <= MMV8_XQ_BYTES)
         kind = Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS8 if pairs8 else Kernel.MOE_PAIRS
-        return ExpertsChoice(self._gemv((router,))[0], kind, same_shape(gate, up), self._gemv(shared),
-                             grouped and moe_grouped_a8(gate, up, down))
+        dense = bool(shared) and SHARED_EXPERT_DENSE
+        if dense:
+            sg, su, sd, sr = shared
+            kshared = (*self.linear(step, (sg, su)).kernels, self.linear(step, (sd,)).kernels[0],
+                       self._gemv((sr,))[0])
+        else:
+            kshared = self._gemv(shared)
+        return ExpertsChoice(self._gemv((router,))[0], kind, same_shape(gate, up), kshared,
+                             grouped and moe_grouped_a8(gate, up, down), dense)
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

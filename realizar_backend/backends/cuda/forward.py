@@ -80,15 +80,16 @@ class Forward:
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
         self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept),
                                      precision=settings.gemm_precision)
-        # (a group of more projections than one launch writes: each launch's, linear.launches)
-        shapes = {(g[0].cols, tuple(m.rows for m in part), kind == "gated")
-                  for kind, g in dense for part in launches(g)}
+        # (a group of more projections than one launch writes: each launch's, linear.launches; a gated
+        # pair fused, and as two segments: a shared expert's gate and up, experts.py)
+        shapes = {(g[0].cols, tuple(m.rows for m in part), ffn)
+                  for kind, g in dense for part in launches(g) for ffn in {kind == "gated", False}}
         shapes.add((head.cols, (head.rows,), False))
         self.mmq = MmqLinear(self.ctx, max(ws.max_rows, dispatch.PROMPT_MMQ_TOKENS), sorted(shapes))
         self._family = {Kernel.MMVF: self.gemv, Kernel.MMV8: self.gemv, Kernel.GEMV: self.gemv,
                         Kernel.MMQS: self.mmq, Kernel.MMQ: self.mmq, Kernel.SPLIT16: self.split16,
-                        Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv),
-                        Kernel.MOE_GROUPED: GroupedExperts(self.ctx, self.gemv)}
+                        Kernel.MOE_PAIRS: PairExperts(self.ctx, self.gemv, self.family),
+                        Kernel.MOE_GROUPED: GroupedExperts(self.ctx, self.gemv, self.family)}
         self._family[Kernel.MOE_PAIRS8] = self._family[Kernel.MOE_PAIRS]
         # packed (value, row) keys of the LM head's fused argmax; argmax_unpack re-zeroes them
         self.am_key = cupy.zeros(ws.max_rows, cupy.uint64)

@@ -110,8 +110,17 @@ class GemvLinear(Family):
             return
         h = self.ctx.ws.h
         self.norm(x, norm, h, T)
+        self.linear(h, segs, choice, T)
+
+    def linear(self, x: cupy.ndarray, segs: Sequence[Segment], choice: Choice, T: int) -> None:
+        """The segments' projections of the rows x[:T] as they are (no norm)."""
+        if choice.kernel in (Kernel.MMVF, Kernel.MMV8):
+            for part in launches(segs):
+                ops.mmvf(self.ctx.k, part, segs[0][0].cols, x.data.ptr, x.shape[1], T, pdl=self.ctx.pdl,
+                         q8=choice.kernel is Kernel.MMV8)
+            return
         for (w, bias, y, ys), kern in zip(segs, choice.kernels):
-            self._one(kern, w, h, T, y, ys, bias)
+            self._one(kern, w, x, T, y, ys, bias)
 
     def linear_residual(self, a: cupy.ndarray, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
         dst, acc = self.dst(post_norm)
@@ -184,6 +193,10 @@ class MmqLinear(Family):
         for part in launches(segs):
             self._mmq(part, K, T, choice.kernel is Kernel.MMQS)
 
+    def linear(self, x: cupy.ndarray, segs: Sequence[Segment], choice: Choice, T: int) -> None:
+        """The segments' projections of the rows x[:T] as they are (no norm)."""
+        self.norm_linear(x, 0, segs, choice, T)
+
     def linear_residual(self, a: cupy.ndarray, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
         self._prep(a, w.cols, T)
         dst, acc = self.dst(post_norm)
@@ -220,7 +233,8 @@ class Split16Linear(Family):
         c, ws = ctx.c, ctx.ws
         # the workspace's split16 scratch (y32, x16) is sized from the config's widths (a DeltaNet's
         # output projection reads its value heads: v_heads * v_dim)
-        widths = {c.hidden, c.q_dim, c.ffn_dim} | ({c.ssm_v_heads * c.ssm_v_dim} if c.has_recurrent_state else set())
+        widths = ({c.hidden, c.q_dim, c.ffn_dim} | ({c.ssm_v_heads * c.ssm_v_dim} if c.has_recurrent_state else set())
+                  | ({c.shared_expert_ffn_dim} if c.shared_expert_ffn_dim else set()))
         for g in groups:
             if g[0].cols not in widths or sum(w.rows for w in g) > ws.y32.shape[1]:
                 raise BackendError(f"split16: matrices {', '.join(w.name for w in g)} do not have the shapes of "
@@ -281,6 +295,10 @@ class Split16Linear(Family):
             split16.unscale_scatter(self.kx, ws.y32.data.ptr + 4 * col, n, inv, T,
                                     [(y, ys, w.rows, b) for w, b, y, ys in part], lay)
             col += sum(w.rows for w, _, _, _ in part)
+
+    def linear(self, x: cupy.ndarray, segs: Sequence[Segment], choice: Choice, T: int) -> None:
+        """The segments' projections of the rows x[:T] as they are (no norm)."""
+        self.norm_linear(x, 0, segs, choice, T)
 
     def linear_residual(self, a, w: WeightRef, post_norm: int, kern: Kernel, T: int) -> None:
         ws, c = self.ctx.ws, self.ctx.c
