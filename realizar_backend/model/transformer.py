@@ -154,9 +154,8 @@ class Experts:
         return ops.norm_moe_residual(x, self.norm, self)
 
     def projections(self) -> list[tuple[str, tuple]]:
-        # the shared expert is a gated MLP of the normed rows (its gate logit a one-row router)
-        shared = [("gated", (self.shared_gate, self.shared_up)), ("linear", (self.shared_down,)),
-                  ("router", (self.shared_router,))] if self.shared_gate is not None else []
+        shared = [("shared", (self.shared_gate, self.shared_up, self.shared_down, self.shared_router))] \
+            if self.shared_gate is not None else []
         return [("router", (self.router,)), ("experts", (self.gate, self.up, self.down))] + shared
 
 

@@ -134,7 +134,7 @@ MOE_GROUPED_BN = (8, 16, 32, 64)
 # shared expert itself (qwen35moe: a small gated MLP every token takes beside the routed experts)
 # takes the dense projections' rule where SHARED_EXPERT_DENSE is on (linear(): its gate and up as one
 # group, its down projection alone: the step's family), else the GEMVs at every row count. Off until
-# a GPU run of tests/gpu/test_hybrid_gpu.py has checked it.
+# a GPU run of tests/gpu/test_hybrid_gpu.py has checked it (forward.py shared_as_dense: the groups it adds).
 SHARED_EXPERT_DENSE = False
 
 # A linear-attention hybrid's Gated DeltaNet (kernels/deltanet.cu) runs a prompt step's segments token
