@@ -106,8 +106,8 @@ class PairExperts(Family):
         kg, ku, kd, kr = choice.shared
         Fs = e.shared_gate.rows
         if choice.shared_dense:
-            self.family(kg).linear(h, [(e.shared_gate, 0, ws.sh_g.data.ptr, Fs), (e.shared_up, 0, ws.sh_u.data.ptr, Fs)],
-                                   Choice((kg, ku)), T)
+            segs = [(e.shared_gate, 0, ws.sh_g.data.ptr, Fs), (e.shared_up, 0, ws.sh_u.data.ptr, Fs)]
+            self.family(kg).linear(h, segs, Choice((kg, ku)), T)
         else:
             self.gemv._one(kg, e.shared_gate, h, T, ws.sh_g.data.ptr, Fs)
             self.gemv._one(ku, e.shared_up, h, T, ws.sh_u.data.ptr, Fs)
