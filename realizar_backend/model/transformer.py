@@ -154,8 +154,10 @@ class Experts:
         return ops.norm_moe_residual(x, self.norm, self)
 
     def projections(self) -> list[tuple[str, tuple]]:
-        shared = [("shared", (self.shared_gate, self.shared_up, self.shared_down, self.shared_router))] \
-            if self.shared_gate is not None else []
+        """The router and the routed experts; a shared expert as the dense MLP it is (its gate and
+        up a gated group, its down projection a linear one) and its one-output gate a router."""
+        shared = [("gated", (self.shared_gate, self.shared_up)), ("linear", (self.shared_down,)),
+                  ("router", (self.shared_router,))] if self.shared_gate is not None else []
         return [("router", (self.router,)), ("experts", (self.gate, self.up, self.down))] + shared
 
 

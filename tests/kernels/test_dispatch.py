@@ -394,10 +394,10 @@ def test_grouped_experts_take_8bit_records_where_every_stack_is_of_the_8bit_type
     assert not Dispatcher(groups, head, split16_kept=False).experts(Step("mmq", 64), router, gate, up, down=down).a8
 
 
-def test_a_shared_expert_takes_the_dense_rule_where_it_is_on(monkeypatch):
-    """A shared expert (qwen35moe): with SHARED_EXPERT_DENSE on, its gate and up (one group) and its
-    down projection take what linear() gives the step (the GEMVs at one row, the tensor-core tiles
-    in an mmq step, split16 in a GEMM step), its gate logit a GEMV; off, the GEMVs at every step."""
+def test_a_shared_expert_takes_the_dense_rule():
+    """A shared expert (qwen35moe): its gate and up (one group) and its down projection take what
+    linear() gives the step (the GEMVs at one row, the tensor-core tiles in an mmq step, split16 in a
+    GEMM step), its gate logit a GEMV."""
     groups, head = moe()
     sg, su = mat(Q.Q4_K, 512, 2048, "shexp_gate"), mat(Q.Q4_K, 512, 2048, "shexp_up")
     sd, sr = mat(Q.Q6_K, 2048, 512, "shexp_down"), mat(Q.F32, 1, 2048, "shexp_router")
@@ -406,16 +406,13 @@ def test_a_shared_expert_takes_the_dense_rule_where_it_is_on(monkeypatch):
     router, (gate, up, down) = groups[2][1][0], groups[3][1]
     steps = [disp.decode_step(1), disp.decode_step(8), disp.prompt_step(12), disp.prompt_step(512)]
     assert [s.family for s in steps] == ["gemv", "mmq", "mmq", "split16"]
-    monkeypatch.setattr(d, "SHARED_EXPERT_DENSE", True)
     for step in steps:
         choice = disp.experts(step, router, gate, up, (sg, su, sd, sr), down)
         want = (*disp.linear(step, (sg, su)).kernels, disp.linear(step, (sd,)).kernels[0], Kernel.GEMV)
-        assert choice.shared_dense and choice.shared == want, step
+        assert choice.shared == want, step
+    assert disp.experts(steps[0], router, gate, up, (sg, su, sd, sr), down).shared[:3] == (Kernel.MMVF,) * 3
     assert disp.experts(steps[3], router, gate, up, (sg, su, sd, sr), down).shared[:3] == (Kernel.SPLIT16,) * 3
-    monkeypatch.setattr(d, "SHARED_EXPERT_DENSE", False)
-    for step in steps:
-        choice = disp.experts(step, router, gate, up, (sg, su, sd, sr), down)
-        assert not choice.shared_dense and choice.shared == (Kernel.MMVF, Kernel.MMVF, Kernel.MMVF, Kernel.GEMV)
+    assert disp.experts(steps[3], router, gate, up, (), down).shared == ()
 
 
 @pytest.mark.parametrize("T,k,E,bn", [(1, 8, 128, 8), (16, 8, 128, 8), (64, 8, 128, 8), (512, 8, 128, 32),

@@ -124,18 +124,18 @@ MOE_PAIRS8 = True
 # mmv8.cu's, as llama.cpp's MoE tiles take q8_1) where gate, up and down are all of the 8-bit
 # variant's types (MMQ8_TYPES): one int8 mma a 32-column unit where the fp16 records take four, and
 # under a third of the activation bytes staged a token tile; the others (MXFP4, the I-quants, Q2_K,
-# Q3_K) keep the fp16 records.
+# Q3_K) keep the fp16 records. The cost is accuracy, as llama.cpp's: a 32-value unit rounded to
+# max/127 steps errs by about 0.5% rms of its values, and the experts' outputs take two such
+# roundings (the rows h, then the gated rows, whose products have heavier tails).
 MOE_GROUPED_A8 = True
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
 # per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
 MOE_GROUPED_BN = (8, 16, 32, 64)
 # The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
 # are too few for a tensor-core tile to pay its prep. So does a shared expert's one-output gate. The
-# shared expert itself (qwen35moe: a small gated MLP every token takes beside the routed experts)
-# takes the dense projections' rule where SHARED_EXPERT_DENSE is on (linear(): its gate and up as one
-# group, its down projection alone: the step's family), else the GEMVs at every row count. Off until
-# a GPU run of tests/gpu/test_hybrid_gpu.py has checked it (forward.py shared_as_dense: the groups it adds).
-SHARED_EXPERT_DENSE = False
+# shared expert itself (qwen35moe: a small gated MLP every token takes beside the routed experts) is
+# a dense MLP and takes the dense projections' rule (linear(): its gate and up as one group, its down
+# projection alone: the step's family); the model lists it so (model/transformer.py Experts).
 
 # A linear-attention hybrid's Gated DeltaNet (kernels/deltanet.cu) runs a prompt step's segments token
 # by token (dn_delta: a block per value head walks the segment, a few barriers a row). A segment of a
@@ -210,7 +210,6 @@ class ExpertsChoice:
     fused: bool
     shared: tuple[Kernel, ...] = ()      # a shared expert's gate, up, down and gate logit
     a8: bool = False                     # the grouped experts on 8-bit records (moe_grouped_a8)
-    shared_dense: bool = False           # the shared expert on the step's dense rule (SHARED_EXPERT_DENSE)
 
 
 # ---------------------------------------------------------------- what each kernel takes
@@ -386,22 +385,21 @@ class Dispatcher:
                 shared: Sequence[WeightRef] = (), down: WeightRef | None = None) -> ExpertsChoice:
         """The kernels of a routed-experts block in a step (the rules of MOE_GROUPED_MIN_ROWS and the
         router's above; the grouped path needs the down projection's stack), and of its shared
-        expert's matrices where it has one."""
+        expert where it has one: its gate and up, and its down projection, linear()'s for the step;
+        its gate logit a GEMV."""
         grouped = (MOE_GROUPED_MIN_ROWS is not None and step.rows >= MOE_GROUPED_MIN_ROWS
                    and down is not None and moe_grouped_ok(gate, up, down))
         pairs8 = (MOE_PAIRS8 and step.rows == 1 and down is not None and same_shape(gate, up)
                   and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in (gate, up, down))
                   and MOE_MAX_K * mmv8_smem(down.cols) <= MMV8_XQ_BYTES)
         kind = Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS8 if pairs8 else Kernel.MOE_PAIRS
-        dense = bool(shared) and SHARED_EXPERT_DENSE
-        if dense:
+        kshared = ()
+        if shared:
             sg, su, sd, sr = shared
             kshared = (*self.linear(step, (sg, su)).kernels, self.linear(step, (sd,)).kernels[0],
                        self._gemv((sr,))[0])
-        else:
-            kshared = self._gemv(shared)
         return ExpertsChoice(self._gemv((router,))[0], kind, same_shape(gate, up), kshared,
-                             grouped and moe_grouped_a8(gate, up, down), dense)
+                             grouped and moe_grouped_a8(gate, up, down))
 
     @staticmethod
     def split16_paired(rows: int, capacity: int) -> bool:

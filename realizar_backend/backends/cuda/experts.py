@@ -6,8 +6,7 @@ Each step: h = RMSNorm(x) into ws.h; the router's logits (its GEMV, the dispatch
 ws.moe_logits; moe_topk writes each row's experts and weights (ws.moe_ids, ws.moe_w); the experts'
 gated MLPs over the (row, expert) pairs into ws.moe_a, their down projections into ws.moe_y; and
 moe_combine adds each row's weighted sum into x (kernels/moe.cu); a shared expert (qwen35moe) adds
-its gated MLP of h (moe_shared_add), on the GEMVs or the step's dense families (dispatch.py
-SHARED_EXPERT_DENSE). The expert ids never leave the
+its gated MLP of h (moe_shared_add) on the step's dense families. The expert ids never leave the
 device and every buffer is the workspace's (sized at the high-water mark), so the launches of a step
 are fixed by its row count and a CUDA graph captures them like a dense layer's."""
 
@@ -98,24 +97,17 @@ class PairExperts(Family):
 
     def shared(self, x: cupy.ndarray, h: cupy.ndarray, e, choice: ExpertsChoice, T: int) -> None:
         """x[:T] += sigmoid(h @ shared_router.T) * down(act(h @ gate.T) * (h @ up.T)), the shared
-        expert of the normed rows h, on the kernels of choice.shared (dispatch.py: the GEMVs, or with
-        shared_dense the step's dense families, gate and up as one group); its output through ws.tmp.
-        It runs after the routed experts' combine: the split16 scratch shares ffn_pool with their
-        rows, and h is still the normed input."""
+        expert of the normed rows h, on the kernels of choice.shared (dispatch.py: the step's dense
+        families, its gate and up as one group of two outputs; its gate logit a GEMV); its output
+        through ws.tmp. It runs after the routed experts' combine: the split16 scratch shares
+        ffn_pool with their rows, and h is still the normed input."""
         k, ws, c = self.ctx.k, self.ctx.ws, self.ctx.c
         kg, ku, kd, kr = choice.shared
         Fs = e.shared_gate.rows
-        if choice.shared_dense:
-            segs = [(e.shared_gate, 0, ws.sh_g.data.ptr, Fs), (e.shared_up, 0, ws.sh_u.data.ptr, Fs)]
-            self.family(kg).linear(h, segs, Choice((kg, ku)), T)
-        else:
-            self.gemv._one(kg, e.shared_gate, h, T, ws.sh_g.data.ptr, Fs)
-            self.gemv._one(ku, e.shared_up, h, T, ws.sh_u.data.ptr, Fs)
+        segs = [(e.shared_gate, 0, ws.sh_g.data.ptr, Fs), (e.shared_up, 0, ws.sh_u.data.ptr, Fs)]
+        self.family(kg).linear(h, segs, Choice((kg, ku)), T)
         ops.act_mul(k, ws.sh_g.data.ptr, ws.sh_u.data.ptr, ws.sh_a.data.ptr, T * Fs, ACT[e.act])
-        if choice.shared_dense:
-            self.family(kd).linear(ws.sh_a, [(e.shared_down, 0, ws.tmp.data.ptr, ws.tmp.shape[1])], Choice((kd,)), T)
-        else:
-            self.gemv._one(kd, e.shared_down, ws.sh_a, T, ws.tmp.data.ptr, ws.tmp.shape[1])
+        self.family(kd).linear(ws.sh_a, [(e.shared_down, 0, ws.tmp.data.ptr, ws.tmp.shape[1])], Choice((kd,)), T)
         self.gemv._one(kr, e.shared_router, h, T, ws.sh_s.data.ptr, 1)
         ops.moe_shared_add(k, x.data.ptr, x.shape[1], ws.tmp.data.ptr, ws.tmp.shape[1], ws.sh_s.data.ptr, T, c.hidden)
 

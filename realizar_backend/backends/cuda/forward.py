@@ -55,23 +55,6 @@ def rope_host_tables(c: ModelConfig, max_context: int) -> dict[tuple[float, bool
     return out
 
 
-def shared_as_dense(groups: list) -> list:
-    """The model's projection groups, a shared expert's (model/transformer.py Experts: "shared") as
-    the dense kinds they are where dispatch.SHARED_EXPERT_DENSE runs them so (its gate and up a gated
-    group, its down projection a linear one, its gate logit a router): then split16 keeps their
-    weights and mmq.cu's scratch covers their shapes."""
-    if not dispatch.SHARED_EXPERT_DENSE:
-        return groups
-    out = []
-    for kind, mats in groups:
-        if kind == "shared":
-            gate, up, down, logit = mats
-            out += [("gated", (gate, up)), ("linear", (down,)), ("router", (logit,))]
-        else:
-            out.append((kind, mats))
-    return out
-
-
 class Forward:
     def __init__(self, k: Kernels, w: DeviceWeights, ws: Workspace, settings: Settings, max_context: int,
                  rope_host: Future | None = None):
@@ -86,7 +69,7 @@ class Forward:
         self.recurrent: RecurrentState | None = None   # a hybrid's DeltaNet states: set with the KV cache
         if c.has_recurrent_state:
             _ = k.deltanet["conv"]        # its module now, never inside a graph capture
-        groups = shared_as_dense(self.model.projections())
+        groups = self.model.projections()
         # the groups the dense families multiply (a mixture of experts' router and experts: experts.py)
         dense = [(kind, g) for kind, g in groups if kind in dispatch.DENSE_KINDS]
         head = self.model.output
@@ -97,9 +80,9 @@ class Forward:
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
         self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept),
                                      precision=settings.gemm_precision)
-        # (a group of more projections than one launch writes: each launch's, linear.launches; with
-        # SHARED_EXPERT_DENSE a gated pair also as two segments: a shared expert's gate and up, experts.py)
-        unfused = {False} if dispatch.SHARED_EXPERT_DENSE else set()
+        # (a group of more projections than one launch writes: each launch's, linear.launches; a model
+        # with a shared expert multiplies a gated pair also as two segments: its gate and up, experts.py)
+        unfused = {False} if c.shared_expert_ffn_dim else set()
         shapes = {(g[0].cols, tuple(m.rows for m in part), ffn)
                   for kind, g in dense for part in launches(g) for ffn in {kind == "gated"} | unfused}
         shapes.add((head.cols, (head.rows,), False))
