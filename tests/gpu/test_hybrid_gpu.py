@@ -165,20 +165,14 @@ def hybrid_model(request):
     return request.param, open_model(path)
 
 
-@pytest.mark.parametrize("shared", ["gemv", "dense"])
-def test_model_parity(hybrid_model, rng, monkeypatch, shared):
+@pytest.mark.usefixtures("fp16_expert_records")
+def test_model_parity(hybrid_model, rng):
     """Prompt steps on every family (a few tokens on the GEMVs, a batch of short prompts, 100 tokens on
     the split16 GEMMs), a prompt split across three chunks, decode steps of one row and of eight rows
     (captured graphs, replayed), then a slot taken by a new sequence: every row's logits at cosine >=
-    COS_MIN to the NumPy backend's, and the greedy step's tokens the oracle's. shared: the moe
-    model's shared expert on the GEMVs at every step, or on each step's dense families
-    (dispatch.SHARED_EXPERT_DENSE)."""
+    COS_MIN to the NumPy backend's, and the greedy step's tokens the oracle's."""
     from realizar_backend.backends.base import PrefillItem
-    from realizar_backend.backends.cuda import dispatch
     name, model = hybrid_model
-    if shared == "dense" and not model.config.shared_expert_ffn_dim:
-        pytest.skip("no shared expert")
-    monkeypatch.setattr(dispatch, "SHARED_EXPERT_DENSE", shared == "dense")
     c = model.config
     cpu, gpu = _backends(model, slots=8, ctx=256)
     st = gpu.stats()
@@ -205,6 +199,7 @@ def test_model_parity(hybrid_model, rng, monkeypatch, shared):
     run.finish_greedy("qwen35", name)
 
 
+@pytest.mark.usefixtures("fp16_expert_records")
 def test_model_parity_chunked(hybrid_model, rng, monkeypatch):
     """With the chunked rule on from 64 rows (dispatch.DN_CHUNK_MIN_TOKENS, held there whatever the
     table says): a 100-token prompt (whole chunks and a tail), a 150-token one in two prompt steps (the
@@ -244,6 +239,7 @@ def test_model_parity_chunked(hybrid_model, rng, monkeypatch):
     assert 64 in rules, "no prompt step ran the chunked rule"
 
 
+@pytest.mark.usefixtures("fp16_expert_records")
 def test_a_reused_slot_matches_a_fresh_one(hybrid_model, rng):
     """A sequence in a slot that another sequence used (and left mid-way, as a cancelled or preempted
     one does) gives the logits it gives in a slot never used, and the oracle's."""
@@ -287,6 +283,7 @@ def _generate(model: str, backend: str, jobs, **kw) -> tuple[list[list[int]], di
         engine.shutdown()
 
 
+@pytest.mark.usefixtures("fp16_expert_records")
 def test_engine_preempts_and_chunks_a_hybrid(hybrid_model):
     """The engine on the GPU under a pool of four blocks (preemption: a sequence restarts from
     position 0, its state with it) and prompts in chunks of 8 tokens (each continuing the state)

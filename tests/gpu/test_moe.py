@@ -172,6 +172,7 @@ def moe_model(request):
 
 
 @pytest.mark.parametrize("path", ["pairs", "grouped"])
+@pytest.mark.usefixtures("fp16_expert_records")
 def test_model_parity(moe_model, rng, monkeypatch, path):
     """Prompt steps on the GEMVs (a few tokens), the tensor-core buckets or GEMVs (eight short prompts
     at once) and the split16 GEMMs (100 tokens), then decode steps of one row and of eight rows
