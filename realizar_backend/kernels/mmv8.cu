@@ -1,8 +1,8 @@
 // One-row quantized GEMV on 8-bit activations (the q8_1 scheme of llama.cpp's mmvq): y[r] = W[r] . x
 // with x quantized per 32 values (q = rint(x / d), d = max|x| / 127) once per input by mmv8_q8 (the
 // RMSNorm folded in there), and each weight unit applied by dp4a on its int8 values. For the types
-// with a QUnit decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K in common.cuh; IQ4_NL and
-// IQ4_XS below, through their levels table); the others stay on mmvf.cu.
+// with a QUnit decoder (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K in common.cuh; IQ4_NL,
+// IQ4_XS and MXFP4 below, through their levels tables); the others stay on mmvf.cu.
 //
 // Why the input is quantized by its own launch: every block of a GEMV needs the whole row, and a
 // block that quantized it itself (a read of K floats and the arithmetic, before any weight is used)
@@ -140,7 +140,8 @@ __device__ __forceinline__ void mmv8_stage(const u8* __restrict__ xq, long long 
 
 // ------------------------------------------------------------------ one unit a lane (QUnit types)
 // the QUnit of the 4-bit level types (lowbit.cuh; one scale a unit, no min): the stored byte
-// b = q + 128 with its top bit flipped is q as an int8 (levels -127..113), the weight a0 q
+// b = q + 128 with its top bit flipped is q as an int8 (levels -127..113; MXFP4's -12..12), the
+// weight a0 q
 template <int QT>
 __device__ __forceinline__ void mmv8_level_unit(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     LUnit x;
@@ -154,6 +155,10 @@ template <> __device__ __forceinline__ void load_qunit<QT_IQ4_NL>(const u8* __re
 }
 template <> __device__ __forceinline__ void load_qunit<QT_IQ4_XS>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
     mmv8_level_unit<QT_IQ4_XS>(row, u, nu, w);
+}
+// MXFP4 (gpt-oss's experts): E2M1 values doubled, -12..12, with the halved power-of-two scale in a0
+template <> __device__ __forceinline__ void load_qunit<QT_MXFP4>(const u8* __restrict__ row, int u, int nu, QUnit& w) {
+    mmv8_level_unit<QT_MXFP4>(row, u, nu, w);
 }
 
 // the dot of a decoded unit with activation halves a (values 0..15), c (16..31) and (d, d * sum q)
@@ -328,6 +333,7 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
         MMV8_CASE(QT_Q6_K)
         MMV8_CASE(QT_IQ4_NL)
         MMV8_CASE(QT_IQ4_XS)
+        MMV8_CASE(QT_MXFP4)
         default: break;
     }
 #undef MMV8_CASE

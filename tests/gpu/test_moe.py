@@ -77,7 +77,7 @@ def test_experts_gptoss(kernels, rng, types, T):
 
 # the one-row pairs on mmv8.cu (experts.py expert_pairs8, dispatch.py MOE_PAIRS8): its types
 # throughout, and Q4_K_M's and an IQ4_XS file's mixes (a down of another type)
-PAIRS8_TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.Q8_0, Q.Q4_0, Q.Q5_1)]
+PAIRS8_TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4, Q.Q8_0, Q.Q4_0, Q.Q5_1)]
 PAIRS8_TYPES += [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.IQ4_XS, Q.IQ4_XS, Q.Q5_K)]
 
 

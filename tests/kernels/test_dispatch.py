@@ -439,13 +439,14 @@ def test_the_chunked_delta_rule_threshold_holds_a_chunk():
 
 def test_one_row_experts_take_mmv8_where_every_stack_is_of_its_types(monkeypatch):
     """With the rule on (dispatch.MOE_PAIRS8): MOE_PAIRS8 at one-row steps only, where gate, up and down
-    are all MMV8_TYPES and gate and up share type and shape; a stack of another type (Q8_0, MXFP4),
-    gate and up apart, or wider steps keep the pairs (or the grouped tiles)."""
+    are all MMV8_TYPES (gpt-oss's MXFP4 too) and gate and up share type and shape; a stack of another
+    type (Q8_0), gate and up apart, or wider steps keep the pairs (or the grouped tiles)."""
     monkeypatch.setattr(d, "MOE_PAIRS8", True)
     for kw, want in (({}, Kernel.MOE_PAIRS8), ({"down": Q.Q4_K}, Kernel.MOE_PAIRS8),
                      ({"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.Q5_K}, Kernel.MOE_PAIRS8),
                      ({"down": Q.Q8_0}, Kernel.MOE_PAIRS),
-                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, Kernel.MOE_PAIRS),
+                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, Kernel.MOE_PAIRS8),
+                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.Q8_0}, Kernel.MOE_PAIRS),
                      ({"up": Q.Q6_K}, Kernel.MOE_PAIRS)):
         groups, head = moe(**kw)
         disp = Dispatcher(groups, head, split16_kept=False)

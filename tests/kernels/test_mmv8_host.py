@@ -29,7 +29,7 @@ from support.q8 import normed, q8_twin
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
 TOL = 2e-5     # error over sum |w x| against the quantized activations: fp32 arithmetic
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]   # mmv8.cu's
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]   # mmv8.cu's
 # (rows, K, warps per row, grid.x): K of 5 units (a pass of 32 lanes mostly empty), 41 and 152 units
 # (passes ending part-way), 256-weight types at 1, 9 and 19 blocks; rows no group of 2 divides;
 # grids smaller than the groups need

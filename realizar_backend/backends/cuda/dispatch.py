@@ -98,7 +98,7 @@ SPLIT16_KEEP_FREE_SHARE = 0.5
 # mmv8 made the 1.5B's decode 6% slower and the 7B's 1% faster). The LM head's argmax folds into
 # either kernel. The types are those timed end to end; mmv8.cu can take MMV8_KERNEL_TYPES. The 8-bit
 # input costs accuracy as llama.cpp's mmvq does (a relative error of ~1/254 per activation).
-MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL})
+MMV8_TYPES: frozenset = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ4_NL, Q.MXFP4})
 MMV8_MIN_BYTES = 8 << 20
 
 # The routed experts (model/transformer.py Experts) of every step run on moe.cu's per-pair GEMVs
@@ -163,7 +163,7 @@ _LOWBIT = {Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.
 MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, *_LOWBIT})     # mmq.cu
 MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, *_LOWBIT})                    # mmqs.cu
 MMV8_KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-                               Q.IQ4_NL, Q.IQ4_XS})                                        # mmv8.cu
+                               Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4})                               # mmv8.cu
 # mmq.cu's 8-bit variant (mmq_takes under MMQ_A8): the QUnit types of common.cuh, mmv8.cu's but the
 # 4-bit level types
 MMQ8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
