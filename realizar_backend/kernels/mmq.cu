@@ -39,12 +39,12 @@
 // tiles, pipeline and epilogues). The q8_1 scheme of mmv8.cu at tile scale: mmq_prep quantizes each
 // 32-column unit of s h (s as above) to int8 q = rint(s h / dx), dx = max|s h| / 127 (common.cuh
 // quant_q8_lane), and keeps (dx, dx sum q); the A tile holds the weights' integers q (every type
-// taken fits int8: Q4_K 0..15, Q6_K -32..31, Q8_0 -128..127, ...). Per unit and weight row one int8
+// taken fits int8: Q4_K 0..15, Q6_K -32..31, Q8_0 -128..127, IQ4 levels -127..113, MXFP4 -12..12). Per unit and weight row one int8
 // mma (m16n8k32 s8, exact int32 sums; two m16n8k16 for Q6_K's 16-column scales) gives T = q_w . q_x,
 // and acc = fma(float(T) dx, d, acc) [then fma(m, dx sum q, acc)]: the GEMV numerics of mmv8.cu
 // (results are those of W . (q dx), within fp32 roundings), with a quarter of the mma instructions
-// and under a third of the activation bytes. The other types (Q3_K, the I-quants, MXFP4) are not
-// taken (mmq_takes): the host keeps them on the fp16 variant.
+// and under a third of the activation bytes. The other types (Q2_K, Q3_K, the 2- and 3-bit I-quants)
+// are not taken (mmq_takes): the host keeps them on the fp16 variant.
 // Column c = 16s + 4t + i of a unit is stored at activation byte p = 8t + 4s + i of the unit (thread
 // tig = t reads bytes 8t..8t+7: its B registers of both k16 halves) and at A-tile byte c (the int8
 // fragment layout of ldmatrix: a row's bytes 4t..4t+3 and 16 + 4t..). Prep record per token and
@@ -106,10 +106,11 @@ template <int BN> __host__ __device__ constexpr int mmq_smem_bytes() {
     return MMQ_BM * MMQ_AROW + MMQ_BM * 16 * MMQ_MROW + (MmqCfg<BN>::D + 1) * BN * MMQ_REC;
 }
 
-// the types the 8-bit variant takes: those of mmv8.cu (common.cuh QUnit), whose integers fit int8
+// the types the 8-bit variant takes: those of mmv8.cu (common.cuh QUnit and the 4-bit level types),
+// whose integers fit int8
 __host__ __device__ constexpr bool mmq_takes(int qt) {
     return !MMQ_A8 || qt == QT_Q4_0 || qt == QT_Q4_1 || qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q8_0 ||
-           qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K;
+           qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K || qt == QT_IQ4_NL || qt == QT_IQ4_XS || qt == QT_MXFP4;
 }
 
 // ------------------------------------------------------------------ instructions

@@ -9,9 +9,9 @@ def kernels():
 
 @pytest.fixture
 def fp16_expert_records(monkeypatch):
-    """Whole-model parity of the tiny mixtures of experts runs the grouped experts on fp16 records
-    (fp32-class sums), not on the 8-bit ones (dispatch.MOE_GROUPED_A8) that their stacks would
-    take: those round the rows h and the gated rows to 8 bits per 32-value unit (about 1e-2
+    """Whole-model parity of the tiny mixtures of experts (qwen3moe, qwen35moe, gpt-oss) runs the
+    grouped experts on fp16 records (fp32-class sums), not on the 8-bit ones (dispatch.MOE_GROUPED_A8)
+    that their stacks would take: those round the rows h and the gated rows to 8 bits per 32-value unit (about 1e-2
     relative on the experts' outputs of these models), and these random routers sit so near ties
     (most rows of a run meet one within parity.ROUTE_TIE) that later layers then route away from
     the oracle at gaps the tie rule does not excuse, and a different chunking writes other greedy

@@ -375,12 +375,12 @@ def test_grouped_experts_take_the_steps_from_their_row_count_where_every_stack_h
 
 def test_grouped_experts_take_8bit_records_where_every_stack_is_of_the_8bit_types(monkeypatch):
     """With the rule on (dispatch.MOE_GROUPED_A8): the grouped tiles read 8-bit records where gate,
-    up and down are all MMQ8_TYPES; a stack of MXFP4, an I-quant or Q3_K keeps the fp16 records, and
-    steps on the pairs never ask for them."""
+    up and down are all MMQ8_TYPES (gpt-oss's MXFP4 and the IQ4 types too); a stack of a 2- or 3-bit
+    I-quant or Q3_K keeps the fp16 records, and steps on the pairs never ask for them."""
     monkeypatch.setattr(d, "MOE_GROUPED_A8", True)
     for kw, want in (({}, True), ({"gate": Q.Q8_0, "up": Q.Q8_0, "down": Q.Q5_K}, True),
-                     ({"gate": Q.Q5_0, "up": Q.Q5_0, "down": Q.Q4_1}, True), ({"down": Q.IQ4_XS}, False),
-                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, False),
+                     ({"gate": Q.Q5_0, "up": Q.Q5_0, "down": Q.Q4_1}, True), ({"down": Q.IQ4_XS}, True),
+                     ({"gate": Q.MXFP4, "up": Q.MXFP4, "down": Q.MXFP4}, True), ({"down": Q.IQ3_S}, False),
                      ({"gate": Q.Q3_K, "up": Q.Q3_K}, False)):
         groups, head = moe(**kw)
         disp = Dispatcher(groups, head, split16_kept=False)

@@ -291,7 +291,7 @@ def test_lowbit_types_both_kernels(emu, tmp_path, qt):
 
 
 # ------------------------------------------------------------------ mmq.cu's 8-bit variant (MMQ_A8)
-A8_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+A8_TYPES = [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4]
 
 
 @pytest.mark.parametrize("qt", A8_TYPES, ids=lambda q: q.name)

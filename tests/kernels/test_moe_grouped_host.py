@@ -173,6 +173,10 @@ CASES = {
                          1, False),
     "q4k-tiles-of-64": ((Q.Q4_K, Q.Q4_K), 2, 70, 2, 256, 256, lambda r, T, k: np.tile(np.int32([1, 0]), (T, 1)), 0,
                         False),
+    # gpt-oss's stacks: MXFP4 throughout, its biases and clamped SwiGLU, top 2 of 4 (tiles of 8)
+    "mxfp4-biases-swiglu": ((Q.MXFP4, Q.MXFP4), 4, 9, 2, 96, 64,
+                            lambda r, T, k: np.stack([r.permutation(4)[:k] for _ in range(T)]).astype(np.int32), 2,
+                            True),
     # one 32-column unit a gated row (the down projection's K = 32: a chunk of one unit), 64 wide
     "q8_0-one-unit-rows": ((Q.Q8_0, Q.Q8_0), 8, 13, 2, 64, 32,
                            lambda r, T, k: np.stack([r.permutation(8)[:k] for _ in range(T)]).astype(np.int32), 0, False),

@@ -123,8 +123,8 @@ MOE_PAIRS8 = True
 # The grouped tiles take mmq.cu's 8-bit records (mmq8_moe_bnBN, each 32 activations quantized as
 # mmv8.cu's, as llama.cpp's MoE tiles take q8_1) where gate, up and down are all of the 8-bit
 # variant's types (MMQ8_TYPES): one int8 mma a 32-column unit where the fp16 records take four, and
-# under a third of the activation bytes staged a token tile; the others (MXFP4, the I-quants, Q2_K,
-# Q3_K) keep the fp16 records. The cost is accuracy, as llama.cpp's: a 32-value unit rounded to
+# under a third of the activation bytes staged a token tile; the others (the 2- and 3-bit I-quants,
+# Q2_K, Q3_K) keep the fp16 records. The cost is accuracy, as llama.cpp's: a 32-value unit rounded to
 # max/127 steps errs by about 0.5% rms of its values, and the experts' outputs take two such
 # roundings (the rows h, then the gated rows, whose products have heavier tails).
 MOE_GROUPED_A8 = True
@@ -164,9 +164,10 @@ MMQ_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q
 MMQS_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1, *_LOWBIT})                    # mmqs.cu
 MMV8_KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,
                                Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4})                               # mmv8.cu
-# mmq.cu's 8-bit variant (mmq_takes under MMQ_A8): the QUnit types of common.cuh, mmv8.cu's but the
-# 4-bit level types
-MMQ8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# mmq.cu's 8-bit variant (mmq_takes under MMQ_A8): mmv8.cu's types (the QUnit types of common.cuh and
+# the 4-bit level types)
+MMQ8_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+                        Q.MXFP4})
 
 
 class Kernel(enum.Enum):
