@@ -87,8 +87,9 @@ PLAN = [[(0, -1), (1, -1), (2, -1)],
 @pytest.mark.parametrize("sampled", [False, True])
 def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, sampled, rng):
     """Eager: every step on host inputs, read before the next. Piped: every step after the first a
-    continuation, all started before any is read (more than the token ring's rows); the host reads
-    a step early only where a new row needs its slot's last token."""
+    continuation, all executed and sampled before any is read (more than the token ring's rows);
+    the host reads a step early only where a new row needs its slot's last token."""
+    from realizar_backend.backends.base import GREEDY, Step
     gpu, prompts, prefill = _backend(name, rng)
 
     def run(piped):
@@ -100,8 +101,7 @@ def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, samp
 
         def result(i):
             if i not in got:
-                h = handles[i]
-                got[i] = (gpu.decode_sample_finish(h).tokens if sampled else gpu.decode_argmax_finish(h)).tolist()
+                got[i] = gpu.result(handles[i]).tokens.tolist()
             return got[i]
 
         def token(s):
@@ -111,14 +111,12 @@ def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, samp
             slots = [s for s, _ in batch]
             p = [pos[s] for s in slots]
             if piped and i > 0:
-                args = (slots, [token(s) if r < 0 else 0 for s, r in batch], p, [r for _, r in batch])
+                step = Step(slots=slots, tokens=[token(s) if r < 0 else 0 for s, r in batch], positions=p,
+                            prev_rows=[r for _, r in batch])
             else:
-                args = (slots, [token(s) for s in slots], p)
-            if sampled:
-                h = gpu.decode_sample_start(*args)
-                gpu.decode_sample_launch(h, [_row(drawn[s]) for s in slots])
-            else:
-                h = gpu.decode_argmax_start(*args)
+                step = Step(slots=slots, tokens=[token(s) for s in slots], positions=p)
+            h = gpu.execute(step)
+            gpu.sample(h, [_row(drawn[s]) if sampled else GREEDY for s in slots])
             handles.append(h)
             if not piped:
                 result(i)
