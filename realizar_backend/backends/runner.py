@@ -70,13 +70,15 @@ class StepRunner:
             raise ValueError("a step runs prompt chunks or decode rows, not both")
         if not step.prompts and not len(step.slots):
             raise ValueError("a step without prompt chunks or decode rows")
+        if step.prompts:
+            h = StepHandle(list(step.prompts), [it.slot for it in step.prompts], [], [])
+        else:
+            h = self._decode_handle(step)          # checked before anything changes
         if step.tables:
             self.set_block_tables(step.tables)
         if step.prompts:
-            h = StepHandle(list(step.prompts), [it.slot for it in step.prompts], [], [])
             self._run_prompts(h)
         else:
-            h = self._decode_handle(step)
             self._run_decode(h)
             self._last_decode = h
         self._last = h
