@@ -47,6 +47,12 @@ def greedy_result(tokens: np.ndarray) -> SampleResult:
     return SampleResult(tokens, nan, tokens.copy(), nan.copy(), {})
 
 
+def all_plain(rows: Sequence[SampleRow]) -> bool:
+    """Whether every row is plain (the forward pass's argmax is the token); GREEDY, the engine's
+    row for a plain greedy sequence, is known plain without reading its fields (a step's hot path)."""
+    return all(r is GREEDY or r.plain for r in rows)
+
+
 def fill_rows(rows: Sequence[SampleRow | None]) -> list[SampleRow]:
     """A prompt step's rows as rows a sampler takes, one per item: a chunk that draws nothing (None)
     as a plain argmax, which costs a backend next to nothing, its token then dropped."""

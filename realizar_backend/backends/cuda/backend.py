@@ -19,7 +19,7 @@ from ...errors import BackendError, UnsupportedModelError
 from ...formats import ModelFile
 from ...settings import Settings
 from ..base import PrefillItem, SampleResult, SampleRow
-from ..runner import StepHandle, StepRunner, greedy_result
+from ..runner import StepHandle, StepRunner, all_plain, greedy_result
 from . import ops, pdl
 from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs, PrefillGraphs
@@ -331,7 +331,7 @@ class CUDABackend(StepRunner):
         overwrites the buffers they come from); its sampling writes no decode input (a new
         sequence joins a decode step with its token from the host)."""
         n = len(rows)
-        plain = all(r.plain for r in rows)
+        plain = all_plain(rows)
         if h.prompts:
             with self.device, self.stream:
                 if plain:
