@@ -152,8 +152,10 @@ def _rows(per: dict[str, list], reps: int) -> dict[str, dict]:
 def profile_decode(be, rec: Recorder, B: int, ctx: int, steps: int) -> dict:
     """Each launch of `steps` eager decode steps of B rows at position ctx, and the graph's replay."""
     import cupy
+
+    from realizar_backend.backends import GREEDY, Step, run_step
     slots, positions = list(range(B)), [ctx] * B
-    be.decode_argmax(slots, [1] * B, positions)     # inputs in place, the bucket's graph captured
+    run_step(be, Step(slots=slots, tokens=[1] * B, positions=positions), [GREEDY] * B)   # inputs in place, graph captured
     long = be._long(B, positions)
     io = be.ws.dec_io
     rec.keys = ctx + 1
@@ -225,6 +227,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.batch < 1 or a.batch & (a.batch - 1):
         ap.error(f"--batch {a.batch}: a decode bucket is a power of two")
+    from realizar_backend.backends import GREEDY, Step, run_step
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.formats import open_model
     from realizar_backend.settings import Settings
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
             n = -(-be.max_context // be.block_size)
             be.set_block_table(s, range(s * n, (s + 1) * n))
         if a.ncu:
-            be.decode_argmax(list(range(a.batch)), [1] * a.batch, [a.context] * a.batch)
+            run_step(be, Step(slots=list(range(a.batch)), tokens=[1] * a.batch, positions=[a.context] * a.batch),
+                     [GREEDY] * a.batch)
             with be.device, be.stream:
                 be.ws.dec_io[1, :a.batch] = a.context
                 be.fwd.decode_step(a.batch, be._long(a.batch, [a.context]))

@@ -17,7 +17,11 @@ launch on a real GPU machine) comes on top, in proportion to the launches counte
 Steps: a 128-token prompt of one sequence and a 2048-token step of 16 sequences of 128 (both on the
 split16 GEMMs, where the dispatcher sends them), each run eagerly (cuda_graphs off: the host cost
 of one pass of launches) and as a new graph key is paid (graphs on, key forgotten: the pass and
-its capture pass); a decode step's eager pass per bucket (1, 16). The model: a Qwen2.5-shaped
+its capture pass); a decode step's eager pass per bucket (1, 16). --record also logs the engine's
+steps through the backend's public calls, greedy and sampled (penalties, a mask, a bias, logprobs):
+decode steps pipelined as engine/pipeline.py runs them (the next step started on the device's
+tokens, a prompt step behind a decode step, a continuation over another batch) and prompt steps
+that draw a first token; a tree from before the model runner's calls runs them on its own. The model: a Qwen2.5-shaped
 synthetic GGUF (qwen2, 28 layers, Q4_K with Q6_K V/down/head, head size 128, small widths: the
 launches per step are a 7B's). --record logs launches with device pointers as (allocation number,
 offset), so that two runs of code that allocates in the same order compare equal; --check fails
@@ -114,7 +118,10 @@ class ndarray(np.ndarray):
     def set(self, arr, stream=None):
         np.ndarray.__setitem__(self, Ellipsis, arr)
 
-    def get(self, stream=None, out=None):
+    def get(self, stream=None, out=None, blocking=True):
+        if out is not None:
+            np.copyto(out, self)
+            return out
         return np.array(self, copy=True).view(np.ndarray)
 
 
@@ -473,6 +480,11 @@ def child(model: str, reps: int, record: str | None, profile: str | None) -> Non
             with eager.device, eager.stream:
                 eager.fwd.decode_step(b, False)
             logs[f"decode {b}"] = LOG
+        from engine_steps import PIPELINED, pipelined
+        for name in PIPELINED:
+            LOG = []
+            pipelined(eager, name, rng)
+            logs[name] = LOG
         LOG = None
         Path(record).write_text(json.dumps(logs))
     print(json.dumps(out))

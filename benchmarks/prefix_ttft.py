@@ -31,7 +31,7 @@ class Phases:
     """Times the calls of the engine's step thread (its methods and its backend's, wrapped on these
     instances only) while `on`: (name, start, end), to split a request's time to its first token."""
     CALLS = (("scheduler", ("schedule",)), ("scheduler.kv", ("try_allocate", "commit")),
-             ("backend", ("set_block_table", "prefill_sample")), ("backend.prefill_graphs", ("run",)),
+             ("backend", ("set_block_table", "execute", "sample")), ("backend.prefill_graphs", ("run",)),
              ("", ("_prefill", "_accept", "_flush")))
 
     def __init__(self, engine: Engine):
@@ -43,8 +43,9 @@ class Phases:
             for name in names:
                 if obj is not None and hasattr(obj, name):
                     # the prompt step's launches (a graph replay, or eager): "prefill_launch";
-                    # the whole prompt step with its first tokens' sampling: "prefill"
-                    label = {"run": "prefill_launch", "prefill_sample": "prefill"}.get(name, name)
+                    # the whole prompt step with its first tokens' sampling (its execute and
+                    # sample; the tokens are read in sample): "prefill"
+                    label = {"run": "prefill_launch", "execute": "prefill", "sample": "prefill"}.get(name, name)
                     setattr(obj, name, self._wrap(label, getattr(obj, name)))
 
     def _wrap(self, name, fn):

@@ -10,14 +10,15 @@ steps of up to prefill_chunk_tokens tokens as the engine's scheduler packs arriv
 what a burst of requests costs a server. Prints a table and optionally writes JSON.
 
 `--constrained all|half` adds two decode measurements of the same batch, both run as the engine
-runs a batch that has constrained rows (backends' pipelined decode_sample_start / _launch /
-_finish; greedy): "sampled", no row constrained, and "constrained", a JSON schema on every row
-(all) or every other row (half), each constrained row's mask filled by llguidance while the step's
-forward pass runs, after the previous step's token was consumed (the step after it is started on
-the device's sampled tokens before they are read; a grammar that completes starts over: a new
-object). The table then shows all
-three, the constrained rate as a fraction of the plain one, and the host time of the masks per
-step (hidden behind the forward pass when it is shorter).
+runs a batch (the backend's pipelined execute / sample / result; greedy) with the rows' masks
+filled in `sample`'s prepare: "no masks" (JSON: tg_sampled), no row constrained (every row plain:
+a backend may take its argmax path, as for the engine's), and "constrained", a JSON schema on
+every row (all) or every other row (half), each constrained row's mask filled by llguidance while
+the step's forward pass runs, after the previous step's token was consumed (the step after it is
+started on the device's sampled tokens before they are read; a grammar that completes starts
+over: a new object). The table then shows all three, the constrained rate as a fraction of the
+plain one, and the host time of the masks per step (hidden behind the forward pass when it is
+shorter).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import PrefillItem, create_backend
+from .backends import GREEDY, PrefillItem, Step, create_backend, run_step
 from .backends.base import SampleRow
 from .engine.kv_manager import KVManager
 from .formats import open_model
@@ -58,7 +59,6 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 DECODE_PRIME = 8     # prompt tokens in a slot before its timed decode steps
-GREEDY = SampleRow(temperature=0.0)     # a finished prompt's first token, as a greedy request draws it
 # --constrained without --schema: an object with nested objects, enums, arrays and bounded strings
 BENCH_SCHEMA = {
     "type": "object",
@@ -146,7 +146,7 @@ def run_bench(args) -> int:
         ids = rng.integers(0, vocab, size=n, dtype=np.int32)
         take(slot, ids, n)
         t = time.perf_counter()
-        backend.prefill_sample([PrefillItem(slot, ids, 0)], [GREEDY])     # the engine's prompt step: a token back
+        run_step(backend, Step(prompts=[PrefillItem(slot, ids, 0)]), [GREEDY])   # the engine's prompt step: a token back
         dt = time.perf_counter() - t
         give_back(slot)
         return dt
@@ -169,34 +169,35 @@ def run_bench(args) -> int:
                 done[s] += m
                 left -= m
                 s += done[s] == n
-            backend.prefill_sample(items, [GREEDY if done[it.slot] == n else None for it in items])
+            run_step(backend, Step(prompts=items), [GREEDY if done[it.slot] == n else None for it in items])
         dt = time.perf_counter() - t
         for s in range(batch):
             give_back(s)
         return dt
 
     def decode_once(steps: int, guided: set[int] | None = None) -> float:
-        """guided None: the pipelined greedy path; else the sampled path with those slots constrained."""
+        """guided None: the pipelined greedy steps; else the same with those slots constrained, each
+        step's masks filled in its sample's prepare."""
         slots = list(range(batch))
         for s in slots:                      # the context to decode after (--depth; default a short one)
             ids = rng.integers(0, vocab, size=depth, dtype=np.int32)
             take(s, ids, depth + steps + 1)            # +1: the step the last one starts ahead
             for a in range(0, depth, 4096):            # long contexts in chunks, as the engine runs them
-                backend.prefill_sample([PrefillItem(s, ids[a:a + 4096], a)], [None])
+                run_step(backend, Step(prompts=[PrefillItem(s, ids[a:a + 4096], a)]), [None])
         toks = rng.integers(0, vocab, size=batch).tolist()
         if guided is not None:
             run = _Constrained(guidance, constraint, slots, guided)
             t = time.perf_counter()
-            h = backend.decode_sample_start(slots, toks, [depth] * batch)
+            h = backend.execute(Step(slots=slots, tokens=toks, positions=[depth] * batch))
             clock, host = time.perf_counter, run.host
             for i in range(steps):               # as the engine runs sampled steps: the masks are
                 ta, n_fill = clock(), len(run.mask_s)
-                backend.decode_sample_launch(h, run.rows, run.fill if run.guides else None)
+                backend.sample(h, run.rows, run.fill if run.guides else None)
                 tb = clock()
                 # the next step starts on the device's sampled tokens before this one's are read
-                nxt = backend.decode_sample_start(slots) if i + 1 < steps else None
+                nxt = backend.execute(Step(slots=slots)) if i + 1 < steps else None
                 tc = clock()
-                tokens = backend.decode_sample_finish(h).tokens
+                tokens = backend.result(h).tokens
                 td = clock()
                 run.consume(slots, tokens)
                 te = clock()
@@ -214,12 +215,15 @@ def run_bench(args) -> int:
             restarts.append(run.restarts)
         else:
             t = time.perf_counter()
-            h = backend.decode_argmax_start(slots, toks, [depth] * batch)
+            rows = [GREEDY] * batch
+            h = backend.execute(Step(slots=slots, tokens=toks, positions=[depth] * batch))
             for _ in range(steps - 1):           # as the engine runs greedy steps: the next one is
-                nxt = backend.decode_argmax_start(slots)      # started before this one's tokens are read
-                backend.decode_argmax_finish(h)
+                backend.sample(h, rows)          # started before this one's tokens are read
+                nxt = backend.execute(Step(slots=slots))
+                backend.result(h)
                 h = nxt
-            backend.decode_argmax_finish(h)
+            backend.sample(h, rows)
+            backend.result(h)
             dt = time.perf_counter() - t
         for s in slots:
             give_back(s)
@@ -302,7 +306,7 @@ def run_bench(args) -> int:
              ("pp", "pp_packed_tok_s", f"{args.prompt_tokens} x{batch} in {chunk}-token steps"),
              ("tg", "tg_tok_s", args.gen_tokens)]
     if args.constrained:
-        tests += [("tg", "tg_sampled_tok_s", f"{args.gen_tokens} sampled path"),
+        tests += [("tg", "tg_sampled_tok_s", f"{args.gen_tokens} no masks"),
                   ("tg", "tg_constrained_tok_s", f"{args.gen_tokens} json schema ({args.constrained} rows)")]
     for name, key, n in tests:
         r = result.get(key)

@@ -14,7 +14,8 @@ from ..errors import BackendError, RealizarError
 from ..formats import ModelFile
 from ..settings import Settings
 from . import host
-from .base import Backend, PrefillItem, SampleResult, SampleRow
+from .base import GREEDY, Backend, PrefillItem, SampleResult, SampleRow, Step
+from .runner import run_step
 
 log = logging.getLogger(__name__)
 
@@ -177,5 +178,5 @@ def cpu_kv_blocks(model: ModelFile, settings: Settings, slots: int, ctx: int) ->
     return min(slots * per_seq, max(per_seq, CPU_KV_BYTES // max(1, c.kv_bytes_per_token(4)) // bs))
 
 
-__all__ = ["Backend", "PrefillItem", "SampleResult", "SampleRow", "choose_backend", "create_backend", "cuda_available",
-           "start_device"]
+__all__ = ["GREEDY", "Backend", "PrefillItem", "SampleResult", "SampleRow", "Step", "choose_backend", "create_backend",
+           "cuda_available", "run_step", "start_device"]

@@ -2,39 +2,47 @@
 
 The engine owns scheduling, KV-block allocation (engine/kv_manager.py) and the sampling
 parameters; a backend owns the weights, the KV pool, the forward pass and the sampling of every
-token, a sequence's first (prefill_sample) as the rest (decode_sample) (backends/sampling.py
-defines the algorithm, which both backends implement, so that the same logits and seed give the
-same token). Vocabulary-wide logits cross to the host only for the callers that read them
-(`prefill` and `decode`: parity tests, tools) and for rows that ask (SampleRow.want_logits).
+token, a sequence's first as the rest (backends/sampling.py defines the algorithm, which both
+backends implement, so that the same logits and seed give the same token). The engine drives it
+as a model runner, through two calls per step (vLLM's execute_model and sample_tokens):
+
+    h = backend.execute(Step(...))        # enqueue the step's forward pass; returns at once
+    backend.sample(h, rows, prepare)      # enqueue its sampling (prepare fills the masks first)
+    res = backend.result(h)               # the sampled tokens (and logprobs): waits for them
+
+`run_step` is the three in a row. Vocabulary-wide logits cross to the host only for the callers
+that read them (`prefill` and `decode`: parity tests, tools) and for rows that ask
+(SampleRow.want_logits).
 
 KV memory is one pool of `num_blocks` blocks of `block_size` positions each (K and V of every
 layer). A running sequence lives in a *slot* (0 .. max_slots-1: its row of the block tables and
 of the penalty counts) and owns a list of blocks, its block table: blocks[i] holds its positions
 [i * block_size, (i + 1) * block_size). The engine hands out slots and blocks, and gives the
-backend a slot's table (`set_block_table`, or several at once: `set_block_tables`) before any step that reads or writes a position the
-slot's previous table did not cover. Two slots may name the same block (a shared prefix) as long
-as no step writes it.
+backend a slot's table (`set_block_table(s)`, or a step's `tables`) before any step that reads or
+writes a position the slot's previous table did not cover. Two slots may name the same block (a
+shared prefix) as long as no step writes it.
 
-What the engine guarantees about started greedy steps (decode_argmax_start), so a backend that
-runs them asynchronously knows what may happen while one is in flight:
-- set_block_table(s) may be called for a slot of the step in flight only to append blocks to its
-  table (for the next step's position); it must take effect for steps started after the call and
-  leave the step in flight as it was. Any other table change waits until the step is finished.
+A step is prompt chunks or decode rows. A decode step continues the last decode step executed
+(Step.prev_rows, or tokens None: every row kept in order) without its tokens passing through the
+host: a GPU backend runs it on the tokens the device wrote into its inputs, so the engine can
+execute step n+1 before it reads step n's tokens. The order of the calls, and what the engine
+guarantees while a step is in flight (executed, its result not read yet), so that a backend that
+runs steps asynchronously knows what may happen meanwhile:
+- sample(h) follows execute(h) with no step executed between them; a continuation is executed
+  after the step it continues is sampled, and only then; a step's result is read once it is
+  sampled (a step never sampled, a continuation the engine dropped, gives None and is waited for).
+- set_block_table(s) (or a step's tables) may name a slot of the step in flight only to append
+  blocks to its table (for the next step's position); it must take effect for steps executed
+  after the call and leave the step in flight as it was. Any other table change waits until the
+  step's result is read.
 - release may be called for a slot of the step in flight (its sequence just stopped); the step's
   writes into that slot's blocks are harmless (nothing reads them), but release must not disturb it.
-- decode_sample is never called while a started step is in flight; prefill and prefill_sample
-  may be, after the step's start (for a sampled step, after its launch), and leave the step as it
-  was (its results, and the decode inputs a continuation reads).
-- a continuation (a step started without tokens, or with prev_rows) always directly follows the
-  started step it continues, apart from prefills between them.
-The same holds for sampled steps (decode_sample_start / _launch / _finish), started, launched and
-finished in this order, with at most one continuation started between a step's launch and its
-finish; a continuation started but never launched (the engine dropped it) is finished unlaunched.
-
+- a prompt step (executed, sampled and read) may run while a decode step is in flight, after that
+  step's sample; it leaves the decode step as it was (its results, and the decode inputs a
+  continuation reads).
 A continuation may change the batch (prev_rows): keep any of the previous step's rows, in any
 order (a row that must stop after the previous step is left out), and add new rows whose token
-and position the host gives (a sequence whose prompt was just prefilled). The kept rows' tokens
-never pass through the host: on a GPU the device gathers them from the previous step's outputs.
+and position the host gives (a sequence whose prompt was just prefilled).
 """
 
 from __future__ import annotations
@@ -97,6 +105,13 @@ class SampleRow:
         return self.temperature == 0.0
 
     @property
+    def plain(self) -> bool:
+        """A greedy row asking nothing else: its token is the forward pass's argmax (a backend
+        may skip its sampler for a step whose rows are all plain)."""
+        return (self.temperature == 0.0 and not self.logprobs and not self.want_logits
+                and not self.penalties and not self.constrained)
+
+    @property
     def penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
@@ -109,6 +124,31 @@ class SampleResult:
     top_ids: np.ndarray             # int32 [n] argmax of the raw logits
     top_logprobs: np.ndarray        # float32 [n] its logprob; NaN unless asked
     logits: dict[int, np.ndarray]   # row -> raw logits [vocab], for rows with want_logits
+
+
+GREEDY = SampleRow(temperature=0.0)     # a plain greedy draw (never changed: rows are read, not written)
+
+
+@dataclass
+class Step:
+    """One step of the model runner (Backend.execute): prompt chunks, or decode rows (never both:
+    a backend runs them as separate forward passes).
+    Decode row i feeds tokens[i] to slots[i] at positions[i]; or, in a continuation of the last
+    decode step executed (tokens None, or prev_rows given), row i continues row prev_rows[i] of
+    that step (its slot must be that row's; its token is that row's output and its position the
+    next) or is new (-1: tokens[i] and positions[i]). prev_rows None with tokens None: every row
+    of that step kept, in order. See `continued_inputs`.
+    tables: block tables set before the step runs (set_block_tables')."""
+    prompts: Sequence[PrefillItem] = ()
+    slots: Sequence[int] = ()
+    tokens: Sequence[int] | None = None
+    positions: Sequence[int] | None = None
+    prev_rows: Sequence[int] | None = None
+    tables: Mapping[int, Sequence[int]] | None = None
+
+    @property
+    def continues(self) -> bool:
+        return not self.prompts and (self.tokens is None or self.prev_rows is not None)
 
 
 @runtime_checkable
@@ -128,69 +168,35 @@ class Backend(Protocol):
         """set_block_table for several slots at once (slot -> blocks); a GPU backend copies them
         in one transfer. A bad entry raises before any table changes."""
 
+    def execute(self, step: Step) -> Any:
+        """Enqueue the step's forward pass (its tables first) and return a handle for sample and
+        result; a GPU backend returns before the device has run it."""
+
+    def sample(self, handle: Any, rows: Sequence[SampleRow | None],
+               prepare: Callable[[], None] | None = None) -> None:
+        """Enqueue the sampling of an executed step: one row per decode row, or per prompt chunk
+        (the sequence's first token: its prompt is complete with this chunk; None: a chunk in the
+        middle of a prompt draws nothing, its token is -1). prepare: called once, before the
+        rows' masks are read, while the forward pass runs: the caller fills the masks there. The
+        rows are copied before this returns (the caller may reuse their masks). For a decode row
+        with penalties the token it feeds (its sequence's newest) is counted as generated before
+        the penalties apply; a prompt feeds none (the caller resets a penalised row's counts,
+        reset_counts, before). A decode step's tokens become the inputs of its continuation on
+        the device. A backend may take the forward pass's argmax when every row is plain."""
+
+    def result(self, handle: Any) -> SampleResult | None:
+        """The sampled step's tokens (logprobs where asked, logits of rows with want_logits); waits
+        for them; may be asked again. None for a step never sampled (waited for all the same)."""
+
     def prefill(self, items: Sequence[PrefillItem]) -> np.ndarray:
         """Run prompts (or chunks of them: start_pos > 0 continues the slot's sequence) into their
         slots' KV blocks; float32 logits [len(items), vocab] at each item's last token, for the
-        callers that read them (parity tests, `realizar check`, tools): the engine's prompts go
-        through prefill_sample."""
-
-    def prefill_sample(self, items: Sequence[PrefillItem], rows: Sequence[SampleRow | None],
-                       prepare: Callable[[], None] | None = None) -> SampleResult:
-        """prefill, then item i's last token sampled by rows[i] as decode_sample samples a row (a
-        sequence's first token: its prompt is complete with this chunk); rows[i] None: the item
-        samples nothing (a chunk in the middle of a prompt) and its token is -1. One result row
-        per item; only tokens (and logprobs where asked, logits for rows with want_logits) come
-        back. No token is fed to the penalties: the caller resets a penalised row's slot counts
-        (reset_counts) before the call. prepare: as in decode_sample (after the forward pass is
-        started, before the rows' masks are read). At most max_slots items."""
+        callers that read them (parity tests, `realizar check`, tools): the engine's prompts are
+        steps."""
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """One step for a batch: token i goes to slot i at position i. float32 logits [n, vocab]."""
-
-    def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """Greedy step: like decode, but only the argmax ids (int32 [n]) come back."""
-
-    def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None,
-                            prev_rows: Sequence[int] | None = None) -> Any:
-        """Start a greedy step and return a handle for decode_argmax_finish. tokens and positions
-        None: continue the previous greedy step's sequences (the same slots, in order) with its
-        argmax tokens at the next positions; a GPU backend runs that step without waiting for the
-        host, so the engine can start step n+1 before it reads step n's tokens. prev_rows: a
-        continuation over another batch (see `continued_inputs`): row i continues row prev_rows[i]
-        of the previous step (its slot must be that row's), or is new (-1) and takes tokens[i]
-        and positions[i]."""
-
-    def decode_argmax_finish(self, handle: Any) -> np.ndarray:
-        """The ids (int32 [n]) of a started step; waits for it."""
-
-    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                      rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
-        """One step sampled on the backend: only token ids (and logprobs where asked) come back.
-        For rows with penalties, tokens[i] (the sequence's newest token) is counted as generated
-        before the penalties of this step apply. prepare: called once, after the step's forward
-        pass is started and before the rows' masks are read; the caller fills the masks there,
-        so that this host work overlaps a device's forward pass."""
-
-    def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None,
-                            prev_rows: Sequence[int] | None = None) -> Any:
-        """Start a sampled step's forward pass; returns a handle. tokens and positions None:
-        continue the previous sampled step (launched; the same slots, in order) with its sampled
-        tokens at the next positions; a GPU backend runs it without waiting for the host (the
-        sampling writes its tokens into the next step's inputs), so the engine can start step n+1
-        before it reads step n's tokens. prev_rows: as in decode_argmax_start."""
-
-    def decode_sample_launch(self, handle: Any, rows: Sequence[SampleRow],
-                             prepare: Callable[[], None] | None = None) -> None:
-        """Sample the started step's rows (prepare first, as in decode_sample; the rows' masks are
-        read after it). Returns once the rows are copied; no other step may run between the
-        step's start and its launch. The tokens fed (counted for penalties) are the step's own,
-        or for a continuation the step's it continues."""
-
-    def decode_sample_finish(self, handle: Any) -> SampleResult | None:
-        """The results of a launched step (waits for them), the same as decode_sample's for the
-        same rows and inputs; None for a step never launched."""
+        """One decode step outside the runner's order, for the callers that read logits: token i
+        goes to slot i at position i. float32 logits [n, vocab]. A later step cannot continue it."""
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         """A sequence with penalties starts (or, after a preemption, resumes) in `slot`: forget the

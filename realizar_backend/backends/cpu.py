@@ -20,8 +20,9 @@ from ..model.families import build_model
 from ..model.math import apply_rope, attention, gelu_tanh, rms_norm, rope_angles, route, silu, swiglu_oai
 from ..model.ops import AttentionSpec
 from ..progress import progress
-from .base import PrefillItem, SampleResult, SampleRow, checked_tables, continued_inputs
-from .sampling import drop_unsampled, fill_rows, sample_rows
+from .base import PrefillItem, SampleResult, SampleRow, checked_tables
+from .runner import StepHandle, StepRunner
+from .sampling import sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def _l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
 
 # ---------------------------------------------------------------- the backend
 
-class CPUBackend:
+class CPUBackend(StepRunner):
     name = "cpu"
 
     def __init__(self, model: ModelFile, max_slots: int = 8, max_context: int = 2048,
@@ -197,8 +198,6 @@ class CPUBackend:
         memory); the GPU parity tests use it so that they compare kernels, not storage formats."""
         self.config: ModelConfig = model.config
         self.max_slots = max_slots
-        self._last_greedy: tuple[list[int], list[int], list[int]] | None = None   # decode_argmax_start
-        self._last_sampled: dict | None = None      # decode_sample_start's last handle
         self.max_context = min(max_context, self.config.context_length) if self.config.context_length else max_context
         c = self.config
 
@@ -282,88 +281,29 @@ class CPUBackend:
         return self._forward([it.slot for it in items], [it.tokens for it in items],
                              [it.start_pos for it in items])
 
-    def prefill_sample(self, items: Sequence[PrefillItem], rows: Sequence[SampleRow | None],
-                       prepare: Callable[[], None] | None = None) -> SampleResult:
-        """The prompts' last rows sampled by the NumPy twin of the GPU's sampling kernels, as
-        decode_sample's rows are."""
-        if len(rows) != len(items):
-            raise ValueError("one SampleRow (or None) per prefill item")
-        logits = self.prefill(items)[:, :self.config.vocab_size]
-        if prepare is not None:
-            prepare()
-        counts = [self._counts()[it.slot] if r is not None and r.penalties else None
-                  for it, r in zip(items, rows)]
-        return drop_unsampled(sample_rows(logits, fill_rows(rows), counts), rows)
-
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         return self._forward(list(slots), [np.array([t]) for t in tokens], list(positions))
 
-    def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        return np.argmax(self.decode(slots, tokens, positions), axis=-1).astype(np.int32)
+    # the model runner's calls (runner.py): a step's forward pass runs at once and its handle keeps
+    # the logits; its sampling is the NumPy twin of the GPU's sampling kernels
+    def _run_prompts(self, h: StepHandle) -> None:
+        h.state = self.prefill(h.prompts)[:, :self.config.vocab_size]
 
-    def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None,
-                            prev_rows: Sequence[int] | None = None) -> np.ndarray:
-        """The protocol's started greedy step, run at once (the handle is the ids)."""
-        if tokens is None or prev_rows is not None:
-            if self._last_greedy is None:
-                raise ValueError("decode_argmax_start without tokens continues the previous greedy step")
-            prev_slots, prev_ids, prev_pos = self._last_greedy
-            rows, tokens, positions = continued_inputs(prev_slots, prev_pos, slots, tokens, positions, prev_rows)
-            tokens = [prev_ids[r] if r >= 0 else t for r, t in zip(rows, tokens)]
-        ids = self.decode_argmax(slots, tokens, positions)
-        self._last_greedy = ([int(s) for s in slots], ids.tolist(), [int(p) for p in positions])
-        return ids
+    def _run_decode(self, h: StepHandle) -> None:
+        h.state = self.decode(h.slots, self.fed_tokens(h), h.positions)[:, :self.config.vocab_size]
 
-    def decode_argmax_finish(self, handle: np.ndarray) -> np.ndarray:
-        return handle
-
-    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                      rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
-        """The step's logits sampled by the NumPy twin of the GPU's sampling kernels."""
-        h = self.decode_sample_start(slots, tokens, positions)
-        self.decode_sample_launch(h, rows, prepare)
-        return self.decode_sample_finish(h)
-
-    def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None,
-                            prev_rows: Sequence[int] | None = None) -> dict:
-        """The protocol's started sampled step; the forward pass runs at once (the handle keeps
-        its logits). A continuation feeds the previous step's sampled tokens, known by then."""
-        prev = self._last_sampled
-        if tokens is None or prev_rows is not None:
-            if prev is None or prev["result"] is None:
-                raise ValueError("decode_sample_start without tokens continues the previous "
-                                 "sampled step, once it is launched")
-            rows, tokens, positions = continued_inputs(prev["slots"], prev["positions"], slots, tokens,
-                                                       positions, prev_rows)
-            drawn = prev["result"].tokens
-            tokens = [int(drawn[r]) if r >= 0 else t for r, t in zip(rows, tokens)]
-        h = {"slots": [int(s) for s in slots], "tokens": [int(t) for t in tokens],
-             "positions": [int(p) for p in positions], "result": None,
-             "logits": self.decode(slots, tokens, positions)[:, :self.config.vocab_size]}
-        self._last_sampled = h
-        return h
-
-    def decode_sample_launch(self, h: dict, rows: Sequence[SampleRow],
-                             prepare: Callable[[], None] | None = None) -> None:
-        if len(rows) != len(h["slots"]):
-            raise ValueError("one SampleRow per sequence")
-        if h["result"] is not None or h is not self._last_sampled:
-            raise ValueError("decode_sample_launch: the step is launched already, or another step ran since")
-        if prepare is not None:
-            prepare()
+    def _sample(self, h: StepHandle, rows: list[SampleRow]) -> Callable[[], SampleResult]:
         counts: list[np.ndarray | None] = []
-        for s, t, r in zip(h["slots"], h["tokens"], rows):
+        for s, r, t in zip(h.slots, rows, h.tokens or [None] * len(rows)):
             if r.penalties:
-                self._counts()[s, t] += 2     # the newest token counts from this step on
-                counts.append(self.counts[s])
+                if t is not None:                 # a decode row: the token it feeds counts from now on
+                    self._counts()[s, t] += 2
+                counts.append(self._counts()[s])
             else:
                 counts.append(None)
-        h["result"] = sample_rows(h.pop("logits"), rows, counts)
-
-    def decode_sample_finish(self, h: dict) -> SampleResult | None:
-        return h["result"]
+        res = sample_rows(h.state, rows, counts)
+        h.state = None
+        return lambda: res
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         c = self._counts()

@@ -358,7 +358,7 @@ def raw_logprobs(logits: np.ndarray, token: int) -> tuple[float, int, float]:
 
 
 def sample_rows(logits: np.ndarray, rows, counts: list[np.ndarray | None] | None = None):
-    """Rows of raw logits [n, vocab] -> SampleResult, as Backend.decode_sample returns it."""
+    """Rows of raw logits [n, vocab] -> SampleResult, as Backend.result returns it."""
     n = len(rows)
     toks = np.zeros(n, np.int32)
     lps = np.full(n, np.nan, np.float32)
@@ -374,22 +374,6 @@ def sample_rows(logits: np.ndarray, rows, counts: list[np.ndarray | None] | None
         if row.want_logits:
             kept[i] = np.array(logits[i], np.float32)
     return SampleResult(toks, lps, top_ids, top_lps, kept)
-
-
-# the row of a prefill item that samples nothing: a plain argmax (no penalties, mask or logprobs),
-# which costs a backend next to nothing, its token then dropped (`drop_unsampled`)
-_UNSAMPLED = SampleRow(temperature=0.0)
-
-
-def fill_rows(rows) -> list[SampleRow]:
-    """prefill_sample's rows (None: the item samples nothing) as a step's rows, one per item."""
-    return [_UNSAMPLED if r is None else r for r in rows]
-
-
-def drop_unsampled(res: SampleResult, rows) -> SampleResult:
-    """The result of `fill_rows(rows)` with token -1 where rows[i] is None."""
-    res.tokens[[i for i, r in enumerate(rows) if r is None]] = -1
-    return res
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

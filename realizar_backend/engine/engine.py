@@ -1,20 +1,21 @@
 """The engine: an async generate API over a step loop that batches every running sequence.
 
 One background thread owns the backend and runs steps. The scheduler (engine/scheduler.py) plans
-each step over the paged KV cache (engine/kv_manager.py); the engine carries it out: it gives the
-backend the block tables that changed, decodes every running sequence in one batched call that
-the backend also samples (backends/sampling.py defines how), then prefills the planned prompt
-chunks (the backend samples a sequence's first token at its last chunk, as it samples the rest:
-no logits come back), and hands each sequence's new text to its caller (engine/outputs.py).
+each step over the paged KV cache (engine/kv_manager.py); the engine carries it out on the
+backend's model runner (backends/base.py: execute a step, sample it, read its result): it gives
+the backend the block tables that changed, decodes every running sequence in one step that the
+backend also samples (backends/sampling.py defines how), then prefills the planned prompt chunks
+in another (the backend samples a sequence's first token at its last chunk, as it samples the
+rest: no logits come back), and hands each sequence's new text to its caller (engine/outputs.py).
 Callers iterate asynchronously (`generate`) or synchronously (`generate_sync`, for the CLI);
 leaving the iteration early cancels the sequence and frees its KV blocks at once.
 
 Constrained decoding (engine/guidance.py): a request's grammar is compiled in `prepare`, each of
 its sequences gets a Guide, every token drawn is consumed by it, and a complete grammar ends the
-sequence. A batch with a constrained row (a grammar or a logit bias) is sampled by the backend,
-pipelined as greedy steps are (engine/pipeline.py): the grammars' masks for step n+1 are computed
-while its forward pass runs, after the host has consumed step n's tokens; a batch without one keeps
-the greedy path, and its rows never see a mask.
+sequence. Every decode step is pipelined the same way (engine/pipeline.py): a constrained row's
+mask (a grammar's) for step n+1 is computed while its forward pass runs, after the host has consumed
+step n's token; rows without one never see a mask (a step whose rows are all plain greedy the
+backend may answer with the forward pass's argmax).
 
 Here: the request side (generate, abort, stats, shutdown; prepare is engine/prep.py's, shared
 with engine/process.py, which runs this engine in a process of its own) and the step loop, which plans
@@ -40,7 +41,7 @@ from typing import Any, AsyncIterator, Iterator, Protocol
 import numpy as np
 
 from .. import timeline
-from ..backends import Backend, PrefillItem, SampleResult, SampleRow, create_backend, start_device
+from ..backends import Backend, PrefillItem, SampleResult, SampleRow, Step, create_backend, run_step, start_device
 from ..errors import CapacityError, ContextOverflowError, GrammarError, GrammarLimitError
 from ..formats import open_model
 from ..model.default import default_model_path
@@ -444,7 +445,7 @@ class Engine(RequestPrep):
         by_item: list[SampleRow | None] = [None] * len(items)
         for i, row in zip(drawn, rows):
             by_item[i] = row
-        res = self.backend.prefill_sample(items, by_item, prepare)
+        res = run_step(self.backend, Step(prompts=items), by_item, prepare)
         timeline.once("first prefill step done")
         for seq, _, n in chunks:
             self.scheduler.computed(seq, n)
@@ -453,17 +454,11 @@ class Engine(RequestPrep):
     def _decode(self, decode: list[Sequence], prefill: list[tuple[Sequence, int, int]]) -> None:
         """One decode step for `decode` (the plan's), on the pipeline (engine/pipeline.py: the step's
         prefill runs once it is queued, and the next step starts ahead), then its tokens accepted."""
-        batch, live, kind, out = self.pipeline.step(decode, prefill)
-        if kind == "greedy":
-            for seq, tok in zip(batch, out):
-                if id(seq) in live:
-                    self.scheduler.computed(seq, 1)
-                    self._accept(seq, int(tok))
-        else:
-            rows = [(i, s) for i, s in enumerate(batch) if id(s) in live]
-            for _, seq in rows:
-                self.scheduler.computed(seq, 1)
-            self._accept_sampled(rows, out)
+        batch, live, out = self.pipeline.step(decode, prefill)
+        rows = [(i, s) for i, s in enumerate(batch) if id(s) in live]
+        for _, seq in rows:
+            self.scheduler.computed(seq, 1)
+        self._accept_sampled(rows, out)
         self._decode_window.append((time.perf_counter(), len(decode)))
         del self._decode_window[:-64]
 

@@ -21,13 +21,13 @@ a new one), and `release` returns it.
 How the engine drives a Guide (engine/engine.py):
     compile(constraint)                          # in Engine.prepare, off the event loop: 400s here
     guide = guidance.guide(constraint)           # when the sequence is made (cached: a copy)
-    token = backend.prefill_sample(prompt, rows with masks, prepare=fill_masks)   # the first token
+    token = run_step(backend, Step(prompts), rows with masks, prepare=fill_masks)   # the first token
     loop:
         if not guide.consume(token): fail the sequence (only a broken backend gets here)
         if guide.finished: finish with "stop"     # the grammar is complete: only EOS could follow
-        backend.decode_sample_launch(step, rows with masks, prepare=fill_masks)
-            # the step's forward pass is queued already (started ahead on the device's own
-            # tokens while the host consumed the previous ones; a prompt's, by prefill_sample):
+        backend.sample(step, rows with masks, prepare=fill_masks)
+            # the step's forward pass is queued already (executed ahead on the device's own
+            # tokens while the host consumed the previous ones; a prompt's, by its execute):
             # fill_masks computes every guide's next mask before the sampling reads the masks,
             # overlapping the forward
     guidance.release(guide)                      # the sequence ended: its matcher serves the next one

@@ -6,7 +6,7 @@ import pytest
 
 from support.paging import contiguous_tables
 from realizar_backend.backends import cpu_memory_bytes
-from realizar_backend.backends.base import PrefillItem
+from realizar_backend.backends import GREEDY, PrefillItem, Step
 from realizar_backend.backends.cpu import CPUBackend, apply_rope, attention, rope_angles
 
 
@@ -177,9 +177,9 @@ def test_fp16_kv_cache_stays_close_to_fp32(smol_model):
 
 
 def test_started_greedy_steps_continue_on_their_own_tokens(backend):
-    """decode_argmax_start without tokens continues the previous greedy step's sequences with its
-    argmax at the next positions: the same tokens as feeding them from the caller; other slots
-    than the previous step's are refused."""
+    """A step without tokens continues the previous step's sequences with its tokens at the next
+    positions: greedy, the argmax of the logits the caller feeding them gets; other slots than
+    the previous step's are refused."""
     rng = np.random.default_rng()
     vocab = backend.config.vocab_size
     prompts = [rng.integers(0, vocab, size=5 + i, dtype=np.int32) for i in range(2)]
@@ -189,17 +189,20 @@ def test_started_greedy_steps_continue_on_their_own_tokens(backend):
         toks, pos = [int(t) for t in first], [len(p) for p in prompts]
         out = []
         if chained:
-            h = backend.decode_argmax_start([0, 1], toks, pos)
+            h = backend.execute(Step(slots=[0, 1], tokens=toks, positions=pos))
             for _ in range(5):
-                nxt = backend.decode_argmax_start([0, 1])
-                out.append(backend.decode_argmax_finish(h).tolist())
+                backend.sample(h, [GREEDY, GREEDY])
+                nxt = backend.execute(Step(slots=[0, 1]))
+                out.append(backend.result(h).tokens.tolist())
                 h = nxt
-            out.append(backend.decode_argmax_finish(h).tolist())
+            backend.sample(h, [GREEDY, GREEDY])
+            out.append(backend.result(h).tokens.tolist())
             with pytest.raises(ValueError):
-                backend.decode_argmax_start([1, 0])
+                backend.execute(Step(slots=[1, 0]))
         else:
             for i in range(6):
-                toks = backend.decode_argmax([0, 1], toks, [p + i for p in pos]).tolist()
+                logits = backend.decode([0, 1], toks, [p + i for p in pos])[:, :vocab]
+                toks = logits.argmax(-1).tolist()
                 out.append(toks)
         runs.append(out)
     assert runs[0] == runs[1]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from realizar_backend.backends import Step, run_step
 from realizar_backend.backends.base import SampleRow
 from realizar_backend.backends.sampling import (EXP_POLY, LN2_HI, LN2_LO, LOG2E, draw_detail, draw_u64, f32_keys,
                                                 fx_weights, kernel_params, penalize, philox4x32_10, row_constants,
@@ -240,7 +241,7 @@ def test_cpu_backend_counts_the_fed_token(smol_model):
     be.reset_counts(1, prompt)
     row = SampleRow(repetition_penalty=1.3, frequency_penalty=0.4, seed=3, step=1)
     first = int(np.argmax(logits))
-    res = be.decode_sample([1], [first], [4], [row])
+    res = run_step(be, Step(slots=[1], tokens=[first], positions=[4]), [row])
     want = np.zeros(be.config.vocab_size, np.int32)
     want[prompt] = 1
     want[first] += 2
@@ -250,7 +251,7 @@ def test_cpu_backend_counts_the_fed_token(smol_model):
 
 
 def test_cpu_prefill_samples_each_finished_prompt(smol_model):
-    """prefill_sample draws each finished prompt's first token from its last row as the twin draws
+    """A prompt step draws each finished prompt's first token from its last row as the twin draws
     it from prefill's logits (greedy with a bias, sampled with penalties on the slot's prompt
     counts and filters, masked): only tokens, logprobs and the asked-for logits come back; a
     chunk in the middle of a prompt draws nothing, and its prompt's last chunk draws the token
@@ -275,7 +276,7 @@ def test_cpu_prefill_samples_each_finished_prompt(smol_model):
             None,
             SampleRow(temperature=1.2, min_p=0.01, seed=7, mask=mask, want_logits=True)]
     be.reset_counts(1, prompts[1])
-    res = be.prefill_sample(items, rows)
+    res = run_step(be, Step(prompts=items), rows)
     prompt_counts = np.zeros(V, np.int32)
     prompt_counts[prompts[1]] = 1
     assert int(res.tokens[0]) == bias.ids[0]
@@ -290,9 +291,9 @@ def test_cpu_prefill_samples_each_finished_prompt(smol_model):
     assert set(res.logits) == {3} and np.array_equal(res.logits[3], logits[3])
     # the same prompt in two chunks: the first draws nothing, the last draws from its last row
     p = prompts[1]
-    assert be.prefill_sample([PrefillItem(2, p[:4])], [None]).tokens.tolist() == [-1]
+    assert run_step(be, Step(prompts=[PrefillItem(2, p[:4])]), [None]).tokens.tolist() == [-1]
     be.reset_counts(2, p)
-    last = be.prefill_sample([PrefillItem(2, p[4:], 4)], [rows[1]])
+    last = run_step(be, Step(prompts=[PrefillItem(2, p[4:], 4)]), [rows[1]])
     tail = be.prefill([PrefillItem(2, p[4:], 4)])[0, :V]
     assert np.allclose(tail, logits[1], atol=1e-3)
     assert int(last.tokens[0]) == sample_logits(tail, rows[1], prompt_counts)

@@ -160,8 +160,8 @@ def test_a_token_the_grammar_refuses_fails_only_its_sequence(smol_model):
     from realizar_backend.model.tokenizer import Tokenizer
 
     class MaskBlind(CPUBackend):
-        def decode_sample_launch(self, handle, rows, prepare=None):
-            super().decode_sample_launch(handle, [dataclasses.replace(r, mask=None) for r in rows], prepare)
+        def sample(self, handle, rows, prepare=None):
+            super().sample(handle, [r and dataclasses.replace(r, mask=None) for r in rows], prepare)
 
     eng = Engine(MaskBlind(smol_model, max_slots=2, max_context=128), Tokenizer.from_model_file(smol_model),
                  Settings(**BASE))

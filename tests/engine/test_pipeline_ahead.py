@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from realizar_backend.backends.base import PrefillItem, SampleRow
+from realizar_backend.backends import GREEDY, PrefillItem, SampleRow, Step, run_step
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.engine.engine import Engine
 from realizar_backend.engine.sampling import SamplingParams
@@ -60,15 +60,10 @@ def test_a_continuation_over_another_batch_gives_the_tokens_of_host_inputs(smol_
             prev = [r for _, r in batch]
             if piped and i > 0:
                 feed = [toks[s] if r < 0 else -7 for s, r in batch]      # kept rows: the backend's own
-                args = (slots, feed, [pos[s] for s in slots], prev)
+                step = Step(slots=slots, tokens=feed, positions=[pos[s] for s in slots], prev_rows=prev)
             else:
-                args = (slots, [toks[s] for s in slots], [pos[s] for s in slots])
-            if sampled:
-                h = be.decode_sample_start(*args)
-                be.decode_sample_launch(h, [_row(drawn[s]) for s in slots])
-                ids = be.decode_sample_finish(h).tokens
-            else:
-                ids = be.decode_argmax_finish(be.decode_argmax_start(*args))
+                step = Step(slots=slots, tokens=[toks[s] for s in slots], positions=[pos[s] for s in slots])
+            ids = run_step(be, step, [_row(drawn[s]) if sampled else GREEDY for s in slots]).tokens
             for s, t in zip(slots, ids):
                 toks[s], pos[s], drawn[s] = int(t), pos[s] + 1, drawn[s] + 1
             out.append(dict(zip(slots, ids.tolist())))
@@ -79,13 +74,23 @@ def test_a_continuation_over_another_batch_gives_the_tokens_of_host_inputs(smol_
 
 def test_a_continuation_names_the_rows_it_keeps(smol_model):
     be, first = _backend(smol_model)
-    be.decode_argmax_start([0, 1], first[:2], [4, 5])
+    h = be.execute(Step(slots=[0, 1], tokens=first[:2], positions=[4, 5]))
     with pytest.raises(ValueError):
-        be.decode_argmax_start([1, 0], None, None, [0, 1])       # row 0 was slot 0, not slot 1
+        be.execute(Step(slots=[0, 1]))                            # the step it continues is not sampled
+    be.sample(h, [GREEDY, GREEDY])
     with pytest.raises(ValueError):
-        be.decode_argmax_start([0, 0], None, None, [0, 0])       # a row kept twice
+        be.sample(h, [GREEDY, GREEDY])                            # a step is sampled once
     with pytest.raises(ValueError):
-        be.decode_argmax_start([0, 2], None, None, [0, -1])      # a new row without its token
+        be.execute(Step(slots=[1, 0], prev_rows=[0, 1]))          # row 0 was slot 0, not slot 1
+    with pytest.raises(ValueError):
+        be.execute(Step(slots=[0, 0], prev_rows=[0, 0]))          # a row kept twice
+    with pytest.raises(ValueError):
+        be.execute(Step(slots=[0, 2], prev_rows=[0, -1]))         # a new row without its token
+    nxt = be.execute(Step(slots=[1, 0], prev_rows=[1, 0]))
+    be.execute(Step(prompts=[PrefillItem(2, np.asarray(PROMPTS[2], np.int32), 0)]))
+    with pytest.raises(ValueError):
+        be.sample(nxt, [GREEDY, GREEDY])                          # another step ran since it was executed
+    assert be.result(nxt) is None                                 # never sampled: nothing comes back
 
 
 BASE = dict(backend="cpu", max_num_seqs=4, context_length=128)
@@ -143,14 +148,11 @@ def test_engine_tokens_are_the_same_with_and_without_steps_started_ahead(smol_mo
     assert [len(t) for t in got[True]] == [n if c is None else c for _, n, _, _, c in jobs]
     off, on = steps[False], steps[True]
     assert off["ahead"] == 0 and off["off"] > 0
-    # started ahead across rows finishing and arrivals; not ahead only where no decode ran before,
-    # after the cancellation (its step is waited for) and, with sampled rows, where the batch
-    # switched between the greedy and the sampled path
-    assert on["prefill"] == on["finishing"] == on["no_block"] == on["off"] == 0
+    # started ahead across rows finishing and arrivals, greedy and sampled rows alike; not ahead
+    # only where no decode ran before and after the cancellation (its step is waited for)
+    assert on["prefill"] == on["finishing"] == on["no_block"] == on["off"] == on["kind"] == 0
     assert on["changed"] <= 1
-    assert on["ahead"] == sum(on.values()) - on["start"] - on["changed"] - on["kind"] > 0
-    if not sampled:
-        assert on["kind"] == 0 and on["ahead"] > 2 * (on["start"] + on["changed"])
+    assert on["ahead"] == sum(on.values()) - on["start"] - on["changed"] > 2 * (on["start"] + on["changed"])
 
 
 def test_a_row_that_stops_on_a_stop_token_frees_its_blocks_after_the_step_ahead(smol_model):

@@ -1,6 +1,6 @@
-"""Pipelined sampled decode steps (decode_sample_start / _launch / _finish, engine/pipeline.py's
-DecodePipeline._sampled_step), on the real SmolLM2 (NumPy backend): the step after one is started
-on the tokens the backend sampled before the host reads them, and the tokens are the unpipelined
+"""Pipelined sampled decode steps (Backend.execute / sample / result, engine/pipeline.py's
+DecodePipeline.step), on the real SmolLM2 (NumPy backend): the step after one is started on the
+tokens the backend sampled before the host reads them, and the tokens are the unpipelined
 ones: seeded draws, penalties (the fed token counted once), logit bias and masks that depend on the
 previous token; in the engine, constrained JSON, penalties and seeded sampling give the same text
 with and without the pipeline, also when sequences finish or are cancelled while a step is started
@@ -15,7 +15,7 @@ import pytest
 
 from support.pipeline_rows import STEPS, fill_masks as _fill, rows as _rows
 
-from realizar_backend.backends.base import PrefillItem
+from realizar_backend.backends import PrefillItem, Step, run_step
 from realizar_backend.backends.cpu import CPUBackend
 from realizar_backend.backends.sampling import mask_words
 from realizar_backend.engine.engine import Engine
@@ -50,19 +50,19 @@ def test_pipelined_protocol_gives_the_eager_tokens(smol_model):
     eager = []
     for i in range(STEPS):
         prev = list(toks)
-        res = be.decode_sample(slots, toks, [len(prompt) + i] * 4, _rows(i, masks),
-                               lambda: _fill(masks, prev, V))
+        res = run_step(be, Step(slots=slots, tokens=toks, positions=[len(prompt) + i] * 4), _rows(i, masks),
+                       lambda: _fill(masks, prev, V))
         toks = res.tokens.tolist()
         eager.append(toks)
 
     be, toks = _setup(smol_model, prompt)
     masks = np.zeros((2, mask_words(V)), np.int32)
     piped, prev = [], list(toks)
-    h = be.decode_sample_start(slots, toks, [len(prompt)] * 4)
+    h = be.execute(Step(slots=slots, tokens=toks, positions=[len(prompt)] * 4))
     for i in range(STEPS):
-        be.decode_sample_launch(h, _rows(i, masks), lambda: _fill(masks, prev, V))
-        nxt = be.decode_sample_start(slots) if i + 1 < STEPS else None
-        prev = be.decode_sample_finish(h).tokens.tolist()    # read after the next step started
+        be.sample(h, _rows(i, masks), lambda: _fill(masks, prev, V))
+        nxt = be.execute(Step(slots=slots)) if i + 1 < STEPS else None
+        prev = be.result(h).tokens.tolist()    # read after the next step started
         piped.append(prev)
         h = nxt
     assert piped == eager
@@ -75,14 +75,14 @@ def test_a_dropped_continuation_gives_nothing_and_the_next_step_starts_fresh(smo
     prompt = np.array([1, 504, 3458, 282], np.int32)
     be, toks = _setup(smol_model, prompt)
     masks = np.zeros((2, mask_words(smol_model.config.vocab_size)), np.int32)
-    h = be.decode_sample_start([0, 1], toks[:2], [4, 4])
-    be.decode_sample_launch(h, _rows(0, masks)[:2])
-    ahead = be.decode_sample_start([0, 1])
-    got = be.decode_sample_finish(h).tokens.tolist()
-    assert be.decode_sample_finish(ahead) is None          # dropped, never launched
+    h = be.execute(Step(slots=[0, 1], tokens=toks[:2], positions=[4, 4]))
+    be.sample(h, _rows(0, masks)[:2])
+    ahead = be.execute(Step(slots=[0, 1]))
+    got = be.result(h).tokens.tolist()
+    assert be.result(ahead) is None                        # dropped, never sampled
     with pytest.raises(ValueError):
-        be.decode_sample_start([0, 1])                     # nothing launched to continue
-    res = be.decode_sample(*([0, 1], got, [5, 5]), _rows(1, masks)[:2])
+        be.execute(Step(slots=[0, 1]))                     # nothing sampled to continue
+    res = run_step(be, Step(slots=[0, 1], tokens=got, positions=[5, 5]), _rows(1, masks)[:2])
     assert len(res.tokens) == 2
 
 

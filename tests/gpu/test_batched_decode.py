@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from support.paging import contiguous_tables
 from support.parity import CHAOTIC_MEDIAN, CHAOTIC_MEDIAN_FP16
+from support.steps import greedy_step
 from test_model_parity import COS_MIN, TWINS, _assert_parity, _cos, _open, _real_smol
 
 pytestmark = pytest.mark.gpu
@@ -86,7 +87,7 @@ def test_batched_greedy_equals_single_stream_on_real_smollm2(mode, rng):
     slots = list(range(n))
     toks, pos, batch = [int(t) for t in first], [len(p) for p in prompts], [[int(t)] for t in first]
     for _ in range(steps):
-        toks = gpu.decode_argmax(slots, toks, pos).tolist()
+        toks = greedy_step(gpu, slots, toks, pos).tolist()
         pos = [p + 1 for p in pos]
         for s in slots:
             batch[s].append(toks[s])

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.paging import contiguous_tables
+from support.steps import chained_steps, greedy_step
 
 pytestmark = pytest.mark.gpu
 
@@ -74,7 +75,7 @@ def test_real_smollm2_greedy_graphs_off_equals_cpu():
     for i in range(31):
         p = len(prompt) + i
         tc.append(int(np.argmax(cpu.decode([0], [tc[-1]], [p])[0])))
-        tg.append(int(gpu.decode_argmax([0], [tg[-1]], [p])[0]))
+        tg.append(int(greedy_step(gpu, [0], [tg[-1]], [p])[0]))
     st = gpu.stats()["graph_status"]
     gpu.close()
     print(f"greedy cpu {tc}\ngreedy gpu (graphs off) {tg}")
@@ -86,10 +87,10 @@ def test_real_smollm2_greedy_graphs_off_equals_cpu():
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
-    """Greedy steps chained on the device (decode_argmax_start without tokens: the step reads the
-    previous step's argmax and next positions, which that step wrote) give the tokens of the same
-    steps fed from the host one at a time, with up to two steps in flight."""
-    from realizar_backend.backends.base import PrefillItem
+    """Greedy steps chained on the device (a step executed without tokens reads the previous
+    step's argmax and next positions, which that step wrote) give the tokens of the same steps fed
+    from the host one at a time, with up to two steps in flight."""
+    from realizar_backend.backends.base import PrefillItem, Step
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model(name)
@@ -103,17 +104,12 @@ def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
         first = gpu.prefill([PrefillItem(s, p) for s, p in zip(slots, prompts)]).argmax(-1)
         toks, pos, out = [int(t) for t in first], [len(p) for p in prompts], []
         if chained:
-            h = gpu.decode_argmax_start(slots, toks, pos)
-            for _ in range(19):
-                nxt = gpu.decode_argmax_start(slots)
-                out.append(gpu.decode_argmax_finish(h).tolist())
-                h = nxt
-            out.append(gpu.decode_argmax_finish(h).tolist())
+            out = chained_steps(gpu, slots, toks, pos, 20)
             with pytest.raises(ValueError):
-                gpu.decode_argmax_start(slots[::-1] + [3])
+                gpu.execute(Step(slots=slots[::-1] + [3]))
         else:
             for i in range(20):
-                toks = gpu.decode_argmax(slots, toks, [p + i for p in pos]).tolist()
+                toks = greedy_step(gpu, slots, toks, [p + i for p in pos]).tolist()
                 out.append(toks)
         gpu.close()
         runs.append(out)
@@ -121,11 +117,11 @@ def test_started_steps_equal_synchronous_steps(name, batch, graphs, rng):
 
 
 def test_more_steps_in_flight_than_token_ring_rows(rng):
-    """The host reads greedy tokens from a ring in mapped memory, a row per step: starting more
-    steps than the ring has rows, then a step with new inputs, before finishing any, still gives each
-    handle its own step's tokens (older steps are read back before their rows are reused), and a
-    handle is read once."""
-    from realizar_backend.backends.base import PrefillItem
+    """The host reads greedy tokens from a ring in mapped memory, a row per step: executing (and
+    sampling) more steps than the ring has rows, then a step with new inputs, before reading any,
+    still gives each handle its own step's tokens (older steps are read back before their rows are
+    reused), also when a handle is asked again."""
+    from realizar_backend.backends.base import GREEDY, PrefillItem, Step
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model("qwen05")
@@ -137,15 +133,20 @@ def test_more_steps_in_flight_than_token_ring_rows(rng):
     pos = [len(p) for p in prompts]
     want, toks = [], first
     for i in range(10):
-        toks = gpu.decode_argmax(slots, toks, [p + i for p in pos]).tolist()
+        toks = greedy_step(gpu, slots, toks, [p + i for p in pos]).tolist()
         want.append(toks)
     assert gpu.token_ring.length < 10
-    handles = [gpu.decode_argmax_start(slots, first, pos)] + [gpu.decode_argmax_start(slots) for _ in range(9)]
-    again = gpu.decode_argmax_start(slots, first, pos)       # new inputs: the first step once more
-    assert [gpu.decode_argmax_finish(h).tolist() for h in handles] == want
-    assert gpu.decode_argmax_finish(again).tolist() == want[0]
-    with pytest.raises(ValueError):
-        gpu.decode_argmax_finish(handles[0])
+
+    def executed(step):
+        h = gpu.execute(step)
+        gpu.sample(h, [GREEDY, GREEDY])
+        return h
+    handles = [executed(Step(slots=slots, tokens=first, positions=pos))]
+    handles += [executed(Step(slots=slots)) for _ in range(9)]
+    again = executed(Step(slots=slots, tokens=first, positions=pos))    # new inputs: the first step once more
+    assert [gpu.result(h).tokens.tolist() for h in handles] == want
+    assert gpu.result(again).tokens.tolist() == want[0]
+    assert gpu.result(handles[0]).tokens.tolist() == want[0]
     gpu.close()
 
 
@@ -163,8 +164,8 @@ def test_graph_counters_count(rng):
     gpu.prefill([PrefillItem(s, rng.integers(0, V, 5).astype(np.int32)) for s in range(3)])
     toks = [int(t) for t in rng.integers(0, V, 3)]
     for i in range(6):                       # bucket 4: captured at step 0, replayed at 1..5
-        toks = gpu.decode_argmax([0, 1, 2], toks, [5 + i] * 3).tolist()
-    gpu.decode_argmax([0], toks[:1], [11])   # bucket 1: one capture, no replay yet
+        toks = greedy_step(gpu, [0, 1, 2], toks, [5 + i] * 3).tolist()
+    greedy_step(gpu, [0], toks[:1], [11])    # bucket 1: one capture, no replay yet
     st = gpu.stats()
     assert st["graph_status"] == {"1": "captured", "4": "captured"}      # short rows: attention.cu
     assert (st["graph_captures"], st["graph_replays"]) == (2, 5)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.paging import contiguous_table, contiguous_tables
+from support.steps import greedy_step
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +37,7 @@ def test_memory_flat_over_sequential_completions(rng):
         prompt = rng.integers(0, V, n if i % 5 else 80).astype(np.int32)   # graphs (<= 64), cuBLAS (80)
         tok = int(np.argmax(gpu.prefill([PrefillItem(slot, prompt)])[0]))
         for s in range(8):
-            tok = int(gpu.decode_argmax([slot], [tok], [len(prompt) + s])[0])
+            tok = int(greedy_step(gpu, [slot], [tok], [len(prompt) + s])[0])
         gpu.release(slot)
         contiguous_table(gpu, slot)
 

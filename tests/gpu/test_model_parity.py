@@ -14,6 +14,7 @@ from support.paging import contiguous_tables
 from support.parity import CHAOTIC, CHAOTIC_MEDIAN_FP16, COS_MIN
 from support.parity import assert_parity as _assert_parity
 from support.parity import cosines as _cos
+from support.steps import greedy_step
 
 pytestmark = pytest.mark.gpu
 
@@ -195,13 +196,13 @@ def test_real_smollm2_parity_and_greedy(rng):
     for i in range(31):
         p = len(prompt) + i
         tc.append(int(np.argmax(cpu.decode([0], [tc[-1]], [p])[0])))
-        tg.append(int(gpu.decode_argmax([0], [tg[-1]], [p])[0]))
+        tg.append(int(greedy_step(gpu, [0], [tg[-1]], [p])[0]))
     print(f"greedy cpu {tc}\ngreedy gpu {tg}")
     gpu.close()
     assert tc == tg
 
 
-def test_decode_argmax_matches_logits(rng):
+def test_greedy_step_matches_logits(rng):
     path = TWINS / "smol135.gguf"
     if not path.exists():
         pytest.skip("smol135 twin not expanded")
@@ -215,7 +216,7 @@ def test_decode_argmax_matches_logits(rng):
     # the same step twice (same cache rows rewritten): logits then argmax must agree
     toks, pos = [3, 7, 11], [5, 6, 7]
     logits = gpu.decode([0, 1, 2], toks, pos)
-    ids = gpu.decode_argmax([0, 1, 2], toks, pos)
+    ids = greedy_step(gpu, [0, 1, 2], toks, pos)
     assert ids.dtype == np.int32 and ids.shape == (3,)
     assert list(ids) == list(np.argmax(logits, axis=1))
     gpu.close()

@@ -1,8 +1,10 @@
 """Continuations over another batch on the GPU (prev_rows): decode_io_merge against its NumPy twin,
 and CUDABackend steps whose kept rows' tokens never pass through the host give the tokens of the
-same steps run on host inputs (greedy and sampled, rows moving, leaving and joining, buckets
-changing), also with more steps in flight than the token ring has rows; the engine on the GPU gives
-the same tokens with and without steps started ahead while rows finish and sequences arrive."""
+same steps run on host inputs (greedy, sampled, and the two alternating: a sampled continuation of
+a step the forward pass's argmax answered, and the reverse; rows moving, leaving and joining,
+buckets changing), also with more steps in flight than the token ring has rows; the engine on the
+GPU gives the same tokens with and without steps started ahead while rows finish and sequences
+arrive."""
 
 from __future__ import annotations
 
@@ -84,11 +86,12 @@ PLAN = [[(0, -1), (1, -1), (2, -1)],
 
 
 @pytest.mark.parametrize("name", ["qwen05", "qwen15"])
-@pytest.mark.parametrize("sampled", [False, True])
-def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, sampled, rng):
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "alternating"])
+def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, kind, rng):
     """Eager: every step on host inputs, read before the next. Piped: every step after the first a
-    continuation, all started before any is read (more than the token ring's rows); the host reads
-    a step early only where a new row needs its slot's last token."""
+    continuation, all executed and sampled before any is read (more than the token ring's rows);
+    the host reads a step early only where a new row needs its slot's last token."""
+    from realizar_backend.backends.base import GREEDY, Step
     gpu, prompts, prefill = _backend(name, rng)
 
     def run(piped):
@@ -100,8 +103,7 @@ def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, samp
 
         def result(i):
             if i not in got:
-                h = handles[i]
-                got[i] = (gpu.decode_sample_finish(h).tokens if sampled else gpu.decode_argmax_finish(h)).tolist()
+                got[i] = gpu.result(handles[i]).tokens.tolist()
             return got[i]
 
         def token(s):
@@ -111,14 +113,13 @@ def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, samp
             slots = [s for s, _ in batch]
             p = [pos[s] for s in slots]
             if piped and i > 0:
-                args = (slots, [token(s) if r < 0 else 0 for s, r in batch], p, [r for _, r in batch])
+                step = Step(slots=slots, tokens=[token(s) if r < 0 else 0 for s, r in batch], positions=p,
+                            prev_rows=[r for _, r in batch])
             else:
-                args = (slots, [token(s) for s in slots], p)
-            if sampled:
-                h = gpu.decode_sample_start(*args)
-                gpu.decode_sample_launch(h, [_row(drawn[s]) for s in slots])
-            else:
-                h = gpu.decode_argmax_start(*args)
+                step = Step(slots=slots, tokens=[token(s) for s in slots], positions=p)
+            h = gpu.execute(step)
+            sampled = kind == "sampled" or (kind == "alternating" and i % 2 == 1)
+            gpu.sample(h, [_row(drawn[s]) if sampled else GREEDY for s in slots])
             handles.append(h)
             if not piped:
                 result(i)
@@ -136,8 +137,8 @@ def test_continuations_over_another_batch_give_the_host_inputs_tokens(name, samp
 def test_engine_steps_ahead_match_unpipelined_on_the_gpu():
     """The engine on the CUDA backend (qwen05 twin): rows reaching max_tokens at different steps,
     sequences arriving while others decode, greedy and seeded sampling with penalties: the same
-    tokens with and without steps started ahead; pipelined, no step waits for a finishing row or a
-    prefill."""
+    tokens with and without steps started ahead; pipelined, no step waits for a finishing row, a
+    prefill or a batch whose rows switch between plain greedy and sampled."""
     from realizar_backend.engine.engine import Engine
     from realizar_backend.engine.sampling import SamplingParams
     from realizar_backend.settings import Settings
@@ -176,5 +177,5 @@ def test_engine_steps_ahead_match_unpipelined_on_the_gpu():
         assert got[True] == got[False]
         assert [len(t) for t in got[True]] == [j[1] for j in jobs]
         on = steps[True]
-        assert on["prefill"] == on["finishing"] == on["no_block"] == on["off"] == 0
+        assert on["prefill"] == on["finishing"] == on["no_block"] == on["off"] == on["kind"] == 0
         assert on["ahead"] > 0

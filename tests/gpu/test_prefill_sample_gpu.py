@@ -1,5 +1,5 @@
-"""A sequence's first token sampled on the GPU (CUDABackend.prefill_sample): the decode steps'
-sampler run on the prompt step's last-row logits gives the NumPy twin's token for those logits and
+"""A sequence's first token sampled on the GPU (a prompt step: CUDABackend.execute / sample /
+result): the decode steps' sampler run on the prompt step's last-row logits gives the NumPy twin's token for those logits and
 seed (greedy under a logit bias, greedy and sampled with penalties on the prompt's counts, top-k/p,
 min-p, a mask, logprobs), and the NumPy backend's token wherever the twin draws the same token
 from both backends' logits; a chunk in the middle of a prompt draws nothing. Only tokens come back to the host
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support.paging import contiguous_tables
+from realizar_backend.backends import Step, run_step
 from test_model_parity import TWINS, _open, _real_smol
 
 pytestmark = pytest.mark.gpu
@@ -86,7 +87,7 @@ def host_copies(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["smol135", "qwen05", "real"])
-def test_prefill_sample_gives_the_twins_token_and_only_tokens(name, rng, host_copies):
+def test_prompt_step_gives_the_twins_token_and_only_tokens(name, rng, host_copies):
     from realizar_backend.backends.base import SampleRow
     from realizar_backend.backends.sampling import draw_detail, raw_logprobs, sample_logits
     got, on = host_copies
@@ -104,7 +105,7 @@ def test_prefill_sample_gives_the_twins_token_and_only_tokens(name, rng, host_co
         for s in (1, 4):
             gpu.reset_counts(s, prompts[s])
         on.append(True)
-        res = gpu.prefill_sample(items, rows)
+        res = run_step(gpu, Step(prompts=items), rows)
         on.clear()
         # the tokens, logprobs and the one row asked for: less than two rows of logits in all
         assert 4 * V <= sum(got) < 4 * V + 4096, got
@@ -128,7 +129,7 @@ def test_prefill_sample_gives_the_twins_token_and_only_tokens(name, rng, host_co
         # every row a plain argmax (or nothing): the LM head's argmax, 4 bytes a row
         plain = [SampleRow(temperature=0.0)] * 2 + [None] + [SampleRow(temperature=0.0)] * 2
         on.append(True)
-        res = gpu.prefill_sample(items, plain)
+        res = run_step(gpu, Step(prompts=items), plain)
         on.clear()
         assert sum(got) < 4096, got
         got.clear()
@@ -154,8 +155,8 @@ def test_first_token_matches_the_numpy_backend(name, rng):
         for be in (cpu, gpu):
             for s in (1, 4):
                 be.reset_counts(s, prompts[s])
-        tc = cpu.prefill_sample(items, rows).tokens
-        tg = gpu.prefill_sample(items, rows).tokens
+        tc = run_step(cpu, Step(prompts=items), rows).tokens
+        tg = run_step(gpu, Step(prompts=items), rows).tokens
         for i, row in enumerate(rows):
             if row is None:
                 assert tc[i] == tg[i] == -1
@@ -173,8 +174,8 @@ def test_first_token_matches_the_numpy_backend(name, rng):
 
 
 def test_the_engine_reads_no_logits(host_copies):
-    """The CUDA engine's first tokens (and the rest) come from prefill_sample and the sampled or
-    greedy decode steps: a backend whose prefill and decode (the calls that return logits) fail
+    """The CUDA engine's first tokens (and the rest) come from its prompt and decode steps, sampled
+    on the device: a backend whose prefill and decode (the calls that return logits) fail
     serves greedy, sampled, penalised, logprob and grammar requests, and the host copies of a
     request without top logprobs stay far below one row of logits."""
     from realizar_backend.backends.cuda import CUDABackend

@@ -1,8 +1,7 @@
-"""Pipelined sampled steps on the GPU (CUDABackend.decode_sample_start / _launch / _finish): the
-step after one runs on the tokens sample_final wrote into the decode inputs, started before the
-host reads them, and gives the eager path's tokens and logprobs, step for step, on the qwen05 and
+"""Pipelined sampled steps on the GPU (CUDABackend.execute / sample / result): the step after one
+runs on the tokens sample_final wrote into the decode inputs, executed before the host reads them, and gives the eager path's tokens and logprobs, step for step, on the qwen05 and
 qwen15 twins: seeded draws, penalties on device counts, masks that depend on the previous token,
-a logit bias, a padded bucket (3 rows in bucket 4); a continuation dropped unlaunched gives nothing
+a logit bias, a padded bucket (3 rows in bucket 4); a continuation dropped unsampled gives nothing
 and the next step with host inputs is the eager one."""
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from support.paging import contiguous_tables
 from support.pipeline_rows import STEPS, fill_masks, rows
+from realizar_backend.backends import Step, run_step
 
 pytestmark = pytest.mark.gpu
 
@@ -65,18 +65,19 @@ def test_pipelined_sampled_steps_give_the_eager_tokens(name, n, rng):
     eager, elp = [], []
     for i in range(STEPS):
         prev = list(toks)
-        res = gpu.decode_sample(slots, toks, [p + i for p in pos], step_rows(i), lambda: fill(prev))
+        res = run_step(gpu, Step(slots=slots, tokens=toks, positions=[p + i for p in pos]), step_rows(i),
+                       lambda: fill(prev))
         toks = res.tokens.tolist()
         eager.append(toks)
         elp.append(res.logprobs[0])
 
     toks = _prefill(gpu, prompts)[:n]                    # the same KV rows and counts again
     piped, plp, prev = [], [], list(toks)
-    h = gpu.decode_sample_start(slots, toks, pos)
+    h = gpu.execute(Step(slots=slots, tokens=toks, positions=pos))
     for i in range(STEPS):
-        gpu.decode_sample_launch(h, step_rows(i), lambda: fill(prev))
-        nxt = gpu.decode_sample_start(slots) if i + 1 < STEPS else None
-        res = gpu.decode_sample_finish(h)
+        gpu.sample(h, step_rows(i), lambda: fill(prev))
+        nxt = gpu.execute(Step(slots=slots)) if i + 1 < STEPS else None
+        res = gpu.result(h)
         prev = res.tokens.tolist()
         piped.append(prev)
         plp.append(res.logprobs[0])
@@ -84,16 +85,17 @@ def test_pipelined_sampled_steps_give_the_eager_tokens(name, n, rng):
     assert piped == eager
     np.testing.assert_allclose(plp, elp, rtol=0, atol=1e-6)
 
-    # a continuation dropped unlaunched, then a step with host inputs: the eager step's tokens
+    # a continuation dropped unsampled, then a step with host inputs: the eager step's tokens
     toks = _prefill(gpu, prompts)[:n]
-    h = gpu.decode_sample_start(slots, toks, pos)
-    gpu.decode_sample_launch(h, step_rows(0), lambda: fill(toks))
-    ahead = gpu.decode_sample_start(slots)
-    first = gpu.decode_sample_finish(h).tokens.tolist()
-    assert gpu.decode_sample_finish(ahead) is None
+    h = gpu.execute(Step(slots=slots, tokens=toks, positions=pos))
+    gpu.sample(h, step_rows(0), lambda: fill(toks))
+    ahead = gpu.execute(Step(slots=slots))
+    first = gpu.result(h).tokens.tolist()
+    assert gpu.result(ahead) is None
     assert first == eager[0]
     prev = first
-    res = gpu.decode_sample(slots, first, [p + 1 for p in pos], step_rows(1), lambda: fill(prev))
+    res = run_step(gpu, Step(slots=slots, tokens=first, positions=[p + 1 for p in pos]), step_rows(1),
+                   lambda: fill(prev))
     assert res.tokens.tolist() == eager[1]
     gpu.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.steps import greedy_step
 
 from realizar_backend.backends.base import SampleRow
 from realizar_backend.backends.sampling import draw_detail, raw_logprobs, sample_logits
@@ -251,7 +252,7 @@ def test_engine_greedy_is_unchanged(cuda_engine):
     be.set_block_table(slot, cuda_engine.kv.table("plain"))
     want = [int(np.argmax(be.prefill([PrefillItem(slot, np.array(ids, np.int32))])[0]))]
     for i in range(11):
-        want.append(int(be.decode_argmax([slot], [want[-1]], [len(ids) + i])[0]))
+        want.append(int(greedy_step(be, [slot], [want[-1]], [len(ids) + i])[0]))
     be.release(slot)
     cuda_engine.kv.free("plain")
     assert toks == want

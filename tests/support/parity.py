@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .steps import greedy_step
+
 COS_MIN = 0.999
 
 
@@ -154,7 +156,7 @@ class ParityRun:
         MAX_EXCUSED), a decode step captured in a graph, and the greedy step's tokens the oracle's,
         save at its near-ties (top two within 1e-3) and in sequences past a routing tie."""
         n = len(self.pos)
-        greedy = self.gpu.decode_argmax(list(range(n)), [1] * n, self.pos[:n])
+        greedy = greedy_step(self.gpu, list(range(n)), [1] * n, self.pos[:n])
         ref = self._oracle(self.cpu.decode, list(range(n)), [1] * n, list(range(n)), [1] * n, self.pos[:n])
         st = self.gpu.stats()
         self.gpu.close()

@@ -8,7 +8,6 @@ leaves (capped by kv_cache_tokens)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,8 +18,8 @@ from ... import timeline
 from ...errors import BackendError, UnsupportedModelError
 from ...formats import ModelFile
 from ...settings import Settings
-from ..base import PrefillItem, SampleResult, SampleRow, continued_inputs
-from ..sampling import drop_unsampled, fill_rows
+from ..base import PrefillItem, SampleResult, SampleRow
+from ..runner import StepHandle, StepRunner, all_plain, greedy_result
 from . import ops, pdl
 from .forward import Forward, rope_host_tables
 from .graphs import DecodeGraphs, PrefillGraphs
@@ -43,22 +42,7 @@ LONG_ATTENTION_ROWS = 16
 LONG_ATTENTION_POS = 384
 
 
-@dataclass(eq=False)
-class _SampleStep:
-    """A sampled step: started (its forward pass enqueued), then launched (its sampling), then
-    finished (its results read)."""
-    slots: list[int]
-    tokens_in: list[int]                # the tokens it feeds; -1: a kept row's, the previous step's
-    prev: "_SampleStep | None"          # the step it continues
-    prev_rows: list[int] | None = None  # row i continues row prev_rows[i] of prev (-1: a new row)
-    step: int = 0                       # CUDABackend._step_id when it was started
-    launched: bool = False
-    kept: dict = field(default_factory=dict)
-    fetch: Any = None
-    result: SampleResult | None = None
-
-
-class CUDABackend:
+class CUDABackend(StepRunner):
     name = "cuda"
 
     def __init__(self, model: ModelFile, max_slots: int | None = None, max_context: int | None = None,
@@ -139,9 +123,6 @@ class CUDABackend:
         self.token_ring = TokenRing(self.ws.dec_io.shape[1])
         self.fwd.token_ring = (self.token_ring.device_ptr, self.token_ring.length)
         self._last_step: tuple[int, list[int], list[int]] | None = None   # (bucket, slots, positions)
-        self._step_id = 0                          # steps enqueued (greedy or sampled)
-        self._prefill_at = -1                      # _step_id when the last prefill ran
-        self._sample_prev: _SampleStep | None = None   # the last sampled step started
         if not self.settings.cuda_graphs:
             log.info("cuda graphs disabled by settings: decode runs eager")
         log.info("cuda backend ready: %s on %s, %d sequences x %d context, KV pool %d tokens, buckets %s%s",
@@ -226,40 +207,6 @@ class CUDABackend:
             self._prefill_forward(items)
             return self.ws.logits[:len(items)].get()
 
-    def prefill_sample(self, items: Sequence[PrefillItem], rows: Sequence[SampleRow | None],
-                       prepare: Callable[[], None] | None = None) -> SampleResult:
-        """A prompt step whose finished prompts' last rows are sampled on the device by the decode
-        steps' sampler (prepare runs on the host while the forward pass runs): 16 bytes a row come
-        back, 4 when every row is a plain argmax (the LM head's own), plus the logits of rows that
-        want them; never the other rows' logits. The sampling writes no decode input (a new
-        sequence joins a decode step with its token from the host)."""
-        n = len(items)
-        if len(rows) != n:
-            raise ValueError("one SampleRow (or None) per prefill item")
-        if n > self.sampler.max_rows:
-            raise ValueError(f"{n} prefill items; at most {self.sampler.max_rows} sample at once")
-        if n == 0:
-            nan = np.zeros(0, np.float32)
-            return SampleResult(np.zeros(0, np.int32), nan, np.zeros(0, np.int32), nan.copy(), {})
-        full = fill_rows(rows)
-        with self.device, self.stream:
-            self._prefill_forward(items)
-            if prepare is not None:
-                prepare()
-            if all(r.greedy and not (r.penalties or r.constrained or r.logprobs or r.want_logits) for r in full):
-                top = self.ws.argmax[:n].get()
-                nan = np.full(n, np.nan, np.float32)
-                res = SampleResult(top.copy(), nan, top, nan.copy(), {})
-            else:
-                self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
-                                    full, [it.slot for it in items], None, self.stream)
-                kept = {i: self.ws.logits[i].get() for i, r in enumerate(full) if r.want_logits}
-                # the sampler's other result buffer: a launched step's results (at most one is
-                # unfinished, the protocol's order) stay intact
-                toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
-                res = SampleResult(toks, lps, top_ids, top_lps, kept)
-        return drop_unsampled(res, rows)
-
     def _prefill_forward(self, items: Sequence[PrefillItem]) -> None:
         """Enqueue a prompt step of at most ws.max_rows items (device and stream current): item i's
         logits in ws.logits[i], their argmax in ws.argmax[i]."""
@@ -293,9 +240,9 @@ class CUDABackend:
         self.ws.last_idx[:n_head].set(np.asarray(last, np.int32))
         self.fwd.max_pos = max_pos          # the attention plan's splits: the key's
         self.prefill_graphs.run(*key)
-        # a started sampled step's logits are gone (it can no longer be launched); one launched
-        # already is intact, and so are the decode inputs a continuation reads
-        self._prefill_at = self._step_id
+        # a decode step executed but not sampled has lost its logits (it can no longer be sampled);
+        # one sampled already is intact, and so are the decode inputs a continuation reads
+        self._last = None
 
     def _decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> int:
         n = len(slots)
@@ -320,7 +267,7 @@ class CUDABackend:
         self._io_copied.record(self.stream)
         self.graphs.run(b, self._long(b, positions))
         self._last_step = (b, [int(s) for s in slots], [int(p) for p in positions])
-        self._step_id += 1
+        self._last = self._last_decode = None    # the runner's step, when it is one, is set after this
         return n
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
@@ -328,39 +275,12 @@ class CUDABackend:
             n = self._decode(slots, tokens, positions)
             return self.ws.logits[:n].get()
 
-    def decode_argmax(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-        """Greedy step: the argmax is taken on the GPU, only 4 bytes per sequence come back."""
-        return self.decode_argmax_finish(self.decode_argmax_start(slots, tokens, positions))
-
-    def decode_argmax_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None,
-                            prev_rows: Sequence[int] | None = None) -> int:
-        """Enqueue a greedy step and return at once; decode_argmax_finish(handle) gives its ids.
-        tokens and positions None: continue the previous step's sequences (same slots, in order) with
-        its argmax tokens at the next positions, read on the device (the step wrote them there), so
-        the host can enqueue a step before it has read the previous one's tokens. prev_rows: a
-        continuation over another batch (the protocol's; decode_io_merge gathers the kept rows)."""
-        with self.device, self.stream:
-            if tokens is None or prev_rows is not None:
-                if self._last_step is None or (self._sample_prev is not None
-                                               and self._sample_prev.step == self._step_id):
-                    raise ValueError("decode_argmax_start without tokens continues the previous greedy step")
-                self._continue_step(slots, tokens, positions, prev_rows)
-                self._step_id += 1
-            else:
-                self._decode(slots, tokens, positions)
-            return self.token_ring.after_step(self.stream, len(self._last_step[1]))
-
-    def _continue_step(self, slots: Sequence[int], tokens: Sequence[int] | None,
-                       positions: Sequence[int] | None, prev_rows: Sequence[int] | None) -> tuple[list[int], list[int]]:
-        """Run a continuation of the previous step (the protocol's; checked by continued_inputs) on
-        the tokens that step wrote into the decode inputs (its argmax, or sample_final's): the same
-        rows again at their next positions as a plain graph replay, another batch after
-        decode_io_merge has gathered the kept rows' inputs and put the host's new rows beside them.
-        Returns (prev_rows, tokens: -1 for a kept row)."""
-        b, sl, prev_pos = self._last_step
-        rows, toks, pos = continued_inputs(sl, prev_pos, slots, tokens, positions, prev_rows)
-        slots = [int(s) for s in slots]
+    def _continue_step(self, slots: list[int], rows: list[int], toks: list[int], pos: list[int]) -> None:
+        """Run a continuation of the previous decode step (rows, toks, pos: continued_inputs') on the
+        tokens that step wrote into the decode inputs (its argmax, or sample_final's): the same rows
+        again at their next positions as a plain graph replay, another batch after decode_io_merge
+        has gathered the kept rows' inputs and put the host's new rows beside them."""
+        b, sl, _ = self._last_step
         for s, p in zip(slots, pos):
             self._check(s, p)
         ring_row = self.token_ring.before_step()
@@ -379,85 +299,73 @@ class CUDABackend:
                                 self._stage.data.ptr, n, b, self.kv.scratch_slot, ring_row)
         self.graphs.run(b, self._long(b, pos))
         self._last_step = (b, slots, pos)
-        return rows, toks
 
-    def decode_argmax_finish(self, handle: int) -> np.ndarray:
-        """The ids of a started step (waits for it)."""
-        return self.token_ring.tokens(handle)
-
-    def decode_sample(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
-                      rows: Sequence[SampleRow], prepare: Callable[[], None] | None = None) -> SampleResult:
-        """A step sampled on the GPU (kernels/sampling.cu): 16 bytes per sequence come back, plus
-        the logits of rows that want them (top logprobs beyond one, computed on the host).
-        prepare (the rows' masks) runs on the host while the step's forward pass runs."""
-        h = self.decode_sample_start(slots, tokens, positions)
-        self.decode_sample_launch(h, rows, prepare)
-        return self.decode_sample_finish(h)
-
-    def decode_sample_start(self, slots: Sequence[int], tokens: Sequence[int] | None = None,
-                            positions: Sequence[int] | None = None,
-                            prev_rows: Sequence[int] | None = None) -> _SampleStep:
-        """Enqueue a sampled step's forward pass and return at once. tokens and positions None:
-        continue the previous sampled step (launched, the same slots in order) with its sampled
-        tokens at the next positions: sample_final wrote them into the decode inputs, so the
-        forward pass runs without the host having read them. prev_rows: a continuation over
-        another batch, as in decode_argmax_start."""
+    # ------------------------------------------------------------ the model runner (runner.py)
+    def _run_prompts(self, h: StepHandle) -> None:
+        """Enqueue a prompt step: item i's logits in ws.logits[i], their argmax in ws.argmax[i]."""
+        n = len(h.prompts)
+        if n > self.sampler.max_rows:
+            raise ValueError(f"{n} prefill items; at most {self.sampler.max_rows} sample at once")
         with self.device, self.stream:
-            if tokens is None or prev_rows is not None:
-                prev = self._sample_prev
-                if prev is None or prev.step != self._step_id or not prev.launched:
-                    raise ValueError("decode_sample_start without tokens continues the previous "
-                                     "sampled step, once it is launched")
-                if len(slots) > self.sampler.max_rows:
-                    raise ValueError(f"{len(slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
-                rows, toks = self._continue_step(slots, tokens, positions, prev_rows)
-                h = _SampleStep([int(s) for s in slots], toks, prev, rows)
+            self._prefill_forward(h.prompts)
+
+    def _run_decode(self, h: StepHandle) -> None:
+        """Enqueue a decode step and return at once. A continuation's kept rows feed the tokens the
+        step it continues wrote into the decode inputs (its argmax, or sample_final's), so the host
+        enqueues it before it has read that step's tokens."""
+        if len(h.slots) > self.sampler.max_rows:
+            raise ValueError(f"{len(h.slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
+        with self.device, self.stream:
+            if h.prev is None:
+                self._decode(h.slots, h.tokens, h.positions)
             else:
-                if len(slots) > self.sampler.max_rows:
-                    raise ValueError(f"{len(slots)} rows; the sampler takes 1..{self.sampler.max_rows}")
-                self._decode(slots, tokens, positions)
-                h = _SampleStep([int(s) for s in slots], [int(t) for t in tokens], None)
-            self._step_id += 1
-            h.step = self._step_id
-            self._sample_prev = h
-            return h
+                self._continue_step(h.slots, h.prev_rows, h.tokens, h.positions)
 
-    def decode_sample_launch(self, h: _SampleStep, rows: Sequence[SampleRow],
-                             prepare: Callable[[], None] | None = None) -> None:
-        """Enqueue the sampling of a started step (prepare first: it fills the rows' masks while
-        the forward pass runs); its tokens also become the next step's inputs on the device.
-        Returns at once; decode_sample_finish(h) gives the results."""
-        if len(rows) != len(h.slots):
-            raise ValueError("one SampleRow per sequence")
-        if h.launched or h.step != self._step_id or self._prefill_at == self._step_id:
-            raise ValueError("decode_sample_launch: the step is launched already, or another step ran since")
-        if prepare is not None:
-            prepare()
-        if h.prev is not None:        # a continuation's kept rows feed the previous step's sampled tokens
-            drawn = self.decode_sample_finish(h.prev).tokens
-            h.tokens_in = [int(drawn[r]) if r >= 0 else t for r, t in zip(h.prev_rows, h.tokens_in)]
-        h.prev = None
+    def _sample(self, h: StepHandle, rows: list[SampleRow]) -> Callable[[], SampleResult]:
+        """Enqueue a step's sampling (kernels/sampling.cu) after its forward pass: 16 bytes a row
+        come back, plus the logits of rows that want them (read now, before a next step's forward
+        pass overwrites them). Every row plain: the forward pass's argmax is the token, 4 bytes a
+        row (a decode step's through the token ring, which its graph writes). A decode step's
+        tokens also become its continuation's inputs on the device (the argmax graph's own, or
+        sample_final's). A prompt step's tokens are read here (the next step's forward pass
+        overwrites the buffers they come from); its sampling writes no decode input (a new
+        sequence joins a decode step with its token from the host)."""
+        n = len(rows)
+        plain = all_plain(rows)
+        if h.prompts:
+            with self.device, self.stream:
+                if plain:
+                    res = greedy_result(self.ws.argmax[:n].get())
+                else:
+                    self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
+                                        rows, h.slots, None, self.stream)
+                    kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
+                    # the sampler's other result buffer: a decode step's results (at most one is
+                    # unread, the protocol's order) stay intact
+                    toks, top_ids, lps, top_lps = self.sampler.fetch(n, self.stream)
+                    res = SampleResult(toks, lps, top_ids, top_lps, kept)
+            return lambda: res
+        if plain:
+            with self.device, self.stream:
+                ring = self.token_ring.after_step(self.stream, n)
+            return lambda: greedy_result(self.token_ring.tokens(ring))
+        tokens_in = self.fed_tokens(h)        # counted for the penalties: a kept row's, the previous step's
         with self.device, self.stream:
-            n = len(rows)
             self.sampler.launch(self.ws.logits.data.ptr, self.ws.logits.shape[1], self.ws.argmax.data.ptr,
-                                rows, h.slots, h.tokens_in, self.stream, io=self.ws.dec_io.data.ptr)
-            # rows that want their logits: read now, before a next step's forward pass overwrites them
-            h.kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
-            h.fetch = self.sampler.fetch_start(n, self.stream)
-            h.launched = True
+                                rows, h.slots, tokens_in, self.stream, io=self.ws.dec_io.data.ptr)
+            kept = {i: self.ws.logits[i].get() for i, r in enumerate(rows) if r.want_logits}
+            fetch = self.sampler.fetch_start(n, self.stream)
 
-    def decode_sample_finish(self, h: _SampleStep) -> SampleResult | None:
-        """The results of a launched step (waits for them; may be asked again). A step never
-        launched (a continuation the engine dropped) gives None."""
-        if not h.launched:
-            # dropped: wait for its forward pass, as for a greedy step, so that block tables may change
-            self.stream.synchronize()
-            return None
-        if h.result is None:
+        def finish() -> SampleResult:
             with self.device:
-                toks, top_ids, lps, top_lps = self.sampler.fetch_finish(h.fetch)
-            h.result = SampleResult(toks, lps, top_ids, top_lps, h.kept)
-        return h.result
+                toks, top_ids, lps, top_lps = self.sampler.fetch_finish(fetch)
+            return SampleResult(toks, lps, top_ids, top_lps, kept)
+        return finish
+
+    def _wait(self, h: StepHandle) -> None:
+        """A step never sampled (a continuation the engine dropped): its forward pass done, so that
+        block tables may change."""
+        self.stream.synchronize()
 
     def reset_counts(self, slot: int, prompt: np.ndarray, generated: np.ndarray | None = None) -> None:
         if not 0 <= slot < self.max_slots:
