@@ -18,3 +18,14 @@ def fp16_expert_records(monkeypatch):
     tokens. test_moe.py checks the 8-bit records' launches against the activations as quantized."""
     from realizar_backend.backends.cuda import dispatch
     monkeypatch.setattr(dispatch, "MOE_GROUPED_A8", False)
+
+
+@pytest.fixture
+def fp32_expert_activations(fp16_expert_records, monkeypatch):
+    """fp16_expert_records, and one-row steps' experts on moe.cu's pairs (fp32 activations), not on
+    mmv8.cu's 8-bit ones (dispatch.MOE_PAIRS8), for a whole-model test that compares greedy tokens
+    without parity.ROUTE_TIE's rule (test_gptoss_gpu.py): at some seeds the tiny gpt-oss model's
+    routes moved with the 8-bit rows. test_moe.py checks the 8-bit pairs against the activations as
+    quantized."""
+    from realizar_backend.backends.cuda import dispatch
+    monkeypatch.setattr(dispatch, "MOE_PAIRS8", False)

@@ -54,7 +54,7 @@ def test_the_gpu_runs_gptoss_with_the_oracles_yarn(gptoss_model):
         gpu.close()
 
 
-@pytest.mark.usefixtures("fp16_expert_records")
+@pytest.mark.usefixtures("fp32_expert_activations")
 def test_model_parity(gptoss_model, rng):
     """Prompt steps on the GEMVs (a few tokens), the tensor-core buckets or GEMVs (six short prompts
     at once) and the split16 GEMMs (100 tokens, then a 300-token chunk after it), decode steps of one
