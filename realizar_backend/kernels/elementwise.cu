@@ -48,7 +48,7 @@ extern "C" __global__ void gather_rows(const float* __restrict__ src, const int*
 // out[r] = first index of the maximum of row r (NaN never wins); one block of 1024 per row.
 // io != 0 (a decode step): the chosen token and the next position also go to the step's own input
 // rows (io[b]: token, io[io_stride + b]: position), so the next step can run on the device's output
-// without the host in between (CUDABackend.decode_argmax_start with tokens=None)
+// without the host in between (a continuation: a decode Step without tokens, backends/runner.py)
 __device__ __forceinline__ void feed_next(int* io, int io_stride, int b, int tok, int* ring, int ring_len) {
     if (io) {
         int pos = io[io_stride + b];
