@@ -68,7 +68,9 @@
 #endif
 #define MMQ_THREADS 256
 #define MMQ_PREP_THREADS 1024   // mmq_prep: a block per row
-#define MMQ_PREP_NJ 12          // mmq_prep keeps rows of up to 12 x 1024 columns in registers
+#define MMQ_PREP_NJ 20          // mmq_prep keeps rows of up to 20 x 1024 columns in registers: the most
+                                // that fit a 1024-thread block's 64 registers a thread unspilled (both
+                                // variants); a 7-8B model's FFN down input (up to 18,944) is read once
 #define MMQ_BM 128          // weight rows per CTA tile
 #define MMQ_KC 128          // columns per chunk: 4 units
 #define MMQ_MROW 5          // float4 per meta row: the 4 units' scales, 1 pad (conflict-free stores)

@@ -235,11 +235,11 @@ def test_small_types_tokens_and_warps(emu, tmp_path, qt):
         check(f"mmqs {qt.name} t{-bn} M{M} warps{warps}", res, EXACT_TOL)
 
 
-@pytest.mark.parametrize("K", [4_352, 12_352], ids=["in-registers", "past-registers"])
+@pytest.mark.parametrize("K", [4_352, 18_944, 20_608], ids=["in-registers", "ffn-down-7b", "past-registers"])
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 def test_prep_rows_in_split_rounds(emu, tmp_path, norm, K):
     """Rows of several rounds of 32 units, each round dealt to one of 3 blocks: all records written,
-    same results. 12,352 columns is past the prep's registers (12 x 1024: the row is read twice)."""
+    same results. 20,608 columns is past the prep's registers (MMQ_PREP_NJ x 1024: the row is read twice)."""
     rng = np.random.default_rng(K + norm)
     res = run_case(emu, tmp_path, rng, [(Q.Q8_0, 9)], K, 3, -8, 8, norm=norm, prep_splits=3, stress=True,
                    twice=False)
