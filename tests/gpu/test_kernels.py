@@ -75,6 +75,56 @@ def test_ffn_gate_up(kernels, rng, q, act):
         assert check_ffn(kernels, q, 131, k, nb, act, rng) <= TOL
 
 
+# launches of few long rows, where several warps share a row (ops.gemv_wpr): the routers of
+# Qwen3-30B-A3B [128, 2048] and gpt-oss-20b [32, 2880], a shared expert's one-row gate [1, 2048], a
+# row length of no whole 16-byte pieces (the units path, its warps interleaved too), and rows whose
+# last block holds a row past the matrix (on 132 SMs: two warps a row, two rows a block, an odd count)
+FEW_ROWS = [(128, 2048), (32, 2880), (1, 2048), (3, 2051), (601, 1024)]
+
+
+@pytest.mark.parametrize("q", FLOATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k", FEW_ROWS, ids=lambda v: str(v))
+@pytest.mark.parametrize("nb", [1, 3, 11])
+def test_gemv_few_rows(kernels, rng, q, n, k, nb):
+    """Several warps a row against NumPy: plain, with a bias (the router's), and accumulating."""
+    from realizar_backend.backends.cuda import ops
+    from realizar_backend.backends.cuda.selfcheck import check_gemv
+    wpr = ops.gemv_wpr(n, ops.row_bytes(q, k), nb, kernels.sm_count)
+    for bias, accumulate in ((False, False), (True, False), (False, True)):
+        err = check_gemv(kernels, q, n, k, nb, rng, bias=bias, accumulate=accumulate)
+        print(f"gemv {q.name} {n}x{k} batch {nb} wpr {wpr} bias {bias} acc {accumulate}: rel.err {err:.2e}")
+        assert err <= TOL
+
+
+@pytest.mark.parametrize("q", FLOATS, ids=lambda q: q.name)
+def test_ffn_gate_up_few_rows(kernels, rng, q):
+    """The fused gate/up with several warps a row (a few rows of a long input)."""
+    from realizar_backend.backends.cuda.selfcheck import check_ffn
+    for n, k in ((8, 4096), (3, 2051)):
+        for nb in (1, 9):
+            assert check_ffn(kernels, q, n, k, nb, 0, rng) <= TOL
+
+
+@pytest.mark.parametrize("q", FLOATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("n,k,nb", [(128, 2048, 1), (32, 2880, 3), (1, 2048, 1), (3, 2051, 11)])
+def test_gemv_deterministic(kernels, rng, q, n, k, nb):
+    """The same launch on the same inputs gives the same bits (the warps' sums of a row are added in
+    a fixed order)."""
+    import cupy
+    import numpy as np
+
+    from realizar_backend.backends.cuda import ops
+    from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
+    w, keep = upload_weight(q, random_weight(q, n, k, rng))
+    b = cupy.asarray(rng.standard_normal(n).astype(np.float32))
+    x = cupy.asarray(rng.standard_normal((nb, k)).astype(np.float32))
+    ys = [cupy.zeros((nb, n), cupy.float32) for _ in range(3)]
+    for y in ys:
+        ops.gemv(kernels, w, x.data.ptr, k, y.data.ptr, n, nb, b.data.ptr)
+    got = [y.get().view(np.uint32) for y in ys]
+    assert all(np.array_equal(got[0], g) for g in got[1:])
+
+
 @pytest.mark.parametrize("q", BLOCK32 + KQUANT + FLOATS, ids=lambda q: q.name)
 def test_dequant_and_embed(kernels, rng, q):
     from realizar_backend.backends.cuda.selfcheck import check_dequant, check_embed

@@ -1,4 +1,4 @@
-"""The Python launchers of mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN),
+"""The Python launchers of gemv.cu, mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN),
 deltanet.cu and prefill.cu (split16.py) against the kernels' `extern "C"` signatures: each launch's
 argument count and each argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
 float32), its block against __launch_bounds__, its grid against what the kernel indexes, its dynamic
@@ -31,7 +31,8 @@ DEFAULT_SMEM = 48 * 1024
 # a row's width in K
 ROW_WIDTH = {0: 3, 1: 4, 2: 1}
 # kernel name -> (file, options beyond base_options) as backends/cuda/modules.py builds its module
-MODULES = {"mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
+MODULES = {**{f"{p}_{t}": ("gemv.cu", ()) for p in ("gemv", "ffn_gate_up") for t in ("f32", "f16", "bf16")},
+           "mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
            "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
            **{n: ("mmv8.cu", catalog.mmv8_options(3)) for n in ("moe8_gate_up_nb1", "moe8_gemv_nb1")},
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
@@ -106,6 +107,10 @@ def test_host_constants_match_kernels():
     assert (define(dn, "DN_CHUNK"), define(dn, "DN_CHUNK_MAX_V")) == (DN_CHUNK, DN_CHUNK_MAX_V)
     assert define(dn, "DN_CONV_THREADS") == 128        # ops.DN_CONV_THREADS (ops imports CuPy)
     assert define(moe, "MOE_BUCKET_THREADS") == 256    # ops.MOE_BUCKET_THREADS
+    gemv = catalog.source("gemv.cu")
+    # ops.GEMV_WARPS, GEMV_MAXB, GEMV_MAX_WPR; GEMV_FFN_MAX_WPR is GEMV_WARPS in both
+    assert (define(gemv, "GEMV_WARPS"), define(gemv, "GEMV_MAXB"), define(gemv, "GEMV_MAX_WPR")) == (4, 8, 16)
+    assert re.search(r"^#define GEMV_FFN_MAX_WPR GEMV_WARPS$", gemv, re.M)
     pre = catalog.source("prefill.cu")
     assert [define(pre, f"LAYOUT_{n}") for n in ("SPLIT", "PAIRED", "FP16")] == list(ROW_WIDTH)
 
@@ -140,6 +145,26 @@ def test_grids_cover_the_kernels_indexing(launches):
     by = {}
     for L in launches:
         by.setdefault(L["kernel"].rstrip("0123456789").removesuffix("_bn").removesuffix("_k"), []).append(L)
+    # gemv.cu: wpr (the last argument) warps a row, a power of two; blocks of max(GEMV_WARPS, wpr) warps,
+    # GEMV_WARPS / wpr rows each (at least one), by a block per GEMV_MAXB activation rows
+    gemv = catalog.source("gemv.cu")
+    gw, gb, most = (int(re.search(rf"^#define {n} (\d+)", gemv, re.M).group(1))
+                    for n in ("GEMV_WARPS", "GEMV_MAXB", "GEMV_MAX_WPR"))
+    wprs = {}
+    for L in launches:
+        if not L["kernel"].startswith(("gemv_", "ffn_gate_up_")):
+            continue
+        a, ffn = _args(L), L["kernel"].startswith("ffn_")
+        N, K, nb, wpr = a[2 + ffn], a[3 + ffn], a[8 + ffn], a[-1]
+        assert 1 <= wpr <= (gw if ffn else most) and wpr & (wpr - 1) == 0, (L["kernel"], wpr)
+        warps = max(gw, wpr)
+        assert L["block"] == [32 * warps] and L["grid"] == [-(-N // (warps // wpr)), -(-nb // gb)], L
+        wprs[(L["kernel"], N, K, nb)] = wpr
+    # the rule (ops.gemv_wpr): the routers of Qwen3-30B-A3B and gpt-oss-20b and a one-row gate take
+    # the most warps, as the rows shrink; a large dense matrix one warp a row
+    assert wprs[("gemv_f32", 128, 2048, 1)] == wprs[("gemv_f32", 32, 2880, 1)] == wprs[("gemv_f32", 1, 2048, 1)] == most
+    assert wprs[("gemv_f16", 151936, 1536, 1)] == 1 and wprs[("gemv_bf16", 33, 37, 11)] == 1
+    assert wprs[("ffn_gate_up_f32", 8, 4096, 1)] == gw and wprs[("ffn_gate_up_bf16", 8960, 1536, 1)] == 1
     # each GEMV follows the mmv8_q8 that quantized its input into the rows it reads (pointer and stride),
     # one block column a row in both, mmv8_q8 a thread per 4 values
     for i, L in enumerate(launches):

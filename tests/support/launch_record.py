@@ -51,6 +51,8 @@ def main() -> None:
                 **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
            mmq8={"prep": Rec("mmq8_prep", log),
                  **{("moe", bn): Rec(f"mmq8_moe_bn{bn}", log, mmq_smem_bytes(bn, True)) for bn in MMQ_BN}},
+           gemv={q: Rec(f"gemv_{n}", log) for q, n in ((Q.F32, "f32"), (Q.F16, "f16"), (Q.BF16, "bf16"))},
+           ffn_gate_up={q: Rec(f"ffn_gate_up_{n}", log) for q, n in ((Q.F32, "f32"), (Q.F16, "f16"), (Q.BF16, "bf16"))},
            deltanet={"conv": Rec("dn_conv", log),
                      **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                 for d in DN_DELTA_K]}})
@@ -58,6 +60,14 @@ def main() -> None:
     def w(name, qt, rows, cols, ptr, experts=0):
         return WeightRef(name, qt, 0x100000 * ptr, rows, cols, device_row_bytes(qt, cols), experts)
 
+    # gemv.cu: few long rows (mixture-of-experts routers, a shared expert's one-row gate), several
+    # activation rows, a large dense matrix, an odd shape (the units path); the fused gate/up
+    for qt, rows, cols, nb in ((Q.F32, 128, 2048, 1), (Q.F32, 32, 2880, 1), (Q.F32, 1, 2048, 1), (Q.F16, 1, 2048, 3),
+                               (Q.BF16, 128, 2048, 11), (Q.F16, 151936, 1536, 1), (Q.BF16, 33, 37, 11)):
+        ops.gemv(k, w("r", qt, rows, cols, 13), 0x4000, cols, 0x8000, rows, nb, bias=0x9000 if nb == 1 else 0,
+                 accumulate=nb == 11)
+    for qt, rows, cols, nb in ((Q.F16, 131, 896, 9), (Q.F32, 8, 4096, 1), (Q.BF16, 8960, 1536, 1)):
+        ops.ffn_gate_up(k, w("g", qt, rows, cols, 14), w("u", qt, rows, cols, 15), 0x4000, cols, 0x8000, rows, nb, 0)
     # mmv8.cu: one and three segments, the folded norm and argmax; ffn8
     K = 4096
     segs = [(w("q", Q.Q4_K, 4096, K, 1), 0, 0x2000, 4096)]

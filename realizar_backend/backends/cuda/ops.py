@@ -23,6 +23,14 @@ from .modules import MMV_NB, Kernels, resident_blocks
 
 _U64, _I32, _I64, _F32 = np.uint64, np.int32, np.int64, np.float32
 GEMV_WARPS, GEMV_MAXB, ATT_WARPS = 4, 8, 16                   # must match the .cu defines
+GEMV_MAX_WPR = 16                                              # gemv.cu: most warps sharing one row,
+GEMV_FFN_MAX_WPR = GEMV_WARPS                                  # and one row of ffn_gate_up
+# gemv.cu's warps per row (gemv_wpr): doubled while the launch, doubled, keeps within GEMV_WARPS_PER_SM
+# warps an SM (a quarter of an SM's warp slots: enough loads in flight to cover memory latency; a
+# launch that already has them needs no shared-memory sum) and each warp still gets GEMV_MIN_PIECES
+# 16-byte pieces of its row (a piece a lane: fewer leaves lanes idle)
+GEMV_WARPS_PER_SM = 16
+GEMV_MIN_PIECES = 32
 ATT_TQ, ATT_KT = 16, 32                                        # attention.cu attn_tile
 
 
@@ -56,12 +64,37 @@ def row_bytes(qtype, cols: int) -> int:
     return device_row_bytes(qtype, cols)
 
 
+def gemv_wpr(rows: int, row_bytes: int, nb: int, sm_count: int, most: int = GEMV_MAX_WPR) -> int:
+    """Warps sharing one output row of a gemv.cu launch (rows of row_bytes bytes, nb activation rows):
+    1, doubled while the doubled launch has at most GEMV_WARPS_PER_SM warps an SM and each warp would
+    still get GEMV_MIN_PIECES 16-byte pieces, up to `most`. A launch of many rows keeps one warp a row;
+    a few long rows (a router, a one-row gate) spread over many warps."""
+    warps = rows * -(-nb // GEMV_MAXB)
+    pieces = row_bytes // 16
+    wpr = 1
+    while (wpr < most and 2 * wpr * warps <= GEMV_WARPS_PER_SM * sm_count
+           and pieces // (2 * wpr) >= GEMV_MIN_PIECES):
+        wpr *= 2
+    return wpr
+
+
+@functools.cache
+def gemv_launch(rows: int, row_bytes: int, nb: int, sm_count: int,
+                ffn: bool = False) -> tuple[tuple[int, int], int, int]:
+    """(grid, threads, wpr) of a gemv.cu launch (ffn: ffn_gate_up's): blocks of max(GEMV_WARPS, wpr) warps,
+    GEMV_WARPS / wpr rows each (at least one), by one block per GEMV_MAXB activation rows."""
+    wpr = gemv_wpr(rows, row_bytes, nb, sm_count, GEMV_FFN_MAX_WPR if ffn else GEMV_MAX_WPR)
+    warps = max(GEMV_WARPS, wpr)
+    per_block = warps // wpr
+    return (-(-rows // per_block), -(-nb // GEMV_MAXB)), 32 * warps, wpr
+
+
 def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
          bias: int = 0, accumulate: bool = False) -> None:
-    grid = ((w.rows + GEMV_WARPS - 1) // GEMV_WARPS, (nb + GEMV_MAXB - 1) // GEMV_MAXB)
-    k.gemv[w.qtype](grid, (GEMV_WARPS * 32,),
+    grid, threads, wpr = gemv_launch(w.rows, w.row_bytes, nb, getattr(k, "sm_count", 132))
+    k.gemv[w.qtype](grid, (threads,),
                     (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(x), _I32(xs),
-                     _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate))))
+                     _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate)), _I32(wpr)))
 
 
 @functools.cache
@@ -269,10 +302,10 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
 
 def ffn_gate_up(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_: int,
                 nb: int, act: int) -> None:
-    grid = ((wg.rows + GEMV_WARPS - 1) // GEMV_WARPS, (nb + GEMV_MAXB - 1) // GEMV_MAXB)
-    k.ffn_gate_up[wg.qtype](grid, (GEMV_WARPS * 32,),
+    grid, threads, wpr = gemv_launch(wg.rows, wg.row_bytes, nb, getattr(k, "sm_count", 132), ffn=True)
+    k.ffn_gate_up[wg.qtype](grid, (threads,),
                             (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(wg.cols),
-                             _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(nb), _I32(act)))
+                             _U64(x), _I32(xs), _U64(a), _I32(as_), _I32(nb), _I32(act), _I32(wpr)))
 
 
 MOE_WARPS, MOE_TOPK_ROWS, MOE_COMBINE_THREADS, MOE_BUCKET_THREADS = 4, 4, 256, 256   # must match moe.cu (and MOE_MAX_K)
