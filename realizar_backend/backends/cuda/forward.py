@@ -161,13 +161,19 @@ class Forward:
         return self._family[kernel]
 
     # ------------------------------------------------------------ attention
-    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool, sinks: int = 0) -> None:
-        """ws.attn[:T] from ws.q, ws.k, ws.v: RoPE and the KV write (in the attention launch for
+    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool, sinks: int = 0,
+                  head_norms: tuple[int, int] | None = None) -> None:
+        """ws.attn[:T] from ws.q, ws.k, ws.v: the head norms (head_norms: the q and k norms' fp32
+        [head_dim] on the device; None: none), RoPE and the KV write (in the attention launch for
         decode rows), then attention over the paged cache (sinks: the layer's sink logits, fp32
         [n_heads] on the device; 0: none)."""
         c, ws, kv, li = self.c, self.ws, self.kv.layer(spec.layer), spec.layer
         neox = spec.rope.style == "neox"
         fuse = decode and c.head_dim <= ops.ATT_MAXD
+        if head_norms is not None:      # in place over each head of q, then of k
+            D = c.head_dim
+            for y, w, heads in ((ws.q, head_norms[0], c.n_heads), (ws.k, head_norms[1], c.n_kv_heads)):
+                ops.rms_norm(self.k, y.data.ptr, D, w, y.data.ptr, D, T * heads, D, c.rms_eps)
         if not fuse:
             ops.rope_kv(self.k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv, c.n_heads,
                         c.n_kv_heads, c.head_dim, spec.rope.dim, self.rope_tables[li].data.ptr, neox, T)
@@ -255,14 +261,12 @@ class StepOps:
         self.fwd.family(choice.kernels[0]).norm_linear(x, norm, segs, choice, self.T)
         return outs
 
-    def head_norm(self, y, w: int):
-        c, D = self.fwd.c, self.fwd.c.head_dim
-        ops.rms_norm(self.fwd.k, y.data.ptr, D, w, y.data.ptr, D, self.T * (y.shape[1] // D), D, c.rms_eps)
-        return y
-
-    def attention(self, q, k, v, spec: AttentionSpec, sinks=None):
-        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode, sinks or 0)
-        return self.fwd.ws.attn
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None, head_norms=None):
+        ws = self.fwd.ws
+        if q is not ws.q or k is not ws.k or v is not ws.v:
+            raise NotImplementedError("attention on the GPU: q, k and v in the workspace's ws.q, ws.k, ws.v")
+        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode, sinks or 0, head_norms)
+        return ws.attn
 
     def linear_residual(self, a, w, x, post_norm, bias=None):
         if bias is not None and post_norm is not None:
