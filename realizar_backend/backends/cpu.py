@@ -74,13 +74,11 @@ class CpuOps:
         h = rms_norm(x, norm, self.c.rms_eps)
         return tuple(h @ w.T if b is None else h @ w.T + b for w, b in zip(mats, biases))
 
-    def head_norm(self, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-        T = y.shape[0]
-        return rms_norm(y.reshape(T, -1, w.size), w, self.c.rms_eps).reshape(T, -1)
-
-    def attention(self, q, k, v, spec: AttentionSpec, sinks=None) -> np.ndarray:
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None, head_norms=None) -> np.ndarray:
         c, T, D = self.c, q.shape[0], self.c.head_dim
         q, k, v = q.reshape(T, -1, D), k.reshape(T, -1, D), v.reshape(T, -1, D)
+        if head_norms is not None:
+            q, k = (rms_norm(y, w, c.rms_eps) for y, w in zip((q, k), head_norms))
         r = spec.rope
         cos, sin = rope_angles(self.pos, r.dim, r.theta, r.scaling)
         q, k = apply_rope(q, cos, sin, r.style), apply_rope(k, cos, sin, r.style)

@@ -14,8 +14,11 @@
 // so the rotation costs no transcendental math on the step's critical path.
 // sinks (null: none): head h's sink logit (gpt-oss) joins each of its rows' softmax denominators and
 // weighs no value: exp(sink - M) added to the sum where the row is normalised.
+// qnw, knw (fuse only; null: none): the per-head q and k norms (head_norm.cuh), applied to the q
+// head and the new k before they rotate; every warp finds both heads' RMS itself (no barrier).
 #include "common.cuh"
 #include "paged_kv.cuh"
+#include "head_norm.cuh"
 
 #define ATT_WARPS 16
 #define ATT_MAXD 256
@@ -43,7 +46,8 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
                                           int D, float scale, int window, int n, i8* oq, float2* od, u16* o16,
                                           const float* __restrict__ kin, const float* __restrict__ vin, int rope_dim,
                                           int style, int fuse, const float2* __restrict__ rt,
-                                          const float* __restrict__ sinks, AttSmem& sm) {
+                                          const float* __restrict__ sinks, const float* __restrict__ qnw,
+                                          const float* __restrict__ knw, float eps, AttSmem& sm) {
     float *sm_m = sm.m, *sm_l = sm.l, *rq = sm.rq, *rk = sm.rk, *rv = sm.rv;
     float(&sm_acc)[ATT_WARPS][ATT_MAXD] = sm.acc;
     int t = blockIdx.x, h = blockIdx.y;
@@ -105,13 +109,16 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
         u16* vdst = (u16*)vcache + prow;
         bool writer = h % (H / KVH) == 0;
         int rest = D - rope_dim;
+        const float iq = qnw ? head_rms_inv(qr, D, eps) : 1.0f, ik = knw ? head_rms_inv(kr, D, eps) : 1.0f;
         for (int i = threadIdx.x; i < rope_dim + D + 2 * rest; i += blockDim.x) {
             if (i < rope_dim) {                              // a pair of q (i < half) or of k
                 bool isk = i >= half;
                 int p = isk ? i - half : i;
                 int ia = style ? p : 2 * p, ib = style ? p + half : 2 * p + 1;
                 const float* src = isk ? kr : qr;
-                float a = src[ia], b = src[ib];
+                const float* nw = isk ? knw : qnw;
+                const float inv = isk ? ik : iq;
+                float a = head_normed(src, ia, inv, nw), b = head_normed(src, ib, inv, nw);
                 const float2 r2 = rope_rot(a, b, rc, rs);
                 float ra = r2.x, rb = r2.y;
                 if (isk) {
@@ -136,11 +143,11 @@ __device__ __forceinline__ void attn_body(const float* __restrict__ q, float* __
                 bool isk = j >= rest;
                 int d = rope_dim + (isk ? j - rest : j);
                 if (isk) {
-                    u16 k16 = f2h(kr[d]);
+                    u16 k16 = f2h(head_normed(kr, d, ik, knw));
                     if (writer) kdst[d] = k16;
                     rk[d] = h2f(k16);
                 } else {
-                    rq[d] = qr[d];
+                    rq[d] = head_normed(qr, d, iq, qnw);
                 }
             }
         }
@@ -266,23 +273,24 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attn_decode(const float* q, float* out, const u16* kcache, const u16* vcache, const int* slots,
                 const int* positions, const int* bt, int max_blocks, int bs_log2, int H, int KVH, int D, float scale,
                 int window, int n, i8* oq, float2* od, u16* o16, const float* kin, const float* vin, int rope_dim,
-                int style, int fuse, const float2* rt, const float* sinks) {
+                int style, int fuse, const float2* rt, const float* sinks, const float* qnw, const float* knw,
+                float eps) {
     __shared__ AttSmem sm;
 #ifdef ATT_HEAD_DIM
     // the loader compiles the model's head size only (one body: a third of the compile time)
     constexpr int dv = ATT_HEAD_DIM <= 64 ? 1 : (ATT_HEAD_DIM <= 128 ? 2 : ATT_DV);
     attn_body<dv == ATT_DV ? 4 : 8, dv>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq,
-                                        od, o16, kin, vin, rope_dim, style, fuse, rt, sinks, sm);
+                                        od, o16, kin, vin, rope_dim, style, fuse, rt, sinks, qnw, knw, eps, sm);
 #else
     if (D <= 64)
         attn_body<8, 1>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                        vin, rope_dim, style, fuse, rt, sinks, sm);
+                        vin, rope_dim, style, fuse, rt, sinks, qnw, knw, eps, sm);
     else if (D <= 128)
         attn_body<8, 2>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16, kin,
-                        vin, rope_dim, style, fuse, rt, sinks, sm);
+                        vin, rope_dim, style, fuse, rt, sinks, qnw, knw, eps, sm);
     else
         attn_body<4, ATT_DV>(q, out, kcache, vcache, slots, positions, bt, max_blocks, bs_log2, H, KVH, D, scale, window, n, oq, od, o16,
-                             kin, vin, rope_dim, style, fuse, rt, sinks, sm);
+                             kin, vin, rope_dim, style, fuse, rt, sinks, qnw, knw, eps, sm);
 #endif
 }
 #endif

@@ -28,11 +28,15 @@
 // 0 (q roped and the cache written by rope_kv): the copies after it.
 // sinks (null: none): each q head's sink logit joins its row's softmax denominator wherever the row's
 // output is normalised: single pass, combine, or cluster combine (flash.cuh fl_sink_sum).
+// qnw, knw (fuse only; null: none): the per-head q and k norms (head_norm.cuh), applied to the q heads
+// and the new k before they rotate: warp w finds the RMS of the group's q heads w, w + NW, ... and (the
+// block holding the row's last key) of k, while the q loads are in flight; one barrier.
 //
 // Entry points flash_decode_d<D>_q<QS>; QS = 1 (the default) splits q into hi + lo fp16 parts: the
 // scores then carry fp32-like accuracy, at no cost in a kernel that waits on memory.
 #include "flash.cuh"
 #include "cluster.cuh"
+#include "head_norm.cuh"
 
 #define FLD_NW 4      // warps per block
 #define FLD_KW 16     // keys per warp tile
@@ -213,7 +217,8 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                                           const int* __restrict__ positions, int n, int H, int KVH, float scale,
                                           int window, const float2* __restrict__ rt, int rope_dim, int style,
                                           int fuse, float* part_o, float2* part_ml, int* counters, int single_max,
-                                          int split_keys, int spin, const float* sinks) {
+                                          int split_keys, int spin, const float* sinks,
+                                          const float* __restrict__ qnw, const float* __restrict__ knw, float eps) {
     // NST shared-memory stages per warp: 3 (a block has 192 keys in flight from its prologue on, so
     // a row of up to 192 keys costs one memory latency), 2 for 256-dim heads (shared memory)
     constexpr int LDS = D + 8, NT = 32 * FLD_NW, KD = D / 16, CPR = D / 8, NST = D <= 128 ? 3 : 2;
@@ -230,6 +235,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     __shared__ __align__(16) u16 s_knew[D], s_vnew[D];
     __shared__ float s_m[FLD_NW][16], s_l[FLD_NW][16], s_f[FLD_NW][16], s_M[16], s_L[16];
     __shared__ float s_w[(FL_MAXC + 1) * 16];
+    __shared__ float s_hn[17];                                    // head norms: 1 / rms of q heads 0..G-1, then k
     __shared__ int s_flag;
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, tq = lane & 3;
@@ -310,11 +316,26 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
             qvb[k] = qr[ib];
         }
     }
+    const bool knorm = knw && fuse && last;
+    if (fuse && (qnw || knorm)) {                                 // block-uniform
+        for (int x = w; x <= G; x += FLD_NW) {                    // warp-uniform
+            if (x < G ? qnw != nullptr : knorm) {
+                const float* row = x < G ? q + ((long long)t * H + kh * G + x) * D : kin + ((long long)t * KVH + kh) * D;
+                const float r = head_rms_inv(row, D, eps);
+                if (lane == 0) s_hn[x] = r;
+            }
+        }
+        __syncthreads();
+    }
 #pragma unroll
     for (int k = 0; k < QIT; ++k) {
         const int i = tid + k * NT, gg = i / (D / 2), p = i - gg * (D / 2);
         const int ia = p < half ? (style ? p : 2 * p) : rope_dim + 2 * (p - half);
         const int ib = p < half ? (style ? p + half : 2 * p + 1) : ia + 1;
+        if (fuse && qnw && gg < G) {
+            qva[k] = qva[k] * s_hn[gg] * qnw[ia];
+            qvb[k] = qvb[k] * s_hn[gg] * qnw[ib];
+        }
         const float2 r2 = rope_rot(qva[k], qvb[k], qcs[k].x, qcs[k].y);
         const float xa = r2.x * qsc, xb = r2.y * qsc;
         const u16 ha = f2h(xa), hb = f2h(xb);
@@ -343,7 +364,8 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                 ia = rope_dim + 2 * (p - half);
                 ib = ia + 1;
             }
-            const float a = kr[ia], b = kr[ib];
+            const float ik = knorm ? s_hn[G] : 1.0f;
+            const float a = head_normed(kr, ia, ik, knorm ? knw : nullptr), b = head_normed(kr, ib, ik, knorm ? knw : nullptr);
             const float2 r2 = rope_rot(a, b, c, sn);
             const u16 ka = f2h(r2.x), kb2 = f2h(r2.y), va = f2h(vr[ia]), vb = f2h(vr[ib]);
             s_knew[ia] = ka;
@@ -526,12 +548,12 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         u16 *vpool, const int *bt, int max_blocks, int bs_log2, const int *slots, const int *positions, int n,  \
         int H, int KVH, float scale, int window, const float2 *rt, int rope_dim, int style, int fuse,          \
         float *part_o, float2 *part_ml, int *counters, int single_max, int split_keys, int spin,               \
-        const float *sinks
+        const float *sinks, const float *qnw, const float *knw, float eps
 #define FL_DECODE_(D, QS)                                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * FLD_NW) flash_decode_d##D##_q##QS(FL_DECODE_ARGS) {       \
         fl_decode<D, QS != 0>(q, kin, vin, out, o16, oq, od, kpool, vpool, bt, max_blocks, bs_log2, slots,       \
                               positions, n, H, KVH, scale, window, rt, rope_dim, style, fuse, part_o, part_ml,   \
-                              counters, single_max, split_keys, spin, sinks);                            \
+                              counters, single_max, split_keys, spin, sinks, qnw, knw, eps);             \
     }
 #define FL_DECODE(D, QS) FL_DECODE_(D, QS)
 

@@ -11,7 +11,9 @@ The fusions are named operations, so a backend that fuses them needs no second c
 - linear_residual: a projection added into the residual stream (through a post-norm where the
   model has one, gemma3);
 - norm_gated_mlp: RMSNorm then act(gate) * up;
-- norm_moe_residual: RMSNorm, the router and the chosen experts' MLPs, into the residual.
+- norm_moe_residual: RMSNorm, the router and the chosen experts' MLPs, into the residual;
+- attention with head_norms: each head of q and k RMSNorm'd (qwen3, gemma3) before RoPE, where a
+  decode step's attention launch loads them anyway.
 """
 
 from __future__ import annotations
@@ -49,11 +51,10 @@ class Ops(Protocol):
     def norm_linear(self, x: Any, norm: Any, mats: Sequence[Any], biases: Sequence[Any | None]) -> tuple:
         """h = RMSNorm(x) * norm; (h @ W.T + b for each matrix W and bias b (None: none))."""
 
-    def head_norm(self, y: Any, w: Any) -> Any:
-        """RMSNorm of each head of y (rows of heads of len(w) values) times w."""
-
-    def attention(self, q: Any, k: Any, v: Any, spec: AttentionSpec, sinks: Any | None = None) -> Any:
-        """RoPE on q and k; k and v written to the layer's KV cache at each row's position; each
+    def attention(self, q: Any, k: Any, v: Any, spec: AttentionSpec, sinks: Any | None = None,
+                  head_norms: tuple[Any, Any] | None = None) -> Any:
+        """head_norms = (q_norm, k_norm): first each head of q and of k RMSNorm'd over its head_dim
+        values, times q_norm and k_norm (None: no norms). Then RoPE on q and k; k and v written to the layer's KV cache at each row's position; each
         row attends (causal, within spec.window) to its sequence's cached positions up to its own,
         grouped KV heads (sinks: one more logit per head in the softmax, attending nowhere);
         returns the rows of the heads' outputs."""

@@ -81,10 +81,13 @@ class Attention:
 
     def __call__(self, ops: Ops, x: Any) -> Any:
         q, k, v = ops.norm_linear(x, self.norm, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
-        if self.q_norm is not None:
-            q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
-        o = ops.attention(q, k, v, self.spec, self.sinks)
+        o = ops.attention(q, k, v, self.spec, self.sinks, self.head_norms)
         return ops.linear_residual(o, self.wo, x, self.post_norm, self.bo)
+
+    @property
+    def head_norms(self) -> tuple[Any, Any] | None:
+        """The per-head q and k norms (qwen3, gemma3, qwen35's gated attention), or None."""
+        return None if self.q_norm is None else (self.q_norm, self.k_norm)
 
     def projections(self) -> list[tuple[str, tuple]]:
         return [("linear", (self.wq, self.wk, self.wv)), ("linear", (self.wo,))]
@@ -168,8 +171,7 @@ class GatedAttention(Attention):
     def __call__(self, ops: Ops, x: Any) -> Any:
         qg, k, v = ops.norm_linear(x, self.norm, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))
         q, gate = ops.split_heads(qg, 2)
-        q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
-        o = ops.attention(q, k, v, self.spec)
+        o = ops.attention(q, k, v, self.spec, head_norms=self.head_norms)
         return ops.linear_residual(ops.sigmoid_gate(o, gate), self.wo, x, self.post_norm, self.bo)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.flash_cases import (DecodeCase, PrefillCase, decode_case, decode_expected, oracle, prefill_case, rel_err,
-                         row_cosine_min, same_bits)
+from support.flash_cases import (DecodeCase, PrefillCase, decode_case, decode_expected, head_norm_weights, oracle,
+                                 prefill_case, rel_err, row_cosine_min, same_bits)
 
 pytestmark = pytest.mark.gpu
 
@@ -139,11 +139,15 @@ def test_chunked_prefill_equals_one_shot(fk, rng):
 
 
 def run_decode(fk, c, fuse, splits=None, single_max=256, split_keys=64, qsplit=True, o16=False, oq=False,
-               pdl=False, cluster=1, sinks=None):
+               pdl=False, cluster=1, sinks=None, head_norms=None, norm_first=None):
+    """head_norms (flash_cases.HeadNorms, fuse only): the per-head q/k norms folded into the launch or,
+    with norm_first (the Kernels to launch them on), run first as rms_norm launches over q's and the
+    new k's heads, as the prompt path runs them. The pool comes back in res["kpool"], res["vpool"]: the
+    twin's 1 / sqrt is not rsqrtf, so only the rows it must not write are checked here."""
     import cupy
 
     from realizar_backend.backends.cuda import flash
-    from realizar_backend.backends.cuda.ops import rope_table
+    from realizar_backend.backends.cuda.ops import rms_norm, rope_table
     dev = _Dev(c)
     sk = cupy.asarray(sinks) if sinks is not None else None
     splits = splits or flash.decode_splits(c.n, c.KVH, fk.sm_count, clusters=cluster > 1)
@@ -161,17 +165,35 @@ def run_decode(fk, c, fuse, splits=None, single_max=256, split_keys=64, qsplit=T
         kin, vin = cupy.asarray(c.k), cupy.asarray(c.v)
         table = rope_table(int(c.positions.max()) + 1, c.rope_dim, c.theta, c.scaling)
         rope = (kin.data.ptr, vin.data.ptr, c.rope_dim, c.neox, table.data.ptr)
+    norms = None
+    if head_norms is not None:
+        qw, kw = cupy.asarray(head_norms.q), cupy.asarray(head_norms.k)
+        if norm_first is not None:
+            for y, w, heads in ((dev.q, qw, c.H), (kin, kw, c.KVH)):
+                rms_norm(norm_first, y.data.ptr, c.D, w.data.ptr, y.data.ptr, c.D, c.n * heads, c.D,
+                         float(head_norms.eps))
+        else:
+            norms = (qw.data.ptr, kw.data.ptr, float(head_norms.eps))
     flash.decode(fk, plan, dev.q.data.ptr, out.data.ptr, dev.k.data.ptr, dev.v.data.ptr, dev.bt.data.ptr,
                  c.pool.max_blocks, c.pool.bs_log2, dev.slots.data.ptr, dev.pos.data.ptr, c.n, c.H, c.KVH, c.D,
                  c.scale, c.window, scratch, rope=rope, o16=out16.data.ptr if o16 else 0,
                  oq=q8.data.ptr if oq else 0, od=d8.data.ptr if oq else 0, single_max=single_max,
-                 split_keys=split_keys, pdl=pdl, sinks=sk.data.ptr if sk is not None else 0)
+                 split_keys=split_keys, pdl=pdl, sinks=sk.data.ptr if sk is not None else 0, head_norms=norms)
     cupy.cuda.Device().synchronize()
-    ref, pool = decode_expected(c, fuse, sinks)
+    ref, pool = decode_expected(c, fuse, sinks, head_norms)
     assert not scratch.counters.any(), "split counters must be left at zero"
-    assert same_bits(dev.k.get(), pool.k), "K pool: the new k must be written at each row's position, nothing else"
-    assert same_bits(dev.v.get(), pool.v), "V pool: the new v must be written at each row's position, nothing else"
     res = {"out": out.get()}
+    if head_norms is not None:
+        res["kpool"], res["vpool"] = dev.k.get(), dev.v.get()
+        written = np.zeros(pool.k.shape[:2], bool)
+        for t in range(c.n):
+            written[pool.row_index(int(c.slots[t]), int(c.positions[t]))] = True
+        assert same_bits(res["kpool"][~written], pool.k[~written]), "K pool: a row other than the new keys' written"
+        assert same_bits(res["vpool"], pool.v), "V pool: the new v must be written at each row's position, nothing else"
+        assert rel_err(res["kpool"][written], pool.k[written].astype(np.float64)) <= 2e-3
+    else:
+        assert same_bits(dev.k.get(), pool.k), "K pool: the new k must be written at each row's position, nothing else"
+        assert same_bits(dev.v.get(), pool.v), "V pool: the new v must be written at each row's position, nothing else"
     if o16:
         res["o16"] = out16.get()
     if oq:
@@ -246,6 +268,34 @@ def test_decode_in_clusters(fk, rng, shape, cluster):
     lengths = [1, 300, 257 + 64 * (cluster - 1), 1000, 4096, int(rng.integers(2, 9000))]
     c = decode_case(rng, lengths, H, KVH, D, 16, 0, fuse=True, neox=bool(rng.integers(2)), theta=1e6, pad_rows=1)
     _check_decode(fk, c, True, splits=64, cluster=cluster)
+
+
+# (H, KVH, D): Qwen3-30B-A3B (a group of 8), Qwen3-8B (32/8), gemma3 (256 dims), qwen3-0.6B-like 16/8
+HEAD_NORM_SHAPES = [(32, 4, 128), (32, 8, 128), (8, 4, 256), (16, 8, 128)]
+
+
+@pytest.mark.parametrize("shape", HEAD_NORM_SHAPES, ids=_sid)
+@pytest.mark.parametrize("cluster", [1, 8])
+def test_decode_head_norms(fk, kernels, rng, shape, cluster):
+    """The per-head q/k norms (qwen3, gemma3) folded into the fused decode: output and pool bit for
+    bit those of the rms_norm launches over q and the new k followed by the same launch without them
+    (what the prompt path runs, and every step ran before the fusion), and near the float64 twin;
+    rows of one pass, split, split in clusters, and a padded row."""
+    if cluster > 1:
+        _need_clusters()
+    H, KVH, D = shape
+    c = decode_case(rng, [1, 17, 300, 2049, int(rng.integers(2, 5000))], H, KVH, D, 16, 0, fuse=True,
+                    neox=bool(rng.integers(2)), theta=1e6, pad_rows=1)
+    c.q *= rng.uniform(0.2, 5.0, (c.n, H, 1)).astype(np.float32)     # heads of their own scales
+    c.k *= rng.uniform(0.2, 5.0, (c.n, KVH, 1)).astype(np.float32)
+    hn = head_norm_weights(rng, D)
+    fused, ref = run_decode(fk, c, True, cluster=cluster, head_norms=hn)
+    apart, _ = run_decode(fk, c, True, cluster=cluster, head_norms=hn, norm_first=kernels)
+    assert same_bits(fused["kpool"], apart["kpool"]) and same_bits(fused["vpool"], apart["vpool"])
+    assert np.array_equal(fused["out"], apart["out"])
+    err = rel_err(fused["out"], ref)
+    print(f"decode with head norms H{H}/{KVH} D{D} cluster {cluster}: rel.err {err:.2e}")
+    assert err <= TOL_QS and row_cosine_min(fused["out"], ref) >= 0.99999
 
 
 @pytest.mark.parametrize("length", [4096, 16384, 17_001])

@@ -197,6 +197,23 @@ def test_attention_fused_partial_rope(kernels, rng, D, rope_dim, neox):
     assert err <= TOL
 
 
+@pytest.mark.parametrize("H,KVH,D,rope_dim", [(32, 4, 128, 128), (16, 8, 128, 128), (8, 4, 256, 256),
+                                              (9, 3, 64, 32)])
+@pytest.mark.parametrize("ctx,window", [(1, 0), (300, 0), (700, 512)])
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+def test_attention_fused_head_norms(kernels, rng, H, KVH, D, rope_dim, ctx, window, neox):
+    """Decode attention with the per-head q/k norms (qwen3: Qwen3-30B-A3B's 32/4 heads, 16/8;
+    gemma3's 256 dims; a partial rotation) folded in before RoPE: against the float64 twin, and bit
+    for bit the rms_norm launches followed by the launch without them (check_attention_rope: inf
+    where not)."""
+    from realizar_backend.backends.cuda.selfcheck import check_attention_rope
+    n = 1 if ctx == 1 else 3
+    err = check_attention_rope(kernels, n, H, KVH, D, ctx, window, neox, 1000000.0, rng, rope_dim=rope_dim,
+                               head_norms=True)
+    print(f"attention+norms+rope H{H}/{KVH} D{D} ctx {ctx} window {window}: rel.err {err:.2e}")
+    assert err <= TOL
+
+
 @pytest.mark.parametrize("window", [0, 128])
 def test_attention_sinks(kernels, rng, window):
     """gpt-oss's attention on attention.cu (short decode rows, and prompt tiles where flash does not

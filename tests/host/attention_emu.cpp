@@ -1,4 +1,5 @@
-// Runs attention.cu's kernels (attn_decode: decode rows with RoPE and the KV write folded in;
+// Runs attention.cu's kernels (attn_decode: decode rows with RoPE, the KV write and, given
+// q_norm and k_norm, the per-head q/k norms folded in;
 // attn_tile, attn_tile_v2: prompt rows) on the CPU through cuda_emu.h, for
 // tests/kernels/test_attention_host.py: argv[1] is a directory holding params.txt (one "name value"
 // per line: the kernel's name, launch shape and scalar arguments, as backends/cuda/ops.py attention
@@ -24,11 +25,13 @@ int main(int argc, char** argv) {
     if (kernel == "attn_decode") {
         auto kin = load<float>("kin"), vin = load<float>("vin");
         auto rt = load<float2>("rt");
+        auto qnw = load_opt<float>("q_norm"), knw = load_opt<float>("k_norm");   // absent: no head norm
         const int rope_dim = num("rope_dim"), style = num("style");
+        const float eps = str("eps").empty() ? 0.0f : (float)num("eps");
         emu::launch(grid, block, 0, [&] {
             attn_decode(q.data(), out.data(), kpool.data(), vpool.data(), slots.data(), positions.data(), bt.data(),
                         max_blocks, bs_log2, H, KVH, D, scale, window, n, nullptr, nullptr, nullptr, kin.data(),
-                        vin.data(), rope_dim, style, 1, rt.data(), ptr(sinks));
+                        vin.data(), rope_dim, style, 1, rt.data(), ptr(sinks), ptr(qnw), ptr(knw), eps);
         });
     } else if (kernel == "attn_tile" || kernel == "attn_tile_v2") {
         auto fn = kernel == "attn_tile" ? attn_tile : attn_tile_v2;

@@ -1,7 +1,8 @@
 // Runs the flash attention kernels (kernels/flash_prefill.cu, flash_decode.cu) on the CPU through
 // cuda_emu.h, for tests/kernels/test_flash_host.py: argv[1] is a directory holding params.txt (one
 // "name value" per line: the kernel's name, launch shape and scalar arguments, as
-// backends/cuda/flash.py plans them) and the input arrays as raw .bin files; the outputs are
+// backends/cuda/flash.py plans them) and the input arrays as raw .bin files (q_norm and k_norm: a
+// decode launch's head norms, absent: none); the outputs are
 // written back there (out, o16, oq, od, kpool, vpool after the launch, counters), through emu_io.h.
 #include "cuda_emu.h"
 
@@ -54,6 +55,8 @@ int main(int argc, char** argv) {
         DecodeFn fn = dec[kernel];
         auto kin = load_opt<float>("kin"), vin = load_opt<float>("vin");   // absent: unfused
         auto rt = load_opt<float2>("rt");
+        auto qnw = load_opt<float>("q_norm"), knw = load_opt<float>("k_norm");   // absent: no head norm
+        const float eps = str("eps").empty() ? 0.0f : (float)num("eps");
         const int rope_dim = num("rope_dim"), style = num("style"), fuse = num("fuse");
         const int single_max = num("single_max"), split_keys = num("split_keys");
         emu::launch(grid, block, smem, [&] {
@@ -61,7 +64,7 @@ int main(int argc, char** argv) {
                bt.data(), max_blocks, bs_log2, slots.data(), positions.data(), n, H, KVH, scale, window, ptr(rt),
                rope_dim, style, fuse, ptr(part_o), ptr(part_ml), ptr(counters), single_max, split_keys,
                0,    // spin: the host's blocks are clusters of one, which never wait for each other
-               ptr(sinks));
+               ptr(sinks), ptr(qnw), ptr(knw), eps);
         });
     } else {
         fail("unknown kernel", kernel);

@@ -3,8 +3,9 @@ warp shuffles rendezvous of the real 32 lanes): decode rows with RoPE and the KV
 (attn_decode) and prompt rows in tiles (attn_tile, attn_tile_v2), launched as backends/cuda/ops.py
 attention launches them, against the float64 oracle on paged pools whose unread rows are NaN, outputs
 poisoned. Here: gpt-oss's attention (64-dim heads, a group of 8 q heads, sinks, a sliding window),
-the path its short decode rows take. The GPU tests (tests/gpu/test_kernels.py) check the same on the
-device. Skipped without g++."""
+the path its short decode rows take, and the per-head q/k norms of qwen3 and gemma3 folded into the
+decode launch. The GPU tests (tests/gpu/test_kernels.py) check the same on the device. Skipped
+without g++."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 from support import host_emu
-from support.flash_cases import decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host, same_bits
+from support.flash_cases import (decode_case, decode_expected, head_norm_weights, oracle, prefill_case, rel_err,
+                                 rope_table_host, same_bits)
 from support.host_emu import GXX, KERNELS
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
@@ -64,6 +66,33 @@ def test_decode_sinks(emu, tmp_path, rng, window):
     assert rel_err(res["out"], ref) <= TOL
     assert np.abs(res["out"][:, 0]).max() < 1e-6                 # the dominant sink takes all of head 0
     assert rel_err(res["out"], decode_expected(c, True)[0]) > 100 * TOL     # the sinks matter here
+
+
+# (H, KVH, D, rope_dim, neox): qwen3's group of 8 on 128-dim heads; a partial rotation (the dims
+# past it normed, not rotated); gemma3's 256-dim heads
+HEAD_NORMS = [(8, 1, 128, 128, True), (4, 2, 64, 32, False), (4, 2, 256, 256, True)]
+
+
+@pytest.mark.parametrize("case", HEAD_NORMS, ids=lambda c: f"D{c[2]}-H{c[0]}/{c[1]}-rope{c[3]}")
+def test_decode_head_norms(emu, tmp_path, rng, case):
+    """attn_decode with the per-head q/k norms folded in: the new k in the pool bit for bit as the
+    separate rms_norm launch, then RoPE, would leave it (head_norm_f32), the output against the
+    oracle over the normed, roped q and pool; without the norms the output would be far off."""
+    H, KVH, D, rope_dim, neox = case
+    c = decode_case(rng, [1, 40, 130], H, KVH, D, 16, 0, fuse=True, rope_dim=rope_dim, neox=neox)
+    c.q *= rng.uniform(0.2, 5.0, (c.n, H, 1)).astype(np.float32)     # heads of their own scales
+    c.k *= rng.uniform(0.2, 5.0, (c.n, KVH, 1)).astype(np.float32)
+    hn = head_norm_weights(rng, D)
+    rt = rope_table_host(int(c.positions.max()) + 1, c.rope_dim, c.theta)
+    params = dict(kernel="attn_decode", gx=c.n, gy=c.H, threads=32 * DEFINES["ATT_WARPS"], rope_dim=c.rope_dim,
+                  style=int(c.neox), eps=repr(float(hn.eps)), **_common(c))
+    arrays = dict(q=c.q, kin=c.k, vin=c.v, rt=rt, kpool=c.pool.k, vpool=c.pool.v, bt=c.pool.bt, slots=c.slots,
+                  positions=c.positions, q_norm=hn.q, k_norm=hn.k)
+    res = _run(emu, tmp_path / "run", params, arrays, int(rng.integers(1 << 31)))
+    ref, pool = decode_expected(c, True, head_norms=hn)
+    assert same_bits(res["kpool"].reshape(pool.k.shape), pool.k) and same_bits(res["vpool"].reshape(pool.v.shape), pool.v)
+    assert rel_err(res["out"], ref) <= TOL
+    assert rel_err(res["out"], decode_expected(c, True)[0]) > 100 * TOL
 
 
 @pytest.mark.parametrize("window", [0, 32])

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from support import host_emu
-from support.flash_cases import (decode_case, decode_expected, oracle, prefill_case, rel_err, rope_table_host,
-                         row_cosine_min, same_bits)
+from support.flash_cases import (decode_case, decode_expected, head_norm_weights, oracle, prefill_case, rel_err,
+                                 rope_table_host, row_cosine_min, same_bits)
 from support.host_emu import GXX
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ not installed")
 
@@ -118,20 +118,24 @@ def test_prefill_variants(emu, tmp_path, rng, variant, D):
 
 
 def _decode(exe, tmp_path, rng, c, fuse, splits, single_max, split_keys=64, qsplit=True, o16=False, oq=False,
-            sinks=None):
+            sinks=None, head_norms=None):
     from realizar_backend.backends.cuda.flash import plan_decode
     plan = plan_decode(c.n, c.H, c.KVH, c.D, splits=splits, qsplit=qsplit)
     arrays = dict(q=c.q, kpool=c.pool.k, vpool=c.pool.v, bt=c.pool.bt, slots=c.slots, positions=c.positions)
+    scalars = {}
     if sinks is not None:
         arrays["sinks"] = sinks
     if fuse:
         arrays.update(kin=c.k, vin=c.v, rt=rope_table_host(int(c.positions.max()) + 1, c.rope_dim, c.theta))
+    if head_norms is not None:
+        arrays.update(q_norm=head_norms.q, k_norm=head_norms.k)
+        scalars["eps"] = repr(float(head_norms.eps))
     res = _run(exe, tmp_path, plan, arrays,
                dict(n=c.n, H=c.H, KVH=c.KVH, D=c.D, scale=repr(c.scale), window=c.window,
                     max_blocks=c.pool.max_blocks, bs_log2=c.pool.bs_log2, rope_dim=c.rope_dim if fuse else c.D,
                     style=int(c.neox), fuse=int(fuse), single_max=single_max, split_keys=split_keys,
-                    use_o16=int(o16), use_oq=int(oq)), rng)
-    ref, pool = decode_expected(c, fuse, sinks)
+                    use_o16=int(o16), use_oq=int(oq), **scalars), rng)
+    ref, pool = decode_expected(c, fuse, sinks, head_norms)
     for r in res:
         assert not np.any(r["counters"]), "split counters must be left at zero"
         assert same_bits(r["kpool"].reshape(pool.k.shape), pool.k), "K pool: wrong rows written"
@@ -171,6 +175,34 @@ def test_decode_partial_rope_plain_q_and_8bit(emu, tmp_path, rng):
         deq = qv.astype(np.float64) * r["od"][..., :1]
         assert rel_err(deq.reshape(ref.shape), ref) <= 1.5e-2      # 8-bit blocks: half a step of 1/127
         assert np.array_equal(r["od"][..., 1], r["od"][..., 0] * qv.sum(-1))
+
+
+# (lengths, H, KVH, D, max splits, single_max, rope_dim): Qwen3-30B-A3B's group of 8 on 128-dim
+# heads in one pass and split (the new key's block is then not the first); a partial rotation;
+# gemma3's 256-dim heads
+DECODE_HEAD_NORMS = [
+    ([1, 40, 9], 8, 1, 128, 1, 1 << 30, 128),
+    ([300, 65], 8, 2, 128, 4, 32, 128),
+    ([90, 3], 4, 2, 64, 3, 16, 32),
+    ([70, 20], 4, 1, 256, 2, 32, 256),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_HEAD_NORMS, ids=lambda c: f"D{c[3]}-H{c[1]}/{c[2]}-S{c[4]}-rope{c[6]}")
+def test_decode_head_norms(emu, tmp_path, rng, case):
+    """The per-head q/k norms folded into the fused decode: the new k in the pool bit for bit as the
+    separate rms_norm launch, then RoPE, would leave it (head_norm_f32; checked in _decode), the
+    output against the oracle over the normed q; without the norms the output would be far off."""
+    lengths, H, KVH, D, splits, single_max, rope_dim = case
+    c = decode_case(rng, lengths, H, KVH, D, 16, 0, fuse=True, rope_dim=rope_dim, neox=bool(rng.integers(2)))
+    c.q *= rng.uniform(0.2, 5.0, (c.n, H, 1)).astype(np.float32)     # heads of their own scales
+    c.k *= rng.uniform(0.2, 5.0, (c.n, KVH, 1)).astype(np.float32)
+    hn = head_norm_weights(rng, D)
+    res, ref = _decode(emu, tmp_path, rng, c, True, splits, single_max, o16=True, head_norms=hn)
+    assert rel_err(decode_expected(c, True)[0], ref) > 20 * TOL
+    for r in res:
+        assert rel_err(r["out"], ref) <= TOL / 4
+        assert rel_err(r["o16"], ref) <= TOL
 
 
 def _sinks(rng, H: int) -> np.ndarray:

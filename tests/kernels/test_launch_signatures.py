@@ -1,5 +1,6 @@
 """The Python launchers of gemv.cu, mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN),
-deltanet.cu and prefill.cu (split16.py) against the kernels' `extern "C"` signatures: each launch's
+deltanet.cu, prefill.cu (split16.py) and the decode attention (attention.cu's attn_decode,
+flash_decode.cu) against the kernels' `extern "C"` signatures: each launch's
 argument count and each argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
 float32), its block against __launch_bounds__, its grid against what the kernel indexes, its dynamic
 shared memory against the limit the loader sets (48 KB where it sets none). The launches are
@@ -42,9 +43,12 @@ MODULES = {**{f"{p}_{t}": ("gemv.cu", ()) for p in ("gemv", "ffn_gate_up") for t
            **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                           for d in DN_DELTA_K))},
            **{n: ("prefill.cu", ()) for n in ("split_weights", "norm_split", "act_split", "unscale_scatter",
-                                              "unscale_add")}}
+                                              "unscale_add")},
+           "attn_decode": ("attention.cu", ("-DATT_KIND=1",)),
+           "flash_decode_d128_q1": ("flash_decode.cu", ("-DFL_D=128", "-DFL_QS=1"))}
 # dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
-SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None}      # mmq: modules.mmq_smem_bytes(bn), as recorded
+# (mmq: modules.mmq_smem_bytes(bn), flash_decode: the device's limit, as recorded)
+SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None, "flash_decode.cu": None}
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
 EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe_bucket_count",

@@ -156,16 +156,63 @@ def decode_case(rng, lengths, H: int, KVH: int, D: int, bs: int = 16, window: in
     return DecodeCase(H, KVH, D, window, D ** -0.5, pool, q, k, v, slots, pos, rope_dim or D, neox, theta)
 
 
-def decode_expected(c: DecodeCase, fuse: bool, sinks: np.ndarray | None = None) -> tuple[np.ndarray, Pool]:
-    """(attention output, the pool as the kernel must leave it; sinks [H]: each head's sink logit)."""
+@dataclass
+class HeadNorms:
+    """A decode launch's per-head q and k norms (qwen3, gemma3): fp32 [D] weights each, and eps."""
+    q: np.ndarray
+    k: np.ndarray
+    eps: np.float32
+
+
+def head_norm_weights(rng, D: int, eps: float = 1e-6) -> HeadNorms:
+    """Weights spread around 1 (a few small, one negative), as trained q/k norms are."""
+    def w():
+        x = rng.uniform(0.3, 2.5, D).astype(np.float32)
+        x[rng.integers(D)] = -0.7
+        return x
+    return HeadNorms(w(), w(), np.float32(eps))
+
+
+def head_norm_f32(x: np.ndarray, w: np.ndarray, eps) -> np.ndarray:
+    """norm.cu's rms_norm of each head (the last axis: D values, a multiple of 32, at most 256) as
+    ops.rms_norm launches it over the heads (D threads a row), in float32 step by step: each warp's
+    32 squares summed by warp_sum's butterfly, then the warps' sums by another; x * inv * w with inv =
+    1 / sqrt(sum / D + eps). Bit for bit the launch's output where rsqrtf is 1 / sqrtf (the host
+    emulators', tests/host/host_intrinsics.h); on a GPU within rsqrtf's error."""
+    f32 = np.float32
+    x = np.asarray(x, f32)
+    D = x.shape[-1]
+    assert D % 32 == 0 and D <= 256, D
+    lane = np.arange(32)
+
+    def warp_sum(v):                        # v [..., 32]: every lane's value after the butterfly
+        for o in (16, 8, 4, 2, 1):
+            v = v + v[..., lane ^ o]
+        return v
+    sq = (x * x).reshape(x.shape[:-1] + (D // 32, 32))
+    partial = warp_sum(sq)[..., 0]                                  # [..., warps]
+    t = np.zeros(x.shape[:-1] + (32,), f32)
+    t[..., :D // 32] = partial
+    total = warp_sum(t)[..., :1]
+    inv = f32(1.0) / np.sqrt(total / f32(D) + f32(eps))
+    return x * inv * np.asarray(w, f32)
+
+
+def decode_expected(c: DecodeCase, fuse: bool, sinks: np.ndarray | None = None,
+                    head_norms: HeadNorms | None = None) -> tuple[np.ndarray, Pool]:
+    """(attention output, the pool as the kernel must leave it; sinks [H]: each head's sink logit;
+    head_norms (fuse only): q and the new k through head_norm_f32 before RoPE)."""
     import copy
     pool = copy.deepcopy(c.pool)
     q = c.q
     if fuse:
         cos, sin = rope_angles(c.positions, c.rope_dim, float(np.float32(c.theta)), c.scaling)
         style = "neox" if c.neox else "normal"
-        q = apply_rope(c.q, cos, sin, style)
-        rk = apply_rope(c.k, cos, sin, style).astype(np.float16)
+        kn = c.k
+        if head_norms is not None:
+            q, kn = head_norm_f32(c.q, head_norms.q, head_norms.eps), head_norm_f32(c.k, head_norms.k, head_norms.eps)
+        q = apply_rope(q, cos, sin, style)
+        rk = apply_rope(kn, cos, sin, style).astype(np.float16)
         for t in range(c.n):
             pool.set_row(int(c.slots[t]), int(c.positions[t]), rk[t], c.v[t].astype(np.float16))
     return oracle(pool, q, c.slots, c.positions, c.scale, c.window, sinks), pool

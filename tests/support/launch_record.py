@@ -34,7 +34,7 @@ def main() -> None:
     sys.modules["cupy"] = types.ModuleType("cupy")
     from gguf import GGMLQuantizationType as Q
 
-    from realizar_backend.backends.cuda import experts, ops
+    from realizar_backend.backends.cuda import experts, flash, ops
     from realizar_backend.backends.cuda.matrices import WeightRef
     from realizar_backend.backends.cuda.modules import MMQ_BN, mmq_smem_bytes
     from realizar_backend.backends.cuda.support import DN_DELTA_K
@@ -53,6 +53,7 @@ def main() -> None:
                  **{("moe", bn): Rec(f"mmq8_moe_bn{bn}", log, mmq_smem_bytes(bn, True)) for bn in MMQ_BN}},
            gemv={q: Rec(f"gemv_{n}", log) for q, n in ((Q.F32, "f32"), (Q.F16, "f16"), (Q.BF16, "bf16"))},
            ffn_gate_up={q: Rec(f"ffn_gate_up_{n}", log) for q, n in ((Q.F32, "f32"), (Q.F16, "f16"), (Q.BF16, "bf16"))},
+           attn_decode=Rec("attn_decode", log),
            deltanet={"conv": Rec("dn_conv", log),
                      **{n: Rec(n, log) for n in ["dn_delta"] + [f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                 for d in DN_DELTA_K]}})
@@ -104,6 +105,18 @@ def main() -> None:
     for dk, dv in ((128, 128), (64, 96), (32, 64)):
         ops.dn_delta(k, 0x12000, 8192, 0x13000, 0x14000, 32, 0x15000, 4096, 0x16000, 0x17000, 0x18000, 0x19000,
                      rows, 16, dk, 32, dv, 1e-6, 0x1a000, 4096, chunk_min=64)
+    # decode attention with RoPE and the KV write folded in, without and with the per-head q/k norms:
+    # attention.cu's attn_decode, flash_decode.cu's one-pass plan (a FlashKernels' get and spins)
+    kv = ops.PagedKV(0x30000, 0x31000, 0x32000, 64, 4)
+    rope = (0x33000, 0x34000, 128, True, 0x35000)
+    # (FlashKernels.get raises a kernel's dynamic shared memory to its plan's: up to sm_80's 163 KB)
+    fk = NS(get=lambda plan: Rec(plan.kernel, log, 163 * 1024), spins=lambda plan: False)
+    plan = flash.plan_decode(4, 32, 4, 128)
+    for norms in (None, (0x36000, 0x37000, 1e-6)):
+        ops.attention(k, 0x38000, 0x39000, kv, 0x3a000, 0x3b000, 32, 4, 128, 128 ** -0.5, 0, 4, rope=rope,
+                      head_norms=norms)
+        flash.decode(fk, plan, 0x38000, 0x39000, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, 0x3a000, 0x3b000,
+                     4, 32, 4, 128, 128 ** -0.5, 0, rope=rope, head_norms=norms)
     # prefill.cu (split16.py): the weights split or in fp16, activation rows in each layout, the epilogues
     from realizar_backend.backends.cuda import split16
     kx = {n: Rec(n, log) for n in split16.KERNELS}

@@ -357,7 +357,8 @@ def prefill(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: i
 def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: int, bt: int, max_blocks: int,
            bs_log2: int, slots: int, positions: int, n: int, H: int, KVH: int, D: int, scale: float, window: int,
            scratch: FlashScratch | None = None, rope=None, o16: int = 0, oq: int = 0, od: int = 0,
-           single_max: int = 256, split_keys: int = 64, pdl: bool = False, sinks: int = 0) -> None:
+           single_max: int = 256, split_keys: int = 64, pdl: bool = False, sinks: int = 0,
+           head_norms=None) -> None:
     """Decode rows (one token per row, n = the batch bucket): out fp32 [n, H, D]; o16 fp16 and
     (oq int8, od float2 per 32 values) 8-bit blocks when given.
     rope = (k, v, rope_dim, neox, table): q, k, v are the step's unrotated fp32 rows ([n, H, D],
@@ -366,7 +367,9 @@ def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: in
     and the pool already holds every row's key (rope_kv ran).
     Rows with at most single_max keys run in one pass; longer rows split into chunks of at least
     split_keys keys (a multiple of 64), at most plan.splits per row. sinks: fp32 [H], each head's
-    sink logit in its softmax (0: none)."""
+    sink logit in its softmax (0: none). head_norms = (q_norm, k_norm, eps) with rope only: each head
+    of q and the new k RMSNorm'd (fp32 [D] weights; a 0 pointer: that one not) before RoPE, as
+    rms_norm over the heads would (kernels/head_norm.cuh); None: neither."""
     if plan.grid != (plan.splits, KVH, n) or f"_d{D}_" not in plan.kernel:
         raise ValueError(f"flash decode: plan {plan.kernel} {plan.grid} does not fit n={n}, KVH={KVH}, D={D}")
     _check_dims(H, KVH, D)
@@ -385,12 +388,15 @@ def decode(fk: FlashKernels, plan: Plan, q: int, out: int, kpool: int, vpool: in
             raise ValueError(f"flash decode: rope_dim {rope_dim} must be even and at most head_dim {D}")
         fuse = 1
     else:
+        if head_norms is not None:
+            raise ValueError("flash decode: head norms are fused with RoPE only (else rms_norm first)")
         kin = vin = table = 0
         rope_dim, neox, fuse = D, False, 0
+    qn, kn, eps = head_norms if head_norms is not None else (0, 0, 0.0)
     part, ml, cnt = _scratch_args(scratch, plan)
     fn = fk.get(plan)
     _launch(fn, plan, (_U64(q), _U64(kin), _U64(vin), _U64(out), _U64(o16), _U64(oq), _U64(od), _U64(kpool),
                        _U64(vpool), _U64(bt), _I32(max_blocks), _I32(bs_log2), _U64(slots), _U64(positions), _I32(n),
                        _I32(H), _I32(KVH), _F32(scale), _I32(window), _U64(table), _I32(rope_dim), _I32(int(neox)),
                        _I32(fuse), part, ml, cnt, _I32(single_max), _I32(split_keys),
-                       _I32(int(fk.spins(plan))), _U64(sinks)), pdl)
+                       _I32(int(fk.spins(plan))), _U64(sinks), _U64(qn), _U64(kn), _F32(eps)), pdl)

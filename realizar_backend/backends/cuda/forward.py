@@ -7,8 +7,9 @@ capture and replay. Which kernel multiplies each matrix of a step is the dispatc
 (dispatch.py); the families of kernels it picks from implement the multiplying operations
 (linear.py; a mixture of experts' routed experts: experts.py).
 
-Decode rows (one new token per sequence) fold RoPE and the KV write into attention; prompt rows
-read each other's cache rows, so RoPE and the KV write run first (rope_kv). Attention runs on the
+Decode rows (one new token per sequence) fold RoPE, the KV write and the per-head q/k norms of the
+models that have them into attention; prompt rows read each other's cache rows, so the head norms
+(rms_norm), RoPE and the KV write (rope_kv) run first. Attention runs on the
 flash kernels (flash.py: tensor cores, split over the sequence where one row's keys must fill the
 GPU) where they take the head size, and on attention.cu's otherwise and for decode rows that are
 all short (the backend's choice per step: `long_decode`).
@@ -161,21 +162,29 @@ class Forward:
         return self._family[kernel]
 
     # ------------------------------------------------------------ attention
-    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool, sinks: int = 0) -> None:
-        """ws.attn[:T] from ws.q, ws.k, ws.v: RoPE and the KV write (in the attention launch for
-        decode rows), then attention over the paged cache (sinks: the layer's sink logits, fp32
-        [n_heads] on the device; 0: none)."""
+    def attention(self, spec: AttentionSpec, T: int, pos: int, slots: int, decode: bool, sinks: int = 0,
+                  head_norms: tuple[int, int] | None = None) -> None:
+        """ws.attn[:T] from ws.q, ws.k, ws.v: the head norms (head_norms: the q and k norms' fp32
+        [head_dim] on the device; None: none), RoPE and the KV write (all three in the attention
+        launch for decode rows), then attention over the paged cache (sinks: the layer's sink
+        logits, fp32 [n_heads] on the device; 0: none)."""
         c, ws, kv, li = self.c, self.ws, self.kv.layer(spec.layer), spec.layer
         neox = spec.rope.style == "neox"
         fuse = decode and c.head_dim <= ops.ATT_MAXD
+        norms = (*head_norms, c.rms_eps) if head_norms is not None else None
         if not fuse:
+            D = c.head_dim
+            if norms is not None:       # in place over each head of q, then of k
+                for y, w, heads in ((ws.q, norms[0], c.n_heads), (ws.k, norms[1], c.n_kv_heads)):
+                    ops.rms_norm(self.k, y.data.ptr, D, w, y.data.ptr, D, T * heads, D, c.rms_eps)
             ops.rope_kv(self.k, ws.q.data.ptr, ws.k.data.ptr, ws.v.data.ptr, pos, slots, kv, c.n_heads,
                         c.n_kv_heads, c.head_dim, spec.rope.dim, self.rope_tables[li].data.ptr, neox, T)
         rope = (ws.k.data.ptr, ws.v.data.ptr, spec.rope.dim, neox, self.rope_tables[li].data.ptr) if fuse else None
         args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
                 c.n_heads, c.n_kv_heads, c.head_dim, spec.scale, spec.window)
         if self.flash and fuse and self.long_decode:
-            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl, sinks=sinks)
+            flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl, sinks=sinks,
+                         head_norms=norms)
         elif self.flash and not fuse:
             plan = self._prefill_plan(T, self.max_pos + 1)
             if self.pre_scratch.ensure(plan):
@@ -184,7 +193,8 @@ class Forward:
             flash.prefill(self.fk, plan, *args, self.pre_scratch, pdl=self.pdl, sinks=sinks)
         else:
             ops.attention(self.k, ws.q.data.ptr, ws.attn.data.ptr, kv, slots, pos, c.n_heads, c.n_kv_heads,
-                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl, sinks=sinks)
+                          c.head_dim, spec.scale, spec.window, T, rope=rope, pdl=self.pdl, sinks=sinks,
+                          head_norms=norms if fuse else None)
 
     # ------------------------------------------------------------ whole steps
     def decode_step(self, b: int, long: bool = False) -> None:
@@ -255,14 +265,12 @@ class StepOps:
         self.fwd.family(choice.kernels[0]).norm_linear(x, norm, segs, choice, self.T)
         return outs
 
-    def head_norm(self, y, w: int):
-        c, D = self.fwd.c, self.fwd.c.head_dim
-        ops.rms_norm(self.fwd.k, y.data.ptr, D, w, y.data.ptr, D, self.T * (y.shape[1] // D), D, c.rms_eps)
-        return y
-
-    def attention(self, q, k, v, spec: AttentionSpec, sinks=None):
-        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode, sinks or 0)
-        return self.fwd.ws.attn
+    def attention(self, q, k, v, spec: AttentionSpec, sinks=None, head_norms=None):
+        ws = self.fwd.ws
+        if q is not ws.q or k is not ws.k or v is not ws.v:
+            raise NotImplementedError("attention on the GPU: q, k and v in the workspace's ws.q, ws.k, ws.v")
+        self.fwd.attention(spec, self.T, self.pos, self.slots, self.decode, sinks or 0, head_norms)
+        return ws.attn
 
     def linear_residual(self, a, w, x, post_norm, bias=None):
         if bias is not None and post_norm is not None:

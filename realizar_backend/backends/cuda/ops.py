@@ -437,13 +437,17 @@ def rope_host_table(ctx: int, rope_dim: int, theta: float, scaling=None) -> np.n
 
 def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: int,
               H: int, KVH: int, D: int, scale: float, window: int, n: int, rope=None, pdl: bool = False,
-              sinks: int = 0) -> None:
+              sinks: int = 0, head_norms=None) -> None:
     """out (fp32): row t attends to positions [0, positions[t]] of the sequence in slots[t] (paged:
     kv's tables). rope = (k, v, rope_dim, neox, table): decode rows (one per sequence, attn_decode),
     RoPE of q and of the new k and the KV-cache write done here, from the unrotated q, k, v rows (no
     rope_kv launch); table: a rope_table(...) pointer. Without rope: prompt rows already in the
-    cache (attn_tile). sinks: fp32 [H], each head's sink logit in its softmax (0: none). The kernels'
-    8-bit and fp16 outputs are not used (null)."""
+    cache (attn_tile). sinks: fp32 [H], each head's sink logit in its softmax (0: none).
+    head_norms = (q_norm, k_norm, eps) with rope only: each head of q and the new k RMSNorm'd
+    (fp32 [D] weights; a 0 pointer: that one not) before RoPE, as rms_norm over the heads would
+    (kernels/head_norm.cuh); None: neither. The kernels' 8-bit and fp16 outputs are not used (null)."""
+    if rope is None and head_norms is not None:
+        raise ValueError("attention: head norms are fused with the decode RoPE only (else rms_norm first)")
     if rope is None:
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
         smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
@@ -457,11 +461,12 @@ def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: 
         raise ValueError("attention: decode RoPE needs a cos/sin table (rope_table)")
     if getattr(k, "head_dim", None) and D > k.head_dim:
         raise ValueError(f"attention: decode kernels compiled for head_dim {k.head_dim}, got {D}")
+    qn, kn, eps = head_norms if head_norms is not None else (0, 0, 0.0)
     _launch(k.attn_decode, (n, H), (ATT_WARPS * 32,),
             (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
              _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n),
              _U64(0), _U64(0), _U64(0), _U64(kin), _U64(vin), _I32(rope_dim),
-             _I32(int(neox)), _I32(1), _U64(table), _U64(sinks)), 0, pdl)
+             _I32(int(neox)), _I32(1), _U64(table), _U64(sinks), _U64(qn), _U64(kn), _F32(eps)), 0, pdl)
 
 
 def act_mul(k: Kernels, g: int, u: int, a: int, n: int, act: int) -> None:

@@ -422,11 +422,15 @@ def check_attention_prompt(k: Kernels, items, H: int, KVH: int, D: int, ctx: int
 
 
 def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int, window: int, neox: bool,
-                         theta: float, rng, n_slots: int = 3, rope_dim: int = 0, sinks: bool = False) -> float:
+                         theta: float, rng, n_slots: int = 3, rope_dim: int = 0, sinks: bool = False,
+                         head_norms: bool = False) -> float:
     """Decode attention with RoPE and the KV write folded in (one row per sequence, distinct slots):
     output against the float64 twin over the cache with the new (roped, fp16) row, and the cache
     rows it wrote against the rope twin; rows it must not touch stay as they were. The angles come
-    from ops.rope_table, as the model runs it. rope_dim: dims rotated (default all D)."""
+    from ops.rope_table, as the model runs it. rope_dim: dims rotated (default all D).
+    head_norms: the per-head q/k norms folded in too (qwen3, gemma3; random weights, heads of their
+    own scales), and the launch's output and cache rows bit for bit those of rms_norm launches over
+    q and k followed by the launch without them (inf where not)."""
     rope_dim = rope_dim or D
     kc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
     vc0 = rng.standard_normal((n_slots, ctx, KVH, D)).astype(np.float16)
@@ -439,13 +443,34 @@ def check_attention_rope(k: Kernels, n: int, H: int, KVH: int, D: int, ctx: int,
     if n > 1:
         pos[1] = 0                         # a first token: the new key is the only one
     scale = D ** -0.5
+    eps = 1e-6
+    if head_norms:
+        q *= rng.uniform(0.2, 5.0, (n, H, 1)).astype(np.float32)
+        kk *= rng.uniform(0.2, 5.0, (n, KVH, 1)).astype(np.float32)
+        qw, kw = (rng.uniform(0.3, 2.5, D).astype(np.float32) for _ in range(2))
+        qwd, kwd = _dev(qw), _dev(kw)
     qd, kd, vd, sd, pd = _dev(q), _dev(kk), _dev(v), _dev(slots), _dev(pos)
-    pg = Paged(kc0, vc0, rng)
+    seed = int(rng.integers(1 << 31))
+    pg = Paged(kc0, vc0, np.random.default_rng(seed))
     sk, _skd, skp = _sinks(H, sinks, rng)
     out = _nan((n, H * D))
     rt = ops.rope_table(ctx, rope_dim, theta)
     ops.attention(k, qd.data.ptr, out.data.ptr, pg.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window, n,
-                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, neox, rt.data.ptr), sinks=skp)
+                  rope=(kd.data.ptr, vd.data.ptr, rope_dim, neox, rt.data.ptr), sinks=skp,
+                  head_norms=(qwd.data.ptr, kwd.data.ptr, eps) if head_norms else None)
+    if head_norms:
+        # the same step as the separate launches run it: rms_norm over the heads in place, then attention
+        apart, pg2 = _nan((n, H * D)), Paged(kc0, vc0, np.random.default_rng(seed))
+        for y, w, heads in ((qd, qwd, H), (kd, kwd, KVH)):
+            ops.rms_norm(k, y.data.ptr, D, w.data.ptr, y.data.ptr, D, n * heads, D, eps)
+        ops.attention(k, qd.data.ptr, apart.data.ptr, pg2.kv, sd.data.ptr, pd.data.ptr, H, KVH, D, scale, window,
+                      n, rope=(kd.data.ptr, vd.data.ptr, rope_dim, neox, rt.data.ptr), sinks=skp)
+        same = [cupy.array_equal(a.view(cupy.uint32 if a.dtype == cupy.float32 else cupy.uint16),
+                                 b.view(cupy.uint32 if b.dtype == cupy.float32 else cupy.uint16))
+                for a, b in ((out, apart), (pg.k, pg2.k), (pg.v, pg2.v))]
+        if not all(same):
+            return float("inf")
+        q, kk = rms_norm(q, qw, eps), rms_norm(kk, kw, eps)
     cos, sin = rope_angles(pos, rope_dim, theta)
     style = "neox" if neox else "normal"
     rq, rk = apply_rope(q, cos, sin, style), apply_rope(kk, cos, sin, style)
