@@ -494,6 +494,10 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
     }
 }
 
+// an output of a pair whose expert id is out of range (moe.cu MOE_NAN): visible, never a read outside
+// the weights
+#define MMV8_NAN __int_as_float(0x7fc00000)
+
 // A mixture of experts' (row, expert) pairs at one-row steps (moe.cu's per-pair GEMVs on 8-bit
 // activations): block column p = blockIdx.y is pair p, expert e = ids[p] (its matrices at W + e eb),
 // input row p / xdiv of xq (the token's row for gate and up, the pair's own for the down projection);
@@ -538,10 +542,12 @@ __device__ __forceinline__ void moe8_body(const u8* Wg, const u8* Wu, long long 
         for (int i = 0; i < MMV8_R; ++i) {
             const int r = r0 + i;
             if (lane == i && r < N) {
-                const long long b = (long long)e * N + r;
-                float v = __int_as_float(0x7fc00000);
-                const float g = bg ? acc[0][i] + bg[b] : acc[0][i];
-                if (ok) v = M == 2 ? gated_f(g, bu ? acc[M - 1][i] + bu[b] : acc[M - 1][i], act) : g;
+                float v = MMV8_NAN;
+                if (ok) {          // the biases read only where e is an expert of the stack
+                    const long long b = (long long)e * N + r;
+                    const float g = bg ? acc[0][i] + bg[b] : acc[0][i];
+                    v = M == 2 ? gated_f(g, bu ? acc[M - 1][i] + bu[b] : acc[M - 1][i], act) : g;
+                }
                 y[(long long)p * ys + r] = v;
             }
         }
