@@ -37,7 +37,8 @@ LAUNCHERS = {
             "gather_rows", "argmax_unpack", "argmax_rows",
             # a mixture of experts' router top-k, per-pair GEMVs, grouped buckets and combine; a hybrid's
             # Gated DeltaNet
-            "moe_topk", "moe_gate_up", "moe_gemv", "moe8", "moe_combine", "moe_bucket", "moe_shared_add",
+            "moe_topk", "moe_gate_up", "moe_gemv", "moe8", "moe8_down_combine", "moe_combine", "moe_bucket",
+            "moe_shared_add",
             "split_pair", "sigmoid_mul", "dn_conv", "dn_delta", "add_rows", "dequant"),
     "linear": ("prep", "mmq", "mmq_ffn"),
     # the grouped experts' own calls (experts.py reaches them through the mmq module)

@@ -65,6 +65,8 @@ constexpr int kMmv8Unroll = MMV8_UNROLL;
 // of unit u first, then the other. The int8 part is padded to mmv8_kpad(K) bytes; (d, d * sum q) as a
 // float2 per unit follows it. The row takes catalog.mmv8_smem(K) bytes (whole 16-byte pieces).
 __host__ __device__ constexpr int mmv8_kpad(int K) { return (K + 255) & ~255; }
+// bytes of one staged row (catalog.mmv8_smem): the int8 part, the float2 per unit, whole 16-byte pieces
+__host__ __device__ constexpr int mmv8_row_bytes(int K) { return (mmv8_kpad(K) + 8 * (K >> 5) + 15) & ~15; }
 __device__ __forceinline__ int mmv8_off(int u, int h) {
     return 256 * (u >> 3) + 128 * (u & 1) + 32 * ((u >> 1) & 3) + 16 * h;
 }
@@ -132,8 +134,23 @@ extern "C" __global__ void __launch_bounds__(256) mmv8_q8(const float* __restric
 __device__ __forceinline__ void mmv8_stage(const u8* __restrict__ xq, long long xqs, int K, u8* sm, int row) {
     pdl_wait();
     const u8* src = xq + row * xqs;
-    const int n16 = (mmv8_kpad(K) + 8 * (K >> 5) + 15) >> 4;      // catalog.mmv8_smem
+    const int n16 = mmv8_row_bytes(K) >> 4;
     for (int i = threadIdx.x; i < n16; i += blockDim.x) cp_async16(sm + 16 * i, src + 16 * i);
+    cp_async_wait_all();
+    __syncthreads();
+}
+
+// as mmv8_stage, rows row0 .. row0 + n - 1 (each xqs bytes apart in xq), back to back in sm: row j at
+// sm + j mmv8_row_bytes(K) (moe8_down_combine's pairs of one token)
+__device__ __forceinline__ void mmv8_stage_rows(const u8* __restrict__ xq, long long xqs, int K, u8* sm, int row0,
+                                                int n) {
+    pdl_wait();
+    const u8* src = xq + row0 * xqs;
+    const int n16 = mmv8_row_bytes(K) >> 4;
+    for (int i = threadIdx.x; i < n * n16; i += blockDim.x) {
+        const int j = i / n16;
+        cp_async16(sm + 16 * i, src + j * xqs + 16 * (i - j * n16));
+    }
     cp_async_wait_all();
     __syncthreads();
 }
@@ -494,6 +511,10 @@ __device__ __forceinline__ void ffn8_body(const u8* Wg, const u8* Wu, long long 
     }
 }
 
+// an output of a pair whose expert id is out of range (moe.cu MOE_NAN): visible, never a read outside
+// the weights
+#define MMV8_NAN __int_as_float(0x7fc00000)
+
 // A mixture of experts' (row, expert) pairs at one-row steps (moe.cu's per-pair GEMVs on 8-bit
 // activations): block column p = blockIdx.y is pair p, expert e = ids[p] (its matrices at W + e eb),
 // input row p / xdiv of xq (the token's row for gate and up, the pair's own for the down projection);
@@ -538,18 +559,77 @@ __device__ __forceinline__ void moe8_body(const u8* Wg, const u8* Wu, long long 
         for (int i = 0; i < MMV8_R; ++i) {
             const int r = r0 + i;
             if (lane == i && r < N) {
-                const long long b = (long long)e * N + r;
-                float v = __int_as_float(0x7fc00000);
-                const float g = bg ? acc[0][i] + bg[b] : acc[0][i];
-                if (ok) v = M == 2 ? gated_f(g, bu ? acc[M - 1][i] + bu[b] : acc[M - 1][i], act) : g;
+                float v = MMV8_NAN;
+                if (ok) {          // the biases read only where e is an expert of the stack
+                    const long long b = (long long)e * N + r;
+                    const float g = bg ? acc[0][i] + bg[b] : acc[0][i];
+                    v = M == 2 ? gated_f(g, bu ? acc[M - 1][i] + bu[b] : acc[M - 1][i], act) : g;
+                }
                 y[(long long)p * ys + r] = v;
             }
         }
     }
 }
 
-// MMV8_KIND: 1 = mmv8_nb1 and mmv8_q8, 2 = ffn8_nb1 only, 3 = moe8_gate_up_nb1 and moe8_gemv_nb1,
-// unset = all (separate modules, as mmvf.cu's).
+// experts a token (moe.cu MOE_MAX_K, support.MOE_MAX_K): the pair values moe8_down_combine holds
+#define MMV8_MOE_MAX_K 32
+
+// The down projection of a token's pairs fused with their combine (moe8_gemv_nb1 over the pairs, then
+// moe.cu's moe_combine, in one launch; one-row steps): block column t = blockIdx.y is token t, whose
+// pairs p = t top + j (j < top) have expert e_j = ids[p], weight w[p] and input row p of xq (the pairs'
+// gated rows, quantized by mmv8_q8). The block stages all `top` rows (top x mmv8_row_bytes(K) bytes)
+// and its warps stride over the output row groups, `wpr` warps a group, each taking the pairs
+// j = sub, sub + wpr, ...: a whole row for each (mmv8_dispatch with one warp a row, as moe8_body), so
+// y_j = W_e_j[r] . a_j + b_e_j[r] is the value moe8_gemv_nb1 writes to y. The group's first warp then
+// adds, j in order,
+//     x[t, r] += ((0 + w_0 y_0) + w_1 y_1) + ... + w_{top-1} y_{top-1}
+// as moe_combine sums y's rows, so the fused path matches the unfused one as far as the compiler
+// rounds both alike; one lane writes each output (no atomics: the same bits every run). A pair whose
+// id is out of range has y_j = NaN (moe8_body's rule), which its token's x then shows.
+__device__ __forceinline__ void moe8_combine_body(const u8* W, long long rb, long long eb, int E, int N, int K, int qt,
+                                                  const int* __restrict__ ids, int top, const u8* __restrict__ xq,
+                                                  long long xqs, const float* bias, const float* __restrict__ w,
+                                                  float* x, int xs, int wpr) {
+    MMV8_DYN_SMEM(sm);
+    __shared__ float pv[MMV8_WARPS][MMV8_MOE_MAX_K][MMV8_R];    // y_j of each row group of the round
+    const int t = blockIdx.y, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int gpb = MMV8_WARPS / wpr, gl = wid / wpr, sub = wid % wpr, S = mmv8_row_bytes(K);
+    mmv8_stage_rows(xq, xqs, K, sm, t * top, top);
+    pdl_trigger();
+    const int groups = (N + MMV8_R - 1) / MMV8_R;
+    for (int base = blockIdx.x * gpb; base < groups; base += gridDim.x * gpb) {   // block-uniform trips
+        const int G = base + gl, r0 = G * MMV8_R;
+        if (G < groups)
+            for (int j = sub; j < top; j += wpr) {                              // warp-uniform
+                const int e = ids[t * top + j];
+                const bool ok = e >= 0 && e < E;
+                float acc[1][MMV8_R];
+#pragma unroll
+                for (int i = 0; i < MMV8_R; ++i) acc[0][i] = 0.0f;
+                if (ok) {
+                    const u8* const Ws[1] = {W + (long long)e * eb};
+                    mmv8_dispatch<1>(qt, Ws, rb, r0, N - 1, K >> 5, 0, 1, sm + j * S, acc);
+                }
+#pragma unroll
+                for (int i = 0; i < MMV8_R; ++i) acc[0][i] = warp_sum(acc[0][i]);
+#pragma unroll
+                for (int i = 0; i < MMV8_R; ++i)
+                    if (lane == i && r0 + i < N)
+                        pv[gl][j][i] = !ok ? MMV8_NAN : bias ? acc[0][i] + bias[(long long)e * N + r0 + i] : acc[0][i];
+            }
+        __syncthreads();
+        if (G < groups && sub == 0 && lane < MMV8_R && r0 + lane < N) {
+            const float* wt = w + (long long)t * top;
+            float s = 0.0f;
+            for (int j = 0; j < top; ++j) s += wt[j] * pv[gl][j][lane];      // moe_combine's order
+            x[(long long)t * xs + r0 + lane] += s;
+        }
+        __syncthreads();           // pv is written again next round
+    }
+}
+
+// MMV8_KIND: 1 = mmv8_nb1 and mmv8_q8, 2 = ffn8_nb1 only, 3 = moe8_gate_up_nb1, moe8_gemv_nb1 and
+// moe8_down_combine_nb1, unset = all (separate modules, as mmvf.cu's).
 // xq: mmv8_q8's output, xqs bytes a row (grid.y rows).
 #if !defined(MMV8_KIND) || MMV8_KIND == 1
 extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) mmv8_nb1(
@@ -579,5 +659,13 @@ extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) moe8_ge
     const u8* W, long long rb, long long eb, int E, int N, int K, int qt, const int* ids, int xdiv,
     const u8* xq, long long xqs, const float* b, float* y, int ys) {
     moe8_body<1>(W, nullptr, rb, eb, E, N, K, qt, ids, xdiv, xq, xqs, 0, b, nullptr, y, ys);
+}
+// x[t] += sum_j w[t, j] (W_e_j . xq[t top + j] + b_e_j), j in order (moe8_combine_body); grid.y: the
+// tokens, top <= MMV8_MOE_MAX_K, wpr a power of two dividing MMV8_WARPS, top x mmv8_row_bytes(K) bytes
+// of dynamic shared memory (checked on the host: ops.moe8_down_combine)
+extern "C" __global__ void __launch_bounds__(MMV8_WARPS * 32, MMV8_MINB) moe8_down_combine_nb1(
+    const u8* W, long long rb, long long eb, int E, int N, int K, int qt, const int* ids, int top, const u8* xq,
+    long long xqs, const float* b, const float* w, float* x, int xs, int wpr) {
+    moe8_combine_body(W, rb, eb, E, N, K, qt, ids, top, xq, xqs, b, w, x, xs, wpr);
 }
 #endif

@@ -96,6 +96,76 @@ def test_experts_pairs8(kernels, rng, types, T):
         assert err <= TOL
 
 
+# the one-row pairs' down projection fused with the combine (ops.moe8_down_combine, mmv8.cu
+# moe8_down_combine_nb1): (down type, experts, hidden H, expert FFN F, top_k, tokens, biases, a pair out
+# of range): Qwen3-30B-A3B's [128, 2048, 768] and gpt-oss-20b's [32, 2880, 2880] with fewer experts (the
+# reference dequantizes each it uses), Q4_K_M's Q6_K down, and small stacks of the other MMV8_TYPES
+# at several tokens (grid.y) and odd row counts
+COMBINE_CASES = [(Q.Q4_K, 16, 2048, 768, 8, 1, False, False), (Q.Q6_K, 16, 2048, 768, 8, 1, False, True),
+                 (Q.MXFP4, 6, 2880, 2880, 4, 1, True, False), (Q.MXFP4, 6, 2880, 2880, 4, 1, True, True),
+                 (Q.Q5_K, 9, 1000, 512, 8, 3, False, True), (Q.IQ4_XS, 9, 333, 256, 4, 2, True, False),
+                 (Q.IQ4_NL, 9, 333, 160, 6, 2, True, True)]
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES,
+                         ids=lambda c: f"{c[0].name}-E{c[1]}-{c[2]}x{c[3]}-top{c[4]}-T{c[5]}"
+                                       + ("-bias" if c[6] else "") + ("-bad" if c[7] else ""))
+def test_moe8_down_combine(kernels, rng, case):
+    """x[t] += sum_j w[t, j] (down_e_j @ a[t top + j] + bd_e_j) in one launch (the path of one-row decode
+    steps) against the unfused launches (moe8's down projection into y, then moe_combine: the same sum
+    in the same order, so equal up to the compiler's rounding of each, expected bit for bit) and against
+    float64 over the 8-bit rows it multiplies; the residual's columns past H untouched; a pair whose id
+    is out of range turns its token's row NaN on both paths."""
+    import cupy
+
+    from realizar_backend.backends.cuda import ops
+    from realizar_backend.backends.cuda.dispatch import moe8_combine_ok
+    from realizar_backend.backends.cuda.selfcheck import _dev, _nan, q8_rows, random_weight, rel_err, upload_weight
+    from realizar_backend.formats.quants import dequantize
+    qt, E, H, F, top, T, biased, bad = case
+    host = random_weight(qt, E * H, F, rng)
+    wd, keep = upload_weight(qt, host)
+    wd = dataclasses.replace(wd, rows=H, experts=E)
+    assert moe8_combine_ok(wd, top)
+    ids = np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32)
+    if bad:
+        ids[0, top // 2] = E + 3
+    pairs, xs = T * top, H + 4
+    a = (rng.standard_normal((pairs, F)) * rng.uniform(0.1, 10.0, (pairs, 1))).astype(np.float32)
+    wts = rng.random((T, top)).astype(np.float32)
+    bd = rng.normal(0.0, 2.0, (E, H)).astype(np.float32) if biased else np.zeros((E, H), np.float32)
+    x0 = rng.standard_normal((T, xs)).astype(np.float32)
+    ad, idd, wtd, bdd, xf, xu = (_dev(v) for v in (a, ids, wts, bd, x0, x0))
+    bias = bdd.data.ptr if biased else 0
+    ops.moe8_down_combine(kernels, wd, idd.data.ptr, top, T, ad.data.ptr, F, xf.data.ptr, xs, wtd.data.ptr, bias)
+    y = _nan((pairs, H))
+    ops.moe8(kernels, wd, None, idd.data.ptr, pairs, ad.data.ptr, F, 1, y.data.ptr, H, bg=bias)
+    ops.moe_combine(kernels, xu.data.ptr, xs, y.data.ptr, H, wtd.data.ptr, top, T, H)
+    cupy.cuda.get_current_stream().synchronize()
+    got, unfused = xf.get(), xu.get()
+    assert np.array_equal(got[:, H:], x0[:, H:]), "columns past H written"
+    ok = np.ones(T, bool)
+    if bad:
+        ok[0] = False
+        assert np.all(np.isnan(got[0, :H])) and np.all(np.isnan(unfused[0, :H]))
+    assert np.all(np.isfinite(got[ok, :H]))
+    diff = float(np.max(np.abs(got[ok] - unfused[ok])) / max(float(np.max(np.abs(unfused[ok]))), 1e-30))
+    print(f"moe8_down_combine {qt.name} E={E} {H}x{F} top={top} T={T}: fused vs unfused max rel.diff {diff:.1e}"
+          f" (bitwise {np.array_equal(got[ok], unfused[ok])})")
+    assert diff <= 1e-6
+    aq = q8_rows(a)
+    deq = {}
+    ref = x0[ok].astype(np.float64)
+    for i, t in enumerate(np.flatnonzero(ok)):
+        for j, e in enumerate(ids[t]):
+            if e not in deq:
+                deq[e] = dequantize(host[e * H:(e + 1) * H], qt, (H, F)).astype(np.float64)
+            ref[i, :H] += float(wts[t, j]) * (deq[e] @ aq[t * top + j] + bd[e])
+    err = rel_err(got[ok], ref)
+    print(f"  against float64: rel.err {err:.2e}")
+    assert err <= TOL
+
+
 # the grouped path's stacks (mmq.cu types; gate and up of one type): one type throughout, a down of
 # another, gpt-oss's MXFP4
 GROUPED_TYPES = [(q, q, q) for q in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q4_0, Q.Q5_K, Q.IQ4_XS, Q.MXFP4)]

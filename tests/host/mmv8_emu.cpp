@@ -1,6 +1,7 @@
-// Runs one launch of kernels/mmv8.cu (mmv8_nb1 or ffn8_nb1, after mmv8_q8 quantized its input) on the
-// CPU through cuda_emu.h, for tests/kernels/test_mmv8_host.py: argv[1] is a directory (emu_io.h)
-// whose params.txt names the kernel (`mmv8` or `ffn8`), the launch's scalars and its grid (grid_x,
+// Runs one launch of kernels/mmv8.cu (mmv8_nb1, ffn8_nb1 or an experts' moe8 kernel, after mmv8_q8
+// quantized its input) on the CPU through cuda_emu.h, for tests/kernels/test_mmv8_host.py: argv[1] is
+// a directory (emu_io.h) whose params.txt names the kernel (`mmv8`, `ffn8`, `moe8_gate_up`,
+// `moe8_gemv` or `moe8_down_combine`), the launch's scalars and its grid (grid_x,
 // nb: grid.y), and whose .bin files hold the weights in their device layouts, the input, the norm
 // weight (nw, absent: no norm) and the outputs as the test poisoned them. Built once per kind with
 // the loader's defines (catalog.mmv8_options), which fix the block size.
@@ -96,6 +97,22 @@ int main(int argc, char** argv) {
                               ys);
         });
         save("y", y);
+        return 0;
+    }
+    if (kernel == "moe8_down_combine") {     // nb: the pairs' rows (tokens x top); grid.y: the tokens
+        auto wd = load<u8>("wd");
+        auto ids = load<int>("ids");
+        auto bd = load_opt<float>("bd");
+        auto w = load<float>("w");
+        auto xr = load<float>("xr");
+        const long long rb = inum("rb"), eb = inum("eb");
+        const int E = inum("E"), N = inum("N"), qt = inum("qt"), top = inum("top"), xrs = inum("xrs"),
+                  T = inum("T");
+        emu::launch(dim3{(unsigned)inum("grid_x"), (unsigned)T, 1}, block, (size_t)top * smem, [&] {
+            moe8_down_combine_nb1(wd.data(), rb, eb, E, N, K, qt, ids.data(), top, xq.data(), xqs, ptr(bd), w.data(),
+                                  xr.data(), xrs, wpr);
+        });
+        save("xr", xr);
         return 0;
     }
 #endif

@@ -35,11 +35,12 @@ ROW_WIDTH = {0: 3, 1: 4, 2: 1}
 MODULES = {**{f"{p}_{t}": ("gemv.cu", ()) for p in ("gemv", "ffn_gate_up") for t in ("f32", "f16", "bf16")},
            "mmv8_nb1": ("mmv8.cu", catalog.mmv8_options(1)), "ffn8_nb1": ("mmv8.cu", catalog.mmv8_options(2)),
            "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
-           **{n: ("mmv8.cu", catalog.mmv8_options(3)) for n in ("moe8_gate_up_nb1", "moe8_gemv_nb1")},
+           **{n: ("mmv8.cu", catalog.mmv8_options(3)) for n in ("moe8_gate_up_nb1", "moe8_gemv_nb1",
+                                                                  "moe8_down_combine_nb1")},
            **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
            **{f"mmq8_moe_bn{bn}": ("mmq.cu", ("-DMMQ_A8=1", f"-DMMQ_BN={bn}")) for bn in catalog.MMQ_BN},
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)), "mmq8_prep": ("mmq.cu", ("-DMMQ_A8=1", "-DMMQ_BN=0")),
-           "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()),
+           "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()), "moe_combine": ("moe.cu", ()),
            **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
                                                                           for d in DN_DELTA_K))},
            **{n: ("prefill.cu", ()) for n in ("split_weights", "norm_split", "act_split", "unscale_scatter",
@@ -51,7 +52,8 @@ MODULES = {**{f"{p}_{t}": ("gemv.cu", ()) for p in ("gemv", "ffn_gate_up") for t
 SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None, "flash_decode.cu": None}
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
-EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe_bucket_count",
+EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1",
+               "moe_bucket_count",
                "moe_bucket_fill", "mmq_prep", "mmq8_prep",
                *(f"mmq{v}_moe_bn{bn}" for v in ("", "8") for bn in catalog.MMQ_BN)}
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
@@ -98,9 +100,10 @@ def test_kernels_declared():
 
 def test_host_constants_match_kernels():
     from realizar_backend.backends.cuda.support import (DN_CHUNK, DN_CHUNK_MAX_V, DN_DELTA_K, DN_MAX_K, DN_MAX_TAPS,
-                                                        DN_MAX_V)
+                                                        DN_MAX_V, MOE_MAX_K)
     dn = catalog.source("deltanet.cu")
     moe = catalog.source("moe.cu")
+    mmv8 = catalog.source("mmv8.cu")
 
     def define(text, name):
         return int(re.search(rf"^#define {name} (\d+)", text, re.M).group(1))
@@ -115,6 +118,7 @@ def test_host_constants_match_kernels():
     # ops.GEMV_WARPS, GEMV_MAXB, GEMV_MAX_WPR; GEMV_FFN_MAX_WPR is GEMV_WARPS in both
     assert (define(gemv, "GEMV_WARPS"), define(gemv, "GEMV_MAXB"), define(gemv, "GEMV_MAX_WPR")) == (4, 8, 16)
     assert re.search(r"^#define GEMV_FFN_MAX_WPR GEMV_WARPS$", gemv, re.M)
+    assert define(moe, "MOE_MAX_K") == define(mmv8, "MMV8_MOE_MAX_K") == MOE_MAX_K
     pre = catalog.source("prefill.cu")
     assert [define(pre, f"LAYOUT_{n}") for n in ("SPLIT", "PAIRED", "FP16")] == list(ROW_WIDTH)
 
@@ -193,7 +197,7 @@ def test_grids_cover_the_kernels_indexing(launches):
     # the one-row pairs: each follows the mmv8_q8 of its input rows (the token's for gate and up: xdiv =
     # top_k; each pair's own for the down projection), a block column per pair
     for i, L in enumerate(launches):
-        if not L["kernel"].startswith("moe8_"):
+        if L["kernel"] not in ("moe8_gate_up_nb1", "moe8_gemv_nb1"):
             continue
         q, a = _args(launches[i - 1]), _args(L)
         gu = L["kernel"] == "moe8_gate_up_nb1"
@@ -203,6 +207,28 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert launches[i - 1]["grid"][1] == -(-pairs // xdiv) and xqs == catalog.mmv8_smem(K)
         groups = -(-N // catalog.MMV8_R[3])
         assert 1 <= L["grid"][0] <= -(-groups // catalog.MMV8_WARPS) and L["block"] == [catalog.MMV8_WARPS * 32]
+    # the down projection fused with the combine: it follows the mmv8_q8 of its tokens' top_k rows each
+    # (grid.y: the tokens), whose rows all its blocks stage (top_k x mmv8_smem(K) bytes); wpr warps a
+    # row group, every row group with a warp group in the first round unless the grid is the resident
+    # wave, and at the models' shapes (Qwen3-30B-A3B's, gpt-oss's) most of that wave
+    fused = [i for i, L in enumerate(launches) if L["kernel"] == "moe8_down_combine_nb1"]
+    assert len(fused) == 2
+    for i in fused:
+        L, Q8 = launches[i], launches[i - 1]
+        a, q = _args(L), _args(Q8)
+        N, K, top, xq, xqs, wpr = a[4], a[5], a[8], a[9], a[10], a[15]
+        T = L["grid"][1]
+        assert Q8["kernel"] == "mmv8_q8" and (q[2], q[5], q[6]) == (K, xq, xqs) and Q8["grid"][1] == T * top
+        assert xqs == catalog.mmv8_smem(K) and L["smem"] == top * xqs
+        assert catalog.MMV8_WARPS % wpr == 0 and L["block"] == [catalog.MMV8_WARPS * 32]
+        groups = -(-N // catalog.MMV8_R[3])
+        assert L["grid"][0] == min(-(-groups // (catalog.MMV8_WARPS // wpr)), 2 * 132 // T), (groups, wpr)
+        assert L["grid"][0] * T >= 0.9 * 2 * 132, (N, top, L["grid"])
+    # where the rows do not fit: the rows y of the pairs, then moe_combine of them (a block column per token)
+    (C,) = by["moe_combine"]
+    D = launches[launches.index(C) - 1]
+    assert D["kernel"] == "moe8_gemv_nb1" and _args(C)[2:4] == _args(D)[-2:]      # y and its row stride
+    assert _args(C)[5] == D["grid"][1] // C["grid"][0] and C["grid"][1] == -(-_args(C)[6] // C["block"][0])
     fills = by["moe_bucket_fill"]
     for L, F in zip(by["moe_bucket_count"], fills):
         E = _args(F)[2]

@@ -5,8 +5,9 @@ random speeds) against NumPy in float64, for every type the kernel takes, in the
 d = max|x| / 127, q = rint(x / d)), then W @ (q d) in float64; the error is measured against sum |w x|
 as the GPU self-check does. Shapes whose units leave a lane pass part-empty, rows no row group or
 block divides, grids smaller than the row groups (blocks stride over them), every warps-per-row
-the host may pick; the segments, bias, residual, folded RMSNorm and argmax of mmv8, and ffn8's
-fused gate/up with both activations. Outputs are poisoned before each launch and what lies past
+the host may pick; the segments, bias, residual, folded RMSNorm and argmax of mmv8, ffn8's fused
+gate/up with both activations, and the experts' pairs (moe8) with their down projection fused with
+the combine into the residual. Outputs are poisoned before each launch and what lies past
 the rows must stay so. A changed copy of the kernel must fail (the checks can fail), and the
 outputs must be bitwise the same whatever the warps' speeds (the split of K is reduced in a fixed
 order). The GPU tests (tests/gpu/test_kernels_f32.py) check the same launches on the device.
@@ -264,3 +265,102 @@ def test_moe8_pairs(emu3, tmp_path, qt, gated, units):
         else:
             ref, scale = lin[0], sc[0]
         assert err(got[p, :N], ref, scale) <= TOL, (p, err(got[p, :N], ref, scale))
+
+
+def run_pairs(exe, d, kernel: str, qt, rb: int, ids, x, params: dict, arrays: dict, outputs: dict):
+    """One moe8 launch (kernel: moe8_gemv, moe8_down_combine) of a stack of rb-byte rows, params["N"]
+    an expert, over the pairs' input rows x (quantized by mmv8_q8 first), experts ids."""
+    base = {"kernel": kernel, "K": x.shape[1], "xs": x.shape[1], "nb": x.shape[0], "eps": 1e-6, "rb": rb,
+            "eb": rb * params["N"], "qt": int(qt)}
+    return host_emu.launch(exe, d, {**base, **params}, {"x": x, "ids": ids, **arrays}, outputs, label=kernel)
+
+
+def check_down_combine(exe, tmp_path, case):
+    """test_moe8_down_combine's checks of one case (an AssertionError where one fails)."""
+    from realizar_backend.backends.cuda.matrices import QTYPES
+    qt, top, wpr, biased, grid_x, bad = case
+    rng = np.random.default_rng(int(qt) * 31 + top + wpr)
+    T, E, N, K = 2, 9, 37, (512 if QTYPES[qt].block == 256 else 160)
+    ids = np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32)
+    if bad:
+        ids[0, top // 2] = E + 2
+    pairs = T * top
+    dev, rb, w64 = weight(qt, E * N, K, rng)
+    a = (rng.standard_normal((pairs, K)) * rng.uniform(0.1, 30.0, (pairs, 1))).astype(np.float32)
+    aq = np.stack([q8_twin(v) for v in a])
+    bd = rng.standard_normal(E * N).astype(np.float32) if biased else np.zeros(E * N, np.float32)
+    bias = {"bd": bd} if biased else {}
+    w = rng.random((T, top)).astype(np.float32)
+    xrs = N + 3
+    x0 = rng.standard_normal((T, xrs)).astype(np.float32)
+    got = run_pairs(exe, tmp_path / "fused", "moe8_down_combine", qt, rb, ids, a,
+                    {"N": N, "E": E, "top": top, "T": T, "xrs": xrs, "wpr": wpr, "grid_x": grid_x},
+                    {"wd": dev, "w": w, "xr": x0, **bias}, {"xr": (np.float32, (T, xrs))})["xr"]
+    assert np.array_equal(got[:, N:], x0[:, N:]), "columns past N written"
+    for t in range(T):
+        if bad and t == 0:
+            assert np.all(np.isnan(got[t, :N])), "a pair out of range must show in its token's row"
+            continue
+        ref, scale = x0[t, :N].astype(np.float64), np.abs(x0[t, :N]).astype(np.float64)
+        for j, e in enumerate(ids[t]):
+            m, v, b = w64[e * N:(e + 1) * N], aq[t * top + j], bd[e * N:(e + 1) * N]
+            ref = ref + w[t, j] * (m @ v + b)
+            scale = scale + w[t, j] * (np.abs(m) @ np.abs(v) + np.abs(b))
+        assert err(got[t, :N], ref, scale) <= TOL, (t, err(got[t, :N], ref, scale))
+    # the unfused path: the down projection's rows y, then moe_combine's sum of them (float32, j in order)
+    ys = N + 1
+    y = run_pairs(exe, tmp_path / "unfused", "moe8_gemv", qt, rb, ids, a,
+                  {"N": N, "E": E, "xdiv": 1, "act": 0, "ys": ys, "pairs": pairs, "wpr": 1, "grid_x": grid_x},
+                  {"wg": dev, "y": np.full((pairs, ys), np.nan, np.float32), **({"bg": bd} if biased else {})},
+                  {"y": (np.float32, (pairs, ys))})["y"]
+    want = x0.copy()
+    for t in range(T):
+        s = np.zeros(N, np.float32)
+        for j in range(top):
+            s = s + w[t, j] * y[t * top + j, :N]
+        want[t, :N] += s
+    assert np.array_equal(got, want, equal_nan=True), "the fused sum is not the unfused path's, bit for bit"
+
+
+# (type, top_k, warps a row group, biases, grid.x, a pair of token 0 out of range): Qwen3-30B-A3B's
+# 8 of Q4_K / Q6_K experts and gpt-oss's 4 MXFP4 ones with biases; every warps-per-group split the
+# host may pick (one warp all pairs; the pairs dealt over 2, 4 warps; more warps than pairs, some
+# idle); grids smaller than the row groups need (blocks stride over them)
+COMBINE_CASES = [(Q.Q4_K, 8, 2, False, 2, True), (Q.Q4_K, 8, 1, True, 3, False), (Q.MXFP4, 4, 4, True, 2, True),
+                 (Q.MXFP4, 4, 1, False, 5, False), (Q.Q6_K, 8, 4, True, 1, False), (Q.IQ4_XS, 4, 2, False, 2, True),
+                 (Q.Q5_K, 4, 8, True, 1, False), (Q.IQ4_NL, 8, 16, True, 1, True), (Q.Q8_0, 4, 2, True, 3, False)]
+
+
+@pytest.mark.parametrize("case", COMBINE_CASES,
+                         ids=lambda c: f"{c[0].name}-top{c[1]}-wpr{c[2]}-{'bias' if c[3] else 'nobias'}-grid{c[4]}"
+                                       + ("-bad" if c[5] else ""))
+def test_moe8_down_combine(emu3, tmp_path, case):
+    """moe8_down_combine_nb1: x[t] += sum_j w[t, j] (down_e_j . a_j + bd_e_j) over each of 2 tokens'
+    top pairs (expert ids[t, j] of a stack of 9, input row a_j = the pair's gated row, quantized by
+    mmv8_q8), against NumPy in float64 over the 8-bit rows; the residual's columns past N untouched; a
+    pair whose id is out of range turns its token's row NaN (the other token's stays right). And bit
+    for bit the unfused path's result: moe8_gemv_nb1's rows y of the same pairs, summed into x in
+    float32, j in order, as moe.cu's moe_combine sums them (the emulator's float arithmetic is
+    NumPy's: no fused multiply-adds)."""
+    check_down_combine(emu3, tmp_path, case)
+
+
+# changed copies of moe8_down_combine that must fail those checks (and the check that sees it, None:
+# the float64 one): every pair reading the first pair's staged row; the pairs summed in reverse order
+# (close, but not the unfused path's bits)
+BROKEN_COMBINE = {"one_row": ("sm + j * S, acc);", "sm, acc);", None),
+                  "order": ("for (int j = 0; j < top; ++j) s +=", "for (int j = top - 1; j >= 0; --j) s +=",
+                            "bit for bit")}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_COMBINE))
+def test_a_broken_combine_fails(tmp_path_factory, tmp_path, name):
+    old, new, seen_by = BROKEN_COMBINE[name]
+    src = (KERNELS / "mmv8.cu").read_text()
+    assert src.count(old) == 1, f"the mutation {name} no longer applies"
+    d = tmp_path_factory.mktemp(f"broken_{name}")
+    (d / "mmv8.cu").write_text(src.replace(old, new))
+    exe = _exe(tmp_path_factory, 3, include_first=d, tag=name)
+    with pytest.raises(AssertionError) as info:
+        check_down_combine(exe, tmp_path, (Q.Q4_K, 8, 2, True, 2, False))
+    assert seen_by is None or seen_by in str(info.value), str(info.value)

@@ -64,7 +64,7 @@ def test_cubins_hold_the_kernels_the_loader_asks_for():
             assert names == {f"{'mmvf' if opts['MMVF_KIND'] == '1' else 'ffnf'}_nb{opts['MMVF_NB']}"}
         elif m["file"] == "mmv8.cu":
             assert names == {"1": {"mmv8_nb1", "mmv8_q8"}, "2": {"ffn8_nb1"},
-                             "3": {"moe8_gate_up_nb1", "moe8_gemv_nb1"}}[opts["MMV8_KIND"]]
+                             "3": {"moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1"}}[opts["MMV8_KIND"]]
         elif m["file"] == "attention.cu":
             assert names == {catalog.ATT_KINDS[int(opts["ATT_KIND"]) - 1]}
         elif m["file"] == "dequant.cu":     # every quant type (no mask)

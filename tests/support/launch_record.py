@@ -43,10 +43,12 @@ def main() -> None:
     log: list = []
     # the Kernels mappings of modules.py, each name the function modules.py loads for that key
     k = NS(sm_count=132,
-           mmv8={**{n: Rec(f"{n}_nb1", log) for n in ("mmv8", "ffn8", "moe8_gate_up", "moe8_gemv")},
+           mmv8={**{n: Rec(f"{n}_nb1", log)
+                    for n in ("mmv8", "ffn8", "moe8_gate_up", "moe8_gemv", "moe8_down_combine")},
                  "q8": Rec("mmv8_q8", log)},
            mmv8_xq=lambda nbytes: 0x7000000,          # Kernels.mmv8_xq: the device's scratch rows
-           moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log)},
+           moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log),
+                "combine": Rec("moe_combine", log)},
            mmq={"prep": Rec("mmq_prep", log),
                 **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
            mmq8={"prep": Rec("mmq8_prep", log),
@@ -92,9 +94,22 @@ def main() -> None:
             buf = NS(cnt=_ptr(1), lst=_ptr(2), tiles=_ptr(3), a=_ptr(4), records=lambda _a8, r=recs: r)
             experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
                                   (0x1100, 0x1200, 0x1300), a8)
-    # the one-row pairs on mmv8.cu (gate and up fused, then the down projection of each pair's row)
+    # the one-row pairs on mmv8.cu (gate and up fused, then the down projection of each pair's row):
+    # its rows into y, and (as the model runs it) with the combine into the residual in its launch, at
+    # Qwen3-30B-A3B's shapes and gpt-oss's (32 experts of [2880, 2880], top 4)
     experts.expert_pairs8(k, gate, up, down, 0x9000, top, 1, 0xa000, H, 0xb000, 0xc000, 2 * F, 0,
                           (0x1100, 0x1200, 0x1300))
+    experts.expert_pairs8(k, gate, up, down, 0x9000, top, 1, 0xa000, H, 0xb000, 0xc000, 2 * F, 0,
+                          (0x1100, 0x1200, 0x1300), (0xd000, H + 4, 0xd800))
+    G = 2880
+    og, ou, od = (w(n, Q.MXFP4, G, G, 13 + i, 32) for i, n in enumerate("gud"))
+    experts.expert_pairs8(k, og, ou, od, 0x9000, 4, 1, 0xa000, G, 0xb000, 0xc000, 2 * G, 2,
+                          (0x1100, 0x1200, 0x1300), (0xd000, G, 0xd800))
+    # 32 pairs of 4096-value rows: more than a block's shared memory holds (dispatch.moe8_combine_ok),
+    # so the down projection's rows, then moe_combine
+    big = w("d", Q.Q4_K, 1024, 4096, 16, 64)
+    experts.expert_pairs8(k, w("g", Q.Q4_K, 4096, 1024, 17, 64), w("u", Q.Q4_K, 4096, 1024, 18, 64), big, 0x9000, 32,
+                          1, 0xa000, 1024, 0xb000, 0xc000, 8192, 0, combine=(0xd000, 1024, 0xd800))
     # the Gated DeltaNet: conv, the delta rule for each kernel
     rows = ops.StepRows(0xc000, 0xd000, 7, 9)
     ops.dn_conv(k, 0xe000, 8192, 0xf000, 3, 0x11000, rows, 8192, 0x12000, 8192)

@@ -120,6 +120,12 @@ MOE_GROUPED_MIN_ROWS: int | None = 2
 # memory once per block; and the down projection's inputs, a row per pair (up to MOE_MAX_K of them),
 # fit mmv8_q8's scratch.
 MOE_PAIRS8 = True
+# Their down projection takes the combine into the residual with it (MOE8_COMBINE: mmv8.cu
+# moe8_down_combine_nb1, each block staging its token's top_k gated rows and summing the pairs'
+# outputs in moe_combine's order) where those rows fit a block's shared memory (moe8_combine_ok): one
+# launch less a layer, and the pairs' outputs never go through memory; else moe8_gemv_nb1, then
+# moe.cu's moe_combine.
+MOE8_COMBINE = True
 # The grouped tiles take mmq.cu's 8-bit records (mmq8_moe_bnBN, each 32 activations quantized as
 # mmv8.cu's, as llama.cpp's MoE tiles take q8_1) where gate, up and down are all of the 8-bit
 # variant's types (MMQ8_TYPES): one int8 mma a 32-column unit where the fp16 records take four, and
@@ -217,6 +223,12 @@ class ExpertsChoice:
 def mmvf_ok(w: WeightRef) -> bool:
     """mmvf.cu: quantized types, whole 32-weight units per row (every quantized type has them)."""
     return QTYPES[w.qtype].blocks and w.cols % 32 == 0
+
+
+def moe8_combine_ok(down: WeightRef, top_k: int) -> bool:
+    """MOE_PAIRS8's down projection and combine in one launch (MOE8_COMBINE): the token's top_k
+    8-bit rows of down.cols values within a block's shared memory."""
+    return MOE8_COMBINE and 1 <= top_k <= MOE_MAX_K and top_k * mmv8_smem(down.cols) <= MMV8_SMEM_MAX
 
 
 def mmv8_ok(w: WeightRef) -> bool:

@@ -5,10 +5,11 @@ GEMVs) and GroupedExperts (the pairs bucketed per expert, mmq.cu's tensor-core t
 Each step: h = RMSNorm(x) into ws.h; the router's logits (its GEMV, the dispatcher's choice) into
 ws.moe_logits; moe_topk writes each row's experts and weights (ws.moe_ids, ws.moe_w); the experts'
 gated MLPs over the (row, expert) pairs into ws.moe_a, their down projections into ws.moe_y; and
-moe_combine adds each row's weighted sum into x (kernels/moe.cu); a shared expert (qwen35moe) adds
-its gated MLP of h (moe_shared_add) on the step's dense families. The expert ids never leave the
-device and every buffer is the workspace's (sized at the high-water mark), so the launches of a step
-are fixed by its row count and a CUDA graph captures them like a dense layer's."""
+moe_combine adds each row's weighted sum into x (kernels/moe.cu; on mmv8.cu's one-row pairs the down
+projection adds it in its own launch, ws.moe_y unused); a shared expert (qwen35moe) adds its gated
+MLP of h (moe_shared_add) on the step's dense families. The expert ids never leave the device and
+every buffer is the workspace's (sized at the high-water mark), so the launches of a step are fixed
+by its row count and a CUDA graph captures them like a dense layer's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import cupy
 
 from . import mmq as mmq_ops
 from . import ops
-from .dispatch import Choice, ExpertsChoice, Kernel, moe_grouped_plan
+from .dispatch import Choice, ExpertsChoice, Kernel, moe8_combine_ok, moe_grouped_plan
 from .linear import ACT, Context, Family, GemvLinear
 from .mmq import MmqPrep
 from .ops import WeightRef
@@ -49,14 +50,25 @@ def expert_pairs(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, t
 
 
 def expert_pairs8(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
-                  a: int, y: int, ys: int, act: int, biases: tuple[int, int, int] = (0, 0, 0)) -> None:
+                  a: int, y: int, ys: int, act: int, biases: tuple[int, int, int] = (0, 0, 0),
+                  combine: tuple[int, int, int] | None = None) -> None:
     """What expert_pairs computes (gate and up of one type and shape), on mmv8.cu's GEMVs (dispatch.py
     MOE_PAIRS8: 8-bit activations, as the dense one-row steps'): gate and up of each pair from its
-    token's row, then the down projection from the pair's own row of a."""
+    token's row, then the down projection from the pair's own row of a. combine = (x, xs, w): then
+    x[t] += sum_j w[t, j] * y[t * top + j] over down.rows columns (moe_combine; x row stride xs, w float
+    [T, top]): in the down projection's own launch where dispatch.moe8_combine_ok (y is not written),
+    else moe_combine after it."""
     pairs, F = T * top, gate.rows
     bg, bu, bd = biases
     ops.moe8(k, gate, up, ids, pairs, h, hs, top, a, F, act, bg, bu)
+    if combine is not None and moe8_combine_ok(down, top):
+        x, xs, w = combine
+        ops.moe8_down_combine(k, down, ids, top, T, a, F, x, xs, w, bd)
+        return
     ops.moe8(k, down, None, ids, pairs, a, F, 1, y, ys, bg=bd)
+    if combine is not None:
+        x, xs, w = combine
+        ops.moe_combine(k, x, xs, y, ys, w, top, T, down.rows)
 
 
 class PairExperts(Family):
@@ -78,22 +90,28 @@ class PairExperts(Family):
         self.gemv._one(choice.router, e.router, h, T, logits.data.ptr, logits.shape[1], bias=e.router_bias or 0)
         ids, w = ws.moe_ids.data.ptr, ws.moe_w.data.ptr
         ops.moe_topk(k, logits.data.ptr, logits.shape[1], T, e.router.rows, e.top_k, e.renormalize, ids, w)
-        self.experts(e, ids, T, h, a, y, choice)
-        ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)
+        if choice.experts is Kernel.MOE_PAIRS8:
+            # the combine into x in the down projection's launch where it can (expert_pairs8)
+            expert_pairs8(k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
+                          y.data.ptr, y.shape[1], MOE_ACT[e.act], self.biases(e), (x.data.ptr, x.shape[1], w))
+        else:
+            self.experts(e, ids, T, h, a, y, choice)
+            ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)
         if e.shared_gate is not None:
             self.shared(x, h, e, choice, T)
         return x
 
+    @staticmethod
+    def biases(e) -> tuple[int, int, int]:
+        """The experts' gate, up and down bias pointers (0: none)."""
+        return e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0
+
     def experts(self, e, ids: int, T: int, h: cupy.ndarray, a: cupy.ndarray, y: cupy.ndarray,
                 choice: ExpertsChoice) -> None:
-        """y[p] = the expert ids[p]'s MLP of row h[p // top_k], for the T rows' pairs (expert_pairs)."""
-        biases = (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0)
-        if choice.experts is Kernel.MOE_PAIRS8:
-            expert_pairs8(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
-                          y.data.ptr, y.shape[1], MOE_ACT[e.act], biases)
-            return
+        """y[p] = the expert ids[p]'s MLP of row h[p // top_k], for the T rows' pairs (expert_pairs;
+        MOE_PAIRS8 is moe()'s own: expert_pairs8, the combine with it)."""
         expert_pairs(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
-                     y.data.ptr, y.shape[1], MOE_ACT[e.act], choice.fused, biases)
+                     y.data.ptr, y.shape[1], MOE_ACT[e.act], choice.fused, self.biases(e))
 
     def shared(self, x: cupy.ndarray, h: cupy.ndarray, e, choice: ExpertsChoice, T: int) -> None:
         """x[:T] += sigmoid(h @ shared_router.T) * down(act(h @ gate.T) * (h @ up.T)), the shared
@@ -177,5 +195,4 @@ class GroupedExperts(PairExperts):
         if self.buf is None or not self.buf.fits(*shape):
             self.buf = GroupedBuffers(*shape)
         expert_groups(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], y.data.ptr,
-                      y.shape[1], MOE_ACT[e.act], self.buf, (e.gate_bias or 0, e.up_bias or 0, e.down_bias or 0),
-                      choice.a8)
+                      y.shape[1], MOE_ACT[e.act], self.buf, self.biases(e), choice.a8)

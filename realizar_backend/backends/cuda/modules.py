@@ -217,13 +217,15 @@ class Kernels:
         # the one-row GEMVs on 8-bit activations (mmv8.cu): loaded with the core where the dispatcher
         # sends a type of the model to them (dispatch.MMV8_TYPES), else on first use (tests, benchmarks)
         eager8 = bool(types & dispatch.MMV8_TYPES)
-        names8 = {1: ["mmv8_nb1", "mmv8_q8"], 2: ["ffn8_nb1"], 3: ["moe8_gate_up_nb1", "moe8_gemv_nb1"]}
+        names8 = {1: ["mmv8_nb1", "mmv8_q8"], 2: ["ffn8_nb1"],
+                  3: ["moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1"]}
         # (the experts' moe8 kernels where the dispatcher's MOE_PAIRS8 rule is on)
         mmv8 = {i: build("mmv8.cu", names, typed + catalog.mmv8_options(i), 100 * 1024,
                          lazy=not eager8 or (i == 3 and not dispatch.MOE_PAIRS8))
                 for i, names in names8.items()}
         self.mmv8 = _Family({"mmv8": (mmv8[1], "mmv8_nb1"), "q8": (mmv8[1], "mmv8_q8"), "ffn8": (mmv8[2], "ffn8_nb1"),
-                             "moe8_gate_up": (mmv8[3], "moe8_gate_up_nb1"), "moe8_gemv": (mmv8[3], "moe8_gemv_nb1")})
+                             "moe8_gate_up": (mmv8[3], "moe8_gate_up_nb1"), "moe8_gemv": (mmv8[3], "moe8_gemv_nb1"),
+                             "moe8_down_combine": (mmv8[3], "moe8_down_combine_nb1")})
         self._mmv8_xq = None
         self._deq = build("dequant.cu", [f"{p}_{x}" for x in sfx.values() for p in ("dequant", "embed")],
                           typed)

@@ -369,6 +369,53 @@ def moe8(k: Kernels, gate: WeightRef, up: WeightRef | None, ids: int, pairs: int
     _launch(fn, (per_pair, pairs), (MMV8_WARPS * 32,), args + (_U64(y), _I32(ys)), smem)
 
 
+def moe8_combine_wpr(groups: int, top_k: int, blocks: int, warps: int = MMV8_WARPS) -> int:
+    """Warps sharing one row group of a moe8_down_combine launch (`groups` groups a token on `blocks`
+    resident blocks a token), each taking every wpr-th of the token's top_k pairs (a whole row each):
+    the power of two (up to the block's warps, and to the first that holds every pair) that minimises
+    rounds x pairs a warp per round, ceil(groups wpr / (warps blocks)) x ceil(top_k / wpr): one warp a
+    group leaves most of the GPU idle when the groups are fewer than its warps, more warps a group
+    than that need further rounds; ties to the fewer warps (fewer blocks staging the token's rows)."""
+    best, best_t, w = 1, None, 1
+    while w <= warps:
+        t = -(-groups * w // (warps * max(blocks, 1))) * -(-top_k // w)
+        if best_t is None or t < best_t:
+            best, best_t = w, t
+        if w >= top_k:
+            break
+        w *= 2
+    return best
+
+
+def moe8_down_combine(k: Kernels, down: WeightRef, ids: int, top_k: int, T: int, a: int, as_: int, x: int, xs: int,
+                      w: int, bias: int = 0) -> None:
+    """x[t] += sum_j w[t, j] * (down_e @ a[t * top_k + j] + bias_e), e = ids[t * top_k + j], j in order,
+    over the first down.rows columns of each of T rows (row stride xs): moe8's down projection and
+    moe_combine in one launch (mmv8.cu moe8_down_combine_nb1; the same sum in the same order), y never
+    written. The T * top_k rows of a (row stride as_) quantized by mmv8_q8 first; a block column per
+    token, whose blocks each stage its top_k rows (dispatch.moe8_combine_ok: they fit its shared
+    memory), spread so that the launch is one resident wave; ids int32 and w float [T, top_k]; bias:
+    float [experts, down.rows], 0: none."""
+    K, N = down.cols, down.rows
+    _check_x(a, as_, K)
+    if not 1 <= top_k <= MOE_MAX_K:
+        raise ValueError(f"moe8_down_combine: {top_k} experts a token (the kernel takes 1..{MOE_MAX_K})")
+    fn = k.mmv8["moe8_down_combine"]
+    smem = top_k * mmv8_smem(K)
+    if smem > MMV8_SMEM_MAX:
+        raise ValueError(f"moe8_down_combine: {top_k} input rows of {K} values do not fit in its shared memory "
+                         f"(dispatch.moe8_combine_ok)")
+    xq, xqs = _mmv8_quantize(k, a, as_, K, T * top_k, None, False)
+    groups = -(-N // MMV8_R[3])
+    blocks = max(1, _max_grid(k, fn, smem, MMV8_WARPS) // max(T, 1))
+    wpr = moe8_combine_wpr(groups, top_k, blocks)
+    grid = (min(-(-groups // (MMV8_WARPS // wpr)), blocks), T)
+    _launch(fn, grid, (MMV8_WARPS * 32,),
+            (_U64(down.ptr), _I64(down.row_bytes), _I64(down.expert_bytes), _I32(down.experts), _I32(N), _I32(K),
+             _I32(int(down.qtype)), _U64(ids), _I32(top_k), _U64(xq), _I64(xqs), _U64(bias), _U64(w), _U64(x),
+             _I32(xs), _I32(wpr)), smem)
+
+
 def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int, T: int, H: int) -> None:
     """x[t] += sum_j w[t, j] * y[t * top_k + j] over the first H columns, j in order."""
     k.moe["combine"]((T, (H + MOE_COMBINE_THREADS - 1) // MOE_COMBINE_THREADS), (MOE_COMBINE_THREADS,),

@@ -565,13 +565,13 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
                       pairs8: bool = False, a8: bool = False) -> float:
     """The experts of a routing (experts.py expert_pairs: moe_gate_up, or moe_gemv twice and act_mul
     where gate and up differ; grouped: expert_groups, the bucketing and mmq.cu's grouped tiles, with
-    a8 on its 8-bit records; pairs8: expert_pairs8, mmv8.cu's GEMVs; both 8-bit forms against the
-    8-bit activations they multiply) and
-    moe_combine into residual rows, against float64: each of T rows takes top distinct experts of E
-    (some shared between rows; ids: this routing instead) at random weights. types: (gate, up, down)
-    storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the activation code (2: gpt-oss's
-    clamped SwiGLU); biases: each expert's gate, up and down biases (gpt-oss). Relative error of
-    the rows after."""
+    a8 on its 8-bit records; pairs8: expert_pairs8, mmv8.cu's GEMVs, its down projection and combine
+    in one launch where they fit, as the model runs it; both 8-bit forms against the 8-bit activations
+    they multiply) and moe_combine into residual rows, against float64: each of T rows takes top
+    distinct experts of E (some shared between rows; ids: this routing instead) at random weights.
+    types: (gate, up, down) storage types of stacks [E, F, H], [E, F, H], [E, H, F]; act: the
+    activation code (2: gpt-oss's clamped SwiGLU); biases: each expert's gate, up and down biases
+    (gpt-oss). Relative error of the rows after."""
     from .experts import GroupedBuffers, expert_groups, expert_pairs, expert_pairs8
     shapes = ((F, H), (F, H), (H, F))
     hosts = [random_weight(qt, E * r, c, rng) for qt, (r, c) in zip(types, shapes)]
@@ -606,13 +606,14 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
                 if e >= 0:
                     got[lst[s0:min(s0 + bn, end)]] = rows[s0:min(s0 + bn, end)]
             a = cupy.asarray(got)
-    elif pairs8:
+    elif pairs8:           # the combine in expert_pairs8 (in the down projection's launch where it fits)
         expert_pairs8(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
-                      bias_ptrs)
+                      bias_ptrs, (xd.data.ptr, H, wtd.data.ptr))
     else:
         expert_pairs(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, a.data.ptr, y.data.ptr, y.shape[1], act,
                      same_shape(mats[0], mats[1]), bias_ptrs)
-    ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
+    if not pairs8:
+        ops.moe_combine(k, xd.data.ptr, H, y.data.ptr, y.shape[1], wtd.data.ptr, top, T, H)
     ref = x0.astype(np.float64)
     q8 = pairs8 or (grouped and a8)
     a_gpu, a_ref = (a.get(), np.zeros((pairs, F))) if q8 else (None, None)
