@@ -148,6 +148,8 @@ def test_moe8_down_combine(kernels, rng, case):
     if bad:
         ok[0] = False
         assert np.all(np.isnan(got[0, :H])) and np.all(np.isnan(unfused[0, :H]))
+    if not ok.any():                   # one token, its pair's id out of range: the NaN row is the result
+        return
     assert np.all(np.isfinite(got[ok, :H]))
     diff = float(np.max(np.abs(got[ok] - unfused[ok])) / max(float(np.max(np.abs(unfused[ok]))), 1e-30))
     print(f"moe8_down_combine {qt.name} E={E} {H}x{F} top={top} T={T}: fused vs unfused max rel.diff {diff:.1e}"
