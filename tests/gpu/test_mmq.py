@@ -1,7 +1,7 @@
 """The batched-decode tensor-core kernels (kernels/mmq.cu, backends/cuda/mmq.py) against float64
 NumPy (gguf's dequantize of the same blocks) on fresh random inputs, beside the fp32 GEMV (mmvf.cu)
 on the same data: every type in its device layout, M from 1 to 256 (every token-tile width, several
-token tiles, partial ones), K = 896 .. 14336 (partial last chunks, long rows split over CTAs), odd
+token tiles, partial ones), K = 896 .. 20608 (partial last chunks, long rows split over CTAs), odd
 row counts, the LM head's 151936 rows with its fused argmax, Q/K/V segments of mixed types with
 biases, the residual add, the fused FFN, the folded RMSNorm, activations from 1e-6 to 1e4, every
 output poisoned (NaN) before the launch and the row tails checked untouched, forced K splits,
@@ -55,7 +55,7 @@ def k(kernels):
 @pytest.fixture(scope="module")
 def bufs(k):
     from realizar_backend.backends.cuda.mmq import MmqPrep, MmqScratch
-    return MmqPrep(256, 14336), MmqScratch(64 << 20, 1 << 16)
+    return MmqPrep(256, 20608), MmqScratch(64 << 20, 1 << 16)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def k8(kernels):
 def bufs8(k8):
     """A prep buffer of int8 records (it selects the 8-bit variant) and a scratch of its own."""
     from realizar_backend.backends.cuda.mmq import MmqPrep, MmqScratch
-    return MmqPrep(256, 18944, a8=True), MmqScratch(64 << 20, 1 << 16)
+    return MmqPrep(256, 20608, a8=True), MmqScratch(64 << 20, 1 << 16)
 
 
 def _poison(shape):
@@ -411,12 +411,13 @@ def test_mmq_every_type_m_and_k(request, rng, qt, a8):
                                     ([(Q.Q8_0, 577), (Q.Q4_1, 33), (Q.Q4_0, 5)], 576),
                                     ([(Q.Q6_K, 3), (Q.Q4_K, 1), (Q.Q6_K, 130)], 8960),
                                     ([(Q.Q4_K, 40), (Q.Q8_0, 7)], 14336),
+                                    ([(Q.Q8_0, 9), (Q.Q4_0, 3)], 20608),
                                     ([(Q.Q5_K, 3584), (Q.Q5_K, 512), (Q.Q6_K, 512)], 3584),
                                     ([(Q.Q5_1, 896), (Q.Q5_0, 128), (Q.Q5_1, 129)], 896),
                                     ([(Q.IQ4_XS, 3584), (Q.IQ4_XS, 512), (Q.Q6_K, 512)], 3584),
                                     ([(Q.MXFP4, 2880), (Q.IQ4_NL, 64), (Q.Q8_0, 65)], 2880),
                                     ([(Q.IQ3_S, 1000), (Q.Q3_K, 33), (Q.IQ2_S, 17)], 2048)],
-                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny", "past-prep-registers",
+                         ids=["qwen15-qkv", "qwen05-qkv", "odd-mixed", "long-tiny", "long-in-prep-registers", "past-prep-registers",
                               "q5km-qkv", "q5_1-qkv", "iq4xs-qkv", "mxfp4-mixed", "lowbit-mixed"])
 @pytest.mark.parametrize("M", [1, 13, 64, 100, 256])
 @pytest.mark.parametrize("a8", [False, True], ids=["fp16", "8bit"])
