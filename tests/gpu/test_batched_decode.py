@@ -46,7 +46,8 @@ def test_batched_rows_match_the_oracle(name, mode, rng):
     ctx = 96
     cpu = contiguous_tables(CPUBackend(model, max_slots=ROWS, max_context=ctx, kv_dtype=np.float16))
     gpu = contiguous_tables(_force(CUDABackend(model, max_slots=ROWS, max_context=ctx,
-                                               settings=Settings(self_check=False, prefill_weight_cache="on")), mode))
+                                               settings=Settings(self_check=False, prefill_weight_cache="on",
+                                                                 gemm_precision="split")), mode))
     assert gpu.fwd.dispatcher.decode_step(32).family == mode
     V = model.config.vocab_size
     lens = [int(n) for n in rng.integers(3, 40, ROWS)]
@@ -74,14 +75,18 @@ def test_batched_rows_match_the_oracle(name, mode, rng):
 @pytest.mark.parametrize("mode", ["mmq", "split16"])
 def test_batched_greedy_equals_single_stream_on_real_smollm2(mode, rng):
     """Each row of a greedy batch gives the tokens the same prompt gives decoded alone, except
-    after a step whose top two logits (of the lone run) are within 0.01: there either is right."""
+    after a step whose top two logits (of the lone run) are within 0.01: there either is right.
+    The GEMMs at fp32-class precision (gemm_precision split): the packed prompts and the lone ones
+    take different families of step, and fp16 GEMMs' logits differ from the tensor-core tiles' by
+    about the tie bar (a first token flipped at a gap of 0.0102)."""
     from realizar_backend.backends.base import PrefillItem
     from realizar_backend.backends.cuda import CUDABackend
     from realizar_backend.settings import Settings
     model = _model("real")
     n, steps, ctx = 24, 24, 128
     gpu = contiguous_tables(_force(CUDABackend(model, max_slots=n, max_context=ctx,
-                                               settings=Settings(self_check=False, prefill_weight_cache="on")), mode))
+                                               settings=Settings(self_check=False, prefill_weight_cache="on",
+                                                                 gemm_precision="split")), mode))
     prompts = [rng.integers(0, 2000, int(k)).astype(np.int32) for k in rng.integers(4, 30, n)]
     first = gpu.prefill([PrefillItem(s, p) for s, p in enumerate(prompts)]).argmax(-1)
     slots = list(range(n))
