@@ -7,7 +7,7 @@
 #   setup    carried wheels (.whl*/, from /work/shared/tools/device_wheels.sh) into /tmp/site; the shape twins
 #            named in $TWINS (default smol135 qwen05 gemma270 qwen15; .twins/NAME.head.gz + NAME.json,
 #            expanded by tools/make_quant_twins.py: every block type) into /tmp/twins; the real SmolLM2 from its
-#            parts (.device/smol.part*, one call each, staged in /tmp/stage while the machine stays warm); the prebuilt
+#            parts (.device/smol.part*, a few a call, staged in /tmp/stage while the machine stays warm); the prebuilt
 #            kernels rebuilt with this machine's nvcc (tools/build_kernels.py: a no-op when current) and
 #            returned as $OUT/cubin.tar.xz when they changed
 #   tests    pytest -m gpu over $PYTEST_PATHS (default: every tests/gpu file), no -x: the full report; one
@@ -76,7 +76,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 for p in .device/smol.part*; do [ -f "$p" ] && cp -f "$p" /tmp/stage/ && echo "staged $p"; done
 SMOL=/tmp/smol135.gguf
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-# the parts in name order (split -n 3 -d: smol.part0..2, each carried by its own call); whole once they match
+# the parts in name order (split -n 6 -d: smol.part00..05 of 16.4 MB, two or three a call beside the wheels or
+# the tiny test models; staged in /tmp/stage while the machine stays warm); whole once they match
 if [ ! -f "$SMOL" ] && ls /tmp/stage/smol.part* >/dev/null 2>&1; then
   cat $(ls /tmp/stage/smol.part* | sort) > "$SMOL.tmp"
   if [ "$(sha256sum "$SMOL.tmp" | cut -d' ' -f1)" = "$SMOL_SHA" ]; then mv "$SMOL.tmp" "$SMOL"; echo "real SmolLM2 assembled"
