@@ -45,6 +45,15 @@ def _exe(tmp_path_factory, kind: int, include_first=None, tag: str = ""):
     return host_emu.build("mmv8_emu.cpp", d / "mmv8_emu", flags=flags, include_first=include_first)
 
 
+def _mutant(tmp_path_factory, kind: int, name: str, old: str, new: str):
+    """The emulator of kind `kind` built on mmv8.cu with its one `old` replaced by `new`."""
+    src = (KERNELS / "mmv8.cu").read_text()
+    assert src.count(old) == 1, f"the mutation {name} no longer applies"
+    d = tmp_path_factory.mktemp(f"broken_{name}")
+    (d / "mmv8.cu").write_text(src.replace(old, new))
+    return _exe(tmp_path_factory, kind, include_first=d, tag=name)
+
+
 @pytest.fixture(scope="module")
 def emu1(tmp_path_factory):
     return _exe(tmp_path_factory, 1)
@@ -197,11 +206,7 @@ BROKEN = {"q4k_half": ("a1 = *(const int4*)(ap + 128);", "a1 = *(const int4*)ap;
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
     old, new, qt = BROKEN[name]
-    src = (KERNELS / "mmv8.cu").read_text()
-    assert src.count(old) == 1, f"the mutation {name} no longer applies"
-    d = tmp_path_factory.mktemp(f"broken_{name}")
-    (d / "mmv8.cu").write_text(src.replace(old, new))
-    exe = _exe(tmp_path_factory, 1, include_first=d, tag=name)
+    exe = _mutant(tmp_path_factory, 1, name, old, new)
     rng = np.random.default_rng(3)
     e, _ = run_mmv8(exe, tmp_path, [(qt, 9)], 512, 1, 1, 2, rng)
     assert e > 10 * TOL, e    # the checks above would fail it
@@ -212,11 +217,7 @@ def test_a_read_past_shared_memory_stops_the_emulator(tmp_path_factory, tmp_path
     activations, not bytes past the staged row: the emulator's shared memory ends at a page no
     access may touch, so the unclamped read stops it (on the GPU: an illegal address)."""
     old = "const u8* ap = sm + (ok ? aoff + 1024 * tk : a0off);"
-    src = (KERNELS / "mmv8.cu").read_text()
-    assert src.count(old) == 1, "the mutation no longer applies"
-    d = tmp_path_factory.mktemp("broken_oob")
-    (d / "mmv8.cu").write_text(src.replace(old, "const u8* ap = sm + aoff + 1024 * tk;"))
-    exe = _exe(tmp_path_factory, 1, include_first=d, tag="oob")
+    exe = _mutant(tmp_path_factory, 1, "oob", old, "const u8* ap = sm + aoff + 1024 * tk;")
     with pytest.raises(AssertionError, match="past its block's dynamic shared memory"):
         run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, np.random.default_rng(4))
 
@@ -356,11 +357,7 @@ BROKEN_COMBINE = {"one_row": ("sm + j * S, acc);", "sm, acc);", None),
 @pytest.mark.parametrize("name", sorted(BROKEN_COMBINE))
 def test_a_broken_combine_fails(tmp_path_factory, tmp_path, name):
     old, new, seen_by = BROKEN_COMBINE[name]
-    src = (KERNELS / "mmv8.cu").read_text()
-    assert src.count(old) == 1, f"the mutation {name} no longer applies"
-    d = tmp_path_factory.mktemp(f"broken_{name}")
-    (d / "mmv8.cu").write_text(src.replace(old, new))
-    exe = _exe(tmp_path_factory, 3, include_first=d, tag=name)
+    exe = _mutant(tmp_path_factory, 3, name, old, new)
     with pytest.raises(AssertionError) as info:
         check_down_combine(exe, tmp_path, (Q.Q4_K, 8, 2, True, 2, False))
     assert seen_by is None or seen_by in str(info.value), str(info.value)
