@@ -6,6 +6,8 @@ captured graph's replay time per step.
     python benchmarks/decode_profile.py MODEL.gguf [--batch 1] [--context 64] [--json out.json]
     python benchmarks/decode_profile.py MODEL.gguf --prefill 512
     python benchmarks/decode_profile.py MODEL.gguf --ncu      (one eager decode step and nothing else)
+    ncu --profile-from-start off ... decode_profile.py MODEL.gguf --ncu   (that step's launches only: the
+        profiler runs from its start to its end, not over the load and the warm-up step)
 
 The step's launches queue behind a busy-wait kernel, so the events time the GPU's work and not
 Python's launch gaps; a launch's time is the gap to the next event (its own run plus one event
@@ -242,10 +244,13 @@ def main(argv=None) -> int:
         if a.ncu:
             run_step(be, Step(slots=list(range(a.batch)), tokens=[1] * a.batch, positions=[a.context] * a.batch),
                      [GREEDY] * a.batch)
+            from cupyx.profiler import profile
             with be.device, be.stream:
                 be.ws.dec_io[1, :a.batch] = a.context
-                be.fwd.decode_step(a.batch, be._long(a.batch, [a.context]))
                 be.stream.synchronize()
+                with profile():
+                    be.fwd.decode_step(a.batch, be._long(a.batch, [a.context]))
+                    be.stream.synchronize()
             return 0
         rec = Recorder(be.stream, be.config)
         try:

@@ -614,7 +614,9 @@ def test_mmq8_refuses_what_it_lacks(k8, bufs8, bufs, rng):
     prep16, _ = bufs
     x = _dev(_x(rng, 4, 512))
     y = _poison((4, 64))
-    iq, keep, _ = _weight(Q.IQ4_XS, 64, 512, rng)
+    from realizar_backend.backends.cuda.dispatch import MMQ8_TYPES, MMQ_TYPES
+    lacks = min(MMQ_TYPES - MMQ8_TYPES, key=lambda q: q.value)     # a tensor-core type the 8-bit variant lacks
+    iq, keep, _ = _weight(lacks, 64, 512, rng)
     q4, keep4, _ = _weight(Q.Q4_K, 64, 512, rng)
     mmq.prep(k8, x.data.ptr, 516, 4, 512, prep8)
     with pytest.raises(ValueError, match="no 8-bit tensor-core kernel"):
