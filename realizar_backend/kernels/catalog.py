@@ -66,6 +66,13 @@ MMV8_UNROLL = {1: 1, 2: 2, 3: 2}
 # it is worked on; 2 (the next trip's in flight meanwhile) spills at 64 registers with 2 rows (or
 # gate + up) and was slower end to end
 MMV8_LD = {1: 1, 2: 1, 3: 1}
+# Q4_K trips a warp of mmv8 / ffn8 keeps in flight through shared memory (-DMMV8_RING; mmv8_q4k_ring),
+# 0: the register path (MMV8_LD). A trip is 576 bytes of each of the warp's rows (mmv8 MMV8_R rows,
+# ffn8 gate + up); 3 stages hold two trips in flight while the third is worked on, and the rings of
+# 16 warps stay within what two blocks an SM can have beside their staged rows on sm_80 (164 KB) as
+# on sm_90. The experts' moe8 kernels stage several rows: no ring
+MMV8_RING = {1: 3, 2: 3, 3: 0}
+MMV8_TRIP = 576                      # mmv8.cu MMV8_TRIP: one Q4_K trip of a row (4 super-blocks)
 # threads a block of mmv8_q8 (the input's quantization: a float4 piece a thread; its __launch_bounds__)
 MMV8_Q8_THREADS = 256
 # dynamic shared memory of an mmv8.cu launch: the row's int8 values (padded to whole 256-value
@@ -140,7 +147,14 @@ def mmv8_options(kind: int) -> tuple[str, ...]:
     """The options of mmv8.cu's module of kind 1 (mmv8_nb1, mmv8_q8), 2 (ffn8_nb1) or 3 (the experts'
     moe8_gate_up_nb1 and moe8_gemv_nb1)."""
     return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
-            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}", f"-DMMV8_LD={MMV8_LD[kind]}")
+            f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}", f"-DMMV8_LD={MMV8_LD[kind]}",
+            f"-DMMV8_RING={MMV8_RING[kind]}")
+
+
+def mmv8_ring_smem(kind: int) -> int:
+    """Dynamic shared memory of the Q4_K rings of an mmv8.cu launch of `kind` (after its staged row):
+    MMV8_WARPS rings of MMV8_RING trips of the warp's rows (mmv8.cu mmv8_ring_bytes)."""
+    return MMV8_WARPS * MMV8_RING[kind] * (2 if kind == 2 else 1) * MMV8_R[kind] * MMV8_TRIP
 
 
 def variants() -> list[tuple[str, tuple[str, ...]]]:

@@ -12,6 +12,7 @@
 // counter, reset to 0 by that block, so a captured graph replays with zeroed counters) combines them.
 #pragma once
 #include "common.cuh"
+#include "cp_async.cuh"
 #include "paged_kv.cuh"
 
 #define FL_LOG2E 1.4426950408889634f
@@ -60,34 +61,6 @@ __device__ __forceinline__ void fl_ldsm_t(u32 (&r)[4], const u16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"((u32)__cvta_generic_to_shared(p))
                  : "memory");
-#endif
-}
-
-// 16 bytes global -> shared, asynchronous, through L2 only; !ok: the 16 bytes are zeroed, nothing is read
-__device__ __forceinline__ void fl_cp16(void* smem, const void* gmem, bool ok) {
-#ifdef REALIZAR_HOST_TEST
-    emu::cp_async16(smem, gmem, ok);
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(smem)),
-                 "l"(gmem), "r"(ok ? 16 : 0)
-                 : "memory");
-#endif
-}
-
-__device__ __forceinline__ void fl_commit() {
-#ifdef REALIZAR_HOST_TEST
-    emu::cp_async_commit();
-#else
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// wait until at most N of this thread's committed copy groups are still in flight
-template <int N> __device__ __forceinline__ void fl_wait() {
-#ifdef REALIZAR_HOST_TEST
-    emu::cp_async_wait(N);
-#else
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 

@@ -264,7 +264,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
     u16* mine = kvs + w * NST * STAGE;
 
     // this warp's i-th tile into stage i % NST; one commit group per call, empty or not, so that the
-    // group count stays uniform for fl_wait
+    // group count stays uniform for cp_wait
     auto issue = [&](int i) {
         if (i < cnt) {
             const int k0 = kb + (w + i * FLD_NW) * FLD_KW;
@@ -281,11 +281,11 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
                 const int x = lane + 32 * it, key = x / CPR, c = x - key * CPR, kp = k0 + key;
                 const bool ok = kp < ke;
                 const long long off = __shfl_sync(0xffffffffu, rb, key) + c * 8;
-                fl_cp16(ks + key * LDS + c * 8, kpool + off, ok);
-                fl_cp16(vs + key * LDS + c * 8, vpool + off, ok);
+                cp16z(ks + key * LDS + c * 8, kpool + off, ok);
+                cp16z(vs + key * LDS + c * 8, vpool + off, ok);
             }
         }
-        fl_commit();
+        cp_commit();
     };
     if (!fuse) pdl_wait();
 #pragma unroll
@@ -397,7 +397,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     for (int i = 0; i < cnt; ++i) {                               // warp-uniform
-        fl_wait<NST - 1>();
+        cp_wait<NST - 1>();
         __syncwarp();
         u16* ks = mine + (i % NST) * STAGE;
         u16* vs = ks + FLD_KW * LDS;
@@ -455,7 +455,7 @@ __device__ __forceinline__ void fl_decode(const float* __restrict__ q, const flo
         __syncwarp();                                             // the stage is consumed: refill it
         issue(i + NST);
     }
-    fl_wait<0>();
+    cp_wait<0>();
     pdl_trigger();                                                // every key read
 
     // merge the warps: each writes its rows' (m, l) and O to shared memory (over the stages)

@@ -135,19 +135,19 @@ __device__ __forceinline__ void fl_prefill(const float* __restrict__ q, float* o
                 const int x = tid + it * NT, key = x / CPR, c = x - key * CPR, kp = k0 + key;
                 const bool ok = kp <= ke;
                 const long long off = ok ? (kv_row(bt, max_blocks, bs_log2, slot, kp) * KVH + kh) * D + c * 8 : 0;
-                fl_cp16(ks + key * LDS + c * 8, kpool + off, ok);
-                fl_cp16(vs + key * LDS + c * 8, vpool + off, ok);
+                cp16z(ks + key * LDS + c * 8, kpool + off, ok);
+                cp16z(vs + key * LDS + c * 8, vpool + off, ok);
             }
-            fl_commit();
+            cp_commit();
         };
         if (j0 < j1) issue(j0, 0);
         for (int j = j0; j < j1; ++j) {
             const int st = (j - j0) & 1;
             if (j + 1 < j1) {
                 issue(j + 1, st ^ 1);
-                fl_wait<1>();
+                cp_wait<1>();
             } else {
-                fl_wait<0>();
+                cp_wait<0>();
             }
             __syncthreads();                              // tile j is in shared memory for every warp
             const int k0 = kb + j * BK;

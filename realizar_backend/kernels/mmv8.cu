@@ -27,6 +27,7 @@
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, mmv8_smem(K)
 // bytes of dynamic shared memory. The defines' values: catalog.mmv8_options.
 #include "common.cuh"
+#include "cp_async.cuh"
 
 #ifndef MMV8_WARPS
 #define MMV8_WARPS 16      // blocks of 16 warps, 2 blocks an SM
@@ -43,6 +44,12 @@
 #ifndef MMV8_LD
 #define MMV8_LD 1          // trips of Q4_K weights a lane holds in registers (the one it works on included)
 #endif
+#ifndef MMV8_RING
+#define MMV8_RING 0        // Q4_K trips a warp's shared-memory ring holds (mmv8_q4k_ring); 0: mmv8_q4k
+#endif
+#if MMV8_RING > 0 && (!defined(MMV8_KIND) || MMV8_KIND == 3)
+#error "the Q4_K ring follows a single staged row: mmv8_nb1 and ffn8_nb1 only (MMV8_KIND 1 or 2)"
+#endif
 #ifndef MMV8_PF_BYTES
 #define MMV8_PF_BYTES 2048 // the head of each first-round row sent towards L2 while mmv8_q8 runs (~3 trips)
 #endif
@@ -51,10 +58,12 @@ constexpr int kMmv8Unroll = MMV8_UNROLL;
 #ifdef REALIZAR_HOST_TEST
 #define MMV8_DYN_SMEM(name) u8* name = emu::dyn_smem()
 #define MMV8_PIN(x) (void)0
+#define MMV8_PIN64(x) (void)0
 #else
 #define MMV8_DYN_SMEM(name) extern __shared__ __align__(16) u8 name[]
 // keeps a lane constant in its register: the compiler would recompute it in every loop trip
 #define MMV8_PIN(x) asm volatile("" : "+r"(x))
+#define MMV8_PIN64(x) asm volatile("" : "+l"(x))
 #endif
 
 // ------------------------------------------------------------------ the 8-bit row
@@ -258,6 +267,47 @@ __device__ __forceinline__ int dp4a_u8s8(u32 a, int b, int c) {
 #endif
 }
 
+// A Q4_K lane's constants: the scale and min of units 2p, 2p + 1 are bytes of 16-bit half (p & 1) of
+// the scale words; pairs 2, 3 take their low 4 bits from word 2 and their high 2 from bits 6-7 of
+// words 0 / 1
+struct Mmv8Q4kLane {
+    u32 sh, shA, sh4, mA, mC;
+};
+__device__ __forceinline__ Mmv8Q4kLane mmv8_q4k_lane(int p) {
+    const u32 sh = 16 * (p & 1);
+    return {sh, sh + (p >= 2 ? 2u : 0u), sh + 4, p >= 2 ? 0x3030u : 0x3F3Fu, p >= 2 ? 0x0F0Fu : 0u};
+}
+
+// A lane's activations of a trip (the same for every row): the halves a0 (units 2p's) and a1 (2p +
+// 1's) at sm + ao, their (d, d sum q) pairs at sm + dof; dz carries the high nibbles' 1/16, and my, mw
+// (d x sum q) are scaled by hm (1.0f on a unit's first half, 0 on its second: the min term once a unit)
+struct Mmv8Q4kAct {
+    int4 a0, a1;
+    float dx, dz, my, mw;
+};
+__device__ __forceinline__ Mmv8Q4kAct mmv8_q4k_act(const u8* sm, int ao, int dof, u32 hm) {
+    const float4 dd = *(const float4*)(sm + dof);
+    return {*(const int4*)(sm + ao), *(const int4*)(sm + ao + 128), dd.x, dd.z * 0.0625f,
+            dd.y * __uint_as_float(hm), dd.w * __uint_as_float(hm)};
+}
+
+// acc plus one row's piece: w its 16 quant bytes (units 2p, 2p + 1: low nibbles against x.a0, high
+// nibbles, 16 x their value, against x.a1), h its super-block's head (d, dmin, 12 scale bytes)
+__device__ __forceinline__ float mmv8_q4k_piece(uint4 w, uint4 h, const Mmv8Q4kAct& x, const Mmv8Q4kLane& ks,
+                                                float acc) {
+    const u32 L = 0x0F0F0F0Fu;
+    int s0 = __dp4a((int)(w.x & L), x.a0.x, __dp4a((int)(w.y & L), x.a0.y,
+             __dp4a((int)(w.z & L), x.a0.z, __dp4a((int)(w.w & L), x.a0.w, 0))));
+    int s1 = dp4a_u8s8(w.x & ~L, x.a1.x, dp4a_u8s8(w.y & ~L, x.a1.y,
+             dp4a_u8s8(w.z & ~L, x.a1.z, dp4a_u8s8(w.w & ~L, x.a1.w, 0))));
+    u32 sc = ((h.w >> ks.sh) & ks.mC) | ((h.y >> ks.shA) & ks.mA);       // scales of units 2p, 2p + 1
+    u32 mn = ((h.w >> ks.sh4) & ks.mC) | ((h.z >> ks.shA) & ks.mA);      // their mins
+    float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
+    float v = (float)((int)(sc & 255) * s0) * x.dx + (float)((int)(sc >> 8) * s1) * x.dz;
+    float mt = (float)(mn & 255) * x.my + (float)(mn >> 8) * x.mw;
+    return fmaf(d, v, fmaf(-dmin, mt, acc));
+}
+
 // Partial sums of rows r0 .. r0+R-1 (clamped to rlast) of M Q4_K matrices over super-block trips
 // t0, t0 + tstep, ... (a trip: 4 super-blocks, 576 bytes of a row). Lane: super-block 4t + (lane >> 3)
 // of the trip, piece c = lane & 7 of its 128 quant bytes (c = 2p + h: values 16h..16h+15 of units 2p
@@ -270,13 +320,10 @@ __device__ __forceinline__ void mmv8_q4k(const u8* const (&W)[M], long long rb, 
     constexpr int S = M * MMV8_R, D = MMV8_LD;
     const int lane = threadIdx.x & 31, c = lane & 7, q = lane >> 3, p = c >> 1;
     const int nsb = nu >> 3, trips = (nsb + 3) >> 2;
-    // scale and min of units 2p, 2p + 1 are bytes of 16-bit half (p & 1) of the scale words; pairs
-    // 2, 3 take their low 4 bits from word 2 and their high 2 from bits 6-7 of words 0 / 1
-    u32 sh = 16 * (p & 1), shA = sh + (p >= 2 ? 2 : 0), sh4 = sh + 4;
-    u32 mA = p >= 2 ? 0x3030u : 0x3F3Fu, mC = p >= 2 ? 0x0F0Fu : 0u;
+    Mmv8Q4kLane ks = mmv8_q4k_lane(p);
     u32 hm = (c & 1) ? 0u : 0x3F800000u;                  // 1.0f: the min term once a unit (first half)
     int ql = (nsb - q + 3) >> 2;                          // trips in which this lane has a super-block
-    MMV8_PIN(sh); MMV8_PIN(shA); MMV8_PIN(sh4); MMV8_PIN(mA); MMV8_PIN(mC); MMV8_PIN(hm); MMV8_PIN(ql);
+    MMV8_PIN(ks.sh); MMV8_PIN(ks.shA); MMV8_PIN(ks.sh4); MMV8_PIN(ks.mA); MMV8_PIN(ks.mC); MMV8_PIN(hm); MMV8_PIN(ql);
     const u8* rows[S];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -299,7 +346,6 @@ __device__ __forceinline__ void mmv8_q4k(const u8* const (&W)[M], long long rb, 
     };
 #pragma unroll
     for (int k = 0; k < D - 1; ++k) load(k, t0 + k * tstep);
-    const u32 L = 0x0F0F0F0Fu;
     for (int t = t0; t < trips; t += D * tstep) {
 #pragma unroll
         for (int k = 0; k < D; ++k) {
@@ -307,27 +353,98 @@ __device__ __forceinline__ void mmv8_q4k(const u8* const (&W)[M], long long rb, 
             if (tk >= trips) break;
             load((k + D - 1) % D, tk + (D - 1) * tstep);
             const bool ok = tk < ql;
-            const u8* ap = sm + (ok ? aoff + 1024 * tk : a0off);
-            const int4 a0 = *(const int4*)ap, a1 = *(const int4*)(ap + 128);
-            const float4 dd = *(const float4*)(sm + (ok ? doff + 256 * tk : d0off));
-            const float dz = dd.z * 0.0625f, my = dd.y * __uint_as_float(hm), mw = dd.w * __uint_as_float(hm);
+            const Mmv8Q4kAct x = mmv8_q4k_act(sm, ok ? aoff + 1024 * tk : a0off, ok ? doff + 256 * tk : d0off, hm);
 #pragma unroll
             for (int s = 0; s < S; ++s) {
-                const uint4 w = wq[k][s], h = wh[k][s];
-                int s0 = __dp4a((int)(w.x & L), a0.x, __dp4a((int)(w.y & L), a0.y,
-                         __dp4a((int)(w.z & L), a0.z, __dp4a((int)(w.w & L), a0.w, 0))));
-                int s1 = dp4a_u8s8(w.x & ~L, a1.x, dp4a_u8s8(w.y & ~L, a1.y,
-                         dp4a_u8s8(w.z & ~L, a1.z, dp4a_u8s8(w.w & ~L, a1.w, 0))));
-                u32 sc = ((h.w >> sh) & mC) | ((h.y >> shA) & mA);       // scales of units 2p, 2p + 1
-                u32 mn = ((h.w >> sh4) & mC) | ((h.z >> shA) & mA);      // their mins
-                float d = h2f((u16)(h.x & 0xFFFF)), dmin = h2f((u16)(h.x >> 16));
-                float v = (float)((int)(sc & 255) * s0) * dd.x + (float)((int)(sc >> 8) * s1) * dz;
-                float mt = (float)(mn & 255) * my + (float)(mn >> 8) * mw;
-                float n = fmaf(d, v, fmaf(-dmin, mt, acc[s / MMV8_R][s % MMV8_R]));
-                acc[s / MMV8_R][s % MMV8_R] = ok ? n : acc[s / MMV8_R][s % MMV8_R];
+                float& r = acc[s / MMV8_R][s % MMV8_R];
+                const float n = mmv8_q4k_piece(wq[k][s], wh[k][s], x, ks, r);
+                r = ok ? n : r;
             }
         }
     }
+}
+
+// bytes of one Q4_K trip of a row (4 super-blocks), and of a warp's ring for M matrices: MMV8_RING
+// trips of each of its M x MMV8_R rows (catalog.mmv8_ring_smem: the launch's dynamic shared memory
+// holds the staged row, then MMV8_WARPS such rings)
+#define MMV8_TRIP 576
+template <int M> __host__ __device__ constexpr int mmv8_ring_bytes() { return MMV8_RING * M * MMV8_R * MMV8_TRIP; }
+
+// As mmv8_q4k (same lanes, same arithmetic, the same sums), the weights through a ring of MMV8_RING
+// trips in shared memory: a trip's 576 bytes of each row are copied by the warp's lanes (16-byte
+// cp.async, chunks lane and lane + 32) MMV8_RING - 1 trips before they are used, so that many trips'
+// loads are in flight per warp with no register held for them (the register path keeps one: at 64
+// registers a second spills). Each trip commits one copy group on every lane (empty past the end),
+// waits for its own oldest, and meets the warp at __syncwarp before reading the stage (other lanes
+// copied it) and again before the stage is refilled. Chunks of super-blocks past the row's end are
+// zero-filled, not read (their sums are discarded, as mmv8_q4k's).
+template <int M>
+__device__ __forceinline__ void mmv8_q4k_ring(const u8* const (&W)[M], long long rb, int r0, int rlast, int nu,
+                                              int t0, int tstep, const u8* sm, u8* ring,
+                                              float (&acc)[M][MMV8_R]) {
+    constexpr int S = M * MMV8_R, NS = MMV8_RING, NC = MMV8_TRIP / 16;
+    const int lane = threadIdx.x & 31, c = lane & 7, q = lane >> 3, p = c >> 1;
+    const int nsb = nu >> 3, trips = (nsb + 3) >> 2;
+    Mmv8Q4kLane ks = mmv8_q4k_lane(p);
+    u32 hm = (c & 1) ? 0u : 0x3F800000u;
+    int ql = (nsb - q + 3) >> 2;
+    MMV8_PIN(ks.sh); MMV8_PIN(ks.shA); MMV8_PIN(ks.sh4); MMV8_PIN(ks.mA); MMV8_PIN(ks.mC); MMV8_PIN(hm); MMV8_PIN(ql);
+    // stage k, row s at ring + (k S + s) MMV8_TRIP. Trips are copied in order (tc: the next), each
+    // row's source advancing by its warp's trip step. The lane copies chunk `lane` of each row's trip
+    // (super-block 4 tc + lane / 9's bytes: there while tc < tl0) and lanes 0-3 chunk 32 + lane too
+    // (super-block 4 tc + 3's: tc < tl1)
+    static_assert(NC > 32 && NC <= 64, "a trip is 33 to 64 chunks: one or two a lane");
+    const u8* src[S];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int i = 0; i < MMV8_R; ++i) {
+            src[m * MMV8_R + i] = W[m] + (long long)min(r0 + i, rlast) * rb + (long long)MMV8_TRIP * t0 + 16 * lane;
+            MMV8_PIN64(src[m * MMV8_R + i]);
+        }
+    const long long step = (long long)MMV8_TRIP * tstep;
+    const int tl0 = (nsb - lane / 9 + 3) >> 2, tl1 = (nsb - (32 + lane) / 9 + 3) >> 2;
+    const bool two = lane < NC - 32;
+    u8* const dst = ring + 16 * lane;
+    int tc = t0;
+    auto copy = [&](int k) {
+        if (tc < trips) {
+#pragma unroll
+            for (int s = 0; s < S; ++s) {
+                u8* d = dst + (k * S + s) * MMV8_TRIP;
+                cp16z(d, src[s], tc < tl0);
+                if (two) cp16z(d + 512, src[s] + 512, tc < tl1);
+                src[s] += step;
+            }
+        }
+        tc += tstep;
+        cp_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < NS - 1; ++k) copy(k);
+    int aoff = 16 * c + 256 * q, doff = mmv8_kpad(32 * nu) + 16 * p + 64 * q;
+    const int a0off = 16 * c, d0off = mmv8_kpad(32 * nu) + 16 * p;
+    MMV8_PIN(aoff); MMV8_PIN(doff);
+    int k = 0;
+    for (int t = t0; t < trips; t += tstep) {
+        copy(k == 0 ? NS - 1 : k - 1);                               // trip t + (NS - 1) tstep, into the
+                                                                     // stage used a trip ago
+        cp_wait<NS - 1>();
+        __syncwarp();
+        const bool ok = t < ql;
+        const Mmv8Q4kAct x = mmv8_q4k_act(sm, ok ? aoff + 1024 * t : a0off, ok ? doff + 256 * t : d0off, hm);
+        const u8* st = ring + k * S * MMV8_TRIP + 144 * q;
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            float& r = acc[s / MMV8_R][s % MMV8_R];
+            const float n = mmv8_q4k_piece(*(const uint4*)(st + s * MMV8_TRIP + 16 + 16 * c),
+                                           *(const uint4*)(st + s * MMV8_TRIP), x, ks, r);
+            r = ok ? n : r;
+        }
+        __syncwarp();                                                // every lane is done with stage k
+        k = k + 1 == NS ? 0 : k + 1;
+    }
+    cp_wait<0>();                                                    // the empty groups past the end
 }
 
 // the partial sums of one row group: Q4_K by trips of 4 super-blocks (a warp group's `wpr` warps
@@ -344,7 +461,13 @@ __device__ __forceinline__ void mmv8_dispatch(int qt, const u8* const (&W)[M], l
         MMV8_CASE(QT_Q5_1)
         MMV8_CASE(QT_Q8_0)
         case QT_Q4_K:
-            if constexpr (QT_ON(QT_Q4_K)) mmv8_q4k<M>(W, rb, r0, rlast, nu, sub, wpr, sm, acc);
+            if constexpr (QT_ON(QT_Q4_K)) {
+                if constexpr (MMV8_RING > 0)
+                    mmv8_q4k_ring<M>(W, rb, r0, rlast, nu, sub, wpr, sm,
+                                     (u8*)sm + mmv8_row_bytes(32 * nu) + (threadIdx.x >> 5) * mmv8_ring_bytes<M>(), acc);
+                else
+                    mmv8_q4k<M>(W, rb, r0, rlast, nu, sub, wpr, sm, acc);
+            }
             break;
         MMV8_CASE(QT_Q5_K)
         MMV8_CASE(QT_Q6_K)

@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
     emu::launch(dim3{(unsigned)((K / 4 + 255) / 256), (unsigned)nb, 1}, dim3{256, 1, 1}, 0,
                 [&] { mmv8_q8(x.data(), xs, K, ptr(nw), eps, xq.data(), xqs); });
     dim3 grid{(unsigned)inum("grid_x"), (unsigned)nb, 1}, block{MMV8_WARPS * 32, 1, 1};
+    // mmv8 and ffn8: the warps' Q4_K rings after the staged row (catalog.mmv8_ring_smem)
+    const size_t ring = (size_t)MMV8_WARPS * (kernel == "ffn8" ? mmv8_ring_bytes<2>() : mmv8_ring_bytes<1>());
 #if !defined(MMV8_KIND) || MMV8_KIND == 1
     if (kernel == "mmv8") {
         const int S = inum("segments"), acc = inum("accumulate");
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
             ys[s] = inum(("ys" + i).c_str());
         }
         auto amax = load_opt<unsigned long long>("amax");
-        emu::launch(grid, block, smem, [&] {
+        emu::launch(grid, block, smem + ring, [&] {
             mmv8_nb1(ptr(w[0]), rb[0], n[0], qt[0], ptr(b[0]), ptr(y[0]), ys[0],
                      ptr(w[1]), rb[1], n[1], qt[1], ptr(b[1]), ptr(y[1]), ys[1],
                      ptr(w[2]), rb[2], n[2], qt[2], ptr(b[2]), ptr(y[2]), ys[2],
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
         auto a = load<float>("a");
         const long long rb = inum("rb");
         const int N = inum("N"), qt = inum("qt"), act = inum("act"), as = inum("as");
-        emu::launch(grid, block, smem, [&] {
+        emu::launch(grid, block, smem + ring, [&] {
             ffn8_nb1(wg.data(), wu.data(), rb, N, K, qt, xq.data(), xqs, act, a.data(), as, wpr);
         });
         save("a", a);

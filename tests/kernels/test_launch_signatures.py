@@ -49,7 +49,8 @@ MODULES = {**{f"{p}_{t}": ("gemv.cu", ()) for p in ("gemv", "ffn_gate_up") for t
            "flash_decode_d128_q1": ("flash_decode.cu", ("-DFL_D=128", "-DFL_QS=1"))}
 # dynamic shared memory the loader allows each module (modules.py build(..., smem)); else 48 KB
 # (mmq: modules.mmq_smem_bytes(bn), flash_decode: the device's limit, as recorded)
-SMEM_LIMIT = {"mmv8.cu": 100 * 1024, "mmq.cu": None, "flash_decode.cu": None}
+SMEM_LIMIT = {"mmv8.cu": catalog.MMV8_SMEM_MAX + max(map(catalog.mmv8_ring_smem, catalog.MMV8_RING)), "mmq.cu": None,
+              "flash_decode.cu": None}
 # kernels whose bodies take blockDim to be their __launch_bounds__ exactly (MMV8_WARPS, MMQ_THREADS,
 # MOE_BUCKET_THREADS in their reductions)
 EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1",
@@ -183,6 +184,8 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert Q8["kernel"] == "mmv8_q8"
         K, xq, xqs = (a[21], a[22], a[23]) if L["kernel"] == "mmv8_nb1" else (a[4], a[6], a[7])
         assert (q[2], q[5], q[6]) == (K, xq, xqs) and xqs == catalog.mmv8_smem(K)
+        # the staged row, then the warps' Q4_K rings
+        assert L["smem"] == xqs + catalog.mmv8_ring_smem(1 if L["kernel"] == "mmv8_nb1" else 2)
         assert Q8["grid"] == [-(-(K // 4) // catalog.MMV8_Q8_THREADS), L["grid"][1]]
     for L in by["mmv8_nb"] + by["ffn8_nb"]:
         assert L["block"] == [catalog.MMV8_WARPS * 32]

@@ -39,19 +39,23 @@ SHAPES = {32: [(37, 160, 1, 3), (5, 1312, 2, 1), (61, 4864, 16, 7)],
 WARPS = catalog.MMV8_WARPS
 
 
-def _exe(tmp_path_factory, kind: int, include_first=None, tag: str = ""):
+def _exe(tmp_path_factory, kind: int, include_first=None, tag: str = "", ring: int | None = None):
+    """The emulator of kind `kind` with the loader's defines (ring: MMV8_RING instead of the catalog's)."""
     d = tmp_path_factory.mktemp(f"mmv8_{kind}{tag}")
-    flags = ("-std=c++17", "-O1") + catalog.mmv8_options(kind)
+    opts = catalog.mmv8_options(kind)
+    if ring is not None:
+        opts = tuple(o for o in opts if not o.startswith("-DMMV8_RING=")) + (f"-DMMV8_RING={ring}",)
+    flags = ("-std=c++17", "-O1") + opts
     return host_emu.build("mmv8_emu.cpp", d / "mmv8_emu", flags=flags, include_first=include_first)
 
 
-def _mutant(tmp_path_factory, kind: int, name: str, old: str, new: str):
+def _mutant(tmp_path_factory, kind: int, name: str, old: str, new: str, ring: int | None = None):
     """The emulator of kind `kind` built on mmv8.cu with its one `old` replaced by `new`."""
     src = (KERNELS / "mmv8.cu").read_text()
     assert src.count(old) == 1, f"the mutation {name} no longer applies"
     d = tmp_path_factory.mktemp(f"broken_{name}")
     (d / "mmv8.cu").write_text(src.replace(old, new))
-    return _exe(tmp_path_factory, kind, include_first=d, tag=name)
+    return _exe(tmp_path_factory, kind, include_first=d, tag=name, ring=ring)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +202,7 @@ def test_outputs_bitwise_the_same_at_any_warp_speed(emu1, tmp_path):
 # changed copies of the kernel that must fail the checks (and the type each is seen with): Q4_K's
 # high nibbles against the low nibbles' activations, a unit's second half read from its first
 # half's place, and the quantization's scale off by one step
-BROKEN = {"q4k_half": ("a1 = *(const int4*)(ap + 128);", "a1 = *(const int4*)ap;", Q.Q4_K),
+BROKEN = {"q4k_half": ("*(const int4*)(sm + ao + 128)", "*(const int4*)(sm + ao)", Q.Q4_K),
           "unit_half": ("c = mmv8_sel(odd, f, s);", "c = mmv8_sel(odd, s, f);", Q.Q6_K),
           "scale": ("float d = m / 127.0f;", "float d = m / 126.0f;", Q.Q4_K)}
 
@@ -212,12 +216,66 @@ def test_a_broken_kernel_fails(tmp_path_factory, tmp_path, name):
     assert e > 10 * TOL, e    # the checks above would fail it
 
 
+# Q4_K's shared-memory ring (mmv8_q4k_ring, catalog.MMV8_RING): rows of 13 trips (K = 13,312) walk
+# the ring's stages round several times, at one and two warps a row (trips 7 and 6 a warp)
+RING_K = 13312
+
+
+@pytest.mark.skipif(not catalog.MMV8_RING[1], reason="mmv8_nb1 is built without the Q4_K ring")
+@pytest.mark.parametrize("eager", ["0", "1"], ids=["copies-at-wait", "copies-at-issue"])
+@pytest.mark.parametrize("wpr", [1, 2])
+def test_q4k_ring_round_and_round(emu1, tmp_path, wpr, eager):
+    """Many trips a warp through the ring give mmv8's sums, whether a copy lands at its wait (a
+    stage read before its wait would be stale) or at its issue (a stage refilled while a lane still
+    reads it would be overwritten)."""
+    rng = np.random.default_rng(wpr)
+    e, _ = run_mmv8(emu1, tmp_path, [(Q.Q4_K, 9), (Q.Q4_K, 4)], RING_K, 1, wpr, 1, rng, bias=True,
+                    env={"EMU_CP_EAGER": eager})
+    assert e <= TOL, e
+
+
+@pytest.mark.skipif(not catalog.MMV8_RING[2], reason="ffn8_nb1 is built without the Q4_K ring")
+def test_ffn8_q4k_ring(emu2, tmp_path):
+    """ffn8's gate and up rows share each trip's stage: act(gate . x) * (up . x) over 13 trips."""
+    rng = np.random.default_rng(5)
+    N, K = 7, RING_K
+    (dg, rb, wg64), (du, _, wu64) = weight(Q.Q4_K, N, K, rng), weight(Q.Q4_K, N, K, rng)
+    x = rng.standard_normal(K).astype(np.float32)
+    xq = q8_twin(x)
+    params = {"kernel": "ffn8", "K": K, "xs": K, "nb": 1, "wpr": 1, "eps": 1e-6, "grid_x": 1, "rb": rb, "N": N,
+              "qt": int(Q.Q4_K), "act": 0, "as": N}
+    res = host_emu.launch(emu2, tmp_path / "ffn", params, {"x": x, "wg": dg, "wu": du, "a": np.full(N, np.nan, np.float32)},
+                          {"a": np.float32}, env={"EMU_CP_EAGER": "1"}, label="ffn8")
+    g, u = wg64 @ xq, wu64 @ xq
+    scale = 1.2 * (np.abs(wg64) @ np.abs(xq)) * np.abs(u) + np.abs(silu(g)) * (np.abs(wu64) @ np.abs(xq))
+    e = err(res["a"], silu(g) * u, scale)
+    assert e <= TOL, e
+
+
+# ring copies that must fail: a stage read one trip before its copies are waited for, and a stage
+# refilled before every lane is done with it (seen with copies landing at issue)
+BROKEN_RING = {"ring_wait": ("cp_wait<NS - 1>();", "cp_wait<NS>();", "0"),
+               "ring_refill": ("__syncwarp();                                                // every lane",
+                               "// every lane", "1")}
+
+
+@pytest.mark.skipif(not catalog.MMV8_RING[1], reason="mmv8_nb1 is built without the Q4_K ring")
+@pytest.mark.parametrize("name", sorted(BROKEN_RING))
+def test_a_broken_ring_fails(tmp_path_factory, tmp_path, name):
+    old, new, eager = BROKEN_RING[name]
+    exe = _mutant(tmp_path_factory, 1, name, old, new)
+    rng = np.random.default_rng(4)
+    e, _ = run_mmv8(exe, tmp_path, [(Q.Q4_K, 5)], RING_K, 1, 1, 1, rng, env={"EMU_CP_EAGER": eager})
+    assert e > 10 * TOL, e
+
+
 def test_a_read_past_shared_memory_stops_the_emulator(tmp_path_factory, tmp_path):
-    """Lanes past a short row's end (K = 512: two super-blocks, four a warp's trip) must read trip 0's
+    """Lanes of the Q4_K register path (mmv8_q4k: the experts' kernels, and mmv8 built without the
+    ring) past a short row's end (K = 512: two super-blocks, four a warp's trip) must read trip 0's
     activations, not bytes past the staged row: the emulator's shared memory ends at a page no
     access may touch, so the unclamped read stops it (on the GPU: an illegal address)."""
-    old = "const u8* ap = sm + (ok ? aoff + 1024 * tk : a0off);"
-    exe = _mutant(tmp_path_factory, 1, "oob", old, "const u8* ap = sm + aoff + 1024 * tk;")
+    old = "mmv8_q4k_act(sm, ok ? aoff + 1024 * tk : a0off, ok ? doff + 256 * tk : d0off, hm)"
+    exe = _mutant(tmp_path_factory, 1, "oob", old, "mmv8_q4k_act(sm, aoff + 1024 * tk, doff + 256 * tk, hm)", ring=0)
     with pytest.raises(AssertionError, match="past its block's dynamic shared memory"):
         run_mmv8(exe, tmp_path, [(Q.Q4_K, 9)], 512, 1, 1, 2, np.random.default_rng(4))
 

@@ -220,7 +220,8 @@ class Kernels:
         names8 = {1: ["mmv8_nb1", "mmv8_q8"], 2: ["ffn8_nb1"],
                   3: ["moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1"]}
         # (the experts' moe8 kernels where the dispatcher's MOE_PAIRS8 rule is on)
-        mmv8 = {i: build("mmv8.cu", names, typed + catalog.mmv8_options(i), 100 * 1024,
+        mmv8 = {i: build("mmv8.cu", names, typed + catalog.mmv8_options(i),
+                         catalog.MMV8_SMEM_MAX + catalog.mmv8_ring_smem(i),
                          lazy=not eager8 or (i == 3 and not dispatch.MOE_PAIRS8))
                 for i, names in names8.items()}
         self.mmv8 = _Family({"mmv8": (mmv8[1], "mmv8_nb1"), "q8": (mmv8[1], "mmv8_q8"), "ffn8": (mmv8[2], "ffn8_nb1"),

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
 from ...kernels.catalog import (FFNF_R, MMV8_Q8_THREADS, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R,
-                                MMVF_WARPS, mmv8_smem)
+                                MMVF_WARPS, mmv8_ring_smem, mmv8_smem)
 from . import pdl as _pdl
 from .dispatch import same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
@@ -211,6 +211,7 @@ def _mmv8_launch(k: Kernels, fn, kind: int, rows, K: int, nb: int) -> tuple[tupl
     smem = mmv8_smem(K)
     if smem > MMV8_SMEM_MAX:
         raise ValueError(f"mmv8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
+    smem += mmv8_ring_smem(kind)
     groups = sum(-(-r // MMV8_R[kind]) for r in rows)
     blocks = _max_grid(k, fn, smem, MMV8_WARPS)
     wpr = mmv8_wpr(K, groups, blocks)
