@@ -15,11 +15,9 @@ step, not from L2). Prints a table and writes JSON; a tool for choosing the kern
 variant is compiled as the loader compiles (NVRTC through CuPy, the shapes' quant types only, each
 kind of launch with the loader's options: the GEMVs, the fused gate/up, the LM head at one row).
 
---mmv8 sweeps mmv8.cu (the one-row GEMVs on 8-bit activations) instead, over MMV8_VARIANTS (defines
-over catalog.mmv8_options; --variant replaces them) and warps per row (--policy: ops.mmv8_wpr's),
-one row, the "ffnf" shapes on ffn8:
-
-    python benchmarks/mmvf_sweep.py --mmv8 --shapes q7_gate_up,q7_down_q4k,q7_down_q6k,q32_down_q4k
+mmv8.cu's one-row GEMVs are compared through the launchers a step uses: `gemv_bandwidth.py --paths
+mmvf,mmv8 --shapes`, run from copies of the tree whose catalog.py holds each variant's constants (its
+kernels rebuilt by tools/build_kernels.py).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from realizar_backend.backends.cuda.modules import resident_blocks  # noqa: E402
-from realizar_backend.backends.cuda.ops import (MMVF_R, ffnf_lanes, mmv8_wpr, mmvf_stride, mmvf_wpr,  # noqa: E402
+from realizar_backend.backends.cuda.ops import (MMVF_R, ffnf_lanes, mmvf_stride, mmvf_wpr,  # noqa: E402
                                                 row_bytes)
 from realizar_backend.kernels import catalog  # noqa: E402
 
@@ -56,17 +54,6 @@ VARIANTS = {
     "R4": {"MMVF_R": 4},
     "W4": {"MMVF_WARPS": 4},
     "W8": {"MMVF_WARPS": 8},
-}
-# defines over catalog.mmv8_options (--mmv8): blocks of 8 warps, 4 an SM (the same 50% occupancy, twice
-# the input quantizations), one of 32 (half of them); 3 blocks of 16 (75%: 42 registers); more units
-# in flight
-MMV8_VARIANTS = {
-    "base": {},
-    "W8M4": {"MMV8_WARPS": 8, "MMV8_MINB": 4},
-    "W32M1": {"MMV8_WARPS": 32, "MMV8_MINB": 1},
-    "M3": {"MMV8_MINB": 3},
-    "U2": {"MMV8_UNROLL": 2},
-    "R1U4": {"MMV8_R": 1, "MMV8_UNROLL": 4},
 }
 # (name, segments [(qtype, rows)], K, kind); kind "mmvf" or "ffnf"
 SHAPES = [
@@ -145,77 +132,6 @@ def compile_variant(defines: dict, cc: str, mask: int, kind: str, nb: int = 1) -
     return mod, defines
 
 
-def sweep_mmv8(args, shapes_run, variants: dict) -> list[dict]:
-    """--mmv8: each variant of mmv8.cu on each shape at one row, timed as main() times mmvf.cu."""
-    dev = cupy.cuda.Device(0)
-    cc = dev.compute_capability
-    sms = dev.attributes["MultiProcessorCount"]
-    mask = qmask(shapes_run)
-
-    def build(d, kind):
-        defines = {k[2:]: int(v) for k, v in (o.split("=") for o in catalog.mmv8_options(kind))}
-        defines.update(d)
-        opts = (*catalog.base_options(cc), f"-DREALIZAR_QMASK={mask:#x}ull",
-                *(f"-D{k}={v}" for k, v in defines.items()))
-        with dev:
-            mod = cupy.RawModule(code=catalog.source("mmv8.cu"), options=opts)
-            fn = mod.get_function("ffn8_nb1" if kind == 2 else "mmv8_nb1")
-            fn.max_dynamic_shared_size_bytes = catalog.MMV8_SMEM_MAX
-        return mod, fn, defines
-    kinds = {2 if kind == "ffnf" else 1 for _, _, _, kind in shapes_run}
-    with ThreadPoolExecutor(len(variants) * len(kinds)) as ex:
-        futs = {(n, k): ex.submit(build, d, k) for n, d in variants.items() for k in kinds}
-        modules = {key: f.result() for key, f in futs.items()}
-    rng = cupy.random.default_rng(0)
-    x = cupy.asarray(np.random.default_rng(1).standard_normal(max(K for _, _, K, _ in shapes_run)).astype(np.float32))
-    ybuf = cupy.zeros(300_000, cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    results = []
-    for shape_name, segs, K, kind in shapes_run:
-        layers = 1 if shape_name.endswith("head") else LAYERS
-        mat_segs = segs * 2 if kind == "ffnf" else segs
-        mats = [[rng.integers(0, 256, rows * row_bytes(qt, K), dtype=cupy.uint8) for qt, rows in mat_segs]
-                for _ in range(layers)]
-        nbytes = sum(m.nbytes for m in mats[0])
-        rows_total = sum(r for _, r in segs)
-        smem = catalog.mmv8_smem(K)
-        for vname in variants:
-            mod, fn, defines = modules[(vname, 2 if kind == "ffnf" else 1)]
-            W, R = defines["MMV8_WARPS"], defines["MMV8_R"]
-            groups = sum(-(-r // R) for _, r in segs)
-            resident = max(1, resident_blocks(fn, 32 * W, smem) or 1) * sms
-            wprs = [mmv8_wpr(K, groups, resident, W)] if args.policy else [w for w in (1, 2, 4, 8, 16) if w <= W]
-            for wpr in wprs:
-                grid = (min(-(-groups // (W // wpr)), resident), 1)
-
-                def launch(m):
-                    if kind == "ffnf":
-                        qt, rows = segs[0]
-                        fn(grid, (W * 32,), (np.uint64(m[0].data.ptr), np.uint64(m[1].data.ptr),
-                                             np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(K), np.int32(int(qt)),
-                                             np.uint64(x.data.ptr), np.int32(K), np.int32(1), np.int32(0),
-                                             np.uint64(ybuf.data.ptr), np.int32(rows), np.int32(wpr), np.int32(1),
-                                             np.uint64(0), np.float32(0), np.int32(32)), shared_mem=smem)
-                        return
-                    a, off = [], 0
-                    for (qt, rows), w in zip(segs, m):
-                        a += [np.uint64(w.data.ptr), np.int64(row_bytes(qt, K)), np.int32(rows), np.int32(int(qt)),
-                              np.uint64(0), np.uint64(ybuf.data.ptr + 4 * off), np.int32(rows)]
-                        off += rows
-                    a += [np.uint64(0), np.int64(0), np.int32(0), np.int32(0), np.uint64(0), np.uint64(0),
-                          np.int32(0)] * (3 - len(segs))
-                    fn(grid, (W * 32,), (*a, np.int32(K), np.uint64(x.data.ptr), np.int32(K), np.int32(1),
-                                         np.int32(wpr), np.int32(0), np.int32(1), np.uint64(0), np.float32(0),
-                                         np.uint64(0)), shared_mem=smem)
-
-                us = graph_us(stream, mats, launch, args.reps) / layers
-                results.append({"shape": shape_name, "variant": "mmv8-" + vname, "nb": 1, "wpr": wpr, "grid": grid[0],
-                                "regs": int(fn.num_regs), "us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1),
-                                "rows": rows_total, "K": K})
-        del mats
-    return results
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -224,18 +140,14 @@ def main() -> int:
     ap.add_argument("--policy", action="store_true", help="only the launch shape ops.py picks")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--nb", type=int, default=1, choices=[1, 2, 4, 8], help="activation rows per launch")
-    ap.add_argument("--mmv8", action="store_true", help="sweep mmv8.cu (one row) instead of mmvf.cu")
     args = ap.parse_args()
     shapes_run = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes.split(",")]
-    variants = MMV8_VARIANTS if args.mmv8 else VARIANTS
+    variants = VARIANTS
     if args.variant:
         variants = {}
         for spec in args.variant:
             name, _, defs = spec.partition(":")
             variants[name] = {k: int(v) for k, v in (d.split("=") for d in defs.split(",") if d)}
-    if args.mmv8:
-        report(args, sweep_mmv8(args, shapes_run, variants))
-        return 0
     dev = cupy.cuda.Device(0)
     cc = dev.compute_capability
     sms = dev.attributes["MultiProcessorCount"]
