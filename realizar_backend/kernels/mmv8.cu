@@ -21,11 +21,13 @@
 //
 // Q4_K (most of a Q4_K_M model's bytes) has a loop of its own: a lane takes one 16-byte piece of a
 // super-block's 128 quant bytes (both nibbles: values l..l+15 of units 2p and 2p + 1), so the 8
-// lanes of a quarter-warp cover one super-block and a warp four, every quant byte loaded once
-// (MMV8_LD trips of them held in registers). The other types take one 32-value unit a lane (QUnit,
-// common.cuh).
+// lanes of a quarter-warp cover one super-block and a warp four, every quant byte loaded once:
+// mmv8_nb1 and ffn8_nb1 through a ring of MMV8_RING trips in shared memory (mmv8_q4k_ring), the
+// experts' kernels, whose shared memory holds several rows, MMV8_LD trips in registers. The other
+// types take one 32-value unit a lane (QUnit, common.cuh).
 // Requirements (checked on the host): K % 32 == 0, x 16-byte aligned, xs % 4 == 0, mmv8_smem(K)
-// bytes of dynamic shared memory. The defines' values: catalog.mmv8_options.
+// bytes of dynamic shared memory, and the warps' rings after them (catalog.mmv8_ring_smem). The
+// defines' values: catalog.mmv8_options.
 #include "common.cuh"
 #include "cp_async.cuh"
 
