@@ -70,8 +70,8 @@ MMV8_LD = {1: 1, 2: 1, 3: 1}
 # 0: the register path (MMV8_LD). A trip is 576 bytes of each of the warp's rows (mmv8 MMV8_R rows,
 # ffn8 gate + up); 3 stages hold two trips in flight while the third is worked on, and the rings of
 # 16 warps (55 KB for mmv8) leave room for two blocks an SM beside rows of up to ~19k values on sm_80
-# (164 KB an SM; longer rows: one block there), of up to ~46k on sm_90 (228 KB). The experts' moe8 kernels stage
-# several rows: no ring
+# (164 KB an SM; longer rows: one block there), of up to ~46k on sm_90 (228 KB). The experts' moe8
+# kernels stage several rows: no ring
 MMV8_RING = {1: 3, 2: 3, 3: 0}
 MMV8_TRIP = 576                      # mmv8.cu MMV8_TRIP: one Q4_K trip of a row (4 super-blocks)
 # threads a block of mmv8_q8 (the input's quantization: a float4 piece a thread; its __launch_bounds__)
