@@ -59,12 +59,16 @@ __device__ __forceinline__ float moe_logit(float v) { return v != v ? -INFINITY 
 // One warp per row. Round j takes the best expert ranked below the one round j - 1 took (rank:
 // larger logit first, then lower index), so no expert is taken twice and no flags are kept; lane j
 // keeps round j's expert. The softmax's maximum is round 0's logit, so the weights are
-// exp(l - max) over the sum of the k taken (renormalised) or of all E.
+// exp(l - max) over the sum of the k taken (renormalised) or of all E. May be a programmatic
+// dependent launch (ops.moe_topk pdl): it waits for the router's logits, then lets the experts'
+// launch be scheduled (its few blocks are all placed by then).
 extern "C" __global__ void __launch_bounds__(MOE_TOPK_ROWS * 32)
     moe_topk(const float* __restrict__ logits, int ls, int T, int E, int k, int renorm, int* __restrict__ ids,
              float* __restrict__ w) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * MOE_TOPK_ROWS + (threadIdx.x >> 5);
+    pdl_wait();
+    pdl_trigger();
     if (t >= T) return;
     const float* l = logits + (long long)t * ls;
     float pv = INFINITY, top = -INFINITY, mine_v = -INFINITY;
