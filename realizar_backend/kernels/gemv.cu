@@ -15,6 +15,8 @@
 // not arithmetic); each piece is converted once and applied to up to GEMV_MAXB activation rows,
 // whose matching 16 or 32 bytes the warp also reads contiguously (from L1/L2: the input is small).
 // Other shapes (odd K, unaligned rows) take 32-weight units a lane, one at a time.
+// A launch may be a programmatic dependent one (ops.gemv pdl): every thread waits for the kernel
+// before (pdl_wait) before it reads x, and lets the next be scheduled once its row's loads are done.
 #include "common.cuh"
 
 #define GEMV_MAXB 8
@@ -186,6 +188,7 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, long long ro
                                           const float* __restrict__ bias, int accumulate, int wpr) {
     int lane = threadIdx.x & 31, sub;
     int r = gemv_row(wpr, sub);
+    pdl_wait();                              // x: the kernel before's output
     if (r >= N && wpr == 1) return;          // (wpr > 1: on to the barrier in gemv_reduce)
     int b0 = blockIdx.y * GEMV_MAXB;
     int nbl = min(GEMV_MAXB, nb - b0);
@@ -198,6 +201,7 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, long long ro
                                                     32 * wpr, acc);
         else rows_by_units<QT, 1>(rows, K, x + (long long)b0 * xs, xs, nbl, sub * 32 + lane, 32 * wpr, acc);
     }
+    pdl_trigger();
     gemv_reduce<1>(acc, wpr, sub);
     if (r >= N || sub != 0) return;
 #pragma unroll
@@ -220,6 +224,7 @@ __device__ __forceinline__ void ffn_gate_up_body(const u8* __restrict__ Wg, cons
                                                  int as, int nb, int act, int wpr) {
     int lane = threadIdx.x & 31, sub;
     int r = gemv_row(wpr, sub);
+    pdl_wait();
     if (r >= N && wpr == 1) return;          // (wpr > 1: on to the barrier in gemv_reduce)
     int b0 = blockIdx.y * GEMV_MAXB;
     int nbl = min(GEMV_MAXB, nb - b0);
@@ -232,6 +237,7 @@ __device__ __forceinline__ void ffn_gate_up_body(const u8* __restrict__ Wg, cons
                                                     32 * wpr, acc);
         else rows_by_units<QT, 2>(rows, K, x + (long long)b0 * xs, xs, nbl, sub * 32 + lane, 32 * wpr, acc);
     }
+    pdl_trigger();
     gemv_reduce<2>(acc, wpr, sub);
     if (r >= N || sub != 0) return;
 #pragma unroll

@@ -27,6 +27,7 @@
 #define MOE_WARPS 4             // output rows per block of the per-pair GEMVs, a warp each
 #define MOE_TOPK_ROWS 4         // router rows per block of moe_topk, a warp each
 #define MOE_MAX_K 32            // experts per token: moe_topk keeps the j-th on lane j
+#define MOE_TOPK_HELD 8         // router logits a lane of moe_topk keeps in registers (E <= 256: read once)
 #define MOE_COMBINE_THREADS 256 // residual columns per block of moe_combine
 #define MOE_BUCKET_THREADS 256  // segments of the pairs per block of the bucketing, a thread each
 
@@ -59,25 +60,46 @@ __device__ __forceinline__ float moe_logit(float v) { return v != v ? -INFINITY 
 // One warp per row. Round j takes the best expert ranked below the one round j - 1 took (rank:
 // larger logit first, then lower index), so no expert is taken twice and no flags are kept; lane j
 // keeps round j's expert. The softmax's maximum is round 0's logit, so the weights are
-// exp(l - max) over the sum of the k taken (renormalised) or of all E.
+// exp(l - max) over the sum of the k taken (renormalised) or of all E. A row of up to
+// 32 MOE_TOPK_HELD logits is read once into the lanes' registers (lane l: l, l + 32, ...: the order
+// of the loop over memory, so the same picks and the same sums), not once a round: k rounds of one
+// row were k memory latencies on the step's critical path. May be a programmatic
+// dependent launch (ops.moe_topk pdl): it waits for the router's logits, then lets the experts'
+// launch be scheduled (its few blocks are all placed by then).
 extern "C" __global__ void __launch_bounds__(MOE_TOPK_ROWS * 32)
     moe_topk(const float* __restrict__ logits, int ls, int T, int E, int k, int renorm, int* __restrict__ ids,
              float* __restrict__ w) {
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * MOE_TOPK_ROWS + (threadIdx.x >> 5);
+    pdl_wait();
+    pdl_trigger();
     if (t >= T) return;
     const float* l = logits + (long long)t * ls;
+    const bool held = E <= 32 * MOE_TOPK_HELD;            // warp-uniform
+    float lv[MOE_TOPK_HELD];
+#pragma unroll
+    for (int r = 0; r < MOE_TOPK_HELD; ++r) {
+        const int i = lane + 32 * r;
+        lv[r] = held && i < E ? moe_logit(l[i]) : -INFINITY;
+    }
     float pv = INFINITY, top = -INFINITY, mine_v = -INFINITY;
     int pi = -1, mine_i = -1;
     for (int j = 0; j < k; ++j) {
         float bv = -INFINITY;
         int bi = -1;
-        for (int i = lane; i < E; i += 32) {             // ascending i: a tie keeps the lower index
-            float v = moe_logit(l[i]);
+        // ascending i: a tie keeps the lower index
+        auto take = [&](float v, int i) {
             if ((v < pv || (v == pv && i > pi)) && (bi < 0 || v > bv)) {
                 bv = v;
                 bi = i;
             }
+        };
+        if (held) {
+#pragma unroll
+            for (int r = 0; r < MOE_TOPK_HELD; ++r)
+                if (lane + 32 * r < E) take(lv[r], lane + 32 * r);
+        } else {
+            for (int i = lane; i < E; i += 32) take(moe_logit(l[i]), i);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {               // every lane ends with the warp's best
@@ -102,7 +124,13 @@ extern "C" __global__ void __launch_bounds__(MOE_TOPK_ROWS * 32)
         denom = warp_sum(ev);
     } else {
         float s = 0.0f;
-        for (int i = lane; i < E; i += 32) s += expf(moe_logit(l[i]) - top);
+        if (held) {
+#pragma unroll
+            for (int r = 0; r < MOE_TOPK_HELD; ++r)
+                if (lane + 32 * r < E) s += expf(lv[r] - top);
+        } else {
+            for (int i = lane; i < E; i += 32) s += expf(moe_logit(l[i]) - top);
+        }
         denom = warp_sum(s);
     }
     if (lane < k) {

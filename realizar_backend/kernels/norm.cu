@@ -1,11 +1,16 @@
 // RMSNorm family. One block per row; float sum of squares reduced with warp shuffles.
 // mode 0: out = x / rms(x) * w            (pre-norms, final norm, in-place QK-norm)
 // mode 1: out += x / rms(x) * w           (gemma post-norms fused with the residual add)
+// May be a programmatic dependent launch (ops.rms_norm pdl): it waits for the kernel before it
+// before reading x, and lets the next one be scheduled at once (one block a row: every block of a
+// decode step's launch is placed with the first).
 #include "common.cuh"
 
 extern "C" __global__ void rms_norm(const float* x, int xs, const float* __restrict__ w, float* out, int os,
                                     int rows, int width, float eps, int mode) {
     __shared__ float partial[32];
+    pdl_wait();
+    pdl_trigger();
     int r = blockIdx.x;
     if (r >= rows) return;
     const float* xr = x + (long long)r * xs;

@@ -92,8 +92,9 @@ def poisoned(shape, dtype=np.float32) -> np.ndarray:
 
 # ------------------------------------------------------------------ routing
 @pytest.mark.parametrize("T,E,k,renorm", [(5, 8, 2, True), (7, 67, 8, True), (6, 128, 8, False), (3, 5, 5, True),
-                                          (9, 300, 32, True)],
-                         ids=["qwen3moe-tiny", "67-experts", "128-no-renorm", "all-experts", "300-experts-k32"])
+                                          (4, 256, 8, False), (9, 300, 32, True), (4, 300, 8, False)],
+                         ids=["qwen3moe-tiny", "67-experts", "128-no-renorm", "all-experts",
+                              "256-held-no-renorm", "300-experts-k32", "300-read-no-renorm"])
 def test_topk(emu, tmp_path, T, E, k, renorm):
     rng = np.random.default_rng(E * 31 + k)
     z = (3.0 * rng.standard_normal((T, E))).astype(np.float32)

@@ -51,21 +51,22 @@ def expert_pairs(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, t
 
 def expert_pairs8(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, top: int, T: int, h: int, hs: int,
                   a: int, y: int, ys: int, act: int, biases: tuple[int, int, int] = (0, 0, 0),
-                  combine: tuple[int, int, int] | None = None) -> None:
+                  combine: tuple[int, int, int] | None = None, pdl: bool = False) -> None:
     """What expert_pairs computes (gate and up of one type and shape), on mmv8.cu's GEMVs (dispatch.py
     MOE_PAIRS8: 8-bit activations, as the dense one-row steps'): gate and up of each pair from its
     token's row, then the down projection from the pair's own row of a. combine = (x, xs, w): then
     x[t] += sum_j w[t, j] * y[t * top + j] over down.rows columns (moe_combine; x row stride xs, w float
     [T, top]): in the down projection's own launch where dispatch.moe8_combine_ok (y is not written),
-    else moe_combine after it."""
+    else moe_combine after it. pdl: as programmatic dependent launches (every kernel here waits for
+    the one before in pdl_wait)."""
     pairs, F = T * top, gate.rows
     bg, bu, bd = biases
-    ops.moe8(k, gate, up, ids, pairs, h, hs, top, a, F, act, bg, bu)
+    ops.moe8(k, gate, up, ids, pairs, h, hs, top, a, F, act, bg, bu, pdl=pdl)
     if combine is not None and moe8_combine_ok(down, top):
         x, xs, w = combine
-        ops.moe8_down_combine(k, down, ids, top, T, a, F, x, xs, w, bd)
+        ops.moe8_down_combine(k, down, ids, top, T, a, F, x, xs, w, bd, pdl=pdl)
         return
-    ops.moe8(k, down, None, ids, pairs, a, F, 1, y, ys, bg=bd)
+    ops.moe8(k, down, None, ids, pairs, a, F, 1, y, ys, bg=bd, pdl=pdl)
     if combine is not None:
         x, xs, w = combine
         ops.moe_combine(k, x, xs, y, ys, w, top, T, down.rows)
@@ -89,11 +90,13 @@ class PairExperts(Family):
         self.norm(x, norm, h, T)
         self.gemv._one(choice.router, e.router, h, T, logits.data.ptr, logits.shape[1], bias=e.router_bias or 0)
         ids, w = ws.moe_ids.data.ptr, ws.moe_w.data.ptr
-        ops.moe_topk(k, logits.data.ptr, logits.shape[1], T, e.router.rows, e.top_k, e.renormalize, ids, w)
+        ops.moe_topk(k, logits.data.ptr, logits.shape[1], T, e.router.rows, e.top_k, e.renormalize, ids, w,
+                     pdl=self.ctx.pdl)
         if choice.experts is Kernel.MOE_PAIRS8:
             # the combine into x in the down projection's launch where it can (expert_pairs8)
             expert_pairs8(k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], a.data.ptr,
-                          y.data.ptr, y.shape[1], MOE_ACT[e.act], self.biases(e), (x.data.ptr, x.shape[1], w))
+                          y.data.ptr, y.shape[1], MOE_ACT[e.act], self.biases(e), (x.data.ptr, x.shape[1], w),
+                          pdl=self.ctx.pdl)
         else:
             self.experts(e, ids, T, h, a, y, choice)
             ops.moe_combine(k, x.data.ptr, x.shape[1], y.data.ptr, y.shape[1], w, e.top_k, T, c.hidden)

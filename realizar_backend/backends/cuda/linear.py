@@ -64,7 +64,7 @@ class Family:
     def norm(self, x: cupy.ndarray, w: int, out: cupy.ndarray, T: int, add: bool = False) -> None:
         """out[:T] (+)= RMSNorm(x[:T]) * w."""
         ops.rms_norm(self.ctx.k, x.data.ptr, x.shape[1], w, out.data.ptr, out.shape[1], T, x.shape[1],
-                     self.ctx.c.rms_eps, add)
+                     self.ctx.c.rms_eps, add, pdl=self.ctx.pdl)
 
     def dst(self, post_norm: int) -> tuple[cupy.ndarray, bool]:
         """Where a projection into the residual writes, and whether it adds: straight into it, or
@@ -89,7 +89,7 @@ class GemvLinear(Family):
             ops.mmvf(self.ctx.k, [(w, bias, y, ys)], w.cols, x.data.ptr, x.shape[1], T, accumulate, pdl=self.ctx.pdl,
                      q8=kern is Kernel.MMV8)
         else:
-            ops.gemv(self.ctx.k, w, x.data.ptr, x.shape[1], y, ys, T, bias, accumulate)
+            ops.gemv(self.ctx.k, w, x.data.ptr, x.shape[1], y, ys, T, bias, accumulate, pdl=self.ctx.pdl)
 
     def normed(self, x: cupy.ndarray, w: int, T: int, kern: Kernel = Kernel.MMVF):
         """The input of an mmvf/ffnf launch that starts with RMSNorm(x[:T]) by weight w: x itself

@@ -90,11 +90,11 @@ def gemv_launch(rows: int, row_bytes: int, nb: int, sm_count: int,
 
 
 def gemv(k: Kernels, w: WeightRef, x: int, xs: int, y: int, ys: int, nb: int,
-         bias: int = 0, accumulate: bool = False) -> None:
+         bias: int = 0, accumulate: bool = False, pdl: bool = False) -> None:
     grid, threads, wpr = gemv_launch(w.rows, w.row_bytes, nb, getattr(k, "sm_count", 132))
-    k.gemv[w.qtype](grid, (threads,),
-                    (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(x), _I32(xs),
-                     _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate)), _I32(wpr)))
+    _launch(k.gemv[w.qtype], grid, (threads,),
+            (_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(w.cols), _U64(x), _I32(xs),
+             _U64(y), _I32(ys), _I32(nb), _U64(bias), _I32(int(accumulate)), _I32(wpr)), 0, pdl)
 
 
 @functools.cache
@@ -313,14 +313,14 @@ MOE_WARPS, MOE_TOPK_ROWS, MOE_COMBINE_THREADS, MOE_BUCKET_THREADS = 4, 4, 256, 2
 
 
 def moe_topk(k: Kernels, logits: int, ls: int, T: int, E: int, top_k: int, renorm: bool, ids: int,
-             w: int) -> None:
+             w: int, pdl: bool = False) -> None:
     """Each of T rows of router logits [T, E] (row stride ls): its top_k experts (the largest logits,
     ties to the lower index) into ids int32 [T, top_k] and their softmax probabilities into w float
     [T, top_k], renormalised to sum to one over the top_k where renorm."""
     if not 1 <= top_k <= min(E, MOE_MAX_K):
         raise ValueError(f"moe_topk: {top_k} experts of {E} per token (the kernel takes 1..{MOE_MAX_K})")
-    k.moe["topk"](((T + MOE_TOPK_ROWS - 1) // MOE_TOPK_ROWS,), (MOE_TOPK_ROWS * 32,),
-                  (_U64(logits), _I32(ls), _I32(T), _I32(E), _I32(top_k), _I32(int(renorm)), _U64(ids), _U64(w)))
+    _launch(k.moe["topk"], ((T + MOE_TOPK_ROWS - 1) // MOE_TOPK_ROWS,), (MOE_TOPK_ROWS * 32,),
+            (_U64(logits), _I32(ls), _I32(T), _I32(E), _I32(top_k), _I32(int(renorm)), _U64(ids), _U64(w)), 0, pdl)
 
 
 def moe_gate_up(k: Kernels, gate: WeightRef, up: WeightRef, ids: int, top_k: int, pairs: int, x: int, xs: int,
@@ -347,7 +347,7 @@ def moe_gemv(k: Kernels, w: WeightRef, ids: int, pairs: int, x: int, xs: int, xd
 
 
 def moe8(k: Kernels, gate: WeightRef, up: WeightRef | None, ids: int, pairs: int, x: int, xs: int, xdiv: int,
-         y: int, ys: int, act: int = 0, bg: int = 0, bu: int = 0) -> None:
+         y: int, ys: int, act: int = 0, bg: int = 0, bu: int = 0, pdl: bool = False) -> None:
     """moe_gate_up (up given: its fused form) or moe_gemv (up None: y[p] = gate_e @ x[p // xdiv] + bg_e)
     on mmv8.cu's GEMVs (moe8_gate_up_nb1, moe8_gemv_nb1: 8-bit activations, the dispatcher's
     Kernel.MOE_PAIRS8): the pairs' ceil(pairs / xdiv) input rows quantized by mmv8_q8 first, then a
@@ -360,14 +360,14 @@ def moe8(k: Kernels, gate: WeightRef, up: WeightRef | None, ids: int, pairs: int
     smem = mmv8_smem(K)
     if smem > MMV8_SMEM_MAX:
         raise ValueError(f"moe8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
-    xq, xqs = _mmv8_quantize(k, x, xs, K, -(-pairs // xdiv), None, False)
+    xq, xqs = _mmv8_quantize(k, x, xs, K, -(-pairs // xdiv), None, pdl)
     groups = -(-N // MMV8_R[3])
     per_pair = max(1, min(-(-groups // MMV8_WARPS), _max_grid(k, fn, smem, MMV8_WARPS) // max(pairs, 1)))
     head = (_U64(gate.ptr),) + ((_U64(up.ptr),) if up is not None else ())
     args = head + (_I64(gate.row_bytes), _I64(gate.expert_bytes), _I32(gate.experts), _I32(N), _I32(K),
                    _I32(int(gate.qtype)), _U64(ids), _I32(xdiv), _U64(xq), _I64(xqs))
     args += (_I32(act), _U64(bg), _U64(bu)) if up is not None else (_U64(bg),)
-    _launch(fn, (per_pair, pairs), (MMV8_WARPS * 32,), args + (_U64(y), _I32(ys)), smem)
+    _launch(fn, (per_pair, pairs), (MMV8_WARPS * 32,), args + (_U64(y), _I32(ys)), smem, pdl)
 
 
 def moe8_combine_wpr(groups: int, top_k: int, blocks: int, warps: int = MMV8_WARPS) -> int:
@@ -389,7 +389,7 @@ def moe8_combine_wpr(groups: int, top_k: int, blocks: int, warps: int = MMV8_WAR
 
 
 def moe8_down_combine(k: Kernels, down: WeightRef, ids: int, top_k: int, T: int, a: int, as_: int, x: int, xs: int,
-                      w: int, bias: int = 0) -> None:
+                      w: int, bias: int = 0, pdl: bool = False) -> None:
     """x[t] += sum_j w[t, j] * (down_e @ a[t * top_k + j] + bias_e), e = ids[t * top_k + j], j in order,
     over the first down.rows columns of each of T rows (row stride xs): moe8's down projection and
     moe_combine in one launch (mmv8.cu moe8_down_combine_nb1; the same sum in the same order), y never
@@ -406,7 +406,7 @@ def moe8_down_combine(k: Kernels, down: WeightRef, ids: int, top_k: int, T: int,
     if smem > MMV8_SMEM_MAX:
         raise ValueError(f"moe8_down_combine: {top_k} input rows of {K} values do not fit in its shared memory "
                          f"(dispatch.moe8_combine_ok)")
-    xq, xqs = _mmv8_quantize(k, a, as_, K, T * top_k, None, False)
+    xq, xqs = _mmv8_quantize(k, a, as_, K, T * top_k, None, pdl)
     groups = -(-N // MMV8_R[3])
     blocks = max(1, _max_grid(k, fn, smem, MMV8_WARPS) // max(T, 1))
     wpr = moe8_combine_wpr(groups, top_k, blocks)
@@ -414,7 +414,7 @@ def moe8_down_combine(k: Kernels, down: WeightRef, ids: int, top_k: int, T: int,
     _launch(fn, grid, (MMV8_WARPS * 32,),
             (_U64(down.ptr), _I64(down.row_bytes), _I64(down.expert_bytes), _I32(down.experts), _I32(N), _I32(K),
              _I32(int(down.qtype)), _U64(ids), _I32(top_k), _U64(xq), _I64(xqs), _U64(bias), _U64(w), _U64(x),
-             _I32(xs), _I32(wpr)), smem)
+             _I32(xs), _I32(wpr)), smem, pdl)
 
 
 def moe_combine(k: Kernels, x: int, xs: int, y: int, ys: int, w: int, top_k: int, T: int, H: int) -> None:
@@ -453,10 +453,10 @@ def embed(k: Kernels, w: WeightRef, tokens: int, n: int, scale: float, out: int,
 
 
 def rms_norm(k: Kernels, x: int, xs: int, w: int, out: int, os: int, rows: int, width: int,
-             eps: float, add: bool = False) -> None:
+             eps: float, add: bool = False, pdl: bool = False) -> None:
     threads = 256 if width >= 256 else max(32, (width + 31) // 32 * 32)
-    k.rms_norm((rows,), (threads,), (_U64(x), _I32(xs), _U64(w), _U64(out), _I32(os), _I32(rows),
-                                     _I32(width), _F32(eps), _I32(int(add))))
+    _launch(k.rms_norm, (rows,), (threads,), (_U64(x), _I32(xs), _U64(w), _U64(out), _I32(os), _I32(rows),
+                                              _I32(width), _F32(eps), _I32(int(add))), 0, pdl)
 
 
 def rope_kv(k: Kernels, q: int, kk: int, v: int, positions: int, slots: int, kv: PagedKV,
