@@ -34,14 +34,19 @@ CHAOTIC_MEDIAN_FP16 = 5e-4
 # any row: still far above a broken kernel's (which lands near 0): the random twin amplifies
 # rounding-level differences in a few rows of a batch
 CHAOTIC_FLOOR = 0.9
+# ... save at most this share of a chaotic twin's rows: at fp16 GEMM inputs a batch of 130 qwen05
+# rows decoding together has a row or two below the floor for most prompt draws (on trees before
+# and after every recent kernel change alike), where a head's attention flips between near-equal
+# keys; a kernel broken for some rows (a tile, a bucket) moves many more than that
+CHAOTIC_OUTLIERS = 0.02
 
 
 def assert_parity(name: str, cos: np.ndarray, floor: float, sensitivity: np.ndarray | None = None,
                   chaotic_median: float = CHAOTIC_MEDIAN) -> None:
     """Every row's logits cosine >= floor; on a chaotic twin, the median row within its bound (the
     larger of chaotic_median and the median row's 1 - cos of `sensitivity`, the oracle's rows
-    against its own with K/V in fp32, where given) and every row above a floor that only a broken
-    kernel breaks."""
+    against its own with K/V in fp32, where given) and all but a few rows (CHAOTIC_OUTLIERS) above
+    a floor that only a broken kernel breaks."""
     cos = np.asarray(cos, np.float64).ravel()
     if name not in CHAOTIC:
         assert cos.min() >= floor, f"{name}: worst row cosine {cos.min():.7f} < {floor}"
@@ -49,10 +54,12 @@ def assert_parity(name: str, cos: np.ndarray, floor: float, sensitivity: np.ndar
     median = float(np.median(1.0 - cos))
     own = float(np.median(1.0 - np.asarray(sensitivity, np.float64))) if sensitivity is not None else 0.0
     bound = max(chaotic_median, own)
+    low = int(np.sum(cos < CHAOTIC_FLOOR))
     print(f"{name}: {cos.size} rows, median 1 - cos {median:.1e} (the oracle's own, K/V in fp32: {own:.1e}), "
-          f"worst cos {cos.min():.6f}")
+          f"worst cos {cos.min():.6f}, {low} below {CHAOTIC_FLOOR}")
     assert median <= bound, f"{name}: median row 1 - cos {median:.2e} > {bound:.1e}"
-    assert cos.min() >= CHAOTIC_FLOOR, f"{name}: worst row cosine {cos.min():.6f} < {CHAOTIC_FLOOR}"
+    assert low <= CHAOTIC_OUTLIERS * cos.size, (f"{name}: {low} of {cos.size} rows below cosine {CHAOTIC_FLOOR} "
+                                                f"(worst {cos.min():.6f}; at most {CHAOTIC_OUTLIERS:.0%} may be)")
 
 
 # A mixture of experts' router picks its top_k experts by rank. Where the oracle's k-th and
