@@ -61,7 +61,7 @@ def expert_pairs8(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, 
     pairs, F = T * top, gate.rows
     bg, bu, bd = biases
     ops.moe8(k, gate, up, ids, pairs, h, hs, top, a, F, act, bg, bu)
-    if combine is not None and moe8_combine_ok(down, top):
+    if combine is not None and moe8_combine_ok(down, top, ops.device_smem(k)):
         x, xs, w = combine
         ops.moe8_down_combine(k, down, ids, top, T, a, F, x, xs, w, bd)
         return

@@ -96,7 +96,7 @@ class GemvLinear(Family):
         and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
         norm written to ws.h by its own launch. MMV8 launches always fold it (dispatch.mmv8_ok)."""
         c = self.ctx.c
-        if kern is Kernel.MMV8 or ops.mmvf_stage_ok(x.shape[1], T):
+        if kern is Kernel.MMV8 or ops.mmvf_stage_ok(x.shape[1], T, ops.device_smem(self.ctx.k).mmvf_rows):
             return x, (w, c.rms_eps)
         self.norm(x, w, self.ctx.ws.h, T)
         return self.ctx.ws.h, None

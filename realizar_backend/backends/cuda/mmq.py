@@ -233,12 +233,22 @@ def _check(kind: str, mats, K: int, p: MmqPrep, M: int, a8: bool | None = None) 
     return a8
 
 
+def _block_fits(k, kernel: str, smem: int) -> None:
+    """A tile of `smem` bytes of dynamic shared memory within the device's opt-in bytes a block (its
+    Kernels.smem): else refused by name here, not by the driver at launch (sm_86 and sm_89's 99 KB
+    hold no 64-token tile of fp16 records)."""
+    optin = getattr(getattr(k, "smem", None), "optin", None)
+    if optin is not None and smem > optin:
+        raise ValueError(f"{kernel}: its tiles need {smem} bytes of shared memory; this device allows a block {optin}")
+
+
 def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: int, act: int, accumulate: bool,
                 scratch: MmqScratch, amax: int, pdl: bool) -> None:
     if pl.partial_floats > scratch.part.size or pl.counters > scratch.cnt.size:
         raise ValueError(f"mmq: the scratch holds {scratch.part.size} partial sums and {scratch.cnt.size} counters; "
                          f"this launch needs {pl.partial_floats} and {pl.counters} (size it with "
                          "MmqScratch.for_shapes over every shape and batch size)")
+    _block_fits(k, f"mmq{'8' if p.a8 else ''}_bn{pl.bn}", mmq_smem_bytes(pl.bn, p.a8))
     for _ in range(3 - len(seg_args) // 7):
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
     _launch((k.mmq8 if p.a8 else k.mmq)[pl.bn], (pl.grid,), (THREADS,),
@@ -335,6 +345,7 @@ def mmq_moe(k: "Kernels", w0: WeightRef, w1: WeightRef | None, bn: int, TB: int,
         raise ValueError(f"mmq_moe: gate {w0.name} and up {getattr(w1, 'name', None)} differ in type or shape")
     a8 = _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1)
     rows = BM // 2 if mode else BM
+    _block_fits(k, f"mmq{'8' if a8 else ''}_moe_bn{bn}", mmq_smem_bytes(bn, a8))
     _launch((k.mmq8 if a8 else k.mmq)[("moe", bn)], (-(-w0.rows // rows) * TB,), (THREADS,),
             (_U64(w0.ptr), _U64(w1.ptr if mode else 0), _I64(w0.row_bytes), _I64(w0.expert_bytes), _I32(w0.rows),
              _I32(int(w0.qtype)), _U64(b0), _U64(b1), _U64(y), _I32(ys), _I32(w0.cols), _U64(p.rec.data.ptr),
