@@ -22,6 +22,7 @@ from functools import lru_cache
 import pytest
 
 from realizar_backend.kernels import catalog
+from realizar_backend.backends.cuda.dispatch import SMEM_STATIC_RESERVE, smem_limits
 from realizar_backend.backends.cuda.support import DN_CHUNK, DN_DELTA_K
 from support.host_emu import GXX, ROOT
 
@@ -143,6 +144,8 @@ def test_launches_match_signatures(launches):
         if limit is None:
             limit = L["smem_limit"]
         assert L["smem"] <= limit, (name, L["smem"], limit)
+        if "smem_optin" in L:          # recorded on a device of that many bytes a block: within it
+            assert L["smem"] + SMEM_STATIC_RESERVE <= L["smem_optin"], (name, L["smem"], L["smem_optin"])
     assert seen == set(MODULES), seen
 
 
@@ -184,8 +187,11 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert Q8["kernel"] == "mmv8_q8"
         K, xq, xqs = (a[21], a[22], a[23]) if L["kernel"] == "mmv8_nb1" else (a[4], a[6], a[7])
         assert (q[2], q[5], q[6]) == (K, xq, xqs) and xqs == catalog.mmv8_smem(K)
-        # the staged row, then the warps' Q4_K rings
-        assert L["smem"] == xqs + catalog.mmv8_ring_smem(1 if L["kernel"] == "mmv8_nb1" else 2)
+        # the staged row, then the warps' Q4_K rings (none where a block cannot hold them: a launch
+        # recorded on a device of smem_optin bytes a block, dispatch.smem_limits)
+        lim = smem_limits(L.get("smem_optin"))
+        kind = 1 if L["kernel"] == "mmv8_nb1" else 2
+        assert L["smem"] == xqs + catalog.mmv8_ring_smem(kind, lim.mmv8_ring) <= lim.mmv8_smem(kind)
         assert Q8["grid"] == [-(-(K // 4) // catalog.MMV8_Q8_THREADS), L["grid"][1]]
     for L in by["mmv8_nb"] + by["ffn8_nb"]:
         assert L["block"] == [catalog.MMV8_WARPS * 32]

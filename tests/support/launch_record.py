@@ -110,6 +110,32 @@ def main() -> None:
     big = w("d", Q.Q4_K, 1024, 4096, 16, 64)
     experts.expert_pairs8(k, w("g", Q.Q4_K, 4096, 1024, 17, 64), w("u", Q.Q4_K, 4096, 1024, 18, 64), big, 0x9000, 32,
                           1, 0xa000, 1024, 0xb000, 0xc000, 8192, 0, combine=(0xd000, 1024, 0xd800))
+    # a device whose blocks hold 99 KB (sm_86, sm_89: dispatch.smem_limits), its launches tagged with it:
+    # mmv8 and ffn8 without the Q4_K ring; a one-row input of 23,552 values, staged at 100 KB, read from
+    # global memory there (no staging); too much refused by name before any launch
+    from realizar_backend.backends.cuda.dispatch import smem_limits
+    optin = 101_376
+    k99 = NS(**vars(k), smem=smem_limits(optin))
+    first = len(log)
+    ops.mmvf(k99, segs, K, 0x4000, K, 1, norm=(0x5000, 1e-6), amax=0x6000, q8=True)
+    ops.ffn_f(k99, w("g", Q.Q4_K, 11008, K, 4), w("u", Q.Q4_K, 11008, K, 5), 0x4000, K, 0x7000, 11008, 1, 0,
+              norm=(0x5000, 1e-6), q8=True)
+    KL = 23552
+    assert ops.mmvf_stage_ok(KL, 1) and not ops.mmvf_stage_ok(KL, 1, k99.smem.mmvf_rows)
+    assert ops._stage_args(None, KL, 1, k99.smem.mmvf_rows)[3] == 0
+    for L in log[first:]:
+        L["smem_optin"] = optin
+    for call, name in ((lambda: ops.moe8_down_combine(k99, big, 0x9000, 20, 1, 0xa000, 4096, 0xd000, 1024, 0xd800),
+                        "moe8_down_combine_nb1"),
+                       (lambda: ops.mmvf(k99, [(w("x", Q.Q4_K, 64, 81920, 20), 0, 0x2000, 64)], 81920, 0x4000, 81920,
+                                         1, q8=True), "mmv8_nb1")):
+        try:
+            call()
+        except ValueError as e:
+            assert name in str(e) and str(k99.smem.mmv8_rows) in str(e), e
+        else:
+            raise AssertionError(f"{name}: a launch past the device's shared memory was not refused")
+    assert len(log) == first + 4, log[first:]
     # the Gated DeltaNet: conv, the delta rule for each kernel
     rows = ops.StepRows(0xc000, 0xd000, 7, 9)
     ops.dn_conv(k, 0xe000, 8192, 0xf000, 3, 0x11000, rows, 8192, 0x12000, 8192)
