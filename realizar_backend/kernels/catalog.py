@@ -94,6 +94,18 @@ def mmv8_smem(K: int) -> int:
 
 
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
+MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
+
+
+def mmq_smem_bytes(bn: int, a8: bool = False) -> int:
+    """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
+    (272-byte rows; the 8-bit variant's, 144), its unit scales (80 bytes a row), D + 1 activation
+    chunks as their prep records (528 bytes a token; 8-bit: 160). A device whose blocks hold less
+    plans narrower token tiles (backends/cuda/dispatch.py smem_limits)."""
+    arow, rec = (144, 160) if a8 else (272, 528)
+    return 128 * arow + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * rec
+
+
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
 # compute capabilities shipped prebuilt: 8.0 (A100; its modules also serve 8.6 and 8.9: A10, RTX 30,

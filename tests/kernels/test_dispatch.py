@@ -539,3 +539,50 @@ def test_on_a_99_kb_block_the_experts_combine_takes_only_the_rows_it_holds(monke
     router, (gate, up, dn) = groups[2][1][0], groups[3][1]
     disp = Dispatcher(groups, head, split16_kept=False, smem=small)
     assert disp.experts(disp.decode_step(1), router, gate, up, down=dn).experts is Kernel.MOE_PAIRS8
+
+
+def test_mmq_tiles_take_the_widest_width_the_block_holds():
+    """mmq.cu's token tiles: sm_80 and sm_90 hold every width on either kind of records (64, today's
+    plan); a 99 KB block holds the 8-bit records' tiles at every width and the fp16 records' up to 32
+    tokens (64 takes 110 KB), each within the block beside the static reserve; the loader logs the
+    narrower fp16 tiles."""
+    from realizar_backend.kernels import catalog
+    from support.devices import SMEM_OPTIN
+    assert (d.FULL_SMEM.mmq_bn_max(False), d.FULL_SMEM.mmq_bn_max(True)) == (64, 64)
+    for arch, optin in SMEM_OPTIN.items():
+        lim = d.smem_limits(optin)
+        want = {False: 64 if optin > 110 * 1024 else 32, True: 64}
+        for a8 in (False, True):
+            bn = lim.mmq_bn_max(a8)
+            assert bn == want[a8], (arch, a8)
+            assert catalog.mmq_smem_bytes(bn, a8) + d.SMEM_STATIC_RESERVE <= optin
+            wider = [b for b in catalog.MMQ_BN if b > bn]
+            assert all(catalog.mmq_smem_bytes(b, a8) + d.SMEM_STATIC_RESERVE > optin for b in wider)
+    assert catalog.mmq_smem_bytes(64) > SMEM_OPTIN["sm_86"]
+    assert any("mmq.cu" in r and "fp16" in r for r in d.smem_limits(SMEM_OPTIN["sm_86"]).reductions())
+    assert not any("mmq.cu" in r for r in d.smem_limits(SMEM_OPTIN["sm_80"]).reductions())
+
+
+def test_grouped_experts_keep_their_tiles_within_the_block():
+    """moe_grouped_plan under a device's limit: on sm_80 / sm_90 today's plan for every step; on a
+    99 KB block the fp16 records' tiles at most 32 high (the steps whose mean pairs per expert take
+    64 take 32, their bound over as many more tiles), the 8-bit records' as today; the bound holds
+    for any routing either way."""
+    from support.devices import SMEM_OPTIN
+    for arch, optin in SMEM_OPTIN.items():
+        lim = d.smem_limits(optin)
+        for a8 in (False, True):
+            bn_max = lim.mmq_bn_max(a8)
+            for E, k in ((128, 8), (64, 8), (32, 4), (8, 2)):
+                for T in (*range(1, 257), 512, 2048):
+                    bn, TB = d.moe_grouped_plan(T, k, E, bn_max)
+                    today = d.moe_grouped_plan(T, k, E)
+                    assert bn <= bn_max
+                    if bn_max == 64 or today[0] <= bn_max:
+                        assert (bn, TB) == today, (arch, a8, E, k, T)
+                    else:
+                        assert bn == 32 and today[0] == 64
+                    P, n = T * k, min(E, T * k)
+                    assert sum(-(-c // bn) for c in [1] * (n - 1) + [P - n + 1]) <= TB
+                    assert sum(-(-c // bn) for c in [P // E + (i < P % E) for i in range(E)]) <= TB
+    assert d.moe_grouped_plan(2048, 8, 128, d.smem_limits(SMEM_OPTIN["sm_89"]).mmq_bn_max(False))[0] == 32

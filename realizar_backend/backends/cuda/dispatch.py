@@ -31,8 +31,8 @@ from typing import Sequence
 
 from gguf import GGMLQuantizationType as Q
 
-from ...kernels.catalog import (ATT_SMEM_MAX, MMV8_SMEM_MAX, MMV8_XQ_BYTES, MMVF_SMEM_MAX, mmv8_ring_smem,
-                                mmv8_smem)
+from ...kernels.catalog import (ATT_SMEM_MAX, MMQ_BN, MMV8_SMEM_MAX, MMV8_XQ_BYTES, MMVF_SMEM_MAX, mmq_smem_bytes,
+                                mmv8_ring_smem, mmv8_smem)
 from .matrices import QTYPES, WeightRef
 from .support import MOE_MAX_K
 
@@ -136,7 +136,8 @@ MOE8_COMBINE = True
 # roundings (the rows h, then the gated rows, whose products have heavier tails).
 MOE_GROUPED_A8 = True
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
-# per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
+# per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert; at most the
+# widest whose tile the device's block holds for the records it reads (SmemLimits.mmq_bn_max).
 MOE_GROUPED_BN = (8, 16, 32, 64)
 # The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
 # are too few for a tensor-core tile to pay its prep. So does a shared expert's one-output gate. The
@@ -165,7 +166,12 @@ DN_CHUNK_MIN_TOKENS: int | None = 64
 # - each family's staged rows shrink to what the block has left, SMEM_STATIC_RESERVE kept for the
 #   kernel's own static shared memory (the staged kernels' reductions; the largest,
 #   moe8_down_combine's per-pair sums, takes 2 KB): a row longer than that takes the path of rows too
-#   long to stage (mmv8_ok, moe8_combine_ok, ops.mmvf_stage_ok), as rows past the constants do.
+#   long to stage (mmv8_ok, moe8_combine_ok, ops.mmvf_stage_ok), as rows past the constants do;
+# - mmq.cu's token tiles (mmq.plan, moe_grouped_plan) are at most the widest of MMQ_BN whose tile
+#   (catalog.mmq_smem_bytes, of the records the launch reads: fp16 or 8-bit) fits what the block has
+#   left beside the same reserve: more tokens take more tiles of that width (mmq.plan's token tiles),
+#   the grouped experts more tiles an expert. 99 KB holds the 8-bit records' tiles at every width and
+#   the fp16 records' up to 32 tokens (64: 110 KB).
 SMEM_STATIC_RESERVE = 4096
 
 # Dispatcher.linear's and gated's choices remembered at most (all dropped when full): a model's groups
@@ -243,6 +249,13 @@ class SmemLimits:
     mmvf_rows: int = MMVF_SMEM_MAX
     attention: int = ATT_SMEM_MAX
     mmv8_ring: bool = True
+    mmq_bn: int = MMQ_BN[-1]             # mmq.cu's widest token tile on fp16 records
+    mmq8_bn: int = MMQ_BN[-1]            # on 8-bit records (MMQ_A8)
+
+    def mmq_bn_max(self, a8: bool = False) -> int:
+        """The widest token tile of mmq.cu's launches on 8-bit (a8) or fp16 records (mmq.plan's and
+        moe_grouped_plan's bn_max)."""
+        return self.mmq8_bn if a8 else self.mmq_bn
 
     def mmv8_smem(self, kind: int) -> int:
         """The dynamic shared memory the loader allows mmv8.cu's module of `kind`: its staged rows,
@@ -259,10 +272,20 @@ class SmemLimits:
                                  ("attention.cu's tiles", self.attention, full.attention)):
             if have < want:
                 out.append(f"{name} up to {have} bytes (not {want})")
+        for a8 in (False, True):
+            if self.mmq_bn_max(a8) < full.mmq_bn_max(a8):
+                out.append(f"mmq.cu's token tiles of {'8-bit' if a8 else 'fp16'} records up to "
+                           f"{self.mmq_bn_max(a8)} tokens (not {full.mmq_bn_max(a8)})")
         return out
 
 
 FULL_SMEM = SmemLimits()
+
+
+def mmq_bn_fit(room: int, a8: bool) -> int:
+    """The widest of MMQ_BN whose mmq.cu tile (fp16 or 8-bit records: a8) takes at most `room` bytes
+    of dynamic shared memory (the narrowest where none does: its launches are refused by name)."""
+    return max((bn for bn in MMQ_BN if mmq_smem_bytes(bn, a8) <= room), default=MMQ_BN[0])
 
 
 def smem_limits(optin: int | None) -> SmemLimits:
@@ -272,7 +295,8 @@ def smem_limits(optin: int | None) -> SmemLimits:
         return FULL_SMEM
     room = optin - SMEM_STATIC_RESERVE
     ring = all(MMV8_SMEM_MAX + mmv8_ring_smem(kind) <= room for kind in (1, 2))
-    return SmemLimits(optin, min(MMV8_SMEM_MAX, room), min(MMVF_SMEM_MAX, room), min(ATT_SMEM_MAX, room), ring)
+    return SmemLimits(optin, min(MMV8_SMEM_MAX, room), min(MMVF_SMEM_MAX, room), min(ATT_SMEM_MAX, room), ring,
+                      mmq_bn_fit(room, False), mmq_bn_fit(room, True))
 
 
 # ---------------------------------------------------------------- what each kernel takes
@@ -330,13 +354,15 @@ def moe_grouped_a8(gate: WeightRef, up: WeightRef, down: WeightRef) -> bool:
     return MOE_GROUPED_A8 and all(mmq8_ok(w) for w in (gate, up, down))
 
 
-def moe_grouped_plan(rows: int, top_k: int, experts: int) -> tuple[int, int]:
-    """(bn, tiles): a grouped step's token-tile height (MOE_GROUPED_BN) and the token tiles its
-    launches cover, a bound that holds for any routing: an expert with c > 0 pairs takes
-    ceil(c / bn) <= (c + bn - 1) / bn tiles, so P = rows x top_k pairs over at most min(E, P) experts
-    take at most (P + min(E, P) (bn - 1)) // bn."""
+def moe_grouped_plan(rows: int, top_k: int, experts: int, bn_max: int = MOE_GROUPED_BN[-1]) -> tuple[int, int]:
+    """(bn, tiles): a grouped step's token-tile height (MOE_GROUPED_BN, at most bn_max: the device's
+    SmemLimits.mmq_bn_max of the records the launches read) and the token tiles its launches cover,
+    a bound that holds for any routing: an expert with c > 0 pairs takes ceil(c / bn) <= (c + bn - 1)
+    / bn tiles, so P = rows x top_k pairs over at most min(E, P) experts take at most
+    (P + min(E, P) (bn - 1)) // bn."""
     P = rows * top_k
-    bn = next((b for b in MOE_GROUPED_BN if b * experts >= P), MOE_GROUPED_BN[-1])
+    widths = [b for b in MOE_GROUPED_BN if b <= bn_max] or [MOE_GROUPED_BN[0]]
+    bn = next((b for b in widths if b * experts >= P), widths[-1])
     return bn, (P + min(experts, P) * (bn - 1)) // bn
 
 

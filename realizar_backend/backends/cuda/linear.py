@@ -20,7 +20,7 @@ from ...errors import BackendError
 from ...model.config import ModelConfig
 from . import ops, split16
 from .dispatch import SPLIT16_KEEP_FREE_SHARE, Choice, Dispatcher, Kernel
-from .mmq import MmqPrep, MmqScratch, mmq, mmq_ffn, prep
+from .mmq import MmqPrep, MmqScratch, bn_limits, mmq, mmq_ffn, prep
 from .modules import Kernels
 from .ops import WeightRef
 from .workspace import Workspace
@@ -173,7 +173,8 @@ class MmqLinear(Family):
     def __init__(self, ctx: Context, max_rows: int, shapes: Sequence[tuple[int, tuple[int, ...], bool]]):
         super().__init__(ctx)
         self.prep_buf = MmqPrep(max_rows, max(K for K, _, _ in shapes))
-        self.scratch = MmqScratch.for_shapes(max_rows, shapes, getattr(ctx.k, "sm_count", 132))
+        # sized under the token-tile limit its launches plan with (fp16 records, the device's)
+        self.scratch = MmqScratch.for_shapes(max_rows, shapes, getattr(ctx.k, "sm_count", 132), bn_limits(ctx.k))
 
     @property
     def nbytes(self) -> int:

@@ -23,20 +23,11 @@ from .matrices import QTYPES
 from .support import DN_DELTA_K
 from ...kernels import catalog
 from ...kernels.catalog import MMQ_BN  # noqa: F401  (token-tile widths of mmq.cu, one module each)
+from ...kernels.catalog import MMQ_DEPTH, mmq_smem_bytes  # noqa: F401  (mmq.py and the tests read them from here)
 from ...kernels.catalog import MMV_NB  # noqa: F401  (activation rows per launch column; ops imports it here)
 from ...kernels.catalog import source as _source
 
 log = logging.getLogger(__name__)
-
-MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
-
-
-def mmq_smem_bytes(bn: int, a8: bool = False) -> int:
-    """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
-    (272-byte rows; the 8-bit variant's, 144), its unit scales (80 bytes a row), D + 1 activation
-    chunks as their prep records (528 bytes a token; 8-bit: 160)."""
-    arow, rec = (144, 160) if a8 else (272, 528)
-    return 128 * arow + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * rec
 
 
 class _Lazy:
