@@ -130,7 +130,7 @@ def main() -> int:
     prep = mmq.MmqPrep(M_max, K_max)
     prep8 = mmq.MmqPrep(M_max, K_max, a8=True) if args.a8 else None
     scratch = mmq.MmqScratch.for_shapes(M_max, [(K, tuple(n for _, n in segs), ffn) for _, segs, K, ffn, _ in shapes],
-                                        k.sm_count)
+                                        k.sm_count, mmq.bn_limits(k, (False, True) if args.a8 else (False,)))
     if forced:
         scratch = mmq.MmqScratch(max(scratch.part.size, 64 << 20), max(scratch.cnt.size, 1 << 16))
     x = cupy.asarray(rng.standard_normal((M_max, K_max)).astype(np.float32))
@@ -177,7 +177,7 @@ def main() -> int:
                 else:
                     ops.mmvf(k, [(w, 0, o.data.ptr, n) for w, o, n in zip(ws, outs, rows)], K, x.data.ptr, K_max, M)
 
-            pl = mmq.plan(M, K, tuple(rows), ffn, k.sm_count)
+            pl = mmq.plan(M, K, tuple(rows), ffn, k.sm_count, bn_max=k.smem.mmq_bn_max())
             row["plan"] = {"bn": pl.bn, "token_tiles": pl.token_tiles, "splits": pl.splits, "grid": pl.grid}
             row["mmq_us"] = median_call_us(run_mmq, copies, args.reps)
             small = M <= dispatch.MMQS_MAX_ROWS and all(dispatch.mmqs_ok(w) for w in copy_sets[0])

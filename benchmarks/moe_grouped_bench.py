@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from realizar_backend.backends.cuda import dispatch  # noqa: E402
+from realizar_backend.backends.cuda import dispatch, mmq  # noqa: E402
 from realizar_backend.backends.cuda.experts import GroupedBuffers, expert_groups, expert_pairs  # noqa: E402
 from realizar_backend.backends.cuda.modules import get_kernels  # noqa: E402
 from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight  # noqa: E402
@@ -77,8 +77,8 @@ def main() -> int:
         y_p = cupy.zeros((P, max(H, 2 * F)), cupy.float32)
         y_g, y_8 = cupy.zeros_like(y_p), cupy.zeros_like(y_p)
         a8 = all(dispatch.mmq8_ok(w) for w in mats)
-        buf = GroupedBuffers(T, TOP, E, H, F)
-        bn, TB = dispatch.moe_grouped_plan(T, TOP, E)
+        buf = GroupedBuffers(T, TOP, E, H, F, mmq.bn_limits(k, (False, True)))
+        bn, TB = dispatch.moe_grouped_plan(T, TOP, E, k.smem.mmq_bn_max())
 
         def pairs(_):
             expert_pairs(k, gate, up, down, ids.data.ptr, TOP, T, h.data.ptr, H, a.data.ptr, y_p.data.ptr,

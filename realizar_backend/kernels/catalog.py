@@ -79,6 +79,12 @@ MMV8_Q8_THREADS = 256
 # dynamic shared memory of an mmv8.cu launch: the row's int8 values (padded to whole 256-value
 # super-blocks: mmv8.cu mmv8_kpad), then (d, d * sum q) per 32, in whole 16-byte copies
 MMV8_SMEM_MAX = 100 * 1024
+# staged fp32 activation rows an mmvf.cu block holds (mmvf.cu mmvf_stage; longer rows: global reads),
+# and the dynamic shared memory the loader allows attention.cu (its prompt tiles: ops.attention)
+MMVF_SMEM_MAX = 100 * 1024
+ATT_SMEM_MAX = 100 * 1024
+# These limits fit sm_80 and sm_90 (their opt-in shared memory a block: 163 KB, 227 KB); a device
+# with less (sm_86, sm_89: 99 KB) takes the lesser plan of backends/cuda/dispatch.py smem_limits.
 # the device's scratch for mmv8_q8's rows (modules.Kernels.mmv8_xq): 4 rows of the longest input
 MMV8_XQ_BYTES = 4 * MMV8_SMEM_MAX
 
@@ -88,6 +94,18 @@ def mmv8_smem(K: int) -> int:
 
 
 MMQ_BN = (8, 16, 32, 64)             # token-tile widths of the batched-decode matrix multiply (mmq.cu)
+MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
+
+
+def mmq_smem_bytes(bn: int, a8: bool = False) -> int:
+    """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
+    (272-byte rows; the 8-bit variant's, 144), its unit scales (80 bytes a row), D + 1 activation
+    chunks as their prep records (528 bytes a token; 8-bit: 160). A device whose blocks hold less
+    plans narrower token tiles (backends/cuda/dispatch.py smem_limits)."""
+    arow, rec = (144, 160) if a8 else (272, 528)
+    return 128 * arow + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * rec
+
+
 ATT_KINDS = ("attn_decode", "attn_tile", "attn_tile_v2")   # attention.cu ATT_KIND 1..3
 PREBUILT_HEAD_DIMS = (64, 128, 256)  # SmolLM2 / Qwen2.5-0.5B, Qwen2.5-1.5B and Llama, Gemma 3
 # compute capabilities shipped prebuilt: 8.0 (A100; its modules also serve 8.6 and 8.9: A10, RTX 30,
@@ -144,17 +162,21 @@ def mmvf_options(nb: int, kind: int, head: bool = False) -> tuple[str, ...]:
     return opts + (f"-DMMVF_R={FFNF_R[nb]}",) if kind == 2 and nb in FFNF_R else opts
 
 
-def mmv8_options(kind: int) -> tuple[str, ...]:
+def mmv8_options(kind: int, ring: bool = True) -> tuple[str, ...]:
     """The options of mmv8.cu's module of kind 1 (mmv8_nb1, mmv8_q8), 2 (ffn8_nb1) or 3 (the experts'
-    moe8_gate_up_nb1 and moe8_gemv_nb1)."""
+    moe8_gate_up_nb1 and moe8_gemv_nb1); ring False: without the Q4_K ring (MMV8_RING 0, on a device
+    whose blocks cannot hold it: dispatch.smem_limits; no such module ships prebuilt)."""
     return (f"-DMMV8_KIND={kind}", f"-DMMV8_WARPS={MMV8_WARPS}", f"-DMMV8_MINB={MMV8_MINB}",
             f"-DMMV8_R={MMV8_R[kind]}", f"-DMMV8_UNROLL={MMV8_UNROLL[kind]}", f"-DMMV8_LD={MMV8_LD[kind]}",
-            f"-DMMV8_RING={MMV8_RING[kind]}")
+            f"-DMMV8_RING={MMV8_RING[kind] if ring else 0}")
 
 
-def mmv8_ring_smem(kind: int) -> int:
+def mmv8_ring_smem(kind: int, ring: bool = True) -> int:
     """Dynamic shared memory of the Q4_K rings of an mmv8.cu launch of `kind` (after its staged row):
-    MMV8_WARPS rings of MMV8_RING trips of the warp's rows (mmv8.cu mmv8_ring_bytes)."""
+    MMV8_WARPS rings of MMV8_RING trips of the warp's rows (mmv8.cu mmv8_ring_bytes); 0 for a module
+    built without the ring (mmv8_options(kind, ring=False))."""
+    if not ring:
+        return 0
     return MMV8_WARPS * MMV8_RING[kind] * (2 if kind == 2 else 1) * MMV8_R[kind] * MMV8_TRIP
 
 

@@ -215,6 +215,7 @@ def test_experts_grouped_bitwise_repeat(kernels, rng, T, a8):
     expert count and top k at a narrow width, on either kind of records."""
     import cupy
     from realizar_backend.backends.cuda.experts import GroupedBuffers, expert_groups
+    from realizar_backend.backends.cuda.mmq import bn_limits as mmq_bn_limits
     from realizar_backend.backends.cuda.selfcheck import random_weight, upload_weight
     E, top, F, H = 128, 8, 256, 512
     mats, keep = [], []
@@ -224,7 +225,7 @@ def test_experts_grouped_bitwise_repeat(kernels, rng, T, a8):
         keep.append(dev)
     ids = cupy.asarray(np.stack([rng.permutation(E)[:top] for _ in range(T)]).astype(np.int32))
     h = cupy.asarray(rng.standard_normal((T, H)).astype(np.float32))
-    buf = GroupedBuffers(T, top, E, H, F)
+    buf = GroupedBuffers(T, top, E, H, F, mmq_bn_limits(kernels, (a8,)))
     ys = [cupy.full((T * top, H), np.nan, cupy.float32) for _ in range(2)]
     for y in ys:
         expert_groups(kernels, *mats, ids.data.ptr, top, T, h.data.ptr, H, y.data.ptr, H, 0, buf, a8=a8)

@@ -453,3 +453,136 @@ def test_one_row_experts_take_mmv8_where_every_stack_is_of_its_types(monkeypatch
         router, (gate, up, down) = groups[2][1][0], groups[3][1]
         assert disp.experts(disp.decode_step(1), router, gate, up, down=down).experts is want, kw
         assert disp.experts(Step("gemv", 2), router, gate, up, down=down).experts is not Kernel.MOE_PAIRS8
+
+
+# ---------------------------------------------------------------- the device's shared memory
+def test_sm_80_and_sm_90_keep_the_full_plan_and_the_prebuilt_modules():
+    """Where a block holds 163 KB or more, the staged kernels keep the catalog's limits: the Q4_K ring,
+    100 KB staged rows, the same module options (so the shipped cubins serve them) and the same
+    choices of kernel as the dispatcher without a device."""
+    from realizar_backend.kernels import catalog
+    from support.devices import SMEM_OPTIN
+    shipped = set(catalog.variants())
+    groups, head = dense(Q4_K_M, hidden=4096, q_dim=4096, kv_dim=1024, ffn=14336, vocab=128256)
+    full = Dispatcher(groups, head, split16_kept=False)
+    for arch in ("sm_80", "sm_90"):
+        lim = d.smem_limits(SMEM_OPTIN[arch])
+        assert (lim.mmv8_rows, lim.mmvf_rows, lim.attention, lim.mmv8_ring) == (100 * 1024,) * 3 + (True,)
+        assert lim.reductions() == []
+        for kind in (1, 2, 3):
+            assert lim.mmv8_smem(kind) == catalog.MMV8_SMEM_MAX + catalog.mmv8_ring_smem(kind)
+            assert lim.mmv8_smem(kind) + d.SMEM_STATIC_RESERVE <= SMEM_OPTIN[arch]
+            opts = catalog.mmv8_options(kind, lim.mmv8_ring)
+            assert opts == catalog.mmv8_options(kind) and ("mmv8.cu", opts) in shipped
+        disp = Dispatcher(groups, head, split16_kept=False, smem=lim)
+        for step in (disp.decode_step(1), disp.decode_step(2)):
+            for kind, g in groups:
+                pick = (lambda x: x.gated(step, *g)) if kind == "gated" else (lambda x: x.linear(step, g))
+                assert pick(disp) == pick(full), (arch, step, g[0].name)
+        assert disp.head(1) is full.head(1) is Kernel.MMV8
+
+
+def test_a_99_kb_block_drops_the_mmv8_ring_and_never_asks_more_than_it_holds():
+    """sm_86 / sm_89 (99 KB a block): mmv8.cu's kinds 1 and 2 built without the ring (their own
+    options, compiled by NVRTC: none ships), every staged kernel's dynamic shared memory within the
+    block beside the static reserve; the experts' moe8 module (no ring) keeps its shipped options."""
+    from realizar_backend.kernels import catalog
+    from support.devices import SMEM_OPTIN
+    optin = SMEM_OPTIN["sm_86"]
+    lim = d.smem_limits(optin)
+    assert not lim.mmv8_ring and lim.optin == optin
+    for kind in (1, 2, 3):
+        assert lim.mmv8_smem(kind) + d.SMEM_STATIC_RESERVE <= optin
+        assert lim.mmv8_smem(kind) == lim.mmv8_rows       # no ring after the row
+    assert lim.mmvf_rows + d.SMEM_STATIC_RESERVE <= optin and lim.attention + d.SMEM_STATIC_RESERVE <= optin
+    shipped = set(catalog.variants())
+    for kind in (1, 2):
+        opts = catalog.mmv8_options(kind, lim.mmv8_ring)
+        assert "-DMMV8_RING=0" in opts and ("mmv8.cu", opts) not in shipped
+    assert catalog.mmv8_options(3, lim.mmv8_ring) == catalog.mmv8_options(3)
+    # attention.cu's prompt tile of the largest head (ops.attention) still fits
+    assert 4 * (16 * 256 + 2 * 32 * (256 + 4)) <= lim.attention
+    assert any("ring" in r for r in lim.reductions())
+
+
+def test_on_a_99_kb_block_a_long_ffn_row_keeps_mmv8_and_an_over_long_row_goes_to_mmvf():
+    """Llama-3-8B's down projection (4096 x 14336 Q4_K: 17,920 bytes of staged 8-bit row) takes mmv8.cu
+    on every device; a row whose 8-bit form fills the full 100 KB takes it on sm_90 and mmvf.cu (the
+    path of rows too long to stage) where a block holds 99 KB."""
+    from support.devices import SMEM_OPTIN
+    groups, head = dense(Q4_K_M)
+    small, full = d.smem_limits(SMEM_OPTIN["sm_86"]), d.smem_limits(SMEM_OPTIN["sm_90"])
+    down = mat(Q.Q4_K, 4096, 14336)
+    longest = 100 * 1024 * 4 // 5                      # K + K / 4 bytes of shared memory: 100 KB
+    too_long = mat(Q.Q4_K, 512, longest)
+    assert d.mmv8_smem(longest) == d.MMV8_SMEM_MAX > small.mmv8_rows
+    for lim, want in ((full, Kernel.MMV8), (small, Kernel.MMVF)):
+        disp = Dispatcher(groups, head, split16_kept=False, smem=lim)
+        one = disp.decode_step(1)
+        assert disp.linear(one, (down,)).kernels == (Kernel.MMV8,)
+        assert d.mmv8_ok(down, lim)
+        assert disp.linear(one, (too_long,)).kernels == (want,)
+        assert d.mmv8_ok(too_long, lim) is (want is Kernel.MMV8)
+
+
+def test_on_a_99_kb_block_the_experts_combine_takes_only_the_rows_it_holds(monkeypatch):
+    """moe8_down_combine stages a token's top_k 8-bit rows: 20 rows of 4096 values (100 KB) fit sm_90's
+    block and not a 99 KB one (moe8_gemv_nb1 then moe_combine); the one-row pairs of 2048-value rows
+    keep mmv8.cu there (MOE_PAIRS8)."""
+    from support.devices import SMEM_OPTIN
+    monkeypatch.setattr(d, "MOE_PAIRS8", True)
+    small, full = d.smem_limits(SMEM_OPTIN["sm_86"]), d.smem_limits(SMEM_OPTIN["sm_90"])
+    down = mat(Q.Q4_K, 1024, 4096)
+    assert d.moe8_combine_ok(down, 20, full) and not d.moe8_combine_ok(down, 20, small)
+    assert d.moe8_combine_ok(down, 8, small)
+    groups, head = moe()
+    router, (gate, up, dn) = groups[2][1][0], groups[3][1]
+    disp = Dispatcher(groups, head, split16_kept=False, smem=small)
+    assert disp.experts(disp.decode_step(1), router, gate, up, down=dn).experts is Kernel.MOE_PAIRS8
+
+
+def test_mmq_tiles_take_the_widest_width_the_block_holds():
+    """mmq.cu's token tiles: sm_80 and sm_90 hold every width on either kind of records (64, today's
+    plan); a 99 KB block holds the 8-bit records' tiles at every width and the fp16 records' up to 32
+    tokens (64 takes 110 KB), each within the block beside the static reserve; the loader logs the
+    narrower fp16 tiles."""
+    from realizar_backend.kernels import catalog
+    from support.devices import SMEM_OPTIN
+    assert (d.FULL_SMEM.mmq_bn_max(False), d.FULL_SMEM.mmq_bn_max(True)) == (64, 64)
+    for arch, optin in SMEM_OPTIN.items():
+        lim = d.smem_limits(optin)
+        want = {False: 64 if optin > 110 * 1024 else 32, True: 64}
+        for a8 in (False, True):
+            bn = lim.mmq_bn_max(a8)
+            assert bn == want[a8], (arch, a8)
+            assert catalog.mmq_smem_bytes(bn, a8) + d.SMEM_STATIC_RESERVE <= optin
+            wider = [b for b in catalog.MMQ_BN if b > bn]
+            assert all(catalog.mmq_smem_bytes(b, a8) + d.SMEM_STATIC_RESERVE > optin for b in wider)
+    assert catalog.mmq_smem_bytes(64) > SMEM_OPTIN["sm_86"]
+    assert any("mmq.cu" in r and "fp16" in r for r in d.smem_limits(SMEM_OPTIN["sm_86"]).reductions())
+    assert not any("mmq.cu" in r for r in d.smem_limits(SMEM_OPTIN["sm_80"]).reductions())
+
+
+def test_grouped_experts_keep_their_tiles_within_the_block():
+    """moe_grouped_plan under a device's limit: on sm_80 / sm_90 today's plan for every step; on a
+    99 KB block the fp16 records' tiles at most 32 high (the steps whose mean pairs per expert take
+    64 take 32, their bound over as many more tiles), the 8-bit records' as today; the bound holds
+    for any routing either way."""
+    from support.devices import SMEM_OPTIN
+    for arch, optin in SMEM_OPTIN.items():
+        lim = d.smem_limits(optin)
+        for a8 in (False, True):
+            bn_max = lim.mmq_bn_max(a8)
+            for E, k in ((128, 8), (64, 8), (32, 4), (8, 2)):
+                for T in (*range(1, 257), 512, 2048):
+                    bn, TB = d.moe_grouped_plan(T, k, E, bn_max)
+                    today = d.moe_grouped_plan(T, k, E)
+                    assert bn <= bn_max
+                    if bn_max == 64 or today[0] <= bn_max:
+                        assert (bn, TB) == today, (arch, a8, E, k, T)
+                    else:
+                        assert bn == 32 and today[0] == 64
+                    P, n = T * k, min(E, T * k)
+                    assert sum(-(-c // bn) for c in [1] * (n - 1) + [P - n + 1]) <= TB
+                    assert sum(-(-c // bn) for c in [P // E + (i < P % E) for i in range(E)]) <= TB
+    assert d.moe_grouped_plan(2048, 8, 128, d.smem_limits(SMEM_OPTIN["sm_89"]).mmq_bn_max(False))[0] == 32

@@ -95,3 +95,20 @@ def test_split_policy():
     assert flash.prefill_splits(16384, 12, 16384, sm) == 1
     assert flash.prefill_splits(512, 12, 16384, sm) == 6  # a 512-token chunk deep in a long prompt
     assert flash.prefill_splits(512, 12, 512, sm) == 1    # ... but not at its start
+
+
+def test_flash_takes_the_head_sizes_whose_blocks_fit_the_device():
+    """flash.fits (forward.py: the flash kernels where a head size's default plans fit the device's
+    block, else attention.cu's): every head size on sm_90; on sm_80 the 256-dim decode block (165.5 KB)
+    does not fit; a 99 KB block (sm_86, sm_89) holds the prompt plans of 64 and 128 dims and the
+    decode plan of 64 only."""
+    from support.devices import SMEM_OPTIN
+
+    def takes(arch):
+        o = SMEM_OPTIN[arch]
+        return {D: (flash.fits(flash.plan_prefill(1, 8, D).smem, o), flash.fits(flash.decode_smem(D), o))
+                for D in flash.HEAD_DIMS}
+    assert takes("sm_90") == {64: (True, True), 128: (True, True), 256: (True, True)}
+    assert takes("sm_80") == {64: (True, True), 128: (True, True), 256: (True, False)}
+    assert takes("sm_86") == {64: (True, True), 128: (True, False), 256: (False, False)}
+    assert flash.fits(10 ** 6, None)

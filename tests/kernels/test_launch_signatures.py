@@ -1,5 +1,5 @@
-"""The Python launchers of gemv.cu, mmv8.cu, the grouped experts (moe.cu's bucketing, mmq.cu's mmq_moe_bnBN),
-deltanet.cu, prefill.cu (split16.py) and the decode attention (attention.cu's attn_decode,
+"""The Python launchers of gemv.cu, mmv8.cu, mmq.cu's tiles (mmq_bnBN), the grouped experts (moe.cu's
+bucketing, mmq.cu's mmq_moe_bnBN), deltanet.cu, prefill.cu (split16.py) and the decode attention (attention.cu's attn_decode,
 flash_decode.cu) against the kernels' `extern "C"` signatures: each launch's
 argument count and each argument's C type (pointers and unsigned long long: uint64, long long: int64, int: int32, float:
 float32), its block against __launch_bounds__, its grid against what the kernel indexes, its dynamic
@@ -22,6 +22,7 @@ from functools import lru_cache
 import pytest
 
 from realizar_backend.kernels import catalog
+from realizar_backend.backends.cuda.dispatch import SMEM_STATIC_RESERVE, smem_limits
 from realizar_backend.backends.cuda.support import DN_CHUNK, DN_DELTA_K
 from support.host_emu import GXX, ROOT
 
@@ -37,8 +38,9 @@ MODULES = {**{f"{p}_{t}": ("gemv.cu", ()) for p in ("gemv", "ffn_gate_up") for t
            "mmv8_q8": ("mmv8.cu", catalog.mmv8_options(1)),
            **{n: ("mmv8.cu", catalog.mmv8_options(3)) for n in ("moe8_gate_up_nb1", "moe8_gemv_nb1",
                                                                   "moe8_down_combine_nb1")},
-           **{f"mmq_moe_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for bn in catalog.MMQ_BN},
-           **{f"mmq8_moe_bn{bn}": ("mmq.cu", ("-DMMQ_A8=1", f"-DMMQ_BN={bn}")) for bn in catalog.MMQ_BN},
+           **{f"mmq{p}_bn{bn}": ("mmq.cu", (f"-DMMQ_BN={bn}",)) for p in ("", "_moe") for bn in catalog.MMQ_BN},
+           **{f"mmq8{p}_bn{bn}": ("mmq.cu", ("-DMMQ_A8=1", f"-DMMQ_BN={bn}")) for p in ("", "_moe")
+              for bn in catalog.MMQ_BN},
            "mmq_prep": ("mmq.cu", ("-DMMQ_BN=0",)), "mmq8_prep": ("mmq.cu", ("-DMMQ_A8=1", "-DMMQ_BN=0")),
            "moe_bucket_count": ("moe.cu", ()), "moe_bucket_fill": ("moe.cu", ()), "moe_combine": ("moe.cu", ()),
            **{n: ("deltanet.cu", ()) for n in ("dn_conv", "dn_delta", *(f"dn_{kind}_k{d}" for kind in ("delta", "chunk")
@@ -56,7 +58,7 @@ SMEM_LIMIT = {"mmv8.cu": catalog.MMV8_SMEM_MAX + max(map(catalog.mmv8_ring_smem,
 EXACT_BLOCK = {"mmv8_nb1", "ffn8_nb1", "mmv8_q8", "moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1",
                "moe_bucket_count",
                "moe_bucket_fill", "mmq_prep", "mmq8_prep",
-               *(f"mmq{v}_moe_bn{bn}" for v in ("", "8") for bn in catalog.MMQ_BN)}
+               *(f"mmq{v}{p}_bn{bn}" for v in ("", "8") for p in ("", "_moe") for bn in catalog.MMQ_BN)}
 _SIG = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
 
 
@@ -143,6 +145,8 @@ def test_launches_match_signatures(launches):
         if limit is None:
             limit = L["smem_limit"]
         assert L["smem"] <= limit, (name, L["smem"], limit)
+        if "smem_optin" in L:          # recorded on a device of that many bytes a block: within it
+            assert L["smem"] + SMEM_STATIC_RESERVE <= L["smem_optin"], (name, L["smem"], L["smem_optin"])
     assert seen == set(MODULES), seen
 
 
@@ -184,8 +188,11 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert Q8["kernel"] == "mmv8_q8"
         K, xq, xqs = (a[21], a[22], a[23]) if L["kernel"] == "mmv8_nb1" else (a[4], a[6], a[7])
         assert (q[2], q[5], q[6]) == (K, xq, xqs) and xqs == catalog.mmv8_smem(K)
-        # the staged row, then the warps' Q4_K rings
-        assert L["smem"] == xqs + catalog.mmv8_ring_smem(1 if L["kernel"] == "mmv8_nb1" else 2)
+        # the staged row, then the warps' Q4_K rings (none where a block cannot hold them: a launch
+        # recorded on a device of smem_optin bytes a block, dispatch.smem_limits)
+        lim = smem_limits(L.get("smem_optin"))
+        kind = 1 if L["kernel"] == "mmv8_nb1" else 2
+        assert L["smem"] == xqs + catalog.mmv8_ring_smem(kind, lim.mmv8_ring) <= lim.mmv8_smem(kind)
         assert Q8["grid"] == [-(-(K // 4) // catalog.MMV8_Q8_THREADS), L["grid"][1]]
     for L in by["mmv8_nb"] + by["ffn8_nb"]:
         assert L["block"] == [catalog.MMV8_WARPS * 32]
@@ -280,3 +287,30 @@ def test_grids_cover_the_kernels_indexing(launches):
         assert L["grid"] == [nv, -(-n // DN_CHUNK)] and D["grid"] == [nv, n]
         assert L["block"] == [-(-dv // 16) * 32]            # two threads a column
         assert _args(L)[-1] >= DN_CHUNK
+
+
+def test_mmq_tiles_cover_the_step_within_the_devices_block(launches):
+    """mmq.cu's tiles of dense projections (launch_record: Q/K/V and the fused gate / up at 5 to 64
+    rows): a grid of weight tiles x K ranges x token tiles of the kernel's width covering the step's
+    rows, whole K ranges; the width the smallest that holds the rows, up to the widest the device's
+    block holds for the records read (dispatch.smem_limits; sm_90's plan where not tagged): on the
+    99 KB device a 64-row step of fp16 records takes two 32-token tiles, of 8-bit records one of 64."""
+    seen = {}
+    for L in launches:
+        m = re.fullmatch(r"mmq(8?)_bn(\d+)", L["kernel"])
+        if m is None:
+            continue
+        a8, bn, a = m.group(1) == "8", int(m.group(2)), _args(L)
+        K, M, mode, splits, cps = a[21], a[25], a[26], a[29], a[30]
+        tiles = -(-a[2] // 64) if mode == 1 else sum(-(-n // 128) for n in (a[2], a[9], a[16]))
+        assert L["grid"] == [tiles * splits * -(-M // bn)], L["kernel"]
+        assert (splits - 1) * cps < -(-K // 128) <= splits * cps
+        assert L["smem"] == L["smem_limit"] == catalog.mmq_smem_bytes(bn, a8)
+        widest = smem_limits(L.get("smem_optin")).mmq_bn_max(a8)
+        assert bn == min([b for b in catalog.MMQ_BN if M <= b <= widest] or [widest]), (L["kernel"], M, widest)
+        seen[(L.get("smem_optin"), a8, M, mode)] = (bn, -(-M // bn))
+    for optin in (None, 101_376):
+        assert {seen[(optin, a8, M, 0)][0] for a8 in (False, True) for M in (5, 13, 29)} == {8, 16, 32}
+    assert seen[(None, False, 64, 0)] == seen[(None, False, 64, 1)] == (64, 1)
+    assert seen[(101_376, False, 64, 0)] == seen[(101_376, False, 64, 1)] == (32, 2)
+    assert seen[(101_376, True, 64, 0)] == seen[(101_376, True, 64, 1)] == (64, 1)

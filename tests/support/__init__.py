@@ -22,4 +22,5 @@
     server             a real `bentoml serve` process (the `server` fixture's; a module's own: model_server,
                        tiny_model_server) and guided_chat, a grammar-held chat completion
     pool_child         a child process for ChildPool's tests (a child imports it as tests.support.pool_child)
+    devices            the opt-in shared memory a block of each planned-for compute capability may hold
 """

@@ -26,15 +26,16 @@ class Rec:
                          "smem_limit": self.smem_limit})
 
 
-def _ptr(n: int) -> NS:
-    return NS(data=NS(ptr=0x10000 * n))
+def _ptr(n: int, size: int = 1, shape: tuple = (1,)) -> NS:
+    """A device array stand-in: its pointer, and the size / shape the launchers check."""
+    return NS(data=NS(ptr=0x10000 * n), size=size, shape=shape)
 
 
 def main() -> None:
     sys.modules["cupy"] = types.ModuleType("cupy")
     from gguf import GGMLQuantizationType as Q
 
-    from realizar_backend.backends.cuda import experts, flash, ops
+    from realizar_backend.backends.cuda import experts, flash, mmq, ops
     from realizar_backend.backends.cuda.matrices import WeightRef
     from realizar_backend.backends.cuda.modules import MMQ_BN, mmq_smem_bytes
     from realizar_backend.backends.cuda.support import DN_DELTA_K
@@ -49,9 +50,10 @@ def main() -> None:
            mmv8_xq=lambda nbytes: 0x7000000,          # Kernels.mmv8_xq: the device's scratch rows
            moe={"bucket_count": Rec("moe_bucket_count", log), "bucket_fill": Rec("moe_bucket_fill", log),
                 "combine": Rec("moe_combine", log)},
-           mmq={"prep": Rec("mmq_prep", log),
+           mmq={"prep": Rec("mmq_prep", log), **{bn: Rec(f"mmq_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN},
                 **{("moe", bn): Rec(f"mmq_moe_bn{bn}", log, mmq_smem_bytes(bn)) for bn in MMQ_BN}},
            mmq8={"prep": Rec("mmq8_prep", log),
+                 **{bn: Rec(f"mmq8_bn{bn}", log, mmq_smem_bytes(bn, True)) for bn in MMQ_BN},
                  **{("moe", bn): Rec(f"mmq8_moe_bn{bn}", log, mmq_smem_bytes(bn, True)) for bn in MMQ_BN}},
            gemv={q: Rec(f"gemv_{n}", log) for q, n in ((Q.F32, "f32"), (Q.F16, "f16"), (Q.BF16, "bf16"))},
            ffn_gate_up={q: Rec(f"ffn_gate_up_{n}", log) for q, n in ((Q.F32, "f32"), (Q.F16, "f16"), (Q.BF16, "bf16"))},
@@ -91,7 +93,8 @@ def main() -> None:
             slots = bn * TB
             recs = (NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0), a8=a8),
                     NS(M=slots, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0), a8=a8))
-            buf = NS(cnt=_ptr(1), lst=_ptr(2), tiles=_ptr(3), a=_ptr(4), records=lambda _a8, r=recs: r)
+            buf = NS(cnt=_ptr(1), lst=_ptr(2, slots), tiles=_ptr(3, 3 * TB, (TB, 3)), a=_ptr(4),
+                     records=lambda _a8, r=recs: r)
             experts.expert_groups(k, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
                                   (0x1100, 0x1200, 0x1300), a8)
     # the one-row pairs on mmv8.cu (gate and up fused, then the down projection of each pair's row):
@@ -110,6 +113,74 @@ def main() -> None:
     big = w("d", Q.Q4_K, 1024, 4096, 16, 64)
     experts.expert_pairs8(k, w("g", Q.Q4_K, 4096, 1024, 17, 64), w("u", Q.Q4_K, 4096, 1024, 18, 64), big, 0x9000, 32,
                           1, 0xa000, 1024, 0xb000, 0xc000, 8192, 0, combine=(0xd000, 1024, 0xd800))
+    # a device whose blocks hold 99 KB (sm_86, sm_89: dispatch.smem_limits), its launches tagged with it:
+    # mmv8 and ffn8 without the Q4_K ring; a one-row input of 23,552 values, staged at 100 KB, read from
+    # global memory there (no staging); too much refused by name before any launch
+    from realizar_backend.backends.cuda.dispatch import smem_limits
+    optin = 101_376
+    k99 = NS(**vars(k), smem=smem_limits(optin))
+    first = len(log)
+    ops.mmvf(k99, segs, K, 0x4000, K, 1, norm=(0x5000, 1e-6), amax=0x6000, q8=True)
+    ops.ffn_f(k99, w("g", Q.Q4_K, 11008, K, 4), w("u", Q.Q4_K, 11008, K, 5), 0x4000, K, 0x7000, 11008, 1, 0,
+              norm=(0x5000, 1e-6), q8=True)
+    KL = 23552
+    assert ops.mmvf_stage_ok(KL, 1) and not ops.mmvf_stage_ok(KL, 1, k99.smem.mmvf_rows)
+    assert ops._stage_args(None, KL, 1, k99.smem.mmvf_rows)[3] == 0
+    for L in log[first:]:
+        L["smem_optin"] = optin
+    for call, name in ((lambda: ops.moe8_down_combine(k99, big, 0x9000, 20, 1, 0xa000, 4096, 0xd000, 1024, 0xd800),
+                        "moe8_down_combine_nb1"),
+                       (lambda: ops.mmvf(k99, [(w("x", Q.Q4_K, 64, 81920, 20), 0, 0x2000, 64)], 81920, 0x4000, 81920,
+                                         1, q8=True), "mmv8_nb1")):
+        try:
+            call()
+        except ValueError as e:
+            assert name in str(e) and str(k99.smem.mmv8_rows) in str(e), e
+        else:
+            raise AssertionError(f"{name}: a launch past the device's shared memory was not refused")
+    assert len(log) == first + 4, log[first:]
+    # mmq.cu's tiles of dense projections (Q/K/V segments; the fused gate and up), on sm_90's plan
+    # (every width of both variants) and on the 99 KB device, each scratch sized by need_scratch
+    # under the limit of the device and records it serves (mmq.bn_limits): there a 64-row step of fp16
+    # records takes two 32-token tiles, of 8-bit records one of 64; the grouped experts' fp16 tiles at
+    # most 32 high; a 64-token fp16 tile asked for outright refused by name (mmq._block_fits)
+    K = 1536
+    qkv = [(w("q", Q.Q4_K, 1536, K, 21), 0x1000, 0x2000, 1536), (w("k", Q.Q4_K, 256, K, 22), 0x1100, 0x3000, 256),
+           (w("v", Q.Q4_K, 256, K, 23), 0x1200, 0x3800, 256)]
+    fg, fu = w("g", Q.Q4_K, 8960, K, 24), w("u", Q.Q4_K, 8960, K, 25)
+    shapes = [(K, (1536, 256, 256), False), (K, (8960,), True)]
+    for kx in (k, k99):
+        first = len(log)
+        for a8 in (False, True):
+            part, cnt = mmq.need_scratch(64, shapes, kx.sm_count, mmq.bn_limits(kx, (a8,)))
+            sc = NS(part=_ptr(9, part), cnt=_ptr(10, cnt))
+            for M in (5, 13, 29, 64):
+                p = NS(M=64, K=K, rec=_ptr(5), inv=_ptr(6), filled=(M, K), a8=a8)
+                mmq.mmq(kx, qkv, K, p, M, sc, small=False)
+            mmq.mmq_ffn(kx, fg, fu, p, 64, 0, 0x7000, 8960, sc, small=False)
+        if kx is k99:
+            E, T = 64, 300
+            for a8 in (False, True):
+                bn, TB = experts.moe_grouped_plan(T, top, E, mmq.bn_limits(k99, (a8,))[0])
+                recs = (NS(M=T, K=H, rec=_ptr(5), inv=_ptr(6), filled=(0, 0), a8=a8),
+                        NS(M=bn * TB, K=F, rec=_ptr(7), inv=_ptr(8), filled=(0, 0), a8=a8))
+                buf = NS(cnt=_ptr(1), lst=_ptr(2, bn * TB), tiles=_ptr(3, 3 * TB, (TB, 3)), a=_ptr(4),
+                         records=lambda _a8, r=recs: r)
+                experts.expert_groups(k99, gate, up, down, 0x9000, top, T, 0xa000, H, 0xb000, 2 * F, 0, buf,
+                                      (0x1100, 0x1200, 0x1300), a8)
+            for L in log[first:]:
+                L["smem_optin"] = optin
+    p = NS(M=64, K=K, rec=_ptr(5), inv=_ptr(6), filled=(64, K), a8=False)
+    wide = mmq.plan(64, K, (1536, 256, 256), False, k99.sm_count)
+    first = len(log)
+    try:
+        mmq._launch_mmq(k99, wide, [], K, p, 64, 0, 0, False, NS(part=_ptr(9, 1 << 30), cnt=_ptr(10, 1 << 20)), 0,
+                        False)
+    except ValueError as e:
+        assert "mmq_bn64" in str(e) and str(optin) in str(e), e
+    else:
+        raise AssertionError("mmq_bn64: a tile past the device's shared memory was not refused")
+    assert wide.bn == 64 and len(log) == first, log[first:]
     # the Gated DeltaNet: conv, the delta rule for each kernel
     rows = ops.StepRows(0xc000, 0xd000, 7, 9)
     ops.dn_conv(k, 0xe000, 8192, 0xf000, 3, 0x11000, rows, 8192, 0x12000, 8192)

@@ -177,7 +177,7 @@ class CUDABackend(StepRunner):
     def _long(self, b: int, positions: Sequence[int]) -> bool:
         """Whether a decode step's attention takes the long-row kernels (flash-decoding): batches
         of many rows, or any row deep in its context."""
-        return self.fwd.flash and (b >= LONG_ATTENTION_ROWS or max(positions) >= LONG_ATTENTION_POS)
+        return self.fwd.flash_decode and (b >= LONG_ATTENTION_ROWS or max(positions) >= LONG_ATTENTION_POS)
 
     # ------------------------------------------------------------ protocol
     def set_block_table(self, slot: int, blocks: Sequence[int]) -> None:

@@ -31,7 +31,8 @@ from typing import Sequence
 
 from gguf import GGMLQuantizationType as Q
 
-from ...kernels.catalog import MMV8_SMEM_MAX, MMV8_XQ_BYTES, mmv8_smem
+from ...kernels.catalog import (ATT_SMEM_MAX, MMQ_BN, MMV8_SMEM_MAX, MMV8_XQ_BYTES, MMVF_SMEM_MAX, mmq_smem_bytes,
+                                mmv8_ring_smem, mmv8_smem)
 from .matrices import QTYPES, WeightRef
 from .support import MOE_MAX_K
 
@@ -135,7 +136,8 @@ MOE8_COMBINE = True
 # roundings (the rows h, then the gated rows, whose products have heavier tails).
 MOE_GROUPED_A8 = True
 # Its token-tile heights (mmq.cu mmq_moe_bnBN): a step takes the smallest that holds its mean pairs
-# per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert.
+# per expert (rows x top_k / experts), so that a uniform routing fills one tile per expert; at most the
+# widest whose tile the device's block holds for the records it reads (SmemLimits.mmq_bn_max).
 MOE_GROUPED_BN = (8, 16, 32, 64)
 # The router ([experts, hidden], F32 in real files) takes the GEMVs in every step: E outputs a row
 # are too few for a tensor-core tile to pay its prep. So does a shared expert's one-output gate. The
@@ -153,6 +155,24 @@ MOE_GROUPED_BN = (8, 16, 32, 64)
 # from 64 rows, the shortest it times, on); at least support.DN_CHUNK (a chunked segment holds a whole
 # chunk). None would run every segment token by token.
 DN_CHUNK_MIN_TOKENS: int | None = 64
+
+# A block holds at most the device's opt-in shared memory (cudaDevAttrMaxSharedMemoryPerBlockOptin),
+# its kernel's static shared memory included. The staged kernels' limits (catalog MMV8_SMEM_MAX with
+# mmv8.cu's Q4_K rings, MMVF_SMEM_MAX, ATT_SMEM_MAX) fit sm_80 and sm_90; a device with less
+# (smem_limits: sm_86 and sm_89 allow 99 KB) takes a lesser plan, never more than it allows:
+# - mmv8.cu's kinds 1 and 2 drop the Q4_K ring (MMV8_RING 0: the register path, a module of its own
+#   options compiled by NVRTC) where a block cannot hold the ring beside a staged row of
+#   MMV8_SMEM_MAX: the ring only feeds Q4_K weights faster, the staged row is what a row needs;
+# - each family's staged rows shrink to what the block has left, SMEM_STATIC_RESERVE kept for the
+#   kernel's own static shared memory (the staged kernels' reductions; the largest,
+#   moe8_down_combine's per-pair sums, takes 2 KB): a row longer than that takes the path of rows too
+#   long to stage (mmv8_ok, moe8_combine_ok, ops.mmvf_stage_ok), as rows past the constants do;
+# - mmq.cu's token tiles (mmq.plan, moe_grouped_plan) are at most the widest of MMQ_BN whose tile
+#   (catalog.mmq_smem_bytes, of the records the launch reads: fp16 or 8-bit) fits what the block has
+#   left beside the same reserve: more tokens take more tiles of that width (mmq.plan's token tiles),
+#   the grouped experts more tiles an expert. 99 KB holds the 8-bit records' tiles at every width and
+#   the fp16 records' up to 32 tokens (64: 110 KB).
+SMEM_STATIC_RESERVE = 4096
 
 # Dispatcher.linear's and gated's choices remembered at most (all dropped when full): a model's groups
 # times the step shapes a server runs at once
@@ -219,21 +239,81 @@ class ExpertsChoice:
     a8: bool = False                     # the grouped experts on 8-bit records (moe_grouped_a8)
 
 
+@dataclass(frozen=True)
+class SmemLimits:
+    """The staged kernels' shared memory on one device (smem_limits): bytes of staged rows a block of
+    mmv8.cu (8-bit rows), mmvf.cu (fp32 rows) and attention.cu (its prompt tiles) may take, and
+    whether mmv8.cu's kinds 1 and 2 keep the Q4_K ring after their row."""
+    optin: int | None = None             # the device's opt-in bytes a block; None: not read (sm_80 / sm_90's plan)
+    mmv8_rows: int = MMV8_SMEM_MAX
+    mmvf_rows: int = MMVF_SMEM_MAX
+    attention: int = ATT_SMEM_MAX
+    mmv8_ring: bool = True
+    mmq_bn: int = MMQ_BN[-1]             # mmq.cu's widest token tile on fp16 records
+    mmq8_bn: int = MMQ_BN[-1]            # on 8-bit records (MMQ_A8)
+
+    def mmq_bn_max(self, a8: bool = False) -> int:
+        """The widest token tile of mmq.cu's launches on 8-bit (a8) or fp16 records (mmq.plan's and
+        moe_grouped_plan's bn_max)."""
+        return self.mmq8_bn if a8 else self.mmq_bn
+
+    def mmv8_smem(self, kind: int) -> int:
+        """The dynamic shared memory the loader allows mmv8.cu's module of `kind`: its staged rows,
+        then its rings (none without the ring)."""
+        return self.mmv8_rows + mmv8_ring_smem(kind, self.mmv8_ring)
+
+    def reductions(self) -> list[str]:
+        """What this plan takes below sm_80 / sm_90's, in words (for the loader's log)."""
+        full, out = FULL_SMEM, []
+        if not self.mmv8_ring:
+            out.append("mmv8.cu without its Q4_K ring (MMV8_RING 0)")
+        for name, have, want in (("mmv8.cu's staged rows", self.mmv8_rows, full.mmv8_rows),
+                                 ("mmvf.cu's staged rows", self.mmvf_rows, full.mmvf_rows),
+                                 ("attention.cu's tiles", self.attention, full.attention)):
+            if have < want:
+                out.append(f"{name} up to {have} bytes (not {want})")
+        for a8 in (False, True):
+            if self.mmq_bn_max(a8) < full.mmq_bn_max(a8):
+                out.append(f"mmq.cu's token tiles of {'8-bit' if a8 else 'fp16'} records up to "
+                           f"{self.mmq_bn_max(a8)} tokens (not {full.mmq_bn_max(a8)})")
+        return out
+
+
+FULL_SMEM = SmemLimits()
+
+
+def mmq_bn_fit(room: int, a8: bool) -> int:
+    """The widest of MMQ_BN whose mmq.cu tile (fp16 or 8-bit records: a8) takes at most `room` bytes
+    of dynamic shared memory (the narrowest where none does: its launches are refused by name)."""
+    return max((bn for bn in MMQ_BN if mmq_smem_bytes(bn, a8) <= room), default=MMQ_BN[0])
+
+
+def smem_limits(optin: int | None) -> SmemLimits:
+    """The staged kernels' plan on a device whose blocks may hold `optin` bytes of shared memory
+    (None: unknown, the full plan), by the rule above: sm_80 and sm_90 keep FULL_SMEM's limits."""
+    if optin is None:
+        return FULL_SMEM
+    room = optin - SMEM_STATIC_RESERVE
+    ring = all(MMV8_SMEM_MAX + mmv8_ring_smem(kind) <= room for kind in (1, 2))
+    return SmemLimits(optin, min(MMV8_SMEM_MAX, room), min(MMVF_SMEM_MAX, room), min(ATT_SMEM_MAX, room), ring,
+                      mmq_bn_fit(room, False), mmq_bn_fit(room, True))
+
+
 # ---------------------------------------------------------------- what each kernel takes
 def mmvf_ok(w: WeightRef) -> bool:
     """mmvf.cu: quantized types, whole 32-weight units per row (every quantized type has them)."""
     return QTYPES[w.qtype].blocks and w.cols % 32 == 0
 
 
-def moe8_combine_ok(down: WeightRef, top_k: int) -> bool:
+def moe8_combine_ok(down: WeightRef, top_k: int, smem: SmemLimits = FULL_SMEM) -> bool:
     """MOE_PAIRS8's down projection and combine in one launch (MOE8_COMBINE): the token's top_k
-    8-bit rows of down.cols values within a block's shared memory."""
-    return MOE8_COMBINE and 1 <= top_k <= MOE_MAX_K and top_k * mmv8_smem(down.cols) <= MMV8_SMEM_MAX
+    8-bit rows of down.cols values within a block's shared memory (the device's: smem)."""
+    return MOE8_COMBINE and 1 <= top_k <= MOE_MAX_K and top_k * mmv8_smem(down.cols) <= smem.mmv8_rows
 
 
-def mmv8_ok(w: WeightRef) -> bool:
-    """mmv8.cu: its types, with the input row's 8-bit form within its shared memory."""
-    return w.qtype in MMV8_KERNEL_TYPES and mmvf_ok(w) and mmv8_smem(w.cols) <= MMV8_SMEM_MAX
+def mmv8_ok(w: WeightRef, smem: SmemLimits = FULL_SMEM) -> bool:
+    """mmv8.cu: its types, with the input row's 8-bit form within its shared memory (the device's: smem)."""
+    return w.qtype in MMV8_KERNEL_TYPES and mmvf_ok(w) and mmv8_smem(w.cols) <= smem.mmv8_rows
 
 
 def mmq_ok(w: WeightRef) -> bool:
@@ -274,13 +354,15 @@ def moe_grouped_a8(gate: WeightRef, up: WeightRef, down: WeightRef) -> bool:
     return MOE_GROUPED_A8 and all(mmq8_ok(w) for w in (gate, up, down))
 
 
-def moe_grouped_plan(rows: int, top_k: int, experts: int) -> tuple[int, int]:
-    """(bn, tiles): a grouped step's token-tile height (MOE_GROUPED_BN) and the token tiles its
-    launches cover, a bound that holds for any routing: an expert with c > 0 pairs takes
-    ceil(c / bn) <= (c + bn - 1) / bn tiles, so P = rows x top_k pairs over at most min(E, P) experts
-    take at most (P + min(E, P) (bn - 1)) // bn."""
+def moe_grouped_plan(rows: int, top_k: int, experts: int, bn_max: int = MOE_GROUPED_BN[-1]) -> tuple[int, int]:
+    """(bn, tiles): a grouped step's token-tile height (MOE_GROUPED_BN, at most bn_max: the device's
+    SmemLimits.mmq_bn_max of the records the launches read) and the token tiles its launches cover,
+    a bound that holds for any routing: an expert with c > 0 pairs takes ceil(c / bn) <= (c + bn - 1)
+    / bn tiles, so P = rows x top_k pairs over at most min(E, P) experts take at most
+    (P + min(E, P) (bn - 1)) // bn."""
     P = rows * top_k
-    bn = next((b for b in MOE_GROUPED_BN if b * experts >= P), MOE_GROUPED_BN[-1])
+    widths = [b for b in MOE_GROUPED_BN if b <= bn_max] or [MOE_GROUPED_BN[0]]
+    bn = next((b for b in widths if b * experts >= P), widths[-1])
     return bn, (P + min(experts, P) * (bn - 1)) // bn
 
 
@@ -294,13 +376,15 @@ def prompt_buckets(max_tokens: int = PROMPT_MMQ_TOKENS) -> tuple[int, ...]:
 
 class Dispatcher:
     def __init__(self, groups: Sequence[tuple[str, tuple[WeightRef, ...]]], head: WeightRef, split16_kept: bool,
-                 precision: str = "fp16"):
+                 precision: str = "fp16", smem: SmemLimits = FULL_SMEM):
         """groups: every group of matrices the model's steps multiply (the model's `projections()`:
         ("linear" | "gated" | "router" | "experts", mats)); head: the LM head; split16_kept: the
-        split16 weights are kept on the device, at `precision` (Settings.gemm_precision). The
+        split16 weights are kept on the device, at `precision` (Settings.gemm_precision); smem: the
+        device's staged-row limits (smem_limits; the Kernels' `smem`). The
         families of steps are chosen from the dense groups (DENSE_KINDS): the router and experts
         run on their own kernels in every family."""
         self.head_matrix = head
+        self.smem = smem
         self.split16_kept = split16_kept
         self.split16_min_rows = SPLIT16_MIN_ROWS[precision]
         # linear's and gated's choices by (family, rows, the matrices' identities): a step asks for
@@ -344,10 +428,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------ matrices
     @staticmethod
-    def _gemv(mats: Sequence[WeightRef], rows: int = 0) -> tuple[Kernel, ...]:
+    def _gemv(mats: Sequence[WeightRef], rows: int = 0, smem: SmemLimits = FULL_SMEM) -> tuple[Kernel, ...]:
         """The GEMV of each matrix in a step of `rows` rows: the group on mmv8.cu by the rule of
-        MMV8_TYPES (one-row steps only), else each on mmvf.cu where it takes the type."""
-        if rows == 1 and mats and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in mats) \
+        MMV8_TYPES (one-row steps only, rows within the device's limit: smem), else each on mmvf.cu
+        where it takes the type."""
+        if rows == 1 and mats and all(w.qtype in MMV8_TYPES and mmv8_ok(w, smem) for w in mats) \
                 and sum(w.rows * w.row_bytes for w in mats) >= MMV8_MIN_BYTES:
             return (Kernel.MMV8,) * len(mats)
         return tuple(Kernel.MMVF if mmvf_ok(w) else Kernel.GEMV for w in mats)
@@ -369,7 +454,7 @@ class Dispatcher:
             return Choice((Kernel.SPLIT16,) * len(mats))
         if step.family == "mmq" and self._mmq_group("linear", mats):
             return Choice(((Kernel.MMQS if mmqs_takes(mats, step.rows) else Kernel.MMQ),) * len(mats))
-        return Choice(self._gemv(mats, step.rows))
+        return Choice(self._gemv(mats, step.rows, self.smem))
 
     def gated(self, step: Step, gate: WeightRef, up: WeightRef) -> Choice:
         """The kernels of act(gate) * up: fused into one launch where both share type and shape
@@ -384,7 +469,7 @@ class Dispatcher:
             return Choice((Kernel.SPLIT16,) * 2, True)
         if step.family == "mmq" and self._mmq_group("gated", (gate, up)):
             return Choice(((Kernel.MMQS if mmqs_takes((gate, up), step.rows) else Kernel.MMQ),) * 2, True)
-        return Choice(self._gemv((gate, up), step.rows), fused)
+        return Choice(self._gemv((gate, up), step.rows, self.smem), fused)
 
     def head(self, rows: int) -> Kernel:
         """The LM head's kernel for `rows` rows (its argmax folded in wherever the kernel can: mmvf.cu
@@ -392,7 +477,7 @@ class Dispatcher:
         w = self.head_matrix
         if mmq_ok(w) and rows >= (MMQS_HEAD_MIN_ROWS if self.mmqs_all else self.mmq_min_rows):
             return Kernel.MMQS if mmqs_takes((w,), rows) else Kernel.MMQ
-        return self._gemv((w,), rows)[0]
+        return self._gemv((w,), rows, self.smem)[0]
 
     def experts(self, step: Step, router: WeightRef, gate: WeightRef, up: WeightRef,
                 shared: Sequence[WeightRef] = (), down: WeightRef | None = None) -> ExpertsChoice:
@@ -403,7 +488,7 @@ class Dispatcher:
         grouped = (MOE_GROUPED_MIN_ROWS is not None and step.rows >= MOE_GROUPED_MIN_ROWS
                    and down is not None and moe_grouped_ok(gate, up, down))
         pairs8 = (MOE_PAIRS8 and step.rows == 1 and down is not None and same_shape(gate, up)
-                  and all(w.qtype in MMV8_TYPES and mmv8_ok(w) for w in (gate, up, down))
+                  and all(w.qtype in MMV8_TYPES and mmv8_ok(w, self.smem) for w in (gate, up, down))
                   and MOE_MAX_K * mmv8_smem(down.cols) <= MMV8_XQ_BYTES)
         kind = Kernel.MOE_GROUPED if grouped else Kernel.MOE_PAIRS8 if pairs8 else Kernel.MOE_PAIRS
         kshared = ()

@@ -19,7 +19,7 @@ import cupy
 
 from . import mmq as mmq_ops
 from . import ops
-from .dispatch import Choice, ExpertsChoice, Kernel, moe8_combine_ok, moe_grouped_plan
+from .dispatch import MOE_GROUPED_BN, Choice, ExpertsChoice, Kernel, moe8_combine_ok, moe_grouped_plan
 from .linear import ACT, Context, Family, GemvLinear
 from .mmq import MmqPrep
 from .ops import WeightRef
@@ -62,7 +62,7 @@ def expert_pairs8(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, 
     pairs, F = T * top, gate.rows
     bg, bu, bd = biases
     ops.moe8(k, gate, up, ids, pairs, h, hs, top, a, F, act, bg, bu, pdl=pdl)
-    if combine is not None and moe8_combine_ok(down, top):
+    if combine is not None and moe8_combine_ok(down, top, ops.device_smem(k)):
         x, xs, w = combine
         ops.moe8_down_combine(k, down, ids, top, T, a, F, x, xs, w, bd, pdl=pdl)
         return
@@ -139,10 +139,11 @@ class GroupedBuffers:
     (ops.moe_bucket), the slots' gated rows, and the prep records of the step's rows and of the
     slots, of each kind the launches ask for (records(a8): fp16 or 8-bit; a model whose layers mix
     both kinds holds both, made on a layer's first step). Sized once for the largest plan of up to
-    `rows` rows (dispatch.moe_grouped_plan)."""
+    `rows` rows (dispatch.moe_grouped_plan) under each token-tile limit of bn_max: the device's for
+    each kind of records its launches may read (mmq.bn_limits(k, (False, True)))."""
 
-    def __init__(self, rows: int, top_k: int, E: int, H: int, F: int):
-        plans = [moe_grouped_plan(r, top_k, E) for r in range(1, rows + 1)]
+    def __init__(self, rows: int, top_k: int, E: int, H: int, F: int, bn_max: tuple[int, ...] = (MOE_GROUPED_BN[-1],)):
+        plans = [moe_grouped_plan(r, top_k, E, bn) for r in range(1, rows + 1) for bn in set(bn_max)]
         slots, tiles = max(bn * tb for bn, tb in plans), max(tb for _, tb in plans)
         self.rows, self.top_k, self.E, self.H, self.F = rows, top_k, E, H, F
         self.cnt = cupy.empty(E, cupy.int32)
@@ -171,7 +172,10 @@ def expert_groups(k, gate: WeightRef, up: WeightRef, down: WeightRef, ids: int, 
     projection into the pairs' rows of y (mmq.mmq_moe); a8: on 8-bit records (dispatch.moe_grouped_a8).
     Every launch's size is fixed by T."""
     E, F, H = gate.experts, gate.rows, gate.cols
-    bn, TB = moe_grouped_plan(T, top, E)
+    bn, TB = moe_grouped_plan(T, top, E, ops.device_smem(k).mmq_bn_max(a8))
+    if bn * TB > buf.lst.size or TB > buf.tiles.shape[0]:
+        raise ValueError(f"expert_groups: the buffers hold {buf.lst.size} slots and {buf.tiles.shape[0]} token tiles; "
+                         f"{T} rows take {bn * TB} and {TB} (size GroupedBuffers with the device's bn_max)")
     bg, bu, bd = biases
     ops.moe_bucket(k, ids, T * top, E, bn, buf.cnt.data.ptr, buf.lst.data.ptr, buf.tiles.data.ptr, TB)
     tiles, lst = buf.tiles.data.ptr, buf.lst.data.ptr
@@ -196,6 +200,6 @@ class GroupedExperts(PairExperts):
                 choice: ExpertsChoice) -> None:
         shape = (max(T, self.ctx.ws.capacity), e.top_k, e.gate.experts, e.gate.cols, e.gate.rows)
         if self.buf is None or not self.buf.fits(*shape):
-            self.buf = GroupedBuffers(*shape)
+            self.buf = GroupedBuffers(*shape, bn_max=mmq_ops.bn_limits(self.ctx.k, (False, True)))
         expert_groups(self.ctx.k, e.gate, e.up, e.down, ids, e.top_k, T, h.data.ptr, h.shape[1], y.data.ptr,
                       y.shape[1], MOE_ACT[e.act], self.buf, self.biases(e), choice.a8)

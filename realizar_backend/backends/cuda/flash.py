@@ -151,6 +151,20 @@ def plan_decode(n: int, H: int, KVH: int, D: int, splits: int = 1, qsplit: bool 
                 n * H * D * lvl, n * H * lvl, n * KVH * (1 + maxg))
 
 
+# the flash kernels' static shared memory, kept beside a plan's dynamic shared memory when a device's
+# limit decides whether its head size takes them (fits): flash_prefill.cu's per-row arrays of a
+# 128-row block take under 6 KB, flash_decode.cu's under 3 KB
+FL_STATIC_RESERVE = 6 * 1024
+
+
+def fits(smem: int, optin: int | None) -> bool:
+    """A flash block of `smem` bytes of dynamic shared memory fits a device whose blocks may hold
+    optin bytes (modules.smem_optin; None: not known, taken to fit). Where a head size's default
+    plans do not (prefill_smem, decode_smem: sm_86 and sm_89 hold 99 KB a block), its attention
+    takes attention.cu's kernels instead (forward.py)."""
+    return optin is None or smem + FL_STATIC_RESERVE <= optin
+
+
 def decode_cluster(splits: int, clusters: bool) -> tuple[int, int]:
     """(splits, splits per cluster) of a decode plan that may take `splits` (decode_splits), where
     the device and driver launch thread-block clusters (clusters: pdl.clusters_ok): from 4 splits,
@@ -250,6 +264,8 @@ class FlashKernels:
         self.device = cupy.cuda.Device(device_id)
         self.prebuilt = prebuilt
         self.sm_count = int(self.device.attributes["MultiProcessorCount"])
+        from .modules import smem_optin
+        self.optin = smem_optin(device_id)
         self._mods: dict[tuple, Future] = {}
         self._per_sm: dict[Plan, int] = {}
         self._lock = threading.Lock()
@@ -277,6 +293,11 @@ class FlashKernels:
 
     def get(self, plan: Plan):
         fn = self._future(plan).result()
+        static = int(fn.shared_size_bytes)
+        if plan.smem > self.optin - static:
+            raise ValueError(f"flash attention: {plan.kernel} needs {plan.smem} bytes of dynamic shared memory; this "
+                             f"device allows it {self.optin - static} ({self.optin} a block, {static} static): "
+                             "flash.fits decides where it runs")
         if plan.smem > fn.max_dynamic_shared_size_bytes:
             fn.max_dynamic_shared_size_bytes = plan.smem
         return fn

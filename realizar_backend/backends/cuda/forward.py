@@ -17,6 +17,7 @@ all short (the backend's choice per step: `long_decode`).
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 
 import cupy
@@ -37,6 +38,8 @@ from .recurrent import RecurrentState
 from .support import dn_chunk_kernel
 from .weights import DeviceWeights
 from .workspace import Workspace, next_pow2
+
+log = logging.getLogger(__name__)
 
 # prompt attention plans remembered (_prefill_plan): a server's steps take a few (rows, depth) at once
 PLAN_MEMO = 256
@@ -80,7 +83,7 @@ class Forward:
                                      settings.gemm_precision)
         timeline.mark("cuda: split16 GEMMs set up (%d split weight groups kept)", len(self.split16.kept))
         self.dispatcher = Dispatcher(groups, head, split16_kept=bool(self.split16.kept),
-                                     precision=settings.gemm_precision)
+                                     precision=settings.gemm_precision, smem=ops.device_smem(k))
         # (a group of more projections than one launch writes: each launch's, linear.launches; a model
         # with a shared expert multiplies a gated pair also as two segments: its gate and up, experts.py)
         unfused = {False} if c.shared_expert_ffn_dim else set()
@@ -104,7 +107,16 @@ class Forward:
         timeline.mark("cuda: RoPE tables up (%d positions x %d)", max_context, len(tables))
         # (device pointer, length) of the host's token ring (token_ring.py); (0, 0): none
         self.token_ring = (0, 0)
-        self.flash = c.head_dim in flash.HEAD_DIMS
+        # the flash kernels take the head sizes they have, where their blocks fit the device's shared
+        # memory (flash.fits: the prompt's, then the long decode rows'); else attention.cu's kernels
+        optin = getattr(getattr(k, "smem", None), "optin", None)
+        self.flash = (c.head_dim in flash.HEAD_DIMS
+                      and flash.fits(flash.plan_prefill(1, c.n_heads, c.head_dim).smem, optin))
+        self.flash_decode = self.flash and flash.fits(flash.decode_smem(c.head_dim), optin)
+        if c.head_dim in flash.HEAD_DIMS and not self.flash_decode:
+            log.info("cuda: head size %d: the %s attention on attention.cu's kernels, the flash kernels' blocks "
+                     "need more shared memory than this device allows (%s bytes)", c.head_dim,
+                     "long decode rows'" if self.flash else "prompt and long decode rows'", optin)
         self._plans: dict[tuple[int, int], flash.Plan] = {}     # _prefill_plan's
         if self.flash:
             self.fk = flash.get_flash_kernels(k.device.id, getattr(k, "prebuilt", True))
@@ -112,7 +124,7 @@ class Forward:
             # on sm_90 the splits of a row combine in thread-block clusters (flash_decode.cu)
             clusters = clusters_ok(k)
             self.dec_plans = {}
-            for b in buckets:
+            for b in buckets if self.flash_decode else ():
                 splits, cl = flash.decode_cluster(
                     flash.decode_splits(b, c.n_kv_heads, self.fk.sm_count, clusters=clusters), clusters)
                 self.dec_plans[b] = flash.plan_decode(b, c.n_heads, c.n_kv_heads, c.head_dim, splits=splits,
@@ -123,7 +135,7 @@ class Forward:
             # the prompt scratch holds the bucketed steps' plans at any depth from the start: growing
             # it later would drop every prompt graph (scratch_listeners)
             self.pre_scratch.ensure(*(self._prefill_plan(b, max_context) for b in self.dispatcher.buckets))
-            self.fk.prepare(self.dec_plans[1], self._prefill_plan(512, 512))
+            self.fk.prepare(*([self.dec_plans[1]] if self.flash_decode else []), self._prefill_plan(512, 512))
         self.max_pos = 0          # largest position of the prompt rows being run (prefill_step)
         self.scratch_listeners: list = []   # called when the prompt attention's scratch moves
         self.long_decode = False  # this decode step's attention: flash-decoding (long rows) or attention.cu
@@ -182,7 +194,7 @@ class Forward:
         rope = (ws.k.data.ptr, ws.v.data.ptr, spec.rope.dim, neox, self.rope_tables[li].data.ptr) if fuse else None
         args = (ws.q.data.ptr, ws.attn.data.ptr, kv.k, kv.v, kv.tables, kv.max_blocks, kv.bs_log2, slots, pos, T,
                 c.n_heads, c.n_kv_heads, c.head_dim, spec.scale, spec.window)
-        if self.flash and fuse and self.long_decode:
+        if self.flash_decode and fuse and self.long_decode:
             flash.decode(self.fk, self.dec_plans[T], *args, self.dec_scratch, rope=rope, pdl=self.pdl, sinks=sinks,
                          head_norms=norms)
         elif self.flash and not fuse:

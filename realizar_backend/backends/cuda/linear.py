@@ -20,7 +20,7 @@ from ...errors import BackendError
 from ...model.config import ModelConfig
 from . import ops, split16
 from .dispatch import SPLIT16_KEEP_FREE_SHARE, Choice, Dispatcher, Kernel
-from .mmq import MmqPrep, MmqScratch, mmq, mmq_ffn, prep
+from .mmq import MmqPrep, MmqScratch, bn_limits, mmq, mmq_ffn, prep
 from .modules import Kernels
 from .ops import WeightRef
 from .workspace import Workspace
@@ -96,7 +96,7 @@ class GemvLinear(Family):
         and the norm to fold into the launch, or (when the rows do not fit in shared memory) the
         norm written to ws.h by its own launch. MMV8 launches always fold it (dispatch.mmv8_ok)."""
         c = self.ctx.c
-        if kern is Kernel.MMV8 or ops.mmvf_stage_ok(x.shape[1], T):
+        if kern is Kernel.MMV8 or ops.mmvf_stage_ok(x.shape[1], T, ops.device_smem(self.ctx.k).mmvf_rows):
             return x, (w, c.rms_eps)
         self.norm(x, w, self.ctx.ws.h, T)
         return self.ctx.ws.h, None
@@ -173,7 +173,8 @@ class MmqLinear(Family):
     def __init__(self, ctx: Context, max_rows: int, shapes: Sequence[tuple[int, tuple[int, ...], bool]]):
         super().__init__(ctx)
         self.prep_buf = MmqPrep(max_rows, max(K for K, _, _ in shapes))
-        self.scratch = MmqScratch.for_shapes(max_rows, shapes, getattr(ctx.k, "sm_count", 132))
+        # sized under the token-tile limit its launches plan with (fp16 records, the device's)
+        self.scratch = MmqScratch.for_shapes(max_rows, shapes, getattr(ctx.k, "sm_count", 132), bn_limits(ctx.k))
 
     @property
     def nbytes(self) -> int:

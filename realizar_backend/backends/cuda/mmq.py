@@ -23,7 +23,9 @@ Where those blocks would leave SMs empty (1536-row projections at up to 16 rows)
 thread-block cluster of blocks shares each tile's K (`small_cluster`, sm_90).
 
 The plan: token tiles of 8, 16, 32 or 64 (the smallest that holds M; larger M takes several tiles
-of 64, whose CTAs run side by side and share each weight block through L2); 128-row weight tiles
+of 64, whose CTAs run side by side and share each weight block through L2), at most the widest whose
+tile the device's block holds (bn_max: its SmemLimits.mmq_bn_max of the records read, 32 for fp16
+records on a 99 KB block; more tokens take more tiles of that width); 128-row weight tiles
 (FFN: 64 gate + 64 up rows). When tiles x token tiles cannot fill the GPU (1536-row
 projections), K is split over CTAs; the last CTA of a tile adds the partial sums in a fixed order
 (deterministic), bounded so that it reads at most MAX_PARTIAL_READ bytes."""
@@ -40,7 +42,7 @@ from gguf import GGMLQuantizationType as Q
 from .dispatch import MMQ8_TYPES, MMQS_TYPES, mmq_ok, mmqs_ok, mmqs_takes, same_shape
 from .modules import MMQ_BN, mmq_smem_bytes
 from .pdl import clusters_ok
-from .ops import WeightRef, _launch
+from .ops import WeightRef, _launch, device_smem
 
 if TYPE_CHECKING:
     from .modules import Kernels
@@ -101,9 +103,10 @@ def prep_row_bytes(K: int, a8: bool = False) -> int:
     return -(-K // KC) * (REC8 if a8 else REC)
 
 
-def tile_width(M: int) -> int:
-    """Tokens per CTA tile: the smallest width that holds M, else 64 (several tiles)."""
-    return next((bn for bn in MMQ_BN if bn >= M), MMQ_BN[-1])
+def tile_width(M: int, bn_max: int = MMQ_BN[-1]) -> int:
+    """Tokens per CTA tile: the smallest width up to bn_max that holds M, else bn_max (several tiles)."""
+    widths = [bn for bn in MMQ_BN if bn <= bn_max] or [MMQ_BN[0]]
+    return next((bn for bn in widths if bn >= M), widths[-1])
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,12 @@ class Plan:
         return self.tiles * self.splits * self.token_tiles
 
 
-def plan(M: int, K: int, rows: tuple[int, ...], ffn: bool, sm_count: int, splits: int | None = None) -> Plan:
+def plan(M: int, K: int, rows: tuple[int, ...], ffn: bool, sm_count: int, splits: int | None = None,
+         bn_max: int = MMQ_BN[-1]) -> Plan:
     """The launch of one projection: M tokens, K inputs, the output rows of each segment (ffn: the
-    gate's), on sm_count SMs. splits: force the K split (a benchmark's sweep); None: the plan's."""
-    bn = tile_width(M)
+    gate's), on sm_count SMs. splits: force the K split (a benchmark's sweep); None: the plan's.
+    bn_max: the widest token tile (the device's SmemLimits.mmq_bn_max of the records read)."""
+    bn = tile_width(M, bn_max)
     tb = -(-M // bn)
     tiles = -(-rows[0] // (BM // 2)) if ffn else sum(-(-n // BM) for n in rows)
     nch = -(-K // KC)
@@ -167,10 +172,11 @@ class MmqScratch:
         self.cnt = cupy.zeros(max(1, counters), cupy.uint32)
 
     @classmethod
-    def for_shapes(cls, M_max: int, shapes, sm_count: int) -> "MmqScratch":
+    def for_shapes(cls, M_max: int, shapes, sm_count: int, bn_max: tuple[int, ...] = (MMQ_BN[-1],)) -> "MmqScratch":
         """Big enough for every batch size up to M_max and every shape (K, rows of each segment,
-        ffn) of shapes: what a forward pass allocates once."""
-        need = need_scratch(M_max, shapes, sm_count)
+        ffn) of shapes, planned under each token-tile limit of bn_max (need_scratch): what a forward
+        pass allocates once."""
+        need = need_scratch(M_max, shapes, sm_count, bn_max)
         return cls(*need)
 
     @property
@@ -178,15 +184,26 @@ class MmqScratch:
         return self.part.nbytes + self.cnt.nbytes
 
 
-def need_scratch(M_max: int, shapes, sm_count: int) -> tuple[int, int]:
+def need_scratch(M_max: int, shapes, sm_count: int, bn_max: tuple[int, ...] = (MMQ_BN[-1],)) -> tuple[int, int]:
     """(partial floats, counters) that MmqScratch needs for batch sizes 1..M_max and shapes
-    [(K, (rows, ...), ffn)]."""
+    [(K, (rows, ...), ffn)], each planned under every token-tile limit of bn_max: the limits of the
+    launches sharing the scratch (the device's SmemLimits.mmq_bn_max of each kind of records they
+    read: bn_limits), as those launches plan (a narrower tile takes more token tiles, each with its
+    counter, and may split K more ways)."""
     p = c = 0
     for M in range(1, M_max + 1):
         for K, rows, ffn in shapes:
-            pl = plan(M, K, tuple(rows), ffn, sm_count)
-            p, c = max(p, pl.partial_floats), max(c, pl.counters)
+            for bn in set(bn_max):
+                pl = plan(M, K, tuple(rows), ffn, sm_count, bn_max=bn)
+                p, c = max(p, pl.partial_floats), max(c, pl.counters)
     return p, c
+
+
+def bn_limits(k, a8: tuple[bool, ...] = (False,)) -> tuple[int, ...]:
+    """The token-tile limits (SmemLimits.mmq_bn_max) of launches on the device of k on records of
+    each kind in a8 (fp16: False, 8-bit: True): the bn_max of the buffers those launches share
+    (need_scratch, experts.GroupedBuffers)."""
+    return tuple(device_smem(k).mmq_bn_max(v) for v in a8)
 
 
 def _sm_count(k) -> int:
@@ -233,12 +250,23 @@ def _check(kind: str, mats, K: int, p: MmqPrep, M: int, a8: bool | None = None) 
     return a8
 
 
+def _block_fits(k, kernel: str, smem: int) -> None:
+    """A tile of `smem` bytes of dynamic shared memory within the device's opt-in bytes a block (its
+    Kernels.smem): else refused by name here, not by the driver at launch. The plans keep within it
+    (their bn_max); this is the last check, for a tile width asked for outright (sm_86 and sm_89's
+    99 KB hold no 64-token tile of fp16 records)."""
+    optin = getattr(getattr(k, "smem", None), "optin", None)
+    if optin is not None and smem > optin:
+        raise ValueError(f"{kernel}: its tiles need {smem} bytes of shared memory; this device allows a block {optin}")
+
+
 def _launch_mmq(k, pl: Plan, seg_args: list, K: int, p: MmqPrep, M: int, mode: int, act: int, accumulate: bool,
                 scratch: MmqScratch, amax: int, pdl: bool) -> None:
     if pl.partial_floats > scratch.part.size or pl.counters > scratch.cnt.size:
         raise ValueError(f"mmq: the scratch holds {scratch.part.size} partial sums and {scratch.cnt.size} counters; "
                          f"this launch needs {pl.partial_floats} and {pl.counters} (size it with "
                          "MmqScratch.for_shapes over every shape and batch size)")
+    _block_fits(k, f"mmq{'8' if p.a8 else ''}_bn{pl.bn}", mmq_smem_bytes(pl.bn, p.a8))
     for _ in range(3 - len(seg_args) // 7):
         seg_args += [_U64(0), _I64(0), _I32(0), _I32(0), _U64(0), _U64(0), _I32(0)]
     _launch((k.mmq8 if p.a8 else k.mmq)[pl.bn], (pl.grid,), (THREADS,),
@@ -303,7 +331,7 @@ def mmq(k: "Kernels", segs, K: int, p: MmqPrep, M: int, scratch: MmqScratch, acc
     if _small_ok(mats, M, small, a8):
         tiles = sum(-(-w.rows // 16) for w in mats)
         return _launch_small(k, args, tiles, K, p, M, 0, 0, accumulate, amax, pdl, warps, cluster)
-    pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits)
+    pl = plan(M, K, tuple(w.rows for w in mats), False, _sm_count(k), splits, device_smem(k).mmq_bn_max(a8))
     _launch_mmq(k, pl, args, K, p, M, 0, 0, accumulate, scratch, amax, pdl)
 
 
@@ -320,21 +348,23 @@ def mmq_ffn(k: "Kernels", wg: WeightRef, wu: WeightRef, p: MmqPrep, M: int, act:
         args += [_U64(w.ptr), _I64(w.row_bytes), _I32(w.rows), _I32(int(w.qtype)), _U64(0), _U64(a), _I32(as_)]
     if _small_ok([wg, wu], M, small, a8):
         return _launch_small(k, args, -(-wg.rows // 16), wg.cols, p, M, 1, act, False, 0, pdl, warps, cluster)
-    pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits)
+    pl = plan(M, wg.cols, (wg.rows,), True, _sm_count(k), splits, device_smem(k).mmq_bn_max(a8))
     _launch_mmq(k, pl, args, wg.cols, p, M, 1, act, False, scratch, 0, pdl)
 
 
 def mmq_moe(k: "Kernels", w0: WeightRef, w1: WeightRef | None, bn: int, TB: int, tiles: int, lst: int, top_k: int,
             p: MmqPrep, y: int, ys: int, mode: int, act: int = 0, b0: int = 0, b1: int = 0) -> None:
     """The grouped experts' tiles (mmq.cu mmq_moe_bnBN) over the lists of ops.moe_bucket (tile height
-    bn, TB token tiles): mode 1, y[slot] = act(w0_e @ h + b0_e, w1_e @ h + b1_e) with gate w0 and up w1
-    (stacks of one type and shape) over p's records of the step's rows (row lst[slot] // top_k);
+    bn, TB token tiles: dispatch.moe_grouped_plan under the device's bn_max for p's records): mode 1,
+    y[slot] = act(w0_e @ h + b0_e, w1_e @ h + b1_e) with gate w0 and up w1 (stacks of one type and
+    shape) over p's records of the step's rows (row lst[slot] // top_k);
     mode 0, y[lst[slot]] = w0_e @ a[slot] + b0_e over p's records of the slots. b0, b1: float
     [experts, rows] biases (0: none). The records of p (fp16 or 8-bit) choose the variant."""
     if mode and (w1 is None or not same_shape(w0, w1)):
         raise ValueError(f"mmq_moe: gate {w0.name} and up {getattr(w1, 'name', None)} differ in type or shape")
     a8 = _check("mmq_moe", [w0] + ([w1] if mode else []), w0.cols, p, 1)
     rows = BM // 2 if mode else BM
+    _block_fits(k, f"mmq{'8' if a8 else ''}_moe_bn{bn}", mmq_smem_bytes(bn, a8))
     _launch((k.mmq8 if a8 else k.mmq)[("moe", bn)], (-(-w0.rows // rows) * TB,), (THREADS,),
             (_U64(w0.ptr), _U64(w1.ptr if mode else 0), _I64(w0.row_bytes), _I64(w0.expert_bytes), _I32(w0.rows),
              _I32(int(w0.qtype)), _U64(b0), _U64(b1), _U64(y), _I32(ys), _I32(w0.cols), _U64(p.rec.data.ptr),

@@ -23,20 +23,11 @@ from .matrices import QTYPES
 from .support import DN_DELTA_K
 from ...kernels import catalog
 from ...kernels.catalog import MMQ_BN  # noqa: F401  (token-tile widths of mmq.cu, one module each)
+from ...kernels.catalog import MMQ_DEPTH, mmq_smem_bytes  # noqa: F401  (mmq.py and the tests read them from here)
 from ...kernels.catalog import MMV_NB  # noqa: F401  (activation rows per launch column; ops imports it here)
 from ...kernels.catalog import source as _source
 
 log = logging.getLogger(__name__)
-
-MMQ_DEPTH = {8: 2, 16: 2, 32: 1, 64: 1}   # mmq.cu MmqCfg<BN>::D: chunks of weights in flight
-
-
-def mmq_smem_bytes(bn: int, a8: bool = False) -> int:
-    """Dynamic shared memory of mmq_bnBN (kernels/mmq.cu mmq_smem_bytes): the 128-row A tile
-    (272-byte rows; the 8-bit variant's, 144), its unit scales (80 bytes a row), D + 1 activation
-    chunks as their prep records (528 bytes a token; 8-bit: 160)."""
-    arow, rec = (144, 160) if a8 else (272, 528)
-    return 128 * arow + 128 * 80 + (MMQ_DEPTH[bn] + 1) * bn * rec
 
 
 class _Lazy:
@@ -156,6 +147,20 @@ def _module(device_id: int, filename: str, options: tuple[str, ...], prebuilt: b
     return mod
 
 
+_optin: dict[int, int] = {}
+
+
+def smem_optin(device_id: int) -> int:
+    """The most shared memory a block of the device may have, static and dynamic together
+    (cudaDevAttrMaxSharedMemoryPerBlockOptin), read once per device: the loader caps every dynamic
+    shared memory it allows a kernel to it (dispatch.smem_limits); sampling.py sizes its gathers by it."""
+    n = _optin.get(device_id)
+    if n is None:
+        rt = cupy.cuda.runtime
+        n = _optin[device_id] = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
+    return n
+
+
 def loaded_modules() -> dict[tuple, str]:
     """(device, file, options) -> where each module loaded so far came from ("prebuilt <cubin>" or
     "nvrtc"): for logs and tests."""
@@ -187,6 +192,13 @@ class Kernels:
         # only the type-templated files see the mask; without one (qtypes None) they hold every type
         typed = () if _every_type(types) else (catalog.qmask_option(types),)
         self.sm_count = int(dev.attributes["MultiProcessorCount"])
+        # the staged kernels' limits on this device (sm_80, sm_90: the catalog's; less shared memory
+        # a block: a lesser plan, dispatch.smem_limits), which the dispatcher and launchers follow
+        optin = smem_optin(device_id)
+        self.smem = dispatch.smem_limits(optin)
+        for what in self.smem.reductions():
+            log.info("cuda kernels: %s: compute capability %s allows a block %d bytes of shared memory",
+                     what, cc, optin)
 
         def build(fname: str, names, extra=(), smem: int = 0, lazy: bool = False):
             def run():
@@ -194,9 +206,17 @@ class Kernels:
                 with dev:
                     mod = _module(device_id, fname, opts + tuple(extra), prebuilt)
                     fns = {n: mod.get_function(n) for n in names}
-                    for fn in fns.values():
+                    for name, fn in fns.items():
                         if smem:   # staged activation rows / K-V tiles in dynamic shared memory
-                            fn.max_dynamic_shared_size_bytes = smem
+                            # never more than the device allows beside the kernel's static shared memory
+                            # (attention.cu's attn_decode holds its state there and takes no dynamic)
+                            static = int(fn.shared_size_bytes)
+                            allowed = min(smem, optin - static)
+                            if allowed < smem:
+                                log.debug("kernels %s %s: %s allowed %d bytes of dynamic shared memory, not %d "
+                                          "(the device's %d a block, %d of them static)", fname, " ".join(extra),
+                                          name, allowed, smem, optin, static)
+                            fn.max_dynamic_shared_size_bytes = allowed
                         _ = fn.attributes              # compile and load now, never during a capture
                 log.debug("kernels %s %s ready in %.2f s", fname, " ".join(extra), time.perf_counter() - t0)
                 return fns
@@ -208,20 +228,23 @@ class Kernels:
         # ~1.5 s, before the rest); the wider batches and sampling follow once they are in (ready()).
         # Sharing the cores with those (20 compiles on 16 threads) made the start ~1 s longer.
         def gemvs(nb: int, lazy: bool = False):
-            return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + catalog.mmvf_options(nb, i), 100 * 1024, lazy)
+            return tuple(build("mmvf.cu", [f"{kind}_nb{nb}"], typed + catalog.mmvf_options(nb, i), self.smem.mmvf_rows,
+                               lazy)
                          for i, kind in ((1, "mmvf"), (2, "ffnf")))
         self._mmvf = {1: gemvs(1)}
         # the LM head, and rows too long to stage, at one row: the same kernel with more rows a warp
         # group (catalog.MMVF_HEAD_R)
-        self._mmvf_head = build("mmvf.cu", ["mmvf_nb1"], typed + catalog.mmvf_options(1, 1, head=True), 100 * 1024)
+        self._mmvf_head = build("mmvf.cu", ["mmvf_nb1"], typed + catalog.mmvf_options(1, 1, head=True),
+                                self.smem.mmvf_rows)
         # the one-row GEMVs on 8-bit activations (mmv8.cu): loaded with the core where the dispatcher
         # sends a type of the model to them (dispatch.MMV8_TYPES), else on first use (tests, benchmarks)
         eager8 = bool(types & dispatch.MMV8_TYPES)
         names8 = {1: ["mmv8_nb1", "mmv8_q8"], 2: ["ffn8_nb1"],
                   3: ["moe8_gate_up_nb1", "moe8_gemv_nb1", "moe8_down_combine_nb1"]}
-        # (the experts' moe8 kernels where the dispatcher's MOE_PAIRS8 rule is on)
-        mmv8 = {i: build("mmv8.cu", names, typed + catalog.mmv8_options(i),
-                         catalog.MMV8_SMEM_MAX + catalog.mmv8_ring_smem(i),
+        # (the experts' moe8 kernels where the dispatcher's MOE_PAIRS8 rule is on); without the Q4_K
+        # ring where the device's blocks cannot hold it (self.smem: a module of its own options)
+        mmv8 = {i: build("mmv8.cu", names, typed + catalog.mmv8_options(i, self.smem.mmv8_ring),
+                         self.smem.mmv8_smem(i),
                          lazy=not eager8 or (i == 3 and not dispatch.MOE_PAIRS8))
                 for i, names in names8.items()}
         self.mmv8 = _Family({"mmv8": (mmv8[1], "mmv8_nb1"), "q8": (mmv8[1], "mmv8_q8"), "ffn8": (mmv8[2], "ffn8_nb1"),
@@ -232,7 +255,8 @@ class Kernels:
                           typed)
         # one module per attention entry point (attention.cu ATT_KIND): compiled in parallel
         hd = (f"-DATT_HEAD_DIM={head_dim}",) if head_dim else ()
-        self._core = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()), smem=100 * 1024)
+        self._core = [build("attention.cu", [name], (f"-DATT_KIND={i}",) + (hd if i == 1 else ()),
+                            smem=self.smem.attention)
                       for i, name in enumerate(catalog.ATT_KINDS, 1)]
         # Q5_0 / Q8_0 / Q6_K / MXFP4 matrices are regrouped on the GPU at upload (repack.cu, formats/gpu_layout.py)
         regrouped = [q for q in REGROUPED if q in types]

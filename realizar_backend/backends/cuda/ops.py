@@ -12,10 +12,10 @@ import cupy
 import numpy as np
 
 from ...formats.gpu_layout import device_row_bytes
-from ...kernels.catalog import (FFNF_R, MMV8_Q8_THREADS, MMV8_R, MMV8_SMEM_MAX, MMV8_WARPS, MMVF_HEAD_R,
+from ...kernels.catalog import (FFNF_R, MMV8_Q8_THREADS, MMV8_R, MMV8_WARPS, MMVF_HEAD_R, MMVF_SMEM_MAX,
                                 MMVF_WARPS, mmv8_ring_smem, mmv8_smem)
 from . import pdl as _pdl
-from .dispatch import same_shape
+from .dispatch import FULL_SMEM, SmemLimits, same_shape
 from .support import ATT_MAXD, MOE_MAX_K  # noqa: F401  (ATT_MAXD: the launchers' users read it from here)
 from .support import DN_CHUNK, dn_chunk_kernel, dn_delta_kernel
 from .matrices import WeightRef  # noqa: F401  (the launchers' matrices, imported from here by their users)
@@ -145,13 +145,23 @@ def _max_grid(k: Kernels, fn, smem: int, warps: int) -> int:
     return n
 
 
+def device_smem(k: Kernels) -> SmemLimits:
+    """The device's staged-row limits (Kernels.smem; stand-ins without one: sm_80 / sm_90's)."""
+    return getattr(k, "smem", FULL_SMEM)
+
+
+def _smem_check(kernel: str, need: int, limit: int, what: str) -> None:
+    """A launch of `kernel` asking `need` bytes of dynamic shared memory where the device allows it
+    `limit` (its SmemLimits): refused here, by name, rather than by the driver at launch."""
+    if need > limit:
+        raise ValueError(f"{kernel}: {what} need {need} bytes of shared memory; this device allows it {limit} "
+                         f"(dispatch.smem_limits)")
+
+
 def _check_x(x: int, xs: int, K: int) -> None:
     if x % 16 or xs % 4 or K % 32:
         raise ValueError(f"mmvf: activations must be 16-byte aligned with stride % 4 == 0 and K % 32 == 0 "
                          f"(x={x:#x}, xs={xs}, K={K})")
-
-
-MMVF_SMEM_MAX = 100 * 1024   # staged activation rows per block (mmvf.cu mmvf_stage); beyond it, global reads
 
 
 def mmvf_stride(K: int) -> int:
@@ -159,16 +169,17 @@ def mmvf_stride(K: int) -> int:
     return K + (((K >> 4) + 3) & ~3)
 
 
-def mmvf_stage_ok(K: int, nb: int) -> bool:
-    """The launch's activation rows fit in shared memory (staged reads; a folded norm needs them)."""
-    return K % 32 == 0 and _nb_variant(nb) * mmvf_stride(K) * 4 <= MMVF_SMEM_MAX
+def mmvf_stage_ok(K: int, nb: int, limit: int = MMVF_SMEM_MAX) -> bool:
+    """The launch's activation rows fit in shared memory (staged reads; a folded norm needs them):
+    within `limit` bytes, the device's (SmemLimits.mmvf_rows; catalog.MMVF_SMEM_MAX at most)."""
+    return K % 32 == 0 and _nb_variant(nb) * mmvf_stride(K) * 4 <= limit
 
 
 
-def _stage_args(norm, K: int, nb: int):
+def _stage_args(norm, K: int, nb: int, limit: int = MMVF_SMEM_MAX):
     """(stage, nw pointer, eps) arguments and the dynamic shared memory of a launch; norm = (ptr, eps)
-    or None. Activations are staged whenever they fit."""
-    if not mmvf_stage_ok(K, nb):
+    or None. Activations are staged whenever they fit (in `limit` bytes: the device's)."""
+    if not mmvf_stage_ok(K, nb, limit):
         if norm is not None:
             raise ValueError(f"mmvf: a folded norm of {nb} rows x {K} does not fit in shared memory")
         return _I32(0), _U64(0), _F32(0.0), 0
@@ -208,10 +219,11 @@ def _mmv8_launch(k: Kernels, fn, kind: int, rows, K: int, nb: int) -> tuple[tupl
     """Grid, warps per row and dynamic shared memory of an mmv8.cu launch (kind 1 mmv8, 2 ffn8)
     over the rows of each matrix (each its own row groups): one resident wave, a block column per
     activation row."""
+    lim = device_smem(k)
     smem = mmv8_smem(K)
-    if smem > MMV8_SMEM_MAX:
-        raise ValueError(f"mmv8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
-    smem += mmv8_ring_smem(kind)
+    _smem_check("mmv8_nb1" if kind == 1 else "ffn8_nb1", smem, lim.mmv8_rows,
+                f"an input row of {K} values (dispatch.mmv8_ok)")
+    smem += mmv8_ring_smem(kind, lim.mmv8_ring)                 # the staged row, then the rings (if any)
     groups = sum(-(-r // MMV8_R[kind]) for r in rows)
     blocks = _max_grid(k, fn, smem, MMV8_WARPS)
     wpr = mmv8_wpr(K, groups, blocks)
@@ -240,7 +252,7 @@ def mmvf(k: Kernels, segs, K: int, x: int, xs: int, nb: int, accumulate: bool = 
                 (*args, _I32(K), _U64(xq), _I64(xqs), _I32(wpr), _I32(int(accumulate)), _U64(amax)), smem, pdl)
         return
     v = _nb_variant(nb)
-    stage, nw, eps, smem = _stage_args(norm, K, nb)
+    stage, nw, eps, smem = _stage_args(norm, K, nb, device_smem(k).mmvf_rows)
     # one-row launches whose input is too long to stage read each unit's 32 activations through L1
     # once per row group: groups of MMVF_HEAD_R rows (the LM head's module) halve those reads, and
     # all the block's warps share one group (its long rows in short per-warp chains)
@@ -287,7 +299,7 @@ def ffn_f(k: Kernels, wg: WeightRef, wu: WeightRef, x: int, xs: int, a: int, as_
                 (_U64(wg.ptr), _U64(wu.ptr), _I64(wg.row_bytes), _I32(wg.rows), _I32(K), _I32(int(wg.qtype)),
                  _U64(xq), _I64(xqs), _I32(act), _U64(a), _I32(as_), _I32(wpr)), smem, pdl)
         return
-    stage, nw, eps, smem = _stage_args(norm, K, nb)
+    stage, nw, eps, smem = _stage_args(norm, K, nb, device_smem(k).mmvf_rows)
     v = _nb_variant(nb)
     W = MMVF_WARPS[v]
     wpr = mmvf_wpr(K, wg.rows, getattr(k, "sm_count", 132), bool(stage), W)
@@ -358,8 +370,8 @@ def moe8(k: Kernels, gate: WeightRef, up: WeightRef | None, ids: int, pairs: int
         raise ValueError(f"moe8: {gate.name} and {up.name} differ in type or shape")
     fn = k.mmv8["moe8_gate_up" if up is not None else "moe8_gemv"]
     smem = mmv8_smem(K)
-    if smem > MMV8_SMEM_MAX:
-        raise ValueError(f"moe8: an input row of {K} values does not fit in its shared memory (dispatch.mmv8_ok)")
+    _smem_check("moe8_gate_up_nb1" if up is not None else "moe8_gemv_nb1", smem, device_smem(k).mmv8_rows,
+                f"an input row of {K} values (dispatch.mmv8_ok)")
     xq, xqs = _mmv8_quantize(k, x, xs, K, -(-pairs // xdiv), None, pdl)
     groups = -(-N // MMV8_R[3])
     per_pair = max(1, min(-(-groups // MMV8_WARPS), _max_grid(k, fn, smem, MMV8_WARPS) // max(pairs, 1)))
@@ -403,9 +415,8 @@ def moe8_down_combine(k: Kernels, down: WeightRef, ids: int, top_k: int, T: int,
         raise ValueError(f"moe8_down_combine: {top_k} experts a token (the kernel takes 1..{MOE_MAX_K})")
     fn = k.mmv8["moe8_down_combine"]
     smem = top_k * mmv8_smem(K)
-    if smem > MMV8_SMEM_MAX:
-        raise ValueError(f"moe8_down_combine: {top_k} input rows of {K} values do not fit in its shared memory "
-                         f"(dispatch.moe8_combine_ok)")
+    _smem_check("moe8_down_combine_nb1", smem, device_smem(k).mmv8_rows,
+                f"{top_k} input rows of {K} values (dispatch.moe8_combine_ok)")
     xq, xqs = _mmv8_quantize(k, a, as_, K, T * top_k, None, pdl)
     groups = -(-N // MMV8_R[3])
     blocks = max(1, _max_grid(k, fn, smem, MMV8_WARPS) // max(T, 1))
@@ -500,6 +511,8 @@ def attention(k: Kernels, q: int, out: int, kv: PagedKV, slots: int, positions: 
         # prompt rows: tiles of ATT_TQ rows share the K/V rows they stage (attn_tile)
         smem = 4 * (ATT_TQ * D + 2 * ATT_KT * (D + 4))
         fn = k.attn_tile if D % 128 == 0 else k.attn_tile_v2      # 4 or 2 dims per lane: no idle lanes
+        _smem_check("attn_tile" if D % 128 == 0 else "attn_tile_v2", smem, device_smem(k).attention,
+                    f"a tile of {D}-dim heads")
         _launch(fn, ((n + ATT_TQ - 1) // ATT_TQ, H), (ATT_TQ * 32,),
                 (_U64(q), _U64(out), _U64(kv.k), _U64(kv.v), _U64(slots), _U64(positions), *kv.args(),
                  _I32(H), _I32(KVH), _I32(D), _F32(scale), _I32(window), _I32(n), _U64(0), _U64(sinks)), smem, pdl)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..sampling import BIAS_ROW_WORDS, PARAM_WORDS, kernel_params, mask_words, pack_bias, pack_masks
 from ..base import SampleRow
-from .modules import load_module
+from .modules import load_module, smem_optin
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,7 @@ class GpuSampler:
         self.device_id = device_id
         self._fns: dict | None = None        # loaded on first use (greedy decoding never waits for them)
         dev = cupy.cuda.Device(device_id)
-        rt = cupy.cuda.runtime
-        optin = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
+        optin = smem_optin(device_id)
         cap = MAX_CAP
         # static shared memory of sample_final is < 1 KB
         while cap > MIN_CAP and NB * 12 + 16 * cap + 1024 > optin:

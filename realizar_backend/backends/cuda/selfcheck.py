@@ -573,6 +573,7 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     activation code (2: gpt-oss's clamped SwiGLU); biases: each expert's gate, up and down biases
     (gpt-oss). Relative error of the rows after."""
     from .experts import GroupedBuffers, expert_groups, expert_pairs, expert_pairs8
+    from .mmq import bn_limits
     shapes = ((F, H), (F, H), (H, F))
     hosts = [random_weight(qt, E * r, c, rng) for qt, (r, c) in zip(types, shapes)]
     mats, keep = [], []
@@ -596,11 +597,11 @@ def check_moe_experts(k: Kernels, types, E: int, F: int, H: int, T: int, top: in
     a, y = _nan((pairs, F)), _nan((pairs, max(H, 2 * F)))
     bias_ptrs = tuple(b.data.ptr for b in bds) if biases else (0, 0, 0)
     if grouped:
-        buf = GroupedBuffers(T, top, E, H, F)      # held until the result is read below
+        buf = GroupedBuffers(T, top, E, H, F, bn_limits(k, (a8,)))      # held until the result is read below
         expert_groups(k, *mats, idd.data.ptr, top, T, hd.data.ptr, H, y.data.ptr, y.shape[1], act, buf, bias_ptrs,
                       a8)
         if a8:             # the gated rows in pair order: slot s of a tile (e, s0, end) holds pair lst[s]
-            lst, rows, bn = buf.lst.get(), buf.a.get(), moe_grouped_plan(T, top, E)[0]
+            lst, rows, bn = buf.lst.get(), buf.a.get(), moe_grouped_plan(T, top, E, bn_limits(k, (a8,))[0])[0]
             got = np.full((pairs, F), np.nan, np.float32)
             for e, s0, end in buf.tiles.get():
                 if e >= 0:
