@@ -109,7 +109,7 @@ class Forward:
         self.token_ring = (0, 0)
         # the flash kernels take the head sizes they have, where their blocks fit the device's shared
         # memory (flash.fits: the prompt's, then the long decode rows'); else attention.cu's kernels
-        optin = getattr(getattr(k, "smem", None), "optin", None)
+        optin = ops.device_smem(k).optin
         self.flash = (c.head_dim in flash.HEAD_DIMS
                       and flash.fits(flash.plan_prefill(1, c.n_heads, c.head_dim).smem, optin))
         self.flash_decode = self.flash and flash.fits(flash.decode_smem(c.head_dim), optin)

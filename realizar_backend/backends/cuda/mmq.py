@@ -255,7 +255,7 @@ def _block_fits(k, kernel: str, smem: int) -> None:
     Kernels.smem): else refused by name here, not by the driver at launch. The plans keep within it
     (their bn_max); this is the last check, for a tile width asked for outright (sm_86 and sm_89's
     99 KB hold no 64-token tile of fp16 records)."""
-    optin = getattr(getattr(k, "smem", None), "optin", None)
+    optin = device_smem(k).optin
     if optin is not None and smem > optin:
         raise ValueError(f"{kernel}: its tiles need {smem} bytes of shared memory; this device allows a block {optin}")
 
